@@ -1,0 +1,21 @@
+"""kvserve's paged-KV continuous-batching inference engine (no Ray, no HTTP)."""
+from engine.config import EngineConfig
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "AsyncEngine", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
+           "CompletionOutput", "EngineStats"]
+
+
+def __getattr__(name: str):
+    # Lazy: importing the package (e.g. for SamplingParams) must not load torch models.
+    if name == "LLM":
+        from engine.llm import LLM
+        return LLM
+    if name == "AsyncEngine":
+        from engine.async_engine import AsyncEngine
+        return AsyncEngine
+    if name == "LLMEngine":
+        from engine.llm_engine import LLMEngine
+        return LLMEngine
+    raise AttributeError(name)

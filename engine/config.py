@@ -1,0 +1,45 @@
+"""Engine configuration: one frozen dataclass, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # local HF-style dir with safetensors; None = embedded SmolLM2
+    tokenizer: str | None = None  # defaults to the model dir
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    seed: int = 0
+    block_size: int = 16  # tokens per KV block
+    num_gpu_blocks_override: int | None = None  # exact number of KV blocks (wins over the rest)
+    kv_cache_memory: int | None = None  # bytes for the KV cache
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV
+    cpu_kv_cache_fraction: float = 0.25  # CPU: fraction of available RAM for the KV cache, capped below
+    max_cpu_kv_cache_bytes: int = 2 << 30
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    max_num_seqs: int = 128  # running sequences per step
+    max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(msg)
+
+        need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two <= 128, got {self.block_size}")
+        need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        need(self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
+             f"num_gpu_blocks_override must be >= 2, got {self.num_gpu_blocks_override}")
+        need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be > 0 bytes")
+        need(0.0 < self.gpu_memory_utilization <= 1.0, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        need(self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
+        need(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}

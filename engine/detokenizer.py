@@ -1,0 +1,92 @@
+"""Incremental detokenization with stop strings, for streaming text deltas.
+
+Token ids are decoded over a small sliding window (the prefix_offset/read_offset technique):
+
+    ids:  ... | prefix_offset ......... read_offset ......... end |
+                 already-emitted context  |  not yet emitted text
+
+prefix_text = decode(ids[prefix:read]) and new_text = decode(ids[prefix:]); the new characters are
+new_text[len(prefix_text):]. They are taken only once new_text does not end in U+FFFD, i.e. once
+every multi-byte UTF-8 character split across byte-level tokens is complete. Decoding with a few
+tokens of left context keeps tokenizers that treat the first token specially (leading spaces)
+consistent with a decode of the whole sequence.
+"""
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+
+PROMPT_CONTEXT_TOKENS = 5  # prompt tail used as left context for the first output tokens
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self.output_text = ""  # committed text, truncated at a matched stop string
+        self.stop_string: str | None = None  # the stop string that ended the output, if any
+        self.num_output_tokens = 0
+        self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        if self._decode(self._ids).endswith(REPLACEMENT_CHAR):
+            self._ids = []  # a prompt cut inside a character would misalign the window
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._emitted = 0  # chars of output_text already returned by get_delta
+        # A stop string split across tokens is at most this many chars long before it completes.
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Appends the text of new tokens; returns the stop string that matched, if one did."""
+        if self.stop_string is not None:
+            return None
+        self._ids.extend(new_token_ids)
+        self.num_output_tokens += len(new_token_ids)
+        return self._append(self._decode_new(flush=False))
+
+    def get_delta(self, finished: bool) -> str:
+        """Text not yet returned. While unfinished, the tail that could start a stop string is held."""
+        if finished and self.stop_string is None:
+            self._append(self._decode_new(flush=True))  # incomplete trailing bytes, as decode() shows them
+        final = finished or self.stop_string is not None
+        end = len(self.output_text) if final else len(self.output_text) - self._holdback
+        if end <= self._emitted:
+            return ""
+        delta = self.output_text[self._emitted:end]
+        self._emitted = end
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+
+    def _decode_new(self, flush: bool) -> str:
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset:])
+        if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT_CHAR) and not flush):
+            return ""  # nothing printable yet
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return new_text[len(prefix_text):]
+
+    def _append(self, text: str) -> str | None:
+        if not text:
+            return None
+        old_len = len(self.output_text)
+        self.output_text += text
+        if self.num_output_tokens < self.params.min_tokens:
+            return None
+        match = self._find_stop(old_len)
+        if match is None:
+            return None
+        stop, start = match
+        end = start + len(stop) if self.params.include_stop_str_in_output else start
+        self.output_text = self.output_text[:end]
+        self.stop_string = stop
+        return stop
+
+    def _find_stop(self, old_len: int) -> tuple[str, int] | None:
+        """Earliest stop string that ends in the text appended after old_len."""
+        best: tuple[str, int] | None = None
+        for stop in self.params.stop:
+            start = self.output_text.find(stop, max(0, old_len - len(stop) + 1))
+            if start != -1 and (best is None or start < best[1]):
+                best = (stop, start)
+        return best

@@ -1,0 +1,108 @@
+"""Where model steps run: in-process for tensor_parallel_size == 1, a worker group otherwise."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
+from engine.model.loader import build_model, load_arch
+from engine.model_runner import ModelRunner
+from engine.scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelInfo:
+    model_dir: Path
+    tokenizer: object
+    eos_token_ids: list[int]
+    vocab_size: int
+    max_position_embeddings: int
+    num_blocks: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+class Executor(Protocol):
+    info: ModelInfo
+
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]: ...
+
+    def shutdown(self) -> None: ...
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def eos_token_ids(model_dir: Path, hf_config, tokenizer) -> list[int]:
+    """The ids HF generate stops on: generation_config.json's, else the model config's."""
+    from transformers import GenerationConfig
+
+    eos = None
+    if (model_dir / "generation_config.json").exists():
+        eos = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+def load_model_info(config: EngineConfig) -> tuple[Path, object, object, object, torch.device]:
+    from transformers import AutoTokenizer
+
+    from engine.model_source import resolve_model
+
+    model_dir = resolve_model(config.model)
+    arch, hf_config = load_arch(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or model_dir))
+    device = resolve_device(config.device)
+    return model_dir, arch, hf_config, tokenizer, device
+
+
+class LocalExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        model_dir, arch, hf_config, tokenizer, device = load_model_info(config)
+        dtype = resolve_dtype(config.dtype, device)
+        self.model = build_model(model_dir, dtype, device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        block_bytes = bytes_per_block(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
+        num_blocks = num_kv_blocks(config, block_bytes, device, weight_bytes)
+        kv = allocate_kv_cache(arch.num_layers, num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim,
+                               dtype, device)
+        self.runner = ModelRunner(self.model, kv, config.block_size, device)
+        self.info = ModelInfo(model_dir, tokenizer, eos_token_ids(model_dir, hf_config, tokenizer), arch.vocab_size,
+                              arch.max_position_embeddings, num_blocks, device, dtype)
+        logger.info("loaded %s on %s (%s) in %.1fs; KV cache %d blocks x %d tokens", model_dir.name, device,
+                    dtype, time.perf_counter() - t0, num_blocks, config.block_size)
+
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        return self.runner.execute(batch)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    if config.tensor_parallel_size == 1:
+        return LocalExecutor(config)
+    from workers.executor import WorkerGroupExecutor  # Ray only when asked for
+
+    return WorkerGroupExecutor(config)

@@ -1,0 +1,28 @@
+"""Prefix-block hashing shared by the block manager and the global scheduler.
+
+A full block's hash chains its parent's hash with its own token ids, so equal hashes mean
+equal prefixes (up to collisions, which the block manager guards against by comparing the
+stored token ids). Python's hash of a tuple of ints is deterministic across processes (it does
+not depend on PYTHONHASHSEED), so replicas and the router compute the same values.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+NONE_HASH = 0  # parent hash of a sequence's first block
+
+
+def hash_block(parent_hash: int, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
+    return hash((parent_hash, tuple(token_ids), extra_keys))
+
+
+def hash_prefix_blocks(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
+    """Chained hashes of every full block of `token_ids` (at most `max_blocks`)."""
+    n = len(token_ids) // block_size
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    hashes, parent = [], NONE_HASH
+    for i in range(n):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
+        hashes.append(parent)
+    return hashes

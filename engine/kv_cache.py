@@ -1,0 +1,49 @@
+"""Size and allocate the paged KV pools: per layer (K, V), each (num_blocks, block_size, KVH, D)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.config import EngineConfig
+
+
+def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def _available_cpu_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info.get("MemAvailable", info["MemTotal"])
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device, weight_bytes: int) -> int:
+    """--num-gpu-blocks-override, else --kv-cache-memory bytes, else a share of device memory."""
+    if config.num_gpu_blocks_override is not None:
+        return config.num_gpu_blocks_override
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used_by_others = total - free - torch.cuda.memory_allocated(device)
+        budget = int(total * config.gpu_memory_utilization) - used_by_others - torch.cuda.memory_allocated(device)
+        budget -= int(0.05 * total)  # headroom for activations
+    else:
+        budget = min(int(_available_cpu_bytes() * config.cpu_kv_cache_fraction), config.max_cpu_kv_cache_bytes)
+    blocks = budget // block_bytes
+    if blocks < 2:
+        raise ValueError(f"KV cache budget of {budget} bytes holds {blocks} blocks of {block_bytes} bytes; "
+                         "raise --kv-cache-memory / --gpu-memory-utilization or lower --block-size")
+    return blocks
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # torch.empty: on CPU the pages are only touched (and so only resident) once written.
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    return [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]

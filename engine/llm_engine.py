@@ -1,0 +1,145 @@
+"""The synchronous engine core: add requests, step, abort. No threads, no Ray, no HTTP."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.executor import Executor, make_executor
+from engine.outputs import EngineStats, RequestOutput
+from engine.request import Request
+from engine.sampler import Sampler, SamplingRow
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        self.executor = executor or make_executor(config)
+        info = self.executor.info
+        self.tokenizer = info.tokenizer
+        self.eos_token_ids = set(info.eos_token_ids)
+        self.max_model_len = min(config.max_model_len or info.max_position_embeddings, info.max_position_embeddings)
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"without chunked prefill max_num_batched_tokens ({config.max_num_batched_tokens}) "
+                             f"must be >= max_model_len ({self.max_model_len})")
+        self.block_manager = BlockManager(info.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   self.max_model_len, config.enable_chunked_prefill),
+                                   self.block_manager)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, Request] = {}
+
+    # -- admission -----------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        return None, list(prompt)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raise ValueError for a request that can never run; returns its resolved max_tokens."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        vocab = self.executor.info.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len} "
+                             "(the prompt must leave room for at least one generated token)")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
+                             f"({self.max_model_len})")
+        need = self.block_manager.blocks_for(n + max_tokens)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"request needs {need} KV blocks but the cache has only "
+                             f"{self.block_manager.num_blocks}; it can never be scheduled")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        max_tokens = self.validate(ids, params)
+        req = Request(request_id, text, ids, params, max_tokens, self.tokenizer)
+        self.requests[request_id] = req
+        self.scheduler.add(req.seqs[0])
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+        req.abort()
+        return req.take_output()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        logits, sampled = self.executor.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        seqs = [batch.seqs[i] for i in sampled]
+        logits, seqs = self._fork(logits, seqs)
+        results = self.sampler.sample(logits, [self._row(s, logits.device) for s in seqs])
+        touched: dict[str, Request] = {}
+        for seq, result in zip(seqs, results):
+            req = self.requests[seq.request_id]
+            touched[req.request_id] = req
+            if req.append_token(seq, result, self.eos_token_ids, self.max_model_len):
+                self.scheduler.finish(seq)
+        outputs = []
+        for req in touched.values():
+            outputs.append(req.take_output())
+            if req.finished:
+                del self.requests[req.request_id]
+        return outputs
+
+    def _fork(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        """A parent that just finished its prefill becomes n sequences sampling the same logits."""
+        if not any(s.pending_forks for s in seqs):
+            return logits, seqs
+        rows, out = [], []
+        for i, seq in enumerate(seqs):
+            rows.append(i)
+            out.append(seq)
+            for k in range(seq.pending_forks):
+                child = seq.fork(index=k + 1)
+                self.scheduler.fork(seq, child)
+                self.requests[seq.request_id].add_fork(child)
+                rows.append(i)
+                out.append(child)
+            seq.pending_forks = 0
+        return logits[torch.tensor(rows, device=logits.device)], out
+
+    def _row(self, seq: Sequence, device: torch.device) -> SamplingRow:
+        req = self.requests[seq.request_id]
+        return SamplingRow(params=seq.params, prompt_token_ids=req.prompt_token_ids,
+                           output_token_ids=seq.output_token_ids, generator=req.generator(seq, device),
+                           eos_token_ids=sorted(self.eos_token_ids))
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_total_blocks=self.block_manager.num_blocks, num_free_blocks=self.block_manager.num_free_blocks,
+            block_size=self.block_manager.block_size, num_running=len(s.running), num_waiting=len(s.waiting),
+            num_preemptions=s.stats.num_preemptions, prefix_query_tokens=s.stats.prefix_query_tokens,
+            prefix_hit_tokens=s.stats.prefix_hit_tokens,
+            waiting_prefill_tokens=sum(q.num_tokens - q.num_computed_tokens for q in s.waiting),
+        )

@@ -1,0 +1,170 @@
+"""Llama-family decoder (Llama, SmolLM, Mistral-style, Qwen2-style bias) over a paged KV cache.
+
+Input is a flat, unpadded batch of T tokens from many sequences; `AttentionMetadata` tells
+each layer where every token's keys/values go and which context each query reads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+                                 RowParallelLinear, TPContext, VocabParallelEmbedding)
+from engine.model.rope import RotaryEmbedding
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_hf(cls, cfg) -> "ModelArch":
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {cfg.model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (only silu)")
+        heads = cfg.num_attention_heads
+        # transformers >= 5 keeps theta and scaling together in `rope_parameters`; older ones
+        # have `rope_theta` plus an optional `rope_scaling` dict.
+        rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+        theta = rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", None) or 10000.0
+        return cls(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            rms_norm_eps=cfg.rms_norm_eps, rope_theta=float(theta), rope_scaling=rope or None,
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(cfg, "attention_bias", cfg.model_type == "qwen2")),
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+        )
+
+    def check_tp(self, tp_size: int) -> None:
+        """Raise before any weight is loaded when the model cannot be split tp_size ways."""
+        problems = []
+        if self.num_heads % tp_size:
+            problems.append(f"num_attention_heads={self.num_heads}")
+        if self.intermediate_size % tp_size:
+            problems.append(f"intermediate_size={self.intermediate_size}")
+        kv = self.num_kv_heads
+        if (kv % tp_size) if kv >= tp_size else (tp_size % kv):
+            problems.append(f"num_key_value_heads={kv}")
+        if problems:
+            raise ValueError(f"cannot split this model across tensor_parallel_size={tp_size}: "
+                             f"{', '.join(problems)} not divisible")
+
+    def local_kv_heads(self, tp_size: int) -> int:
+        return max(1, self.num_kv_heads // tp_size)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArch, tp: TPContext, dtype: torch.dtype, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = a.num_heads // tp.size
+        self.num_kv_heads = a.local_kv_heads(tp.size)
+        self.head_dim = a.head_dim
+        self.scale = a.head_dim ** -0.5
+        self.qkv_proj = QKVParallelLinear(a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, a.attention_bias, tp, dtype)
+        self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, False, tp, dtype)
+        self.rope = rope
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)  # (T, H, D)
+        return self.o_proj(o.reshape(T, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, a: ModelArch, tp: TPContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(a.hidden_size, [a.intermediate_size] * 2, a.mlp_bias, tp, dtype)
+        self.down_proj = RowParallelLinear(a.intermediate_size, a.hidden_size, a.mlp_bias, tp, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArch, tp: TPContext, dtype: torch.dtype, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.self_attn = Attention(a, tp, dtype, rope)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.mlp = MLP(a, tp, dtype)
+
+    def forward(self, x, positions, kv_cache, meta):
+        h = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    # checkpoint name fragment -> (our module fragment, shard id inside a packed parameter)
+    PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, a: ModelArch, dtype: torch.dtype, tp: TPContext = TPContext()) -> None:
+        super().__init__()
+        a.check_tp(tp.size)
+        self.arch = a
+        self.tp = tp
+        rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
+        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(a, tp, dtype, rope) for _ in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.lm_head = None if a.tie_word_embeddings else ParallelLMHead(a.vocab_size, a.hidden_size, tp, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: (T,) -> final hidden states (T, hidden)."""
+        h = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            h = layer(h, positions, kv, meta)
+        return self.norm(h)
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: (N, hidden) rows to sample -> (N, vocab) float32."""
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens
+        return head.logits(h).float()
+
+    def param_for(self, ckpt_name: str, params: dict[str, nn.Parameter]) -> tuple[nn.Parameter, object] | None:
+        """Map a checkpoint tensor name to (our parameter, shard id); None for tensors we skip."""
+        name = ckpt_name.removeprefix("model.")
+        if "rotary_emb" in name or (name.startswith("lm_head") and self.lm_head is None):
+            return None
+        shard = None
+        for src, (dst, shard_id) in self.PACKED.items():
+            if f".{src}." in name:
+                name, shard = name.replace(f".{src}.", f".{dst}."), shard_id
+                break
+        if name not in params:
+            raise ValueError(f"unexpected checkpoint tensor {ckpt_name!r}")
+        return params[name], shard

@@ -1,0 +1,59 @@
+"""Build the model from an HF-style directory: config via transformers, weights via safetensors."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.model.layers import TPContext
+from engine.model.llama import LlamaModel, ModelArch
+
+
+def load_arch(model_dir: str | Path) -> tuple[ModelArch, object]:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    return ModelArch.from_hf(cfg), cfg
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def load_weights(model: LlamaModel, model_dir: str | Path) -> int:
+    """Copy every checkpoint tensor into its (sharded) parameter; returns bytes read."""
+    params = dict(model.named_parameters())
+    loaded, nbytes = set(), 0
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                target = model.param_for(name, params)
+                if target is None:
+                    continue
+                tensor = f.get_tensor(name)
+                nbytes += tensor.numel() * tensor.element_size()
+                param, shard = target
+                param.weight_loader(param, tensor.to(param.dtype), shard)
+                loaded.add((id(param), shard))
+    _check_complete(model, loaded)
+    return nbytes
+
+
+def _check_complete(model: LlamaModel, loaded: set) -> None:
+    seen = {pid for pid, _ in loaded}
+    missing = [n for n, p in model.named_parameters() if id(p) not in seen]
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors for: {', '.join(missing[:5])}"
+                         + (" ..." if len(missing) > 5 else ""))
+
+
+def build_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+                tp: TPContext = TPContext()) -> LlamaModel:
+    arch, _ = load_arch(model_dir)
+    model = LlamaModel(arch, dtype, tp)
+    load_weights(model, model_dir)
+    return model.to(device).eval()

@@ -1,0 +1,78 @@
+"""Turn a scheduled batch into flat tensors, run the model, return logits of rows to sample."""
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillChunk
+from engine.model.llama import LlamaModel
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+
+    def _tensor(self, data: list[int]) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long, device=self.device)
+
+    def _slot(self, seq: Sequence, pos: int) -> int:
+        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """-> input_ids (T,), positions (T,), attention metadata, flat rows whose logits are sampled."""
+        bs = self.block_size
+        ids, pos, slots, sample_rows = [], [], [], []
+        decode_rows, dec_blocks, dec_block_seq, dec_valid = [], [], [], []
+        prefills = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            row = len(ids)
+            ids.extend(seq.token_ids[start:end])
+            pos.extend(range(start, end))
+            slots.extend(self._slot(seq, p) for p in range(start, end))
+            if n == 1:
+                nb = -(-end // bs)
+                dec_blocks.extend(seq.block_table[:nb])
+                dec_block_seq.extend([len(decode_rows)] * nb)
+                dec_valid.extend([bs] * (nb - 1) + [end - (nb - 1) * bs])
+                decode_rows.append(row)
+            else:
+                key_slots = self._tensor([self._slot(seq, p) for p in range(end)])
+                prefills.append(PrefillChunk(row, n, key_slots, end))
+            if end == seq.num_tokens:
+                sample_rows.append(row + n - 1)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            decode_rows=self._tensor(decode_rows) if decode_rows else None,
+            decode_blocks=self._tensor(dec_blocks) if decode_rows else None,
+            decode_block_seq=self._tensor(dec_block_seq) if decode_rows else None,
+            decode_block_mask=(torch.arange(bs, device=self.device)[None, :] < self._tensor(dec_valid)[:, None])
+            if decode_rows else None,
+            num_decodes=len(decode_rows), prefills=prefills,
+            all_decode=not prefills,
+        )
+        return self._tensor(ids), self._tensor(pos), meta, sample_rows
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src, dst = self._tensor([s for s, _ in copies]), self._tensor([d for _, d in copies])
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """-> logits (N, vocab) float32 for the N sequences that finished their prefill or decode,
+        and their indices into batch.seqs."""
+        self._copy_blocks(batch.copies)
+        input_ids, positions, meta, sample_rows = self.prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden[self._tensor(sample_rows)])
+        ends = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        return logits, [i for i, e in enumerate(ends) if e]

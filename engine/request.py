@@ -1,0 +1,85 @@
+"""A request's state in the engine: its n sequences and their text streams."""
+from __future__ import annotations
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampler import SampleResult
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, max_tokens: int, tokenizer) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.tokenizer = tokenizer
+        self.seqs: list[Sequence] = [Sequence(request_id, prompt_token_ids, params, max_tokens)]
+        self.completions: list[CompletionOutput] = [self._completion(0)]
+        self.detoks: list[IncrementalDetokenizer] = [IncrementalDetokenizer(tokenizer, prompt_token_ids, params)]
+        self.generators: list[torch.Generator | None] = [None]
+
+    def _completion(self, index: int) -> CompletionOutput:
+        return CompletionOutput(index=index, logprobs=[] if self.params.logprobs is not None else None,
+                                cumulative_logprob=0.0 if self.params.logprobs is not None else None)
+
+    def generator(self, seq: Sequence, device: torch.device) -> torch.Generator | None:
+        if self.params.seed is None:
+            return None
+        if self.generators[seq.index] is None:
+            self.generators[seq.index] = torch.Generator(device=device).manual_seed(self.params.seed + seq.index)
+        return self.generators[seq.index]
+
+    def add_fork(self, child: Sequence) -> None:
+        self.seqs.append(child)
+        self.completions.append(self._completion(child.index))
+        self.detoks.append(IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids, self.params))
+        self.generators.append(None)
+
+    def append_token(self, seq: Sequence, result: SampleResult, eos_ids: set[int], max_model_len: int) -> bool:
+        """Record a sampled token; returns True when this sequence is now finished."""
+        seq.token_ids.append(result.token_id)
+        comp, p = self.completions[seq.index], self.params
+        comp.delta_token_ids.append(result.token_id)
+        if comp.logprobs is not None:
+            entry = dict(result.top_logprobs or [])
+            entry[result.token_id] = result.logprob
+            comp.logprobs.append(entry)
+            comp.delta_logprobs = (comp.delta_logprobs or []) + [entry]
+            comp.cumulative_logprob += result.logprob
+        stop_str = self.detoks[seq.index].update([result.token_id])
+        tok, n_out = result.token_id, seq.num_output_tokens
+        if stop_str is not None:
+            comp.finish_reason, comp.stop_reason = "stop", stop_str
+        elif n_out >= p.min_tokens and not p.ignore_eos and tok in eos_ids:
+            comp.finish_reason = "stop"
+        elif n_out >= p.min_tokens and tok in p.stop_token_ids:
+            comp.finish_reason, comp.stop_reason = "stop", tok
+        elif n_out >= seq.max_tokens or seq.num_tokens >= max_model_len:
+            comp.finish_reason = "length"
+        return comp.finish_reason is not None
+
+    def abort(self) -> None:
+        for comp in self.completions:
+            if comp.finish_reason is None:
+                comp.finish_reason = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return len(self.completions) == self.params.n and all(c.finish_reason for c in self.completions)
+
+    def take_output(self) -> RequestOutput:
+        """Snapshot with deltas since the last snapshot, then reset the deltas."""
+        outs = []
+        for comp, detok, seq in zip(self.completions, self.detoks, self.seqs):
+            comp.delta_text = detok.get_delta(finished=comp.finished)
+            comp.text = detok.output_text
+            comp.token_ids = seq.output_token_ids
+            outs.append(CompletionOutput(**{k: getattr(comp, k) for k in comp.__dataclass_fields__}))
+            comp.delta_token_ids, comp.delta_logprobs = [], None
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
+                             self.seqs[0].num_cached_tokens)

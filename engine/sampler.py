@@ -1,0 +1,222 @@
+"""Batched token sampling: penalties, greedy/random selection and logprobs.
+
+Order per step (vLLM v1 style):
+    raw logits -> logprobs (of the raw logits)
+               -> penalties, min_tokens mask        (all rows)
+               -> greedy rows: argmax
+               -> random rows: / temperature -> top_k -> top_p -> min_p -> draw
+Random draws use the exponential race, argmax(probs / q) with q ~ Exp(1), which samples from
+probs; a seeded row draws its V uniforms for q from its own generator only, so its tokens do not
+depend on the rest of the batch.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far (penalties, min_tokens)
+    generator: torch.Generator | None  # set when params.seed is set; on the logits' device
+    eos_token_ids: list[int]  # masked, with params.stop_token_ids, until min_tokens are generated
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None  # of the sampled token, when params.logprobs is not None
+    top_logprobs: list[tuple[int, float]] | None  # params.logprobs (token_id, logprob), highest first
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _occurrences(token_lists: list[list[int]],
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (N,) list index, (N,) token id, (N,) float count, one entry per distinct (list, token)."""
+    index, tokens, counts = [], [], []
+    for i, token_ids in enumerate(token_lists):
+        counter = Counter(token_ids)
+        index += [i] * len(counter)
+        tokens += counter.keys()
+        counts += counter.values()
+    return (torch.tensor(index, dtype=torch.long, device=device),
+            torch.tensor(tokens, dtype=torch.long, device=device),
+            torch.tensor(counts, dtype=torch.float32, device=device))
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition, frequency and presence penalties on (B, V) logits.
+
+    Returns `logits` itself when no row has penalties, else a float32 copy; never modifies `logits`.
+      repetition: tokens in prompt + output: logit > 0 -> logit / p, else logit * p
+      frequency:  logit -= p * count of the token in the output
+      presence:   logit -= p if the token occurs in the output
+    Only the logits of tokens that occurred change, so only those are read and written.
+    """
+    idx = [i for i, r in enumerate(rows) if _has_penalties(r.params)]
+    if not idx:
+        return logits
+    device = logits.device
+    out = logits.to(torch.float32, copy=True)  # (B, V)
+    params = [rows[i].params for i in idx]
+    batch_row = torch.tensor(idx, device=device)  # penalized row -> row of `out`
+
+    def per_row(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)  # (R,)
+
+    if any(p.repetition_penalty != 1.0 for p in params):
+        row, token, _ = _occurrences(
+            [rows[i].prompt_token_ids + rows[i].output_token_ids for i in idx], device)
+        penalty = per_row([p.repetition_penalty for p in params])[row]  # (N,)
+        values = out[batch_row[row], token]  # (N,)
+        out[batch_row[row], token] = torch.where(values > 0, values / penalty, values * penalty)
+    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+        row, token, count = _occurrences([rows[i].output_token_ids for i in idx], device)
+        frequency = per_row([p.frequency_penalty for p in params])[row]  # (N,)
+        presence = per_row([p.presence_penalty for p in params])[row]
+        out[batch_row[row], token] -= frequency * count + presence
+    return out
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Masks eos and stop_token_ids to -inf for rows with fewer than min_tokens outputs.
+
+    Returns `logits` itself when no row is masked, else a new tensor.
+    """
+    masked = [(i, r.eos_token_ids + r.params.stop_token_ids) for i, r in enumerate(rows)
+              if len(r.output_token_ids) < r.params.min_tokens]
+    masked = [(i, ids) for i, ids in masked if ids]
+    if not masked:
+        return logits
+    out = logits.clone()
+    for i, ids in masked:
+        out[i, ids] = float("-inf")
+    return out
+
+
+NUCLEUS_CANDIDATES = 1024  # top_p looks at this many top tokens first, sorts the row only if short
+
+
+def _keep_thresholds(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """(R, V) probs -> (R, 1) probability below which each row drops tokens.
+
+    top_k, top_p and min_p all keep the tokens at or above a cut-off probability, so the kept set
+    is the one above the highest of the three cut-offs. The top token is always kept.
+    """
+    device, vocab_size = probs.device, probs.shape[1]
+    k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=device)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)
+    threshold = probs.amax(dim=-1) * min_p  # (R,)
+    if bool((k < vocab_size).any()) or bool((top_p < 1).any()):
+        threshold = torch.maximum(threshold, _top_k_top_p_threshold(probs, k, top_p))
+    return threshold.unsqueeze(1)
+
+
+def _top_k_top_p_threshold(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """(R, V) probs, (R,) k (V = off), (R,) top_p -> (R,) cut-off of the top-k-then-nucleus set.
+
+    Works on the top candidates only (a partial top-k, far cheaper than a sort); rows whose
+    candidates do not reach the nucleus mass are redone over the whole sorted row.
+    """
+    vocab_size = probs.shape[1]
+    num = int(k[k < vocab_size].max()) if bool((k < vocab_size).any()) else 0
+    if bool((top_p < 1).any()):
+        num = max(num, NUCLEUS_CANDIDATES)
+    candidates = probs.topk(min(num, vocab_size), dim=-1).values  # (R, n), descending
+    threshold, covered = _threshold_from_candidates(candidates, k, top_p, vocab_size)
+    if not bool(covered.all()):
+        redo = (~covered).nonzero().squeeze(1)
+        full = probs[redo].sort(dim=-1, descending=True).values  # (r, V)
+        threshold[redo] = _threshold_from_candidates(full, k[redo], top_p[redo], vocab_size)[0]
+    return threshold
+
+
+def _threshold_from_candidates(candidates: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
+                               vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (R,) cut-off, (R,) whether the candidates sufficed to find it."""
+    num = candidates.shape[1]
+    positions = torch.arange(num, device=candidates.device)
+    in_top_k = positions < k.unsqueeze(1)  # (R, n)
+    mass = (candidates * in_top_k).cumsum(dim=-1)  # (R, n)
+    # The nucleus takes top_p of the top-k set's mass, or of the whole distribution (1) without top_k.
+    total = torch.where(k <= num, mass[:, -1], torch.ones_like(mass[:, -1]))
+    num_keep = (mass < (top_p * total).unsqueeze(1)).sum(dim=-1) + 1  # (R,)
+    # Without top_p keep exactly k: float absorption may stop `mass` growing before k.
+    num_keep = torch.where(top_p < 1, num_keep, k).clamp(max=num)
+    threshold = candidates.gather(1, (num_keep - 1).unsqueeze(1)).squeeze(1)
+    no_cut = (k == vocab_size) & (top_p >= 1)
+    threshold = threshold.masked_fill(no_cut, 0.0)
+    covered = no_cut | (k <= num) | (mass[:, -1] >= top_p * total)
+    return threshold, covered
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}  # shared, for unseeded rows
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+        """logits: (B, V), one row per entry of `rows`; not modified."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        processed = apply_min_tokens(apply_penalties(logits, rows), rows)
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        if len(greedy) == len(rows):
+            token_ids = processed.argmax(dim=-1)  # (B,)
+        elif not greedy:
+            token_ids = self._sample_random(processed, rows)
+        else:
+            token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            token_ids[greedy] = processed[greedy].argmax(dim=-1)
+            rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+            token_ids[rand] = self._sample_random(processed[rand], [rows[i] for i in rand])
+        return self._results(logits, token_ids, rows)
+
+    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """(R, V) logits, not modified -> (R,) token ids."""
+        params = [r.params for r in rows]
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
+        probs = (logits.float() / temperature).softmax(dim=-1)  # (R, V)
+        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+            probs.masked_fill_(probs < _keep_thresholds(probs, params), 0.0)
+
+        # q = -log(u) ~ Exp(1), u ~ U[0, 1): u == 0 gives q = inf, a zero score, never a NaN.
+        u = torch.empty_like(probs)  # (R, V)
+        if any(r.generator is None for r in rows):
+            u.uniform_(generator=self._shared_generator(u.device))
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                u[i].uniform_(generator=r.generator)
+        return (probs / u.log_().neg_()).argmax(dim=-1)
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return self._generators[device]
+
+    def _results(self, logits: torch.Tensor, token_ids: torch.Tensor,
+                 rows: list[SamplingRow]) -> list[SampleResult]:
+        tokens = token_ids.tolist()
+        results = [SampleResult(t, None, None) for t in tokens]
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not want:
+            return results
+        logprobs = logits[want].float().log_softmax(dim=-1)  # (R, V) of the raw logits
+        sampled = logprobs.gather(1, token_ids[want].unsqueeze(1)).squeeze(1).tolist()  # (R,)
+        num_top = max(rows[i].params.logprobs for i in want)
+        top_values, top_ids = logprobs.topk(num_top, dim=-1)  # (R, num_top), highest first
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        for j, i in enumerate(want):
+            n = rows[i].params.logprobs
+            results[i].logprob = sampled[j]
+            results[i].top_logprobs = list(zip(top_ids[j][:n], top_values[j][:n]))
+        return results

@@ -1,0 +1,63 @@
+"""Per-request sampling parameters (vLLM names and defaults), validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1  # completions per prompt
+    temperature: float = 1.0  # 0 => greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 disables
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 disables
+    min_p: float = 0.0  # drop tokens with prob < min_p * max prob; 0 disables
+    repetition_penalty: float = 1.0  # > 1 discourages tokens seen in prompt or output
+    presence_penalty: float = 0.0  # subtracted once from tokens already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    seed: int | None = None  # per-request generator, reproducible regardless of batching
+    stop: str | list[str] | None = None  # normalized to list[str]
+    stop_token_ids: list[int] | None = None  # normalized to list[int]
+    max_tokens: int | None = 16  # None = up to max_model_len (resolved by the engine)
+    min_tokens: int = 0  # eos and stop_token_ids are masked until this many tokens exist
+    ignore_eos: bool = False  # keep generating past eos
+    logprobs: int | None = None  # top logprobs per token; 0 = only the sampled token's
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self._validate()
+
+    def _validate(self) -> None:
+        def need(cond: bool, field: str, rule: str) -> None:
+            if not cond:
+                raise ValueError(f"{field} must be {rule}, got {getattr(self, field)!r}")
+
+        need(self.n >= 1, "n", ">= 1")
+        need(self.temperature >= 0, "temperature", ">= 0")
+        need(0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        need(self.top_k >= -1, "top_k", ">= 1, or 0 / -1 to disable")
+        need(0 <= self.min_p <= 1, "min_p", "in [0, 1]")
+        need(self.repetition_penalty > 0, "repetition_penalty", "> 0")
+        need(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
+        need(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
+        need(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", ">= 1 or None")
+        need(self.min_tokens >= 0, "min_tokens", ">= 0")
+        need(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             "min_tokens", f"<= max_tokens ({self.max_tokens})")
+        need(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             "logprobs", f"in [0, {MAX_LOGPROBS}] or None")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
+        need(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1

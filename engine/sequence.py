@@ -1,0 +1,75 @@
+"""Per-sequence state shared by the scheduler, block manager and model runner."""
+from __future__ import annotations
+
+import enum
+import itertools
+
+from engine.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One token stream. A request with n > 1 forks into n sequences after its prefill.
+
+    `num_computed_tokens` is how many of `token_ids` already have KV in the cache; the scheduler
+    advances it toward len(token_ids) under the step's token budget (prefill chunks and decodes
+    alike), which is what makes chunked prefill and recompute-preemption uniform.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 max_tokens: int, index: int = 0) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.index = index  # which of the request's n samples this is
+        self.params = params
+        self.max_tokens = max_tokens
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks, filled lazily
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions = 0
+        self.pending_forks = params.n - 1 if index == 0 else 0
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def fork(self, index: int) -> "Sequence":
+        """A sibling sharing everything computed so far (the block manager shares the blocks)."""
+        child = Sequence(self.request_id, self.prompt_token_ids, self.params, self.max_tokens, index)
+        child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.block_hashes = list(self.block_hashes)
+        child.status = self.status
+        return child
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table}, {self.status.value})")

@@ -1,0 +1,159 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+
+MULTI_BYTE_TEXTS = [
+    "Héllo wörld, ça va? Ñandú, façade, naïve résumé.",
+    "日本語のテキストと中文字符，还有한국어 문장.",
+    "Emoji: 😀🎉👍🏽 family 👨‍👩‍👧 flags 🇫🇷🇯🇵 done",
+    "Mixed: café ☕ 東京 🗼 Ωμέγα ∑∫√ — “quotes” … end",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    return tokenizer.encode("<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def stream(tokenizer, prompt_ids, output_ids, params, step=1):
+    """Feeds output_ids `step` tokens at a time -> (deltas, emitted text after each step, stop)."""
+    det = IncrementalDetokenizer(tokenizer, prompt_ids, params)
+    deltas, emitted, stop = [], [], None
+    for i in range(0, len(output_ids), step):
+        stop = det.update(output_ids[i:i + step])
+        finished = stop is not None or i + step >= len(output_ids)
+        deltas.append(det.get_delta(finished))
+        emitted.append("".join(deltas))
+        if stop is not None:
+            break
+    assert det.get_delta(True) == ""
+    return det, deltas, emitted, stop
+
+
+@pytest.mark.parametrize("text", MULTI_BYTE_TEXTS)
+@pytest.mark.parametrize("step", [1, 3])
+def test_multi_byte_deltas_concatenate_to_the_full_decode(tokenizer, prompt_ids, text, step):
+    ids = tokenizer.encode(text)
+    det, deltas, _, stop = stream(tokenizer, prompt_ids, ids, SamplingParams(), step)
+    assert stop is None
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == det.output_text == tokenizer.decode(ids) == text
+
+
+def test_multi_byte_texts_really_split_characters_across_tokens(tokenizer):
+    # Guards the test above: single tokens of these texts decode to partial characters.
+    partial = [i for text in MULTI_BYTE_TEXTS for i in tokenizer.encode(text)
+               if "\ufffd" in tokenizer.decode([i])]
+    assert len(partial) > 10
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from(list("ab cé世界😀🎉\n.,'Ωñ")), max_size=40))
+def test_random_text_deltas_match_decode(tokenizer, prompt_ids, text):
+    ids = tokenizer.encode(text)
+    det, deltas, _, _ = stream(tokenizer, prompt_ids, ids, SamplingParams())
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tokenizer.decode(ids)
+
+
+def test_trailing_partial_character_is_flushed_when_finished(tokenizer, prompt_ids):
+    ids = tokenizer.encode("ok 😀")
+    cut = ids[:-1]  # ends inside the emoji's bytes
+    assert tokenizer.decode(cut).endswith("\ufffd")
+    det = IncrementalDetokenizer(tokenizer, prompt_ids, SamplingParams())
+    for token in cut:
+        det.update([token])
+    streaming = det.get_delta(False)
+    assert streaming == "ok"  # the last token, " " + the emoji's first bytes, waits for the rest
+    assert streaming + det.get_delta(True) == det.output_text == tokenizer.decode(cut)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens(tokenizer, prompt_ids, skip):
+    ids = tokenizer.encode("Hi there<|im_end|>") + [tokenizer.eos_token_id]
+    det, deltas, _, _ = stream(tokenizer, prompt_ids, ids, SamplingParams(skip_special_tokens=skip))
+    text = "".join(deltas)
+    assert text == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert ("<|im_end|>" in text) is (not skip)
+    assert text.startswith("Hi there")
+
+
+TEXT = "The answer is forty-two, said the computer, after a very long pause."
+
+
+def split_stop(tokenizer, stop):
+    """Asserts that `stop` spans token boundaries in TEXT (so the test exercises splitting)."""
+    pieces = [tokenizer.decode([i]) for i in tokenizer.encode(TEXT)]
+    assert not any(stop in p for p in pieces)
+    return stop
+
+
+@pytest.mark.parametrize("step", [1, 2])
+def test_stop_string_split_across_tokens_is_cut_and_never_partly_emitted(tokenizer, prompt_ids, step):
+    stop = split_stop(tokenizer, "two, said")
+    expected = TEXT[:TEXT.index(stop)]
+    params = SamplingParams(stop=["never", stop])
+    det, deltas, emitted, matched = stream(tokenizer, prompt_ids, tokenizer.encode(TEXT), params, step)
+    assert matched == stop == det.stop_string
+    assert det.output_text == "".join(deltas) == expected
+    # Every intermediate stream is a prefix of the final text: nothing was emitted then retracted.
+    assert all(expected.startswith(e) for e in emitted)
+
+
+def test_include_stop_str_in_output(tokenizer, prompt_ids):
+    stop = split_stop(tokenizer, "two, said")
+    params = SamplingParams(stop=stop, include_stop_str_in_output=True)
+    det, deltas, emitted, matched = stream(tokenizer, prompt_ids, tokenizer.encode(TEXT), params)
+    expected = TEXT[:TEXT.index(stop) + len(stop)]
+    assert matched == stop
+    assert det.output_text == "".join(deltas) == expected
+    assert all(expected.startswith(e) for e in emitted)
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer, prompt_ids):
+    ids = tokenizer.encode(TEXT)  # all at once: both stop strings appear in the same update
+    params = SamplingParams(stop=["pause", "said"])
+    det, _, _, matched = stream(tokenizer, prompt_ids, ids, params, step=len(ids))
+    assert matched == "said" and det.output_text == TEXT[:TEXT.index("said")]
+
+
+def test_multi_byte_stop_string(tokenizer, prompt_ids):
+    text = "先生は東京に住んでいます。😀 then more"
+    det, deltas, emitted, matched = stream(tokenizer, prompt_ids, tokenizer.encode(text),
+                                           SamplingParams(stop="住ん"))
+    assert matched == "住ん"
+    assert "".join(deltas) == det.output_text == "先生は東京に"
+
+
+def test_deltas_hold_back_a_possible_stop_prefix(tokenizer, prompt_ids):
+    det = IncrementalDetokenizer(tokenizer, prompt_ids, SamplingParams(stop="STOP!"))
+    det.update(tokenizer.encode("Hello wor"))
+    assert det.get_delta(False) == "Hello"  # the last len("STOP!") - 1 = 4 chars are held
+    det.update(tokenizer.encode("ld"))
+    assert det.get_delta(False) == " w"
+    assert det.get_delta(True) == "orld"
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer, prompt_ids):
+    ids = tokenizer.encode("a, b, c, d")
+    det, _, _, matched = stream(tokenizer, prompt_ids, ids, SamplingParams(stop=",", min_tokens=3))
+    assert matched == ","
+    assert det.output_text == "a, b"
+
+
+def test_no_stop_means_no_hold_back(tokenizer, prompt_ids):
+    det = IncrementalDetokenizer(tokenizer, prompt_ids, SamplingParams())
+    det.update(tokenizer.encode("Hello"))
+    assert det.get_delta(False) == "Hello"
+    assert det.update(tokenizer.encode(" world")) is None
+    assert det.get_delta(False) == " world"

@@ -1,0 +1,295 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from unittest import mock
+
+from engine import sampler as sampler_module
+from engine.sampler import SamplingRow, Sampler, apply_min_tokens, apply_penalties
+from engine.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def row(params=None, prompt=(), output=(), eos=(EOS,), **kwargs):
+    params = params or SamplingParams(**kwargs)
+    generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+    return SamplingRow(params, list(prompt), list(output), generator, list(eos))
+
+
+def random_logits(*shape, seed=0, scale=3.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+# ---- greedy ---------------------------------------------------------------------------------
+
+
+def test_greedy_batch_is_exactly_argmax():
+    logits = random_logits(16, 5000)
+    logits[3, [10, 20]] = logits[3].max() + 1  # a tie: the first index wins
+    rows = [row(temperature=0.0) for _ in range(16)]
+    tokens = [r.token_id for r in Sampler().sample(logits, rows)]
+    assert tokens == logits.argmax(dim=-1).tolist()
+    assert tokens[3] == 10
+
+
+def test_greedy_rows_in_a_mixed_batch_are_exactly_argmax():
+    logits = random_logits(8, 3000, seed=1)
+    rows = [row(temperature=0.0) if i % 2 else row(temperature=0.8, top_k=1 if i == 4 else 0)
+            for i in range(8)]
+    tokens = [r.token_id for r in Sampler().sample(logits, rows)]
+    expected = logits.argmax(dim=-1).tolist()
+    for i in (1, 3, 4, 5, 7):
+        assert tokens[i] == expected[i]
+
+
+def test_sample_does_not_modify_the_logits():
+    logits = random_logits(4, 100, seed=2)
+    before = logits.clone()
+    rows = [row(temperature=0.0, repetition_penalty=1.5, prompt=[1, 5], output=[7]),
+            row(top_p=0.5, top_k=10, min_p=0.1, frequency_penalty=1.0, output=[3, 3]),
+            row(min_tokens=4, output=[1]),
+            row(seed=3, temperature=0.5)]
+    Sampler().sample(logits, rows)
+    assert torch.equal(logits, before)
+
+
+# ---- seeded reproducibility -----------------------------------------------------------------
+
+SEEDED = dict(seed=1234, temperature=0.9, top_k=40, top_p=0.95)
+
+
+def seeded_tokens(step_logits, batch_of):
+    """Runs the seeded row over several steps inside batches built by `batch_of(step, row)`."""
+    target = row(**SEEDED)
+    sampler = Sampler(seed=99)
+    tokens = []
+    for step, logits in enumerate(step_logits):
+        rows, position = batch_of(step, target)
+        batch = torch.stack([logits if i == position else random_logits(logits.shape[0], seed=step * 10 + i)
+                             for i in range(len(rows))])
+        token = sampler.sample(batch, rows)[position].token_id
+        target.output_token_ids.append(token)
+        tokens.append(token)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def step_logits():
+    return [random_logits(1000, seed=100 + s, scale=2.0) for s in range(12)]
+
+
+def test_seeded_row_is_independent_of_the_batch(step_logits):
+    alone = seeded_tokens(step_logits, lambda step, r: ([r], 0))
+    first_of_many = seeded_tokens(step_logits, lambda step, r: (
+        [r, row(temperature=0.0), row(temperature=1.3), row(seed=5, top_p=0.5)], 0))
+    later_index = seeded_tokens(step_logits, lambda step, r: (
+        [row(temperature=1.0), row(temperature=0.0, repetition_penalty=1.3, output=[1, 2]),
+         row(seed=7, min_p=0.2), r], 3))
+    moving = seeded_tokens(step_logits, lambda step, r: (
+        [row(temperature=0.7) for _ in range(step % 3)] + [r], step % 3))
+    assert alone == first_of_many == later_index == moving
+    assert len(set(alone)) > 1  # really random, not collapsed to argmax
+
+
+def test_different_seeds_give_different_sequences(step_logits):
+    def run(seed):
+        target = row(**{**SEEDED, "seed": seed})
+        return [Sampler().sample(l[None], [target])[0].token_id for l in step_logits]
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_unseeded_rows_follow_the_sampler_seed():
+    logits = random_logits(6, 500, seed=3)
+
+    def run(sampler_seed):
+        return [r.token_id for r in Sampler(sampler_seed).sample(logits, [row() for _ in range(6)])]
+
+    assert run(0) == run(0)
+    assert run(0) != run(1)
+
+
+# ---- filters ---------------------------------------------------------------------------------
+
+
+def allowed_tokens(logits: torch.Tensor, p: SamplingParams, slack: float = 1e-4) -> set[int]:
+    """Tokens that temperature/top_k/top_p/min_p may emit, computed independently (float64),
+    with a little slack at the boundaries so that float rounding never counts as a violation."""
+    x = (logits / p.temperature).double().numpy()
+    keep = np.ones(len(x), dtype=bool)
+    if 0 < p.top_k < len(x):
+        keep &= x >= np.sort(x)[-p.top_k] - slack
+    probs = np.where(keep, np.exp(x - x.max()), 0.0)
+    probs /= probs.sum()
+    # Mass of the strictly more likely tokens (any one of tied tokens may be the one kept).
+    mass_above = np.array([probs[probs > q * (1 + slack)].sum() for q in probs])
+    keep &= mass_above < p.top_p + slack
+    probs = np.where(keep, probs, 0.0)
+    keep &= probs >= p.min_p * probs.max() * (1 - slack)
+    return set(np.flatnonzero(keep).tolist())
+
+
+filter_params = st.builds(
+    SamplingParams,
+    temperature=st.floats(0.05, 3.0),
+    top_k=st.integers(-1, 70),
+    top_p=st.floats(0.01, 1.0),
+    min_p=st.one_of(st.just(0.0), st.floats(0.0, 1.0)),
+    seed=st.one_of(st.none(), st.integers(0, 2**31)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    logits=st.lists(st.floats(-8, 8, allow_nan=False), min_size=2, max_size=60),
+    params=st.lists(filter_params, min_size=1, max_size=3),
+    sampler_seed=st.integers(0, 2**31),
+    nucleus_candidates=st.sampled_from([1, 3, 1024]),  # 1 and 3 exercise the full-sort fallback
+)
+def test_filters_never_emit_excluded_tokens(logits, params, sampler_seed, nucleus_candidates):
+    """Rows with different filters share a batch; each row keeps to its own allowed set."""
+    logits = torch.tensor(logits, dtype=torch.float32)
+    rows = [row(params[i % len(params)], eos=()) for i in range(60)]
+    with mock.patch.object(sampler_module, "NUCLEUS_CANDIDATES", nucleus_candidates):
+        results = Sampler(sampler_seed).sample(logits.expand(len(rows), -1), rows)
+    allowed = [allowed_tokens(logits, p) for p in params]
+    for i, result in enumerate(results):
+        assert result.token_id in allowed[i % len(params)]
+
+
+@pytest.mark.parametrize("nucleus_candidates", [1, 2, 1024])
+def test_filters_exclude_exactly_the_expected_tokens(nucleus_candidates, monkeypatch):
+    monkeypatch.setattr(sampler_module, "NUCLEUS_CANDIDATES", nucleus_candidates)
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
+    logits = probs.log().expand(4000, -1)
+
+    def emitted(**kwargs):
+        rows = [row(**kwargs) for _ in range(4000)]
+        return {r.token_id for r in Sampler(3).sample(logits, rows)}
+
+    assert emitted() == {0, 1, 2, 3}
+    assert emitted(top_k=2) == {1, 3}
+    assert emitted(top_p=0.75) == {1, 3}  # 0.5 < 0.75 <= 0.5 + 0.3
+    assert emitted(top_p=0.79) == {1, 3}
+    assert emitted(top_p=0.81) == {1, 2, 3}
+    assert emitted(top_p=0.01) == {1}  # the top token always stays
+    assert emitted(min_p=0.25) == {1, 2, 3}  # threshold 0.125
+    assert emitted(top_k=3, top_p=0.9, min_p=0.5) == {1, 3}
+
+
+def test_random_draws_follow_the_distribution():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    n = 40000
+    rows = [row(temperature=0.5) for _ in range(n)]
+    logits = (probs.log() * 0.5).expand(n, -1)  # temperature 0.5 undoes the scaling
+    counts = torch.bincount(torch.tensor([r.token_id for r in Sampler(0).sample(logits, rows)]), minlength=4)
+    assert torch.allclose(counts / n, probs, atol=0.01)
+
+
+def test_seeded_draws_follow_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    target = row(seed=11)
+    counts = [0, 0, 0]
+    for _ in range(6000):
+        counts[Sampler().sample(probs.log()[None], [target])[0].token_id] += 1
+    assert np.allclose(np.array(counts) / 6000, probs.numpy(), atol=0.025)
+
+
+# ---- penalties and min_tokens ---------------------------------------------------------------
+
+
+def expected_penalized(logits, prompt, output, rep, freq, pres):
+    out = []
+    for token, value in enumerate(logits):
+        if token in prompt or token in output:
+            value = value / rep if value > 0 else value * rep
+        value -= freq * output.count(token)
+        value -= pres * (token in output)
+        out.append(value)
+    return out
+
+
+def test_penalties_change_logits_exactly_as_defined():
+    values = [2.0, -1.0, 0.5, 3.0, -2.5, 0.0, 1.5]
+    logits = torch.tensor([values, values, values])
+    rows = [
+        row(prompt=[0, 1], output=[1, 2, 2, 4], repetition_penalty=2.0,
+            frequency_penalty=0.5, presence_penalty=0.25),
+        row(prompt=[3, 3], output=[], repetition_penalty=0.5, frequency_penalty=1.0),
+        row(prompt=[0], output=[6, 6, 6], presence_penalty=-1.0, frequency_penalty=-0.5),
+    ]
+    before = logits.clone()
+    out = apply_penalties(logits, rows)
+    assert torch.equal(logits, before)
+    for i, r in enumerate(rows):
+        p = r.params
+        expected = expected_penalized(values, r.prompt_token_ids, r.output_token_ids,
+                                      p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+        assert out[i].tolist() == pytest.approx(expected, abs=1e-6)
+    assert out[0].tolist() == pytest.approx([1.0, -2.75, 0.25 - 1.0 - 0.25, 3.0, -5.0 - 0.5 - 0.25, 0.0, 1.5])
+
+
+def test_penalties_leave_other_rows_untouched():
+    logits = random_logits(3, 50, seed=4)
+    rows = [row(), row(repetition_penalty=1.2, prompt=[1, 2, 3]), row(temperature=0.0)]
+    out = apply_penalties(logits, rows)
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    assert not torch.equal(out[1], logits[1])
+    assert apply_penalties(logits, [row(), row(), row()]) is logits
+
+
+def test_greedy_with_repetition_penalty_avoids_the_repeated_token():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    assert Sampler().sample(logits, [row(temperature=0.0, output=[1])])[0].token_id == 1
+    penalized = row(temperature=0.0, output=[1], repetition_penalty=2.0)
+    assert Sampler().sample(logits, [penalized])[0].token_id == 2
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids():
+    logits = torch.tensor([[0.0, 1.0, 9.0, 8.0, 7.0]] * 2)  # eos (2) is the argmax, then 3, then 4
+    rows = [row(temperature=0.0, min_tokens=3, output=[1, 1], stop_token_ids=[3]),
+            row(temperature=0.0, min_tokens=3, output=[1, 1, 1], stop_token_ids=[3])]
+    assert [r.token_id for r in Sampler().sample(logits, rows)] == [4, 2]
+    masked = apply_min_tokens(logits, rows)
+    assert masked[0, 2] == masked[0, 3] == float("-inf") and torch.equal(masked[1], logits[1])
+    assert apply_min_tokens(logits, [row(), row()]) is logits
+
+
+def test_min_tokens_random_rows_never_sample_eos():
+    logits = torch.zeros(500, 4)
+    logits[:, EOS] = 5.0
+    rows = [row(min_tokens=1, seed=i if i % 2 else None) for i in range(500)]
+    tokens = {r.token_id for r in Sampler().sample(logits, rows)}
+    assert EOS not in tokens and tokens == {0, 1, 3}
+
+
+# ---- logprobs --------------------------------------------------------------------------------
+
+
+def test_logprobs_are_of_the_raw_logits():
+    logits = random_logits(4, 300, seed=5)
+    rows = [row(logprobs=5, temperature=0.3, repetition_penalty=1.5, output=[1, 2]),
+            row(logprobs=0, temperature=0.0),
+            row(),
+            row(logprobs=20, seed=1, top_k=3)]
+    results = Sampler().sample(logits, rows)
+    raw = logits.log_softmax(dim=-1)
+    for i in (0, 1, 3):
+        res = results[i]
+        assert res.logprob == pytest.approx(raw[i, res.token_id].item(), abs=1e-6)
+        n = rows[i].params.logprobs
+        assert len(res.top_logprobs) == n
+        values = [v for _, v in res.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        top = raw[i].topk(n) if n else None
+        if n:
+            assert [t for t, _ in res.top_logprobs] == top.indices.tolist()
+            assert values == pytest.approx(top.values.tolist(), abs=1e-6)
+    assert results[1].top_logprobs == []
+    assert results[2].logprob is None and results[2].top_logprobs is None
+    assert math.isfinite(results[0].logprob)

@@ -1,0 +1,85 @@
+import pytest
+
+from engine.sampling_params import SamplingParams
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
+    assert (p.max_tokens, p.min_tokens, p.logprobs, p.seed) == (16, 0, None, None)
+    assert p.stop == [] and p.stop_token_ids == []
+    assert p.skip_special_tokens and not p.ignore_eos and not p.include_stop_str_in_output
+    assert not p.greedy
+
+
+@pytest.mark.parametrize("stop, expected", [
+    (None, []),
+    ("###", ["###"]),
+    (["a", "bc"], ["a", "bc"]),
+    (("x",), ["x"]),
+])
+def test_stop_is_normalized_to_a_list(stop, expected):
+    assert SamplingParams(stop=stop).stop == expected
+
+
+def test_stop_list_is_copied():
+    stops = ["a"]
+    p = SamplingParams(stop=stops, stop_token_ids=(3, 4))
+    stops.append("b")
+    assert p.stop == ["a"] and p.stop_token_ids == [3, 4]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 0),
+    ("temperature", -0.1),
+    ("top_p", 0.0),
+    ("top_p", 1.01),
+    ("top_k", -2),
+    ("min_p", -0.1),
+    ("min_p", 1.5),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("presence_penalty", 2.5),
+    ("presence_penalty", -2.1),
+    ("frequency_penalty", 2.1),
+    ("frequency_penalty", -3.0),
+    ("max_tokens", 0),
+    ("min_tokens", -1),
+    ("logprobs", -1),
+    ("logprobs", 21),
+    ("stop", ""),
+    ("stop", ["ok", ""]),
+    ("stop_token_ids", [5, -1]),
+])
+def test_invalid_values_raise_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"^{field} must be"):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens_is_rejected():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=4)
+    assert SamplingParams(min_tokens=5, max_tokens=None).min_tokens == 5
+    assert SamplingParams(min_tokens=4, max_tokens=4).min_tokens == 4
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(top_k=-1), dict(top_k=0), dict(top_k=50), dict(top_p=1.0), dict(top_p=1e-3),
+    dict(min_p=0.0), dict(min_p=1.0), dict(temperature=0.0), dict(logprobs=0), dict(logprobs=20),
+    dict(presence_penalty=-2.0, frequency_penalty=2.0), dict(max_tokens=None), dict(max_tokens=1),
+    dict(stop_token_ids=[0]), dict(seed=-5),
+])
+def test_boundary_values_are_accepted(kwargs):
+    SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, greedy", [
+    (dict(temperature=0.0), True),
+    (dict(temperature=0.7, top_k=1), True),
+    (dict(temperature=0.7), False),
+    (dict(temperature=1e-6), False),
+    (dict(top_k=2), False),
+])
+def test_greedy(kwargs, greedy):
+    assert SamplingParams(**kwargs).greedy is greedy

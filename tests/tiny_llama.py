@@ -1,0 +1,54 @@
+"""Tiny random Llama checkpoints written to safetensors, plus the HF greedy oracle."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+TINY_CONFIGS = {
+    # GQA 4 heads / 2 KV heads, untied lm_head
+    "gqa": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, tie_word_embeddings=False),
+    # 6 heads / 3 KV heads (not divisible by 2), tied embeddings, llama3 rope scaling
+    "tied": dict(hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
+                 num_key_value_heads=3, tie_word_embeddings=True,
+                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+}
+
+
+def make_tiny_llama(out_dir: Path, tokenizer_dir: str, kind: str = "gqa", vocab_size: int = 512, seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                      bos_token_id=1, eos_token_id=2, **TINY_CONFIGS[kind])
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger weights than the default init give peaky, tie-free logits
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        src = Path(tokenizer_dir) / name
+        if src.exists():
+            shutil.copy(src, out_dir / name)
+    return out_dir
+
+
+def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF transformers generate, greedy, one prompt at a time (no padding), new tokens only."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # run the full length, like ignore_eos
+    outs = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                               do_sample=False, pad_token_id=0)
+        outs.append(y[0, len(ids):].tolist())
+    return outs
