@@ -22,6 +22,7 @@ class Request:
         self.completions: list[CompletionOutput] = [self._completion(0)]
         self.detoks: list[IncrementalDetokenizer] = [IncrementalDetokenizer(tokenizer, prompt_token_ids, params)]
         self.generators: list[torch.Generator | None] = [None]
+        self.aborted = False
 
     def _completion(self, index: int) -> CompletionOutput:
         return CompletionOutput(index=index, logprobs=[] if self.params.logprobs is not None else None,
@@ -64,13 +65,15 @@ class Request:
         return comp.finish_reason is not None
 
     def abort(self) -> None:
+        self.aborted = True
         for comp in self.completions:
             if comp.finish_reason is None:
                 comp.finish_reason = "abort"
 
     @property
     def finished(self) -> bool:
-        return len(self.completions) == self.params.n and all(c.finish_reason for c in self.completions)
+        return self.aborted or (len(self.completions) == self.params.n
+                                and all(c.finish_reason for c in self.completions))
 
     def take_output(self) -> RequestOutput:
         """Snapshot with deltas since the last snapshot, then reset the deltas."""

@@ -1,0 +1,138 @@
+"""Streaming front of the engine: `async for out in engine.generate(id, prompt, params)`.
+
+One background task owns the LLMEngine. Model steps run in a single worker thread so the event
+loop stays responsive; requests and aborts are queued and applied between steps, so the engine
+itself is never touched by two threads at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import AsyncIterator
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineStats, RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+_ABORTED = object()  # queue sentinel: the request was aborted before producing a final output
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; in-flight and new requests end with this error."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None, **kwargs) -> None:
+        self.engine = engine or LLMEngine(config or EngineConfig(**kwargs))
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pending_adds: dict[str, tuple[str | list[int], SamplingParams]] = {}
+        self._pending_aborts: set[str] = set()
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._error is None
+
+    def check_health(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"engine loop failed: {self._error!r}")
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def generate(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yields one RequestOutput per engine step that produced something for this request (with
+        text/token deltas); the last has finished=True. Leaving the loop early aborts the request."""
+        self.check_health()
+        _, ids = self.engine.tokenize(prompt)
+        self.engine.validate(ids, params)  # raises ValueError now, not inside the loop
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._pending_adds[request_id] = (prompt, params)
+        self._kick()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if item is _ABORTED:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._abort_now(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str) -> None:
+        if self._pending_adds.pop(request_id, None) is not None:
+            self._deliver(request_id, _ABORTED)  # never reached the engine
+        else:
+            self._pending_aborts.add(request_id)
+            self._kick()
+
+    def _kick(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        self._wakeup.set()
+
+    def _apply_pending(self) -> None:
+        for rid in self._pending_aborts:
+            out = self.engine.abort(rid)  # frees its KV blocks now
+            self._deliver(rid, out if out is not None else _ABORTED)
+        self._pending_aborts.clear()
+        adds, self._pending_adds = self._pending_adds, {}
+        for rid, (prompt, params) in adds.items():
+            try:
+                self.engine.add_request(rid, prompt, params)
+            except ValueError as e:
+                self._deliver(rid, e)
+
+    def _deliver(self, request_id: str, item) -> None:
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(item)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                self._apply_pending()
+                if not self.engine.has_unfinished():
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                outputs = await loop.run_in_executor(self._thread, self.engine.step)
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+        except Exception as e:  # the engine is unusable now: fail everyone, never hang
+            logger.exception("engine loop failed")
+            self._error = e
+            for rid in list(self._queues):
+                self._deliver(rid, EngineDeadError(f"engine loop failed: {e!r}"))
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        self._thread.shutdown(wait=True)
+        self.engine.executor.shutdown()

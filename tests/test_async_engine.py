@@ -1,0 +1,137 @@
+"""AsyncEngine: streaming deltas, concurrency, abort freeing blocks, clear errors, dead engine."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from engine import AsyncEngine, LLM, SamplingParams
+from engine.async_engine import EngineDeadError
+from tests.tiny_llama import make_tiny_llama
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_path):
+    return str(make_tiny_llama(tmp_path_factory.mktemp("async"), smollm2_path, "gqa"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(3)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 30, 18, 55)]
+
+
+async def _collect(engine: AsyncEngine, rid: str, prompt, params=GREEDY):
+    deltas, last = [], None
+    async for out in engine.generate(rid, prompt, params):
+        deltas.append(out.outputs[0].delta_token_ids)
+        last = out
+    return deltas, last
+
+
+def test_streams_match_offline(tiny_dir, prompts):
+    ref = [o.outputs[0].token_ids for o in LLM(model=tiny_dir, num_gpu_blocks_override=64).generate(prompts, GREEDY)]
+
+    async def main():
+        engine = AsyncEngine(model=tiny_dir, num_gpu_blocks_override=64)
+        results = await asyncio.gather(*(_collect(engine, f"r{i}", p) for i, p in enumerate(prompts)))
+        await engine.shutdown()
+        return engine, results
+
+    engine, results = asyncio.run(main())
+    for (deltas, last), r in zip(results, ref):
+        assert [t for d in deltas for t in d] == r == last.outputs[0].token_ids
+        assert len(deltas) == len(r)  # one delta per generated token
+        assert last.finished and last.outputs[0].finish_reason == "length"
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+def _wait_free(engine: AsyncEngine, timeout: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if s.num_free_blocks == s.num_total_blocks and s.num_running == 0:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_leaving_the_stream_aborts_and_frees_blocks(tiny_dir, prompts):
+    async def main():
+        engine = AsyncEngine(model=tiny_dir, num_gpu_blocks_override=64)
+        long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+        agen = engine.generate("a", prompts[3], long)
+        async for out in agen:
+            if len(out.outputs[0].token_ids) >= 3:
+                break
+        assert engine.stats().num_free_blocks < engine.stats().num_total_blocks
+        await agen.aclose()  # what a disconnecting HTTP client does
+        await asyncio.sleep(0.05)
+        freed = await asyncio.to_thread(_wait_free, engine)
+        await engine.shutdown()
+        return freed
+
+    assert asyncio.run(main())
+
+
+def test_abort_by_id_ends_the_stream(tiny_dir, prompts):
+    async def main():
+        engine = AsyncEngine(model=tiny_dir, num_gpu_blocks_override=64)
+        long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+        seen = []
+
+        async def consume():
+            async for out in engine.generate("b", prompts[1], long):
+                seen.append(out)
+
+        task = asyncio.create_task(consume())
+        while not seen:
+            await asyncio.sleep(0.01)
+        await engine.abort("b")
+        await asyncio.wait_for(task, 5)
+        freed = await asyncio.to_thread(_wait_free, engine)
+        await engine.shutdown()
+        return seen, freed
+
+    seen, freed = asyncio.run(main())
+    assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
+    assert freed
+
+
+def test_invalid_requests_raise_at_once(tiny_dir):
+    async def main():
+        engine = AsyncEngine(model=tiny_dir, num_gpu_blocks_override=64, max_model_len=64)
+        errors = []
+        for prompt, params in [([], GREEDY), ([5] * 64, GREEDY), ([5] * 10, SamplingParams(max_tokens=60)),
+                               ([10_000], GREEDY)]:
+            with pytest.raises(ValueError) as e:
+                async for _ in engine.generate("x", prompt, params):
+                    pass
+            errors.append(str(e.value))
+        await engine.shutdown()
+        return errors
+
+    errors = asyncio.run(main())
+    assert "empty" in errors[0] and "max_model_len" in errors[1] and "max_tokens" in errors[2]
+    assert "token ids" in errors[3]
+
+
+def test_engine_failure_ends_requests_with_error(tiny_dir, prompts):
+    async def main():
+        engine = AsyncEngine(model=tiny_dir, num_gpu_blocks_override=64)
+
+        def boom(batch):
+            raise RuntimeError("device lost")
+        engine.engine.executor.execute = boom
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(_collect(engine, "c", prompts[0]), 5)
+        assert not engine.is_healthy
+        with pytest.raises(EngineDeadError):
+            engine.check_health()
+        await engine.shutdown()
+
+    asyncio.run(main())
