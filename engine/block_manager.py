@@ -17,12 +17,13 @@ from engine.sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
+        self.parent_hash: int | None = None  # with token_ids, guards against hash collisions
         self.token_ids: tuple[int, ...] | None = None  # kept to guard against hash collisions
 
 
@@ -51,7 +52,7 @@ class BlockManager:
         if block.hash is not None:  # evict its cached content now that it is reused
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = None, None
+            block.hash, block.parent_hash, block.token_ids = None, None, None
         block.ref_count = 1
         return block_id
 
@@ -80,12 +81,16 @@ class BlockManager:
         """Cached blocks holding the longest prefix of `seq`; the last token is always left to compute."""
         if not self.enable_prefix_caching:
             return []
-        bs, hits = self.block_size, []
+        bs, hits, parent = self.block_size, [], NONE_HASH
         for i, h in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // bs)):
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.parent_hash != parent or block.token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
                 break
             hits.append(block_id)
+            parent = h
         return hits
 
     def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
@@ -94,10 +99,12 @@ class BlockManager:
         if not self.enable_prefix_caching or end <= start:
             return
         bs = self.block_size
-        for i, h in enumerate(self._block_hashes(seq, end)[start:], start):
-            block = self.blocks[seq.block_table[i]]
+        hashes = self._block_hashes(seq, end)
+        for i in range(start, end):
+            h, block = hashes[i], self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.hash_to_block:
                 block.hash, block.token_ids = h, tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                block.parent_hash = hashes[i - 1] if i else NONE_HASH
                 self.hash_to_block[h] = block.block_id
         self.num_registered[seq.seq_id] = end
 

@@ -88,9 +88,11 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         bm = self.block_manager
+        # Sequences that will fork after their prefill already hold seats for their siblings.
+        seats = len(self.running) + sum(s.pending_forks for s in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if len(self.running) + 1 + seq.pending_forks > self.config.max_num_seqs:
+            if seats + 1 + seq.pending_forks > self.config.max_num_seqs:
                 break
             hits = bm.get_computed_blocks(seq)
             num_cached = len(hits) * bm.block_size
@@ -109,6 +111,7 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            seats += 1 + seq.pending_forks
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
