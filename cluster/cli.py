@@ -1,0 +1,103 @@
+"""The `kvserve` command line.
+
+    kvserve generate "PROMPT" [sampling flags] [engine flags]   stream one completion to stdout
+
+Errors a user can fix (bad flag values, a model directory that cannot be used) are printed as
+one `kvserve: error: ...` line on stderr with exit status 2, never as a traceback. The engine is
+imported only once a command runs, so `kvserve --help` does not load torch.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from cluster.engine_args import add_engine_args, engine_config_from_args
+
+
+class _Parser(argparse.ArgumentParser):
+    # Usage errors in the same one-line shape as every other error of the CLI.
+    def error(self, message: str):
+        self.exit(2, f"kvserve: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvserve", description="kvserve: a paged-KV LLM serving system.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = commands.add_parser(
+        "generate", help="generate a completion for one prompt and stream it to stdout",
+        description="Generate a completion for PROMPT with the offline engine, streamed to stdout.")
+    gen.add_argument("prompt", metavar="PROMPT")
+    gen.add_argument("--no-chat", dest="chat", action="store_false",
+                     help="send PROMPT as raw text instead of as a user message in the chat template")
+    sampling = gen.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=256, metavar="N",
+                          help="most tokens to generate (default: 256)")
+    sampling.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                          help="0 is greedy (default: 0.0)")
+    sampling.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass in (0, 1]")
+    sampling.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens")
+    add_engine_args(gen)  # its --seed also seeds this request's sampler
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _fail(error: Exception) -> int:
+    print(f"kvserve: error: {error}", file=sys.stderr)
+    return 2
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine.model_source import ModelError
+
+    try:
+        llm, prompt, params = _prepare_generate(args)
+    except (ModelError, ValueError) as e:
+        return _fail(e)
+    try:
+        for delta in llm.stream(prompt, params):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`| head`); point stdout at devnull so the exit flush is quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _prepare_generate(args: argparse.Namespace):
+    from engine import LLM, EngineConfig, SamplingParams
+    from engine.model_source import resolve_model
+
+    # Validate the cheap things first, so a typo fails in a second, not after loading weights.
+    engine_kwargs = engine_config_from_args(args)
+    EngineConfig(**engine_kwargs)
+    engine_kwargs["model"] = str(resolve_model(engine_kwargs.get("model")))
+    optional = {k: getattr(args, k) for k in ("top_p", "top_k", "seed") if getattr(args, k, None) is not None}
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, **optional)
+
+    llm = LLM(**engine_kwargs)
+    return llm, _format_prompt(llm.tokenizer, args.prompt, args.chat), params
+
+
+def _format_prompt(tokenizer, prompt: str, chat: bool) -> str:
+    if not chat:
+        return prompt
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use --no-chat for raw text")
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                         add_generation_prompt=True, tokenize=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

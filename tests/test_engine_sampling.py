@@ -1,0 +1,115 @@
+"""Sampling through the whole engine: seeds, stops, logprobs, min/max tokens, n."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.tiny_llama import make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2_path):
+    return LLM(model=str(make_tiny_llama(tmp_path_factory.mktemp("samp"), smollm2_path, "gqa")),
+               num_gpu_blocks_override=128, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_path):
+    return LLM(model=smollm2_path, num_gpu_blocks_override=64)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+def test_seeded_sample_is_independent_of_batch_mates(tiny):
+    target = _prompts(1, seed=9)[0]
+    p = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = tiny.generate([target], p)[0].outputs[0].token_ids
+    mates = _prompts(5, seed=10)
+    mixed_params = [SamplingParams(temperature=1.0, max_tokens=15, ignore_eos=True),
+                    SamplingParams(temperature=0, max_tokens=25, ignore_eos=True),
+                    p, SamplingParams(temperature=0.7, seed=7, max_tokens=5, ignore_eos=True),
+                    SamplingParams(temperature=1.2, top_k=5, max_tokens=30, ignore_eos=True),
+                    SamplingParams(temperature=0.5, min_p=0.1, max_tokens=8, ignore_eos=True), p]
+    outs = tiny.generate(mates[:2] + [target] + mates[2:] + [target], mixed_params)
+    assert outs[2].outputs[0].token_ids == alone
+    assert outs[6].outputs[0].token_ids == alone
+    other_seed = SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=20, ignore_eos=True)
+    assert tiny.generate([target], other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_n_samples_differ_and_reproduce(tiny):
+    p = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    prompt = _prompts(1, seed=4)[0]
+    first = [c.token_ids for c in tiny.generate([prompt], p)[0].outputs]
+    again = [c.token_ids for c in tiny.generate([prompt], p)[0].outputs]
+    assert first == again
+    assert len({tuple(t) for t in first}) > 1
+
+
+def test_stop_token_ids_and_max_tokens(tiny):
+    prompt = _prompts(1, seed=2)[0]
+    greedy = tiny.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+    assert len(greedy.token_ids) == 10 and greedy.finish_reason == "length"
+    stop_tok = greedy.token_ids[4]
+    first = greedy.token_ids.index(stop_tok)
+    out = tiny.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_tok],
+                                                 ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == greedy.token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+
+
+def test_max_tokens_none_runs_to_max_model_len(tiny):
+    prompt = _prompts(1, seed=3)[0]
+    out = tiny.generate([prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0].outputs[0]
+    assert len(prompt) + len(out.token_ids) == 256 and out.finish_reason == "length"
+
+
+def test_logprobs(tiny):
+    prompt = _prompts(1, seed=5)[0]
+    out = tiny.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=3,
+                                                 ignore_eos=True))[0].outputs[0]
+    assert len(out.logprobs) == 6
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        assert len(entry) == 3 and tok in entry
+        assert entry[tok] == max(entry.values())  # greedy picks the top token
+        assert all(v <= 0 for v in entry.values())
+    assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def _chat(llm: LLM, q: str) -> str:
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=False)
+
+
+def test_stop_string_cuts_text(smol):
+    prompt = _chat(smol, "What is the capital of France?")
+    full = smol.generate(prompt, SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
+    assert "Paris" in full.text and full.finish_reason == "stop"  # ends on eos
+    cut = smol.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop=["Paris"]))[0].outputs[0]
+    assert cut.text == full.text[:full.text.index("Paris")]
+    assert cut.finish_reason == "stop" and cut.stop_reason == "Paris"
+    kept = smol.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop=["Paris"],
+                                                include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == full.text[:full.text.index("Paris") + len("Paris")]
+
+
+def test_min_tokens_holds_back_eos(smol):
+    prompt = _chat(smol, "What is the capital of France?")
+    short = smol.generate(prompt, SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
+    n = len(short.token_ids)
+    longer = smol.generate(prompt, SamplingParams(temperature=0, max_tokens=64, min_tokens=n + 5))[0].outputs[0]
+    assert len(longer.token_ids) >= n + 5
+    assert longer.token_ids[:n - 1] == short.token_ids[:n - 1]
+
+
+def test_streamed_deltas_join_to_text(smol):
+    prompt = _chat(smol, "Write one sentence about the sea.")
+    params = SamplingParams(temperature=0, max_tokens=24)
+    text = smol.generate(prompt, params)[0].outputs[0].text
+    assert "".join(smol.stream(prompt, params)) == text
+    assert smol.engine.block_manager.num_free_blocks == smol.engine.block_manager.num_blocks

