@@ -65,8 +65,8 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        chunk: PrefillChunk, kv_heads: int, scale: float) -> torch.Tensor:
     flat_k = k_cache.view(-1, kv_heads, k_cache.shape[-1])
     flat_v = v_cache.view(-1, kv_heads, v_cache.shape[-1])
-    k = flat_k[chunk.key_slots].transpose(0, 1).unsqueeze(0)  # (1, KVH, C, D)
-    v = flat_v[chunk.key_slots].transpose(0, 1).unsqueeze(0)
+    k = flat_k.index_select(0, chunk.key_slots).transpose(0, 1).unsqueeze(0)  # (1, KVH, C, D)
+    v = flat_v.index_select(0, chunk.key_slots).transpose(0, 1).unsqueeze(0)
     qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, Q, D)
     if chunk.ctx_len == chunk.q_len:
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -83,18 +83,17 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     kvh = k_cache.shape[2]
     g = H // kvh
     blk_seq = meta.decode_block_seq
-    k = k_cache[meta.decode_blocks].permute(0, 2, 3, 1)  # (NB, KVH, D, bs)
-    # Unwritten tail slots of a last block hold whatever the pool held (maybe NaN): zero them,
-    # since p == 0 there would still give 0 * NaN = NaN.
-    v = v_cache[meta.decode_blocks].masked_fill(~meta.decode_block_mask[:, :, None, None], 0.0)
-    v = v.transpose(1, 2)  # (NB, KVH, bs, D)
-    qb = q.view(B, kvh, g, D)[blk_seq]  # (NB, KVH, G, D)
+    k = k_cache.index_select(0, meta.decode_blocks).permute(0, 2, 3, 1)  # (NB, KVH, D, bs)
+    # Masked tail slots get p == 0; the runner zeroes every block before its first use, so
+    # their stale values are finite and 0 * v stays 0 (never 0 * NaN from fresh memory).
+    v = v_cache.index_select(0, meta.decode_blocks).transpose(1, 2)  # (NB, KVH, bs, D)
+    qb = q.view(B, kvh, g, D).index_select(0, blk_seq)  # (NB, KVH, G, D)
     scores = torch.matmul(qb, k) * scale  # (NB, KVH, G, bs)
     scores.masked_fill_(~meta.decode_block_mask[:, None, None, :], float("-inf"))
     block_max = scores.amax(dim=-1)  # (NB, KVH, G)
     seq_max = block_max.new_full((B, kvh, g), float("-inf")).scatter_reduce_(
         0, blk_seq[:, None, None].expand_as(block_max), block_max, "amax")
-    p = torch.exp(scores - seq_max[blk_seq].unsqueeze(-1))  # (NB, KVH, G, bs)
+    p = torch.exp(scores - seq_max.index_select(0, blk_seq).unsqueeze(-1))  # (NB, KVH, G, bs)
     denom = p.new_zeros(B, kvh, g).index_add_(0, blk_seq, p.sum(dim=-1))
     o = q.new_zeros(B, kvh, g, D).index_add_(0, blk_seq, torch.matmul(p, v))  # (B, KVH, G, D)
     return (o / denom.unsqueeze(-1)).view(B, H, D)

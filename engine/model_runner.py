@@ -16,6 +16,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.num_zeroed_blocks = 0  # blocks [0, n) have been zeroed (see _zero_new_blocks)
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
@@ -58,6 +59,19 @@ class ModelRunner:
         )
         return self._tensor(ids), self._tensor(pos), meta, sample_rows
 
+    def _zero_new_blocks(self, batch: ScheduledBatch) -> None:
+        """Zero pool memory before a block's first use. The pools start as torch.empty (on CPU
+        untouched pages cost nothing) and may hold NaN bit patterns; attention multiplies the
+        masked tail of a last block by 0, which must stay 0. Any block in use has appeared in an
+        earlier batch, so everything below the high-water mark is already live or stale-but-finite."""
+        top = max((max(s.block_table) for s in batch.seqs if s.block_table), default=-1)
+        top = max([top] + [d for _, d in batch.copies]) + 1
+        if top > self.num_zeroed_blocks:
+            for k, v in self.kv_caches:
+                k[self.num_zeroed_blocks:top].zero_()
+                v[self.num_zeroed_blocks:top].zero_()
+            self.num_zeroed_blocks = top
+
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
@@ -70,6 +84,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """-> logits (N, vocab) float32 for the N sequences that finished their prefill or decode,
         and their indices into batch.seqs."""
+        self._zero_new_blocks(batch)
         self._copy_blocks(batch.copies)
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)

@@ -14,7 +14,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                                  RowParallelLinear, TPContext, VocabParallelEmbedding)
-from engine.model.rope import RotaryEmbedding
+from engine.model.rope import RotaryEmbedding, apply_rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -78,7 +78,7 @@ class ModelArch:
 
 
 class Attention(nn.Module):
-    def __init__(self, a: ModelArch, tp: TPContext, dtype: torch.dtype, rope: RotaryEmbedding) -> None:
+    def __init__(self, a: ModelArch, tp: TPContext, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = a.num_heads // tp.size
         self.num_kv_heads = a.local_kv_heads(tp.size)
@@ -86,9 +86,8 @@ class Attention(nn.Module):
         self.scale = a.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, a.attention_bias, tp, dtype)
         self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, False, tp, dtype)
-        self.rope = rope
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -96,7 +95,7 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
+        q, k = apply_rope(q, k, *cos_sin)
         write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)  # (T, H, D)
         return self.o_proj(o.reshape(T, q_size))
@@ -114,15 +113,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: ModelArch, tp: TPContext, dtype: torch.dtype, rope: RotaryEmbedding) -> None:
+    def __init__(self, a: ModelArch, tp: TPContext, dtype: torch.dtype) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
-        self.self_attn = Attention(a, tp, dtype, rope)
+        self.self_attn = Attention(a, tp, dtype)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.mlp = MLP(a, tp, dtype)
 
-    def forward(self, x, positions, kv_cache, meta):
-        h = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def forward(self, x, cos_sin, kv_cache, meta):
+        h = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -136,9 +135,9 @@ class LlamaModel(nn.Module):
         a.check_tp(tp.size)
         self.arch = a
         self.tp = tp
-        rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
+        self.rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(a, tp, dtype, rope) for _ in range(a.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(a, tp, dtype) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.lm_head = None if a.tie_word_embeddings else ParallelLMHead(a.vocab_size, a.hidden_size, tp, dtype)
 
@@ -146,8 +145,9 @@ class LlamaModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden)."""
         h = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, h.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            h = layer(h, positions, kv, meta)
+            h = layer(h, cos_sin, kv, meta)
         return self.norm(h)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:

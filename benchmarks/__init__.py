@@ -1,0 +1,1 @@
+"""Benchmarks: kvserve against peers (run as scripts, e.g. `python benchmarks/offline.py`)."""

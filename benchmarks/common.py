@@ -1,0 +1,64 @@
+"""Helpers shared by the benchmarks: what machine ran them, and markdown tables of results."""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict:
+    """CPU, cores, accelerator and library versions: enough to tell two runs' machines apart."""
+    import torch
+    import transformers
+
+    info = {
+        "cpu": cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    return info
+
+
+def print_machine(info: dict, file=sys.stdout) -> None:
+    gpu = f", GPU {info['gpu']}" if info["gpu"] else ""
+    print(f"machine: {info['cpu']} ({info['usable_cores']} of {info['logical_cores']} cores usable){gpu}", file=file)
+    print(f"python {info['python']}, torch {info['torch']} ({info['torch_threads']} threads), "
+          f"transformers {info['transformers']}", file=file)
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    """Rows of already formatted cells; numbers are right-aligned."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    numeric = [all(_is_number(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) if num else c.ljust(w)
+                                 for c, w, num in zip(row, widths, numeric)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 1) + ":" if num else "-" * (w + 2) for w, num in zip(widths, numeric)) + "|"
+    return "\n".join([line(headers), rule, *(line(r) for r in cells)])
+
+
+def _is_number(cell: str) -> bool:
+    try:
+        float(cell.rstrip("x"))
+        return True
+    except ValueError:
+        return False
