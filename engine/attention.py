@@ -4,9 +4,9 @@ Per layer the new keys/values are written into the paged pools first, then every
 its whole context back through its block table, so a prefix-cache hit or an earlier chunk is
 read exactly like tokens computed this step.
 
-- Decodes (one query token) are batched block-wise: each context block of each sequence is one
-  row of a batched matmul, and the softmax is reduced per sequence with index ops. Only the tail
-  of each sequence's last block is masked; nothing is padded to the longest sequence.
+- Decodes (one query token) are grouped by their number of context blocks; each group is one
+  SDPA call over its gathered blocks, masking only the unused tail of each last block. Nothing
+  is padded to the longest sequence in the batch.
 - Prefill chunks (several query tokens) run one SDPA call each, causal with their offset.
 """
 from __future__ import annotations
@@ -26,15 +26,18 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes whose contexts span the same number of blocks (nb)."""
+    rows: torch.Tensor  # (b,) rows of the flat batch
+    block_tables: torch.Tensor  # (b, nb) physical block ids
+    mask: torch.Tensor | None  # (b, nb * block_size) True for real keys; None when all blocks are full
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) flat cache slot of every new token
-    decode_rows: torch.Tensor | None  # (B,) rows of the flat batch that are single-token queries
-    decode_blocks: torch.Tensor | None  # (NB,) physical block ids of all decode contexts
-    decode_block_seq: torch.Tensor | None  # (NB,) which decode row (0..B-1) owns each block
-    decode_block_mask: torch.Tensor | None  # (NB, block_size) True for valid key positions
-    num_decodes: int
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
-    all_decode: bool  # every row is a decode, in order: skip the gather/scatter
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -48,12 +51,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: (T, H, D) -> (T, H, D). Caches already hold this step's keys/values."""
     out = torch.empty_like(q)
-    if meta.num_decodes:
-        qd = q if meta.all_decode else q[meta.decode_rows]
-        od = _decode_attention(qd, k_cache, v_cache, meta, scale)
-        if meta.all_decode:
-            return od
-        out[meta.decode_rows] = od
+    for group in meta.decode_groups:
+        out.index_copy_(0, group.rows, _decode_attention(q.index_select(0, group.rows), k_cache, v_cache, group, scale))
     kv_heads = k_cache.shape[2]
     for chunk in meta.prefills:
         out[chunk.q_start:chunk.q_start + chunk.q_len] = _prefill_attention(
@@ -78,22 +77,14 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    B, H, D = q.shape
-    kvh = k_cache.shape[2]
-    g = H // kvh
-    blk_seq = meta.decode_block_seq
-    k = k_cache.index_select(0, meta.decode_blocks).permute(0, 2, 3, 1)  # (NB, KVH, D, bs)
-    # Masked tail slots get p == 0; the runner zeroes every block before its first use, so
-    # their stale values are finite and 0 * v stays 0 (never 0 * NaN from fresh memory).
-    v = v_cache.index_select(0, meta.decode_blocks).transpose(1, 2)  # (NB, KVH, bs, D)
-    qb = q.view(B, kvh, g, D).index_select(0, blk_seq)  # (NB, KVH, G, D)
-    scores = torch.matmul(qb, k) * scale  # (NB, KVH, G, bs)
-    scores.masked_fill_(~meta.decode_block_mask[:, None, None, :], float("-inf"))
-    block_max = scores.amax(dim=-1)  # (NB, KVH, G)
-    seq_max = block_max.new_full((B, kvh, g), float("-inf")).scatter_reduce_(
-        0, blk_seq[:, None, None].expand_as(block_max), block_max, "amax")
-    p = torch.exp(scores - seq_max.index_select(0, blk_seq).unsqueeze(-1))  # (NB, KVH, G, bs)
-    denom = p.new_zeros(B, kvh, g).index_add_(0, blk_seq, p.sum(dim=-1))
-    o = q.new_zeros(B, kvh, g, D).index_add_(0, blk_seq, torch.matmul(p, v))  # (B, KVH, G, D)
-    return (o / denom.unsqueeze(-1)).view(B, H, D)
+                      group: DecodeGroup, scale: float) -> torch.Tensor:
+    """q: (b, H, D) -> (b, H, D) for one decode group."""
+    b, nb = group.block_tables.shape
+    _, bs, kvh, d = k_cache.shape
+    ids = group.block_tables.flatten()
+    k = k_cache.index_select(0, ids).view(b, nb * bs, kvh, d).transpose(1, 2)  # (b, KVH, nb*bs, D)
+    v = v_cache.index_select(0, ids).view(b, nb * bs, kvh, d).transpose(1, 2)
+    mask = None if group.mask is None else group.mask[:, None, None, :]
+    # Masked tail slots hold stale but finite values: the runner zeroes blocks before first use.
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.squeeze(2)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillChunk
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from engine.model.llama import LlamaModel
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -28,7 +28,7 @@ class ModelRunner:
         """-> input_ids (T,), positions (T,), attention metadata, flat rows whose logits are sampled."""
         bs = self.block_size
         ids, pos, slots, sample_rows = [], [], [], []
-        decode_rows, dec_blocks, dec_block_seq, dec_valid = [], [], [], []
+        decodes: dict[int, list[tuple[int, Sequence, int]]] = {}  # num blocks -> (row, seq, ctx)
         prefills = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -37,27 +37,23 @@ class ModelRunner:
             pos.extend(range(start, end))
             slots.extend(self._slot(seq, p) for p in range(start, end))
             if n == 1:
-                nb = -(-end // bs)
-                dec_blocks.extend(seq.block_table[:nb])
-                dec_block_seq.extend([len(decode_rows)] * nb)
-                dec_valid.extend([bs] * (nb - 1) + [end - (nb - 1) * bs])
-                decode_rows.append(row)
+                decodes.setdefault(-(-end // bs), []).append((row, seq, end))
             else:
                 key_slots = self._tensor([self._slot(seq, p) for p in range(end)])
                 prefills.append(PrefillChunk(row, n, key_slots, end))
             if end == seq.num_tokens:
                 sample_rows.append(row + n - 1)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            decode_rows=self._tensor(decode_rows) if decode_rows else None,
-            decode_blocks=self._tensor(dec_blocks) if decode_rows else None,
-            decode_block_seq=self._tensor(dec_block_seq) if decode_rows else None,
-            decode_block_mask=(torch.arange(bs, device=self.device)[None, :] < self._tensor(dec_valid)[:, None])
-            if decode_rows else None,
-            num_decodes=len(decode_rows), prefills=prefills,
-            all_decode=not prefills,
-        )
+        groups = [self._decode_group(nb, members) for nb, members in decodes.items()]
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), decode_groups=groups, prefills=prefills)
         return self._tensor(ids), self._tensor(pos), meta, sample_rows
+
+    def _decode_group(self, nb: int, members: list[tuple[int, Sequence, int]]) -> DecodeGroup:
+        tables = torch.tensor([seq.block_table[:nb] for _, seq, _ in members], dtype=torch.long, device=self.device)
+        ctx = [c for _, _, c in members]
+        mask = None
+        if any(c != nb * self.block_size for c in ctx):
+            mask = torch.arange(nb * self.block_size, device=self.device)[None, :] < self._tensor(ctx)[:, None]
+        return DecodeGroup(self._tensor([row for row, _, _ in members]), tables, mask)
 
     def _zero_new_blocks(self, batch: ScheduledBatch) -> None:
         """Zero pool memory before a block's first use. The pools start as torch.empty (on CPU
