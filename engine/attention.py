@@ -21,21 +21,28 @@ import torch.nn.functional as F
 class PrefillChunk:
     q_start: int  # first row of this chunk in the flat token batch
     q_len: int
-    key_slots: torch.Tensor  # (ctx_len,) flat slot ids of positions 0..ctx_len-1
+    block_table: torch.Tensor  # (ceil(ctx_len / block_size),) blocks holding positions 0..ctx_len-1
     ctx_len: int
 
 
 @dataclass
 class DecodeGroup:
-    """Decodes whose contexts span the same number of blocks (nb)."""
-    rows: torch.Tensor  # (b,) rows of the flat batch
-    block_tables: torch.Tensor  # (b, nb) physical block ids
-    mask: torch.Tensor | None  # (b, nb * block_size) True for real keys; None when all blocks are full
+    """`size` consecutive decode rows whose contexts span the same number of blocks `nb`.
+
+    rows:    first_row ........ first_row + size
+    blocks:  decode_block_ids[block_start : block_start + size * nb], nb per sequence
+    """
+    first_row: int
+    size: int
+    block_start: int
+    nb: int
+    mask: torch.Tensor | None  # (size, nb * block_size) True for real keys; None when all blocks are full
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) flat cache slot of every new token
+    decode_block_ids: torch.Tensor  # (sum of size * nb,) every decode group's blocks, in row order
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
@@ -51,21 +58,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: (T, H, D) -> (T, H, D). Caches already hold this step's keys/values."""
     out = torch.empty_like(q)
-    for group in meta.decode_groups:
-        out.index_copy_(0, group.rows, _decode_attention(q.index_select(0, group.rows), k_cache, v_cache, group, scale))
-    kv_heads = k_cache.shape[2]
     for chunk in meta.prefills:
-        out[chunk.q_start:chunk.q_start + chunk.q_len] = _prefill_attention(
-            q[chunk.q_start:chunk.q_start + chunk.q_len], k_cache, v_cache, chunk, kv_heads, scale)
+        rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
+        out[rows] = _prefill_attention(q[rows], k_cache, v_cache, chunk, scale)
+    if meta.decode_groups:
+        k_all = k_cache.index_select(0, meta.decode_block_ids)  # (NB, bs, KVH, D): one gather per layer
+        v_all = v_cache.index_select(0, meta.decode_block_ids)
+        for g in meta.decode_groups:
+            rows = slice(g.first_row, g.first_row + g.size)
+            out[rows] = _decode_attention(q[rows], k_all, v_all, g, scale)
     return out
 
 
+def _context(cache: torch.Tensor, blocks: torch.Tensor, ctx_len: int) -> torch.Tensor:
+    """(num_blocks, bs, KVH, D) pool -> (1, KVH, ctx_len, D) keys or values of one sequence."""
+    kvh, d = cache.shape[2:]
+    return cache.index_select(0, blocks).view(-1, kvh, d)[:ctx_len].transpose(0, 1).unsqueeze(0)
+
+
 def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       chunk: PrefillChunk, kv_heads: int, scale: float) -> torch.Tensor:
-    flat_k = k_cache.view(-1, kv_heads, k_cache.shape[-1])
-    flat_v = v_cache.view(-1, kv_heads, v_cache.shape[-1])
-    k = flat_k.index_select(0, chunk.key_slots).transpose(0, 1).unsqueeze(0)  # (1, KVH, C, D)
-    v = flat_v.index_select(0, chunk.key_slots).transpose(0, 1).unsqueeze(0)
+                       chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    k = _context(k_cache, chunk.block_table, chunk.ctx_len)  # (1, KVH, C, D)
+    v = _context(v_cache, chunk.block_table, chunk.ctx_len)
     qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, Q, D)
     if chunk.ctx_len == chunk.q_len:
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -76,15 +90,14 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return o.squeeze(0).transpose(0, 1)  # (Q, H, D)
 
 
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      group: DecodeGroup, scale: float) -> torch.Tensor:
-    """q: (b, H, D) -> (b, H, D) for one decode group."""
-    b, nb = group.block_tables.shape
-    _, bs, kvh, d = k_cache.shape
-    ids = group.block_tables.flatten()
-    k = k_cache.index_select(0, ids).view(b, nb * bs, kvh, d).transpose(1, 2)  # (b, KVH, nb*bs, D)
-    v = v_cache.index_select(0, ids).view(b, nb * bs, kvh, d).transpose(1, 2)
-    mask = None if group.mask is None else group.mask[:, None, None, :]
+def _decode_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+                      g: DecodeGroup, scale: float) -> torch.Tensor:
+    """q: (b, H, D) -> (b, H, D) for one decode group; k_all/v_all: gathered decode blocks."""
+    _, bs, kvh, d = k_all.shape
+    blocks = slice(g.block_start, g.block_start + g.size * g.nb)
+    k = k_all[blocks].view(g.size, g.nb * bs, kvh, d).transpose(1, 2)  # (b, KVH, nb*bs, D)
+    v = v_all[blocks].view(g.size, g.nb * bs, kvh, d).transpose(1, 2)
+    mask = None if g.mask is None else g.mask[:, None, None, :]
     # Masked tail slots hold stale but finite values: the runner zeroes blocks before first use.
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)

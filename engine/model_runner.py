@@ -24,36 +24,50 @@ class ModelRunner:
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """-> input_ids (T,), positions (T,), attention metadata, flat rows whose logits are sampled."""
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
+        """-> input_ids (T,), positions (T,), attention metadata, flat rows whose logits are sampled,
+        and the indices into batch.seqs of those sequences (same order).
+
+        Flat layout: prefill chunks first, then decodes sorted by their number of context blocks,
+        so each decode group is a contiguous slice of rows and of the gathered blocks."""
         bs = self.block_size
-        ids, pos, slots, sample_rows = [], [], [], []
-        decodes: dict[int, list[tuple[int, Sequence, int]]] = {}  # num blocks -> (row, seq, ctx)
-        prefills = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        entries = list(enumerate(zip(batch.seqs, batch.num_new_tokens)))
+        prefill = [e for e in entries if e[1][1] > 1]
+        decode = sorted((e for e in entries if e[1][1] == 1), key=lambda e: e[1][0].num_computed_tokens // bs)
+        ids, pos, slots, sample_rows, sampled = [], [], [], [], []
+        for i, (seq, n) in prefill + decode:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            row = len(ids)
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
             slots.extend(self._slot(seq, p) for p in range(start, end))
-            if n == 1:
-                decodes.setdefault(-(-end // bs), []).append((row, seq, end))
-            else:
-                key_slots = self._tensor([self._slot(seq, p) for p in range(end)])
-                prefills.append(PrefillChunk(row, n, key_slots, end))
             if end == seq.num_tokens:
-                sample_rows.append(row + n - 1)
-        groups = [self._decode_group(nb, members) for nb, members in decodes.items()]
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), decode_groups=groups, prefills=prefills)
-        return self._tensor(ids), self._tensor(pos), meta, sample_rows
+                sample_rows.append(len(ids) - 1)
+                sampled.append(i)
+        chunks, row = [], 0
+        for _, (seq, n) in prefill:
+            end = seq.num_computed_tokens + n
+            chunks.append(PrefillChunk(row, n, self._tensor(seq.block_table[:-(-end // bs)]), end))
+            row += n
+        groups, block_ids = self._decode_groups([seq for _, (seq, _) in decode], row)
+        meta = AttentionMetadata(self._tensor(slots), self._tensor(block_ids), groups, chunks)
+        return self._tensor(ids), self._tensor(pos), meta, sample_rows, sampled
 
-    def _decode_group(self, nb: int, members: list[tuple[int, Sequence, int]]) -> DecodeGroup:
-        tables = torch.tensor([seq.block_table[:nb] for _, seq, _ in members], dtype=torch.long, device=self.device)
-        ctx = [c for _, _, c in members]
-        mask = None
-        if any(c != nb * self.block_size for c in ctx):
-            mask = torch.arange(nb * self.block_size, device=self.device)[None, :] < self._tensor(ctx)[:, None]
-        return DecodeGroup(self._tensor([row for row, _, _ in members]), tables, mask)
+    def _decode_groups(self, seqs: list[Sequence], first_row: int) -> tuple[list[DecodeGroup], list[int]]:
+        """Consecutive decodes (sorted) with the same number of context blocks form one group."""
+        bs, groups, block_ids, i = self.block_size, [], [], 0
+        while i < len(seqs):
+            nb = -(-(seqs[i].num_computed_tokens + 1) // bs)
+            j = i
+            while j < len(seqs) and -(-(seqs[j].num_computed_tokens + 1) // bs) == nb:
+                block_ids.extend(seqs[j].block_table[:nb])
+                j += 1
+            ctx = [s.num_computed_tokens + 1 for s in seqs[i:j]]
+            mask = None
+            if any(c != nb * bs for c in ctx):
+                mask = torch.arange(nb * bs, device=self.device)[None, :] < self._tensor(ctx)[:, None]
+            groups.append(DecodeGroup(first_row + i, j - i, len(block_ids) - (j - i) * nb, nb, mask))
+            i = j
+        return groups, block_ids
 
     def _zero_new_blocks(self, batch: ScheduledBatch) -> None:
         """Zero pool memory before a block's first use. The pools start as torch.empty (on CPU
@@ -82,8 +96,6 @@ class ModelRunner:
         and their indices into batch.seqs."""
         self._zero_new_blocks(batch)
         self._copy_blocks(batch.copies)
-        input_ids, positions, meta, sample_rows = self.prepare(batch)
+        input_ids, positions, meta, sample_rows, sampled = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden[self._tensor(sample_rows)])
-        ends = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(batch.seqs, batch.num_new_tokens)]
-        return logits, [i for i, e in enumerate(ends) if e]
+        return self.model.compute_logits(hidden.index_select(0, self._tensor(sample_rows))), sampled
