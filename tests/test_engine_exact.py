@@ -70,6 +70,15 @@ def test_exact_staggered_arrivals(tiny):
     while eng.has_unfinished():
         done.update({o.request_id: o for o in eng.step() if o.finished})
     assert [done[str(i)].outputs[0].token_ids for i in range(len(prompts))] == ref
+    assert llm.engine.stats().prefix_hit_tokens > 0  # the chat template's system prompt is shared
+    _assert_clean(llm)
+
+
+def test_smollm2_exact_n2(smollm2_path, smol_case):
+    prompts, ref = smol_case
+    llm = LLM(model=smollm2_path, num_gpu_blocks_override=64)
+    outs = llm.generate(prompts[:2], SamplingParams(n=2, temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[r, r] for r in ref[:2]]
     _assert_clean(llm)
 
 
@@ -142,4 +151,13 @@ def test_smollm2_exact(smollm2_path, smol_case, engine_kwargs):
     while eng.has_unfinished():
         done.update({o.request_id: o for o in eng.step() if o.finished})
     assert [done[str(i)].outputs[0].token_ids for i in range(len(prompts))] == ref
+    assert llm.engine.stats().prefix_hit_tokens > 0  # the chat template's system prompt is shared
+    _assert_clean(llm)
+
+
+def test_smollm2_exact_n2(smollm2_path, smol_case):
+    prompts, ref = smol_case
+    llm = LLM(model=smollm2_path, num_gpu_blocks_override=64)
+    outs = llm.generate(prompts[:2], SamplingParams(n=2, temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[r, r] for r in ref[:2]]
     _assert_clean(llm)
