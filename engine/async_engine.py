@@ -48,6 +48,12 @@ class AsyncEngine:
     def check_health(self) -> None:
         if self._error is not None:
             raise EngineDeadError(f"engine loop failed: {self._error!r}")
+        executor_check = getattr(self.engine.executor, "check_health", None)
+        if executor_check is not None:  # a worker group notices a rank that died while idle
+            try:
+                executor_check()
+            except Exception as e:
+                raise EngineDeadError(f"engine workers unhealthy: {e}") from e
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -1,0 +1,427 @@
+"""Tensor-parallel worker groups (gloo on CPU): token-exact vs tp=1 and HF, weights read once and
+scattered, step messages as deltas, clear errors, and a group that fails fast and can be rebuilt."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from engine import LLM, AsyncEngine, SamplingParams
+from engine.block_manager import BlockManager
+from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from engine.sequence import Sequence
+from tests.tiny_llama import TINY_CONFIGS, hf_greedy, make_tiny_llama
+from workers.messages import RankMirror, StepEncoder
+
+MAX_NEW = 24
+PROMPT_LENS = (5, 16, 17, 40, 33, 100, 64)  # cross block boundaries (block_size 16)
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+# 4 heads over 1 KV head: with tp=2 the KV head is replicated; a vocab (509) that does not split evenly
+MQA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=1, tie_word_embeddings=True)
+
+
+def _prompts(seed: int = 0, lens=PROMPT_LENS, vocab: int = 509) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _assert_clean(llm: LLM) -> None:
+    eng = llm.engine
+    eng.scheduler.check_integrity()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+# -- step messages: pure Python, driven by the real scheduler ----------------------------------
+
+def test_mirror_tracks_scheduler_through_preemption_forks_and_aborts():
+    rng = random.Random(7)
+    bm = BlockManager(num_blocks=24, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=20, max_model_len=200), bm)
+    enc, mirror = StepEncoder(), RankMirror()
+    copies = 0
+    shared = [rng.randrange(100) for _ in range(9)]  # prefix-cache hits
+    for step in range(400):
+        if step < 250 and rng.random() < 0.3:
+            n = rng.choice([1, 1, 2])
+            prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(100) for _ in range(rng.randrange(1, 14))]
+            sched.add(Sequence(f"r{step}", prompt, SamplingParams(n=n, max_tokens=20), max_tokens=rng.randrange(1, 12)))
+        if rng.random() < 0.05 and sched.running:  # abort
+            sched.finish(rng.choice(sched.running))
+        batch = sched.schedule()
+        if not batch.seqs:
+            continue
+        msg = enc.encode(batch)
+        copies += len(msg.copies)
+        rank_batch = mirror.apply(msg)
+        assert rank_batch.num_new_tokens == batch.num_new_tokens and rank_batch.copies == batch.copies
+        for seq, n, view in zip(batch.seqs, batch.num_new_tokens, rank_batch.seqs):
+            start = seq.num_computed_tokens
+            assert view.block_table == seq.block_table
+            assert view.token_ids[start:start + n] == seq.token_ids[start:start + n]
+            assert (view.num_tokens, view.num_computed_tokens) == (seq.num_tokens, start)
+        assert mirror.tables == enc.sent
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        done = [s for s in batch.seqs if s.num_computed_tokens == s.num_tokens]
+        for seq in list(done):
+            if seq.pending_forks:
+                child = seq.fork(1)
+                sched.fork(seq, child)
+                seq.pending_forks = 0
+                done.append(child)
+        for seq in done:
+            seq.token_ids.append(rng.randrange(100))
+            if seq.num_output_tokens >= seq.max_tokens:
+                sched.finish(seq)
+        sched.check_integrity()
+    assert sched.stats.num_preemptions > 0 and copies > 0 and sched.stats.prefix_hit_tokens > 0
+    for seq in list(sched.running) + list(sched.waiting):
+        sched.finish(seq)
+    mirror.apply(enc.encode(ScheduledBatch()))
+    assert mirror.tables == {} and enc.sent == {}
+
+
+def test_decode_message_is_small():
+    bm = BlockManager(num_blocks=64, block_size=16)
+    sched = Scheduler(SchedulerConfig(8, 256, 1000), bm)
+    seqs = [Sequence(str(i), list(range(3, 3 + 200)), SamplingParams(), max_tokens=50) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    enc = StepEncoder()
+    for _ in range(6):  # prefill in 256-token chunks, then decodes
+        batch = sched.schedule()
+        msg = enc.encode(batch)
+        for s, n in zip(batch.seqs, batch.num_new_tokens):
+            s.num_computed_tokens += n
+            if s.num_computed_tokens == s.num_tokens:
+                s.token_ids.append(7)
+    assert all(len(d.token_ids) == 1 and len(d.new_blocks) <= 1 for d in msg.seqs)  # no prompt, no whole table
+
+
+# -- errors before anything starts --------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,tp", [("tied", 2), ("gqa", 3)])
+def test_cannot_split_tiny_is_clear_and_early(tmp_path, smollm2_path, kind, tp):
+    d = make_tiny_llama(tmp_path / kind, smollm2_path, kind)
+    with pytest.raises(ValueError, match=f"cannot split this model across tensor_parallel_size={tp}"):
+        LLM(model=str(d), tensor_parallel_size=tp)
+
+
+def test_smollm2_tp2_cannot_split(smollm2_path):
+    import ray
+
+    started = ray.is_initialized()
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: num_attention_heads=9, num_key_value_heads=3"):
+        LLM(model=smollm2_path, tensor_parallel_size=2)
+    assert ray.is_initialized() == started  # refused before Ray, actors or weights
+
+
+# -- on Ray --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    if ray.is_initialized():  # someone else's instance: use it, leave it up
+        yield ray
+        return
+    # Logical CPUs: a module-scoped group may still be up while another test builds its own.
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory, smollm2_path):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(TINY_CONFIGS, "mqa", MQA)
+        return {"gqa": make_tiny_llama(tmp_path_factory.mktemp("gqa"), smollm2_path, "gqa", vocab_size=509),
+                "mqa": make_tiny_llama(tmp_path_factory.mktemp("mqa"), smollm2_path, "mqa", vocab_size=509)}
+
+
+ENGINE = dict(num_gpu_blocks_override=12, max_num_batched_tokens=24)  # chunked prefill + preemption
+
+
+@pytest.fixture(scope="module", params=["gqa", "mqa"])
+def tp2(request, ray_cluster, tiny_dirs):
+    d = tiny_dirs[request.param]
+    prompts = _prompts()
+    ref = hf_greedy(d, prompts, MAX_NEW)
+    tp1 = _tokens(LLM(model=str(d), **ENGINE).generate(prompts, GREEDY))
+    llm = LLM(model=str(d), tensor_parallel_size=2, **ENGINE)
+    yield d, llm, prompts, ref, tp1
+    llm.engine.executor.shutdown()
+
+
+def test_tp2_exact_under_preemption(tp2):
+    _, llm, prompts, ref, tp1 = tp2
+    preempted = llm.engine.stats().num_preemptions
+    assert _tokens(llm.generate(prompts, GREEDY)) == ref == tp1
+    assert llm.engine.stats().num_preemptions > preempted
+    _assert_clean(llm)
+
+
+def test_tp2_exact_staggered_arrivals(tp2):
+    _, llm, prompts, ref, _ = tp2
+    eng, done = llm.engine, {}
+    for i, p in enumerate(prompts):  # each arrives while the others are mid-flight
+        eng.add_request(f"s{i}", p, GREEDY)
+        for _ in range(3):
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert [done[f"s{i}"].outputs[0].token_ids for i in range(len(prompts))] == ref
+    _assert_clean(llm)
+
+
+def test_tp2_forks_copy_on_write(tp2):
+    _, llm, prompts, ref, _ = tp2
+    encoder, copies = llm.engine.executor.encoder, []
+    encode = encoder.encode
+
+    def spy(batch):
+        msg = encode(batch)
+        copies.extend(msg.copies)
+        return msg
+    encoder.encode = spy
+    try:
+        outs = llm.generate(prompts[:4], SamplingParams(n=2, temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    finally:
+        encoder.encode = encode
+    for out, r in zip(outs, ref[:4]):
+        assert [c.token_ids for c in out.outputs] == [r, r]
+    assert copies, "forked sequences writing a shared partial block must copy it on every rank"
+    _assert_clean(llm)
+    # every rank dropped the mirrors of finished sequences once the next step said so
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    import ray
+
+    for tables in ray.get([a.mirror_tables.remote() for a in llm.engine.executor.group.ranks]):
+        assert len(tables) <= 1
+
+
+def _audited_rank_cls():
+    from workers.rank import RankWorker
+
+    class _Audited(RankWorker):  # records every safetensors file it opens, whatever the code path
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            import safetensors
+
+            self.opened = []
+            real = safetensors.safe_open
+
+            def spy(path, *a, **k):
+                self.opened.append(str(path))
+                return real(path, *a, **k)
+            safetensors.safe_open = spy
+
+        def audit(self) -> list[str]:
+            return self.opened
+    return _Audited
+
+
+def test_only_rank0_reads_weights_and_each_rank_holds_its_slice(ray_cluster, tiny_dirs):
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.model.layers import TPContext
+    from engine.model.llama import LlamaModel
+    from engine.model.loader import load_arch, load_weights
+    from workers.executor import WorkerGroupExecutor
+
+    d = tiny_dirs["gqa"]
+    ex = WorkerGroupExecutor(EngineConfig(model=str(d), tensor_parallel_size=2, num_gpu_blocks_override=8),
+                             worker_cls=_audited_rank_cls())
+    try:
+        ranks = ex.group.ranks
+        assert ray_cluster.get([a.audit.remote() for a in ranks]) == [[str(d / "model.safetensors")], []]
+        stats = ex.stats()["ranks"]
+        arch, _ = load_arch(d)
+        file_bytes = sum(p.numel() * 4 for p in LlamaModel(arch, torch.float32).parameters())
+        assert [s["bytes_read"] for s in stats] == [file_bytes, 0]
+        assert stats[1]["bytes_received"] == stats[1]["param_bytes"] < file_bytes
+        for r, got in enumerate(ray_cluster.get([a.parameters.remote() for a in ranks])):
+            want = LlamaModel(arch, torch.float32, TPContext(r, 2))  # the layers' own weight_loaders
+            load_weights(want, d)
+            assert got.keys() == dict(want.named_parameters()).keys()
+            for name, p in want.named_parameters():
+                assert torch.equal(got[name], p), f"rank {r} {name}"
+    finally:
+        ex.shutdown()
+    assert not ex.healthy
+
+
+@pytest.fixture(scope="module")
+def smol_prompts(smollm2_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    qs = ["What is the capital of France?", "List three prime numbers.", "Write a haiku about the sea."]
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in qs]
+    return [tok.encode(t, add_special_tokens=False) for t in texts]
+
+
+def test_smollm2_tp3_exact_vs_tp1(ray_cluster, smollm2_path, smol_prompts):
+    from transformers import AutoTokenizer
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = _tokens(LLM(model=smollm2_path, num_gpu_blocks_override=64).generate(smol_prompts, params))
+    llm = LLM(model=smollm2_path, tensor_parallel_size=3, num_gpu_blocks_override=64)
+    try:
+        eng, done = llm.engine, {}
+        for i, p in enumerate(smol_prompts):  # staggered
+            eng.add_request(str(i), p, params)
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+        while eng.has_unfinished():
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+        assert [done[str(i)].outputs[0].token_ids for i in range(len(smol_prompts))] == ref
+        assert "Paris" in AutoTokenizer.from_pretrained(smollm2_path).decode(ref[0])
+        reports = llm.engine.executor.stats()["ranks"]
+        assert [bool(r["files_opened"]) for r in reports] == [True, False, False]
+    finally:
+        llm.engine.executor.shutdown()
+
+
+# -- failures: never hang, clear messages, rebuild ---------------------------------------------
+
+def test_killed_rank_fails_inflight_requests_then_rebuilt_group_serves(ray_cluster, tiny_dirs):
+    from engine.async_engine import EngineDeadError
+
+    d = tiny_dirs["gqa"]
+    prompts = _prompts(seed=5, lens=(12, 30, 7))
+    ref = hf_greedy(d, prompts[:1], MAX_NEW)
+    long = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+
+    async def main():
+        engine = AsyncEngine(model=str(d), tensor_parallel_size=2, num_gpu_blocks_override=256)
+        try:
+            outs = [o async for o in engine.generate("ok", prompts[0], GREEDY)]
+            assert outs[-1].outputs[0].token_ids == ref[0]
+            group = engine.engine.executor.group
+            pids, pg_id = group.pids(), group.pg.id.hex()
+            started = asyncio.Event()
+
+            async def run(rid, prompt):
+                async for _ in engine.generate(rid, prompt, long):
+                    started.set()
+            tasks = [asyncio.create_task(run(f"r{i}", p)) for i, p in enumerate(prompts)]
+            await asyncio.wait_for(started.wait(), 30)
+            os.kill(pids[1], signal.SIGKILL)
+            t0 = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+            assert time.monotonic() - t0 < 15
+            assert all(isinstance(r, EngineDeadError) and "rank 1 died" in str(r) for r in results), results
+            assert not engine.engine.executor.healthy
+            with pytest.raises(EngineDeadError):
+                async for _ in engine.generate("late", prompts[0], GREEDY):
+                    pass
+        finally:
+            await engine.shutdown()
+        return pg_id
+    pg_id = asyncio.run(main())
+    from ray.util import placement_group_table
+
+    assert placement_group_table()[pg_id]["state"] == "REMOVED"
+    llm = LLM(model=str(d), tensor_parallel_size=2, num_gpu_blocks_override=64)  # rebuilt
+    try:
+        assert _tokens(llm.generate(prompts[:1], GREEDY)) == ref
+    finally:
+        llm.engine.executor.shutdown()
+
+
+def _faulty_rank_cls():
+    from workers.rank import RankWorker
+
+    class _Faulty(RankWorker):
+        def execute(self, msg):
+            if self.rank == 1 and msg.step == 2:
+                time.sleep(3)  # a long step: pings are still answered meanwhile
+            if self.rank == 1 and msg.step == 3:
+                raise RuntimeError("injected fault")
+            return super().execute(msg)
+    return _Faulty
+
+
+def test_health_during_long_step_then_rank_that_raises_marks_group_unhealthy(ray_cluster, tiny_dirs):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from workers.executor import WorkerGroupError, WorkerGroupExecutor
+    from workers.group import WorkerGroupConfig
+
+    config = EngineConfig(model=str(tiny_dirs["gqa"]), tensor_parallel_size=2, num_gpu_blocks_override=32)
+    ex = WorkerGroupExecutor(config, WorkerGroupConfig(health_timeout_s=1), worker_cls=_faulty_rank_cls())
+    engine = LLMEngine(config, executor=ex)
+    engine.add_request("a", _prompts(lens=(20,))[0], GREEDY)
+    engine.step()
+    with ThreadPoolExecutor(1) as pool:
+        health = pool.submit(lambda: (time.sleep(1), ex.check_health()))
+        engine.step()  # 3 s on rank 1
+        health.result()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerGroupError, match="rank 1 failed to run step 3: RuntimeError: injected fault"):
+        engine.step()
+    assert time.monotonic() - t0 < 20 and not ex.healthy
+    with pytest.raises(WorkerGroupError, match="unhealthy"):
+        engine.step()
+    with pytest.raises(WorkerGroupError, match="unhealthy"):
+        ex.check_health()
+    ex.shutdown()
+
+
+def _late_rank_cls():
+    from workers.rank import RankWorker
+
+    class _Late(RankWorker):
+        def connect(self, port, timeout_s):
+            if self.rank == 1:
+                time.sleep(60)
+            return super().connect(port, timeout_s)
+    return _Late
+
+
+def _mismatched_rank_cls():
+    import dataclasses
+
+    from workers.rank import RankWorker
+
+    class _Mismatched(RankWorker):
+        def _load_arch(self):
+            arch = super()._load_arch()
+            return dataclasses.replace(arch, rms_norm_eps=arch.rms_norm_eps * 2) if self.rank == 1 else arch
+    return _Mismatched
+
+
+@pytest.mark.parametrize("cls,match", [
+    (_late_rank_cls, r"rank 1 did not join the group within 3s"),
+    (_mismatched_rank_cls, r"rank \d failed to load the model: ValueError: rank 1 loaded a different model "
+                           r"config or dtype than rank 0"),
+], ids=["join-timeout", "config-mismatch"])
+def test_startup_failures_are_clear_and_release_everything(ray_cluster, tiny_dirs, cls, match):
+    from ray.util import placement_group_table
+
+    from engine.config import EngineConfig
+    from workers.executor import WorkerGroupError, WorkerGroupExecutor
+    from workers.group import WorkerGroupConfig
+
+    def live_groups():
+        return {k for k, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
+
+    config = EngineConfig(model=str(tiny_dirs["gqa"]), tensor_parallel_size=2, num_gpu_blocks_override=8)
+    before, t0 = live_groups(), time.monotonic()
+    with pytest.raises(WorkerGroupError, match=match):
+        WorkerGroupExecutor(config, WorkerGroupConfig(join_timeout_s=3), worker_cls=cls())
+    assert time.monotonic() - t0 < 40
+    assert live_groups() == before

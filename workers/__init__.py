@@ -1,0 +1,8 @@
+"""Tensor-parallel worker groups on Ray: one engine replica = one group of ranks.
+
+    messages.py  the per-step message (deltas) and the block-table mirrors on both sides
+    weights.py   rank 0 reads the checkpoint once and scatters each rank its shard
+    rank.py      the rank actor: its model shard, KV-cache shard, one step at a time
+    group.py     placement group, start-up handshake with timeouts, health, teardown
+    executor.py  WorkerGroupExecutor, the engine's Executor for tensor_parallel_size > 1
+"""

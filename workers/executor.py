@@ -1,0 +1,90 @@
+"""WorkerGroupExecutor: the engine's Executor for tensor_parallel_size > 1.
+
+Process layout: the engine process (scheduler, sampler, detokenizer) is not a rank. All N ranks
+are Ray actors of one WorkerGroup, symmetric, each with its shard of the weights and KV cache:
+
+    engine process ──StepMessage (deltas)──> rank 0 ┐
+        scheduler  ──StepMessage (deltas)──> rank 1 ├─ gloo / NCCL all-reduce inside the model
+        sampler    <──logits of sampled rows── rank 0 ┘   (gather of the vocab shards to rank 0)
+
+Why not make the engine process rank 0 (vLLM's driver worker)? Keeping torch.distributed out of
+the engine process means a dead or stuck rank can never wedge it inside a collective: the engine
+only waits on Ray futures, sees a dead actor at once, and can tear the group down and build a new
+one in the same process. It also lets the engine run where there is no GPU (a Serve replica with
+zero GPUs) while every GPU rank sits in one placement group. The cost is one hop for the logits
+of the rows sampled this step (N x vocab float32); everything else stays on the ranks.
+
+Only rank 0 gets logits (the other ranks return None) and the engine's one Sampler samples them,
+so "one rank samples" holds: seeds, penalties and stop rules are the tp=1 code path unchanged.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+import torch
+
+from engine.config import EngineConfig
+from engine.executor import ModelInfo, eos_token_ids, load_model_info, resolve_dtype
+from engine.scheduler import ScheduledBatch
+from workers.group import WorkerGroup, WorkerGroupConfig, WorkerGroupError
+from workers.messages import StepEncoder
+from workers.rank import RankWorker
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["WorkerGroupExecutor", "WorkerGroupError"]
+
+
+def _ensure_ray() -> bool:
+    """Start a local Ray instance unless one is already up (tests, Serve); True if we started it."""
+    if ray.is_initialized():
+        return False
+    ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+    return True
+
+
+class WorkerGroupExecutor:
+    def __init__(self, config: EngineConfig, group_config: WorkerGroupConfig | None = None,
+                 worker_cls: type = RankWorker) -> None:
+        t0 = time.perf_counter()
+        model_dir, arch, hf_config, tokenizer, _ = load_model_info(config)
+        arch.check_tp(config.tensor_parallel_size)  # before any actor starts or any weight is read
+        self._owns_ray = _ensure_ray()
+        try:
+            self.group = WorkerGroup(config, str(model_dir), group_config or WorkerGroupConfig(), worker_cls)
+        except BaseException:
+            if self._owns_ray:
+                ray.shutdown()
+            raise
+        self.encoder = StepEncoder()
+        self.info = ModelInfo(model_dir, tokenizer, eos_token_ids(model_dir, hf_config, tokenizer), arch.vocab_size,
+                              arch.max_position_embeddings, self.group.num_blocks, torch.device("cpu"),
+                              resolve_dtype(config.dtype, torch.device(self.group.device)))
+        self.startup_s = time.perf_counter() - t0
+        logger.info("tp=%d worker group for %s up in %.1fs; KV cache %d blocks x %d tokens",
+                    config.tensor_parallel_size, model_dir.name, self.startup_s, self.group.num_blocks, config.block_size)
+
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """-> logits (N, vocab) float32 on CPU of the sequences that completed their tokens this
+        step, and their indices into batch.seqs (as LocalExecutor)."""
+        return self.group.execute(self.encoder.encode(batch))
+
+    @property
+    def healthy(self) -> bool:
+        return self.group.healthy
+
+    def check_health(self) -> None:
+        self.group.check_health()
+
+    def stats(self) -> dict:
+        """Start-up time, and per rank: bytes read from storage, received, parameters, KV, peak memory."""
+        return dict(startup_s=self.startup_s, group_startup_s=self.group.startup_s, num_blocks=self.group.num_blocks,
+                    ranks=self.group.reports)
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False

@@ -1,0 +1,125 @@
+"""The per-step message from the engine to every rank: deltas, not whole sequences.
+
+The engine process keeps, per live sequence, the block table it last sent; a step carries only
+what changed. Each rank keeps the same mirror and rebuilds from it the few fields that
+`ModelRunner.prepare` reads from a Sequence:
+
+    engine  seq 7  block_table [3, 9, 4]       sent last step [3, 9]     -> keep=2, new_blocks=[4]
+    engine  seq 8  block_table [3, 9, 12]  (copy-on-write replaced 5)    -> keep=2, new_blocks=[12]
+    rank    mirror[7] = mirror[7][:keep] + new_blocks                    == [3, 9, 4]
+
+A sequence that is no longer running (finished, aborted or preempted) is listed in `freed` once
+and both sides drop its mirror; if it runs again later it is sent whole, like a new one.
+Pure Python: no torch, no Ray.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SeqDelta:
+    seq_id: int
+    start: int  # num_computed_tokens before this step: position of token_ids[0]
+    token_ids: list[int]  # the tokens computed this step (a prefill chunk or one decode token)
+    num_tokens: int  # the sequence's known tokens: start + len(token_ids) == num_tokens -> sample it
+    keep: int  # leading block-table entries still valid on the ranks
+    new_blocks: list[int]  # entries after them
+
+
+@dataclass(frozen=True, slots=True)
+class StepMessage:
+    step: int
+    seqs: list[SeqDelta]
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+    freed: list[int] = field(default_factory=list)  # seq ids whose mirrors to drop (applied first)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    if len(a) <= len(b) and b[:len(a)] == a:  # the usual case: only appended
+        return len(a)
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class StepEncoder:
+    """Engine side: turns a ScheduledBatch into a StepMessage against what the ranks hold."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, Sequence] = {}
+        self.sent: dict[int, list[int]] = {}  # seq_id -> block table as the ranks have it
+        self.step = 0
+
+    def encode(self, batch: ScheduledBatch) -> StepMessage:
+        freed = [sid for sid, s in self.live.items() if s.status is not SequenceStatus.RUNNING]
+        for sid in freed:
+            del self.live[sid], self.sent[sid]
+        deltas = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, table = seq.num_computed_tokens, seq.block_table
+            old = self.sent.get(seq.seq_id, [])
+            keep = _common_prefix(old, table)
+            deltas.append(SeqDelta(seq.seq_id, start, seq.token_ids[start:start + n], seq.num_tokens,
+                                   keep, table[keep:]))
+            self.live[seq.seq_id] = seq
+            self.sent[seq.seq_id] = list(table)
+        self.step += 1
+        return StepMessage(self.step, deltas, list(batch.copies), freed)
+
+    def reset(self) -> None:
+        self.live.clear()
+        self.sent.clear()
+
+
+class _Window:
+    """`token_ids` as ModelRunner.prepare reads it: only this step's slice [start:start + n]."""
+
+    __slots__ = ("start", "ids")
+
+    def __init__(self, start: int, ids: list[int]) -> None:
+        self.start, self.ids = start, ids
+
+    def __getitem__(self, s: slice) -> list[int]:
+        if s.start != self.start or s.stop != self.start + len(self.ids):
+            raise IndexError(f"rank holds tokens [{self.start}:{self.start + len(self.ids)}], asked {s}")
+        return self.ids
+
+
+@dataclass(slots=True)
+class SeqView:
+    """The fields of a Sequence that ModelRunner.prepare reads, rebuilt on a rank."""
+    seq_id: int
+    token_ids: _Window
+    num_computed_tokens: int
+    num_tokens: int
+    block_table: list[int]
+
+
+class RankMirror:
+    """Rank side: applies StepMessages in order and yields the batch ModelRunner executes."""
+
+    def __init__(self) -> None:
+        self.tables: dict[int, list[int]] = {}
+        self.step = 0
+
+    def apply(self, msg: StepMessage) -> ScheduledBatch:
+        if msg.step != self.step + 1:
+            raise RuntimeError(f"step message {msg.step} arrived after step {self.step}: the rank is out of sync")
+        self.step = msg.step
+        for sid in msg.freed:
+            self.tables.pop(sid, None)
+        views = []
+        for d in msg.seqs:
+            table = self.tables.setdefault(d.seq_id, [])
+            del table[d.keep:]
+            table.extend(d.new_blocks)
+            views.append(SeqView(d.seq_id, _Window(d.start, d.token_ids), d.start, d.num_tokens, table))
+        return ScheduledBatch(seqs=views, num_new_tokens=[len(d.token_ids) for d in msg.seqs],
+                              copies=list(msg.copies))

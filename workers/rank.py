@@ -1,0 +1,174 @@
+"""One tensor-parallel rank: a Ray actor holding its shard of the model and of the KV cache.
+
+Lifecycle, each step driven (and timed out) by `workers.group.WorkerGroup`:
+
+    open_store (rank 0) -> connect (ranks > 0) -> init_collective -> load -> allocate_kv
+    -> execute(StepMessage) ... -> killed with the group
+
+The rank keeps a mirror of every running sequence's block table (`RankMirror`); each step it
+applies the message's deltas, runs the same ModelRunner code as the single-process engine on
+its shard (RankModel gathers the logits of the rows to sample to rank 0 only).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import time
+from datetime import timedelta
+
+import ray
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from engine.config import EngineConfig
+from engine.executor import resolve_dtype
+from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
+from engine.model.layers import TPContext
+from engine.model.llama import LlamaModel, ModelArch
+from engine.model.loader import load_arch
+from engine.model_runner import ModelRunner
+from workers.messages import RankMirror, StepMessage
+from workers.weights import load_sharded
+
+HOST = "127.0.0.1"  # the group is STRICT_PACKed on one node, so the rendezvous stays on loopback
+# Pings and reports run in their own thread so that a rank answers a health check while a long
+# step runs; everything else (and so every torch call) stays on one thread, in order.
+CONCURRENCY_GROUPS = {"control": 1}
+control = ray.method(concurrency_group="control")
+
+
+class RankModel(LlamaModel):
+    """The Llama model of one rank; its logits are gathered to rank 0 alone, the rank whose
+    output the engine samples (ModelRunner runs unchanged on top of it)."""
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor | None:
+        """h: (N, hidden) rows to sample -> rank 0: (N, vocab) float32; other ranks: None."""
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens
+        local = F.linear(h, head.weight).contiguous()  # (N, vocab / tp): this rank's vocab range
+        parts = [torch.empty_like(local) for _ in range(self.tp.size)] if self.tp.rank == 0 else None
+        dist.gather(local, parts, dst=0, group=self.tp.group)
+        if self.tp.rank != 0:
+            return None
+        return torch.cat(parts, dim=-1)[:, :head.vocab_size].float()
+
+
+def model_fingerprint(arch: ModelArch, dtype: torch.dtype) -> str:
+    return f"{arch!r} dtype={dtype}"
+
+
+class RankWorker:
+    def __init__(self, rank: int, world_size: int, config: EngineConfig, model_dir: str, device: str) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.config = config
+        self.model_dir = model_dir
+        self.device = torch.device(device)
+        self.store = None
+        self.tp: TPContext | None = None
+        self.arch: ModelArch | None = None
+        self.dtype: torch.dtype | None = None
+        self.model: RankModel | None = None
+        self.runner: ModelRunner | None = None
+        self.mirror = RankMirror()
+
+    # -- start-up ------------------------------------------------------------------------------
+    @control
+    def pid(self) -> int:
+        return os.getpid()
+
+    def open_store(self, timeout_s: float) -> int:
+        """Rank 0: the rendezvous store on a free loopback port (port 0: no race for a port)."""
+        self.store = dist.TCPStore(HOST, 0, self.world_size, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=timeout_s))
+        return self.store.port
+
+    def connect(self, port: int, timeout_s: float) -> int:
+        self.store = dist.TCPStore(HOST, port, self.world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+        return self.rank
+
+    def init_collective(self, timeout_s: float) -> str:
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        else:  # ranks share the node's cores
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.world_size))
+        dist.init_process_group(backend, store=self.store, rank=self.rank, world_size=self.world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        self.tp = TPContext(self.rank, self.world_size, dist.group.WORLD)
+        return backend
+
+    def _load_arch(self) -> ModelArch:
+        return load_arch(self.model_dir)[0]
+
+    def _check_same_model(self, arch: ModelArch, dtype: torch.dtype) -> None:
+        mine = model_fingerprint(arch, dtype)
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.tp.group)
+        for r, other in enumerate(everyone):
+            if other != everyone[0]:
+                raise ValueError(f"rank {r} loaded a different model config or dtype than rank 0 "
+                                 f"({other} != {everyone[0]}); every rank must load the same model")
+
+    def load(self) -> dict:
+        """Collective: agree on the model, receive this rank's weight shards, size the KV cache."""
+        t0 = time.perf_counter()
+        arch = self._load_arch()
+        dtype = resolve_dtype(self.config.dtype, self.device)
+        self._check_same_model(arch, dtype)
+        with torch.device(self.device):
+            model = RankModel(arch, dtype, self.tp)  # raises "cannot split" before any weight moves
+        stats = load_sharded(model, self.model_dir if self.rank == 0 else None, self.tp)
+        self.model, self.arch, self.dtype = model.eval(), arch, dtype
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        block_bytes = bytes_per_block(arch.num_layers, self.config.block_size, arch.local_kv_heads(self.world_size),
+                                      arch.head_dim, dtype)
+        return dict(rank=self.rank, max_blocks=num_kv_blocks(self._kv_config(), block_bytes, self.device, param_bytes),
+                    block_bytes=block_bytes, param_bytes=param_bytes, bytes_read=stats.bytes_read,
+                    bytes_received=stats.bytes_received, files_opened=stats.files_opened,
+                    load_s=time.perf_counter() - t0, memory_after_load=self.memory())
+
+    def _kv_config(self) -> EngineConfig:
+        # CPU ranks share one host's RAM: split the RAM-derived budget between them. An explicit
+        # --kv-cache-memory, like GPU memory, is per rank.
+        if self.device.type != "cpu":
+            return self.config
+        c = self.config
+        return dataclasses.replace(c, cpu_kv_cache_fraction=c.cpu_kv_cache_fraction / self.world_size,
+                                   max_cpu_kv_cache_bytes=c.max_cpu_kv_cache_bytes // self.world_size)
+
+    def allocate_kv(self, num_blocks: int) -> dict:
+        kv = allocate_kv_cache(self.arch.num_layers, num_blocks, self.config.block_size,
+                               self.arch.local_kv_heads(self.world_size), self.arch.head_dim, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, kv, self.config.block_size, self.device)
+        return dict(rank=self.rank, kv_bytes=sum(k.numel() * k.element_size() * 2 for k, _ in kv))
+
+    # -- serving -------------------------------------------------------------------------------
+    def execute(self, msg: StepMessage) -> tuple[torch.Tensor, list[int]] | None:
+        """-> rank 0: what ModelRunner.execute returns (logits on CPU, their indices into the
+        batch's sequences); other ranks: None."""
+        logits, sampled = self.runner.execute(self.mirror.apply(msg))
+        return (logits.cpu(), sampled) if self.rank == 0 else None
+
+    @control
+    def ping(self) -> int:
+        return self.rank
+
+    @control
+    def memory(self) -> dict:
+        """CUDA: peak and current bytes allocated by torch. CPU: the process's peak RSS (which
+        counts the checkpoint pages rank 0 had mapped) and its anonymous RSS now (tensors,
+        interpreter and libraries; no file pages)."""
+        if self.device.type == "cuda":
+            return dict(peak_bytes=torch.cuda.max_memory_allocated(self.device),
+                        current_bytes=torch.cuda.memory_allocated(self.device))
+        with open("/proc/self/status") as f:
+            anon = next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+        return dict(peak_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, current_bytes=anon)
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters (its shards), for tests and debugging."""
+        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
+
+    def mirror_tables(self) -> dict[int, list[int]]:
+        return {k: list(v) for k, v in self.mirror.tables.items()}
