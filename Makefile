@@ -1,5 +1,6 @@
 # kvserve developer entry points. Works on a fresh machine with only Python 3.11 (and make):
-#   make serve   venv + default model, then one generation from the command line
+#   make serve   venv + default model, then the OpenAI-compatible server on 127.0.0.1:8000
+#                (extra flags: SERVE_ARGS="--api-key KEY --max-model-len 2048"; Ctrl-C stops it)
 #   make test    venv + default model, then the pytest suite (extra args: PYTEST_ARGS="...")
 
 SHELL := bash
@@ -13,6 +14,7 @@ PY := $(VENV)/bin/python
 # dependencies in pyproject.toml change.
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
+SERVE_ARGS ?=
 
 # Quiet, non-interactive pip that behaves the same with and without a TTY (CI=true).
 PIP_INSTALL := $(PY) -m pip --no-input install --progress-bar off
@@ -37,8 +39,9 @@ $(STAMP): pyproject.toml
 model: venv
 	$(PY) -m engine.model_source
 
+# Local Ray + Serve with the embedded model; prints a ready line with an example curl.
 serve: venv model
-	$(VENV)/bin/kvserve generate "What is the capital of France?"
+	$(VENV)/bin/kvserve serve --host 127.0.0.1 --port 8000 $(SERVE_ARGS)
 
 # With no PYTEST_ARGS paths, pytest runs testpaths (tests/) from pyproject.toml.
 test: venv model

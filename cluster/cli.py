@@ -1,6 +1,7 @@
 """The `kvserve` command line.
 
     kvserve generate "PROMPT" [sampling flags] [engine flags]   stream one completion to stdout
+    kvserve serve [--host H] [--port P] [serve flags] [engine flags]   the OpenAI-compatible server
 
 Errors a user can fix (bad flag values, a model directory that cannot be used) are printed as
 one `kvserve: error: ...` line on stderr with exit status 2, never as a traceback. The engine is
@@ -13,6 +14,7 @@ import os
 import sys
 
 from cluster.engine_args import add_engine_args, engine_config_from_args
+from cluster.serve_cli import add_serve_parser
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens")
     add_engine_args(gen)  # its --seed also seeds this request's sampler
     gen.set_defaults(func=_generate)
+    add_serve_parser(commands)
     return parser
 
 

@@ -36,6 +36,7 @@ class AsyncEngine:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._error: BaseException | None = None
+        self._stats: EngineStats | None = None
 
     @property
     def tokenizer(self):
@@ -56,7 +57,15 @@ class AsyncEngine:
                 raise EngineDeadError(f"engine workers unhealthy: {e}") from e
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        """A snapshot taken between steps (the scheduler's queues change inside a step)."""
+        if self._stats is None:
+            self._stats = self.engine.stats()
+        return self._stats
+
+    def _step(self) -> list[RequestOutput]:
+        outputs = self.engine.step()
+        self._stats = self.engine.stats()
+        return outputs
 
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -113,6 +122,7 @@ class AsyncEngine:
                 self.engine.add_request(rid, prompt, params)
             except ValueError as e:
                 self._deliver(rid, e)
+        self._stats = self.engine.stats()
 
     def _deliver(self, request_id: str, item) -> None:
         queue = self._queues.get(request_id)
@@ -128,7 +138,7 @@ class AsyncEngine:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                outputs = await loop.run_in_executor(self._thread, self.engine.step)
+                outputs = await loop.run_in_executor(self._thread, self._step)
                 for out in outputs:
                     self._deliver(out.request_id, out)
         except Exception as e:  # the engine is unusable now: fail everyone, never hang

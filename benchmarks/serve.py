@@ -1,0 +1,356 @@
+"""Serving benchmark: load any OpenAI-compatible server and report throughput and latency.
+
+    # a running server (kvserve, vLLM, transformers serve, ...)
+    python benchmarks/serve.py --base-url http://127.0.0.1:8000 --model SmolLM2-135M-Instruct \\
+        --max-concurrency 1 4 16 --num-prompts 32 --random-input-len 128 --random-output-len 64
+
+    # kvserve and `transformers serve --continuous-batching` side by side, each launched here
+    python benchmarks/serve.py --launch kvserve transformers --max-concurrency 1 4 16
+
+Requests have random prompts of about --random-input-len tokens (optionally after a shared
+prefix of --prefix-len tokens) and ask for --random-output-len tokens, both varied by
+--random-range-ratio. They arrive as a Poisson process at --request-rate (gamma with
+--burstiness != 1), or all at once, with at most --max-concurrency in flight. Reported per run:
+request throughput, output tokens/s, and mean / median / P99 of TTFT (time to first token),
+TPOT (time per output token after the first), ITL (gap between streamed chunks) and E2E latency.
+Output lengths are made exact where the server allows it (kvserve/vLLM `ignore_eos`,
+transformers' `generation_config`), and tokens are counted from the server's `usage`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import machine_info, markdown_table, print_machine  # noqa: E402
+
+BACKENDS = ("kvserve", "vllm", "transformers", "openai")
+
+
+# -- workload ---------------------------------------------------------------------------------------
+
+@dataclass
+class Request:
+    prompt: str
+    output_len: int
+
+
+def _lengths(mean: int, ratio: float, n: int, rng: random.Random) -> list[int]:
+    lo, hi = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def _random_text(tokenizer, n_tokens: int, rng: random.Random) -> str:
+    """Text of about n_tokens tokens: random ids, decoded, re-encoded and cut to length."""
+    special = set(tokenizer.all_special_ids)
+    vocab = [t for t in range(min(len(tokenizer), 32000)) if t not in special]
+    ids = [rng.choice(vocab) for _ in range(n_tokens)]
+    ids = tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False)[:n_tokens]
+    return tokenizer.decode(ids)
+
+
+def make_requests(tokenizer, args: argparse.Namespace) -> list[Request]:
+    rng = random.Random(args.seed)
+    prefix = _random_text(tokenizer, args.prefix_len, rng) if args.prefix_len else ""
+    ins = _lengths(args.random_input_len, args.random_range_ratio, args.num_prompts, rng)
+    outs = _lengths(args.random_output_len, args.random_range_ratio, args.num_prompts, rng)
+    return [Request(prefix + _random_text(tokenizer, i, rng), o) for i, o in zip(ins, outs)]
+
+
+# -- one request ------------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    ok: bool
+    start: float = 0.0
+    ttft: float = 0.0  # s
+    e2e: float = 0.0  # s
+    itl: list[float] = field(default_factory=list)  # s, between content chunks
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def request_body(backend: str, endpoint: str, model: str, req: Request) -> dict:
+    body = {"model": model, "max_tokens": req.output_len, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        body["prompt"] = req.prompt
+    if backend in ("kvserve", "vllm"):
+        body["ignore_eos"] = True
+    elif backend == "transformers":  # rejects unknown fields; its own way to a fixed length
+        body["generation_config"] = json.dumps({"max_new_tokens": req.output_len, "min_new_tokens": req.output_len,
+                                                "do_sample": False})
+    return body
+
+
+async def send(client: httpx.AsyncClient, url: str, body: dict) -> Result:
+    res = Result(ok=False, start=time.perf_counter())
+    last, chunks = None, 0
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                now = time.perf_counter()
+                data = json.loads(line[5:])
+                if "error" in data:
+                    res.error = str(data["error"])[:200]
+                    return res
+                if data.get("usage"):
+                    res.prompt_tokens = data["usage"]["prompt_tokens"]
+                    res.output_tokens = data["usage"]["completion_tokens"]
+                if any(_content(c) for c in data.get("choices") or []):
+                    chunks += 1
+                    if last is None:
+                        res.ttft = now - res.start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.e2e = time.perf_counter() - res.start
+        res.output_tokens = res.output_tokens or chunks
+        res.ok = last is not None
+        res.error = "" if res.ok else "no content"
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def _content(choice: dict) -> str:
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+# -- a run ------------------------------------------------------------------------------------------
+
+async def run(base_url: str, body_of, requests: list[Request], concurrency: int | None, rate: float,
+              burstiness: float, seed: int, api_key: str | None, endpoint: str) -> tuple[list[Result], float]:
+    url = f"{base_url}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max(concurrency or len(requests), 1) + 4)
+    gate = asyncio.Semaphore(concurrency or len(requests))
+    rng = random.Random(seed)
+
+    async def one(client, req: Request) -> Result:
+        async with gate:
+            return await send(client, url, body_of(req))
+
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(600.0)) as client:
+        start, tasks = time.perf_counter(), []
+        for req in requests:
+            tasks.append(asyncio.create_task(one(client, req)))
+            if rate != float("inf"):  # Poisson (burstiness 1) or gamma arrivals
+                await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
+        results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start
+
+
+def summarize(results: list[Result], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+
+    def stats(xs: list[float]) -> dict:
+        xs = sorted(x * 1000 for x in xs)
+        if not xs:
+            return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
+        return {"mean": statistics.fmean(xs), "median": statistics.median(xs),
+                "p99": xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]}
+
+    out_tokens = sum(r.output_tokens for r in ok)
+    return {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+            "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+            "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / duration,
+            "mean_prompt_tokens": statistics.fmean([r.prompt_tokens for r in ok]) if ok else 0,
+            "mean_output_tokens": out_tokens / len(ok) if ok else 0,
+            "ttft_ms": stats([r.ttft for r in ok]), "tpot_ms": stats([r.tpot for r in ok if r.tpot is not None]),
+            "itl_ms": stats([x for r in ok for x in r.itl]), "e2e_ms": stats([r.e2e for r in ok]),
+            "errors": sorted({r.error for r in results if not r.ok})[:3]}
+
+
+def print_summary(label: str, s: dict) -> None:
+    print(f"\n== {label}: {s['completed']} requests ({s['failed']} failed) in {s['duration_s']:.1f} s, "
+          f"{s['mean_prompt_tokens']:.0f} prompt / {s['mean_output_tokens']:.0f} output tokens each")
+    print(f"   request throughput {s['request_throughput']:.2f} req/s, output {s['output_throughput']:.1f} tok/s, "
+          f"total {s['total_token_throughput']:.1f} tok/s")
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        m = s[f"{name}_ms"]
+        print(f"   {name.upper():>4} ms  mean {m['mean']:9.1f}  median {m['median']:9.1f}  p99 {m['p99']:9.1f}")
+    for e in s["errors"]:
+        print(f"   error: {e}")
+
+
+# -- launching servers ------------------------------------------------------------------------------
+
+def launch_command(backend: str, port: int, model_dir: str, args: argparse.Namespace) -> list[str]:
+    if backend == "kvserve":
+        return [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--model", model_dir,
+                "--served-model-name", "bench", "--max-model-len", str(args.max_model_len), *args.kvserve_arg]
+    if backend == "transformers":
+        exe = Path(sys.executable).with_name("transformers")
+        return [str(exe), "serve", model_dir, "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
+                "--log-level", "warning", *args.transformers_arg]
+    raise ValueError(f"cannot launch {backend}; start it yourself and pass --base-url")
+
+
+class Launched:
+    """A server subprocess on 127.0.0.1:port, stopped (SIGINT, then SIGKILL) on exit."""
+
+    def __init__(self, backend: str, port: int, model_dir: str, args: argparse.Namespace) -> None:
+        self.log = open(Path(args.log_dir) / f"{backend}.log", "w")
+        self.proc = subprocess.Popen(launch_command(backend, port, model_dir, args), cwd=ROOT, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+async def wait_ready(base_url: str, body: dict, api_key: str | None, proc: subprocess.Popen | None,
+                     timeout: float = 600) -> None:
+    """Until a one-token completion succeeds (this also warms the server up)."""
+    deadline = time.monotonic() + timeout
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(headers=headers, timeout=60) as client:
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the server exited with status {proc.returncode}; see its log")
+            try:
+                if (await client.post(f"{base_url}/v1/completions", json=body)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{base_url} not ready after {timeout:.0f} s")
+            await asyncio.sleep(2)
+
+
+# -- main -------------------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = p.add_argument_group("target")
+    target.add_argument("--base-url", help="a running OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    target.add_argument("--backend", choices=BACKENDS, default="openai",
+                        help="what --base-url is (sets how outputs are made exact); default: plain OpenAI fields")
+    target.add_argument("--model", help="the model name to send (default: the launched server's)")
+    target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    target.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    target.add_argument("--launch", nargs="+", choices=["kvserve", "transformers"],
+                        help="start these servers here, one after the other, and compare them")
+    target.add_argument("--model-dir", help="model directory for launched servers (default: the embedded SmolLM2)")
+    target.add_argument("--max-model-len", type=int, default=1024, help="launched kvserve's --max-model-len")
+    target.add_argument("--kvserve-arg", action="append", default=[], help="extra flag for launched kvserve")
+    target.add_argument("--transformers-arg", action="append", default=[],
+                        help="extra flag for launched transformers serve")
+    target.add_argument("--log-dir", default="/tmp", help="where launched servers' logs go (default: /tmp)")
+    load = p.add_argument_group("load")
+    load.add_argument("--num-prompts", type=int, default=32)
+    load.add_argument("--max-concurrency", type=int, nargs="+", default=[None],
+                      help="one run per value: at most this many requests in flight (default: no limit)")
+    load.add_argument("--request-rate", type=float, default=float("inf"),
+                      help="requests/s of the arrival process (default: inf, all at once)")
+    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 is Poisson")
+    load.add_argument("--random-input-len", type=int, default=128)
+    load.add_argument("--random-output-len", type=int, default=64)
+    load.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths vary in [len*(1-r), len*(1+r)]")
+    load.add_argument("--prefix-len", type=int, default=0, help="a shared prefix of this many tokens on every prompt")
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--tokenizer", help="for building prompts (default: --model-dir or the embedded SmolLM2)")
+    p.add_argument("--json-out", help="write every run's summary here")
+    args = p.parse_args(argv)
+    if not args.base_url and not args.launch:
+        p.error("give --base-url or --launch")
+    if args.base_url and not args.model:
+        p.error("--base-url needs --model")
+    return args
+
+
+def sweep(label: str, backend: str, base_url: str, model: str, requests: list[Request], args) -> list[dict]:
+    rows = []
+    for conc in args.max_concurrency:
+        results, duration = asyncio.run(run(
+            base_url, lambda r: request_body(backend, args.endpoint, model, r), requests, conc, args.request_rate,
+            args.burstiness, args.seed, args.api_key, args.endpoint))
+        summary = {"target": label, "max_concurrency": conc, **summarize(results, duration)}
+        print_summary(f"{label}, concurrency {conc or 'unlimited'}", summary)
+        rows.append(summary)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from engine.model_source import resolve_model
+
+    model_dir = str(resolve_model(args.model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
+    requests = make_requests(tokenizer, args)
+    info = machine_info()
+    print_machine(info)
+    rows = []
+    if args.base_url:
+        rows += sweep(args.backend, args.backend, args.base_url.rstrip("/"), args.model, requests, args)
+    for backend in args.launch or []:
+        from router.testing import free_port
+
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        model = "bench" if backend == "kvserve" else model_dir
+        with Launched(backend, port, model_dir, args) as server:
+            print(f"\nstarting {backend} on {url} (log: {args.log_dir}/{backend}.log) ...", flush=True)
+            asyncio.run(wait_ready(url, {"model": model, "prompt": "Hi", "max_tokens": 1}, args.api_key, server.proc))
+            rows += sweep(backend, backend, url, model, requests, args)
+    print_table(rows)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"machine": info, "args": vars(args) | {"request_rate": str(
+            args.request_rate)}, "runs": rows}, indent=2, default=str))
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def print_table(rows: list[dict]) -> None:
+    headers = ["target", "conc", "req/s", "out tok/s", "TTFT mean", "TTFT p99", "TPOT mean", "ITL p99", "E2E p99"]
+    table = [[r["target"], r["max_concurrency"] or "inf", f"{r['request_throughput']:.2f}",
+              f"{r['output_throughput']:.1f}", f"{r['ttft_ms']['mean']:.0f}", f"{r['ttft_ms']['p99']:.0f}",
+              f"{r['tpot_ms']['mean']:.0f}", f"{r['itl_ms']['p99']:.0f}", f"{r['e2e_ms']['p99']:.0f}"] for r in rows]
+    print("\n(latencies in ms)\n" + markdown_table(headers, table))
+    by = {(r["target"], r["max_concurrency"]): r for r in rows}
+    for (target, conc), r in by.items():
+        peer = by.get(("transformers", conc))
+        if target == "kvserve" and peer and peer["output_throughput"]:
+            print(f"concurrency {conc}: kvserve / transformers output tok/s = "
+                  f"{r['output_throughput'] / peer['output_throughput']:.2f}x, P99 TTFT = "
+                  f"{r['ttft_ms']['p99']:.0f} vs {peer['ttft_ms']['p99']:.0f} ms")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The kvserve Serve application, built from one flat dict of arguments.
+
+Used by `kvserve serve`, by `serve run` with a config file and by KubeRay's `serveConfigV2`:
+
+    applications:
+      - name: kvserve
+        route_prefix: /
+        import_path: cluster.app:build_app
+        args: {model: /models/llama, tensor_parallel_size: 2, num_replicas: 2, max_model_len: 4096}
+
+Keys named like `engine.config.EngineConfig` fields configure every engine replica; the others
+are `ServeOptions` below. Unknown keys are an error, so a typo fails the deploy instead of being
+silently ignored.
+
+    OpenAIIngress (FastAPI)  --handle-->  EngineServer x num_replicas
+    num_cpus 0, many requests             one AsyncEngine each; with tensor_parallel_size > 1 a
+                                          placement group: bundle 0 for the replica, then one
+                                          bundle per rank for the worker group it starts
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+
+APP_NAME = "kvserve"
+INGRESS_MAX_ONGOING_REQUESTS = 4096  # the ingress only parses and relays; the engine bounds the work
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    served_model_name: str | None = None  # default: --model as given, or the embedded model's name
+    api_key: str | None = None  # require `Authorization: Bearer <key>` (all routes but /health, /ready)
+    num_replicas: int = 1  # engine replicas (each one engine, or one tensor-parallel group)
+    autoscaling_config: dict | None = None  # Serve autoscaling of the engine replicas (wins over num_replicas)
+    max_ongoing_requests: int | None = None  # requests in flight per engine replica; default: max_num_seqs
+    max_queued_requests: int = -1  # requests waiting for a replica before a 503 (-1: no limit)
+    overload_status: int = 503  # or 429, for a full queue
+    retry_after_s: float = 1.0  # Retry-After of that reply
+    max_request_body_bytes: int = 8 << 20
+    enable_log_requests: bool = False  # log prompt token ids and sampling params (never by default)
+    engine_cls: str | Callable | None = None  # "module:Class" built as cls(EngineConfig); default AsyncEngine
+    cpu_threads: int | None = None  # torch threads per engine replica on CPU; default: cores // replicas
+    num_ingress_replicas: int = 1
+    graceful_shutdown_timeout_s: float = 60.0  # how long a stopping replica may drain in-flight requests
+    health_check_period_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1 or self.num_ingress_replicas < 1:
+            raise ValueError("num_replicas and num_ingress_replicas must be >= 1")
+        if self.max_ongoing_requests is not None and self.max_ongoing_requests < 1:
+            raise ValueError(f"max_ongoing_requests must be >= 1, got {self.max_ongoing_requests}")
+        if self.max_queued_requests < -1 or self.max_queued_requests == 0:
+            raise ValueError(f"max_queued_requests must be >= 1, or -1 for no limit, got {self.max_queued_requests}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+
+def split_args(args: dict) -> tuple[EngineConfig, ServeOptions]:
+    """Validate the flat argument dict into the engine's config and the serving options."""
+    args = {k: v for k, v in (args or {}).items() if v is not None}
+    unknown = set(args) - EngineConfig.field_names() - ServeOptions.field_names()
+    if unknown:
+        raise ValueError(f"unknown kvserve app argument(s): {', '.join(sorted(unknown))}")
+    engine = EngineConfig(**{k: v for k, v in args.items() if k in EngineConfig.field_names()})
+    options = ServeOptions(**{k: v for k, v in args.items() if k in ServeOptions.field_names()})
+    return engine, options
+
+
+def check_args(args: dict) -> tuple[EngineConfig, ServeOptions]:
+    """Everything that can be checked before Ray starts: the arguments, the model directory (the
+    default model is converted here, once) and whether the model splits tensor_parallel_size ways."""
+    from engine.model_source import resolve_model
+
+    engine, options = split_args(args)
+    model_dir = resolve_model(engine.model)
+    if engine.tensor_parallel_size > 1:
+        from engine.model.loader import load_arch
+
+        load_arch(model_dir)[0].check_tp(engine.tensor_parallel_size)
+    return engine, options
+
+
+def served_model_name(engine: EngineConfig, options: ServeOptions) -> str:
+    from engine.model_source import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
+
+    if options.served_model_name:
+        return options.served_model_name
+    return DEFAULT_MODEL_NAME if engine.model in DEFAULT_MODEL_ALIASES else engine.model
+
+
+def engine_bundles(tensor_parallel_size: int, use_gpu: bool) -> list[dict[str, float]]:
+    """Bundle 0 holds the replica (scheduler, no device); bundle 1 + r holds rank r."""
+    rank = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}
+    return [{"CPU": 1.0}] + [dict(rank) for _ in range(tensor_parallel_size)]
+
+
+def _cluster_has_gpus() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def engine_deployment_options(engine: EngineConfig, options: ServeOptions) -> dict:
+    tp = engine.tensor_parallel_size
+    use_gpu = engine.device == "cuda" or (engine.device == "auto" and _cluster_has_gpus())
+    opts = {
+        "max_ongoing_requests": options.max_ongoing_requests or engine.max_num_seqs,
+        "max_queued_requests": options.max_queued_requests,
+        "graceful_shutdown_timeout_s": options.graceful_shutdown_timeout_s,
+        "health_check_period_s": options.health_check_period_s,
+        "max_constructor_retry_count": 3,  # a model that fails to load rarely loads on the 20th try
+    }
+    if options.autoscaling_config:
+        opts["autoscaling_config"] = options.autoscaling_config
+    else:
+        opts["num_replicas"] = options.num_replicas
+    if tp > 1:
+        opts["placement_group_bundles"] = engine_bundles(tp, use_gpu)
+        opts["placement_group_strategy"] = "PACK"
+        opts["ray_actor_options"] = {"num_cpus": 1}  # must fit bundle 0
+    else:
+        opts["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1 if use_gpu else 0}
+    return opts
+
+
+def build_app(args: dict | None = None):
+    """The Serve application (a bound ingress deployment) for these arguments."""
+    from router.engine_server import EngineDeployment
+    from router.ingress import IngressDeployment
+    from router.settings import RouterSettings
+
+    engine, options = check_args(args or {})
+    settings = RouterSettings(served_model_name=served_model_name(engine, options), api_key=options.api_key,
+                              max_request_body_bytes=options.max_request_body_bytes,
+                              enable_log_requests=options.enable_log_requests,
+                              retry_after_s=options.retry_after_s, overload_status=options.overload_status)
+    engine_opts = engine_deployment_options(engine, options)
+    cpu_threads = options.cpu_threads
+    if cpu_threads is None and engine_opts["ray_actor_options"].get("num_gpus", 0) == 0 and engine.tensor_parallel_size == 1:
+        cpu_threads = max(1, _usable_cores() // options.num_replicas)
+    engine_app = EngineDeployment.options(**engine_opts).bind(engine, options.engine_cls, cpu_threads)
+    ingress = IngressDeployment.options(num_replicas=options.num_ingress_replicas,
+                                        max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+                                        ray_actor_options={"num_cpus": 0},
+                                        graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s)
+    return ingress.bind(engine_app, settings, engine.model, engine.tokenizer)

@@ -1,0 +1,126 @@
+"""`kvserve serve`: start Ray + Serve and the OpenAI-compatible server, until Ctrl-C or SIGTERM.
+
+    kvserve serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--num-replicas R]
+                  [--max-queued-requests N] [engine flags: --model, -tp, --max-model-len, ...]
+
+Without --ray-address it starts a local Ray instance and shuts it down on exit; with one, it
+deploys onto that cluster and removes only its own application on exit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+
+from cluster.engine_args import add_engine_args, engine_config_from_args, parse_bytes
+
+_SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "max_ongoing_requests", "max_queued_requests",
+                "max_request_body_bytes", "enable_log_requests")
+
+
+def add_serve_parser(commands) -> argparse.ArgumentParser:
+    p = commands.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API (Ray Serve)",
+        description="Start Ray Serve with kvserve's OpenAI-compatible API (/v1/completions, "
+                    "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /ready).")
+    http = p.add_argument_group("http")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    http.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    http.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"), metavar="KEY",
+                      help="require `Authorization: Bearer KEY` (default: $KVSERVE_API_KEY; none if unset)")
+    http.add_argument("--served-model-name", metavar="NAME",
+                      help="the model name clients send (default: --model as given, or the embedded model's)")
+    http.add_argument("--max-request-body-bytes", type=parse_bytes, metavar="BYTES",
+                      help="larger request bodies get a 413 (default: 8M)")
+    http.add_argument("--enable-log-requests", action="store_true", default=None,
+                      help="log each request's prompt token ids and sampling params (off by default)")
+    cluster = p.add_argument_group("serve")
+    cluster.add_argument("--num-replicas", type=int, metavar="R", help="engine replicas (default: 1)")
+    cluster.add_argument("--max-ongoing-requests", type=int, metavar="N",
+                         help="requests in flight per engine replica (default: --max-num-seqs)")
+    cluster.add_argument("--max-queued-requests", type=int, metavar="N",
+                         help="requests waiting for a replica before a 503 with Retry-After (default: -1, no limit)")
+    cluster.add_argument("--ray-address", metavar="ADDRESS",
+                         help="deploy onto this running Ray cluster (default: start a local one)")
+    cluster.add_argument("--dashboard", action="store_true", help="start the Ray dashboard with a local Ray")
+    add_engine_args(p)
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def app_args_from_cli(ns: argparse.Namespace) -> dict:
+    """The `cluster.app.build_app` argument dict for these flags (only the ones given)."""
+    args = engine_config_from_args(ns)
+    args.update({k: getattr(ns, k) for k in _SERVE_FLAGS if getattr(ns, k, None) is not None})
+    return args
+
+
+def ready_message(host: str, port: int, model: str, api_key: bool) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    url = f"http://{shown}:{port}"
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                       "max_tokens": 32, "temperature": 0})
+    auth = ' -H "Authorization: Bearer $KVSERVE_API_KEY"' if api_key else ""
+    return (f"kvserve: ready: {model} at {url} (OpenAI API under {url}/v1; Ctrl-C stops)\n"
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
+
+
+def _check_port(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    from cluster.app import APP_NAME, build_app, check_args, served_model_name
+    from engine.model_source import ModelError
+
+    args = app_args_from_cli(ns)
+    try:  # the cheap checks first, so a typo fails in a second rather than after Ray starts
+        engine, options = check_args(args)
+        if ns.ray_address is None:
+            _check_port(ns.host, ns.port)
+    except (ModelError, ValueError) as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+
+    import ray
+    from ray import serve
+
+    local = ns.ray_address is None
+    tp = engine.tensor_parallel_size
+    # Logical CPUs: the replica plus one per rank, and (until workers/ schedules its ranks into the
+    # replica's placement group) the worker group's own bundles; a laptop is oversubscribed on purpose.
+    need = options.num_replicas * (1 + 2 * tp if tp > 1 else 1)
+    ray.init(address=ns.ray_address, include_dashboard=ns.dashboard if local else None,
+             num_cpus=max(os.cpu_count() or 1, need) if local else None)
+    try:
+        serve.start(http_options={"host": ns.host, "port": ns.port})
+        try:
+            serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+        except RuntimeError as e:
+            print(f"kvserve: error: the application failed to start: {e}", file=sys.stderr)
+            return 1
+        print(ready_message(ns.host, ns.port, served_model_name(engine, options), bool(options.api_key)), flush=True)
+        _wait_for_stop_signal()
+        print("kvserve: stopping (draining in-flight requests)", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        if local:
+            serve.shutdown()
+            ray.shutdown()
+        else:
+            serve.delete(APP_NAME)
+
+
+def _wait_for_stop_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()

@@ -1,0 +1,151 @@
+"""The HTTP surface: a FastAPI app over `OpenAIServing`.
+
+    GET  /health                liveness (no key needed)
+    GET  /ready                 200 only when every engine replica has loaded (no key needed)
+    GET  /v1/models
+    POST /v1/completions        stream: true -> SSE ending in `data: [DONE]`
+    POST /v1/chat/completions
+    POST /tokenize, /detokenize
+
+Bodies are read here (at most `max_request_body_bytes`, else 413) and validated by the pydantic
+models in `router.protocol`; every error leaves as OpenAI error JSON, and an unexpected one as a
+500 that says nothing about its cause.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.errors import OpenAIError, from_validation_error, internal_error
+from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+ReadyCheck = Callable[[], Awaitable[tuple[bool, dict]]]
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body: Starlette leaves it suspended when the
+    client goes away, and closing it is what aborts the engine requests behind it."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def error_response(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def read_json(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise OpenAIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:  # a chunked body states no length up front
+            raise OpenAIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OpenAIError(400, f"the request body is not valid JSON: {e.msg if hasattr(e, 'msg') else e}",
+                          code="invalid_json") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e, set(model.model_fields)) from None
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None) -> FastAPI:
+    settings = serving.settings
+    expected = _digest(settings.api_key) if settings.api_key else None
+
+    async def require_key(request: Request) -> None:
+        if expected is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # Comparing fixed-length digests keeps the comparison constant-time, length included.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(_digest(given.strip()), expected):
+            raise OpenAIError(401, "Missing or incorrect API key: send `Authorization: Bearer <key>`.",
+                              type="authentication_error", code="invalid_api_key",
+                              headers={"WWW-Authenticate": "Bearer"})
+
+    app = FastAPI(title="kvserve", docs_url=None, redoc_url=None, openapi_url=None)
+    api = APIRouter(dependencies=[Depends(require_key)])
+    limit = settings.max_request_body_bytes
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def is_ready():
+        ok, detail = await ready() if ready is not None else (True, {})
+        return JSONResponse({"ready": ok, **detail}, status_code=200 if ok else 503)
+
+    @api.get("/v1/models")
+    async def models():
+        return await serving.models()
+
+    @api.post("/v1/completions")
+    async def completions(request: Request):
+        return _reply(await serving.completions(await read_json(request, CompletionRequest, limit)))
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return _reply(await serving.chat(await read_json(request, ChatCompletionRequest, limit)))
+
+    @api.post("/tokenize")
+    async def tokenize(request: Request):
+        return await serving.tokenize(await read_json(request, TokenizeRequest, limit))
+
+    @api.post("/detokenize")
+    async def detokenize(request: Request):
+        return await serving.detokenize(await read_json(request, DetokenizeRequest, limit))
+
+    app.include_router(api)
+    _add_error_handlers(app)
+    return app
+
+
+def _reply(result):
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return SSEResponse(result, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def on_openai_error(request: Request, e: OpenAIError):
+        return error_response(e)
+
+    async def on_http_error(request: Request, e: StarletteHTTPException):
+        kind = "not_found" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(OpenAIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    async def on_unexpected(request: Request, e: Exception):
+        # Log the cause for operators; send the client nothing about it. No body is logged.
+        logger.error("internal error in %s %s", request.method, request.url.path, exc_info=e)
+        return error_response(internal_error())
+
+    app.add_exception_handler(OpenAIError, on_openai_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)

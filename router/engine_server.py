@@ -1,0 +1,124 @@
+"""The engine replica: a thin Serve shim around one injected engine (an `AsyncEngine` by default).
+
+It takes prompt token ids (the ingress tokenizes, so that a router can match cached prefixes on
+the same ids) and streams one small `StepOutput` per engine step back to the ingress. When the
+caller goes away, Serve cancels this generator; closing the engine's stream aborts the request,
+which frees its KV blocks at once.
+
+The injected engine needs: `generate(request_id, prompt_token_ids, params)` (an async generator
+of `engine.RequestOutput`), `abort`, `stats() -> EngineStats`, `check_health()`, `shutdown()`,
+and `engine.max_model_len`. `router.testing.FakeEngine` is one.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from ray import serve
+
+from engine.config import EngineConfig
+from engine.outputs import EngineStats, RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+EngineFactory = Callable[[EngineConfig], object]
+
+
+@dataclass
+class ChoiceDelta:
+    index: int  # which of the request's n samples
+    text: str  # new text since the previous step
+    token_ids: list[int]  # new token ids
+    logprobs: list[dict[int, float]] | None  # per new token: top-k (+ sampled) token -> logprob
+    finish_reason: str | None = None  # "stop" | "length" | "abort", sent exactly once
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class StepOutput:
+    """What one engine step produced for one request: only the samples that changed."""
+    choices: list[ChoiceDelta]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finished: bool
+
+
+def to_step_output(out: RequestOutput, finished_samples: set[int]) -> StepOutput:
+    choices = []
+    for c in out.outputs:
+        if c.index in finished_samples or not (c.delta_token_ids or c.delta_text or c.finish_reason):
+            continue
+        choices.append(ChoiceDelta(c.index, c.delta_text, list(c.delta_token_ids), c.delta_logprobs,
+                                   c.finish_reason, c.stop_reason))
+        if c.finish_reason is not None:
+            finished_samples.add(c.index)
+    return StepOutput(choices, len(out.prompt_token_ids), out.num_cached_tokens, out.finished)
+
+
+def resolve_engine_factory(engine_cls: str | EngineFactory | None) -> EngineFactory:
+    """None -> engine.AsyncEngine; "pkg.module:Name" -> that attribute; a callable as is."""
+    if engine_cls is None:
+        from engine.async_engine import AsyncEngine
+        return AsyncEngine
+    if isinstance(engine_cls, str):
+        module, _, name = engine_cls.partition(":")
+        if not name:
+            raise ValueError(f"engine_cls must look like 'package.module:Name', got {engine_cls!r}")
+        return getattr(importlib.import_module(module), name)
+    return engine_cls
+
+
+class EngineServer:
+    def __init__(self, engine_config: EngineConfig, engine_cls: str | EngineFactory | None = None,
+                 cpu_threads: int | None = None) -> None:
+        if cpu_threads:
+            import torch
+            torch.set_num_threads(cpu_threads)  # Ray would leave a replica with OMP_NUM_THREADS=1
+        self.engine = resolve_engine_factory(engine_cls)(engine_config)
+        self.max_num_seqs = engine_config.max_num_seqs
+
+    async def info(self) -> dict:
+        """Limits the ingress checks requests against before sending them here."""
+        s = self.engine.stats()
+        return {"max_model_len": self.engine.engine.max_model_len, "max_num_seqs": self.max_num_seqs,
+                "block_size": s.block_size, "num_total_blocks": s.num_total_blocks}
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[StepOutput]:
+        finished_samples: set[int] = set()
+        # aclosing: a cancelled or closed caller must close the engine's stream too (-> abort).
+        async with contextlib.aclosing(self.engine.generate(request_id, prompt_token_ids, params)) as stream:
+            async for out in stream:
+                yield to_step_output(out, finished_samples)
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def record_routing_stats(self) -> dict:
+        """Serve's hook: what a custom RequestRouter sees of this replica (every few seconds)."""
+        s = self.engine.stats()
+        return {**dataclasses.asdict(s), "kv_usage": s.kv_usage, "prefix_hit_rate": s.prefix_hit_rate}
+
+    async def check_health(self) -> None:
+        self.engine.check_health()  # raises when the engine loop has died; Serve then replaces us
+
+    async def shutdown(self) -> None:
+        await self.engine.shutdown()
+
+
+class _EngineReplica(EngineServer):
+    async def __del__(self) -> None:
+        # Serve calls this after draining in-flight requests (graceful_shutdown_timeout_s).
+        with contextlib.suppress(Exception):
+            await self.shutdown()
+
+
+EngineDeployment = serve.deployment(name="EngineServer")(_EngineReplica)

@@ -1,0 +1,74 @@
+"""Errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}` with an HTTP status.
+
+Everything the router rejects is raised as an `OpenAIError`; anything else that escapes a handler
+becomes a 500 whose message says nothing about the internals (the detail goes to the log only).
+"""
+from __future__ import annotations
+
+import math
+
+from pydantic import ValidationError
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def internal_error() -> OpenAIError:
+    return OpenAIError(500, "The server had an error while processing your request.", type="server_error",
+                       code="internal_error")
+
+
+def overloaded(retry_after_s: float | None, status: int = 503) -> OpenAIError:
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s or 1)))}
+    return OpenAIError(status, "The server is overloaded: too many requests are queued. Retry later.",
+                       type="server_overloaded" if status == 503 else "rate_limit_exceeded",
+                       code="queue_full", headers=headers)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def from_validation_error(e: ValidationError, fields: set[str] = frozenset()) -> OpenAIError:
+    """The first schema error, named by its dotted field path (`messages.0.role`); never echoes
+    the offending value back, since it may be part of a prompt. A cross-field rule's message
+    starts with the field it is about, which becomes `param` when it is one of `fields`."""
+    errors = e.errors(include_url=False, include_input=False)
+    # A union reports one error per member; the deepest one is about what the client meant.
+    field = errors[0]["loc"][:1]
+    err = max((x for x in errors if x["loc"][:1] == field), key=lambda x: len(x["loc"]))
+    # loc mixes field names and indices with pydantic's union tags ('str', 'list[int]'): drop those
+    path = [p for p in err["loc"] if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS)]
+    param = ".".join(str(p) for p in path) or None
+    msg = err["msg"].removeprefix("Value error, ")
+    if param is None and msg.split(" ", 1)[0] in fields:
+        param = msg.split(" ", 1)[0]
+    return bad_request(f"{param}: {msg}" if err["loc"] else msg, param=param, code="invalid_value")
+
+
+def from_value_error(e: ValueError) -> OpenAIError:
+    """SamplingParams and the engine's validate() start their messages with the field's name."""
+    msg = str(e)
+    first = msg.split(" ", 1)[0]
+    known = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs")
+    param = first if first in known else None
+    if "max_model_len" in msg or msg.startswith("prompt"):
+        param = "max_tokens" if "max_tokens" in msg else "prompt"
+    return bad_request(msg, param=param)

@@ -1,0 +1,98 @@
+"""The Serve ingress deployment: HTTP in, tokenize, engine replicas (through a handle), HTTP out.
+
+    client --HTTP--> Serve proxy --> OpenAIIngress (FastAPI: auth, schema, chat template, tokenize)
+                                       --handle.generate(stream)--> EngineServer replica (AsyncEngine)
+           <--SSE / JSON------------ <--StepOutput per engine step---
+
+A client that disconnects makes the proxy cancel this request; the SSE body or the awaiting
+handler is closed, which cancels the handle stream, which cancels the replica's generator,
+which aborts the engine request and frees its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from ray import serve
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle
+
+from engine.sampling_params import SamplingParams
+from router.api import build_api
+from router.engine_server import StepOutput
+from router.errors import OpenAIError, from_value_error, overloaded
+from router.serving import OpenAIServing
+from router.settings import RouterSettings
+
+logger = logging.getLogger(__name__)
+
+_NOT_READY_STATES = {"STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION"}
+
+
+class HandleEngineClient:
+    """`router.serving.EngineClient` over a Serve handle to the engine deployment."""
+
+    def __init__(self, handle: DeploymentHandle, settings: RouterSettings) -> None:
+        self._handle = handle
+        self._stream = handle.options(stream=True)
+        self._settings = settings
+
+    async def info(self) -> dict:
+        return await self._handle.info.remote()
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[StepOutput]:
+        response, finished = None, False
+        try:
+            response = self._stream.generate.remote(request_id, prompt_token_ids, params)
+            async for step in response:
+                finished = step.finished
+                yield step
+        except BackPressureError as e:  # the queue in front of the replicas is full
+            finished = True  # nothing to cancel (and cancelling a rejected request raises again)
+            raise overloaded(e.retry_after_s or self._settings.retry_after_s,
+                             self._settings.overload_status) from None
+        except DeploymentUnavailableError:
+            finished = True
+            raise OpenAIError(503, "The model is not available right now. Retry later.", type="server_error",
+                              code="unavailable", headers={"Retry-After": "5"}) from None
+        except ValueError as e:  # the engine's validate(); arrives wrapped in a RayTaskError
+            finished = True
+            raise from_value_error(getattr(e, "cause", None) or e) from None
+        finally:
+            if response is not None and not finished:
+                with contextlib.suppress(Exception):  # keep the exception that brought us here
+                    response.cancel()  # the replica's generator is cancelled -> the engine aborts
+
+
+class OpenAIIngress:
+    def __init__(self, engine: DeploymentHandle, settings: RouterSettings, model: str | None = None,
+                 tokenizer: str | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        from engine.model_source import resolve_model
+
+        # The tokenizer the engine loads: the one named, else the model directory's.
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer or str(resolve_model(model)))
+        self._engine_name = engine.deployment_name
+        self._serving = OpenAIServing(tokenizer, HandleEngineClient(engine, settings), settings)
+
+    def __serve_build_asgi_app__(self):
+        return build_api(self._serving, ready=self.ready)
+
+    async def ready(self) -> tuple[bool, dict]:
+        """True when every replica of the engine deployment is running (its engine loaded)."""
+        status = await asyncio.to_thread(serve.status)
+        app = status.applications.get(serve.get_replica_context().app_name)
+        deployment = app.deployments.get(self._engine_name) if app else None
+        if deployment is None:
+            return False, {"replicas": {}}
+        states = {getattr(k, "value", str(k)): v for k, v in deployment.replica_states.items()}
+        ok = (states.get("RUNNING", 0) > 0 and not _NOT_READY_STATES & {k for k, v in states.items() if v}
+              and getattr(deployment.status, "value", deployment.status) not in ("UNHEALTHY", "DEPLOY_FAILED"))
+        return ok, {"replicas": states}
+
+
+IngressDeployment = serve.deployment(name="OpenAIIngress")(serve.ingress()(OpenAIIngress))

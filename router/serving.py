@@ -1,0 +1,276 @@
+"""The OpenAI endpoints' logic, free of HTTP and Ray: validate, tokenize, dispatch, shape replies.
+
+    request model --sampling_params()--> SamplingParams          (400 naming the field)
+    prompt / messages --chat template, tokenizer--> token ids    (tokenized here, at the ingress)
+    token ids + limits from the engine --> 400 if too long       (before any engine slot is used)
+    engine.generate(...) per prompt, merged --> one reply, or SSE events ending in [DONE]
+
+The first engine output is awaited before a reply starts, so errors the engine finds (a request
+that can never fit its KV cache, a full queue) still get their status code; errors after that
+point in a stream are sent as one `data: {"error": ...}` event before `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from engine.sampling_params import SamplingParams
+from router.engine_server import StepOutput
+from router.errors import OpenAIError, bad_request, from_value_error, internal_error
+from router.formatting import (SSE_DONE, Accumulator, chat_logprobs, chat_response, completion_logprobs,
+                               completion_response, sse)
+from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.settings import RouterSettings
+
+logger = logging.getLogger(__name__)
+
+
+class EngineClient(Protocol):
+    async def info(self) -> dict: ...  # max_model_len, max_num_seqs, ...
+
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[StepOutput]: ...
+
+
+async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """(stream index, item) as items arrive; closing this closes (cancels) every stream."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as s:
+            async for item in s:
+                yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator) -> None:
+        try:
+            async with contextlib.aclosing(stream) as s:
+                async for item in s:
+                    queue.put_nowait((i, item, None))
+            queue.put_nowait((i, done, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is done:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class OpenAIServing:
+    def __init__(self, tokenizer, engine: EngineClient, settings: RouterSettings) -> None:
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.settings = settings
+        self._info: dict | None = None
+        self.token_str = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
+
+    async def limits(self) -> dict:
+        if self._info is None:  # from the engine, once: its max_model_len is the resolved one
+            self._info = await self.engine.info()
+        return self._info
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.served_model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    # -- endpoints -------------------------------------------------------------------------------
+    async def models(self) -> dict:
+        info = await self.limits()
+        card = {"id": self.settings.served_model_name, "object": "model", "created": 0, "owned_by": "kvserve",
+                "max_model_len": info["max_model_len"]}
+        return {"object": "list", "data": [card]}
+
+    async def tokenize(self, req: TokenizeRequest) -> dict:
+        self.check_model(req.model)
+        if req.messages is not None:
+            ids = self._chat_ids(req.messages, req.add_generation_prompt)
+        else:
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        info = await self.limits()
+        return {"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids}
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict:
+        self.check_model(req.model)
+        if any(t >= len(self.tokenizer) for t in req.tokens):
+            raise bad_request(f"tokens must be in [0, {len(self.tokenizer)})", param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+    async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
+        self.check_model(req.model)
+        params = self._params(req)
+        prompts = [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=False)
+                   for p in req.prompts()]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        first, merged = await self._start(rid, prompts, params, "prompt", "max_tokens")
+        acc = Accumulator([len(p) for p in prompts], req.n)
+        if req.stream:
+            return self._completion_events(rid, req, acc, first, merged)
+        await _collect(acc, first, merged)
+        return completion_response(rid, int(time.time()), self.settings.served_model_name, acc, req.logprobs,
+                                   self.token_str)
+
+    async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+        self.check_model(req.model)
+        params = self._params(req)
+        ids = self._chat_ids(req.messages, req.add_generation_prompt)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        first, merged = await self._start(rid, [ids], params, "messages", max_param)
+        acc = Accumulator([len(ids)], req.n)
+        if req.stream:
+            return self._chat_events(rid, req, acc, first, merged)
+        await _collect(acc, first, merged)
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        return chat_response(rid, int(time.time()), self.settings.served_model_name, acc, k, self.token_str)
+
+    # -- shared steps ----------------------------------------------------------------------------
+    @staticmethod
+    def _params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+        try:
+            return req.sampling_params()
+        except ValueError as e:
+            raise from_value_error(e) from None
+
+    def _chat_ids(self, messages, add_generation_prompt: bool) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template([m.to_template() for m in messages], tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja raises on conversations its template rejects
+            raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def _check_prompts(self, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
+                             max_param: str) -> None:
+        info = await self.limits()
+        limit = info["max_model_len"]
+        if params.n > info["max_num_seqs"]:
+            raise bad_request(f"n={params.n} exceeds this server's max_num_seqs ({info['max_num_seqs']})",
+                              param="n")
+        for ids in prompts:
+            if not ids:
+                raise bad_request("the prompt is empty", param=prompt_param)
+            if len(ids) >= limit:
+                raise bad_request(f"This model's maximum context length is {limit} tokens, but the prompt has "
+                                  f"{len(ids)} tokens (it must leave room for at least one generated token).",
+                                  param=prompt_param, code="context_length_exceeded")
+            if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+                raise bad_request(f"This model's maximum context length is {limit} tokens, but {len(ids)} prompt "
+                                  f"tokens + {params.max_tokens} {max_param} were requested. Shorten the prompt "
+                                  f"or lower {max_param}.", param=max_param, code="context_length_exceeded")
+
+    async def _start(self, rid: str, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
+                     max_param: str) -> tuple[tuple[int, StepOutput], AsyncIterator]:
+        """Send every prompt to the engine; returns its first output and the rest of the merged stream."""
+        await self._check_prompts(prompts, params, prompt_param, max_param)
+        if self.settings.enable_log_requests:
+            logger.info("%s: prompt token ids %s, %s", rid, prompts, params)
+        merged = merge_streams([self.engine.generate(f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)])
+        try:
+            first = await anext(merged)
+        except StopAsyncIteration:
+            raise internal_error() from None
+        except ValueError as e:  # the engine's own validation, for whatever the checks above missed
+            await merged.aclose()
+            raise from_value_error(e) from None
+        except BaseException:
+            await merged.aclose()
+            raise
+        return first, merged
+
+    # -- streaming -------------------------------------------------------------------------------
+    async def _completion_events(self, rid: str, req: CompletionRequest, acc: Accumulator, first,
+                                 merged: AsyncIterator) -> AsyncIterator[str]:
+        base = {"id": rid, "object": "text_completion", "created": int(time.time()),
+                "model": self.settings.served_model_name}
+        if req.include_usage_in_stream:
+            base["usage"] = None
+        offsets = [0] * len(acc.choices)
+        async with contextlib.aclosing(merged):  # however this generator ends, the engine requests end
+            async for prompt, step in _events(first, merged, acc):
+                if isinstance(step, str):
+                    yield step
+                    continue
+                for c in step.choices:
+                    if not (c.text or c.finish_reason or req.logprobs is not None):
+                        continue
+                    i = acc.index(prompt, c)
+                    lps = None
+                    if req.logprobs is not None:
+                        lps = completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs, self.token_str,
+                                                  offsets[i])
+                        offsets[i] += sum(len(t) for t in lps["tokens"])
+                    yield sse({**base, "choices": [{"index": i, "text": c.text, "logprobs": lps,
+                                                    "finish_reason": c.finish_reason,
+                                                    "stop_reason": c.stop_reason}]})
+        if req.include_usage_in_stream:
+            yield sse({**base, "choices": [], "usage": acc.usage()})
+        yield SSE_DONE
+
+    async def _chat_events(self, rid: str, req: ChatCompletionRequest, acc: Accumulator, first,
+                           merged: AsyncIterator) -> AsyncIterator[str]:
+        base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": self.settings.served_model_name}
+        if req.include_usage_in_stream:
+            base["usage"] = None
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        async with contextlib.aclosing(merged):  # however this generator ends, the engine requests end
+            for i in range(len(acc.choices)):
+                yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+            async for prompt, step in _events(first, merged, acc):
+                if isinstance(step, str):
+                    yield step
+                    continue
+                for c in step.choices:
+                    if not (c.text or c.finish_reason or k is not None):
+                        continue
+                    lps = chat_logprobs(c.token_ids, c.logprobs or [], k, self.token_str) if k is not None else None
+                    delta = {"content": c.text} if c.text else {}
+                    yield sse({**base, "choices": [{"index": acc.index(prompt, c), "delta": delta,
+                                                    "logprobs": lps, "finish_reason": c.finish_reason,
+                                                    "stop_reason": c.stop_reason}]})
+        if req.include_usage_in_stream:
+            yield sse({**base, "choices": [], "usage": acc.usage()})
+        yield SSE_DONE
+
+
+async def _collect(acc: Accumulator, first, merged: AsyncIterator) -> None:
+    acc.add(*first)
+    async with contextlib.aclosing(merged):
+        async for prompt, step in merged:
+            acc.add(prompt, step)
+
+
+async def _events(first, merged: AsyncIterator, acc: Accumulator) -> AsyncIterator[tuple[int, StepOutput | str]]:
+    """The request's outputs (counted into `acc`); a failure ends them with an SSE error event."""
+    try:
+        acc.add(*first)
+        yield first
+        async for prompt, step in merged:
+            acc.add(prompt, step)
+            yield prompt, step
+    except OpenAIError as e:
+        yield -1, sse(e.body())
+    except Exception:
+        logger.exception("stream failed")
+        yield -1, sse(internal_error().body())

@@ -1,0 +1,31 @@
+"""The ingress's configuration: one frozen dataclass, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    served_model_name: str  # the only `model` requests may name (404 otherwise)
+    api_key: str | None = None  # when set, every route but /health and /ready needs `Bearer <key>`
+    max_request_body_bytes: int = 8 << 20  # larger bodies get a 413 before they are parsed
+    enable_log_requests: bool = False  # log prompts and sampling params (off: prompts never logged)
+    retry_after_s: float = 1.0  # the Retry-After of a 503/429 when the engine queue is full
+    overload_status: int = 503  # 503, or 429 as some gateways prefer
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must be a non-empty string")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be non-empty when given")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError(f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.overload_status not in (429, 503):
+            raise ValueError(f"overload_status must be 429 or 503, got {self.overload_status}")
+
+    @property
+    def open_paths(self) -> frozenset[str]:
+        """Probes that work without the API key (Kubernetes sends none)."""
+        return frozenset({"/health", "/ready"})

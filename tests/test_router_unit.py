@@ -1,0 +1,171 @@
+"""The router without Ray: the HTTP app over an in-process EngineServer + FakeEngine, the app
+builder's argument handling and the `kvserve serve` command line."""
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cluster.app import engine_bundles, engine_deployment_options, served_model_name, split_args
+from cluster.cli import build_parser
+from cluster.serve_cli import app_args_from_cli, ready_message
+from engine.config import EngineConfig
+from router.api import build_api
+from router.engine_server import EngineServer
+from router.serving import OpenAIServing
+from router.settings import RouterSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def call(tokenizer, method: str, path: str, num_blocks: int = 64, **kwargs) -> httpx.Response:
+    """One request to a fresh app over an in-process FakeEngine (the fake is loop-bound)."""
+    settings = RouterSettings(served_model_name="m", api_key=kwargs.pop("api_key", None))
+    config = EngineConfig(max_model_len=64, max_num_seqs=4, num_gpu_blocks_override=num_blocks)
+    engine = EngineServer(config, "router.testing:FakeEngine")
+    app = build_api(OpenAIServing(tokenizer, engine, settings))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.request(method, path, **kwargs)
+
+    return asyncio.run(go())
+
+
+def events(r: httpx.Response) -> list:
+    data = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_streamed_chat_with_n_sends_a_role_chunk_per_choice(tokenizer):
+    r = call(tokenizer, "POST", "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True}})
+    chunks = events(r)
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
+    finishes = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks[2:-1]}
+    assert finishes == {0: "length", 1: "length"}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_streamed_batch_of_prompts_numbers_choices_by_prompt(tokenizer):
+    r = call(tokenizer, "POST", "/v1/completions", json={"prompt": [[1, 2], [3, 4]], "n": 2, "max_tokens": 2,
+                                                         "stream": True})
+    text = {}
+    for c in events(r):
+        choice = c["choices"][0]
+        text[choice["index"]] = text.get(choice["index"], "") + choice["text"]
+    assert text == {0: "1 2 ", 1: "1 2 ", 2: "3 4 ", 3: "3 4 "}  # the fake echoes each prompt
+
+
+def test_streamed_completion_logprobs_offsets_continue_across_chunks(tokenizer):
+    r = call(tokenizer, "POST", "/v1/completions", json={"prompt": [10, 20, 30], "max_tokens": 3, "logprobs": 0,
+                                                         "stream": True})
+    offsets = [o for c in events(r) for o in c["choices"][0]["logprobs"]["text_offset"]]
+    tokens = [tokenizer.decode([t]) for t in (10, 20, 30)]
+    assert offsets == [0, len(tokens[0]), len(tokens[0]) + len(tokens[1])]
+
+
+def test_engine_value_error_is_a_400(tokenizer):
+    # What only the engine knows: this request can never fit its 2-block KV cache.
+    r = call(tokenizer, "POST", "/v1/completions", num_blocks=2, json={"prompt": [1] * 10, "max_tokens": 40})
+    assert r.status_code == 400 and "KV blocks" in r.json()["error"]["message"]
+
+
+def test_open_paths_need_no_key(tokenizer):
+    assert call(tokenizer, "GET", "/health", api_key="k").status_code == 200
+    assert call(tokenizer, "GET", "/ready", api_key="k").json() == {"ready": True}
+    assert call(tokenizer, "GET", "/v1/models", api_key="k").status_code == 401
+    ok = call(tokenizer, "GET", "/v1/models", api_key="k", headers={"Authorization": "Bearer k"})
+    assert ok.json()["data"][0]["id"] == "m"
+
+
+# -- the app builder -------------------------------------------------------------------------------
+
+def test_split_args_routes_keys_and_rejects_unknown_ones():
+    engine, options = split_args({"model": None, "max_model_len": 512, "num_replicas": 2, "api_key": "k"})
+    assert engine.max_model_len == 512 and options.num_replicas == 2 and options.api_key == "k"
+    with pytest.raises(ValueError, match="max_model_length"):
+        split_args({"max_model_length": 512})
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        split_args({"max_num_seqs": 0})
+    with pytest.raises(ValueError, match="max_queued_requests"):
+        split_args({"max_queued_requests": 0})
+
+
+def test_served_model_name():
+    assert served_model_name(*split_args({})) == "SmolLM2-135M-Instruct"
+    assert served_model_name(*split_args({"model": "/models/llama"})) == "/models/llama"
+    assert served_model_name(*split_args({"model": "/m", "served_model_name": "x"})) == "x"
+
+
+def test_tensor_parallel_replicas_get_a_placement_group():
+    assert engine_bundles(2, use_gpu=True) == [{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
+    opts = engine_deployment_options(*split_args({"tensor_parallel_size": 2, "device": "cpu", "max_num_seqs": 8}))
+    assert opts["placement_group_bundles"] == [{"CPU": 1.0}] * 3
+    assert opts["ray_actor_options"] == {"num_cpus": 1}  # fits bundle 0
+    assert opts["max_ongoing_requests"] == 8  # sized to the engine's batch
+    single = engine_deployment_options(*split_args({"device": "cuda"}))
+    assert "placement_group_bundles" not in single and single["ray_actor_options"]["num_gpus"] == 1
+
+
+def test_settings_are_validated():
+    with pytest.raises(ValueError, match="overload_status"):
+        RouterSettings(served_model_name="m", overload_status=500)
+    with pytest.raises(ValueError, match="api_key"):
+        RouterSettings(served_model_name="m", api_key="")
+
+
+# -- kvserve serve ---------------------------------------------------------------------------------
+
+def test_serve_flags_map_onto_app_args():
+    ns = build_parser().parse_args(["serve", "--port", "9000", "--api-key", "k", "-tp", "2", "--num-replicas", "3",
+                                    "--max-model-len", "1024", "--max-num-seqs", "8", "--max-queued-requests", "16",
+                                    "--served-model-name", "smol"])
+    assert (ns.host, ns.port) == ("127.0.0.1", 9000)
+    assert app_args_from_cli(ns) == {"api_key": "k", "tensor_parallel_size": 2, "num_replicas": 3,
+                                     "max_model_len": 1024, "max_num_seqs": 8, "max_queued_requests": 16,
+                                     "served_model_name": "smol"}
+    split_args(app_args_from_cli(ns))
+
+
+def test_ready_message_has_a_working_curl_and_never_the_key():
+    msg = ready_message("0.0.0.0", 8000, "smol", api_key=True)
+    assert "http://127.0.0.1:8000/v1/chat/completions" in msg and "$KVSERVE_API_KEY" in msg
+    body = msg.split("-d '", 1)[1].rstrip("'")
+    assert json.loads(body)["model"] == "smol"
+
+
+def kvserve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_serve_rejects_bad_flags_in_one_line_before_starting_ray():
+    r = kvserve("serve", "--max-num-seqs", "0")
+    assert r.returncode == 2 and r.stderr.startswith("kvserve: error: max_num_seqs must be >= 1")
+    r = kvserve("serve", "--model", "/nonexistent/model")
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    r = kvserve("serve", "-tp", "2")  # SmolLM2's 9 attention heads do not split in two
+    assert r.returncode == 2 and "cannot split this model across tensor_parallel_size=2" in r.stderr
+
+
+def test_serve_reports_a_busy_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = kvserve("serve", "--port", str(s.getsockname()[1]))
+    assert r.returncode == 2 and "cannot listen on 127.0.0.1" in r.stderr
