@@ -95,9 +95,9 @@ def run_serve(ns: argparse.Namespace) -> int:
 
     local = ns.ray_address is None
     tp = engine.tensor_parallel_size
-    # Logical CPUs: the replica plus one per rank, and (until workers/ schedules its ranks into the
-    # replica's placement group) the worker group's own bundles; a laptop is oversubscribed on purpose.
-    need = options.num_replicas * (1 + 2 * tp if tp > 1 else 1)
+    # Logical CPUs: the replica plus one per rank (the ranks run in the replica's placement group);
+    # a laptop is oversubscribed on purpose.
+    need = options.num_replicas * (1 + tp if tp > 1 else 1)
     ray.init(address=ns.ray_address, include_dashboard=ns.dashboard if local else None,
              num_cpus=max(os.cpu_count() or 1, need) if local else None)
     try:

@@ -80,6 +80,7 @@ class WorkerGroup:
         self.config, self.gc = config, group_config
         self.size = config.tensor_parallel_size
         self.pg = None
+        self.owns_pg = True
         self.ranks: list = []
         self.error: str | None = None
         self.reports: list[dict] = []
@@ -102,11 +103,11 @@ class WorkerGroup:
         gpu = _wants_gpu(self.config, self.gc, self.size)
         self.device = "cuda:0" if gpu else "cpu"  # Ray shows each rank only its own GPU
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": self._cpus_per_rank()}
-        self._reserve(bundle)
+        first = self._reserve(bundle)
         actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(worker_cls)
         self.ranks = [actor.options(
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_task_retries=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=first + r),
         ).remote(r, self.size, self.config, model_dir, self.device) for r in range(self.size)]
         self._gather(self._all("ping"), self.gc.start_timeout_s, "start")
         backend = self._rendezvous()
@@ -122,12 +123,20 @@ class WorkerGroup:
         logger.info("worker group up: tp=%d (%s) on %s, %d KV blocks, %d bytes read from storage", self.size,
                     backend, self.device, self.num_blocks, sum(r["bytes_read"] for r in self.reports))
 
-    def _reserve(self, bundle: dict) -> None:
-        self.pg = placement_group([dict(bundle)] * self.size, strategy="STRICT_PACK")
+    def _reserve(self, bundle: dict) -> int:
+        """-> index of rank 0's bundle. Inside a Serve replica whose deployment reserved
+        `placement_group_bundles` (bundle 0 for the replica, 1 + r for rank r), the ranks use that
+        group instead of reserving their resources a second time."""
+        current = ray.util.get_current_placement_group()
+        if current is not None and len(current.bundle_specs) >= 1 + self.size:
+            self.pg, self.owns_pg = current, False
+            return 1
+        self.pg, self.owns_pg = placement_group([dict(bundle)] * self.size, strategy="STRICT_PACK"), True
         ready, _ = ray.wait([self.pg.ready()], timeout=self.gc.placement_timeout_s)
         if not ready:
             raise WorkerGroupError(f"could not reserve {self.size} x {bundle} on one node within "
                                    f"{self.gc.placement_timeout_s:g}s (cluster: {ray.cluster_resources()})")
+        return 0
 
     def _rendezvous(self) -> str:
         t = self.gc.join_timeout_s
@@ -210,7 +219,7 @@ class WorkerGroup:
             except Exception:  # already gone
                 pass
         self.ranks = []
-        if self.pg is not None:
+        if self.pg is not None and self.owns_pg:
             try:
                 remove_placement_group(self.pg)
             except Exception:
