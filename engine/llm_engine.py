@@ -141,5 +141,5 @@ class LLMEngine:
             block_size=self.block_manager.block_size, num_running=len(s.running), num_waiting=len(s.waiting),
             num_preemptions=s.stats.num_preemptions, prefix_query_tokens=s.stats.prefix_query_tokens,
             prefix_hit_tokens=s.stats.prefix_hit_tokens,
-            waiting_prefill_tokens=sum(q.num_tokens - q.num_computed_tokens for q in s.waiting),
+            waiting_prefill_tokens=sum(q.num_tokens - q.num_computed_tokens for q in list(s.waiting)),
         )

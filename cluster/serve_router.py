@@ -1,0 +1,140 @@
+"""The global scheduler inside Ray Serve: custom RequestRouters for the engine-replica deployment.
+
+    ingress --handle.generate(request_id, prompt_token_ids, params)--> KVRequestRouter.choose_replicas
+                                                                        | choose_kv(request, stats, ledger)
+    EngineServer.record_routing_stats()  --controller, every period-->  RunningReplica.routing_stats
+    (a ReplicaStats as a dict: free/total/reserved blocks, queue, prefix-hash summary, timestamp)
+
+Serve builds one router per deployment handle (so one per ingress replica); each keeps its own
+ledger of what it dispatched since each replica's last report, and Serve tells it about
+completions (`on_request_completed`). With several ingress replicas each ledger sees only its
+own share of the traffic; the reports, every `request_routing_stats_period_s`, bound the error.
+A shared actor holding one ledger would be exact but would add a remote call to every request
+and a single point of failure; the simulator shows the per-router view is enough.
+
+Selection (`--routing`): kv (KVRequestRouter), pow2 (Serve's PowerOfTwoChoicesRequestRouter),
+round_robin (RoundRobinRequestRouter). `request_router_config(...)` builds the deployment option.
+
+No replica with room: choose_replicas returns no candidates and asks Serve to back off, so the
+request waits in the handle's queue (FIFO by arrival, bounded by the deployment's
+`max_queued_requests`; beyond it Serve raises BackPressureError, which the ingress answers with
+503/429 and Retry-After).
+"""
+from __future__ import annotations
+
+import time
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from cluster.pending import PendingLedger
+from cluster.policy import KVPolicyConfig, RouteRequest, choose_kv, record_dispatch
+from cluster.stats import ReplicaStats
+
+ROUTER_CLASSES = {
+    "kv": "cluster.serve_router:KVRequestRouter",
+    "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",  # Serve's default
+    "round_robin": "cluster.serve_router:RoundRobinRequestRouter",
+}
+GENERATE_METHOD = "generate"  # EngineServer.generate(request_id, prompt_token_ids, params)
+
+
+def route_request_from(pending: PendingRequest | None, default_max_tokens: int) -> RouteRequest | None:
+    """The RouteRequest of an EngineServer.generate call; None for other calls (info, stats, ...)."""
+    if pending is None or pending.metadata.call_method != GENERATE_METHOD or len(pending.args) < 3:
+        return None
+    token_ids, params = pending.args[1], pending.args[2]
+    max_tokens = getattr(params, "max_tokens", None) or default_max_tokens
+    return RouteRequest(token_ids, max_tokens)
+
+
+def replica_key(replica_id) -> str:
+    return replica_id.to_full_id_str()
+
+
+class KVRequestRouter(RequestRouter):
+    """Routes generate calls with `cluster.policy.choose_kv`; other calls go to any replica."""
+
+    def initialize_state(self, stale_after_s: float = 5.0, load_weight: float = 1.0, reserve_weight: float = 0.5,
+                         default_max_tokens: int = 256, default_block_size: int = 16, **_) -> None:
+        self.config = KVPolicyConfig(stale_after_s=stale_after_s, load_weight=load_weight,
+                                     reserve_weight=reserve_weight)
+        self.default_max_tokens = default_max_tokens  # for params.max_tokens=None (the engine's max_model_len - n)
+        self.default_block_size = default_block_size
+        self.ledger = PendingLedger(expire_after_s=4 * stale_after_s)
+        self._stats: dict[str, ReplicaStats] = {}  # parsed reports, by replica
+        self._booked: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, footprint blocks)
+        self._last_expire = 0.0
+
+    def _view(self, replicas: list[RunningReplica]) -> dict[str, ReplicaStats | None]:
+        view = {}
+        for r in replicas:
+            key, raw = replica_key(r.replica_id), r.routing_stats
+            known = self._stats.get(key)
+            if raw and "prefix_hashes" in raw and (known is None or raw["timestamp"] > known.timestamp):
+                known = self._stats[key] = ReplicaStats.from_dict(raw)  # parse each report once
+                self.ledger.covered(key, known.timestamp)
+            view[key] = known
+        return view
+
+    def _unbook(self, request_key: str, now: float) -> None:
+        booked = self._booked.pop(request_key, None)
+        if booked is not None:
+            self.ledger.release(booked[0], now, booked[1])
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        request = route_request_from(pending_request, self.default_max_tokens)
+        if request is None:
+            return [candidate_replicas]
+        pending_request.routing_context.should_backoff = True  # we always consider every replica
+        now = time.time()
+        if now - self._last_expire > self.config.stale_after_s:
+            self.ledger.expire(now)
+            self._last_expire = now
+        key = pending_request.metadata.internal_request_id
+        self._unbook(key, now)  # a retry: Serve found our last pick full
+        view = self._view(candidate_replicas)
+        rid = choose_kv(request, view, self.ledger.view(), now, self.config)
+        if rid is None:
+            return []  # hold: Serve backs off and asks again
+        self._booked[key] = (rid, record_dispatch(self.ledger, rid, request, view, now, self.default_block_size))
+        return [[r for r in candidate_replicas if replica_key(r.replica_id) == rid]]
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self._unbook(internal_request_id, time.time())
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.ledger.forget(replica_key(replica_id))
+        self._stats.pop(replica_key(replica_id), None)
+
+
+class RoundRobinRequestRouter(RequestRouter):
+    """Cycles through the replicas (a baseline for comparisons)."""
+
+    def initialize_state(self, **_) -> None:
+        self._cursor = 0
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        ordered = sorted(candidate_replicas, key=lambda r: replica_key(r.replica_id))
+        i = self._cursor % len(ordered)
+        self._cursor += 1
+        # One replica per rank: Serve tries the ranks in order (within a rank it would take the
+        # shortest queue), so a full replica is skipped for the next one.
+        return [[r] for r in ordered[i:] + ordered[:i]]
+
+
+def request_router_config(routing: str = "kv", stats_period_s: float = 0.5, **router_kwargs):
+    """The engine deployment's `request_router_config` for `--routing kv|pow2|round_robin`."""
+    from ray.serve.config import RequestRouterConfig
+
+    if routing not in ROUTER_CLASSES:
+        raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTER_CLASSES)}")
+    return RequestRouterConfig(request_router_class=ROUTER_CLASSES[routing], request_router_kwargs=router_kwargs,
+                               request_routing_stats_period_s=stats_period_s,
+                               request_routing_stats_timeout_s=max(1.0, 4 * stats_period_s))

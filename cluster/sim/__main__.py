@@ -1,0 +1,199 @@
+"""python -m cluster.sim [run] ... | sweep ... | fit ...
+
+    run     one workload, each policy: P50/P99 TTFT, TPOT, throughput, preemptions, prefix hits
+    sweep   both workloads at rising load: a markdown table on stdout, one PNG per workload
+    fit     measure a real engine's step times and fit the cost model (cluster/sim/fit.py)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from cluster.policy import ROUTERS, KVPolicyConfig
+from cluster.sim.cost import CostModel
+from cluster.sim.metrics import SimResult, markdown_table
+from cluster.sim.replica import ReplicaConfig
+from cluster.sim.simulation import SimConfig, simulate
+from cluster.sim.workload import WorkloadConfig, generate
+
+# Per workload kind: (prompt_mean, output_mean). shared-prefix prompts are prefix_len + this suffix.
+PRESETS = {"shared-prefix": (128, 128), "no-prefix": (1024, 256)}
+SWEEP_LOADS = {"shared-prefix": (2, 3, 4, 5, 6, 7), "no-prefix": (1, 1.5, 2, 2.5, 2.75)}  # req/s per replica
+
+
+def _burst(text: str) -> tuple[float, float, float]:
+    try:
+        start, length, mult = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a burst is START:LENGTH:MULTIPLIER (seconds, seconds, x), got {text!r}")
+    return start, length, mult
+
+
+def _policies(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in names if p not in ROUTERS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"policies must be a comma list of {', '.join(ROUTERS)}, got {text!r}")
+    return names
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", type=int, default=8, help="simulated engine replicas (default: 8)")
+    p.add_argument("--policies", type=_policies, default=list(ROUTERS),
+                   help="comma list (default: kv,pow2,round_robin)")
+    p.add_argument("--duration", type=float,
+                   help="seconds of arrivals (default: 30; with more than 64 replicas 30 * 64 / replicas, >= 8)")
+    p.add_argument("--warmup", type=float, default=5.0, help="arrivals before this are not measured (default: 5)")
+    p.add_argument("--stats-interval", type=float, default=0.5, help="seconds between replica reports (default: 0.5)")
+    p.add_argument("--groups-per-replica", type=float, default=2.0,
+                   help="shared-prefix groups per replica (default: 2)")
+    p.add_argument("--prefix-len", type=int, default=1536, help="shared-prefix tokens (default: 1536)")
+    p.add_argument("--prompt-mean", type=int, help="mean prompt (no-prefix) or suffix tokens (default: per workload)")
+    p.add_argument("--output-mean", type=int, help="mean output tokens (default: per workload)")
+    p.add_argument("--cv", type=float, default=1.0, help="inter-arrival coefficient of variation (1 = Poisson)")
+    p.add_argument("--burst", type=_burst, action="append", default=[], metavar="START:LEN:MULT",
+                   help="multiply the rate inside a window (repeatable)")
+    p.add_argument("--cost-model", help="JSON from `python -m cluster.sim fit` (default: 8B on a 24 GB GPU)")
+    p.add_argument("--num-blocks", type=int, default=ReplicaConfig.num_blocks, help="KV blocks per replica")
+    p.add_argument("--max-num-seqs", type=int, default=ReplicaConfig.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=ReplicaConfig.max_num_batched_tokens)
+    p.add_argument("--max-queue", type=int, default=1_000_000, help="requests held at the router before rejecting")
+    p.add_argument("--load-weight", type=float, default=KVPolicyConfig.load_weight, help="kv: see cluster/policy.py")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def sim_config(args) -> SimConfig:
+    cost = CostModel.load(args.cost_model) if args.cost_model else CostModel()
+    replica = ReplicaConfig(num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens)
+    return SimConfig(num_replicas=args.replicas, replica=replica, cost=cost, stats_interval_s=args.stats_interval,
+                     max_queue=args.max_queue, warmup_s=args.warmup, kv=KVPolicyConfig(load_weight=args.load_weight),
+                     seed=args.seed)
+
+
+def workload_config(args, kind: str, rate: float) -> WorkloadConfig:
+    prompt_mean, output_mean = PRESETS[kind]
+    duration = args.duration or (30.0 if args.replicas <= 64 else max(8.0, 30.0 * 64 / args.replicas))
+    return WorkloadConfig(kind=kind, rate=rate, duration_s=duration, cv=args.cv, bursts=tuple(args.burst),
+                          num_groups=max(1, round(args.groups_per_replica * args.replicas)), prefix_len=args.prefix_len,
+                          prompt_mean=args.prompt_mean or prompt_mean, output_mean=args.output_mean or output_mean,
+                          seed=args.seed)
+
+
+def _run_one(job: tuple) -> SimResult:
+    wl_cfg, policy, cfg, progress = job
+    return simulate(generate(wl_cfg), policy, cfg, progress=progress)
+
+
+def run(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m cluster.sim", description="Simulate routing policies on N replicas.")
+    p.add_argument("--workload", choices=list(PRESETS), default="shared-prefix")
+    p.add_argument("--rate", type=float, help="requests per second, whole cluster (default: 3 per replica)")
+    add_common(p)
+    args = p.parse_args(argv)
+    cfg = sim_config(args)
+    wl_cfg = workload_config(args, args.workload, args.rate or 3.0 * args.replicas)
+    workload = generate(wl_cfg)
+    print(f"{args.workload}: {len(workload)} requests at {wl_cfg.rate:g}/s over {wl_cfg.duration_s:g}s on "
+          f"{args.replicas} replicas (cost model {cfg.cost.name})", file=sys.stderr)
+    results = []
+    for policy in args.policies:
+        t0 = time.process_time()
+        results.append(simulate(workload, policy, cfg, progress=not args.quiet))
+        if not args.quiet:
+            print(f"  {policy}: {time.process_time() - t0:.1f}s CPU", file=sys.stderr)
+    print(markdown_table(results))
+    return 0
+
+
+def sweep(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m cluster.sim sweep",
+                                description="Both workloads at rising load: markdown table + one PNG per workload.")
+    p.add_argument("--workloads", default="shared-prefix,no-prefix")
+    p.add_argument("--loads", help="requests/s per replica, comma list (default: per workload)")
+    p.add_argument("--out", default="docs/sim", help="PNG path prefix: <out>_<workload>.png (default: docs/sim)")
+    p.add_argument("--jobs", type=int, default=1, help="parallel simulations (processes)")
+    add_common(p)
+    p.set_defaults(replicas=64)
+    args = p.parse_args(argv)
+    cfg = sim_config(args)
+    all_results: dict[str, list[tuple[float, SimResult]]] = {}
+    for kind in args.workloads.split(","):
+        loads = [float(x) for x in args.loads.split(",")] if args.loads else SWEEP_LOADS[kind]
+        jobs = [(workload_config(args, kind, load * args.replicas), pol, cfg, False)
+                for load in loads for pol in args.policies]
+        t0 = time.time()
+        results = _map(jobs, args.jobs, quiet=args.quiet, label=kind)
+        pairs = list(zip([load for load in loads for _ in args.policies], results))
+        all_results[kind] = pairs
+        print(f"\n### {kind}, {args.replicas} replicas ({time.time() - t0:.0f}s)\n")
+        print(markdown_table([r for _, r in pairs], {"load req/s/replica": [f"{l:g}" for l, _ in pairs]}))
+        path = f"{args.out}_{kind}.png"
+        if plot(pairs, kind, args.replicas, path):
+            print(f"\nwrote {path}")
+    return 0
+
+
+def _map(jobs: list[tuple], n: int, quiet: bool, label: str) -> list[SimResult]:
+    done = []
+    if n > 1:
+        import multiprocessing as mp
+        with mp.get_context("fork").Pool(n) as pool:
+            for i, r in enumerate(pool.imap(_run_one, jobs)):
+                done.append(r)
+                if not quiet:
+                    print(f"\r  {label}: {i + 1}/{len(jobs)} runs", end="", file=sys.stderr, flush=True)
+    else:
+        for i, job in enumerate(jobs):
+            done.append(_run_one(job))
+            if not quiet:
+                print(f"\r  {label}: {i + 1}/{len(jobs)} runs", end="", file=sys.stderr, flush=True)
+    if not quiet:
+        print(file=sys.stderr)
+    return done
+
+
+def plot(pairs: list[tuple[float, SimResult]], kind: str, replicas: int, path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'); no plot", file=sys.stderr)
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = [("ttft_p99", "P99 TTFT (s)", True), ("ttft_p50", "P50 TTFT (s)", True),
+              ("throughput_tok_s", "output tokens/s", False)]
+    for ax, (field, label, log) in zip(axes, panels):
+        for policy in dict.fromkeys(r.policy for _, r in pairs):
+            xs = [l for l, r in pairs if r.policy == policy]
+            ys = [getattr(r, field) for _, r in pairs if r.policy == policy]
+            ax.plot(xs, ys, marker="o", label=policy)
+        ax.set_xlabel("offered load (requests/s per replica)")
+        ax.set_ylabel(label)
+        if log:
+            ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"kvserve cluster simulator: {kind}, {replicas} replicas")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "sweep":
+        return sweep(argv[1:])
+    if argv and argv[0] == "fit":
+        from cluster.sim.fit import main as fit_main
+        return fit_main(argv[1:])
+    return run(argv[1:] if argv and argv[0] == "run" else argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,109 @@
+"""One simulated engine replica: the engine's real Scheduler and BlockManager, no model.
+
+`schedule()` is `LLMEngine.step`'s first half (the scheduler's decision); `complete(batch)` is its
+bookkeeping after the model ran: advance num_computed_tokens by the scheduled tokens, append one
+token to every sequence that reached its length, finish sequences at max_tokens (or
+max_model_len). Only the sampled token ids are invented (`token_fn`); with n = 1 and ignore_eos
+nothing the scheduler decides depends on their values, which tests/test_cluster_sim.py checks by
+replaying one trace through this class and through a real LLMEngine.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cluster.stats import DEFAULT_PREFIX_LIMIT, ReplicaStats, build_replica_stats
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    # Defaults: an 8B model on a 24 GB GPU: ~5.6 GB of KV at 128 KB/token = 2800 blocks of 16 tokens.
+    num_blocks: int = 2800
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        sizes = (self.num_blocks, self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+        if min(sizes) < 1:
+            raise ValueError(f"every ReplicaConfig field must be >= 1, got {self}")
+
+
+@dataclass
+class StepResult:
+    first_token: list[Sequence] = field(default_factory=list)  # sampled their first output token
+    finished: list[Sequence] = field(default_factory=list)
+
+
+def default_token(seq: Sequence) -> int:
+    return (seq.seq_id * 7919 + seq.num_tokens) & 0x7FFF
+
+
+class SimReplica:
+    def __init__(self, replica_id: str, config: ReplicaConfig = ReplicaConfig(),
+                 token_fn: Callable[[Sequence], int] = default_token) -> None:
+        self.replica_id = replica_id
+        self.config = config
+        self.token_fn = token_fn
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   config.max_model_len, True), self.block_manager)
+        self.busy = False  # a step is in flight (between schedule and complete)
+
+    def add(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> Sequence:
+        n = len(prompt_token_ids)
+        if n >= self.config.max_model_len or n + max_tokens > self.config.max_model_len:
+            raise ValueError(f"request {request_id}: {n} + {max_tokens} tokens exceed max_model_len")
+        if self.block_manager.blocks_for(n + max_tokens) > self.config.num_blocks:
+            raise ValueError(f"request {request_id} can never fit in {self.config.num_blocks} blocks")
+        seq = Sequence(request_id, prompt_token_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_tokens)
+        self.scheduler.add(seq)
+        return seq
+
+    @property
+    def num_ongoing(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def schedule(self) -> ScheduledBatch:
+        return self.scheduler.schedule()
+
+    def complete(self, batch: ScheduledBatch) -> StepResult:
+        """LLMEngine.step after executor.execute, for n = 1 and ignore_eos."""
+        out = StepResult()
+        sampled = [seq for seq, _ in self._row_order(batch) if seq.num_computed_tokens == seq.num_tokens]
+        max_len = self.config.max_model_len
+        for seq in sampled:
+            seq.token_ids.append(self.token_fn(seq))
+            if seq.num_tokens == seq.num_prompt_tokens + 1:
+                out.first_token.append(seq)
+            if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= max_len:
+                self.scheduler.finish(seq)
+                out.finished.append(seq)
+        return out
+
+    def _row_order(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+        """Advance num_computed_tokens; return the batch in the engine's sampling order.
+
+        The order matters: sequences finishing in one step free their blocks in it, which sets
+        the LRU order of the free queue and so which cached blocks are evicted later.
+        ModelRunner.prepare lays out prefill chunks first, then decodes stably sorted by their
+        number of full context blocks (before this step's token)."""
+        bs = self.config.block_size
+        entries = list(zip(batch.seqs, batch.num_new_tokens))
+        prefill = [e for e in entries if e[1] > 1]
+        decode = sorted((e for e in entries if e[1] == 1), key=lambda e: e[0].num_computed_tokens // bs)
+        for seq, n in entries:
+            seq.num_computed_tokens += n
+        return prefill + decode
+
+    def stats(self, now: float, prefix_limit: int = DEFAULT_PREFIX_LIMIT) -> ReplicaStats:
+        return build_replica_stats(self.replica_id, self.scheduler, now, prefix_limit)

@@ -1,0 +1,196 @@
+"""Discrete-event simulation of a router in front of N engine replicas.
+
+    events (heap by time)   arrival -> router.submit -> replica.add
+                            step_done(r) -> replica.complete -> metrics; next step of r
+                            report(r) every stats_interval_s (phases staggered) -> router's view
+
+The router sees the replicas as Serve's router would: KV stats only from reports (stale by up to
+one interval, plus whatever the policy's pending ledger adds since), and live queue lengths (Serve
+probes them) for pow2 and round_robin. A request no replica can take waits in the router's bounded
+FIFO queue and is retried when the view changes; when that queue is full it is rejected (a 503/429
+in Serve). Model time comes from the cost model; CPU time is the scheduler's and block manager's.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+import sys
+from collections import deque
+from dataclasses import dataclass
+
+from cluster.pending import PendingLedger
+from cluster.policy import KVPolicyConfig, RouteRequest, make_router, record_dispatch
+from cluster.sim.cost import CostModel
+from cluster.sim.metrics import RequestRecord, SimResult, summarize
+from cluster.sim.replica import ReplicaConfig, SimReplica
+from cluster.sim.workload import RequestSpec
+from cluster.stats import DEFAULT_PREFIX_LIMIT, ReplicaStats
+from engine.scheduler import ScheduledBatch
+
+ARRIVAL, STEP_DONE, REPORT = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    num_replicas: int = 8
+    replica: ReplicaConfig = ReplicaConfig()
+    cost: CostModel = CostModel()
+    stats_interval_s: float = 0.5  # how often each replica reports (Serve: request_routing_stats_period_s)
+    prefix_limit: int = DEFAULT_PREFIX_LIMIT
+    max_queue: int = 1_000_000  # requests held at the router before rejecting
+    max_ongoing: int | None = None  # per replica for pow2/round_robin; default max_num_seqs (as cluster.app)
+    warmup_s: float = 0.0  # requests arriving earlier are not measured
+    drain_limit_s: float = 300.0  # stop this long after the last arrival even if work remains
+    kv: KVPolicyConfig = KVPolicyConfig()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1 or self.stats_interval_s <= 0 or self.max_queue < 1:
+            raise ValueError("num_replicas and max_queue must be >= 1, stats_interval_s > 0")
+
+
+@dataclass
+class _Held:
+    spec: RequestSpec
+    request: RouteRequest
+    prompt: list[int]
+
+
+class Simulation:
+    def __init__(self, config: SimConfig, policy: str, progress: bool = False) -> None:
+        self.config, self.policy, self.progress = config, policy, progress
+        self.now = 0.0
+        self._events: list = []  # heap of (time, tie, kind, payload)
+        self._tie = itertools.count()
+        cfg = config
+        self.router = make_router(self.policy, seed=cfg.seed, kv_config=cfg.kv)
+        self.replicas = {f"r{i}": SimReplica(f"r{i}", cfg.replica) for i in range(cfg.num_replicas)}
+        self.stats: dict[str, ReplicaStats | None] = dict.fromkeys(self.replicas)
+        self.queue_lens = dict.fromkeys(self.replicas, 0)
+        self.ledger = PendingLedger(expire_after_s=max(10.0, 4 * cfg.stats_interval_s))
+        self.held: deque[_Held] = deque()
+        self.records: dict[str, RequestRecord] = {}
+        self.inflight: dict[str, ScheduledBatch] = {}  # replica -> the batch of its running step
+        self.max_ongoing = cfg.max_ongoing or cfg.replica.max_num_seqs
+        self.rejected = 0
+        self.max_held = 0
+        rng = random.Random(cfg.seed)
+        for rid in self.replicas:  # staggered report phases, first report at once
+            self._push(rng.uniform(0, cfg.stats_interval_s), REPORT, rid)
+            self.stats[rid] = self.replicas[rid].stats(0.0, cfg.prefix_limit)
+
+    def _push(self, t: float, kind: int, payload) -> None:
+        heapq.heappush(self._events, (t, next(self._tie), kind, payload))
+
+    # -- routing ------------------------------------------------------------------------------------
+    def _try_route(self, h: _Held, only: str | None = None) -> bool:
+        stats = self.stats if only is None else {only: self.stats[only]}
+        rid = self.router.choose(h.request, stats, self.ledger.view(), self.now, self.queue_lens, self.max_ongoing)
+        if rid is None:
+            return False
+        rec = self.records[h.spec.request_id]
+        rec.footprint = record_dispatch(self.ledger, rid, h.request, self.stats, self.now,
+                                        self.config.replica.block_size)
+        rec.dispatch, rec.replica = self.now, rid
+        self.replicas[rid].add(h.spec.request_id, h.prompt, h.spec.max_tokens)
+        self.queue_lens[rid] += 1
+        if rid not in self.inflight:
+            self._start_step(rid)
+        return True
+
+    def _drain(self, changed: str) -> None:
+        """Retry the held queue after `changed`'s view changed. The head already failed on every
+        replica and only `changed` moved, so kv (deterministic) retries it there alone: same
+        decision as a full scan, 1/N of the cost. pow2 draws a fresh pair, as Serve's retry does."""
+        only = changed if self.policy == "kv" else None
+        while self.held and self._try_route(self.held[0], only):
+            self.held.popleft()
+            only = None  # the new head has not been tried yet
+
+    def _on_arrival(self, spec: RequestSpec) -> None:
+        prompt = spec.prompt()
+        self.records[spec.request_id] = RequestRecord(spec.request_id, spec.arrival, spec.group, len(prompt),
+                                                      spec.max_tokens)
+        h = _Held(spec, RouteRequest(prompt, spec.max_tokens), prompt)
+        rc = self.config.replica
+        if (len(prompt) + spec.max_tokens > rc.max_model_len
+                or h.request.footprint_blocks(rc.block_size) > rc.num_blocks):
+            self.records[spec.request_id].rejected = True  # the engine's validate() answers 400
+            self.rejected += 1
+            return
+        if self.held or not self._try_route(h):
+            if len(self.held) >= self.config.max_queue:
+                self.records[spec.request_id].rejected = True
+                self.rejected += 1
+                return
+            self.held.append(h)
+            self.max_held = max(self.max_held, len(self.held))
+
+    # -- replicas -------------------------------------------------------------------------------------
+    def _start_step(self, rid: str) -> None:
+        rep = self.replicas[rid]
+        batch = rep.schedule()
+        if not batch.seqs:  # nothing schedulable (cannot happen with work queued and an empty pool)
+            return
+        self.inflight[rid] = batch
+        self._push(self.now + self.config.cost.batch_time(batch), STEP_DONE, rid)
+
+    def _on_step_done(self, rid: str) -> None:
+        rep, batch = self.replicas[rid], self.inflight.pop(rid)
+        res = rep.complete(batch)
+        for seq in res.first_token:
+            self.records[seq.request_id].first_token = self.now
+        for seq in res.finished:
+            rec = self.records[seq.request_id]
+            rec.finish, rec.num_output_tokens = self.now, seq.num_output_tokens
+            rec.num_cached_tokens, rec.num_preemptions = seq.num_cached_tokens, seq.num_preemptions
+            self.ledger.release(rid, self.now, rec.footprint)  # Serve: RequestRouter.on_request_completed
+        self.queue_lens[rid] -= len(res.finished)
+        if rep.has_work():
+            self._start_step(rid)
+        if res.finished and self.held:
+            self._drain(rid)  # live queue lengths and the ledger just changed
+
+    def _on_report(self, rid: str) -> None:
+        self.stats[rid] = self.replicas[rid].stats(self.now, self.config.prefix_limit)
+        self.ledger.covered(rid, self.now)
+        self._push(self.now + self.config.stats_interval_s, REPORT, rid)
+        if self.held:
+            self._drain(rid)
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def run(self, workload: list[RequestSpec]) -> SimResult:
+        for spec in workload:
+            self._push(spec.arrival, ARRIVAL, spec)
+        last_arrival = workload[-1].arrival if workload else 0.0
+        end = last_arrival + self.config.drain_limit_s
+        handlers = {ARRIVAL: self._on_arrival, STEP_DONE: self._on_step_done, REPORT: self._on_report}
+        next_progress, n_events = 0.0, 0
+        while self._events:
+            t, _, kind, payload = heapq.heappop(self._events)
+            if t > end or (t > last_arrival and self._idle()):
+                break
+            self.now = t
+            handlers[kind](payload)
+            n_events += 1
+            if self.progress and t >= next_progress:
+                self._show_progress(t, last_arrival)
+                next_progress = t + max(1.0, last_arrival / 20)
+        if self.progress:
+            sys.stderr.write("\n")
+        return summarize(self.policy, self.config, list(self.records.values()), self.replicas.values(),
+                         self.now, self.rejected, self.max_held, n_events)
+
+    def _idle(self) -> bool:
+        return not self.held and not self.inflight
+
+    def _show_progress(self, t: float, last_arrival: float) -> None:
+        done = sum(1 for r in self.records.values() if r.finish is not None)
+        sys.stderr.write(f"\r  {self.policy:<11} t={t:7.1f}s / {last_arrival:.0f}s  finished {done}  "
+                         f"held {len(self.held)}   ")
+        sys.stderr.flush()
+
+
+def simulate(workload: list[RequestSpec], policy: str, config: SimConfig, progress: bool = False) -> SimResult:
+    return Simulation(config, policy, progress).run(workload)

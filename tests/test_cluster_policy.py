@@ -1,0 +1,281 @@
+"""Routing policies (cluster/policy.py), the pending ledger and replica stats, without Ray."""
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster.pending import PendingLedger
+from cluster.policy import (KVPolicyConfig, RouteRequest, choose_kv, choose_pow2, choose_round_robin,
+                            record_dispatch)
+from cluster.stats import ReplicaStats, build_replica_stats, summarize_prefix_hashes
+from engine.block_manager import BlockManager
+from engine.hashing import hash_prefix_blocks
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import Sequence
+
+BS = 16
+NOW = 100.0
+
+
+def stats(rid, free=1000, total=1000, reserved=0, running=0, waiting=0, max_num_seqs=64, waiting_prefill=0,
+          hashes=(), timestamp=NOW):
+    return ReplicaStats(replica_id=rid, num_free_blocks=free, num_total_blocks=total, block_size=BS,
+                        num_reserved_blocks=reserved, num_running=running, num_waiting=waiting,
+                        max_num_seqs=max_num_seqs, waiting_prefill_tokens=waiting_prefill, num_preemptions=0,
+                        prefix_query_tokens=0, prefix_hit_tokens=0, prefix_hashes=frozenset(hashes),
+                        timestamp=timestamp)
+
+
+def prompt(seed, n):
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+PREFIX = prompt(1, 512)  # 32 blocks
+
+
+def req(suffix_seed=2, prefix=PREFIX, suffix_len=40, max_tokens=64):
+    return RouteRequest(prefix + prompt(suffix_seed, suffix_len), max_tokens)
+
+
+def cached(tokens):
+    return hash_prefix_blocks(tokens, BS)
+
+
+# -- kv -------------------------------------------------------------------------------------------
+def test_picks_the_prefix_hit_replica_with_room():
+    view = {"a": stats("a"), "b": stats("b", hashes=cached(PREFIX)), "c": stats("c", free=2000, total=2000)}
+    assert choose_kv(req(), view, {}, NOW) == "b"
+
+
+def test_longer_prefix_match_wins():
+    view = {"a": stats("a", hashes=cached(PREFIX[:256])), "b": stats("b", hashes=cached(PREFIX))}
+    assert choose_kv(req(), view, {}, NOW) == "b"
+
+
+def test_skips_a_prefix_hit_replica_without_room():
+    r = req()  # 552 + 64 tokens = 39 blocks, 32 of them cached on b
+    view = {"a": stats("a", free=300), "b": stats("b", free=5, hashes=cached(PREFIX)), "c": stats("c", free=500)}
+    assert choose_kv(r, view, {}, NOW) == "c"  # no room on b: the most free blocks
+    view["b"] = stats("b", free=8, hashes=cached(PREFIX))  # the 7 new blocks fit next to the cached 32
+    assert choose_kv(r, view, {}, NOW) == "b"
+
+
+def test_reserved_growth_and_seats_count_against_room():
+    r = req()
+    cfg = KVPolicyConfig(reserve_weight=1.0)
+    view = {"a": stats("a", free=500, reserved=495, hashes=cached(PREFIX)), "b": stats("b", free=100)}
+    assert choose_kv(r, view, {}, NOW, cfg) == "b"  # a's running requests will still grow into its free blocks
+    view = {"a": stats("a", running=60, waiting=4, hashes=cached(PREFIX)), "b": stats("b", free=100)}
+    assert choose_kv(r, view, {}, NOW, cfg) == "b"  # a has no sequence seat
+
+
+def test_no_room_anywhere_holds():
+    view = {"a": stats("a", free=10), "b": stats("b", running=64)}
+    assert choose_kv(req(), view, {}, NOW) is None
+
+
+def test_hot_prefix_spills_over_when_its_replica_is_backlogged():
+    view = {"a": stats("a", hashes=cached(PREFIX), waiting_prefill=4000), "b": stats("b")}
+    assert choose_kv(req(), view, {}, NOW) == "b"  # 512 cached tokens do not beat a 4000-token queue
+
+
+def test_spreads_a_burst_of_distinct_prompts():
+    view = {rid: stats(rid) for rid in "abcd"}
+    ledger = PendingLedger()
+    picks = []
+    for i in range(8):  # no report arrives during the burst
+        r = RouteRequest(prompt(100 + i, 300), 64)
+        rid = choose_kv(r, view, ledger.view(), NOW)
+        record_dispatch(ledger, rid, r, view, NOW)
+        picks.append(rid)
+    assert sorted(picks) == sorted("abcd" * 2)
+
+
+def test_a_shared_prefix_burst_computes_the_prefix_once_per_replica_then_reuses_it():
+    view = {rid: stats(rid) for rid in "abcd"}
+    ledger = PendingLedger()
+    picks = []
+    for i in range(12):
+        r = req(suffix_seed=200 + i, suffix_len=100)
+        rid = choose_kv(r, view, ledger.view(), NOW)
+        record_dispatch(ledger, rid, r, view, NOW)
+        picks.append(rid)
+    # Queueing behind a 612-token prefill costs more than computing the 512-token prefix again, so
+    # the burst starts the prefix on every replica; later requests reuse the pending prefixes.
+    assert sorted(picks[:4]) == list("abcd") and sorted(picks) == sorted("abcd" * 3)
+    booked = sum(ledger.get(rid).num_prefill_tokens for rid in "abcd")
+    assert booked == 4 * 612 + 8 * 100
+
+
+def test_stale_stats_are_ignored_while_fresh_replicas_have_room():
+    view = {"a": stats("a", hashes=cached(PREFIX), timestamp=NOW - 60), "b": stats("b", free=100)}
+    assert choose_kv(req(), view, {}, NOW, KVPolicyConfig(stale_after_s=5)) == "b"
+
+
+def test_unknown_replicas_take_requests_only_when_no_known_one_has_room():
+    full = {"a": stats("a", free=0), "b": stats("b", free=0)}
+    assert choose_kv(req(), {**full, "new": None}, {}, NOW) == "new"  # a replica that has not reported yet
+    assert choose_kv(req(), {"a": stats("a"), "new": None}, {}, NOW) == "a"
+    stale = {**full, "s": stats("s", free=0, timestamp=NOW - 60)}
+    assert choose_kv(req(), stale, {}, NOW) == "s"  # stale numbers are not trusted either way
+
+
+def test_without_any_stats_spreads_by_pending_dispatches():
+    view = dict.fromkeys("abc")
+    ledger = PendingLedger()
+    picks = []
+    for i in range(6):
+        r = RouteRequest(prompt(300 + i, 100), 16)
+        rid = choose_kv(r, view, ledger.view(), NOW)
+        record_dispatch(ledger, rid, r, view, NOW)
+        picks.append(rid)
+    assert sorted(picks) == sorted("abc" * 2)
+
+
+def test_precomputed_hashes_route_like_token_ids():
+    tokens = PREFIX + prompt(5, 40)
+    by_hash = RouteRequest(None, 64, num_prompt_tokens=len(tokens),
+                           prefix_hashes={BS: hash_prefix_blocks(tokens, BS, (len(tokens) - 1) // BS)})
+    view = {"a": stats("a"), "b": stats("b", hashes=cached(PREFIX))}
+    assert choose_kv(by_hash, view, {}, NOW) == choose_kv(RouteRequest(tokens, 64), view, {}, NOW) == "b"
+
+
+@st.composite
+def cluster_views(draw):
+    n = draw(st.integers(1, 6))
+    view = {}
+    for i in range(n):
+        prefix_blocks = draw(st.integers(0, 40))
+        view[f"r{i}"] = stats(f"r{i}", free=draw(st.integers(0, 120)), total=200, reserved=draw(st.integers(0, 60)),
+                              running=draw(st.integers(0, 8)), waiting=draw(st.integers(0, 2)), max_num_seqs=8,
+                              waiting_prefill=draw(st.integers(0, 3000)),
+                              hashes=cached(PREFIX)[:prefix_blocks],
+                              timestamp=NOW - draw(st.sampled_from([0, 0, 0, 1, 30])))
+    return view
+
+
+@settings(max_examples=300, deadline=None)
+@given(view=cluster_views(), suffix_len=st.integers(1, 600), max_tokens=st.integers(1, 400),
+       reserve_weight=st.sampled_from([0.0, 0.5, 1.0]))
+def test_never_picks_a_replica_without_room_when_one_has_room(view, suffix_len, max_tokens, reserve_weight):
+    r = RouteRequest(PREFIX + prompt(9, suffix_len), max_tokens)
+    cfg = KVPolicyConfig(stale_after_s=5, reserve_weight=reserve_weight)
+
+    def has_room(s):  # independent restatement of the rule in cluster/policy.py
+        n = len(r.token_ids)
+        hit = 0
+        for h in hash_prefix_blocks(r.token_ids, BS, (n - 1) // BS):
+            if h not in s.prefix_hashes:
+                break
+            hit += 1
+        need = -(-(n + max_tokens) // BS) - hit
+        return (s.num_free_blocks - reserve_weight * s.num_reserved_blocks >= need
+                and s.num_running + s.num_waiting < s.max_num_seqs)
+
+    fresh_with_room = {rid for rid, s in view.items() if NOW - s.timestamp <= 5 and has_room(s)}
+    pick = choose_kv(r, view, {}, NOW, cfg)
+    if fresh_with_room:
+        assert pick in fresh_with_room
+    elif any(NOW - s.timestamp > 5 for s in view.values()):
+        assert pick is not None and NOW - view[pick].timestamp > 5
+    else:
+        assert pick is None
+
+
+# -- pow2 / round robin -------------------------------------------------------------------------------
+def test_pow2_takes_the_shorter_queue_and_never_a_full_one():
+    rng = random.Random(0)
+    view = {"a": stats("a"), "b": stats("b")}
+    assert choose_pow2(req(), view, {}, NOW, rng, queue_lens={"a": 5, "b": 2}) == "b"
+    assert choose_pow2(req(), view, {}, NOW, rng, queue_lens={"a": 5, "b": 8}, max_ongoing=8) == "a"
+    assert choose_pow2(req(), view, {}, NOW, rng, queue_lens={"a": 8, "b": 8}, max_ongoing=8) is None
+    picks = {choose_pow2(req(), dict.fromkeys("abcdef"), {}, NOW, rng) for _ in range(200)}
+    assert picks == set("abcdef")
+
+
+def test_round_robin_cycles_and_skips_full_replicas():
+    view, cursor, picks = dict.fromkeys("abc"), 0, []
+    for _ in range(6):
+        rid, cursor = choose_round_robin(req(), view, {}, NOW, cursor)
+        picks.append(rid)
+    assert picks == list("abcabc")
+    rid, _ = choose_round_robin(req(), view, {}, NOW, 0, queue_lens={"a": 4, "b": 1, "c": 0}, max_ongoing=4)
+    assert rid == "b"
+
+
+# -- ledger ---------------------------------------------------------------------------------------------
+def test_ledger_nets_dispatches_and_completions_until_a_report_covers_them():
+    led = PendingLedger(expire_after_s=10)
+    led.record("a", 1.0, 10, 100, (11, 12))
+    led.record("a", 2.0, 5, 50, (11,))
+    led.release("a", 3.0, 7)
+    p = led.get("a")
+    assert (p.num_requests, p.num_blocks, p.num_prefill_tokens) == (1, 8, 150) and 11 in p and 12 in p
+    led.covered("a", 1.5)
+    p = led.get("a")
+    assert (p.num_requests, p.num_blocks, p.num_prefill_tokens) == (0, -2, 50) and 11 in p and 12 not in p
+    led.expire(20.0)
+    assert led.get("a").num_requests == 0 and not led.view()
+
+
+# -- stats ------------------------------------------------------------------------------------------------
+def test_stats_round_trip_through_plain_types():
+    s = stats("a", hashes=cached(PREFIX), reserved=7)
+    d = s.to_dict()
+    assert isinstance(d["prefix_hashes"], list) and ReplicaStats.from_dict(d) == s
+
+
+def _bm_with(prompts, num_blocks=64, block_size=4):
+    bm = BlockManager(num_blocks, block_size)
+    sched = Scheduler(SchedulerConfig(8, 1024, 512), bm)
+    seqs = []
+    for i, p in enumerate(prompts):
+        seq = Sequence(f"q{i}", p, SamplingParams(max_tokens=4), 4)
+        sched.add(seq)
+        seqs.append(seq)
+    sched.schedule()
+    return bm, sched, seqs
+
+
+def test_summary_uses_the_engine_hash_so_the_router_finds_cached_prefixes():
+    p = prompt(7, 40)  # 10 blocks of 4
+    bm, sched, _ = _bm_with([p])
+    summary = summarize_prefix_hashes(bm, limit=100)
+    assert set(hash_prefix_blocks(p, 4)) == summary == set(bm.hash_to_block)
+    s = build_replica_stats("x", sched, NOW)
+    r = RouteRequest(p[:30] + prompt(8, 9), 8)  # shares 7 full blocks
+    assert s.block_size == 4 and s.num_running == 1
+    from cluster.pending import EMPTY
+    from cluster.policy import prefix_hit_blocks
+    assert prefix_hit_blocks(r.hashes(4), s.prefix_hashes, EMPTY) == 7
+
+
+def test_bounded_summary_keeps_blocks_in_use_then_the_most_recently_freed():
+    a, b, c = prompt(10, 16), prompt(11, 16), prompt(12, 16)  # 4 blocks each
+    bm, sched, seqs = _bm_with([a, b, c])
+    sched.finish(seqs[0])  # freed first: evicted first
+    sched.finish(seqs[2])
+    in_use = set(hash_prefix_blocks(b, 4))
+    assert summarize_prefix_hashes(bm, limit=4) == in_use
+    six = summarize_prefix_hashes(bm, limit=6)
+    assert in_use < six and six - in_use <= set(hash_prefix_blocks(c, 4))  # c was freed last
+    assert len(summarize_prefix_hashes(bm, limit=2)) == 2
+
+
+def test_reserved_blocks_count_growth_to_max_tokens():
+    bm, sched, seqs = _bm_with([prompt(13, 10)])  # 3 blocks held, 10 + 4 tokens need 4
+    s = build_replica_stats("x", sched, NOW)
+    assert s.num_reserved_blocks == 1 and s.headroom_blocks == s.num_free_blocks - 1
+    sched.add(Sequence("w", prompt(14, 12), SamplingParams(max_tokens=4), 4))
+    assert build_replica_stats("x", sched, NOW).num_reserved_blocks == 1 + 4
+    assert build_replica_stats("x", sched, NOW).waiting_prefill_tokens == 12
+
+
+def test_bad_policy_config_is_rejected():
+    with pytest.raises(ValueError):
+        KVPolicyConfig(reserve_weight=2)
+    with pytest.raises(ValueError):
+        RouteRequest(None, 4)

@@ -1,0 +1,93 @@
+"""The Serve RequestRouters (cluster/serve_router.py) driven directly, without a Serve cluster."""
+import asyncio
+import random
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata  # noqa: E402
+from ray.serve.request_router import PendingRequest  # noqa: E402
+
+from cluster.serve_router import KVRequestRouter, RoundRobinRequestRouter, request_router_config  # noqa: E402
+from cluster.stats import ReplicaStats  # noqa: E402
+from engine.hashing import hash_prefix_blocks  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+DEP = DeploymentID(name="EngineServer", app_name="kvserve")
+PREFIX = [random.Random(0).randrange(1000) for _ in range(256)]
+
+
+def replica(name, **stats):
+    rid = ReplicaID(unique_id=name, deployment_id=DEP)
+    raw = None
+    if stats:
+        raw = ReplicaStats(replica_id=rid.to_full_id_str(), num_free_blocks=stats.get("free", 500),
+                           num_total_blocks=500, block_size=16, num_reserved_blocks=0, num_running=0, num_waiting=0,
+                           max_num_seqs=64, waiting_prefill_tokens=0, num_preemptions=0, prefix_query_tokens=0,
+                           prefix_hit_tokens=0, prefix_hashes=frozenset(stats.get("hashes", ())),
+                           timestamp=time.time()).to_dict()
+    return SimpleNamespace(replica_id=rid, routing_stats=raw or {})
+
+
+def pending(n, tokens, method="generate"):
+    meta = RequestMetadata(request_id=f"r{n}", internal_request_id=f"i{n}", call_method=method)
+    return PendingRequest(args=[f"r{n}", tokens, SamplingParams(max_tokens=32)], kwargs={}, metadata=meta)
+
+
+def make(cls, **kwargs):
+    router = cls(deployment_id=DEP, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(**kwargs)
+    return router
+
+
+def test_kv_router_routes_to_the_cached_prefix_and_holds_when_full():
+    async def main():
+        router = make(KVRequestRouter)
+        a, b = replica("a"), replica("b", hashes=hash_prefix_blocks(PREFIX, 16))
+        a.routing_stats = replica("a", free=500).routing_stats
+        ranks = await router.choose_replicas([a, b], pending(1, PREFIX + [1, 2, 3]))
+        assert ranks == [[b]]
+        pr = pending(2, PREFIX + [4, 5])
+        full = [replica("a", free=1), replica("b", free=1)]
+        assert await router.choose_replicas(full, pr) == [] and pr.routing_context.should_backoff
+        # a replica that has not reported yet is tried before holding
+        assert await router.choose_replicas(full + [replica("new")], pending(3, [7] * 40)) == [[replica("new")]]
+        # non-generate calls (info, stats) may go anywhere
+        assert await router.choose_replicas([a, b], pending(4, [], method="info")) == [[a, b]]
+    asyncio.run(main())
+
+
+def test_kv_router_books_dispatches_until_completion_and_rebooks_retries():
+    async def main():
+        router = make(KVRequestRouter)
+        reps = [replica(n, free=500) for n in "ab"]
+        first = await router.choose_replicas(reps, pending(1, [3] * 100))
+        second = await router.choose_replicas(reps, pending(2, [4] * 100))
+        assert first != second  # the burst spreads: the first booking counts against its replica
+        booked = router.ledger.get(first[0][0].replica_id.to_full_id_str())
+        assert booked.num_requests == 1
+        again = await router.choose_replicas(reps, pending(1, [3] * 100))  # Serve retries request 1
+        assert router.ledger.get(again[0][0].replica_id.to_full_id_str()).num_requests == 1
+        router.on_request_completed(again[0][0].replica_id, "i1")
+        router.on_request_completed(second[0][0].replica_id, "i2")
+        assert all(p.num_requests == 0 for p in router.ledger.view().values())
+    asyncio.run(main())
+
+
+def test_round_robin_router_rotates_single_replica_ranks():
+    async def main():
+        router = make(RoundRobinRequestRouter)
+        reps = [replica(n) for n in "abc"]
+        firsts = [(await router.choose_replicas(reps, pending(i, [1])))[0][0].replica_id.unique_id for i in range(4)]
+        assert firsts == ["a", "b", "c", "a"]
+    asyncio.run(main())
+
+
+def test_request_router_config_selects_the_policy():
+    assert request_router_config("kv").request_router_class == "cluster.serve_router:KVRequestRouter"
+    assert request_router_config("pow2", stats_period_s=1).request_routing_stats_period_s == 1
+    with pytest.raises(ValueError):
+        request_router_config("random")

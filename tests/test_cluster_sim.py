@@ -1,0 +1,142 @@
+"""The cluster simulator (cluster/sim): same scheduling as the engine, and kv beats pow2 on prefixes."""
+import random
+
+import numpy as np
+import pytest
+
+from cluster.sim import CostModel, ReplicaConfig, SimConfig, SimReplica, WorkloadConfig, fit, generate, simulate
+from cluster.sim.workload import arrival_times
+from cluster.stats import build_replica_stats
+from engine.sampling_params import SamplingParams
+from tests.tiny_llama import make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_path):
+    return make_tiny_llama(tmp_path_factory.mktemp("sim-gqa"), smollm2_path, "gqa")
+
+
+def trace(seed=0, num_requests=16, steps=12):
+    """(step, request id, prompt, max_tokens): shared prefixes, prompts crossing blocks, arrivals
+    dense enough for a 12-block cache to run out (preemptions) and reuse prefixes (hits)."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 500) for _ in range(n)] for n in (9, 14)]
+    out = []
+    for i in range(num_requests):
+        prefix = rng.choice(prefixes + [[]])
+        prompt = prefix + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 16))]
+        out.append((rng.randrange(steps), f"t{i}", prompt, rng.randrange(4, 20)))
+    return sorted(out)
+
+
+def describe(batch):
+    return ([(s.request_id, n, s.num_computed_tokens) for s, n in zip(batch.seqs, batch.num_new_tokens)],
+            [s.request_id for s in batch.preempted], batch.copies)
+
+
+def test_sim_replica_schedules_exactly_like_the_engine(tiny_dir):
+    """Replay one trace through a real LLMEngine and a SimReplica in lockstep: every step must
+    schedule the same sequences with the same token counts, preempt the same ones, and leave the
+    same stats (block usage, reservations, prefix-hash summary) and free queue behind."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_dir), num_gpu_blocks_override=12, block_size=4, max_num_seqs=4,
+                                    max_num_batched_tokens=24, max_model_len=128))
+    engine_batches = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        engine_batches.append(describe(batch))
+        return batch
+
+    engine.scheduler.schedule = spy
+    engine_seqs = {}  # the engine's token choices feed the replica, so even output blocks hash alike
+    replica = SimReplica("sim", ReplicaConfig(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=24,
+                                              max_model_len=engine.max_model_len),
+                         token_fn=lambda seq: engine_seqs[seq.request_id].token_ids[seq.num_tokens])
+    arrivals = trace()
+    step, preempted, hits = 0, 0, 0
+    while arrivals or engine.has_unfinished():
+        while arrivals and arrivals[0][0] <= step:
+            _, rid, prompt, max_tokens = arrivals.pop(0)
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+            engine_seqs[rid] = engine.requests[rid].seqs[0]
+            replica.add(rid, prompt, max_tokens)
+        batch = replica.schedule()
+        sim_view = describe(batch)
+        engine.step()
+        if batch.seqs or engine_batches:
+            assert engine_batches.pop() == sim_view, f"step {step}"
+        if batch.seqs:
+            replica.complete(batch)
+        preempted += len(sim_view[1])
+        a = build_replica_stats("x", engine.scheduler, 0.0)
+        b = build_replica_stats("x", replica.scheduler, 0.0)
+        assert a == b, f"step {step}"
+        ebm, sbm = engine.block_manager, replica.block_manager  # down to the LRU order of the free queue
+        assert list(ebm.free_ids) == list(sbm.free_ids) and ebm.hash_to_block == sbm.hash_to_block, f"step {step}"
+        replica.scheduler.check_integrity()
+        step += 1
+        assert step < 500
+    assert not replica.has_work()
+    assert preempted > 0 and replica.scheduler.stats.prefix_hit_tokens > 0  # the trace exercised both
+    assert replica.scheduler.stats == engine.scheduler.stats
+
+
+def test_kv_routing_beats_pow2_on_shared_prefixes():
+    wl = generate(WorkloadConfig(kind="shared-prefix", rate=32, duration_s=10, num_groups=32, seed=3))
+    cfg = SimConfig(num_replicas=8, warmup_s=2)
+    kv, pow2 = simulate(wl, "kv", cfg), simulate(wl, "pow2", cfg)
+    assert kv.num_finished == pow2.num_finished == kv.num_requests
+    assert kv.prefix_hit_rate > pow2.prefix_hit_rate + 0.1
+    assert kv.ttft_p99 < 0.7 * pow2.ttft_p99
+
+
+def test_kv_routing_holds_instead_of_preempting_on_long_prompts():
+    wl = generate(WorkloadConfig(kind="no-prefix", rate=10, duration_s=8, prompt_mean=1024, output_mean=256, seed=1))
+    cfg = SimConfig(num_replicas=4, replica=ReplicaConfig(num_blocks=700), warmup_s=1)
+    kv, pow2 = simulate(wl, "kv", cfg), simulate(wl, "pow2", cfg)
+    assert pow2.preemptions > 0 and kv.preemptions == 0
+    assert kv.num_finished == kv.num_requests
+
+
+def test_router_queue_rejects_when_full():
+    wl = generate(WorkloadConfig(kind="no-prefix", rate=40, duration_s=3, prompt_mean=1024, output_mean=256))
+    res = simulate(wl, "kv", SimConfig(num_replicas=1, replica=ReplicaConfig(num_blocks=300), max_queue=5))
+    assert res.num_rejected > 0 and res.max_held == 5
+    assert res.num_finished + res.num_rejected == res.num_requests
+
+
+def test_fit_recovers_the_cost_model():
+    truth = CostModel(0.01, 2e-4, 3e-7)
+    rng = np.random.default_rng(0)
+    samples = [(int(n), int(c), truth.step_time(int(n), int(c)) * (1 + rng.normal(0, 0.01)))
+               for n, c in zip(rng.integers(1, 2048, 200), rng.integers(100, 100000, 200))]
+    got = fit(samples)
+    assert got.a == pytest.approx(truth.a, rel=0.1) and got.b == pytest.approx(truth.b, rel=0.05)
+    assert got.c == pytest.approx(truth.c, rel=0.1)
+    flat = fit([(n, c, 0.5) for n, c, _ in samples])  # no dependence: negative slopes are dropped
+    assert flat.a == pytest.approx(0.5) and flat.b < 1e-12 and flat.c < 1e-12
+
+
+def test_workload_rate_bursts_and_groups():
+    cfg = WorkloadConfig(kind="shared-prefix", rate=50, duration_s=40, bursts=((10, 5, 4.0),), num_groups=4, seed=2)
+    t = arrival_times(cfg, np.random.default_rng(0))
+    base, burst = np.sum((t >= 20) & (t < 40)) / 20, np.sum((t >= 10) & (t < 15)) / 5
+    assert base == pytest.approx(50, rel=0.15) and burst == pytest.approx(200, rel=0.15)
+    reqs = generate(cfg)
+    assert all(r.prefix is reqs[0].prefix for r in reqs if r.group == reqs[0].group)
+    assert {r.group for r in reqs} == {0, 1, 2, 3}
+    prompt = reqs[0].prompt()
+    assert prompt[:1536] == list(reqs[0].prefix) and len(prompt) == reqs[0].num_prompt_tokens
+    assert all(r.prefix is None for r in generate(WorkloadConfig(kind="no-prefix", rate=5, duration_s=2)))
+
+
+def test_cli_prints_a_table_per_policy(capsys):
+    from cluster.sim.__main__ import main
+
+    assert main(["--replicas", "2", "--duration", "3", "--warmup", "0", "--rate", "4", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 5 and "| kv |" in out and "| round_robin |" in out
