@@ -6,7 +6,8 @@ Used by `kvserve serve`, by `serve run` with a config file and by KubeRay's `ser
       - name: kvserve
         route_prefix: /
         import_path: cluster.app:build_app
-        args: {model: /models/llama, tensor_parallel_size: 2, num_replicas: 2, max_model_len: 4096}
+        args: {model: /models/llama, tensor_parallel_size: 2, num_replicas: 2, max_model_len: 4096,
+               routing: kv, autoscale: kv, min_replicas: 1, max_replicas: 4, upscale_delay_s: 30}
 
 Keys named like `engine.config.EngineConfig` fields configure every engine replica; the others
 are `ServeOptions` below. Unknown keys are an error, so a typo fails the deploy instead of being
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 
 APP_NAME = "kvserve"
+ROUTINGS = ("kv", "pow2", "round_robin")  # cluster.serve_router.ROUTER_CLASSES
+AUTOSCALE_POLICIES = ("none", "kv", "requests")
 INGRESS_MAX_ONGOING_REQUESTS = 4096  # the ingress only parses and relays; the engine bounds the work
 
 
@@ -47,8 +50,37 @@ class ServeOptions:
     num_ingress_replicas: int = 1
     graceful_shutdown_timeout_s: float = 60.0  # how long a stopping replica may drain in-flight requests
     health_check_period_s: float = 10.0
+    # Routing of generate calls to engine replicas (cluster.serve_router): kv | pow2 (Serve's default) | round_robin
+    routing: str = "kv"
+    routing_stats_period_s: float = 0.5  # how often replicas report their KV state to the routers
+    # Autoscaling of the engine replicas (cluster.autoscale): none (fixed num_replicas) | kv | requests
+    autoscale: str = "none"
+    min_replicas: int = 1
+    max_replicas: int | None = None  # required with autoscale kv|requests
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 300.0
+    target_kv_usage: float = 0.75  # autoscale kv: mean KV block usage to aim for
+    target_ongoing_requests: float | None = None  # autoscale requests: Serve's target (default: Serve's)
+    look_back_period_s: float = 30.0  # window Serve averages the replicas' metrics over
+    metrics_interval_s: float | None = None  # how often replicas push metrics (default: Serve's, 10 s)
 
     def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
+        if not self.routing_stats_period_s > 0:
+            raise ValueError(f"routing_stats_period_s must be > 0, got {self.routing_stats_period_s}")
+        if self.autoscale not in AUTOSCALE_POLICIES:
+            raise ValueError(f"autoscale must be one of {', '.join(AUTOSCALE_POLICIES)}, got {self.autoscale!r}")
+        if self.autoscale != "none":
+            if self.autoscaling_config:
+                raise ValueError("give autoscale or a raw autoscaling_config, not both")
+            if self.max_replicas is None:
+                raise ValueError(f"autoscale {self.autoscale} needs max_replicas")
+            self.kv_autoscale_config()  # validates min/max, delays, target_kv_usage
+            if not self.look_back_period_s > 0 or (self.metrics_interval_s is not None and not self.metrics_interval_s > 0):
+                raise ValueError("look_back_period_s and metrics_interval_s must be > 0")
+            if self.target_ongoing_requests is not None and not self.target_ongoing_requests > 0:
+                raise ValueError(f"target_ongoing_requests must be > 0, got {self.target_ongoing_requests}")
         if self.num_replicas < 1 or self.num_ingress_replicas < 1:
             raise ValueError("num_replicas and num_ingress_replicas must be >= 1")
         if self.max_ongoing_requests is not None and self.max_ongoing_requests < 1:
@@ -57,6 +89,38 @@ class ServeOptions:
             raise ValueError(f"max_queued_requests must be >= 1, or -1 for no limit, got {self.max_queued_requests}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+
+    def kv_autoscale_config(self):
+        from cluster.autoscale import KVAutoscaleConfig
+
+        return KVAutoscaleConfig(min_replicas=self.min_replicas, max_replicas=self.max_replicas,
+                                 target_kv_usage=self.target_kv_usage, upscale_delay_s=self.upscale_delay_s,
+                                 downscale_delay_s=self.downscale_delay_s)
+
+    def engine_autoscaling_config(self) -> dict | None:
+        """The engine deployment's Serve autoscaling_config: the raw one given, else the one
+        `autoscale` builds (cluster.autoscale.serve_autoscaling_config), else None (fixed replicas)."""
+        if self.autoscaling_config:
+            return self.autoscaling_config
+        if self.autoscale == "none":
+            return None
+        from cluster.autoscale import serve_autoscaling_config
+
+        out = serve_autoscaling_config(self.autoscale, self.kv_autoscale_config(),
+                                       target_ongoing_requests=self.target_ongoing_requests,
+                                       look_back_period_s=self.look_back_period_s)
+        if self.metrics_interval_s is not None:
+            out["metrics_interval_s"] = self.metrics_interval_s
+        return out
+
+    @property
+    def max_engine_replicas(self) -> int:
+        """The most engine replicas this app may run (for sizing CPUs and threads)."""
+        if self.autoscaling_config:
+            return int(self.autoscaling_config.get("max_replicas", self.num_replicas))
+        if self.autoscale != "none":
+            return max(1, self.max_replicas)
+        return self.num_replicas
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -112,6 +176,18 @@ def _usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def engine_router_config(engine: EngineConfig, options: ServeOptions):
+    """The engine deployment's request_router_config for `routing` (cluster.serve_router)."""
+    from cluster.serve_router import request_router_config
+
+    kwargs = {}
+    if options.routing == "kv":  # what the router assumes before the first report / for max_tokens=None
+        kwargs["default_block_size"] = engine.block_size
+        if engine.max_model_len:
+            kwargs["default_max_tokens"] = engine.max_model_len
+    return request_router_config(options.routing, options.routing_stats_period_s, **kwargs)
+
+
 def engine_deployment_options(engine: EngineConfig, options: ServeOptions) -> dict:
     tp = engine.tensor_parallel_size
     use_gpu = engine.device == "cuda" or (engine.device == "auto" and _cluster_has_gpus())
@@ -122,10 +198,12 @@ def engine_deployment_options(engine: EngineConfig, options: ServeOptions) -> di
         "health_check_period_s": options.health_check_period_s,
         "max_constructor_retry_count": 3,  # a model that fails to load rarely loads on the 20th try
     }
-    if options.autoscaling_config:
-        opts["autoscaling_config"] = options.autoscaling_config
+    autoscaling = options.engine_autoscaling_config()
+    if autoscaling:
+        opts["autoscaling_config"] = autoscaling
     else:
         opts["num_replicas"] = options.num_replicas
+    opts["request_router_config"] = engine_router_config(engine, options)
     if tp > 1:
         opts["placement_group_bundles"] = engine_bundles(tp, use_gpu)
         opts["placement_group_strategy"] = "PACK"
@@ -149,7 +227,7 @@ def build_app(args: dict | None = None):
     engine_opts = engine_deployment_options(engine, options)
     cpu_threads = options.cpu_threads
     if cpu_threads is None and engine_opts["ray_actor_options"].get("num_gpus", 0) == 0 and engine.tensor_parallel_size == 1:
-        cpu_threads = max(1, _usable_cores() // options.num_replicas)
+        cpu_threads = max(1, _usable_cores() // options.max_engine_replicas)
     engine_app = EngineDeployment.options(**engine_opts).bind(engine, options.engine_cls, cpu_threads)
     ingress = IngressDeployment.options(num_replicas=options.num_ingress_replicas,
                                         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,

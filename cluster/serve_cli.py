@@ -1,7 +1,9 @@
 """`kvserve serve`: start Ray + Serve and the OpenAI-compatible server, until Ctrl-C or SIGTERM.
 
     kvserve serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--num-replicas R]
-                  [--max-queued-requests N] [engine flags: --model, -tp, --max-model-len, ...]
+                  [--max-queued-requests N] [--routing kv|pow2|round_robin]
+                  [--autoscale none|kv|requests --min-replicas N --max-replicas N ...]
+                  [engine flags: --model, -tp, --max-model-len, ...]
 
 Without --ray-address it starts a local Ray instance and shuts it down on exit; with one, it
 deploys onto that cluster and removes only its own application on exit.
@@ -19,7 +21,9 @@ import threading
 from cluster.engine_args import add_engine_args, engine_config_from_args, parse_bytes
 
 _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "max_ongoing_requests", "max_queued_requests",
-                "max_request_body_bytes", "enable_log_requests")
+                "max_request_body_bytes", "enable_log_requests", "routing", "routing_stats_period_s", "autoscale",
+                "min_replicas", "max_replicas", "upscale_delay_s", "downscale_delay_s", "target_kv_usage",
+                "target_ongoing_requests", "look_back_period_s")
 
 
 def add_serve_parser(commands) -> argparse.ArgumentParser:
@@ -44,6 +48,29 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                          help="requests in flight per engine replica (default: --max-num-seqs)")
     cluster.add_argument("--max-queued-requests", type=int, metavar="N",
                          help="requests waiting for a replica before a 503 with Retry-After (default: -1, no limit)")
+    cluster.add_argument("--routing", choices=["kv", "pow2", "round_robin"],
+                         help="how requests pick an engine replica: kv (prefix-cache and KV-headroom aware), "
+                              "pow2 (Serve's default: power of two choices on queue length), round_robin "
+                              "(default: kv)")
+    cluster.add_argument("--routing-stats-period-s", type=float, metavar="S",
+                         help="how often replicas report their KV state to the routers (default: 0.5)")
+    scale = p.add_argument_group("autoscaling")
+    scale.add_argument("--autoscale", choices=["none", "kv", "requests"],
+                       help="autoscale the engine replicas: kv (KV block usage, queued prefill tokens, "
+                            "preemptions), requests (Serve's ongoing-requests policy), none (fixed "
+                            "--num-replicas; default)")
+    scale.add_argument("--min-replicas", type=int, metavar="N", help="with --autoscale (default: 1)")
+    scale.add_argument("--max-replicas", type=int, metavar="N", help="with --autoscale (required)")
+    scale.add_argument("--upscale-delay-s", type=float, metavar="S",
+                       help="a scale-up must be wanted this long (default: 30)")
+    scale.add_argument("--downscale-delay-s", type=float, metavar="S",
+                       help="a scale-down must be wanted this long (default: 300)")
+    scale.add_argument("--target-kv-usage", type=float, metavar="F",
+                       help="--autoscale kv: mean fraction of KV blocks in use to aim for, in (0, 1] (default: 0.75)")
+    scale.add_argument("--target-ongoing-requests", type=float, metavar="N",
+                       help="--autoscale requests: ongoing requests per replica to aim for (default: Serve's)")
+    scale.add_argument("--look-back-period-s", type=float, metavar="S",
+                       help="window the replicas' metrics are averaged over (default: 30)")
     cluster.add_argument("--ray-address", metavar="ADDRESS",
                          help="deploy onto this running Ray cluster (default: start a local one)")
     cluster.add_argument("--dashboard", action="store_true", help="start the Ray dashboard with a local Ray")
@@ -97,7 +124,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     tp = engine.tensor_parallel_size
     # Logical CPUs: the replica plus one per rank (the ranks run in the replica's placement group);
     # a laptop is oversubscribed on purpose.
-    need = options.num_replicas * (1 + tp if tp > 1 else 1)
+    need = options.max_engine_replicas * (1 + tp if tp > 1 else 1)
     ray.init(address=ns.ray_address, include_dashboard=ns.dashboard if local else None,
              num_cpus=max(os.cpu_count() or 1, need) if local else None)
     try:

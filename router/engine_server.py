@@ -15,11 +15,14 @@ import contextlib
 import dataclasses
 import importlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from ray import serve
 
+from cluster.autoscale import KVMetricsRecorder
+from cluster.stats import ReplicaStats, replica_stats_from_engine
 from engine.config import EngineConfig
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -81,6 +84,8 @@ class EngineServer:
             torch.set_num_threads(cpu_threads)  # Ray would leave a replica with OMP_NUM_THREADS=1
         self.engine = resolve_engine_factory(engine_cls)(engine_config)
         self.max_num_seqs = engine_config.max_num_seqs
+        self._kv_metrics = KVMetricsRecorder()
+        self._replica_id: str | None = None
 
     async def info(self) -> dict:
         """Limits the ingress checks requests against before sending them here."""
@@ -102,10 +107,43 @@ class EngineServer:
     async def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    async def record_routing_stats(self) -> dict:
-        """Serve's hook: what a custom RequestRouter sees of this replica (every few seconds)."""
+    def _replica_key(self) -> str:
+        """This replica's full id string, as the router keys replicas (`replica_id.to_full_id_str()`)."""
+        if self._replica_id is None:
+            try:
+                self._replica_id = serve.get_replica_context().replica_id.to_full_id_str()
+            except Exception:  # not inside a Serve replica (unit tests call the class directly)
+                return "local"
+        return self._replica_id
+
+    def replica_stats(self, now: float | None = None) -> ReplicaStats:
+        """The KV state the router needs. A real engine's scheduler and block manager are read
+        directly (the containers are copied first: the model step runs on another thread); an
+        engine without a scheduler (router.testing.FakeEngine) reports its EngineStats and no
+        cached prefixes."""
+        now = time.time() if now is None else now
+        inner = getattr(self.engine, "engine", None)
+        if getattr(inner, "scheduler", None) is not None:
+            return replica_stats_from_engine(inner, self._replica_key(), now)
         s = self.engine.stats()
-        return {**dataclasses.asdict(s), "kv_usage": s.kv_usage, "prefix_hit_rate": s.prefix_hit_rate}
+        return ReplicaStats(replica_id=self._replica_key(), num_free_blocks=s.num_free_blocks,
+                            num_total_blocks=s.num_total_blocks, block_size=s.block_size, num_reserved_blocks=0,
+                            num_running=s.num_running, num_waiting=s.num_waiting, max_num_seqs=self.max_num_seqs,
+                            waiting_prefill_tokens=s.waiting_prefill_tokens, num_preemptions=s.num_preemptions,
+                            prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
+                            prefix_hashes=frozenset(), timestamp=now)
+
+    async def record_routing_stats(self) -> dict:
+        """Serve's hook: what a custom RequestRouter sees of this replica (every
+        request_routing_stats_period_s): a `cluster.stats.ReplicaStats` as a dict, plus the
+        engine's own counters."""
+        s = self.engine.stats()
+        return {**dataclasses.asdict(s), "kv_usage": s.kv_usage, "prefix_hit_rate": s.prefix_hit_rate,
+                **self.replica_stats().to_dict()}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's hook for custom autoscaling metrics (cluster.autoscale.KVPressurePolicy reads them)."""
+        return self._kv_metrics.record(self.engine.stats())
 
     async def check_health(self) -> None:
         self.engine.check_health()  # raises when the engine loop has died; Serve then replaces us

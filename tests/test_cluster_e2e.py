@@ -1,0 +1,278 @@
+"""kvserve's cluster layer inside Ray Serve, end to end: the KV-aware router against Serve's
+power-of-two-choices router on a prefix-sharing workload, KV-pressure autoscaling 1 -> 2 -> 1,
+and the `kvserve serve` flags that select them.
+
+One local Ray for the module (shut down afterwards); the engine replicas run a tiny random Llama.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from cluster.app import ROUTINGS, engine_deployment_options, split_args
+from cluster.cli import main as kvserve_main
+from cluster.serve_router import ROUTER_CLASSES
+from router.testing import free_port
+from tests.tiny_llama import make_tiny_llama
+
+ENGINE = "EngineServer"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, smollm2_path):
+    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", tokenizer_dir=smollm2_path, kind="gqa"))
+
+
+@pytest.fixture(scope="module")
+def serve_url():
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        pytest.skip("Ray is already initialized in this process")
+    port = free_port()
+    ray.init(num_cpus=4, include_dashboard=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _deploy(tiny_model: str, name: str, route_prefix: str, **args):
+    from ray import serve
+
+    from cluster.app import build_app
+
+    args = dict(model=tiny_model, served_model_name="tiny", max_model_len=512, device="cpu", **args)
+    serve.run(build_app(args), name=name, route_prefix=route_prefix)
+
+
+def _replica_counts(app: str) -> dict[str, int]:
+    from ray import serve
+
+    dep = serve.status().applications[app].deployments[ENGINE]
+    return {getattr(k, "value", str(k)): v for k, v in dep.replica_states.items() if v}
+
+
+def _per_replica_stats(app: str, want: int, timeout_s: float = 30.0) -> dict[str, dict]:
+    """record_routing_stats of every replica (calls land on any replica; ask until all answered)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(ENGINE, app_name=app)
+    seen: dict[str, dict] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < want and time.monotonic() < deadline:
+        s = handle.record_routing_stats.remote().result(timeout_s=10)
+        seen[s["replica_id"]] = s
+    assert len(seen) == want, f"heard from {len(seen)} of {want} replicas"
+    return seen
+
+
+def _complete(http: httpx.Client, prefix: str, ids: list[int], max_tokens: int) -> dict:
+    r = http.post(f"{prefix}/v1/completions",
+                  json={"model": "tiny", "prompt": ids, "max_tokens": max_tokens, "temperature": 0})
+    r.raise_for_status()
+    return r.json()
+
+
+# -- a) kv routing beats pow2 on prefix-cache hits ---------------------------------------------------
+GROUPS, PER_GROUP, PREFIX_LEN, SUFFIX_LEN = 4, 6, 64, 8
+
+
+def _prefix_workload(seed: int = 0) -> list[list[list[int]]]:
+    """Waves of GROUPS requests (one per prefix group): 64 shared tokens + 8 unique ones each."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 500) for _ in range(PREFIX_LEN)] for _ in range(GROUPS)]
+    return [[prefixes[g] + [rng.randrange(3, 500) for _ in range(SUFFIX_LEN)] for g in range(GROUPS)]
+            for _ in range(PER_GROUP)]
+
+
+def _hit_rate_with(routing: str, url: str, tiny_model: str) -> tuple[float, dict]:
+    from ray import serve
+
+    app, prefix = f"hits_{routing}", f"/{routing}"
+    _deploy(tiny_model, app, prefix, routing=routing, num_replicas=2, num_gpu_blocks_override=64,
+            max_num_seqs=8, routing_stats_period_s=0.2)
+    try:
+        with httpx.Client(base_url=url, timeout=60) as http, ThreadPoolExecutor(GROUPS) as pool:
+            for wave in _prefix_workload():
+                for out in pool.map(lambda ids: _complete(http, prefix, ids, 4), wave):
+                    assert out["usage"]["completion_tokens"] == 4
+                time.sleep(0.25)  # let the next report carry this wave's cached prefixes
+        stats = _per_replica_stats(app, 2)
+        hit = sum(s["prefix_hit_tokens"] for s in stats.values())
+        query = sum(s["prefix_query_tokens"] for s in stats.values())
+        assert query >= GROUPS * PER_GROUP * PREFIX_LEN
+        per_replica = {rid[-8:]: (s["prefix_hit_tokens"], s["prefix_query_tokens"]) for rid, s in stats.items()}
+        return hit / query, per_replica
+    finally:
+        serve.delete(app)
+
+
+def test_kv_routing_gets_more_prefix_cache_hits_than_pow2(serve_url, tiny_model):
+    kv, kv_detail = _hit_rate_with("kv", serve_url, tiny_model)
+    pow2, pow2_detail = _hit_rate_with("pow2", serve_url, tiny_model)
+    print(f"\nprefix-cache hit rate: kv {kv:.3f} {kv_detail}  pow2 {pow2:.3f} {pow2_detail}")
+    # kv: each prefix is computed once (1 miss of 6 per group, 64 of 72 tokens cacheable) -> ~0.74
+    assert kv > pow2
+    assert kv >= 0.6
+
+
+def test_routing_stats_are_replica_stats(serve_url, tiny_model):
+    """What the KV router parses: a ReplicaStats keyed by this replica's full id, plus the engine's counters."""
+    from ray import serve
+
+    from cluster.stats import ReplicaStats
+
+    _deploy(tiny_model, "stats", "/stats", num_replicas=1, num_gpu_blocks_override=64)
+    try:
+        raw = _per_replica_stats("stats", 1)
+        (rid, s), = raw.items()
+        parsed = ReplicaStats.from_dict(s)
+        assert parsed.replica_id == rid and "#" in rid and parsed.num_total_blocks == 64
+        assert s["kv_usage"] == 0.0 and "prefix_hit_rate" in s
+        auto = serve.get_deployment_handle(ENGINE, app_name="stats").record_autoscaling_stats.remote().result()
+        assert set(auto) == {"kvserve_kv_usage", "kvserve_waiting_prefill_tokens", "kvserve_preemptions_per_s"}
+    finally:
+        serve.delete("stats")
+
+
+# -- b) KV-pressure autoscaling 1 -> 2 -> 1 --------------------------------------------------------------
+def _wait_for_running(app: str, n: int, timeout_s: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        counts = _replica_counts(app)
+        if counts.get("RUNNING", 0) == n and sum(counts.values()) == n:
+            return time.monotonic() - start
+        time.sleep(0.5)
+    raise AssertionError(f"{app}: wanted {n} running replicas within {timeout_s}s, have {_replica_counts(app)}")
+
+
+def test_kv_pressure_scales_up_and_back_down(serve_url, tiny_model):
+    from ray import serve
+
+    app, prefix = "autoscale", "/autoscale"
+    # 32 blocks x 16 tokens: two 96 + 150 token requests fill a replica's KV cache.
+    _deploy(tiny_model, app, prefix, num_gpu_blocks_override=32, max_num_seqs=8, autoscale="kv",
+            min_replicas=1, max_replicas=2, upscale_delay_s=1, downscale_delay_s=4, target_kv_usage=0.3,
+            look_back_period_s=2, metrics_interval_s=0.5)
+    try:
+        assert _replica_counts(app) == {"RUNNING": 1}
+        from ray.serve.context import _get_global_client
+
+        details = _get_global_client().get_serve_details()  # what Serve actually deployed
+        scale = details["applications"][app]["deployments"][ENGINE]["deployment_config"]["autoscaling_config"]
+        assert scale["policy"]["policy_function"] == "cluster.autoscale:KVPressurePolicy"
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def load(seed: int) -> None:
+            rng = random.Random(seed)
+            with httpx.Client(base_url=serve_url, timeout=60) as http:
+                while not stop.is_set():
+                    try:
+                        _complete(http, prefix, [rng.randrange(3, 500) for _ in range(96)], 150)
+                    except Exception as e:  # noqa: BLE001 - reported below
+                        errors.append(e)
+                        return
+
+        threads = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(6)]
+        for t in threads:
+            t.start()
+        try:
+            up_s = _wait_for_running(app, 2, timeout_s=60)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=60)
+        assert not errors, errors[:1]
+        down_s = _wait_for_running(app, 1, timeout_s=60)
+        print(f"\nautoscale: 1 -> 2 replicas after {up_s:.1f}s of load, 2 -> 1 {down_s:.1f}s after it stopped")
+    finally:
+        serve.delete(app)
+
+
+# -- c) the flags -----------------------------------------------------------------------------------
+def test_routing_names_match_the_router_classes():
+    assert set(ROUTINGS) == set(ROUTER_CLASSES)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--routing", "random"], "kvserve: error: argument --routing: invalid choice: 'random'"),
+    (["--autoscale", "cpu"], "kvserve: error: argument --autoscale: invalid choice: 'cpu'"),
+    (["--max-replicas", "two"], "kvserve: error: argument --max-replicas: invalid int value: 'two'"),
+])
+def test_bad_flag_values_are_one_line_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        kvserve_main(["serve", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(message) and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--autoscale", "kv"], "kvserve: error: autoscale kv needs max_replicas"),
+    (["--autoscale", "kv", "--min-replicas", "3", "--max-replicas", "2"],
+     "kvserve: error: need 0 <= min_replicas <= max_replicas"),
+    (["--autoscale", "kv", "--max-replicas", "2", "--target-kv-usage", "1.5"],
+     "kvserve: error: target_kv_usage must be in (0, 1]"),
+    (["--autoscale", "requests", "--max-replicas", "2", "--upscale-delay-s", "-1"],
+     "kvserve: error: upscale_delay_s and downscale_delay_s must be >= 0"),
+    (["--routing-stats-period-s", "0"], "kvserve: error: routing_stats_period_s must be > 0"),
+])
+def test_bad_flag_combinations_fail_in_one_line_before_ray(capsys, tiny_model, argv, message):
+    assert kvserve_main(["serve", "--model", tiny_model, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1
+
+
+def test_flags_reach_the_engine_deployment(tiny_model):
+    from cluster.serve_cli import app_args_from_cli
+    from cluster.cli import build_parser
+
+    ns = build_parser().parse_args(["serve", "--routing", "round_robin", "--routing-stats-period-s", "2",
+                                    "--autoscale", "kv", "--min-replicas", "1", "--max-replicas", "3",
+                                    "--upscale-delay-s", "5", "--downscale-delay-s", "60",
+                                    "--target-kv-usage", "0.6", "--device", "cpu"])
+    args = app_args_from_cli(ns)
+    opts = engine_deployment_options(*split_args(args))
+    router = opts["request_router_config"]
+    assert router.request_router_class == ROUTER_CLASSES["round_robin"]
+    assert router.request_routing_stats_period_s == 2
+    scale = opts["autoscaling_config"]
+    assert "num_replicas" not in opts
+    assert (scale["min_replicas"], scale["max_replicas"], scale["upscale_delay_s"], scale["downscale_delay_s"]) == \
+        (1, 3, 5, 60)
+    assert scale["policy"] == {"policy_function": "cluster.autoscale:KVPressurePolicy",
+                               "policy_kwargs": {"target_kv_usage": 0.6, "max_waiting_prefill_tokens": 8192,
+                                                 "max_preemptions_per_s": 0.5}}
+
+    # The defaults: kv routing, a fixed replica count; Serve's request-count policy on demand.
+    opts = engine_deployment_options(*split_args({"device": "cpu", "num_replicas": 2}))
+    assert opts["num_replicas"] == 2 and "autoscaling_config" not in opts
+    assert opts["request_router_config"].request_router_class == ROUTER_CLASSES["kv"]
+    opts = engine_deployment_options(*split_args({"device": "cpu", "autoscale": "requests", "max_replicas": 4,
+                                                  "target_ongoing_requests": 8}))
+    assert "policy" not in opts["autoscaling_config"] and opts["autoscaling_config"]["target_ongoing_requests"] == 8
+
+
+def test_fake_engine_replica_reports_without_a_block_manager():
+    """router.testing.FakeEngine has no scheduler: the replica reports its EngineStats, no prefixes."""
+    import asyncio
+
+    from cluster.stats import ReplicaStats
+    from engine.config import EngineConfig
+    from router.engine_server import EngineServer
+
+    server = EngineServer(EngineConfig(max_model_len=256, num_gpu_blocks_override=32), "router.testing:FakeEngine")
+    raw = asyncio.run(server.record_routing_stats())
+    parsed = ReplicaStats.from_dict(raw)
+    assert parsed.num_total_blocks == 32 and parsed.prefix_hashes == frozenset() and raw["kv_usage"] == 0.0
+    auto = asyncio.run(server.record_autoscaling_stats())
+    assert auto["kvserve_kv_usage"] == 0.0 and auto["kvserve_preemptions_per_s"] == 0.0
