@@ -33,6 +33,18 @@ def _assert_clean(llm: LLM) -> None:
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
+def _run_staggered(llm: LLM, prompts, steps_between: int) -> list[list[int]]:
+    """Each prompt arrives while the earlier ones are mid-flight; greedy tokens in prompt order."""
+    eng, done = llm.engine, {}
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, GREEDY)
+        for _ in range(steps_between):
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+
+
 def _tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
@@ -62,23 +74,7 @@ def test_exact_under_preemption(tiny):
 def test_exact_staggered_arrivals(tiny):
     d, prompts, ref = tiny
     llm = LLM(model=str(d), num_gpu_blocks_override=20, max_num_batched_tokens=24)
-    eng, done = llm.engine, {}
-    for i, p in enumerate(prompts):  # each arrives while the others are mid-flight
-        eng.add_request(str(i), p, GREEDY)
-        for _ in range(3):
-            done.update({o.request_id: o for o in eng.step() if o.finished})
-    while eng.has_unfinished():
-        done.update({o.request_id: o for o in eng.step() if o.finished})
-    assert [done[str(i)].outputs[0].token_ids for i in range(len(prompts))] == ref
-    assert llm.engine.stats().prefix_hit_tokens > 0  # the chat template's system prompt is shared
-    _assert_clean(llm)
-
-
-def test_smollm2_exact_n2(smollm2_path, smol_case):
-    prompts, ref = smol_case
-    llm = LLM(model=smollm2_path, num_gpu_blocks_override=64)
-    outs = llm.generate(prompts[:2], SamplingParams(n=2, temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
-    assert [[c.token_ids for c in o.outputs] for o in outs] == [[r, r] for r in ref[:2]]
+    assert _run_staggered(llm, prompts, steps_between=3) == ref
     _assert_clean(llm)
 
 
@@ -144,13 +140,7 @@ def smol_case(smollm2_path):
 def test_smollm2_exact(smollm2_path, smol_case, engine_kwargs):
     prompts, ref = smol_case
     llm = LLM(model=smollm2_path, **engine_kwargs)
-    eng, done = llm.engine, {}
-    for i, p in enumerate(prompts):  # staggered arrivals
-        eng.add_request(str(i), p, GREEDY)
-        done.update({o.request_id: o for o in eng.step() if o.finished})
-    while eng.has_unfinished():
-        done.update({o.request_id: o for o in eng.step() if o.finished})
-    assert [done[str(i)].outputs[0].token_ids for i in range(len(prompts))] == ref
+    assert _run_staggered(llm, prompts, steps_between=1) == ref
     assert llm.engine.stats().prefix_hit_tokens > 0  # the chat template's system prompt is shared
     _assert_clean(llm)
 
