@@ -1,7 +1,7 @@
 """Engine configuration: one frozen dataclass, validated on construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)

@@ -82,9 +82,8 @@ class LocalExecutor:
         model_dir, arch, hf_config, tokenizer, device = load_model_info(config)
         dtype = resolve_dtype(config.dtype, device)
         self.model = build_model(model_dir, dtype, device)
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         block_bytes = bytes_per_block(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
-        num_blocks = num_kv_blocks(config, block_bytes, device, weight_bytes)
+        num_blocks = num_kv_blocks(config, block_bytes, device)
         kv = allocate_kv_cache(arch.num_layers, num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim,
                                dtype, device)
         self.runner = ModelRunner(self.model, kv, config.block_size, device)

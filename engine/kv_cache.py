@@ -21,7 +21,7 @@ def _available_cpu_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device, weight_bytes: int) -> int:
+def num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device) -> int:
     """--num-gpu-blocks-override, else --kv-cache-memory bytes, else a share of device memory."""
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override

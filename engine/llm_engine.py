@@ -12,7 +12,7 @@ from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)

@@ -123,7 +123,7 @@ class RankWorker:
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         block_bytes = bytes_per_block(arch.num_layers, self.config.block_size, arch.local_kv_heads(self.world_size),
                                       arch.head_dim, dtype)
-        return dict(rank=self.rank, max_blocks=num_kv_blocks(self._kv_config(), block_bytes, self.device, param_bytes),
+        return dict(rank=self.rank, max_blocks=num_kv_blocks(self._kv_config(), block_bytes, self.device),
                     block_bytes=block_bytes, param_bytes=param_bytes, bytes_read=stats.bytes_read,
                     bytes_received=stats.bytes_received, files_opened=stats.files_opened,
                     load_s=time.perf_counter() - t0, memory_after_load=self.memory())
