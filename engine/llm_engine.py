@@ -25,6 +25,7 @@ class LLMEngine:
         info = self.executor.info
         self.tokenizer = info.tokenizer
         self.eos_token_ids = set(info.eos_token_ids)
+        self._eos_list = sorted(self.eos_token_ids)  # what every sampling row gets, built once
         self.max_model_len = min(config.max_model_len or info.max_position_embeddings, info.max_position_embeddings)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"without chunked prefill max_num_batched_tokens ({config.max_num_batched_tokens}) "
@@ -132,7 +133,7 @@ class LLMEngine:
         req = self.requests[seq.request_id]
         return SamplingRow(params=seq.params, prompt_token_ids=req.prompt_token_ids,
                            output_token_ids=seq.output_token_ids, generator=req.generator(seq, device),
-                           eos_token_ids=sorted(self.eos_token_ids))
+                           eos_token_ids=self._eos_list)
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -1,6 +1,8 @@
 """A request's state in the engine: its n sequences and their text streams."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -82,7 +84,7 @@ class Request:
             comp.delta_text = detok.get_delta(finished=comp.finished)
             comp.text = detok.output_text
             comp.token_ids = seq.output_token_ids
-            outs.append(CompletionOutput(**{k: getattr(comp, k) for k in comp.__dataclass_fields__}))
+            outs.append(dataclasses.replace(comp))
             comp.delta_token_ids, comp.delta_logprobs = [], None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
                              self.seqs[0].num_cached_tokens)

@@ -82,27 +82,27 @@ def test_hot_prefix_spills_over_when_its_replica_is_backlogged():
     assert choose_kv(req(), view, {}, NOW) == "b"  # 512 cached tokens do not beat a 4000-token queue
 
 
-def test_spreads_a_burst_of_distinct_prompts():
-    view = {rid: stats(rid) for rid in "abcd"}
-    ledger = PendingLedger()
+def _burst(view, ledger: PendingLedger, requests: list[RouteRequest]) -> list[str]:
+    """Route requests one after another with no stats report in between; the replicas picked."""
     picks = []
-    for i in range(8):  # no report arrives during the burst
-        r = RouteRequest(prompt(100 + i, 300), 64)
+    for r in requests:
         rid = choose_kv(r, view, ledger.view(), NOW)
         record_dispatch(ledger, rid, r, view, NOW)
         picks.append(rid)
+    return picks
+
+
+def test_spreads_a_burst_of_distinct_prompts():
+    view = {rid: stats(rid) for rid in "abcd"}
+    # no report arrives during the burst
+    picks = _burst(view, PendingLedger(), [RouteRequest(prompt(100 + i, 300), 64) for i in range(8)])
     assert sorted(picks) == sorted("abcd" * 2)
 
 
 def test_a_shared_prefix_burst_computes_the_prefix_once_per_replica_then_reuses_it():
     view = {rid: stats(rid) for rid in "abcd"}
     ledger = PendingLedger()
-    picks = []
-    for i in range(12):
-        r = req(suffix_seed=200 + i, suffix_len=100)
-        rid = choose_kv(r, view, ledger.view(), NOW)
-        record_dispatch(ledger, rid, r, view, NOW)
-        picks.append(rid)
+    picks = _burst(view, ledger, [req(suffix_seed=200 + i, suffix_len=100) for i in range(12)])
     # Queueing behind a 612-token prefill costs more than computing the 512-token prefix again, so
     # the burst starts the prefix on every replica; later requests reuse the pending prefixes.
     assert sorted(picks[:4]) == list("abcd") and sorted(picks) == sorted("abcd" * 3)
@@ -125,13 +125,7 @@ def test_unknown_replicas_take_requests_only_when_no_known_one_has_room():
 
 def test_without_any_stats_spreads_by_pending_dispatches():
     view = dict.fromkeys("abc")
-    ledger = PendingLedger()
-    picks = []
-    for i in range(6):
-        r = RouteRequest(prompt(300 + i, 100), 16)
-        rid = choose_kv(r, view, ledger.view(), NOW)
-        record_dispatch(ledger, rid, r, view, NOW)
-        picks.append(rid)
+    picks = _burst(view, PendingLedger(), [RouteRequest(prompt(300 + i, 100), 16) for i in range(6)])
     assert sorted(picks) == sorted("abc" * 2)
 
 
