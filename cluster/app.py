@@ -51,7 +51,7 @@ class ServeOptions:
     graceful_shutdown_timeout_s: float = 60.0  # how long a stopping replica may drain in-flight requests
     health_check_period_s: float = 10.0
     # Routing of generate calls to engine replicas (cluster.serve_router): kv | pow2 (Serve's default) | round_robin
-    routing: str = "pow2"  # kv hangs a multi-prompt completions request (see README); pow2 until fixed
+    routing: str = "kv"
     routing_stats_period_s: float = 0.5  # how often replicas report their KV state to the routers
     # Autoscaling of the engine replicas (cluster.autoscale): none (fixed num_replicas) | kv | requests
     autoscale: str = "none"

@@ -51,7 +51,7 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     cluster.add_argument("--routing", choices=["kv", "pow2", "round_robin"],
                          help="how requests pick an engine replica: kv (prefix-cache and KV-headroom aware), "
                               "pow2 (Serve's default: power of two choices on queue length), round_robin "
-                              "(default: pow2; kv does not yet handle a completions request with several prompts)")
+                              "(default: kv)")
     cluster.add_argument("--routing-stats-period-s", type=float, metavar="S",
                          help="how often replicas report their KV state to the routers (default: 0.5)")
     scale = p.add_argument_group("autoscaling")

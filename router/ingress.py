@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
+import uuid
 from collections.abc import AsyncIterator
 
 from ray import serve
+from ray.serve.context import _set_request_context
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
@@ -42,11 +45,21 @@ class HandleEngineClient:
     async def info(self) -> dict:
         return await self._handle.info.remote()
 
+    def _call_generate(self, *args):
+        # Serve gives every handle call made while serving one HTTP request that request's
+        # internal id, and its request router indexes pending calls by that id: the calls of a
+        # several-prompt request (or n>1 fan-out) would collide, and all but one would never be
+        # assigned. So each engine call gets its own id (in a copied context, leaving the
+        # handler's own untouched). Cancellation does not depend on it: `generate` cancels the
+        # call itself when its consumer goes away.
+        _set_request_context(_internal_request_id=uuid.uuid4().hex)
+        return self._stream.generate.remote(*args)
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[StepOutput]:
         response, finished = None, False
         try:
-            response = self._stream.generate.remote(request_id, prompt_token_ids, params)
+            response = contextvars.copy_context().run(self._call_generate, request_id, prompt_token_ids, params)
             async for step in response:
                 finished = step.finished
                 yield step

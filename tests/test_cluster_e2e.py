@@ -253,12 +253,9 @@ def test_flags_reach_the_engine_deployment(tiny_model):
                                "policy_kwargs": {"target_kv_usage": 0.6, "max_waiting_prefill_tokens": 8192,
                                                  "max_preemptions_per_s": 0.5}}
 
-    # The defaults: pow2 routing (until kv handles multi-prompt requests), a fixed replica count;
-    # kv on demand; Serve's request-count policy on demand.
+    # The defaults: kv routing, a fixed replica count; Serve's request-count policy on demand.
     opts = engine_deployment_options(*split_args({"device": "cpu", "num_replicas": 2}))
     assert opts["num_replicas"] == 2 and "autoscaling_config" not in opts
-    assert opts["request_router_config"].request_router_class == ROUTER_CLASSES["pow2"]
-    opts = engine_deployment_options(*split_args({"device": "cpu", "routing": "kv"}))
     assert opts["request_router_config"].request_router_class == ROUTER_CLASSES["kv"]
     opts = engine_deployment_options(*split_args({"device": "cpu", "autoscale": "requests", "max_replicas": 4,
                                                   "target_ongoing_requests": 8}))
