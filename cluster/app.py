@@ -37,8 +37,10 @@ INGRESS_MAX_ONGOING_REQUESTS = 4096  # the ingress only parses and relays; the e
 class ServeOptions:
     served_model_name: str | None = None  # default: --model as given, or the embedded model's name
     api_key: str | None = None  # require `Authorization: Bearer <key>` (all routes but /health, /ready)
-    num_replicas: int = 1  # engine replicas (each one engine, or one tensor-parallel group)
-    autoscaling_config: dict | None = None  # Serve autoscaling of the engine replicas (wins over num_replicas)
+    # Engine replicas (each one engine, or one tensor-parallel group): the fixed count (default 1);
+    # with `autoscale`, the count to start from (Serve's initial_replicas, default min_replicas).
+    num_replicas: int | None = None
+    autoscaling_config: dict | None = None  # raw Serve autoscaling of the engine replicas
     max_ongoing_requests: int | None = None  # requests in flight per engine replica; default: max_num_seqs
     max_queued_requests: int = -1  # requests waiting for a replica before a 503 (-1: no limit)
     overload_status: int = 503  # or 429, for a full queue
@@ -74,6 +76,9 @@ class ServeOptions:
         if self.autoscale != "none":
             if self.autoscaling_config:
                 raise ValueError("give autoscale or a raw autoscaling_config, not both")
+            if self.num_replicas is not None and not self.min_replicas <= self.num_replicas <= self.max_replicas:
+                raise ValueError(f"with autoscale, num_replicas (the initial count) must be within min_replicas.."
+                                 f"max_replicas = {self.min_replicas}..{self.max_replicas}, got {self.num_replicas}")
             if self.max_replicas is None:
                 raise ValueError(f"autoscale {self.autoscale} needs max_replicas")
             self.kv_autoscale_config()  # validates min/max, delays, target_kv_usage
@@ -81,7 +86,9 @@ class ServeOptions:
                 raise ValueError("look_back_period_s and metrics_interval_s must be > 0")
             if self.target_ongoing_requests is not None and not self.target_ongoing_requests > 0:
                 raise ValueError(f"target_ongoing_requests must be > 0, got {self.target_ongoing_requests}")
-        if self.num_replicas < 1 or self.num_ingress_replicas < 1:
+        if self.autoscaling_config and self.num_replicas is not None:
+            raise ValueError("give num_replicas or an autoscaling_config (with its initial_replicas), not both")
+        if (self.num_replicas is not None and self.num_replicas < 1) or self.num_ingress_replicas < 1:
             raise ValueError("num_replicas and num_ingress_replicas must be >= 1")
         if self.max_ongoing_requests is not None and self.max_ongoing_requests < 1:
             raise ValueError(f"max_ongoing_requests must be >= 1, got {self.max_ongoing_requests}")
@@ -111,16 +118,18 @@ class ServeOptions:
                                        look_back_period_s=self.look_back_period_s)
         if self.metrics_interval_s is not None:
             out["metrics_interval_s"] = self.metrics_interval_s
+        if self.num_replicas is not None:
+            out["initial_replicas"] = self.num_replicas
         return out
 
     @property
     def max_engine_replicas(self) -> int:
         """The most engine replicas this app may run (for sizing CPUs and threads)."""
         if self.autoscaling_config:
-            return int(self.autoscaling_config.get("max_replicas", self.num_replicas))
+            return int(self.autoscaling_config.get("max_replicas", 1))
         if self.autoscale != "none":
             return max(1, self.max_replicas)
-        return self.num_replicas
+        return self.num_replicas or 1
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -202,7 +211,7 @@ def engine_deployment_options(engine: EngineConfig, options: ServeOptions) -> di
     if autoscaling:
         opts["autoscaling_config"] = autoscaling
     else:
-        opts["num_replicas"] = options.num_replicas
+        opts["num_replicas"] = options.num_replicas or 1
     opts["request_router_config"] = engine_router_config(engine, options)
     if tp > 1:
         opts["placement_group_bundles"] = engine_bundles(tp, use_gpu)

@@ -43,7 +43,9 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     http.add_argument("--enable-log-requests", action="store_true", default=None,
                       help="log each request's prompt token ids and sampling params (off by default)")
     cluster = p.add_argument_group("serve")
-    cluster.add_argument("--num-replicas", type=int, metavar="R", help="engine replicas (default: 1)")
+    cluster.add_argument("--num-replicas", type=int, metavar="R",
+                         help="engine replicas (default: 1); with --autoscale, the count to start from "
+                              "(default: --min-replicas)")
     cluster.add_argument("--max-ongoing-requests", type=int, metavar="N",
                          help="requests in flight per engine replica (default: --max-num-seqs)")
     cluster.add_argument("--max-queued-requests", type=int, metavar="N",

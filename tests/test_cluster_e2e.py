@@ -225,6 +225,8 @@ def test_bad_flag_values_are_one_line_usage_errors(capsys, argv, message):
     (["--autoscale", "requests", "--max-replicas", "2", "--upscale-delay-s", "-1"],
      "kvserve: error: upscale_delay_s and downscale_delay_s must be >= 0"),
     (["--routing-stats-period-s", "0"], "kvserve: error: routing_stats_period_s must be > 0"),
+    (["--autoscale", "kv", "--max-replicas", "2", "--num-replicas", "3"],
+     "kvserve: error: with autoscale, num_replicas (the initial count) must be within min_replicas..max_replicas"),
 ])
 def test_bad_flag_combinations_fail_in_one_line_before_ray(capsys, tiny_model, argv, message):
     assert kvserve_main(["serve", "--model", tiny_model, *argv]) == 2
@@ -260,6 +262,14 @@ def test_flags_reach_the_engine_deployment(tiny_model):
     opts = engine_deployment_options(*split_args({"device": "cpu", "autoscale": "requests", "max_replicas": 4,
                                                   "target_ongoing_requests": 8}))
     assert "policy" not in opts["autoscaling_config"] and opts["autoscaling_config"]["target_ongoing_requests"] == 8
+    assert "initial_replicas" not in opts["autoscaling_config"]  # Serve starts from min_replicas
+
+    # With autoscaling, --num-replicas is where it starts; with a raw autoscaling_config, its own field.
+    opts = engine_deployment_options(*split_args({"device": "cpu", "autoscale": "kv", "max_replicas": 4,
+                                                  "num_replicas": 2}))
+    assert opts["autoscaling_config"]["initial_replicas"] == 2 and "num_replicas" not in opts
+    with pytest.raises(ValueError, match="not both"):
+        split_args({"num_replicas": 2, "autoscaling_config": {"min_replicas": 1, "max_replicas": 3}})
 
 
 def test_fake_engine_replica_reports_without_a_block_manager():
