@@ -37,6 +37,7 @@ INGRESS_MAX_ONGOING_REQUESTS = 4096  # the ingress only parses and relays; the e
 class ServeOptions:
     served_model_name: str | None = None  # default: --model as given, or the embedded model's name
     api_key: str | None = None  # require `Authorization: Bearer <key>` (all routes but /health, /ready)
+    api_key_env: str | None = None  # or: the environment variable holding that key where the ingress runs
     # Engine replicas (each one engine, or one tensor-parallel group): the fixed count (default 1);
     # with `autoscale`, the count to start from (Serve's initial_replicas, default min_replicas).
     num_replicas: int | None = None
@@ -230,6 +231,7 @@ def build_app(args: dict | None = None):
 
     engine, options = check_args(args or {})
     settings = RouterSettings(served_model_name=served_model_name(engine, options), api_key=options.api_key,
+                              api_key_env=options.api_key_env,
                               max_request_body_bytes=options.max_request_body_bytes,
                               enable_log_requests=options.enable_log_requests,
                               retry_after_s=options.retry_after_s, overload_status=options.overload_status)

@@ -90,6 +90,7 @@ class OpenAIIngress:
         # The tokenizer the engine loads: the one named, else the model directory's.
         tokenizer = AutoTokenizer.from_pretrained(tokenizer or str(resolve_model(model)))
         self._engine_name = engine.deployment_name
+        settings = settings.resolve_api_key()
         self._serving = OpenAIServing(tokenizer, HandleEngineClient(engine, settings), settings)
 
     def __serve_build_asgi_app__(self):

@@ -1,13 +1,17 @@
 """The ingress's configuration: one frozen dataclass, validated on construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
 class RouterSettings:
     served_model_name: str  # the only `model` requests may name (404 otherwise)
     api_key: str | None = None  # when set, every route but /health and /ready needs `Bearer <key>`
+    # Or the name of an environment variable holding the key, read where the ingress runs (so a
+    # Kubernetes Secret can feed it without the key appearing in the Serve config).
+    api_key_env: str | None = None
     max_request_body_bytes: int = 8 << 20  # larger bodies get a 413 before they are parsed
     enable_log_requests: bool = False  # log prompts and sampling params (off: prompts never logged)
     retry_after_s: float = 1.0  # the Retry-After of a 503/429 when the engine queue is full
@@ -18,12 +22,24 @@ class RouterSettings:
             raise ValueError("served_model_name must be a non-empty string")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when given")
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("give api_key or api_key_env, not both")
         if self.max_request_body_bytes < 1024:
             raise ValueError(f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.overload_status not in (429, 503):
             raise ValueError(f"overload_status must be 429 or 503, got {self.overload_status}")
+
+    def resolve_api_key(self) -> "RouterSettings":
+        """These settings with api_key_env replaced by the key it names; an unset or empty
+        variable is an error (an ingress must not come up open when a key was asked for)."""
+        if self.api_key_env is None:
+            return self
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise ValueError(f"api_key_env names ${self.api_key_env}, which is unset or empty here")
+        return replace(self, api_key=key, api_key_env=None)
 
     @property
     def open_paths(self) -> frozenset[str]:

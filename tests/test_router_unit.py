@@ -125,6 +125,18 @@ def test_settings_are_validated():
         RouterSettings(served_model_name="m", overload_status=500)
     with pytest.raises(ValueError, match="api_key"):
         RouterSettings(served_model_name="m", api_key="")
+    with pytest.raises(ValueError, match="not both"):
+        RouterSettings(served_model_name="m", api_key="k", api_key_env="KEY")
+
+
+def test_api_key_can_come_from_the_ingress_environment(monkeypatch):
+    settings = RouterSettings(served_model_name="m", api_key_env="KVSERVE_TEST_KEY")
+    monkeypatch.delenv("KVSERVE_TEST_KEY", raising=False)
+    with pytest.raises(ValueError, match="KVSERVE_TEST_KEY"):  # never an open server by accident
+        settings.resolve_api_key()
+    monkeypatch.setenv("KVSERVE_TEST_KEY", "sk-from-secret")
+    assert settings.resolve_api_key().api_key == "sk-from-secret"
+    assert RouterSettings(served_model_name="m", api_key="k").resolve_api_key().api_key == "k"
 
 
 # -- kvserve serve ---------------------------------------------------------------------------------
