@@ -239,7 +239,8 @@ def build_app(args: dict | None = None):
     cpu_threads = options.cpu_threads
     if cpu_threads is None and engine_opts["ray_actor_options"].get("num_gpus", 0) == 0 and engine.tensor_parallel_size == 1:
         cpu_threads = max(1, _usable_cores() // options.max_engine_replicas)
-    engine_app = EngineDeployment.options(**engine_opts).bind(engine, options.engine_cls, cpu_threads)
+    engine_app = EngineDeployment.options(**engine_opts).bind(engine, options.engine_cls, cpu_threads,
+                                                              settings.served_model_name)
     ingress = IngressDeployment.options(num_replicas=options.num_ingress_replicas,
                                         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
                                         ray_actor_options={"num_cpus": 0},

@@ -76,6 +76,9 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     cluster.add_argument("--ray-address", metavar="ADDRESS",
                          help="deploy onto this running Ray cluster (default: start a local one)")
     cluster.add_argument("--dashboard", action="store_true", help="start the Ray dashboard with a local Ray")
+    cluster.add_argument("--metrics-export-port", type=int, metavar="PORT",
+                         help="a local Ray's Prometheus endpoint (http://HOST:PORT/metrics: Serve's and the "
+                              "engines' kvserve_* metrics; default: a random free port)")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
     return p
@@ -127,8 +130,10 @@ def run_serve(ns: argparse.Namespace) -> int:
     # Logical CPUs: the replica plus one per rank (the ranks run in the replica's placement group);
     # a laptop is oversubscribed on purpose.
     need = options.max_engine_replicas * (1 + tp if tp > 1 else 1)
-    ray.init(address=ns.ray_address, include_dashboard=ns.dashboard if local else None,
-             num_cpus=max(os.cpu_count() or 1, need) if local else None)
+    local_only = {"num_cpus": max(os.cpu_count() or 1, need), "include_dashboard": ns.dashboard}
+    if ns.metrics_export_port is not None:
+        local_only["_metrics_export_port"] = ns.metrics_export_port
+    ray.init(address=ns.ray_address, **(local_only if local else {}))
     try:
         serve.start(http_options={"host": ns.host, "port": ns.port})
         try:

@@ -5,6 +5,9 @@ the same ids) and streams one small `StepOutput` per engine step back to the ing
 caller goes away, Serve cancels this generator; closing the engine's stream aborts the request,
 which frees its KV blocks at once.
 
+Each replica also records the engine's Prometheus metrics (router.metrics): gauges from the
+engine's stats every second, and per request its TTFT, inter-token gaps, latency and end.
+
 The injected engine needs: `generate(request_id, prompt_token_ids, params)` (an async generator
 of `engine.RequestOutput`), `abort`, `stats() -> EngineStats`, `check_health()`, `shutdown()`,
 and `engine.max_model_len`. `router.testing.FakeEngine` is one.
@@ -26,6 +29,7 @@ from cluster.stats import ReplicaStats, replica_stats_from_engine
 from engine.config import EngineConfig
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
+from router.metrics import EngineMetrics, ray_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +67,11 @@ def to_step_output(out: RequestOutput, finished_samples: set[int]) -> StepOutput
     return StepOutput(choices, len(out.prompt_token_ids), out.num_cached_tokens, out.finished)
 
 
+def finish_reason(step: StepOutput) -> str:
+    """Why a finished request ended: its last sample's reason (n > 1: the sample that finished last)."""
+    return next((c.finish_reason for c in reversed(step.choices) if c.finish_reason), "abort")
+
+
 def resolve_engine_factory(engine_cls: str | EngineFactory | None) -> EngineFactory:
     """None -> engine.AsyncEngine; "pkg.module:Name" -> that attribute; a callable as is."""
     if engine_cls is None:
@@ -78,7 +87,8 @@ def resolve_engine_factory(engine_cls: str | EngineFactory | None) -> EngineFact
 
 class EngineServer:
     def __init__(self, engine_config: EngineConfig, engine_cls: str | EngineFactory | None = None,
-                 cpu_threads: int | None = None) -> None:
+                 cpu_threads: int | None = None, model_name: str | None = None,
+                 metrics: EngineMetrics | None = None) -> None:
         if cpu_threads:
             import torch
             torch.set_num_threads(cpu_threads)  # Ray would leave a replica with OMP_NUM_THREADS=1
@@ -86,6 +96,8 @@ class EngineServer:
         self.max_num_seqs = engine_config.max_num_seqs
         self._kv_metrics = KVMetricsRecorder()
         self._replica_id: str | None = None
+        self.metrics = metrics or EngineMetrics(ray_metrics(model_name or engine_config.model or "default"))
+        self._metrics_task = self.metrics.start_refresh(self.engine.stats)
 
     async def info(self) -> dict:
         """Limits the ingress checks requests against before sending them here."""
@@ -96,10 +108,22 @@ class EngineServer:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[StepOutput]:
         finished_samples: set[int] = set()
-        # aclosing: a cancelled or closed caller must close the engine's stream too (-> abort).
-        async with contextlib.aclosing(self.engine.generate(request_id, prompt_token_ids, params)) as stream:
-            async for out in stream:
-                yield to_step_output(out, finished_samples)
+        timer = self.metrics.start_request(len(prompt_token_ids))
+        reason = "abort"  # unless the engine says otherwise: a caller that went away aborted it
+        try:
+            # aclosing: a cancelled or closed caller must close the engine's stream too (-> abort).
+            async with contextlib.aclosing(self.engine.generate(request_id, prompt_token_ids, params)) as stream:
+                async for out in stream:
+                    step = to_step_output(out, finished_samples)
+                    timer.tokens(sum(len(c.token_ids) for c in step.choices))
+                    if step.finished:
+                        reason = finish_reason(step)
+                    yield step
+        except Exception:  # not CancelledError / GeneratorExit: those are the caller leaving
+            reason = "error"
+            raise
+        finally:
+            timer.finish(reason)
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
@@ -149,6 +173,8 @@ class EngineServer:
         self.engine.check_health()  # raises when the engine loop has died; Serve then replaces us
 
     async def shutdown(self) -> None:
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
         await self.engine.shutdown()
 
 

@@ -94,9 +94,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(args: dict, num_cpus: int = 4, app_name: str = "kvserve") -> Iterator[str]:
+def running_server(args: dict, num_cpus: int = 4, app_name: str = "kvserve",
+                   ray_options: dict | None = None) -> Iterator[str]:
     """A local Ray + Serve running `cluster.app.build_app(args)` on a free 127.0.0.1 port; yields its
-    base URL and leaves nothing running afterwards."""
+    base URL and leaves nothing running afterwards. `ray_options`: more keyword arguments for ray.init."""
     import ray
     from ray import serve
 
@@ -105,7 +106,7 @@ def running_server(args: dict, num_cpus: int = 4, app_name: str = "kvserve") -> 
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialized in this process")
     port = free_port()
-    ray.init(num_cpus=num_cpus, include_dashboard=False)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, **(ray_options or {}))
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name=app_name, route_prefix="/")

@@ -5,7 +5,8 @@ openAPIV3Schema of KubeRay's CRDs (../shared/kuberay-crds), closed to unknown fi
 `kubectl apply`'s strict field validation is; serveConfigV2 against Serve's own config schema,
 then its import_path is imported and its args go through cluster.app.build_app (with only the
 model-directory check stubbed out, since the models live on the cluster's volume); the
-monitoring files against the metric and deployment names that really exist.
+monitoring files against the metric and deployment names that really exist (Ray's own, and
+ours from router.metrics).
 """
 from __future__ import annotations
 
@@ -291,6 +292,18 @@ def ray_exports(metric: str) -> bool:
     return f'"{base.removeprefix("ray_")}"' in ray_metric_source() or base in ray_metric_source()
 
 
+@functools.cache
+def kvserve_exports() -> frozenset[str]:
+    """The series names our engine metrics (router.metrics.METRICS) get in Ray's Prometheus export."""
+    from router.metrics import METRICS
+
+    return frozenset(name for spec in METRICS for name in spec.exported_names)
+
+
+def exported(metric: str) -> bool:
+    return metric in kvserve_exports() or ray_exports(metric)
+
+
 def test_grafana_dashboard():
     dash = json.loads((K8S / "grafana-dashboard.json").read_text())
     panels = dash["panels"]
@@ -305,12 +318,21 @@ def test_grafana_dashboard():
     for expr in exprs:
         metrics = re.findall(r"\b(ray_\w+)\s*(?=[{\[)])", expr)
         assert metrics, expr
-        unknown = [m for m in metrics if not ray_exports(m)]
+        unknown = [m for m in metrics if not exported(m)]
         assert not unknown, f"Ray exports no metric {unknown} ({expr})"
         assert set(re.findall(r'deployment="(\w+)"', expr)) <= deployments, expr
         assert set(re.findall(r"\$(\w+)", expr)) <= set(variables) | {"__rate_interval"}, expr
+    from router import metrics as m
+
+    charted = {name for expr in exprs for name in re.findall(r"\bray_(kvserve_\w+?)(?:_total|_bucket)?\b", expr)}
+    wanted = {m.KV_USAGE, m.RUNNING, m.WAITING, m.TTFT, m.ITL, m.PREEMPTIONS, m.PREFIX_HITS, m.PREFIX_QUERIES}
+    assert wanted <= charted, f"the dashboard charts none of {sorted(wanted - charted)}"
 
 
 def test_metric_name_check_catches_mistakes():
     assert ray_exports("ray_serve_num_http_requests_total")
     assert not ray_exports("ray_serve_kv_block_usage")
+    assert exported("ray_kvserve_kv_cache_usage_perc") and exported("ray_kvserve_num_preemptions_total")
+    assert exported("ray_kvserve_time_to_first_token_seconds_bucket")
+    assert not exported("ray_kvserve_num_preemptions")  # a counter is exported with _total only
+    assert not exported("ray_kvserve_kv_usage")  # cluster.autoscale's name: goes to Serve's autoscaler only

@@ -1,6 +1,6 @@
 """The real Ray + Serve stack with `router.testing.FakeEngine` behind it: the rows of the error
 list that need an engine to misbehave on cue (500, a full queue), readiness while engines load,
-and draining on shutdown.
+draining on shutdown, and the engine replica's metrics as Ray's Prometheus export shows them.
 """
 import functools
 import json
@@ -13,6 +13,9 @@ import pytest
 from router.testing import FAIL_TOKEN_ID, SECRET, FakeEngine, running_server
 
 FAKE = "router.testing:FakeEngine"
+# Workers push recorded metrics to Ray's Prometheus exporter every metrics_report_interval_ms
+# (10 s by default; Ray's floor is 1 s).
+RAY_OPTIONS = {"_system_config": {"metrics_report_interval_ms": 1000}}
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +23,7 @@ def server():
     # Two requests run at once (max_num_seqs -> max_ongoing_requests); one more may wait.
     args = dict(engine_cls=FAKE, max_model_len=512, max_num_seqs=2, max_queued_requests=1, retry_after_s=3,
                 num_gpu_blocks_override=64, graceful_shutdown_timeout_s=30)
-    with running_server(args) as url:
+    with running_server(args, ray_options=RAY_OPTIONS) as url:
         yield url
 
 
@@ -36,6 +39,59 @@ def sse_data(lines) -> list[str]:
 
 def assert_internal_error(text: str) -> None:
     assert SECRET not in text and "Traceback" not in text and "RuntimeError" not in text
+
+
+def kvserve_samples() -> dict[str, list[tuple[dict, float]]]:
+    """Every ray_kvserve_* sample on this (only) node's Prometheus export: name -> [(labels, value)]."""
+    import ray
+    from prometheus_client.parser import text_string_to_metric_families
+
+    (node,) = ray.nodes()
+    text = httpx.get(f"http://127.0.0.1:{node['MetricsExportPort']}/metrics", timeout=5).text
+    out: dict[str, list[tuple[dict, float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("ray_kvserve_"):
+                out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def value(samples: dict, name: str, **labels) -> float | None:
+    """The sum over the series of `name` whose labels include `labels`; None when there is none."""
+    hits = [v for lab, v in samples.get(name, []) if labels.items() <= lab.items()]
+    return sum(hits) if hits else None
+
+
+# Keep this test first: it runs on a fresh server, so the counters hold exactly its one request.
+def test_engine_metrics_reach_rays_prometheus_export(http):
+    from router.metrics import E2E, ITL, TTFT
+
+    r = http.post("/v1/completions", json={"prompt": [1, 2, 3, 4, 5], "max_tokens": 6})
+    assert r.status_code == 200
+    usage = r.json()["usage"]
+    expected = {"ray_kvserve_request_success_total": 1.0, "ray_kvserve_prompt_tokens_total": usage["prompt_tokens"],
+                "ray_kvserve_generation_tokens_total": usage["completion_tokens"],
+                f"ray_{TTFT}_count": 1.0, f"ray_{ITL}_count": usage["completion_tokens"] - 1, f"ray_{E2E}_count": 1.0}
+    deadline, samples = time.monotonic() + 30, {}
+    while {k: value(samples, k) for k in expected} != expected:
+        assert time.monotonic() < deadline, {k: value(samples, k) for k in expected}
+        time.sleep(0.5)
+        samples = kvserve_samples()
+    assert value(samples, "ray_kvserve_request_success_total", finished_reason="length") == 1
+
+    def at_most(name: str, le: float) -> float:  # observations <= le (Ray exports sums as bucket midpoints)
+        return sum(v for lab, v in samples[f"ray_{name}_bucket"] if float(lab["le"]) == le)
+
+    # The fake engine sleeps 20 ms before each of the 6 tokens.
+    assert at_most(TTFT, 0.01) == 0 and at_most(TTFT, 10) == 1
+    assert at_most(ITL, 0.01) == 0 and at_most(ITL, 10) == 5
+    assert at_most(E2E, 0.1) == 0 and at_most(E2E, 10) == 1
+    for name in ("ray_kvserve_kv_cache_usage_perc", "ray_kvserve_num_requests_running",
+                 "ray_kvserve_num_requests_waiting"):
+        ((labels, v),) = samples[name]  # one engine replica
+        assert 0 <= v <= 1, name
+        assert labels["model_name"] == "SmolLM2-135M-Instruct" and labels["application"] == "kvserve"
+        assert labels["deployment"] == "EngineServer" and labels["replica"], labels
 
 
 def test_internal_error_is_a_bare_500(http):

@@ -1,0 +1,218 @@
+"""The engine replica's Prometheus metrics, named as vLLM names its own (`vllm:x` -> `kvserve_x`).
+
+EngineServer records them with Ray Serve's metrics API, so each Ray node exports them on its
+metrics port (`metrics-export-port`) and the Ray dashboard sees them. Prometheus names gain
+Ray's `ray_` prefix, counters `_total`, histograms `_bucket` / `_sum` / `_count`; every series
+carries `model_name` and, from Serve, `deployment`, `replica` and `application`.
+
+    name                                   kind       source
+    kvserve_num_requests_running           gauge      EngineStats, refreshed every REFRESH_PERIOD_S
+    kvserve_num_requests_waiting           gauge        "
+    kvserve_kv_cache_usage_perc            gauge        "   (fraction of KV blocks in use, 0..1)
+    kvserve_num_preemptions                counter      "   (the engine's cumulative counters, as deltas)
+    kvserve_prefix_cache_queries           counter      "   (prompt tokens looked up)
+    kvserve_prefix_cache_hits              counter      "   (of those, found cached)
+    kvserve_prompt_tokens                  counter    RequestTimer: once its prefill is done
+    kvserve_generation_tokens              counter      "   every FLUSH_PERIOD_S and at the end
+    kvserve_time_to_first_token_seconds    histogram    "   arrival at the replica -> first token
+    kvserve_inter_token_latency_seconds    histogram    "   gap before each later engine step
+    kvserve_e2e_request_latency_seconds    histogram    "   arrival -> end, whatever the end
+    kvserve_request_success                counter      "   by finished_reason: stop|length|abort|error
+
+A request's `RequestTimer` lives in its own generator frame, so nothing outlives the request.
+Per engine step it reads the clock and appends one gap; Ray sees the gaps and the token count
+only when they are flushed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from engine.outputs import EngineStats
+
+logger = logging.getLogger(__name__)
+
+REFRESH_PERIOD_S = 1.0  # gauges and engine counters; Ray exports every 10 s by default anyway
+FLUSH_PERIOD_S = 1.0  # a long request's gaps and tokens reach Ray at least this often
+
+
+def _buckets(lo_exp: int, hi_exp: int, mantissas: tuple[float, ...]) -> tuple[float, ...]:
+    """mantissa x 10^e for e in lo_exp..hi_exp-1, then 10^hi_exp: (-1, 1, (1, 5)) -> 0.1 0.5 1 5 10."""
+    return tuple(round(m * 10.0 ** e, 6) for e in range(lo_exp, hi_exp) for m in mantissas) + (10.0 ** hi_exp,)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: str  # "Gauge" | "Counter" | "Histogram": the ray.serve.metrics class
+    description: str
+    buckets: tuple[float, ...] = ()  # histogram bucket bounds (seconds)
+    tag_keys: tuple[str, ...] = ()  # besides model_name
+
+    @property
+    def exported_names(self) -> tuple[str, ...]:
+        """The series names Ray's Prometheus export gives this metric."""
+        base = f"ray_{self.name}"
+        if self.kind == "Counter":
+            return (f"{base}_total",)
+        if self.kind == "Histogram":
+            return (f"{base}_bucket", f"{base}_sum", f"{base}_count")
+        return (base,)
+
+
+RUNNING = "kvserve_num_requests_running"
+WAITING = "kvserve_num_requests_waiting"
+KV_USAGE = "kvserve_kv_cache_usage_perc"
+PREEMPTIONS = "kvserve_num_preemptions"
+PREFIX_QUERIES = "kvserve_prefix_cache_queries"
+PREFIX_HITS = "kvserve_prefix_cache_hits"
+PROMPT_TOKENS = "kvserve_prompt_tokens"
+GENERATION_TOKENS = "kvserve_generation_tokens"
+TTFT = "kvserve_time_to_first_token_seconds"
+ITL = "kvserve_inter_token_latency_seconds"
+E2E = "kvserve_e2e_request_latency_seconds"
+REQUEST_SUCCESS = "kvserve_request_success"
+FINISHED_REASON = "finished_reason"
+MODEL_NAME = "model_name"
+
+METRICS = (
+    MetricSpec(RUNNING, "Gauge", "Requests in the engine's running batch."),
+    MetricSpec(WAITING, "Gauge", "Requests queued in the engine, waiting to be scheduled."),
+    MetricSpec(KV_USAGE, "Gauge", "Fraction of KV cache blocks in use (0..1)."),
+    MetricSpec(PREEMPTIONS, "Counter", "Sequences preempted to free KV blocks."),
+    MetricSpec(PREFIX_QUERIES, "Counter", "Prompt tokens looked up in the prefix cache."),
+    MetricSpec(PREFIX_HITS, "Counter", "Prompt tokens found in the prefix cache."),
+    MetricSpec(PROMPT_TOKENS, "Counter", "Prompt tokens of requests whose prefill completed."),
+    MetricSpec(GENERATION_TOKENS, "Counter", "Generated tokens, all samples of a request together."),
+    MetricSpec(TTFT, "Histogram", "Seconds from a request's arrival at the replica to its first token.",
+               _buckets(-3, 3, (1, 2, 5))),
+    MetricSpec(ITL, "Histogram", "Seconds between successive engine steps that gave a request tokens.",
+               _buckets(-3, 1, (1, 1.5, 2, 3, 5, 7.5)) + (20.0, 50.0)),
+    MetricSpec(E2E, "Histogram", "Seconds from a request's arrival at the replica to its end.",
+               _buckets(-2, 4, (1, 2, 5))),
+    MetricSpec(REQUEST_SUCCESS, "Counter", "Requests that ended, by finished_reason (stop, length, abort, error).",
+               tag_keys=(FINISHED_REASON,)),
+)
+
+
+def ray_metrics(model_name: str) -> dict[str, object]:
+    """One ray.serve.metrics object per spec, tagged with the model. Inside a Serve replica they
+    also get its deployment, replica and application tags; outside Ray they record nothing."""
+    from ray.serve import metrics
+
+    out = {}
+    for spec in METRICS:
+        keys = (MODEL_NAME, *spec.tag_keys)
+        cls = getattr(metrics, spec.kind)
+        if spec.buckets:
+            m = cls(spec.name, spec.description, boundaries=list(spec.buckets), tag_keys=keys)
+        else:
+            m = cls(spec.name, spec.description, tag_keys=keys)
+        m.set_default_tags({MODEL_NAME: model_name})
+        out[spec.name] = m
+    return out
+
+
+class EngineMetrics:
+    """Turns a replica's observations into metric updates. `sinks` maps each METRICS name to an
+    object with Ray's interface: gauges `set(v)`, counters `inc(v, tags)`, histograms `observe(v)`."""
+
+    def __init__(self, sinks: Mapping[str, object], clock: Callable[[], float] = time.monotonic) -> None:
+        self.sinks = sinks
+        self.clock = clock
+        self._totals = {PREEMPTIONS: 0, PREFIX_QUERIES: 0, PREFIX_HITS: 0}  # engine counters seen so far
+
+    def start_request(self, num_prompt_tokens: int) -> RequestTimer:
+        return RequestTimer(self, num_prompt_tokens, self.clock())
+
+    def record_stats(self, stats: EngineStats) -> None:
+        """Gauges from one snapshot; the engine's cumulative counters become increments."""
+        self.sinks[RUNNING].set(stats.num_running)
+        self.sinks[WAITING].set(stats.num_waiting)
+        self.sinks[KV_USAGE].set(stats.kv_usage)
+        for name, total in ((PREEMPTIONS, stats.num_preemptions), (PREFIX_QUERIES, stats.prefix_query_tokens),
+                            (PREFIX_HITS, stats.prefix_hit_tokens)):
+            self._inc(name, total - self._totals[name])
+            self._totals[name] = total
+
+    async def refresh_forever(self, stats_fn: Callable[[], EngineStats],
+                              period_s: float = REFRESH_PERIOD_S) -> None:
+        while True:
+            try:
+                self.record_stats(stats_fn())
+            except Exception:  # a metrics hiccup must not end the loop
+                logger.warning("engine metrics: reading the engine's stats failed", exc_info=True)
+            await asyncio.sleep(period_s)
+
+    def start_refresh(self, stats_fn: Callable[[], EngineStats]) -> asyncio.Task | None:
+        """refresh_forever as a task on the running event loop (a Serve replica is constructed on
+        its own); None outside one, e.g. a test constructing EngineServer directly."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        return loop.create_task(self.refresh_forever(stats_fn))
+
+    # -- what RequestTimer reports ---------------------------------------------------------------
+    def first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+        self.sinks[TTFT].observe(ttft_s)
+        self._inc(PROMPT_TOKENS, num_prompt_tokens)
+
+    def tokens_generated(self, gaps_s: list[float], num_tokens: int) -> None:
+        observe = self.sinks[ITL].observe
+        for gap in gaps_s:
+            observe(gap)
+        self._inc(GENERATION_TOKENS, num_tokens)
+
+    def request_finished(self, reason: str, e2e_s: float) -> None:
+        self.sinks[E2E].observe(e2e_s)
+        self.sinks[REQUEST_SUCCESS].inc(1, {FINISHED_REASON: reason})
+
+    def _inc(self, name: str, value: int) -> None:
+        if value > 0:  # Ray's Counter rejects 0
+            self.sinks[name].inc(value)
+
+
+class RequestTimer:
+    """One request's timeline at the replica: arrival, each engine step with tokens, its end."""
+    __slots__ = ("_metrics", "_num_prompt_tokens", "_arrival", "_last", "_gaps", "_tokens", "_flushed", "_done")
+
+    def __init__(self, metrics: EngineMetrics, num_prompt_tokens: int, now: float) -> None:
+        self._metrics = metrics
+        self._num_prompt_tokens = num_prompt_tokens
+        self._arrival = now
+        self._last: float | None = None  # when the latest step with tokens arrived
+        self._gaps: list[float] = []  # inter-token gaps not observed yet
+        self._tokens = 0  # generated tokens not counted yet
+        self._flushed = now
+        self._done = False
+
+    def tokens(self, n: int) -> None:
+        """An engine step gave this request `n` new tokens (its samples together)."""
+        if not n:
+            return
+        now = self._metrics.clock()
+        if self._last is None:
+            self._metrics.first_token(now - self._arrival, self._num_prompt_tokens)
+        else:
+            self._gaps.append(now - self._last)
+        self._last = now
+        self._tokens += n
+        if now - self._flushed >= FLUSH_PERIOD_S:
+            self._flush(now)
+
+    def finish(self, reason: str) -> None:
+        """The request ended: stop | length | abort | error. Later calls do nothing."""
+        if self._done:
+            return
+        self._done = True
+        now = self._metrics.clock()
+        self._flush(now)
+        self._metrics.request_finished(reason, now - self._arrival)
+
+    def _flush(self, now: float) -> None:
+        self._metrics.tokens_generated(self._gaps, self._tokens)
+        self._gaps, self._tokens, self._flushed = [], 0, now

@@ -1,0 +1,242 @@
+"""router.metrics without Ray: the recorder against fake metric sinks and a scripted clock, and
+EngineServer's request stream over router.testing.FakeEngine. (Ray's own export of these metrics
+is checked end to end in tests/test_router_fake.py.)"""
+import asyncio
+import re
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.outputs import EngineStats
+from engine.sampling_params import SamplingParams
+from router import metrics as M
+from router.engine_server import EngineServer
+from router.testing import FAIL_TOKEN_ID
+
+
+class Sink:
+    """What a Ray Gauge / Counter / Histogram would have been given."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+        self.tags: list[dict] = []
+
+    def set(self, value) -> None:
+        self.values.append(value)
+
+    def observe(self, value) -> None:
+        self.values.append(value)
+
+    def inc(self, value=1.0, tags=None) -> None:
+        assert value > 0, "Ray's Counter.inc raises on a value <= 0"
+        self.values.append(value)
+        self.tags.append(dict(tags or {}))
+
+
+class Clock:
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def recorder(clock=None) -> tuple[M.EngineMetrics, dict[str, Sink]]:
+    sinks = {spec.name: Sink() for spec in M.METRICS}
+    return M.EngineMetrics(sinks, clock or Clock()), sinks
+
+
+def values(sinks: dict[str, Sink], name: str) -> list[float]:
+    return sinks[name].values
+
+
+def stats(**kw) -> EngineStats:
+    base = dict(num_total_blocks=100, num_free_blocks=100, block_size=16, num_running=0, num_waiting=0,
+                num_preemptions=0, prefix_query_tokens=0, prefix_hit_tokens=0, waiting_prefill_tokens=0)
+    return EngineStats(**{**base, **kw})
+
+
+# -- the recorder ------------------------------------------------------------------------------------
+def test_request_timeline_gives_ttft_itl_e2e_and_token_counts():
+    clock = Clock(10.0)
+    m, sinks = recorder(clock)
+    timer = m.start_request(num_prompt_tokens=7)
+    for t, n in [(10.5, 1), (10.6, 1), (10.6, 0), (10.85, 2), (10.9, 1)]:  # n=0: a step with no new token
+        clock.t = t
+        timer.tokens(n)
+    clock.t = 11.0
+    timer.finish("stop")
+    assert values(sinks, M.TTFT) == pytest.approx([0.5])
+    assert values(sinks, M.ITL) == pytest.approx([0.1, 0.25, 0.05])
+    assert values(sinks, M.E2E) == pytest.approx([1.0])
+    assert values(sinks, M.PROMPT_TOKENS) == [7]
+    assert values(sinks, M.GENERATION_TOKENS) == [5]
+    assert sinks[M.REQUEST_SUCCESS].tags == [{"finished_reason": "stop"}]
+    assert values(sinks, M.REQUEST_SUCCESS) == [1]
+    assert not values(sinks, M.RUNNING) and not values(sinks, M.PREEMPTIONS)  # no stats were recorded
+
+
+def test_long_request_is_flushed_while_it_runs_and_adds_up_at_the_end():
+    clock = Clock(0.0)
+    m, sinks = recorder(clock)
+    timer = m.start_request(3)
+    for i in range(1, 9):  # a token every 0.4 s: flushes at 1.2 s and 2.4 s (>= FLUSH_PERIOD_S apart)
+        clock.t = 0.4 * i
+        timer.tokens(1)
+    assert values(sinks, M.GENERATION_TOKENS) == [3, 3]
+    assert len(values(sinks, M.ITL)) == 5  # the first token has no gap
+    assert not values(sinks, M.E2E)
+    clock.t = 3.5
+    timer.finish("length")
+    assert values(sinks, M.GENERATION_TOKENS) == [3, 3, 2]
+    assert values(sinks, M.ITL) == pytest.approx([0.4] * 7)
+    assert values(sinks, M.E2E) == pytest.approx([3.5])
+    assert sinks[M.REQUEST_SUCCESS].tags == [{"finished_reason": "length"}]
+
+
+def test_request_aborted_before_its_first_token_counts_once_as_abort():
+    clock = Clock(5.0)
+    m, sinks = recorder(clock)
+    timer = m.start_request(12)
+    clock.t = 7.0
+    timer.finish("abort")
+    timer.finish("stop")  # a second end is ignored
+    assert values(sinks, M.E2E) == pytest.approx([2.0])
+    assert sinks[M.REQUEST_SUCCESS].tags == [{"finished_reason": "abort"}]
+    for name in (M.TTFT, M.ITL, M.PROMPT_TOKENS, M.GENERATION_TOKENS):
+        assert not values(sinks, name), name  # never prefilled: no TTFT, no tokens
+
+
+def test_counts_by_finish_reason():
+    m, sinks = recorder()
+    for reason in ["stop", "length", "stop", "abort", "error", "stop"]:
+        m.start_request(1).finish(reason)
+    reasons = [t["finished_reason"] for t in sinks[M.REQUEST_SUCCESS].tags]
+    assert {r: reasons.count(r) for r in reasons} == {"stop": 3, "length": 1, "abort": 1, "error": 1}
+
+
+def test_gauges_and_engine_counters_from_stats_snapshots():
+    m, sinks = recorder()
+    m.record_stats(stats(num_free_blocks=25, num_running=3, num_waiting=2, num_preemptions=4,
+                         prefix_query_tokens=64, prefix_hit_tokens=32))
+    m.record_stats(stats(num_free_blocks=90, num_running=1, num_waiting=0, num_preemptions=4,
+                         prefix_query_tokens=96, prefix_hit_tokens=32))
+    assert values(sinks, M.RUNNING) == [3, 1]
+    assert values(sinks, M.WAITING) == [2, 0]
+    assert values(sinks, M.KV_USAGE) == pytest.approx([0.75, 0.10])
+    # cumulative engine counters become increments; unchanged ones are not incremented (Ray rejects 0)
+    assert values(sinks, M.PREEMPTIONS) == [4]
+    assert values(sinks, M.PREFIX_QUERIES) == [64, 32]
+    assert values(sinks, M.PREFIX_HITS) == [32]
+
+
+def test_refresh_loop_keeps_going_after_a_failed_read():
+    m, sinks = recorder()
+    calls = []
+
+    def stats_fn():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("engine busy")
+        return stats(num_running=len(calls))
+
+    async def go():
+        task = asyncio.get_running_loop().create_task(m.refresh_forever(stats_fn, period_s=0.001))
+        while len(calls) < 3:
+            await asyncio.sleep(0.001)
+        task.cancel()
+
+    asyncio.run(go())
+    assert values(sinks, M.RUNNING)[:2] == [2, 3]
+    assert m.start_refresh(stats_fn) is None  # no running event loop: nothing started
+
+
+def test_specs_and_ray_metric_objects():
+    names = [s.name for s in M.METRICS]
+    assert len(set(names)) == len(names) and all(re.fullmatch(r"kvserve_[a-z0-9_]+", n) for n in names)
+    for spec in M.METRICS:
+        assert spec.kind in ("Gauge", "Counter", "Histogram")
+        assert bool(spec.buckets) == (spec.kind == "Histogram"), spec.name
+        assert list(spec.buckets) == sorted(set(spec.buckets)), spec.name
+    assert M.METRICS[[s.name for s in M.METRICS].index(M.REQUEST_SUCCESS)].exported_names == \
+        ("ray_kvserve_request_success_total",)
+    objs = M.ray_metrics("my-model")  # outside Ray: real objects that record nothing
+    from ray.util import metrics as ray_metrics
+
+    for spec in M.METRICS:
+        info = objs[spec.name].info
+        assert isinstance(objs[spec.name], getattr(ray_metrics, spec.kind))
+        assert info["name"] == spec.name and info["default_tags"] == {"model_name": "my-model"}
+        assert info["tag_keys"] == ("model_name", *spec.tag_keys)
+        assert tuple(info.get("boundaries") or ()) == spec.buckets
+    objs[M.REQUEST_SUCCESS].inc(1, {"finished_reason": "stop"})  # the call shapes the recorder uses
+    objs[M.ITL].observe(0.01)
+    objs[M.KV_USAGE].set(0.5)
+
+
+# -- EngineServer's request stream ---------------------------------------------------------------------
+def engine_server(sinks: dict[str, Sink]) -> EngineServer:
+    config = EngineConfig(max_model_len=64, max_num_seqs=4, num_gpu_blocks_override=64)
+    server = EngineServer(config, "router.testing:FakeEngine", metrics=M.EngineMetrics(sinks))
+    server.engine.token_delay_s = 0.005
+    return server
+
+
+async def drain(server: EngineServer, prompt: list[int], stop_after: int | None = None, **params) -> list:
+    steps = []
+    gen = server.generate("r1", prompt, SamplingParams(**params))
+    try:
+        async for step in gen:
+            steps.append(step)
+            if len(steps) == stop_after:
+                break  # the caller goes away
+    finally:
+        await gen.aclose()
+    return steps
+
+
+def test_engine_server_records_a_whole_request():
+    sinks = {spec.name: Sink() for spec in M.METRICS}
+    server = engine_server(sinks)
+    steps = asyncio.run(drain(server, [5, 6, 7], max_tokens=4, n=2))
+    assert steps[-1].finished
+    assert len(values(sinks, M.TTFT)) == 1 and 0 < values(sinks, M.TTFT)[0] < 5
+    assert len(values(sinks, M.ITL)) == 3 and all(0 < g < 5 for g in values(sinks, M.ITL))
+    assert values(sinks, M.PROMPT_TOKENS) == [3]
+    assert sum(values(sinks, M.GENERATION_TOKENS)) == 8  # 4 steps x 2 samples
+    assert values(sinks, M.E2E)[0] >= values(sinks, M.TTFT)[0] + sum(values(sinks, M.ITL)) - 1e-9
+    assert sinks[M.REQUEST_SUCCESS].tags == [{"finished_reason": "length"}]
+
+
+def test_engine_server_counts_a_caller_that_left_as_abort_and_frees_the_request():
+    sinks = {spec.name: Sink() for spec in M.METRICS}
+    server = engine_server(sinks)
+    steps = asyncio.run(drain(server, [5, 6, 7], stop_after=2, max_tokens=20))
+    assert len(steps) == 2 and not steps[-1].finished
+    assert sinks[M.REQUEST_SUCCESS].tags == [{"finished_reason": "abort"}]
+    assert values(sinks, M.GENERATION_TOKENS) == [2] and len(values(sinks, M.E2E)) == 1
+    assert server.engine.stats().num_running == 0  # the engine's stream was closed too
+
+
+def test_engine_server_counts_an_engine_failure_as_error():
+    sinks = {spec.name: Sink() for spec in M.METRICS}
+    server = engine_server(sinks)
+    with pytest.raises(RuntimeError):
+        asyncio.run(drain(server, [1, FAIL_TOKEN_ID, 2], max_tokens=5))
+    assert sinks[M.REQUEST_SUCCESS].tags == [{"finished_reason": "error"}]
+    assert values(sinks, M.GENERATION_TOKENS) == [2]
+
+
+def test_engine_server_refreshes_gauges_in_the_background_until_shutdown():
+    sinks = {spec.name: Sink() for spec in M.METRICS}
+
+    async def go():
+        server = engine_server(sinks)  # constructed on a running loop, as Serve does
+        await asyncio.sleep(0.01)
+        assert values(sinks, M.KV_USAGE) == [0.0] and values(sinks, M.RUNNING) == [0]
+        task = server._metrics_task
+        await server.shutdown()
+        await asyncio.sleep(0)
+        assert task.cancelled()
+
+    asyncio.run(go())
