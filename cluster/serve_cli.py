@@ -16,7 +16,7 @@ import os
 import signal
 import socket
 import sys
-import threading
+import time
 
 from cluster.engine_args import add_engine_args, engine_config_from_args, parse_bytes
 
@@ -147,14 +147,24 @@ def run_serve(ns: argparse.Namespace) -> int:
         return 0
     finally:
         if local:
-            serve.shutdown()
-            ray.shutdown()
+            try:
+                serve.shutdown()
+            finally:  # even when a second Ctrl-C cut the drain short: no Ray process outlives us
+                ray.shutdown()
         else:
             serve.delete(APP_NAME)
 
 
 def _wait_for_stop_signal() -> None:
-    stop = threading.Event()
+    """Block until SIGINT or SIGTERM. The handler only appends to a list: Python runs it between
+    this thread's bytecodes, so it must take no lock (a threading.Event deadlocked when a second
+    signal landed inside the first one's set(), and the server never stopped)."""
+    received: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+        signal.signal(sig, lambda signum, _frame: received.append(signum))
+    while not received:
+        time.sleep(0.2)  # not signal.pause(): a signal just before it would be missed
+    # Draining now: another Ctrl-C stops at once (KeyboardInterrupt); repeated SIGTERMs (a
+    # supervisor, `timeout`) are ignored so the drain can finish.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

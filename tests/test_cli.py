@@ -82,3 +82,44 @@ def test_generate_streams_paris(smollm2_path):
     # Greedy float32 decoding matches HF generate, which answers exactly this; a bare "Paris"
     # check would also pass on fluent nonsense that happens to mention the city.
     assert "capital of France is Paris" in r.stdout, r.stdout
+
+
+def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_path):
+    """`kvserve serve` under a supervisor: SIGINT, then a burst of SIGTERMs (as `timeout` forwards or
+    a pod stop repeats). A signal landing inside the previous one's handler used to deadlock it
+    (it ran on forever); now it drains, exits 0, and takes every Ray process it started with it."""
+    import signal
+
+    import httpx
+    import psutil
+
+    from router.testing import free_port
+    from tests.tiny_llama import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "tiny", tokenizer_dir=smollm2_path)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--port", str(port),
+                             "--max-model-len", "256", "--device", "cpu"], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        for line in proc.stdout:  # the ready line comes once the application is up
+            if line.startswith("kvserve: ready"):
+                break
+        assert proc.poll() is None, "kvserve serve exited before it was ready"
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": str(model), "prompt": [5, 6, 7], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        started = psutil.Process(proc.pid).children(recursive=True)
+        assert any("raylet" in p.name() for p in started)
+
+        proc.send_signal(signal.SIGINT)
+        for _ in range(200):  # a burst: some land while the first one is being handled
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+        gone, alive = psutil.wait_procs(started, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
