@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -13,12 +14,45 @@ def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: i
 
 
 def _available_cpu_bytes() -> int:
+    """RAM this process may still use: the host's MemAvailable, or less when its cgroup (a
+    container's or a Kubernetes pod's memory limit) leaves less."""
     try:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-        return info.get("MemAvailable", info["MemTotal"])
+        host = info.get("MemAvailable", info["MemTotal"])
     except (OSError, KeyError, ValueError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limited = cgroup_free_bytes()
+    return host if limited is None else min(host, limited)
+
+
+def cgroup_free_bytes(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Memory limit minus usage of this process's cgroup (v2 `memory.max` / `memory.current`, or
+    v1 `memory.limit_in_bytes` / `memory.usage_in_bytes`); None when there is no limit or no
+    readable cgroup. In a container the cgroup is usually mounted as the root itself."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    candidates = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        if controllers == "":  # v2 unified hierarchy
+            candidates += [(d, "memory.max", "memory.current") for d in (root / rel, root)]
+        elif "memory" in controllers.split(","):
+            candidates += [(d, "memory.limit_in_bytes", "memory.usage_in_bytes")
+                           for d in (root / "memory" / rel, root / "memory")]
+    for directory, limit_file, usage_file in candidates:
+        try:
+            limit = (directory / limit_file).read_text().strip()
+            usage = int((directory / usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
+            return None
+        return max(0, int(limit) - usage)
+    return None
 
 
 def num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device) -> int:
