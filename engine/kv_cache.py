@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
+from engine import cgroup
 from engine.config import EngineConfig
 
 
@@ -22,37 +22,8 @@ def _available_cpu_bytes() -> int:
         host = info.get("MemAvailable", info["MemTotal"])
     except (OSError, KeyError, ValueError):
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    limited = cgroup_free_bytes()
+    limited = cgroup.memory_free_bytes()
     return host if limited is None else min(host, limited)
-
-
-def cgroup_free_bytes(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """Memory limit minus usage of this process's cgroup (v2 `memory.max` / `memory.current`, or
-    v1 `memory.limit_in_bytes` / `memory.usage_in_bytes`); None when there is no limit or no
-    readable cgroup. In a container the cgroup is usually mounted as the root itself."""
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
-        return None
-    candidates = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        rel = path.lstrip("/")
-        if controllers == "":  # v2 unified hierarchy
-            candidates += [(d, "memory.max", "memory.current") for d in (root / rel, root)]
-        elif "memory" in controllers.split(","):
-            candidates += [(d, "memory.limit_in_bytes", "memory.usage_in_bytes")
-                           for d in (root / "memory" / rel, root / "memory")]
-    for directory, limit_file, usage_file in candidates:
-        try:
-            limit = (directory / limit_file).read_text().strip()
-            usage = int((directory / usage_file).read_text())
-        except (OSError, ValueError):
-            continue
-        if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
-            return None
-        return max(0, int(limit) - usage)
-    return None
 
 
 def num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device) -> int:

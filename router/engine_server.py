@@ -85,13 +85,24 @@ def resolve_engine_factory(engine_cls: str | EngineFactory | None) -> EngineFact
     return engine_cls
 
 
+def replica_threads(requested: int, quota: float | None) -> int:
+    """Torch threads for this replica: as requested (the app builder's default divides the cores
+    of the node that built the app), but no more than this pod's CPU limit (its cgroup's CFS
+    quota, `engine.cgroup.cpu_quota()`), beyond which threads only get throttled."""
+    if quota is None:
+        return requested
+    return max(1, min(requested, int(quota)))
+
+
 class EngineServer:
     def __init__(self, engine_config: EngineConfig, engine_cls: str | EngineFactory | None = None,
                  cpu_threads: int | None = None, model_name: str | None = None,
                  metrics: EngineMetrics | None = None) -> None:
         if cpu_threads:
             import torch
-            torch.set_num_threads(cpu_threads)  # Ray would leave a replica with OMP_NUM_THREADS=1
+
+            from engine.cgroup import cpu_quota
+            torch.set_num_threads(replica_threads(cpu_threads, cpu_quota()))  # Ray leaves OMP_NUM_THREADS=1
         self.engine = resolve_engine_factory(engine_cls)(engine_config)
         self.max_num_seqs = engine_config.max_num_seqs
         self._kv_metrics = KVMetricsRecorder()

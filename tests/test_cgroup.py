@@ -1,13 +1,14 @@
-"""KV cache sizing on CPU honours the memory limit of the process's cgroup (a container's or a
-Kubernetes pod's), not only the host's free RAM."""
+"""Limits of the process's cgroup (a container's or a Kubernetes pod's): memory for the CPU KV
+cache, the CFS quota for the engine's CPU threads."""
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine import kv_cache
+from engine import cgroup
+from engine.cgroup import cpu_quota, memory_free_bytes
 from engine.config import EngineConfig
-from engine.kv_cache import cgroup_free_bytes, num_kv_blocks
+from engine.kv_cache import num_kv_blocks
 
 GiB = 1 << 30
 
@@ -37,19 +38,41 @@ def tree(tmp_path: Path, proc_cgroup: str, files: dict[str, str]) -> tuple[Path,
     ("0::/\n", {}, None),  # no readable cgroup files
     ("0::/\n", {"memory.max": "1000\n", "memory.current": "5000\n"}, 0),  # over the limit: nothing left
 ])
-def test_cgroup_free_bytes(tmp_path, proc_cgroup, files, expected):
+def test_memory_free_bytes(tmp_path, proc_cgroup, files, expected):
     proc, root = tree(tmp_path, proc_cgroup, files)
-    assert cgroup_free_bytes(proc, root) == expected
+    assert memory_free_bytes(proc, root) == expected
+
+
+@pytest.mark.parametrize("proc_cgroup, files, expected", [
+    ("0::/\n", {"cpu.max": "200000 100000\n"}, 2.0),  # v2: limits.cpu 2
+    ("0::/kubepods/pod1\n", {"kubepods/pod1/cpu.max": "50000 100000\n"}, 0.5),
+    ("0::/\n", {"cpu.max": "max 100000\n"}, None),
+    ("3:cpu,cpuacct:/docker/abc\n", {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "300000",
+                                      "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000"}, 3.0),  # v1
+    ("3:cpu,cpuacct:/\n", {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, None),
+    ("0::/\n", {}, None),
+])
+def test_cpu_quota(tmp_path, proc_cgroup, files, expected):
+    proc, root = tree(tmp_path, proc_cgroup, files)
+    assert cpu_quota(proc, root) == expected
 
 
 def test_missing_proc_file_means_no_limit(tmp_path):
-    assert cgroup_free_bytes(tmp_path / "absent", tmp_path) is None
+    assert memory_free_bytes(tmp_path / "absent", tmp_path) is None
+    assert cpu_quota(tmp_path / "absent", tmp_path) is None
 
 
 def test_cpu_kv_cache_fits_the_cgroup_limit(monkeypatch):
     block_bytes = 1 << 20
     config = EngineConfig(model=None, cpu_kv_cache_fraction=0.5, max_cpu_kv_cache_bytes=64 * GiB)
-    monkeypatch.setattr(kv_cache, "cgroup_free_bytes", lambda: 256 << 20)  # a pod with 256 MiB left
+    monkeypatch.setattr(cgroup, "memory_free_bytes", lambda: 256 << 20)  # a pod with 256 MiB left
     assert num_kv_blocks(config, block_bytes, torch.device("cpu")) == 128  # half of it, in 1 MiB blocks
-    monkeypatch.setattr(kv_cache, "cgroup_free_bytes", lambda: None)  # no limit: the host's RAM decides
+    monkeypatch.setattr(cgroup, "memory_free_bytes", lambda: None)  # no limit: the host's RAM decides
     assert num_kv_blocks(config, block_bytes, torch.device("cpu")) > 128
+
+
+@pytest.mark.parametrize("requested, quota, expected", [(16, 2.0, 2), (2, 8.0, 2), (4, None, 4), (4, 0.5, 1)])
+def test_replica_threads_stay_within_the_cpu_limit(requested, quota, expected):
+    from router.engine_server import replica_threads
+
+    assert replica_threads(requested, quota) == expected
