@@ -26,6 +26,8 @@ def _dirs(v1_controller: str, proc_cgroup: Path, root: Path) -> list[tuple[Path,
         return []
     out = []
     for line in lines:
+        if line.count(":") < 2:
+            continue
         _, controllers, path = line.split(":", 2)
         rel = path.lstrip("/")
         if controllers == "":
@@ -52,9 +54,13 @@ def memory_free_bytes(proc_cgroup: Path = PROC_CGROUP, root: Path = ROOT) -> int
         if got is None:
             continue
         limit, usage = got
-        if limit == "max" or int(limit) >= _V1_NO_LIMIT:
+        if limit == "max":
             return None
-        return max(0, int(limit) - int(usage))
+        try:
+            limit_b, usage_b = int(limit), int(usage)
+        except ValueError:
+            continue
+        return None if limit_b >= _V1_NO_LIMIT else max(0, limit_b - usage_b)
     return None
 
 
@@ -73,5 +79,8 @@ def cpu_quota(proc_cgroup: Path = PROC_CGROUP, root: Path = ROOT) -> float | Non
             quota, period = got
         if quota in ("max", "-1"):
             return None
-        return int(quota) / int(period)
+        try:
+            return int(quota) / int(period)
+        except (ValueError, ZeroDivisionError):
+            continue
     return None

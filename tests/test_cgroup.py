@@ -37,6 +37,7 @@ def tree(tmp_path: Path, proc_cgroup: str, files: dict[str, str]) -> tuple[Path,
                       "memory/memory.usage_in_bytes": "5"}, None),  # v1 writes "no limit" as ~2^63
     ("0::/\n", {}, None),  # no readable cgroup files
     ("0::/\n", {"memory.max": "1000\n", "memory.current": "5000\n"}, 0),  # over the limit: nothing left
+    ("garbage\n0::/\n", {"memory.max": "oops\n", "memory.current": "1\n"}, None),  # unreadable: no limit known
 ])
 def test_memory_free_bytes(tmp_path, proc_cgroup, files, expected):
     proc, root = tree(tmp_path, proc_cgroup, files)
