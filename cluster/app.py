@@ -77,11 +77,11 @@ class ServeOptions:
         if self.autoscale != "none":
             if self.autoscaling_config:
                 raise ValueError("give autoscale or a raw autoscaling_config, not both")
+            if self.max_replicas is None:
+                raise ValueError(f"autoscale {self.autoscale} needs max_replicas")
             if self.num_replicas is not None and not self.min_replicas <= self.num_replicas <= self.max_replicas:
                 raise ValueError(f"with autoscale, num_replicas (the initial count) must be within min_replicas.."
                                  f"max_replicas = {self.min_replicas}..{self.max_replicas}, got {self.num_replicas}")
-            if self.max_replicas is None:
-                raise ValueError(f"autoscale {self.autoscale} needs max_replicas")
             self.kv_autoscale_config()  # validates min/max, delays, target_kv_usage
             if not self.look_back_period_s > 0 or (self.metrics_interval_s is not None and not self.metrics_interval_s > 0):
                 raise ValueError("look_back_period_s and metrics_interval_s must be > 0")
