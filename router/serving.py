@@ -198,12 +198,16 @@ class OpenAIServing:
         return first, merged
 
     # -- streaming -------------------------------------------------------------------------------
+    def _chunk_base(self, rid: str, obj: str, include_usage: bool) -> dict:
+        """Fields every chunk of one stream shares; `usage` is null until the final usage chunk."""
+        base = {"id": rid, "object": obj, "created": int(time.time()), "model": self.settings.served_model_name}
+        if include_usage:
+            base["usage"] = None
+        return base
+
     async def _completion_events(self, rid: str, req: CompletionRequest, acc: Accumulator, first,
                                  merged: AsyncIterator) -> AsyncIterator[str]:
-        base = {"id": rid, "object": "text_completion", "created": int(time.time()),
-                "model": self.settings.served_model_name}
-        if req.include_usage_in_stream:
-            base["usage"] = None
+        base = self._chunk_base(rid, "text_completion", req.include_usage_in_stream)
         offsets = [0] * len(acc.choices)
         async with contextlib.aclosing(merged):  # however this generator ends, the engine requests end
             async for prompt, step in _events(first, merged, acc):
@@ -228,10 +232,7 @@ class OpenAIServing:
 
     async def _chat_events(self, rid: str, req: ChatCompletionRequest, acc: Accumulator, first,
                            merged: AsyncIterator) -> AsyncIterator[str]:
-        base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": self.settings.served_model_name}
-        if req.include_usage_in_stream:
-            base["usage"] = None
+        base = self._chunk_base(rid, "chat.completion.chunk", req.include_usage_in_stream)
         k = (req.top_logprobs or 0) if req.logprobs else None
         async with contextlib.aclosing(merged):  # however this generator ends, the engine requests end
             for i in range(len(acc.choices)):
