@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.cpu_kernels import linear
+
 
 @dataclass(frozen=True)
 class TPContext:
@@ -82,7 +84,7 @@ class ColumnParallelLinear(nn.Module):
         return loaded.narrow(0, self.tp.rank * size, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -120,7 +122,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp.rank * self.in_shard, self.in_shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
@@ -152,7 +154,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """As the (tied or own) lm_head: this rank's vocab range, gathered to the full vocab."""
-        y = F.linear(h, self.weight)  # (N, vocab/tp)
+        y = linear(h, self.weight)  # (N, vocab/tp)
         return self.tp.all_gather_last_dim(y)[:, :self.vocab_size]
 
 

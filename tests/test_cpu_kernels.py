@@ -1,0 +1,104 @@
+"""engine.cpu_kernels: the native small-batch linear agrees with F.linear, is batch invariant,
+and falls back to torch wherever it does not apply."""
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_kernels
+from engine.cpu_kernels import SMALL_M, linear
+
+CAN_BUILD = shutil.which("cc") is not None and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no C compiler or no AVX2 on this host")
+
+
+@needs_kernel
+def test_kernel_builds_where_it_can():
+    """A host with a compiler and AVX2 must get the kernel: a broken build would otherwise
+    silently leave every other test here on torch."""
+    assert cpu_kernels.enabled()
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 33, SMALL_M])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 96, 577])
+def test_matches_torch_on_every_tile_shape(m, n):
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x, w, b = torch.randn(m, 64, generator=g), torch.randn(n, 64, generator=g), torch.randn(n, generator=g)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_model_sized_shapes_match_torch():
+    g = torch.Generator().manual_seed(0)
+    for n, k in [(960, 576), (3072, 576), (576, 1536), (49152, 576)]:
+        x, w = torch.randn(16, k, generator=g), torch.randn(n, k, generator=g)
+        torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_a_row_gives_the_same_bits_in_any_batch():
+    """Batch invariance: a sequence's output does not depend on how many others share its step
+    or where its row falls in the tiles."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(SMALL_M, 576, generator=g), torch.randn(100, 576, generator=g)
+    full = linear(x, w)
+    for m in (1, 2, 3, 5, 17, SMALL_M - 1):
+        for start in (0, 1, SMALL_M - m):
+            assert torch.equal(linear(x[start:start + m], w), full[start:start + m])
+
+
+def test_shapes_outside_the_kernel_use_torch_exactly():
+    g = torch.Generator().manual_seed(2)
+    cases = [
+        (torch.randn(SMALL_M + 1, 64, generator=g), torch.randn(8, 64, generator=g)),  # prefill-sized
+        (torch.randn(4, 60, generator=g), torch.randn(8, 60, generator=g)),  # K not a multiple of 8
+        (torch.randn(4, 64, generator=g).double(), torch.randn(8, 64, generator=g).double()),
+        (torch.randn(4, 64, generator=g), torch.randn(64, 8, generator=g).t()),  # non-contiguous weight
+    ]
+    for x, w in cases:
+        assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+@needs_kernel
+def test_non_contiguous_input_is_accepted():
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(64, 8, generator=g).t(), torch.randn(5, 64, generator=g)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_env_switch_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setenv("KVSERVE_CPU_KERNELS", "0")
+    assert not cpu_kernels.enabled()
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(4, 64, generator=g), torch.randn(7, 64, generator=g)
+    assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+def test_failed_build_falls_back_to_torch_with_a_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    cpu_kernels._library.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="engine.cpu_kernels"):
+            assert not cpu_kernels.enabled()
+            x, w = torch.randn(4, 64), torch.randn(7, 64)
+            assert torch.equal(linear(x, w), F.linear(x, w))
+        assert "CPU kernels off" in caplog.text
+        assert not list(tmp_path.glob("kernels/*.so"))
+    finally:
+        cpu_kernels._library.cache_clear()
+
+
+@needs_kernel
+def test_build_is_cached_per_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
+    first = cpu_kernels._build()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_kernels._build() == first and first.stat().st_mtime_ns == mtime
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]  # no temp dir left
