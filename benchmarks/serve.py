@@ -63,9 +63,12 @@ def _random_text(tokenizer, n_tokens: int, rng: random.Random) -> str:
     return tokenizer.decode(ids)
 
 
-def make_requests(tokenizer, args: argparse.Namespace) -> list[Request]:
+def make_requests(tokenizer, args: argparse.Namespace, index: int = 0) -> list[Request]:
+    """Run `index` of a sweep gets its own prompts (the shared prefix stays the same), so that no
+    run is served from KV blocks an earlier run left in a server's prefix cache."""
     rng = random.Random(args.seed)
     prefix = _random_text(tokenizer, args.prefix_len, rng) if args.prefix_len else ""
+    rng = random.Random(f"{args.seed}-{index}")
     ins = _lengths(args.random_input_len, args.random_range_ratio, args.num_prompts, rng)
     outs = _lengths(args.random_output_len, args.random_range_ratio, args.num_prompts, rng)
     return [Request(prefix + _random_text(tokenizer, i, rng), o) for i, o in zip(ins, outs)]
@@ -294,9 +297,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def sweep(label: str, backend: str, base_url: str, model: str, requests: list[Request], args) -> list[dict]:
+def sweep(label: str, backend: str, base_url: str, model: str, tokenizer, args) -> list[dict]:
     rows = []
-    for conc in args.max_concurrency:
+    for i, conc in enumerate(args.max_concurrency):
+        requests = make_requests(tokenizer, args, i)
         results, duration = asyncio.run(run(
             base_url, lambda r: request_body(backend, args.endpoint, model, r), requests, conc, args.request_rate,
             args.burstiness, args.seed, args.api_key, args.endpoint))
@@ -314,12 +318,11 @@ def main(argv=None) -> int:
 
     model_dir = str(resolve_model(args.model_dir))
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
-    requests = make_requests(tokenizer, args)
     info = machine_info()
     print_machine(info)
     rows = []
     if args.base_url:
-        rows += sweep(args.backend, args.backend, args.base_url.rstrip("/"), args.model, requests, args)
+        rows += sweep(args.backend, args.backend, args.base_url.rstrip("/"), args.model, tokenizer, args)
     for backend in args.launch or []:
         from router.testing import free_port
 
@@ -329,7 +332,7 @@ def main(argv=None) -> int:
         with Launched(backend, port, model_dir, args) as server:
             print(f"\nstarting {backend} on {url} (log: {args.log_dir}/{backend}.log) ...", flush=True)
             asyncio.run(wait_ready(url, {"model": model, "prompt": "Hi", "max_tokens": 1}, args.api_key, server.proc))
-            rows += sweep(backend, backend, url, model, requests, args)
+            rows += sweep(backend, backend, url, model, tokenizer, args)
     print_table(rows)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"machine": info, "args": vars(args) | {"request_rate": str(
