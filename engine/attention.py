@@ -8,6 +8,9 @@ read exactly like tokens computed this step.
   SDPA call over its gathered blocks, masking only the unused tail of each last block. Nothing
   is padded to the longest sequence in the batch.
 - Prefill chunks (several query tokens) run one SDPA call each, causal with their offset.
+
+On CPU with float32 the decodes instead run one native kernel (engine.cpu_kernels) that reads
+each sequence's blocks in place; the runner then fills `native_decode` instead of the groups.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engine import cpu_kernels
 
 
 @dataclass
@@ -40,11 +45,20 @@ class DecodeGroup:
 
 
 @dataclass
+class NativeDecodes:
+    """Decode rows first_row .. first_row + B for the native kernel."""
+    first_row: int
+    block_tables: torch.Tensor  # (B, max blocks) int64, padded with block 0
+    context_lens: torch.Tensor  # (B,) int64, this step's token included
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) flat cache slot of every new token
     decode_block_ids: torch.Tensor  # (sum of size * nb,) every decode group's blocks, in row order
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    native_decode: NativeDecodes | None = None  # set instead of the groups when the kernel runs
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -61,6 +75,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         out[rows] = _prefill_attention(q[rows], k_cache, v_cache, chunk, scale)
+    if meta.native_decode is not None:
+        nd = meta.native_decode
+        rows = slice(nd.first_row, nd.first_row + nd.context_lens.shape[0])
+        out[rows] = cpu_kernels.decode_attention(q[rows], k_cache, v_cache, nd.block_tables, nd.context_lens, scale)
     if meta.decode_groups:
         k_all = k_cache.index_select(0, meta.decode_block_ids)  # (NB, bs, KVH, D): one gather per layer
         v_all = v_cache.index_select(0, meta.decode_block_ids)

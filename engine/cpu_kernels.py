@@ -1,12 +1,15 @@
 """Native float32 kernels for CPU decode steps, built on first use and called through ctypes.
 
-`linear(x, w, b)` is `F.linear` everywhere; on an AVX2 + FMA CPU, for float32 batches of at most
-`SMALL_M` rows, it runs engine/csrc/linear_f32.c instead, which reads the weight matrix in place
-rather than repacking it as MKL does on every call (about 2x on a decode step's GEMMs; see
-docs/benchmarks.md). Larger batches (prefill) stay on MKL, which is faster there.
+On an AVX2 + FMA CPU (engine/csrc/*.c, one shared library):
 
-The C file is compiled once per source hash with the system compiler (`$CC`, else `cc`) into
-$KVSERVE_CACHE/kernels/ and linked against the OpenMP runtime torch already loaded. Without a
+- `linear(x, w, b)` is `F.linear`, but float32 batches of at most `SMALL_M` rows run a kernel
+  that reads the weight matrix in place rather than repacking it as MKL does on every call
+  (about 2x on a decode step's GEMMs; docs/benchmarks.md). Larger batches (prefill) stay on MKL.
+- `decode_attention(...)` reads each sequence's keys and values straight from the paged cache
+  through its block table, replacing a gather plus SDPA per group of decodes.
+
+The sources are compiled once per content hash with the system compiler (`$CC`, else `cc`)
+into $KVSERVE_CACHE/kernels/ and use the OpenMP runtime torch has already loaded. Without a
 compiler, without AVX2, or with KVSERVE_CPU_KERNELS=0, everything stays on torch.
 """
 from __future__ import annotations
@@ -29,12 +32,32 @@ from engine.model_source import cache_dir
 logger = logging.getLogger(__name__)
 
 SMALL_M = 96  # rows up to which the kernel beats MKL on this shape of model (measured crossover ~110)
-_SOURCE = Path(__file__).parent / "csrc" / "linear_f32.c"
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
 def enabled() -> bool:
     return os.environ.get("KVSERVE_CPU_KERNELS", "1") != "0" and _library() is not None
+
+
+def supports_decode_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and head_dim % 8 == 0 and enabled()
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: (B, H, D) one query per sequence; caches: (num_blocks, block_size, KVH, D);
+    block_tables: (B, max_blocks) int64; context_lens: (B,) int64 -> (B, H, D)."""
+    q = q.contiguous()
+    b, h, d = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    out = torch.empty_like(q)
+    rc = _library().kvserve_decode_attention_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+        context_lens.data_ptr(), out.data_ptr(), b, h, kvh, d, block_size, scale, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"decode attention kernel failed ({rc}) for q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,12 +86,14 @@ def _library() -> ctypes.CDLL | None:
         path = _build()
     except (OSError, subprocess.CalledProcessError) as e:
         detail = (getattr(e, "stderr", None) or str(e)).strip()
-        logger.warning("CPU kernels off, torch's are used instead: building %s failed: %s", _SOURCE.name, detail)
+        logger.warning("CPU kernels off, torch's are used instead: building them failed: %s", detail)
         return None
-    lib = ctypes.CDLL(str(path))  # ctypes releases the GIL for the call
-    fn = lib.kvserve_linear_f32
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    fn.restype = ctypes.c_int
+    lib = ctypes.CDLL(str(path))  # ctypes releases the GIL for each call
+    ptr, long, c_int = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.kvserve_linear_f32.argtypes = [ptr] * 3 + [long] * 3 + [c_int]
+    lib.kvserve_decode_attention_f32.argtypes = [ptr] * 4 + [long] + [ptr] * 2 + [long] * 5 + [ctypes.c_float, c_int]
+    for fn in (lib.kvserve_linear_f32, lib.kvserve_decode_attention_f32):
+        fn.restype = c_int
     return lib
 
 
@@ -76,17 +101,16 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise OSError(f"no C compiler {compiler!r} on PATH")
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    out = cache_dir() / "kernels" / f"linear_f32-{digest}.so"
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    out = cache_dir() / "kernels" / f"kvserve_kernels-{digest}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("compiling %s (once) into %s", _SOURCE.name, out.parent)
+    logger.info("compiling %s (once) into %s", ", ".join(p.name for p in _SOURCES), out.parent)
     # Build beside the target and rename: replicas starting together never load a partial file.
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(tmp_out)], check=True,
+        subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(tmp_out)], check=True,
                        capture_output=True, text=True)
         os.replace(tmp_out, out)
     return out

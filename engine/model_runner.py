@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from engine import cpu_kernels
+from engine.attention import AttentionMetadata, DecodeGroup, NativeDecodes, PrefillChunk
 from engine.model.llama import LlamaModel
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -17,6 +18,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.num_zeroed_blocks = 0  # blocks [0, n) have been zeroed (see _zero_new_blocks)
+        k_cache = kv_caches[0][0]
+        self.native_decode = cpu_kernels.supports_decode_attention(device, k_cache.dtype, k_cache.shape[-1])
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
@@ -48,8 +51,13 @@ class ModelRunner:
             end = seq.num_computed_tokens + n
             chunks.append(PrefillChunk(row, n, self._tensor(seq.block_table[:-(-end // bs)]), end))
             row += n
-        groups, block_ids = self._decode_groups([seq for _, (seq, _) in decode], row)
-        meta = AttentionMetadata(self._tensor(slots), self._tensor(block_ids), groups, chunks)
+        decode_seqs = [seq for _, (seq, _) in decode]
+        if self.native_decode:
+            native = self._native_decodes(decode_seqs, row) if decode_seqs else None
+            meta = AttentionMetadata(self._tensor(slots), self._tensor([]), [], chunks, native)
+        else:
+            groups, block_ids = self._decode_groups(decode_seqs, row)
+            meta = AttentionMetadata(self._tensor(slots), self._tensor(block_ids), groups, chunks)
         return self._tensor(ids), self._tensor(pos), meta, sample_rows, sampled
 
     def _decode_groups(self, seqs: list[Sequence], first_row: int) -> tuple[list[DecodeGroup], list[int]]:
@@ -68,6 +76,12 @@ class ModelRunner:
             groups.append(DecodeGroup(first_row + i, j - i, len(block_ids) - (j - i) * nb, nb, mask))
             i = j
         return groups, block_ids
+
+    def _native_decodes(self, seqs: list[Sequence], first_row: int) -> NativeDecodes:
+        lens = [s.num_computed_tokens + 1 for s in seqs]
+        width = -(-max(lens) // self.block_size)
+        tables = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs]
+        return NativeDecodes(first_row, self._tensor(tables), self._tensor(lens))
 
     def _zero_new_blocks(self, batch: ScheduledBatch) -> None:
         """Zero pool memory before a block's first use. The pools start as torch.empty (on CPU

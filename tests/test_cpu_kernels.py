@@ -102,3 +102,57 @@ def test_build_is_cached_per_source(monkeypatch, tmp_path):
     mtime = first.stat().st_mtime_ns
     assert cpu_kernels._build() == first and first.stat().st_mtime_ns == mtime
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]  # no temp dir left
+
+
+def _paged_case(lens, kvh, group, head_dim=64, block_size=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, kvh, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kvh, head_dim, generator=g)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # scattered; block 0 only pads
+    width = max(-(-n // block_size) for n in lens)
+    tables = []
+    for n in lens:
+        own = [perm.pop() for _ in range(-(-n // block_size))]
+        tables.append(own + [0] * (width - len(own)))
+    q = torch.randn(len(lens), kvh * group, head_dim, generator=g)
+    return q, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens)
+
+
+def _reference(q, k_cache, v_cache, tables, lens, scale):
+    out = torch.empty_like(q)
+    bs, kvh, d = k_cache.shape[1:]
+    for i, n in enumerate(lens.tolist()):
+        k = k_cache[tables[i]].reshape(-1, kvh, d)[:n].transpose(0, 1)
+        v = v_cache[tables[i]].reshape(-1, kvh, d)[:n].transpose(0, 1)
+        out[i] = F.scaled_dot_product_attention(q[i].unsqueeze(1), k, v, scale=scale, enable_gqa=True).squeeze(1)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("lens,kvh,group", [
+    ([1], 1, 1),
+    ([1, 15, 16, 17, 33, 64], 3, 3),  # around block boundaries, GQA as in SmolLM2
+    ([7, 1000, 250], 2, 4),  # long context, uneven lengths
+    ([40] * 16, 4, 1),  # plain multi-head
+])
+def test_decode_attention_matches_sdpa(lens, kvh, group):
+    q, k_cache, v_cache, tables, ctx = _paged_case(lens, kvh, group)
+    scale = q.shape[-1] ** -0.5
+    out = cpu_kernels.decode_attention(q, k_cache, v_cache, tables, ctx, scale)
+    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, ctx, scale), rtol=1e-5, atol=2e-6)
+
+
+@needs_kernel
+def test_decode_attention_ignores_what_lies_past_each_context():
+    """Slots past a sequence's length (the rest of its last block, padding in its table) hold
+    anything, even NaN, without changing its output."""
+    q, k_cache, v_cache, tables, ctx = _paged_case([5, 20], 3, 3, seed=1)
+    scale = q.shape[-1] ** -0.5
+    clean = cpu_kernels.decode_attention(q, k_cache, v_cache, tables, ctx, scale)
+    for i, n in enumerate(ctx.tolist()):
+        last = tables[i][(n - 1) // 16]
+        k_cache[last, n % 16:] = float("nan")
+        v_cache[last, n % 16:] = float("nan")
+    k_cache[0], v_cache[0] = float("nan"), float("nan")  # block 0 pads the first table
+    assert torch.equal(cpu_kernels.decode_attention(q, k_cache, v_cache, tables, ctx, scale), clean)

@@ -17,6 +17,13 @@ def _prompts(seed: int = 0, lens=PROMPT_LENS, vocab: int = 512) -> list[list[int
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]
 
 
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def kernels(request, monkeypatch):
+    """Every path twice: with the native CPU kernels (engine.cpu_kernels) and with torch's ops."""
+    monkeypatch.setenv("KVSERVE_CPU_KERNELS", "1" if request.param == "native" else "0")
+    return request.param
+
+
 @pytest.fixture(scope="module", params=["gqa", "tied"])
 def tiny(request, tmp_path_factory, smollm2_path):
     d = make_tiny_llama(tmp_path_factory.mktemp(request.param), smollm2_path, request.param)

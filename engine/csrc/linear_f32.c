@@ -65,7 +65,7 @@ static void column_block(const float *x, const float *w, float *y, long M, long 
 int kvserve_linear_f32(const float *x, const float *w, float *y, long M, long N, long K, int num_threads) {
     if (K % 8) return -1;
     long blocks = (N + NB - 1) / NB;
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    #pragma omp parallel for schedule(dynamic, 8) num_threads(num_threads)
     for (long b = 0; b < blocks; b++) column_block(x, w, y, M, N, K, b * NB);
     return 0;
 }
