@@ -135,3 +135,34 @@ def test_engine_failure_ends_requests_with_error(tiny_dir, prompts):
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_model_loads_and_steps_on_one_thread(tiny_dir, prompts, monkeypatch):
+    """One OpenMP pool per process: the engine is built on the same thread that runs its steps
+    (two pools made every CPU decode step ~1.5x slower)."""
+    import threading
+
+    from engine import async_engine
+
+    seen: dict[str, set[str]] = {"init": set(), "step": set()}
+    real = async_engine.LLMEngine
+
+    class Recording(real):
+        def __init__(self, *args, **kwargs):
+            seen["init"].add(threading.current_thread().name)
+            super().__init__(*args, **kwargs)
+
+        def step(self):
+            seen["step"].add(threading.current_thread().name)
+            return super().step()
+
+    monkeypatch.setattr(async_engine, "LLMEngine", Recording)
+
+    async def main():
+        engine = AsyncEngine(model=tiny_dir, num_gpu_blocks_override=64)
+        await _collect(engine, "a", prompts[0])
+        await engine.shutdown()
+
+    asyncio.run(main())
+    assert len(seen["init"]) == 1 and seen["init"] == seen["step"]
+    assert seen["init"] != {threading.current_thread().name}
