@@ -7,6 +7,8 @@ On an AVX2 + FMA CPU (engine/csrc/*.c, one shared library):
   (about 2x on a decode step's GEMMs; docs/benchmarks.md). Larger batches (prefill) stay on MKL.
 - `decode_attention(...)` reads each sequence's keys and values straight from the paged cache
   through its block table, replacing a gather plus SDPA per group of decodes.
+- `rms_norm`, `silu_and_mul` and `rope_write_kv` fuse the elementwise work between GEMMs
+  (each replaces 3-10 small torch ops per layer).
 
 The sources are compiled once per content hash with the system compiler (`$CC`, else `cc`)
 into $KVSERVE_CACHE/kernels/ and use the OpenMP runtime torch has already loaded. Without a
@@ -33,11 +35,46 @@ logger = logging.getLogger(__name__)
 
 SMALL_M = 96  # rows up to which the kernel beats MKL on this shape of model (measured crossover ~110)
 _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+# -ffp-contract=off: a * b + c stays two roundings, as in the torch code the kernels replace
+# (the GEMM and attention kernels ask for their FMAs explicitly).
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
 def enabled() -> bool:
     return os.environ.get("KVSERVE_CPU_KERNELS", "1") != "0" and _library() is not None
+
+
+def fusable(x: torch.Tensor) -> bool:
+    """Whether the fused elementwise kernels take x (all of them want contiguous CPU float32)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and enabled()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(rows, dim) -> (rows, dim): weight * (x * rsqrt(mean(x^2) + eps)); fusable(x) holds."""
+    y = torch.empty_like(x)
+    _library().kvserve_rms_norm_f32(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps,
+                                    torch.get_num_threads())
+    return y
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(rows, 2I) -> (rows, I): silu(gate) * up; fusable(gate_up) holds."""
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype)
+    _library().kvserve_silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads())
+    return out
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                  slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                  num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """qkv: (T, (H + 2 KVH) * D), fusable; cos/sin: (max positions, D) tables; positions, slots:
+    (T,) int64. Rotates q and k in place, writes k and v to their cache slots; -> q (T, H, D)."""
+    t = qkv.shape[0]
+    _library().kvserve_rope_write_kv_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+                                         slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), t, num_heads,
+                                         num_kv_heads, head_dim, torch.get_num_threads())
+    return qkv[:, :num_heads * head_dim].view(t, num_heads, head_dim)
 
 
 def supports_decode_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -92,8 +129,13 @@ def _library() -> ctypes.CDLL | None:
     ptr, long, c_int = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     lib.kvserve_linear_f32.argtypes = [ptr] * 3 + [long] * 3 + [c_int]
     lib.kvserve_decode_attention_f32.argtypes = [ptr] * 4 + [long] + [ptr] * 2 + [long] * 5 + [ctypes.c_float, c_int]
+    lib.kvserve_rms_norm_f32.argtypes = [ptr] * 3 + [long] * 2 + [ctypes.c_float, c_int]
+    lib.kvserve_silu_and_mul_f32.argtypes = [ptr] * 2 + [long] * 2 + [c_int]
+    lib.kvserve_rope_write_kv_f32.argtypes = [ptr] * 7 + [long] * 4 + [c_int]
     for fn in (lib.kvserve_linear_f32, lib.kvserve_decode_attention_f32):
         fn.restype = c_int
+    for fn in (lib.kvserve_rms_norm_f32, lib.kvserve_silu_and_mul_f32, lib.kvserve_rope_write_kv_f32):
+        fn.restype = None
     return lib
 
 

@@ -156,3 +156,49 @@ def test_decode_attention_ignores_what_lies_past_each_context():
         v_cache[last, n % 16:] = float("nan")
     k_cache[0], v_cache[0] = float("nan"), float("nan")  # block 0 pads the first table
     assert torch.equal(cpu_kernels.decode_attention(q, k_cache, v_cache, tables, ctx, scale), clean)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 16, 300])  # 300 x 576 crosses the threads' threshold
+def test_rms_norm_matches_hf_order(rows):
+    from engine.model.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    norm = RMSNorm(576, 1e-5, torch.float32)
+    norm.weight.data.copy_(torch.randn(576, generator=g))
+    x = torch.randn(rows, 576, generator=g) * 3
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)  # HF's LlamaRMSNorm in float32
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, norm.weight, 1e-5), norm.weight * h, rtol=2e-6, atol=2e-6)
+    assert torch.equal(norm(x), cpu_kernels.rms_norm(x, norm.weight, 1e-5))  # the module takes the kernel
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,inter", [(1, 8), (16, 1536), (100, 1540)])  # 1540: a scalar tail
+def test_silu_and_mul_matches_torch(rows, inter):
+    g = torch.Generator().manual_seed(6)
+    gate_up = torch.randn(rows, 2 * inter, generator=g) * 8  # exp well beyond +-20
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_kernels.silu_and_mul(gate_up), F.silu(gate) * up, rtol=3e-6, atol=1e-6)
+
+
+@needs_kernel
+def test_rope_write_kv_is_bitwise_the_torch_path():
+    from engine.attention import write_kv
+    from engine.model.rope import RotaryEmbedding, apply_rope
+
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, dim, t = 9, 3, 64, 21
+    rotary = RotaryEmbedding(dim, 4096, 100000.0, None)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g)
+    positions = torch.randint(0, 4096, (t,), generator=g)
+    slots = torch.randperm(64, generator=g)[:t]
+    caches = [torch.zeros(4, 16, kv_heads, dim) for _ in range(4)]  # fused k, v; torch k, v
+
+    q_ref, k, v = qkv.clone().split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q_ref, k = apply_rope(q_ref.view(t, heads, dim), k.reshape(t, kv_heads, dim), *rotary.cos_sin(positions, torch.float32))
+    write_kv(caches[2], caches[3], k, v.reshape(t, kv_heads, dim), slots)
+    q = cpu_kernels.rope_write_kv(qkv, rotary.cos, rotary.sin, positions, slots, caches[0], caches[1],
+                                  heads, kv_heads, dim)
+    assert torch.equal(q, q_ref)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

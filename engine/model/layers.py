@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_kernels
 from engine.cpu_kernels import linear
 
 
@@ -46,6 +47,8 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = _copy_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and cpu_kernels.fusable(x) and self.weight.dtype == x.dtype:
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         # Same op order as HF's LlamaRMSNorm: normalise in float32, cast back, then scale.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

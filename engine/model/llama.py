@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_kernels
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                                  RowParallelLinear, TPContext, VocabParallelEmbedding)
-from engine.model.rope import RotaryEmbedding, apply_rope
+from engine.model.rope import RopeStep, RotaryEmbedding, apply_rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -87,16 +88,21 @@ class Attention(nn.Module):
         self.qkv_proj = QKVParallelLinear(a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, a.attention_bias, tp, dtype)
         self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, False, tp, dtype)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, rope: RopeStep, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, k, *cos_sin)
-        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
+        if rope.fused:
+            q = cpu_kernels.rope_write_kv(qkv, rope.cos, rope.sin, rope.positions, meta.slot_mapping, *kv_cache,
+                                          self.num_heads, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(T, self.num_heads, self.head_dim)
+            k = k.view(T, self.num_kv_heads, self.head_dim)
+            v = v.view(T, self.num_kv_heads, self.head_dim)
+            q, k = apply_rope(q, k, rope.cos, rope.sin)
+            write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)  # (T, H, D)
         return self.o_proj(o.reshape(T, q_size))
 
@@ -108,7 +114,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(a.intermediate_size, a.hidden_size, a.mlp_bias, tp, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate)
+        if cpu_kernels.fusable(gate_up):
+            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -120,8 +129,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.mlp = MLP(a, tp, dtype)
 
-    def forward(self, x, cos_sin, kv_cache, meta):
-        h = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta):
+        h = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -145,9 +154,12 @@ class LlamaModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden)."""
         h = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.cos_sin(positions, h.dtype)
+        k_cache = kv_caches[0][0]
+        fused = (cpu_kernels.fusable(h) and k_cache.dtype == h.dtype and k_cache.is_contiguous()
+                 and self.arch.head_dim % 2 == 0)
+        rope = self.rotary.step(positions, h.dtype, fused)
         for layer, kv in zip(self.layers, kv_caches):
-            h = layer(h, cos_sin, kv, meta)
+            h = layer(h, rope, kv, meta)
         return self.norm(h)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -44,6 +46,21 @@ class RotaryEmbedding(torch.nn.Module):
         """positions: (T,) -> cos, sin: (T, 1, D), looked up once per step for all layers."""
         return (self.cos.index_select(0, positions).unsqueeze(1).to(dtype),
                 self.sin.index_select(0, positions).unsqueeze(1).to(dtype))
+
+    def step(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool) -> "RopeStep":
+        """What every layer of one step needs: the fused kernel reads the tables by position
+        itself; the torch path gets cos/sin gathered once here."""
+        if fused:
+            return RopeStep(positions, self.cos, self.sin, fused=True)
+        return RopeStep(positions, *self.cos_sin(positions, dtype), fused=False)
+
+
+@dataclass
+class RopeStep:
+    positions: torch.Tensor  # (T,)
+    cos: torch.Tensor  # fused: the (max positions, D) table; else gathered (T, 1, D)
+    sin: torch.Tensor
+    fused: bool
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
