@@ -156,3 +156,8 @@ def _build() -> Path:
                        capture_output=True, text=True)
         os.replace(tmp_out, out)
     return out
+
+
+if __name__ == "__main__":  # `python -m engine.cpu_kernels`: build now (e.g. in an image), print where
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(_build())
