@@ -34,7 +34,8 @@ from engine.model_source import cache_dir
 logger = logging.getLogger(__name__)
 
 SMALL_M = 96  # rows up to which the kernel beats MKL on this shape of model (measured crossover ~110)
-_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = sorted(_CSRC.glob("*.c"))
 # -ffp-contract=off: a * b + c stays two roundings, as in the torch code the kernels replace
 # (the GEMM and attention kernels ask for their FMAs explicitly).
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
@@ -143,7 +144,8 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise OSError(f"no C compiler {compiler!r} on PATH")
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    files = sorted(_CSRC.glob("*.[ch]"))  # headers too: a changed one must rebuild
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in files) + " ".join(_FLAGS).encode()).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"kvserve_kernels-{digest}.so"
     if out.exists():
         return out

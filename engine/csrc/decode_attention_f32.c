@@ -16,33 +16,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* exp(x) for x <= 0 (softmax after subtracting the max), ~1 ulp: 2^n * p(r) with
- * x = n ln2 + r, |r| <= ln2/2, p a degree-6 polynomial; underflows cleanly to 0 below -87. */
-static inline __m256 exp_nonpos(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.3f);
-    __m256 small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(small, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
+#include "vec_math.h"
 
 static void softmax_inplace(float *s, long n) {
     float mx = -INFINITY;
@@ -50,7 +24,7 @@ static void softmax_inplace(float *s, long n) {
     __m256 vmx = _mm256_set1_ps(mx), acc = _mm256_setzero_ps();
     long t = 0;
     for (; t + 8 <= n; t += 8) {
-        __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx));
+        __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx));
         _mm256_storeu_ps(s + t, e);
         acc = _mm256_add_ps(acc, e);
     }
@@ -59,7 +33,7 @@ static void softmax_inplace(float *s, long n) {
         float tail[8] = {0}, out[8];
         for (long i = t; i < n; i++) tail[i - t] = s[i] - mx;
         for (long i = n - t; i < 8; i++) tail[i] = -INFINITY;
-        _mm256_storeu_ps(out, exp_nonpos(_mm256_loadu_ps(tail)));
+        _mm256_storeu_ps(out, exp_ps(_mm256_loadu_ps(tail)));
         for (long i = t; i < n; i++) { s[i] = out[i - t]; sum += out[i - t]; }
     }
     float inv = 1.0f / sum;

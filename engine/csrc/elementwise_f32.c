@@ -9,6 +9,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "vec_math.h"
+
 /* y = w * (x * rsqrt(mean(x^2) + eps)) per row, as HF's LlamaRMSNorm computes it in float32. */
 void kvserve_rms_norm_f32(const float *x, const float *w, float *y, long rows, long dim, float eps,
                           int num_threads) {
@@ -29,28 +31,6 @@ void kvserve_rms_norm_f32(const float *x, const float *w, float *y, long rows, l
         float inv = 1.0f / sqrtf(ss / (float)dim + eps);
         for (d = 0; d < dim; d++) yr[d] = w[d] * (xr[d] * inv);
     }
-}
-
-/* exp(x) for any float x, ~1 ulp; 2^n * p(r) with x = n ln2 + r. */
-static inline __m256 exp_ps(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    /* 2^n in two halves so that n = 128 (x near 88.3) does not overflow the exponent field */
-    __m256i half = _mm256_srai_epi32(_mm256_cvtps_epi32(n), 1);
-    __m256i rest = _mm256_sub_epi32(_mm256_cvtps_epi32(n), half);
-    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
-    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, _mm256_set1_epi32(127)), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 
 /* out[r, :] = silu(gu[r, :I]) * gu[r, I:] with silu(g) = g / (1 + exp(-g)); gu: (rows, 2I). */

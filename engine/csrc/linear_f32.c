@@ -12,15 +12,10 @@
  */
 #include <immintrin.h>
 
+#include "vec_math.h"
+
 #define MB 4 /* rows of x per tile */
 #define NB 3 /* rows of W per tile: MB * NB accumulators + NB weights + 1 input = 16 ymm */
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* One tile: rows [0, mb) of x against rows [0, nb) of w; mb <= MB, nb <= NB are compile-time
  * constants at every call site, so the loops unroll and acc stays in registers. */
