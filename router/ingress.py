@@ -48,9 +48,10 @@ class HandleEngineClient:
     def _call_generate(self, *args):
         # Serve gives every handle call made while serving one HTTP request that request's
         # internal id, and its request router indexes pending calls by that id: the calls of a
-        # several-prompt request would collide, and all but one would never be assigned. So each engine call gets its own id (in a copied context, leaving the
-        # handler's own untouched). Cancellation does not depend on it: `generate` cancels the
-        # call itself when its consumer goes away.
+        # several-prompt request would collide, and all but one would never be assigned. So
+        # each engine call gets its own id (in a copied context, leaving the handler's own
+        # untouched). Cancellation does not depend on it: `generate` cancels the call itself
+        # when its consumer goes away.
         _set_request_context(_internal_request_id=uuid.uuid4().hex)
         return self._stream.generate.remote(*args)
 
