@@ -23,6 +23,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
+    stream_interval: int = 1  # a running request's output every N tokens (the first and the last at once)
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -38,6 +39,7 @@ class EngineConfig:
         need(0.0 < self.gpu_memory_utilization <= 1.0, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         need(self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        need(self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
     @classmethod

@@ -107,7 +107,8 @@ class LLMEngine:
                 self.scheduler.finish(seq)
         outputs = []
         for req in touched.values():
-            outputs.append(req.take_output())
+            if req.output_due(self.config.stream_interval):
+                outputs.append(req.take_output())
             if req.finished:
                 del self.requests[req.request_id]
         return outputs

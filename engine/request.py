@@ -25,6 +25,13 @@ class Request:
         self.detoks: list[IncrementalDetokenizer] = [IncrementalDetokenizer(tokenizer, prompt_token_ids, params)]
         self.generators: list[torch.Generator | None] = [None]
         self.aborted = False
+        self.num_outputs = 0  # snapshots taken so far
+
+    def output_due(self, stream_interval: int) -> bool:
+        """Whether this step should hand out a snapshot: always the first (time to first token) and
+        the last; otherwise once some sample has `stream_interval` tokens not yet handed out."""
+        return (self.num_outputs == 0 or self.finished
+                or max(len(c.delta_token_ids) for c in self.completions) >= stream_interval)
 
     def _completion(self, index: int) -> CompletionOutput:
         return CompletionOutput(index=index, logprobs=[] if self.params.logprobs is not None else None,
@@ -79,6 +86,7 @@ class Request:
 
     def take_output(self) -> RequestOutput:
         """Snapshot with deltas since the last snapshot, then reset the deltas."""
+        self.num_outputs += 1
         outs = []
         for comp, detok, seq in zip(self.completions, self.detoks, self.seqs):
             comp.delta_text = detok.get_delta(finished=comp.finished)

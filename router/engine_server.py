@@ -126,7 +126,8 @@ class EngineServer:
             async with contextlib.aclosing(self.engine.generate(request_id, prompt_token_ids, params)) as stream:
                 async for out in stream:
                     step = to_step_output(out, finished_samples)
-                    timer.tokens(sum(len(c.token_ids) for c in step.choices))
+                    timer.tokens(sum(len(c.token_ids) for c in step.choices),
+                                 steps=max((len(c.token_ids) for c in step.choices), default=0))
                     if step.finished:
                         reason = finish_reason(step)
                     yield step

@@ -190,15 +190,18 @@ class RequestTimer:
         self._flushed = now
         self._done = False
 
-    def tokens(self, n: int) -> None:
-        """An engine step gave this request `n` new tokens (its samples together)."""
+    def tokens(self, n: int, steps: int = 1) -> None:
+        """An engine output gave this request `n` new tokens (its samples together), made over
+        `steps` engine steps (more than one with a stream interval: the gap since the previous
+        output is shared out evenly over them)."""
         if not n:
             return
         now = self._metrics.clock()
         if self._last is None:
             self._metrics.first_token(now - self._arrival, self._num_prompt_tokens)
         else:
-            self._gaps.append(now - self._last)
+            steps = max(steps, 1)
+            self._gaps.extend([(now - self._last) / steps] * steps)
         self._last = now
         self._tokens += n
         if now - self._flushed >= FLUSH_PERIOD_S:

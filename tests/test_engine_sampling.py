@@ -81,6 +81,54 @@ def test_logprobs(tiny):
     assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)))
 
 
+def _outputs_by_request(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
+                        abort_after: dict[str, int] | None = None) -> dict[str, list]:
+    """Every RequestOutput each request got, stepping the engine by hand; a request in
+    `abort_after` is aborted once the engine has taken that many steps."""
+    eng, got = llm.engine, {}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        eng.add_request(f"s{i}", prompt, p)
+        got[f"s{i}"] = []
+    steps = 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            got[out.request_id].append(out)
+        steps += 1
+        for rid, n in (abort_after or {}).items():
+            if n == steps and rid in eng.requests:
+                got[rid].append(eng.abort(rid))
+    return got
+
+
+def test_stream_interval_sends_the_same_tokens_in_fewer_outputs(tiny):
+    every4 = LLM(model=tiny.engine.config.model, num_gpu_blocks_override=128, max_model_len=256, stream_interval=4)
+    prompts = _prompts(4, seed=21)
+    params = [SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
+              SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=10, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
+    each = _outputs_by_request(tiny, prompts, params)
+    grouped = _outputs_by_request(every4, prompts, params, abort_after={"s3": 11})
+    for rid in ("s0", "s1", "s2"):
+        last, last4 = each[rid][-1], grouped[rid][-1]
+        assert [c.token_ids for c in last4.outputs] == [c.token_ids for c in last.outputs]
+        assert [c.text for c in last4.outputs] == [c.text for c in last.outputs]
+        assert [c.logprobs for c in last4.outputs] == [c.logprobs for c in last.outputs]
+        for k, comp in enumerate(last4.outputs):  # the deltas add up to the whole, nothing twice
+            assert sum((o.outputs[k].delta_token_ids for o in grouped[rid] if k < len(o.outputs)), []) == comp.token_ids
+            assert "".join(o.outputs[k].delta_text for o in grouped[rid] if k < len(o.outputs)) == comp.text
+        assert sum(o.finished for o in grouped[rid]) == 1 and last4.finished
+    # The first token at once (TTFT is unchanged), then 4 steps' tokens per output, the rest last.
+    sizes = {rid: [max(len(c.delta_token_ids) for c in o.outputs) for o in outs] for rid, outs in grouped.items()}
+    assert sizes["s0"] == [1, 4, 4, 4] and sizes["s1"] == [1, 4, 4, 1] and sizes["s2"] == [1]
+    # Aborted after 11 steps (11 tokens): the 2 held back come with the abort.
+    assert sizes["s3"] == [1, 4, 4, 2] and grouped["s3"][-1].outputs[0].finish_reason == "abort"
+    assert grouped["s3"][-1].outputs[0].token_ids == each["s3"][-1].outputs[0].token_ids[:11]
+    assert every4.engine.block_manager.num_free_blocks == every4.engine.block_manager.num_blocks
+    with pytest.raises(ValueError, match="stream_interval"):
+        LLM(model=tiny.engine.config.model, stream_interval=0)
+
+
 def _chat(llm: LLM, q: str) -> str:
     return llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                              tokenize=False)

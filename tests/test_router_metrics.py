@@ -76,6 +76,19 @@ def test_request_timeline_gives_ttft_itl_e2e_and_token_counts():
     assert not values(sinks, M.RUNNING) and not values(sinks, M.PREEMPTIONS)  # no stats were recorded
 
 
+def test_output_of_several_steps_shares_its_gap_out_over_them():
+    clock = Clock(0.0)
+    m, sinks = recorder(clock)
+    timer = m.start_request(num_prompt_tokens=3)
+    for t, n, steps in [(0.5, 1, 1), (0.9, 4, 4), (1.0, 2, 1), (1.6, 6, 3)]:  # --stream-interval 4; n=2 samples
+        clock.t = t
+        timer.tokens(n, steps=steps)
+    timer.finish("length")
+    assert values(sinks, M.TTFT) == pytest.approx([0.5])
+    assert values(sinks, M.ITL) == pytest.approx([0.1] * 4 + [0.1] + [0.2] * 3)
+    assert sum(values(sinks, M.GENERATION_TOKENS)) == 13
+
+
 def test_long_request_is_flushed_while_it_runs_and_adds_up_at_the_end():
     clock = Clock(0.0)
     m, sinks = recorder(clock)
