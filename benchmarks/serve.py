@@ -13,6 +13,10 @@ prefix of --prefix-len tokens) and ask for --random-output-len tokens, both vari
 --burstiness != 1), or all at once, with at most --max-concurrency in flight. Reported per run:
 request throughput, output tokens/s, and mean / median / P99 of TTFT (time to first token),
 TPOT (time per output token after the first), ITL (gap between streamed chunks) and E2E latency.
+TTFT ends at the first streamed chunk that carries a choice (not a chat role announcement),
+with or without text, as vLLM's benchmark counts it: a server may hold back the text of tokens
+that do not yet form whole UTF-8 characters (random prompts often get such replies), and
+"first text" would then time the whole reply.
 Output lengths are made exact where the server allows it (kvserve/vLLM `ignore_eos`,
 transformers' `generation_config`), and tokens are counted from the server's `usage`.
 """
@@ -126,7 +130,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict) -> Result:
                 if data.get("usage"):
                     res.prompt_tokens = data["usage"]["prompt_tokens"]
                     res.output_tokens = data["usage"]["completion_tokens"]
-                if any(_content(c) for c in data.get("choices") or []):
+                if any(_is_token_chunk(c) for c in data.get("choices") or []):
                     chunks += 1
                     if last is None:
                         res.ttft = now - res.start
@@ -142,8 +146,10 @@ async def send(client: httpx.AsyncClient, url: str, body: dict) -> Result:
     return res
 
 
-def _content(choice: dict) -> str:
-    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+def _is_token_chunk(choice: dict) -> bool:
+    """A streamed choice that reports generated tokens (its text may be empty): any completions
+    choice; a chat delta that is not the role announcement."""
+    return "role" not in (choice.get("delta") or {})
 
 
 # -- a run ------------------------------------------------------------------------------------------

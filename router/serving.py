@@ -8,6 +8,10 @@
 The first engine output is awaited before a reply starts, so errors the engine finds (a request
 that can never fit its KV cache, a full queue) still get their status code; errors after that
 point in a stream are sent as one `data: {"error": ...}` event before `data: [DONE]`.
+
+A stream sends a chunk for every engine output that made tokens, also when its text is empty
+(the detokenizer holds back bytes that do not yet form a whole UTF-8 character), as vLLM does:
+clients see progress, and the first chunk marks the first token.
 """
 from __future__ import annotations
 
@@ -214,9 +218,7 @@ class OpenAIServing:
                 if isinstance(step, str):
                     yield step
                     continue
-                for c in step.choices:
-                    if not (c.text or c.finish_reason or req.logprobs is not None):
-                        continue
+                for c in step.choices:  # one chunk per step that made tokens, text or not (see module doc)
                     i = acc.index(prompt, c)
                     lps = None
                     if req.logprobs is not None:
@@ -243,10 +245,8 @@ class OpenAIServing:
                     yield step
                     continue
                 for c in step.choices:
-                    if not (c.text or c.finish_reason or k is not None):
-                        continue
                     lps = chat_logprobs(c.token_ids, c.logprobs or [], k, self.token_str) if k is not None else None
-                    delta = {"content": c.text} if c.text else {}
+                    delta = {"content": c.text} if c.text or c.token_ids else {}
                     yield sse({**base, "choices": [{"index": acc.index(prompt, c), "delta": delta,
                                                     "logprobs": lps, "finish_reason": c.finish_reason,
                                                     "stop_reason": c.stop_reason}]})

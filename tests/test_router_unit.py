@@ -14,7 +14,7 @@ from cluster.cli import build_parser
 from cluster.serve_cli import app_args_from_cli, ready_message
 from engine.config import EngineConfig
 from router.api import build_api
-from router.engine_server import EngineServer
+from router.engine_server import ChoiceDelta, EngineServer, StepOutput
 from router.serving import OpenAIServing
 from router.settings import RouterSettings
 
@@ -57,6 +57,37 @@ def test_streamed_chat_with_n_sends_a_role_chunk_per_choice(tokenizer):
     finishes = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks[2:-1]}
     assert finishes == {0: "length", 1: "length"}
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+class HalfCharEngine:
+    """Three engine steps; the first two tokens are each half of one UTF-8 character, so the
+    detokenizer holds their text back and only the last step has text."""
+
+    async def info(self) -> dict:
+        return {"max_model_len": 64, "max_num_seqs": 4}
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        n = len(prompt_token_ids)
+        yield StepOutput([ChoiceDelta(0, "", [1], None)], n, 0, False)
+        yield StepOutput([ChoiceDelta(0, "", [2], None)], n, 0, False)
+        yield StepOutput([ChoiceDelta(0, "\u00e9!", [3], None, "length")], n, 0, True)
+
+
+@pytest.mark.parametrize("path, body, text_of", [
+    ("/v1/completions", {"prompt": "hi"}, lambda c: c["text"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+     lambda c: c["delta"].get("content")),
+])
+def test_a_step_whose_text_is_held_back_still_streams_a_chunk(tokenizer, path, body, text_of):
+    app = build_api(OpenAIServing(tokenizer, HalfCharEngine(), RouterSettings(served_model_name="m")))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post(path, json={**body, "max_tokens": 3, "stream": True})
+
+    chunks = [c for c in events(asyncio.run(go())) if "role" not in c["choices"][0].get("delta", {})]
+    assert [text_of(c["choices"][0]) for c in chunks] == ["", "", "\u00e9!"]  # first token: first chunk
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
 
 
 def test_streamed_batch_of_prompts_numbers_choices_by_prompt(tokenizer):
