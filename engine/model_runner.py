@@ -20,6 +20,9 @@ class ModelRunner:
         self.num_zeroed_blocks = 0  # blocks [0, n) have been zeroed (see _zero_new_blocks)
         k_cache = kv_caches[0][0]
         self.native_decode = cpu_kernels.supports_decode_attention(device, k_cache.dtype, k_cache.shape[-1])
+        # On a GPU one padded group beats many exact ones: a decode step of 256 sequences of mixed
+        # lengths ran ~13 attention launches per layer and was launch-bound (H200, session 4).
+        self.one_decode_group = device.type == "cuda"
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
@@ -61,14 +64,22 @@ class ModelRunner:
         return self._tensor(ids), self._tensor(pos), meta, sample_rows, sampled
 
     def _decode_groups(self, seqs: list[Sequence], first_row: int) -> tuple[list[DecodeGroup], list[int]]:
-        """Consecutive decodes (sorted) with the same number of context blocks form one group."""
+        """Consecutive decodes (sorted) with the same number of context blocks form one group; with
+        `one_decode_group`, all of them do, each padded to the longest with its own first block
+        (live, so finite) under the mask."""
         bs, groups, block_ids, i = self.block_size, [], [], 0
+
+        def blocks(s: Sequence) -> int:
+            return -(-(s.num_computed_tokens + 1) // bs)
+
         while i < len(seqs):
-            nb = -(-(seqs[i].num_computed_tokens + 1) // bs)
-            j = i
-            while j < len(seqs) and -(-(seqs[j].num_computed_tokens + 1) // bs) == nb:
-                block_ids.extend(seqs[j].block_table[:nb])
+            j = i + 1
+            while j < len(seqs) and (self.one_decode_group or blocks(seqs[j]) == blocks(seqs[i])):
                 j += 1
+            nb = blocks(seqs[j - 1])  # sorted: the group's longest
+            for s in seqs[i:j]:
+                own = s.block_table[:blocks(s)]
+                block_ids.extend(own + [own[0]] * (nb - len(own)))
             ctx = [s.num_computed_tokens + 1 for s in seqs[i:j]]
             mask = None
             if any(c != nb * bs for c in ctx):

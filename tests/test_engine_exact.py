@@ -85,6 +85,16 @@ def test_exact_staggered_arrivals(tiny):
     _assert_clean(llm)
 
 
+def test_exact_with_all_decodes_in_one_padded_group(tiny):
+    """The GPU's decode layout (one group padded to its longest context, masked), here on CPU."""
+    d, prompts, ref = tiny
+    llm = LLM(model=str(d), num_gpu_blocks_override=20, max_num_batched_tokens=24)
+    runner = llm.engine.executor.runner
+    runner.native_decode, runner.one_decode_group = False, True
+    assert _run_staggered(llm, prompts, steps_between=3) == ref
+    _assert_clean(llm)
+
+
 def test_exact_with_prefix_cache_hits(tiny):
     d, _, _ = tiny
     shared = _prompts(seed=1, lens=(48,))[0]

@@ -1,0 +1,77 @@
+"""The engine on a CUDA GPU: greedy output token-exact against HF transformers `generate` on the
+same GPU, weights and dtype, under the scheduling paths of test_engine_exact. Skipped where there
+is no GPU (CI has none); run by hand on a GPU node. The tiny models take their tokenizer from
+$KVSERVE_TEST_TOKENIZER_DIR when set (a GPU node without the embedded model's package), else from
+the embedded SmolLM2."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine import LLM
+from tests.test_engine_exact import GREEDY, MAX_NEW, _assert_clean, _prompts, _run_staggered, _tokens
+from tests.tiny_llama import make_tiny_llama
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def hf_greedy_cuda(model_dir, prompts: list[list[int]], max_new_tokens: int, dtype: torch.dtype) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=dtype).to("cuda").eval()
+    model.generation_config.eos_token_id = None
+    outs = []
+    for ids in prompts:
+        x = torch.tensor([ids], device="cuda")
+        with torch.no_grad():
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                               do_sample=False, pad_token_id=0)
+        outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(request):
+    return os.environ.get("KVSERVE_TEST_TOKENIZER_DIR") or request.getfixturevalue("smollm2_path")
+
+
+@pytest.fixture(scope="module", params=["gqa-float32", "tied-float32", "gqa-bfloat16"])
+def case(request, tmp_path_factory, tokenizer_dir):
+    kind, dtype = request.param.split("-")
+    d = make_tiny_llama(tmp_path_factory.mktemp(kind), tokenizer_dir, kind)
+    prompts = _prompts()
+    return d, dtype, prompts, hf_greedy_cuda(d, prompts, MAX_NEW, DTYPES[dtype])
+
+
+def _llm(case, **kw) -> LLM:
+    d, dtype, _, _ = case
+    return LLM(model=str(d), device="cuda", dtype=dtype, **kw)
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    dict(num_gpu_blocks_override=128),
+    dict(num_gpu_blocks_override=128, max_num_batched_tokens=7),  # chunked prefill
+    dict(num_gpu_blocks_override=128, max_num_seqs=2),
+    dict(num_gpu_blocks_override=128, block_size=4),
+    dict(num_gpu_blocks_override=128, enable_prefix_caching=False),
+    dict(num_gpu_blocks_override=12, max_num_batched_tokens=32),  # preemption (as test_engine_exact)
+], ids=["batch", "chunked", "max2seqs", "bs4", "nocache", "preempt"])
+def test_exact_on_cuda(case, engine_kwargs):
+    llm = _llm(case, **engine_kwargs)
+    assert next(llm.engine.executor.model.parameters()).is_cuda
+    _, _, prompts, expected = case
+    assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    _assert_clean(llm)
+
+
+def test_exact_on_cuda_staggered_and_prefix_hits(case):
+    llm = _llm(case, num_gpu_blocks_override=128)
+    _, _, prompts, expected = case
+    assert _run_staggered(llm, prompts, steps_between=3) == expected
+    assert _tokens(llm.generate(prompts, GREEDY)) == expected  # second pass: prefix-cache hits
+    assert llm.engine.stats().prefix_hit_tokens > 0
+    _assert_clean(llm)
