@@ -28,10 +28,12 @@ class Request:
         self.num_outputs = 0  # snapshots taken so far
 
     def output_due(self, stream_interval: int) -> bool:
-        """Whether this step should hand out a snapshot: always the first (time to first token) and
-        the last; otherwise once some sample has `stream_interval` tokens not yet handed out."""
-        return (self.num_outputs == 0 or self.finished
-                or max(len(c.delta_token_ids) for c in self.completions) >= stream_interval)
+        """Whether this step should hand out a snapshot: always the first (time to first token), the
+        last, and one where a sample finished; otherwise once some sample has `stream_interval`
+        tokens not yet handed out."""
+        pending = [len(c.delta_token_ids) for c in self.completions]
+        return (self.num_outputs == 0 or self.finished or max(pending) >= stream_interval
+                or any(n and c.finish_reason for n, c in zip(pending, self.completions)))
 
     def _completion(self, index: int) -> CompletionOutput:
         return CompletionOutput(index=index, logprobs=[] if self.params.logprobs is not None else None,

@@ -129,6 +129,21 @@ def test_stream_interval_sends_the_same_tokens_in_fewer_outputs(tiny):
         LLM(model=tiny.engine.config.model, stream_interval=0)
 
 
+def test_stream_interval_hands_out_a_finished_sample_at_once(tiny):
+    every4 = LLM(model=tiny.engine.config.model, num_gpu_blocks_override=128, max_model_len=256, stream_interval=4)
+    prompt = _prompts(1, seed=22)[0]
+    p = dict(n=2, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    s0, s1 = [c.token_ids for c in tiny.generate([prompt], SamplingParams(**p))[0].outputs]
+    # A token that first appears in sample 0 at index k and never in sample 1: stopping on it ends
+    # sample 0 after k + 1 tokens while sample 1 runs on.
+    k = next(i for i in range(1, 8) if s0.index(s0[i]) == i and s0[i] not in s1 and (i + 1) % 4)
+    outs = _outputs_by_request(every4, [prompt], [SamplingParams(**p, stop_token_ids=[s0[k]])])["s0"]
+    at = next(i for i, o in enumerate(outs) if o.outputs[0].finish_reason == "stop")
+    assert sum(len(o.outputs[0].delta_token_ids) for o in outs[:at + 1]) == k + 1
+    assert sum(len(o.outputs[1].delta_token_ids) for o in outs[:at + 1]) == k + 1  # handed out at that step
+    assert outs[-1].outputs[1].token_ids == s1 and outs[-1].finished
+
+
 def _chat(llm: LLM, q: str) -> str:
     return llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                              tokenize=False)
