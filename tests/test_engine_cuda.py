@@ -12,26 +12,11 @@ import torch
 
 from engine import LLM
 from tests.test_engine_exact import GREEDY, MAX_NEW, _assert_clean, _prompts, _run_staggered, _tokens
-from tests.tiny_llama import make_tiny_llama
+from tests.tiny_llama import hf_greedy, make_tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def hf_greedy_cuda(model_dir, prompts: list[list[int]], max_new_tokens: int, dtype: torch.dtype) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=dtype).to("cuda").eval()
-    model.generation_config.eos_token_id = None
-    outs = []
-    for ids in prompts:
-        x = torch.tensor([ids], device="cuda")
-        with torch.no_grad():
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                               do_sample=False, pad_token_id=0)
-        outs.append(y[0, len(ids):].tolist())
-    return outs
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +29,7 @@ def case(request, tmp_path_factory, tokenizer_dir):
     kind, dtype = request.param.split("-")
     d = make_tiny_llama(tmp_path_factory.mktemp(kind), tokenizer_dir, kind)
     prompts = _prompts()
-    return d, dtype, prompts, hf_greedy_cuda(d, prompts, MAX_NEW, DTYPES[dtype])
+    return d, dtype, prompts, hf_greedy(d, prompts, MAX_NEW, device="cuda", dtype=DTYPES[dtype])
 
 
 def _llm(case, **kw) -> LLM:

@@ -38,15 +38,16 @@ def make_tiny_llama(out_dir: Path, tokenizer_dir: str, kind: str = "gqa", vocab_
     return out_dir
 
 
-def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu",
+              dtype: torch.dtype = torch.float32) -> list[list[int]]:
     """HF transformers generate, greedy, one prompt at a time (no padding), new tokens only."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=dtype).to(device).eval()
     model.generation_config.eos_token_id = None  # run the full length, like ignore_eos
     outs = []
     for ids in prompts:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=device)
         with torch.no_grad():
             y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
                                do_sample=False, pad_token_id=0)
