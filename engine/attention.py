@@ -6,7 +6,8 @@ read exactly like tokens computed this step.
 
 - Decodes (one query token) are grouped by their number of context blocks; each group is one
   SDPA call over its gathered blocks, masking only the unused tail of each last block. Nothing
-  is padded to the longest sequence in the batch.
+  is padded to the longest sequence in the batch, except on a GPU, where the runner puts all
+  decodes in one group padded to the longest (one launch per layer; the padding is masked).
 - Prefill chunks (several query tokens) run one SDPA call each, causal with their offset.
 
 On CPU with float32 the decodes instead run one native kernel (engine.cpu_kernels) that reads
@@ -32,7 +33,8 @@ class PrefillChunk:
 
 @dataclass
 class DecodeGroup:
-    """`size` consecutive decode rows whose contexts span the same number of blocks `nb`.
+    """`size` consecutive decode rows whose contexts span `nb` blocks (fewer, padded to `nb` and
+    masked, when the runner makes one group of all decodes).
 
     rows:    first_row ........ first_row + size
     blocks:  decode_block_ids[block_start : block_start + size * nb], nb per sequence
