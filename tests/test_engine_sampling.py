@@ -100,8 +100,13 @@ def _outputs_by_request(llm: LLM, prompts: list[list[int]], params: list[Samplin
     return got
 
 
-def test_stream_interval_sends_the_same_tokens_in_fewer_outputs(tiny):
-    every4 = LLM(model=tiny.engine.config.model, num_gpu_blocks_override=128, max_model_len=256, stream_interval=4)
+@pytest.fixture(scope="module")
+def every4(tiny):
+    """The `tiny` engine again, handing out outputs every 4 tokens."""
+    return LLM(model=tiny.engine.config.model, num_gpu_blocks_override=128, max_model_len=256, stream_interval=4)
+
+
+def test_stream_interval_sends_the_same_tokens_in_fewer_outputs(tiny, every4):
     prompts = _prompts(4, seed=21)
     params = [SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
               SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=10, logprobs=2, ignore_eos=True),
@@ -129,8 +134,7 @@ def test_stream_interval_sends_the_same_tokens_in_fewer_outputs(tiny):
         LLM(model=tiny.engine.config.model, stream_interval=0)
 
 
-def test_stream_interval_hands_out_a_finished_sample_at_once(tiny):
-    every4 = LLM(model=tiny.engine.config.model, num_gpu_blocks_override=128, max_model_len=256, stream_interval=4)
+def test_stream_interval_hands_out_a_finished_sample_at_once(tiny, every4):
     prompt = _prompts(1, seed=22)[0]
     p = dict(n=2, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
     s0, s1 = [c.token_ids for c in tiny.generate([prompt], SamplingParams(**p))[0].outputs]

@@ -28,11 +28,12 @@ def tokenizer(smollm2_path):
     return AutoTokenizer.from_pretrained(smollm2_path)
 
 
-def call(tokenizer, method: str, path: str, num_blocks: int = 64, **kwargs) -> httpx.Response:
-    """One request to a fresh app over an in-process FakeEngine (the fake is loop-bound)."""
+def call(tokenizer, method: str, path: str, num_blocks: int = 64, engine=None, **kwargs) -> httpx.Response:
+    """One request to a fresh app over an in-process FakeEngine (the fake is loop-bound), or over
+    `engine` when given."""
     settings = RouterSettings(served_model_name="m", api_key=kwargs.pop("api_key", None))
     config = EngineConfig(max_model_len=64, max_num_seqs=4, num_gpu_blocks_override=num_blocks)
-    engine = EngineServer(config, "router.testing:FakeEngine")
+    engine = engine or EngineServer(config, "router.testing:FakeEngine")
     app = build_api(OpenAIServing(tokenizer, engine, settings))
 
     async def go():
@@ -79,13 +80,8 @@ class HalfCharEngine:
      lambda c: c["delta"].get("content")),
 ])
 def test_a_step_whose_text_is_held_back_still_streams_a_chunk(tokenizer, path, body, text_of):
-    app = build_api(OpenAIServing(tokenizer, HalfCharEngine(), RouterSettings(served_model_name="m")))
-
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            return await c.post(path, json={**body, "max_tokens": 3, "stream": True})
-
-    chunks = [c for c in events(asyncio.run(go())) if "role" not in c["choices"][0].get("delta", {})]
+    r = call(tokenizer, "POST", path, engine=HalfCharEngine(), json={**body, "max_tokens": 3, "stream": True})
+    chunks = [c for c in events(r) if "role" not in c["choices"][0].get("delta", {})]
     assert [text_of(c["choices"][0]) for c in chunks] == ["", "", "\u00e9!"]  # first token: first chunk
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
 
