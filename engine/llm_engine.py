@@ -10,7 +10,7 @@ from engine.config import EngineConfig
 from engine.executor import Executor, make_executor
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import SampleResult, Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
@@ -93,18 +93,19 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        logits, sampled = self.executor.execute(batch)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-        seqs = [batch.seqs[i] for i in sampled]
-        logits, seqs = self._fork(logits, seqs)
-        results = self.sampler.sample(logits, [self._row(s, logits.device) for s in seqs])
+        logits, sampled = self.executor.execute(batch)  # (len(sampled), vocab)
         touched: dict[str, Request] = {}
-        for seq, result in zip(seqs, results):
-            req = self.requests[seq.request_id]
-            touched[req.request_id] = req
-            if req.append_token(seq, result, self.eos_token_ids, self.max_model_len):
-                self.scheduler.finish(seq)
+
+        def sample(rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
+            # forked children sample their parent's row; without forks rows is 0..n-1
+            picked = logits if len(rows) == len(sampled) else logits[torch.tensor(rows, device=logits.device)]
+            return self.sampler.sample(picked, [self._row(s, logits.device) for s in seqs])
+
+        def append(seq: Sequence, result: SampleResult) -> bool:
+            req = touched.setdefault(seq.request_id, self.requests[seq.request_id])
+            return req.append_token(seq, result, self.eos_token_ids, self.max_model_len)
+
+        self.scheduler.update_from_output(batch, sampled, sample, append, on_fork=self._add_fork)
         outputs = []
         for req in touched.values():
             if req.output_due(self.config.stream_interval):
@@ -113,22 +114,9 @@ class LLMEngine:
                 del self.requests[req.request_id]
         return outputs
 
-    def _fork(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
-        """A parent that just finished its prefill becomes n sequences sampling the same logits."""
-        if not any(s.pending_forks for s in seqs):
-            return logits, seqs
-        rows, out = [], []
-        for i, seq in enumerate(seqs):
-            rows.append(i)
-            out.append(seq)
-            for k in range(seq.pending_forks):
-                child = seq.fork(index=k + 1)
-                self.scheduler.fork(seq, child)
-                self.requests[seq.request_id].add_fork(child)
-                rows.append(i)
-                out.append(child)
-            seq.pending_forks = 0
-        return logits[torch.tensor(rows, device=logits.device)], out
+    def _add_fork(self, child: Sequence) -> None:
+        """A parent that just finished its prefill became n sequences: its request streams each."""
+        self.requests[child.request_id].add_fork(child)
 
     def _row(self, seq: Sequence, device: torch.device) -> SamplingRow:
         req = self.requests[seq.request_id]

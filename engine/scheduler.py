@@ -4,15 +4,21 @@ Every step: running sequences first (decodes and unfinished prefill chunks, FCFS
 ones, each advancing `num_computed_tokens` toward its length. When the KV pool runs dry the
 newest running sequence is preempted by recompute: its blocks are freed and it goes back to the
 front of the queue with all its tokens (prompt + output so far), so nothing is lost or reordered.
+After the model ran, `update_from_output` is the one post-step path (advance, fork, append the
+sampled tokens, finish) for the engine, the cluster simulator and the tests alike.
 Pure Python: the cluster simulator runs this same code.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
+
+T = TypeVar("T")  # what the caller samples per sequence: a token id, or the sampler's result
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,23 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    def row_order(self, block_size: int) -> list[int]:
+        """Indices into seqs in the model's flat row order: prefill chunks first, then decodes
+        stably sorted by their number of full context blocks, so that each decode group is a
+        contiguous slice of rows. Read before num_computed_tokens advances.
+
+        Sequences sample in this order, so they finish and free their blocks in it, which sets
+        the LRU order in which freed prefix blocks are evicted."""
+        prefill = [i for i, n in enumerate(self.num_new_tokens) if n > 1]
+        decode = [i for i, n in enumerate(self.num_new_tokens) if n == 1]
+        decode.sort(key=lambda i: self.seqs[i].num_computed_tokens // block_size)
+        return prefill + decode
+
+    def sampled(self, block_size: int) -> list[int]:
+        """The indices of row_order whose new tokens reach the sequence's end: they sample."""
+        return [i for i in self.row_order(block_size)
+                if self.seqs[i].num_computed_tokens + self.num_new_tokens[i] == self.seqs[i].num_tokens]
 
 
 @dataclass
@@ -128,6 +151,45 @@ class Scheduler:
         """Add a sibling that shares the parent's blocks (n > 1), running right after it."""
         self.block_manager.fork(parent, child)
         self.running.insert(self.running.index(parent) + 1, child)
+
+    def update_from_output(self, batch: ScheduledBatch, sampled: list[int],
+                           sample: Callable[[list[int], list[Sequence]], list[T]],
+                           append: Callable[[Sequence, T], bool],
+                           on_fork: Callable[[Sequence], None] = lambda child: None) -> list[Sequence]:
+        """The bookkeeping after the model ran `batch`; returns the sequences that finished.
+
+        Every scheduled sequence moves past its new tokens. `sampled` are the indices into
+        batch.seqs whose logits rows the model returned, in its row order (batch.sampled); a
+        parent among them that just finished its prefill forks its n - 1 children here (each
+        reported to `on_fork`), and they sample the parent's row. `sample(rows, seqs)` returns one
+        result per sequence, rows[i] being seqs[i]'s row; `append(seq, result)` records it and
+        says whether seq stops. Stopped sequences are finished in row order, as the engine
+        sampled them: the simulator must free blocks in the same order to evict the same ones."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        rows, seqs = self._fork_sampled([batch.seqs[i] for i in sampled], on_fork)
+        finished = []
+        for seq, result in zip(seqs, sample(rows, seqs), strict=True):
+            if append(seq, result):
+                self.finish(seq)
+                finished.append(seq)
+        return finished
+
+    def _fork_sampled(self, seqs: list[Sequence],
+                      on_fork: Callable[[Sequence], None]) -> tuple[list[int], list[Sequence]]:
+        """-> the row each sequence samples, and the sequences with every fork right after its parent."""
+        rows, out = [], []
+        for row, seq in enumerate(seqs):
+            rows.append(row)
+            out.append(seq)
+            for k in range(seq.pending_forks):
+                child = seq.fork(index=k + 1)
+                self.fork(seq, child)
+                on_fork(child)
+                rows.append(row)
+                out.append(child)
+            seq.pending_forks = 0
+        return rows, out
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence wherever it is and return its blocks."""
