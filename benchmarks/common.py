@@ -3,7 +3,15 @@ from __future__ import annotations
 
 import os
 import platform
+import socket
 import sys
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def cpu_model() -> str:

@@ -40,7 +40,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import machine_info, markdown_table, print_machine  # noqa: E402
+from benchmarks.common import free_port, machine_info, markdown_table, print_machine  # noqa: E402
 
 BACKENDS = ("kvserve", "vllm", "transformers", "openai")
 
@@ -330,8 +330,6 @@ def main(argv=None) -> int:
     if args.base_url:
         rows += sweep(args.backend, args.backend, args.base_url.rstrip("/"), args.model, tokenizer, args)
     for backend in args.launch or []:
-        from router.testing import free_port
-
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         model = "bench" if backend == "kvserve" else model_dir

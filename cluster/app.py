@@ -225,7 +225,7 @@ def engine_deployment_options(engine: EngineConfig, options: ServeOptions) -> di
 
 def build_app(args: dict | None = None):
     """The Serve application (a bound ingress deployment) for these arguments."""
-    from router.engine_server import EngineDeployment
+    from workers.server import EngineDeployment
     from router.ingress import IngressDeployment
     from router.settings import RouterSettings
 

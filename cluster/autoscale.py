@@ -17,7 +17,7 @@ decisions (`ScaleDelay`, Serve's own rule, so the simulator and tests see what S
 Wiring into Serve (Ray 2.60 API, `ray.serve.config`):
 
     replica:  EngineServer.record_autoscaling_stats(self) -> dict[str, float]
-                  return self._kv_metrics.record(self.engine.stats())      # KVMetricsRecorder
+                  return self._kv_metrics.record(self.engine.stats())   # workers.autoscale_stats
               (Serve calls it every metrics push; values are averaged over look_back_period_s)
     policy:   AutoscalingConfig(min_replicas=1, max_replicas=4, upscale_delay_s=30,
                   downscale_delay_s=300, look_back_period_s=30,
@@ -32,13 +32,11 @@ Wiring into Serve (Ray 2.60 API, `ray.serve.config`):
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-KV_USAGE = "kvserve_kv_usage"
-WAITING_PREFILL_TOKENS = "kvserve_waiting_prefill_tokens"
-PREEMPTIONS_PER_S = "kvserve_preemptions_per_s"
+from workers.autoscale_stats import KV_USAGE, PREEMPTIONS_PER_S, WAITING_PREFILL_TOKENS
+
 POLICY_PATH = "cluster.autoscale:KVPressurePolicy"
 
 
@@ -124,25 +122,6 @@ class KVAutoscaler:
     def step(self, metrics: KVMetrics, now: float) -> int:
         self.target = self.delay.apply(desired_replicas(metrics, self.config), self.target, now, self.config)
         return self.target
-
-
-# -- replica side ------------------------------------------------------------------------------------
-class KVMetricsRecorder:
-    """Turns engine stats into the numbers Serve averages: cumulative preemptions become a rate."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
-        self._last: tuple[float, int] | None = None
-
-    def record(self, stats) -> dict[str, float]:
-        """`stats`: an `engine.EngineStats` (or `cluster.stats.ReplicaStats`)."""
-        now, count = self.clock(), stats.num_preemptions
-        rate = 0.0
-        if self._last is not None and now > self._last[0]:
-            rate = max(0, count - self._last[1]) / (now - self._last[0])
-        self._last = (now, count)
-        usage = 1.0 - stats.num_free_blocks / stats.num_total_blocks
-        return {KV_USAGE: usage, WAITING_PREFILL_TOKENS: float(stats.waiting_prefill_tokens), PREEMPTIONS_PER_S: rate}
 
 
 # -- Serve side --------------------------------------------------------------------------------------

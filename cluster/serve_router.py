@@ -35,14 +35,16 @@ ROUTER_CLASSES = {
     "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",  # Serve's default
     "round_robin": "cluster.serve_router:RoundRobinRequestRouter",
 }
-GENERATE_METHOD = "generate"  # EngineServer.generate(request_id, prompt_token_ids, params)
+GENERATE_METHOD = "generate"  # workers.server.EngineServer.generate, called with keyword arguments
 
 
 def route_request_from(pending: PendingRequest | None, default_max_tokens: int) -> RouteRequest | None:
     """The RouteRequest of an EngineServer.generate call; None for other calls (info, stats, ...)."""
-    if pending is None or pending.metadata.call_method != GENERATE_METHOD or len(pending.args) < 3:
+    if pending is None or pending.metadata.call_method != GENERATE_METHOD:
         return None
-    token_ids, params = pending.args[1], pending.args[2]
+    token_ids, params = pending.kwargs.get("prompt_token_ids"), pending.kwargs.get("params")
+    if token_ids is None:
+        return None
     max_tokens = getattr(params, "max_tokens", None) or default_max_tokens
     return RouteRequest(token_ids, max_tokens)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
@@ -40,11 +41,20 @@ class AsyncEngine:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._error: BaseException | None = None
-        self._stats: EngineStats | None = None
+        # The engine is touched by the step thread during a step and by the event loop between
+        # steps; the lock lets a routing snapshot be taken by whichever thread finds it free.
+        self._engine_lock = threading.Lock()
+        self._stats: EngineStats = self.engine.stats()
+        self._routing: EngineStats = self.engine.routing_snapshot()
+        self._routing_wanted = False
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
     @property
     def is_healthy(self) -> bool:
@@ -61,15 +71,35 @@ class AsyncEngine:
                 raise EngineDeadError(f"engine workers unhealthy: {e}") from e
 
     def stats(self) -> EngineStats:
-        """A snapshot taken between steps (the scheduler's queues change inside a step)."""
-        if self._stats is None:
-            self._stats = self.engine.stats()
+        """The snapshot taken after the last step or admission (never one from inside a step)."""
         return self._stats
 
+    def routing_snapshot(self) -> EngineStats:
+        """Stats with the prefix-hash summary, all from one moment between steps: taken now when
+        no step runs, else the one the running step takes as it ends is asked for, and the last
+        one is returned (its timestamp says when it was taken)."""
+        if self._engine_lock.acquire(blocking=False):
+            try:
+                self._routing = self.engine.routing_snapshot()
+                self._stats = self.engine.stats()
+            finally:
+                self._engine_lock.release()
+        else:
+            self._routing_wanted = True
+        return self._routing
+
     def _step(self) -> list[RequestOutput]:
-        outputs = self.engine.step()
-        self._stats = self.engine.stats()
+        with self._engine_lock:
+            outputs = self.engine.step()
+            self._take_stats()
         return outputs
+
+    def _take_stats(self) -> None:
+        """Under the engine lock."""
+        self._stats = self.engine.stats()
+        if self._routing_wanted:
+            self._routing_wanted = False
+            self._routing = self.engine.routing_snapshot()
 
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -116,6 +146,10 @@ class AsyncEngine:
         self._wakeup.set()
 
     def _apply_pending(self) -> None:
+        with self._engine_lock:
+            self._apply_pending_locked()
+
+    def _apply_pending_locked(self) -> None:
         for rid in self._pending_aborts:
             out = self.engine.abort(rid)  # frees its KV blocks now
             self._deliver(rid, out if out is not None else _ABORTED)
@@ -126,7 +160,7 @@ class AsyncEngine:
                 self.engine.add_request(rid, prompt, params)
             except ValueError as e:
                 self._deliver(rid, e)
-        self._stats = self.engine.stats()
+        self._take_stats()
 
     def _deliver(self, request_id: str, item) -> None:
         queue = self._queues.get(request_id)

@@ -7,6 +7,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
 from engine.executor import Executor, make_executor
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request
@@ -14,6 +15,7 @@ from engine.sampler import SampleResult, Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
+from engine.snapshot import DEFAULT_PREFIX_LIMIT, snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -44,26 +46,27 @@ class LLMEngine:
         return None, list(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Raise ValueError for a request that can never run; returns its resolved max_tokens."""
+        """Raise InvalidRequestError for a request that can never run; returns its resolved max_tokens."""
         n = len(prompt_token_ids)
         if n == 0:
-            raise ValueError("prompt is empty")
+            raise InvalidRequestError("prompt", "prompt is empty")
         vocab = self.executor.info.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            raise InvalidRequestError("prompt", f"prompt token ids must be in [0, {vocab})")
         if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len} "
-                             "(the prompt must leave room for at least one generated token)")
+            raise InvalidRequestError("prompt", f"prompt has {n} tokens; max_model_len is {self.max_model_len} "
+                                      "(the prompt must leave room for at least one generated token)",
+                                      code="context_length_exceeded")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
-                             f"({self.max_model_len})")
+            raise InvalidRequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
+                                      f"max_model_len ({self.max_model_len})", code="context_length_exceeded")
         need = self.block_manager.blocks_for(n + max_tokens)
         if need > self.block_manager.num_blocks:
-            raise ValueError(f"request needs {need} KV blocks but the cache has only "
-                             f"{self.block_manager.num_blocks}; it can never be scheduled")
+            raise InvalidRequestError("max_tokens", f"request needs {need} KV blocks but the cache has only "
+                                      f"{self.block_manager.num_blocks}; it can never be scheduled")
         if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+            raise InvalidRequestError("n", f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         return max_tokens
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
@@ -125,11 +128,9 @@ class LLMEngine:
                            eos_token_ids=self._eos_list)
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        return EngineStats(
-            num_total_blocks=self.block_manager.num_blocks, num_free_blocks=self.block_manager.num_free_blocks,
-            block_size=self.block_manager.block_size, num_running=len(s.running), num_waiting=len(s.waiting),
-            num_preemptions=s.stats.num_preemptions, prefix_query_tokens=s.stats.prefix_query_tokens,
-            prefix_hit_tokens=s.stats.prefix_hit_tokens,
-            waiting_prefill_tokens=sum(q.num_tokens - q.num_computed_tokens for q in list(s.waiting)),
-        )
+        """Counters and queue state, without prefix hashes (cheap enough for every step)."""
+        return snapshot(self.scheduler)
+
+    def routing_snapshot(self, prefix_limit: int = DEFAULT_PREFIX_LIMIT) -> EngineStats:
+        """`stats()` plus the summary of cached prefix-block hashes a global scheduler routes on."""
+        return snapshot(self.scheduler, prefix_limit)

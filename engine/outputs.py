@@ -1,6 +1,7 @@
 """What the engine hands back per request and step."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -32,22 +33,85 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineStats:
+    """One snapshot of an engine's KV and queue state, taken between two steps.
+
+    `LLMEngine.stats()` leaves `prefix_hashes` empty (cheap, every step);
+    `LLMEngine.routing_snapshot()` fills it, for the global scheduler."""
     num_total_blocks: int
-    num_free_blocks: int
+    num_free_blocks: int  # in the free queue (free-but-cached blocks count: reuse evicts them)
     block_size: int
     num_running: int
     num_waiting: int
-    num_preemptions: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    waiting_prefill_tokens: int
+    num_preemptions: int  # cumulative
+    prefix_query_tokens: int  # cumulative prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int  # cumulative prompt tokens found there
+    waiting_prefill_tokens: int  # prompt tokens queued, not yet computed
+    num_reserved_blocks: int = 0  # blocks admitted + queued requests still need to reach max_tokens
+    max_num_seqs: int = 0
+    prefix_hashes: frozenset[int] = frozenset()  # bounded summary of cached prefix-block hashes
+    timestamp: float = 0.0  # when the snapshot was taken (time.time() of the engine's host)
 
     @property
     def kv_usage(self) -> float:
+        """Fraction of KV blocks in use, 0..1 (the one definition: metrics, autoscaling, routing)."""
         return 1.0 - self.num_free_blocks / self.num_total_blocks
 
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        """Plain types (frozenset -> list) plus the derived rates, for Serve's stats channels."""
+        d = dataclasses.asdict(self)
+        d["prefix_hashes"] = list(self.prefix_hashes)
+        d["kv_usage"], d["prefix_hit_rate"] = self.kv_usage, self.prefix_hit_rate
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, **extra):
+        """The inverse of `to_dict` (derived values dropped), for this class or a subclass."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in {**d, **extra}.items() if k in names}
+        return cls(**{**fields, "prefix_hashes": frozenset(d.get("prefix_hashes", ()))})
+
+
+@dataclass
+class ChoiceDelta:
+    """What one step added to one of a request's n samples."""
+    index: int  # which of the request's n samples
+    text: str  # new text since the previous step
+    token_ids: list[int]  # new token ids
+    logprobs: list[dict[int, float]] | None  # per new token: top-k (+ sampled) token -> logprob
+    finish_reason: str | None = None  # "stop" | "length" | "abort", sent exactly once
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class StepOutput:
+    """What one engine step produced for one request, as the replica streams it to the ingress:
+    only the samples that changed (a RequestOutput without the full texts)."""
+    choices: list[ChoiceDelta]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finished: bool
+
+    @property
+    def finish_reason(self) -> str:
+        """Why a finished request ended: its last sample's reason (n > 1: the one that ended last)."""
+        return next((c.finish_reason for c in reversed(self.choices) if c.finish_reason), "abort")
+
+    @classmethod
+    def from_request_output(cls, out: RequestOutput, finished_samples: set[int]) -> "StepOutput":
+        """The deltas of `out`; `finished_samples` (updated here) keeps a finished sample from
+        being sent again."""
+        choices = []
+        for c in out.outputs:
+            if c.index in finished_samples or not (c.delta_token_ids or c.delta_text or c.finish_reason):
+                continue
+            choices.append(ChoiceDelta(c.index, c.delta_text, list(c.delta_token_ids), c.delta_logprobs,
+                                       c.finish_reason, c.stop_reason))
+            if c.finish_reason is not None:
+                finished_samples.add(c.index)
+        return cls(choices, len(out.prompt_token_ids), out.num_cached_tokens, out.finished)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.errors import InvalidRequestError
+
 MAX_LOGPROBS = 20
 
 
@@ -39,7 +41,7 @@ class SamplingParams:
     def _validate(self) -> None:
         def need(cond: bool, field: str, rule: str) -> None:
             if not cond:
-                raise ValueError(f"{field} must be {rule}, got {getattr(self, field)!r}")
+                raise InvalidRequestError(field, f"{field} must be {rule}, got {getattr(self, field)!r}")
 
         need(self.n >= 1, "n", ">= 1")
         need(self.temperature >= 0, "temperature", ">= 0")

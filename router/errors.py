@@ -1,13 +1,17 @@
 """Errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}` with an HTTP status.
 
-Everything the router rejects is raised as an `OpenAIError`; anything else that escapes a handler
-becomes a 500 whose message says nothing about the internals (the detail goes to the log only).
+Everything the router rejects is raised as an `OpenAIError`; the engine's
+`engine.errors.InvalidRequestError` becomes a 400 here (`from_invalid_request`), in this one place;
+anything else that escapes a handler becomes a 500 whose message says nothing about the internals
+(the detail goes to the log only).
 """
 from __future__ import annotations
 
 import math
 
 from pydantic import ValidationError
+
+from engine.errors import InvalidRequestError
 
 
 class OpenAIError(Exception):
@@ -62,13 +66,6 @@ def from_validation_error(e: ValidationError, fields: set[str] = frozenset()) ->
     return bad_request(f"{param}: {msg}" if err["loc"] else msg, param=param, code="invalid_value")
 
 
-def from_value_error(e: ValueError) -> OpenAIError:
-    """SamplingParams and the engine's validate() start their messages with the field's name."""
-    msg = str(e)
-    first = msg.split(" ", 1)[0]
-    known = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs")
-    param = first if first in known else None
-    if "max_model_len" in msg or msg.startswith("prompt"):
-        param = "max_tokens" if "max_tokens" in msg else "prompt"
-    return bad_request(msg, param=param)
+def from_invalid_request(e: InvalidRequestError) -> OpenAIError:
+    """The engine's (and SamplingParams') own validation, which names the field at fault."""
+    return bad_request(e.message, param=e.param, code=e.code)

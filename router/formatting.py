@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.engine_server import ChoiceDelta
+from engine.outputs import ChoiceDelta
 
 TokenStr = Callable[[int], str]
 _MIN_LOGPROB = -9999.0  # -inf is not JSON

@@ -24,8 +24,9 @@ from ray.serve.handle import DeploymentHandle
 
 from engine.sampling_params import SamplingParams
 from router.api import build_api
-from router.engine_server import StepOutput
-from router.errors import OpenAIError, from_value_error, overloaded
+from engine.outputs import StepOutput
+from engine.errors import InvalidRequestError
+from router.errors import OpenAIError, from_invalid_request, overloaded
 from router.serving import OpenAIServing
 from router.settings import RouterSettings
 
@@ -45,7 +46,7 @@ class HandleEngineClient:
     async def info(self) -> dict:
         return await self._handle.info.remote()
 
-    def _call_generate(self, *args):
+    def _call_generate(self, **kwargs):
         # Serve gives every handle call made while serving one HTTP request that request's
         # internal id, and its request router indexes pending calls by that id: the calls of a
         # several-prompt request would collide, and all but one would never be assigned. So
@@ -53,13 +54,15 @@ class HandleEngineClient:
         # untouched). Cancellation does not depend on it: `generate` cancels the call itself
         # when its consumer goes away.
         _set_request_context(_internal_request_id=uuid.uuid4().hex)
-        return self._stream.generate.remote(*args)
+        return self._stream.generate.remote(**kwargs)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[StepOutput]:
         response, finished = None, False
         try:
-            response = contextvars.copy_context().run(self._call_generate, request_id, prompt_token_ids, params)
+            # By name: the request router reads the call's arguments (cluster.serve_router).
+            response = contextvars.copy_context().run(self._call_generate, request_id=request_id,
+                                                      prompt_token_ids=prompt_token_ids, params=params)
             async for step in response:
                 finished = step.finished
                 yield step
@@ -71,9 +74,9 @@ class HandleEngineClient:
             finished = True
             raise OpenAIError(503, "The model is not available right now. Retry later.", type="server_error",
                               code="unavailable", headers={"Retry-After": "5"}) from None
-        except ValueError as e:  # the engine's validate(); arrives wrapped in a RayTaskError
+        except InvalidRequestError as e:  # the engine's validate(); arrives wrapped in a RayTaskError
             finished = True
-            raise from_value_error(getattr(e, "cause", None) or e) from None
+            raise from_invalid_request(getattr(e, "cause", None) or e) from None
         finally:
             if response is not None and not finished:
                 with contextlib.suppress(Exception):  # keep the exception that brought us here

@@ -25,8 +25,9 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from engine.sampling_params import SamplingParams
-from router.engine_server import StepOutput
-from router.errors import OpenAIError, bad_request, from_value_error, internal_error
+from engine.outputs import StepOutput
+from engine.errors import InvalidRequestError
+from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error
 from router.formatting import (SSE_DONE, Accumulator, chat_logprobs, chat_response, completion_logprobs,
                                completion_response, sse)
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -150,8 +151,8 @@ class OpenAIServing:
     def _params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
         try:
             return req.sampling_params()
-        except ValueError as e:
-            raise from_value_error(e) from None
+        except InvalidRequestError as e:
+            raise from_invalid_request(e) from None
 
     def _chat_ids(self, messages, add_generation_prompt: bool) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -193,9 +194,9 @@ class OpenAIServing:
             first = await anext(merged)
         except StopAsyncIteration:
             raise internal_error() from None
-        except ValueError as e:  # the engine's own validation, for whatever the checks above missed
+        except InvalidRequestError as e:  # the engine's own validation, for whatever the checks above missed
             await merged.aclose()
-            raise from_value_error(e) from None
+            raise from_invalid_request(e) from None
         except BaseException:
             await merged.aclose()
             raise

@@ -74,6 +74,6 @@ def test_cpu_kv_cache_fits_the_cgroup_limit(monkeypatch):
 
 @pytest.mark.parametrize("requested, quota, expected", [(16, 2.0, 2), (2, 8.0, 2), (4, None, 4), (4, 0.5, 1)])
 def test_replica_threads_stay_within_the_cpu_limit(requested, quota, expected):
-    from router.engine_server import replica_threads
+    from workers.server import replica_threads
 
     assert replica_threads(requested, quota) == expected

@@ -95,7 +95,7 @@ def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_
     import httpx
     import psutil
 
-    from router.testing import free_port
+    from tests.local_serve import free_port
     from tests.tiny_llama import make_tiny_llama
 
     model = make_tiny_llama(tmp_path / "tiny", tokenizer_dir=smollm2_path)

@@ -4,9 +4,10 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.autoscale import (KV_USAGE, PREEMPTIONS_PER_S, WAITING_PREFILL_TOKENS, KVAutoscaleConfig,
-                               KVAutoscaler, KVMetrics, KVMetricsRecorder, KVPressurePolicy, ScaleDelay,
+                               KVAutoscaler, KVMetrics, KVPressurePolicy, ScaleDelay,
                                desired_replicas, serve_autoscaling_config)
 from engine.outputs import EngineStats
+from workers.autoscale_stats import KVMetricsRecorder
 
 CFG = KVAutoscaleConfig(min_replicas=1, max_replicas=8, target_kv_usage=0.75, max_waiting_prefill_tokens=8192,
                         max_preemptions_per_s=0.5, upscale_delay_s=10, downscale_delay_s=60)

@@ -17,7 +17,7 @@ import pytest
 from cluster.app import ROUTINGS, engine_deployment_options, split_args
 from cluster.cli import main as kvserve_main
 from cluster.serve_router import ROUTER_CLASSES
-from router.testing import free_port
+from tests.local_serve import free_port
 from tests.tiny_llama import make_tiny_llama
 
 ENGINE = "EngineServer"
@@ -274,14 +274,14 @@ def test_flags_reach_the_engine_deployment(tiny_model):
 
 
 def test_fake_engine_replica_reports_without_a_block_manager():
-    """router.testing.FakeEngine has no scheduler: the replica reports its EngineStats, no prefixes."""
+    """tests.fake_engine.FakeEngine has no scheduler: the replica reports its EngineStats, no prefixes."""
     import asyncio
 
     from cluster.stats import ReplicaStats
     from engine.config import EngineConfig
-    from router.engine_server import EngineServer
+    from workers.server import EngineServer
 
-    server = EngineServer(EngineConfig(max_model_len=256, num_gpu_blocks_override=32), "router.testing:FakeEngine")
+    server = EngineServer(EngineConfig(max_model_len=256, num_gpu_blocks_override=32), "tests.fake_engine:FakeEngine")
     raw = asyncio.run(server.record_routing_stats())
     parsed = ReplicaStats.from_dict(raw)
     assert parsed.num_total_blocks == 32 and parsed.prefix_hashes == frozenset() and raw["kv_usage"] == 0.0

@@ -34,7 +34,8 @@ def replica(name, **stats):
 
 def pending(n, tokens, method="generate"):
     meta = RequestMetadata(request_id=f"r{n}", internal_request_id=f"i{n}", call_method=method)
-    return PendingRequest(args=[f"r{n}", tokens, SamplingParams(max_tokens=32)], kwargs={}, metadata=meta)
+    return PendingRequest(args=[], kwargs={"request_id": f"r{n}", "prompt_token_ids": tokens,
+                                           "params": SamplingParams(max_tokens=32)}, metadata=meta)
 
 
 def make(cls, **kwargs):

@@ -6,7 +6,7 @@ openAPIV3Schema of KubeRay's CRDs (../shared/kuberay-crds), closed to unknown fi
 then its import_path is imported and its args go through cluster.app.build_app (with only the
 model-directory check stubbed out, since the models live on the cluster's volume); the
 monitoring files against the metric and deployment names that really exist (Ray's own, and
-ours from router.metrics).
+ours from workers.metrics).
 """
 from __future__ import annotations
 
@@ -294,8 +294,8 @@ def ray_exports(metric: str) -> bool:
 
 @functools.cache
 def kvserve_exports() -> frozenset[str]:
-    """The series names our engine metrics (router.metrics.METRICS) get in Ray's Prometheus export."""
-    from router.metrics import METRICS
+    """The series names our engine metrics (workers.metrics.METRICS) get in Ray's Prometheus export."""
+    from workers.metrics import METRICS
 
     return frozenset(name for spec in METRICS for name in spec.exported_names)
 

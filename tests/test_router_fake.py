@@ -1,4 +1,4 @@
-"""The real Ray + Serve stack with `router.testing.FakeEngine` behind it: the rows of the error
+"""The real Ray + Serve stack with `tests.fake_engine.FakeEngine` behind it: the rows of the error
 list that need an engine to misbehave on cue (500, a full queue), readiness while engines load,
 draining on shutdown, and the engine replica's metrics as Ray's Prometheus export shows them.
 """
@@ -10,9 +10,10 @@ import time
 import httpx
 import pytest
 
-from router.testing import FAIL_TOKEN_ID, SECRET, FakeEngine, running_server
+from tests.fake_engine import FAIL_TOKEN_ID, SECRET, FakeEngine
+from tests.local_serve import running_server
 
-FAKE = "router.testing:FakeEngine"
+FAKE = "tests.fake_engine:FakeEngine"
 # Workers push recorded metrics to Ray's Prometheus exporter every metrics_report_interval_ms
 # (10 s by default; Ray's floor is 1 s).
 RAY_OPTIONS = {"_system_config": {"metrics_report_interval_ms": 1000}}
@@ -64,7 +65,7 @@ def value(samples: dict, name: str, **labels) -> float | None:
 
 # Keep this test first: it runs on a fresh server, so the counters hold exactly its one request.
 def test_engine_metrics_reach_rays_prometheus_export(http):
-    from router.metrics import E2E, ITL, TTFT
+    from workers.metrics import E2E, ITL, TTFT
 
     r = http.post("/v1/completions", json={"prompt": [1, 2, 3, 4, 5], "max_tokens": 6})
     assert r.status_code == 200

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from router.testing import running_server
+from tests.local_serve import running_server
 
 API_KEY = "sk-kvserve-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -13,10 +13,12 @@ from cluster.app import engine_bundles, engine_deployment_options, served_model_
 from cluster.cli import build_parser
 from cluster.serve_cli import app_args_from_cli, ready_message
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.outputs import ChoiceDelta, StepOutput
 from router.api import build_api
-from router.engine_server import ChoiceDelta, EngineServer, StepOutput
 from router.serving import OpenAIServing
 from router.settings import RouterSettings
+from workers.server import EngineServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,11 +35,12 @@ def call(tokenizer, method: str, path: str, num_blocks: int = 64, engine=None, *
     `engine` when given."""
     settings = RouterSettings(served_model_name="m", api_key=kwargs.pop("api_key", None))
     config = EngineConfig(max_model_len=64, max_num_seqs=4, num_gpu_blocks_override=num_blocks)
-    engine = engine or EngineServer(config, "router.testing:FakeEngine")
+    engine = engine or EngineServer(config, "tests.fake_engine:FakeEngine")
     app = build_api(OpenAIServing(tokenizer, engine, settings))
 
     async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # a 500 is a response too
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
             return await c.request(method, path, **kwargs)
 
     return asyncio.run(go())
@@ -72,6 +75,41 @@ class HalfCharEngine:
         yield StepOutput([ChoiceDelta(0, "", [1], None)], n, 0, False)
         yield StepOutput([ChoiceDelta(0, "", [2], None)], n, 0, False)
         yield StepOutput([ChoiceDelta(0, "\u00e9!", [3], None, "length")], n, 0, True)
+
+
+class RaisingEngine:
+    """An engine client whose first generate step raises `error`."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    async def info(self) -> dict:
+        return {"max_model_len": 64, "max_num_seqs": 4}
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        raise self.error
+        yield  # an async generator
+
+
+def test_an_invalid_request_error_is_a_400_naming_its_field_and_any_other_error_a_500(tokenizer):
+    body = {"prompt": "hi", "max_tokens": 3}
+    r = call(tokenizer, "POST", "/v1/completions", engine=RaisingEngine(
+        InvalidRequestError("max_tokens", "too many for this cache", code="context_length_exceeded")), json=body)
+    assert r.status_code == 400
+    assert r.json()["error"] == {"message": "too many for this cache", "type": "invalid_request_error",
+                                 "param": "max_tokens", "code": "context_length_exceeded"}
+    # A ValueError that is not a typed request error is the server's fault, whatever it says.
+    r = call(tokenizer, "POST", "/v1/completions", engine=RaisingEngine(ValueError("prompt max_model_len")),
+             json=body)
+    assert r.status_code == 500 and "max_model_len" not in r.text
+
+
+def test_sampling_params_errors_name_their_field():
+    from engine.sampling_params import SamplingParams
+
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(top_p=0)
+    assert e.value.param == "top_p" and e.value.message.startswith("top_p must be")
 
 
 @pytest.mark.parametrize("path, body, text_of", [

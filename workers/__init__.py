@@ -5,4 +5,6 @@
     rank.py      the rank actor: its model shard, KV-cache shard, one step at a time
     group.py     placement group, start-up handshake with timeouts, health, teardown
     executor.py  WorkerGroupExecutor, the engine's Executor for tensor_parallel_size > 1
+    server.py    EngineServer, the Serve deployment of one engine replica (one group)
+    metrics.py   the replica's Prometheus metrics; autoscale_stats.py, what it tells Serve's autoscaler
 """

@@ -1,5 +1,5 @@
-"""router.metrics without Ray: the recorder against fake metric sinks and a scripted clock, and
-EngineServer's request stream over router.testing.FakeEngine. (Ray's own export of these metrics
+"""workers.metrics without Ray: the recorder against fake metric sinks and a scripted clock, and
+EngineServer's request stream over tests.fake_engine.FakeEngine. (Ray's own export of these metrics
 is checked end to end in tests/test_router_fake.py.)"""
 import asyncio
 import re
@@ -9,9 +9,9 @@ import pytest
 from engine.config import EngineConfig
 from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
-from router import metrics as M
-from router.engine_server import EngineServer
-from router.testing import FAIL_TOKEN_ID
+from workers import metrics as M
+from workers.server import EngineServer
+from tests.fake_engine import FAIL_TOKEN_ID
 
 
 class Sink:
@@ -190,7 +190,7 @@ def test_specs_and_ray_metric_objects():
 # -- EngineServer's request stream ---------------------------------------------------------------------
 def engine_server(sinks: dict[str, Sink]) -> EngineServer:
     config = EngineConfig(max_model_len=64, max_num_seqs=4, num_gpu_blocks_override=64)
-    server = EngineServer(config, "router.testing:FakeEngine", metrics=M.EngineMetrics(sinks))
+    server = EngineServer(config, "tests.fake_engine:FakeEngine", metrics=M.EngineMetrics(sinks))
     server.engine.token_delay_s = 0.005
     return server
 

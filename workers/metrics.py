@@ -1,6 +1,6 @@
 """The engine replica's Prometheus metrics, named as vLLM names its own (`vllm:x` -> `kvserve_x`).
 
-EngineServer records them with Ray Serve's metrics API, so each Ray node exports them on its
+workers.server.EngineServer records them with Ray Serve's metrics API, so each Ray node exports them on its
 metrics port (`metrics-export-port`) and the Ray dashboard sees them. Prometheus names gain
 Ray's `ray_` prefix, counters `_total`, histograms `_bucket` / `_sum` / `_count`; every series
 carries `model_name` and, from Serve, `deployment`, `replica` and `application`.

@@ -1,5 +1,7 @@
 """A fake engine for the router's tests: the real Serve + HTTP stack without a model.
 
+It meets `engine.protocol.EngineClient`; Serve builds it from the string "tests.fake_engine:FakeEngine".
+
 It echoes the prompt's token ids back, one per `token_delay_s`, and accounts KV blocks as the
 real engine does (reserved on admission, freed on finish or abort), so queueing, cancellation
 and errors can be driven precisely. A prompt containing FAIL_TOKEN_ID makes it raise an error
@@ -9,13 +11,10 @@ tokens (mid-stream).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 import time
-from collections.abc import Iterator
-from types import SimpleNamespace
 
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -26,7 +25,7 @@ SECRET = "secret-internal-detail /srv/weights"
 class FakeEngine:
     def __init__(self, config: EngineConfig, token_delay_s: float = 0.02, load_delay_s: float = 0.0) -> None:
         time.sleep(load_delay_s)  # a slow model load, to watch readiness
-        self.engine = SimpleNamespace(max_model_len=config.max_model_len or 2048)
+        self.max_model_len = config.max_model_len or 2048
         self.block_size = config.block_size
         self.num_blocks = config.num_gpu_blocks_override or 1024
         self.token_delay_s = token_delay_s
@@ -34,16 +33,19 @@ class FakeEngine:
         self._aborted: set[str] = set()
 
     def _validate(self, ids: list[int], params: SamplingParams) -> int:
-        limit = self.engine.max_model_len
+        limit = self.max_model_len
         if not ids:
-            raise ValueError("prompt is empty")
+            raise InvalidRequestError("prompt", "prompt is empty")
         if len(ids) >= limit:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {limit}")
+            raise InvalidRequestError("prompt", f"prompt has {len(ids)} tokens; max_model_len is {limit}",
+                                      code="context_length_exceeded")
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
         if len(ids) + max_tokens > limit:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len ({limit})")
+            raise InvalidRequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                                      f"max_model_len ({limit})", code="context_length_exceeded")
         if -(-(len(ids) + max_tokens) // self.block_size) > self.num_blocks:
-            raise ValueError("request needs more KV blocks than the cache has; it can never be scheduled")
+            raise InvalidRequestError("max_tokens", "request needs more KV blocks than the cache has; "
+                                      "it can never be scheduled")
         return max_tokens
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams):
@@ -80,37 +82,11 @@ class FakeEngine:
                            block_size=self.block_size, num_running=len(self._blocks), num_waiting=0,
                            num_preemptions=0, prefix_query_tokens=0, prefix_hit_tokens=0, waiting_prefill_tokens=0)
 
+    def routing_snapshot(self) -> EngineStats:
+        return self.stats()  # no prefix cache
+
     def check_health(self) -> None:
         pass
 
     async def shutdown(self) -> None:
         pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running_server(args: dict, num_cpus: int = 4, app_name: str = "kvserve",
-                   ray_options: dict | None = None) -> Iterator[str]:
-    """A local Ray + Serve running `cluster.app.build_app(args)` on a free 127.0.0.1 port; yields its
-    base URL and leaves nothing running afterwards. `ray_options`: more keyword arguments for ray.init."""
-    import ray
-    from ray import serve
-
-    from cluster.app import build_app
-
-    if ray.is_initialized():
-        raise RuntimeError("Ray is already initialized in this process")
-    port = free_port()
-    ray.init(num_cpus=num_cpus, include_dashboard=False, **(ray_options or {}))
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name=app_name, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()

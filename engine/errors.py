@@ -1,0 +1,18 @@
+"""Errors the engine raises about a request (as opposed to its own failures).
+
+An `InvalidRequestError` says the request itself can never run as given; it names the request
+field at fault, so the HTTP edge can answer 400 with that `param` without reading the message.
+Any other exception from the engine is the server's fault (a 500 at the edge).
+"""
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    def __init__(self, param: str | None, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param  # the request field at fault ("temperature", "prompt", "max_tokens", ...)
+        self.message = message
+        self.code = code  # a machine-readable reason, e.g. "context_length_exceeded"
+
+    def __reduce__(self):  # crosses Ray process boundaries with its fields
+        return type(self), (self.param, self.message, self.code)

@@ -1,0 +1,70 @@
+"""Snapshots of a scheduler's KV and queue state: the engine's stats and what it tells a router.
+
+The global scheduler compares a request's prefix-block hashes (`engine.hashing.hash_prefix_blocks`,
+the block manager's own function) with `prefix_hashes`, a bounded summary of the blocks still
+held in the prefix cache:
+
+    hash_to_block (every cached full block)      summary, at most `limit` hashes
+    in use (ref_count > 0)   ------------------>  all of them first: they cannot be evicted
+    free but cached, LRU ... MRU  ------------>   then the most recently freed: evicted last
+
+Everything here reads the scheduler and block manager without changing them, and must run
+between steps (the engine's step thread, or with the step thread idle) so that every field
+comes from the same moment.
+"""
+from __future__ import annotations
+
+import time
+
+from engine.block_manager import BlockManager
+from engine.outputs import EngineStats
+from engine.scheduler import Scheduler
+
+DEFAULT_PREFIX_LIMIT = 4096  # hashes per report: 64k tokens of prefix at block_size 16, ~40 KB pickled
+
+
+def summarize_prefix_hashes(block_manager: BlockManager, limit: int = DEFAULT_PREFIX_LIMIT) -> frozenset[int]:
+    """At most `limit` cached prefix-block hashes: all of them when they fit, else the blocks in
+    use first and then free cached blocks from the most recently freed (the last to be evicted)."""
+    cached = block_manager.hash_to_block  # hash -> block id
+    if len(cached) <= limit:
+        return frozenset(cached)
+    blocks = block_manager.blocks
+    hot = [h for h, b in cached.items() if blocks[b].ref_count > 0]
+    if len(hot) >= limit:
+        return frozenset(hot[:limit])
+    out = set(hot)
+    for block_id in reversed(block_manager.free_ids):  # MRU first
+        h = blocks[block_id].hash
+        if h is not None and cached.get(h) == block_id:
+            out.add(h)
+            if len(out) >= limit:
+                break
+    return frozenset(out)
+
+
+def reserved_blocks(scheduler: Scheduler) -> int:
+    """Worst-case blocks still to allocate: running sequences growing to prompt + max_tokens, and
+    queued ones in full (their prefix hits are not known until admission)."""
+    bm = scheduler.block_manager
+    total = 0
+    for seq in scheduler.running:
+        total += max(0, bm.blocks_for(seq.num_prompt_tokens + seq.max_tokens) - len(seq.block_table))
+    for seq in scheduler.waiting:
+        total += bm.blocks_for(seq.num_prompt_tokens + seq.max_tokens)
+    return total
+
+
+def snapshot(scheduler: Scheduler, prefix_limit: int = 0, now: float | None = None) -> EngineStats:
+    """The scheduler's state now; with `prefix_limit` > 0 also up to that many prefix hashes."""
+    bm = scheduler.block_manager
+    st = scheduler.stats
+    return EngineStats(
+        num_total_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks, block_size=bm.block_size,
+        num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+        num_preemptions=st.num_preemptions, prefix_query_tokens=st.prefix_query_tokens,
+        prefix_hit_tokens=st.prefix_hit_tokens,
+        waiting_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in scheduler.waiting),
+        num_reserved_blocks=reserved_blocks(scheduler), max_num_seqs=scheduler.config.max_num_seqs,
+        prefix_hashes=summarize_prefix_hashes(bm, prefix_limit) if prefix_limit > 0 else frozenset(),
+        timestamp=time.time() if now is None else now)
