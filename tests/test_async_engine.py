@@ -166,3 +166,36 @@ def test_model_loads_and_steps_on_one_thread(tiny_dir, prompts, monkeypatch):
     asyncio.run(main())
     assert len(seen["init"]) == 1 and seen["init"] == seen["step"]
     assert seen["init"] != {threading.current_thread().name}
+
+
+def test_routing_snapshot_is_taken_between_steps(tiny_dir, prompts):
+    """Idle: taken at once, with the prefix hashes of what finished. During a step: the last one
+    is returned and the running step takes a fresh one as it ends (never a half-stepped state)."""
+    from engine.hashing import hash_prefix_blocks
+    from engine.protocol import EngineClient, EngineState
+
+    async def main():
+        engine = AsyncEngine(model=tiny_dir, num_gpu_blocks_override=64)
+        assert isinstance(engine, EngineClient) and isinstance(engine.engine, EngineState)
+        await _collect(engine, "warm", prompts[3])
+        idle = engine.routing_snapshot()
+        prompt_blocks = hash_prefix_blocks(prompts[3], engine.engine.config.block_size)
+        assert idle.num_running == 0 and len(prompt_blocks) == 3 and set(prompt_blocks) <= idle.prefix_hashes
+        assert idle.num_free_blocks == idle.num_total_blocks == engine.stats().num_total_blocks
+
+        seen = []
+        original = engine.engine.step
+
+        def step():  # a routing snapshot asked for while this step runs
+            seen.append(engine.routing_snapshot())
+            return original()
+
+        engine.engine.step = step
+        await _collect(engine, "r", prompts[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        await engine.shutdown()
+        return idle, seen, engine.routing_snapshot()
+
+    idle, seen, after = asyncio.run(main())
+    assert seen[0] is idle  # the step that admitted "r" was running: the previous snapshot came back
+    assert seen[1].timestamp > idle.timestamp and seen[1].num_running == 1  # taken as the first step ended
+    assert after.num_running == 0 and after.prefix_hashes >= idle.prefix_hashes

@@ -246,3 +246,12 @@ def test_serve_reports_a_busy_port():
         s.listen()
         r = kvserve("serve", "--port", str(s.getsockname()[1]))
     assert r.returncode == 2 and "cannot listen on 127.0.0.1" in r.stderr
+
+
+def test_the_fake_engine_meets_the_engine_contract():
+    from engine.protocol import EngineClient
+    from tests.fake_engine import FakeEngine
+
+    fake = FakeEngine(EngineConfig(max_model_len=64, num_gpu_blocks_override=8))
+    assert isinstance(fake, EngineClient) and fake.max_model_len == 64
+    assert fake.routing_snapshot().num_total_blocks == 8
