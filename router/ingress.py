@@ -22,10 +22,10 @@ from ray.serve.context import _set_request_context
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
+from engine.errors import InvalidRequestError
+from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParams
 from router.api import build_api
-from engine.outputs import StepOutput
-from engine.errors import InvalidRequestError
 from router.errors import OpenAIError, from_invalid_request, overloaded
 from router.serving import OpenAIServing
 from router.settings import RouterSettings
@@ -36,7 +36,7 @@ _NOT_READY_STATES = {"STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION"}
 
 
 class HandleEngineClient:
-    """`router.serving.EngineClient` over a Serve handle to the engine deployment."""
+    """`router.serving.ReplicaClient` over a Serve handle to the engine deployment."""
 
     def __init__(self, handle: DeploymentHandle, settings: RouterSettings) -> None:
         self._handle = handle

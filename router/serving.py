@@ -21,12 +21,12 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from engine.sampling_params import SamplingParams
-from engine.outputs import StepOutput
 from engine.errors import InvalidRequestError
+from engine.outputs import ChoiceDelta, StepOutput
+from engine.sampling_params import SamplingParams
 from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error
 from router.formatting import (SSE_DONE, Accumulator, chat_logprobs, chat_response, completion_logprobs,
                                completion_response, sse)
@@ -36,7 +36,9 @@ from router.settings import RouterSettings
 logger = logging.getLogger(__name__)
 
 
-class EngineClient(Protocol):
+class ReplicaClient(Protocol):
+    """How the endpoints reach the engine replicas (router.ingress: through a Serve handle)."""
+
     async def info(self) -> dict: ...  # max_model_len, max_num_seqs, ...
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
@@ -80,7 +82,7 @@ async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int
 
 
 class OpenAIServing:
-    def __init__(self, tokenizer, engine: EngineClient, settings: RouterSettings) -> None:
+    def __init__(self, tokenizer, engine: ReplicaClient, settings: RouterSettings) -> None:
         self.tokenizer = tokenizer
         self.engine = engine
         self.settings = settings
@@ -210,48 +212,50 @@ class OpenAIServing:
             base["usage"] = None
         return base
 
-    async def _completion_events(self, rid: str, req: CompletionRequest, acc: Accumulator, first,
-                                 merged: AsyncIterator) -> AsyncIterator[str]:
-        base = self._chunk_base(rid, "text_completion", req.include_usage_in_stream)
-        offsets = [0] * len(acc.choices)
-        async with contextlib.aclosing(merged):  # however this generator ends, the engine requests end
-            async for prompt, step in _events(first, merged, acc):
-                if isinstance(step, str):
-                    yield step
-                    continue
-                for c in step.choices:  # one chunk per step that made tokens, text or not (see module doc)
-                    i = acc.index(prompt, c)
-                    lps = None
-                    if req.logprobs is not None:
-                        lps = completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs, self.token_str,
-                                                  offsets[i])
-                        offsets[i] += sum(len(t) for t in lps["tokens"])
-                    yield sse({**base, "choices": [{"index": i, "text": c.text, "logprobs": lps,
-                                                    "finish_reason": c.finish_reason,
-                                                    "stop_reason": c.stop_reason}]})
-        if req.include_usage_in_stream:
-            yield sse({**base, "choices": [], "usage": acc.usage()})
-        yield SSE_DONE
-
-    async def _chat_events(self, rid: str, req: ChatCompletionRequest, acc: Accumulator, first,
+    def _completion_events(self, rid: str, req: CompletionRequest, acc: Accumulator, first,
                            merged: AsyncIterator) -> AsyncIterator[str]:
-        base = self._chunk_base(rid, "chat.completion.chunk", req.include_usage_in_stream)
+        offsets = [0] * len(acc.choices)  # per choice: text offset of its next logprobs token
+
+        def choice(i: int, c: ChoiceDelta) -> dict:
+            lps = None
+            if req.logprobs is not None:
+                lps = completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs, self.token_str, offsets[i])
+                offsets[i] += sum(len(t) for t in lps["tokens"])
+            return {"index": i, "text": c.text, "logprobs": lps, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason}
+
+        return self._sse(rid, "text_completion", req.include_usage_in_stream, acc, first, merged, [], choice)
+
+    def _chat_events(self, rid: str, req: ChatCompletionRequest, acc: Accumulator, first,
+                     merged: AsyncIterator) -> AsyncIterator[str]:
         k = (req.top_logprobs or 0) if req.logprobs else None
+
+        def choice(i: int, c: ChoiceDelta) -> dict:
+            lps = chat_logprobs(c.token_ids, c.logprobs or [], k, self.token_str) if k is not None else None
+            delta = {"content": c.text} if c.text or c.token_ids else {}
+            return {"index": i, "delta": delta, "logprobs": lps, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason}
+
+        roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                 for i in range(len(acc.choices))]
+        return self._sse(rid, "chat.completion.chunk", req.include_usage_in_stream, acc, first, merged, roles, choice)
+
+    async def _sse(self, rid: str, obj: str, include_usage: bool, acc: Accumulator, first, merged: AsyncIterator,
+                   preamble: list[dict], choice: Callable[[int, ChoiceDelta], dict]) -> AsyncIterator[str]:
+        """The SSE body of a stream: `preamble` chunks, then one chunk per sample delta of every
+        engine output that made tokens, text or not (see module doc), the usage chunk if asked
+        for, and [DONE]."""
+        base = self._chunk_base(rid, obj, include_usage)
         async with contextlib.aclosing(merged):  # however this generator ends, the engine requests end
-            for i in range(len(acc.choices)):
-                yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]})
+            for c in preamble:
+                yield sse({**base, "choices": [c]})
             async for prompt, step in _events(first, merged, acc):
                 if isinstance(step, str):
                     yield step
                     continue
                 for c in step.choices:
-                    lps = chat_logprobs(c.token_ids, c.logprobs or [], k, self.token_str) if k is not None else None
-                    delta = {"content": c.text} if c.text or c.token_ids else {}
-                    yield sse({**base, "choices": [{"index": acc.index(prompt, c), "delta": delta,
-                                                    "logprobs": lps, "finish_reason": c.finish_reason,
-                                                    "stop_reason": c.stop_reason}]})
-        if req.include_usage_in_stream:
+                    yield sse({**base, "choices": [choice(acc.index(prompt, c), c)]})
+        if include_usage:
             yield sse({**base, "choices": [], "usage": acc.usage()})
         yield SSE_DONE
 
