@@ -25,10 +25,10 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cluster.policy import ROUTERS
 from engine.config import EngineConfig
 
 APP_NAME = "kvserve"
-ROUTINGS = ("kv", "pow2", "round_robin")  # cluster.serve_router.ROUTER_CLASSES
 AUTOSCALE_POLICIES = ("none", "kv", "requests")
 INGRESS_MAX_ONGOING_REQUESTS = 4096  # the ingress only parses and relays; the engine bounds the work
 
@@ -68,8 +68,8 @@ class ServeOptions:
     metrics_interval_s: float | None = None  # how often replicas push metrics (default: Serve's, 10 s)
 
     def __post_init__(self) -> None:
-        if self.routing not in ROUTINGS:
-            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
+        if self.routing not in ROUTERS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTERS)}, got {self.routing!r}")
         if not self.routing_stats_period_s > 0:
             raise ValueError(f"routing_stats_period_s must be > 0, got {self.routing_stats_period_s}")
         if self.autoscale not in AUTOSCALE_POLICIES:

@@ -193,6 +193,7 @@ def record_dispatch(ledger, replica_id: str, request: RouteRequest, stats: Stats
 # -- stateful wrappers with one call shape, for the simulator and the Serve router -------------------
 class KVRouter:
     name = "kv"
+    serve_router = "cluster.serve_router:KVRequestRouter"  # the same policy as a Serve RequestRouter
 
     def __init__(self, config: KVPolicyConfig = KVPolicyConfig()) -> None:
         self.config = config
@@ -204,6 +205,7 @@ class KVRouter:
 
 class Pow2Router:
     name = "pow2"
+    serve_router = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"  # Serve's default
 
     def __init__(self, seed: int | None = None) -> None:
         self.rng = random.Random(seed)
@@ -214,6 +216,7 @@ class Pow2Router:
 
 class RoundRobinRouter:
     name = "round_robin"
+    serve_router = "cluster.serve_router:RoundRobinRequestRouter"
 
     def __init__(self) -> None:
         self.cursor = 0
@@ -223,7 +226,8 @@ class RoundRobinRouter:
         return rid
 
 
-ROUTERS = {"kv": KVRouter, "pow2": Pow2Router, "round_robin": RoundRobinRouter}
+# The routing policies by name: `--routing`, the app's `routing`, the simulator's `--policies`.
+ROUTERS = {r.name: r for r in (KVRouter, Pow2Router, RoundRobinRouter)}
 
 
 def make_router(name: str, seed: int | None = None, kv_config: KVPolicyConfig | None = None):

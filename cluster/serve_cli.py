@@ -19,6 +19,7 @@ import sys
 import time
 
 from cluster.engine_args import add_engine_args, engine_config_from_args, parse_bytes
+from cluster.policy import ROUTERS
 
 _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "max_ongoing_requests", "max_queued_requests",
                 "max_request_body_bytes", "enable_log_requests", "routing", "routing_stats_period_s", "autoscale",
@@ -50,7 +51,7 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                          help="requests in flight per engine replica (default: --max-num-seqs)")
     cluster.add_argument("--max-queued-requests", type=int, metavar="N",
                          help="requests waiting for a replica before a 503 with Retry-After (default: -1, no limit)")
-    cluster.add_argument("--routing", choices=["kv", "pow2", "round_robin"],
+    cluster.add_argument("--routing", choices=list(ROUTERS),
                          help="how requests pick an engine replica: kv (prefix-cache and KV-headroom aware), "
                               "pow2 (Serve's default: power of two choices on queue length), round_robin "
                               "(default: kv)")

@@ -27,14 +27,11 @@ import time
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from cluster.pending import PendingLedger
-from cluster.policy import KVPolicyConfig, RouteRequest, choose_kv, record_dispatch
+from cluster.policy import ROUTERS, KVPolicyConfig, RouteRequest, choose_kv, record_dispatch
 from cluster.stats import ReplicaStats
+from engine.config import EngineConfig
 
-ROUTER_CLASSES = {
-    "kv": "cluster.serve_router:KVRequestRouter",
-    "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",  # Serve's default
-    "round_robin": "cluster.serve_router:RoundRobinRequestRouter",
-}
+ROUTER_CLASSES = {name: policy.serve_router for name, policy in ROUTERS.items()}
 GENERATE_METHOD = "generate"  # workers.server.EngineServer.generate, called with keyword arguments
 
 
@@ -56,13 +53,13 @@ def replica_key(replica_id) -> str:
 class KVRequestRouter(RequestRouter):
     """Routes generate calls with `cluster.policy.choose_kv`; other calls go to any replica."""
 
-    def initialize_state(self, stale_after_s: float = 5.0, load_weight: float = 1.0, reserve_weight: float = 0.5,
-                         default_max_tokens: int = 256, default_block_size: int = 16, **_) -> None:
-        self.config = KVPolicyConfig(stale_after_s=stale_after_s, load_weight=load_weight,
-                                     reserve_weight=reserve_weight)
+    def initialize_state(self, default_max_tokens: int = 256, default_block_size: int = EngineConfig.block_size,
+                         **policy) -> None:
+        """`policy`: KVPolicyConfig fields (its defaults apply to the others)."""
+        self.config = KVPolicyConfig(**policy)
         self.default_max_tokens = default_max_tokens  # for params.max_tokens=None (the engine's max_model_len - n)
         self.default_block_size = default_block_size
-        self.ledger = PendingLedger(expire_after_s=4 * stale_after_s)
+        self.ledger = PendingLedger(expire_after_s=4 * self.config.stale_after_s)
         self._stats: dict[str, ReplicaStats] = {}  # parsed reports, by replica
         self._booked: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, footprint blocks)
         self._last_expire = 0.0

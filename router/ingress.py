@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 _NOT_READY_STATES = {"STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION"}
 
 
-class HandleEngineClient:
+class HandleReplicaClient:
     """`router.serving.ReplicaClient` over a Serve handle to the engine deployment."""
 
     def __init__(self, handle: DeploymentHandle, settings: RouterSettings) -> None:
@@ -94,7 +94,7 @@ class OpenAIIngress:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer or str(resolve_model(model)))
         self._engine_name = engine.deployment_name
         settings = settings.resolve_api_key()
-        self._serving = OpenAIServing(tokenizer, HandleEngineClient(engine, settings), settings)
+        self._serving = OpenAIServing(tokenizer, HandleReplicaClient(engine, settings), settings)
 
     def __serve_build_asgi_app__(self):
         return build_api(self._serving, ready=self.ready)

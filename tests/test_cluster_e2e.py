@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from cluster.app import ROUTINGS, engine_deployment_options, split_args
+from cluster.app import engine_deployment_options, split_args
 from cluster.cli import main as kvserve_main
 from cluster.serve_router import ROUTER_CLASSES
 from tests.local_serve import free_port
@@ -200,10 +200,6 @@ def test_kv_pressure_scales_up_and_back_down(serve_url, tiny_model):
 
 
 # -- c) the flags -----------------------------------------------------------------------------------
-def test_routing_names_match_the_router_classes():
-    assert set(ROUTINGS) == set(ROUTER_CLASSES)
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--routing", "random"], "kvserve: error: argument --routing: invalid choice: 'random'"),
     (["--autoscale", "cpu"], "kvserve: error: argument --autoscale: invalid choice: 'cpu'"),
