@@ -40,8 +40,3 @@ class RouterSettings:
         if not key:
             raise ValueError(f"api_key_env names ${self.api_key_env}, which is unset or empty here")
         return replace(self, api_key=key, api_key_env=None)
-
-    @property
-    def open_paths(self) -> frozenset[str]:
-        """Probes that work without the API key (Kubernetes sends none)."""
-        return frozenset({"/health", "/ready"})

@@ -88,8 +88,8 @@ def test_generate_streams_paris(smollm2_path):
 
 def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_path):
     """`kvserve serve` under a supervisor: SIGINT, then a burst of SIGTERMs (as `timeout` forwards or
-    a pod stop repeats). A signal landing inside the previous one's handler used to deadlock it
-    (it ran on forever); now it drains, exits 0, and takes every Ray process it started with it."""
+    a pod stop repeats). A signal that lands inside the previous one's handler must not deadlock
+    it: it drains, exits 0, and takes every Ray process it started with it."""
     import signal
 
     import httpx

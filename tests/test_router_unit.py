@@ -142,7 +142,7 @@ def test_streamed_completion_logprobs_offsets_continue_across_chunks(tokenizer):
     assert offsets == [0, len(tokens[0]), len(tokens[0]) + len(tokens[1])]
 
 
-def test_engine_value_error_is_a_400(tokenizer):
+def test_engine_invalid_request_error_is_a_400(tokenizer):
     # What only the engine knows: this request can never fit its 2-block KV cache.
     r = call(tokenizer, "POST", "/v1/completions", num_blocks=2, json={"prompt": [1] * 10, "max_tokens": 40})
     assert r.status_code == 400 and "KV blocks" in r.json()["error"]["message"]
