@@ -44,10 +44,12 @@ class ServeOptions:
     autoscaling_config: dict | None = None  # raw Serve autoscaling of the engine replicas
     max_ongoing_requests: int | None = None  # requests in flight per engine replica; default: max_num_seqs
     max_queued_requests: int = -1  # requests waiting for a replica before a 503 (-1: no limit)
-    overload_status: int = 503  # or 429, for a full queue
-    retry_after_s: float = 1.0  # Retry-After of that reply
-    max_request_body_bytes: int = 8 << 20
-    enable_log_requests: bool = False  # log prompt token ids and sampling params (never by default)
+    # The ingress's limits (router.settings.RouterSettings; None: its default).
+    overload_status: int | None = None  # 503, or 429, for a full queue
+    retry_after_s: float | None = None  # Retry-After of that reply
+    max_request_body_bytes: int | None = None
+    max_sequences_per_request: int | None = None  # prompts x n in one request
+    enable_log_requests: bool | None = None  # log prompt token ids and sampling params (never by default)
     engine_cls: str | Callable | None = None  # "module:Class" built as cls(EngineConfig); default AsyncEngine
     cpu_threads: int | None = None  # torch threads per engine replica on CPU; default: cores // replicas
     num_ingress_replicas: int = 1
@@ -159,6 +161,7 @@ def check_args(args: dict) -> tuple[EngineConfig, ServeOptions]:
         from engine.model.loader import load_arch
 
         load_arch(model_dir)[0].check_tp(engine.tensor_parallel_size)
+    router_settings(engine, options)  # the ingress's limits are valid
     return engine, options
 
 
@@ -168,6 +171,15 @@ def served_model_name(engine: EngineConfig, options: ServeOptions) -> str:
     if options.served_model_name:
         return options.served_model_name
     return DEFAULT_MODEL_NAME if engine.model in DEFAULT_MODEL_ALIASES else engine.model
+
+
+def router_settings(engine: EngineConfig, options: ServeOptions):
+    """The ingress's settings: the options named like RouterSettings fields, where given."""
+    from router.settings import RouterSettings
+
+    given = {f.name: getattr(options, f.name) for f in dataclasses.fields(RouterSettings)
+             if f.name in ServeOptions.field_names() and getattr(options, f.name) is not None}
+    return RouterSettings(**{**given, "served_model_name": served_model_name(engine, options)})
 
 
 def engine_bundles(tensor_parallel_size: int, use_gpu: bool) -> list[dict[str, float]]:
@@ -225,16 +237,11 @@ def engine_deployment_options(engine: EngineConfig, options: ServeOptions) -> di
 
 def build_app(args: dict | None = None):
     """The Serve application (a bound ingress deployment) for these arguments."""
-    from workers.server import EngineDeployment
     from router.ingress import IngressDeployment
-    from router.settings import RouterSettings
+    from workers.server import EngineDeployment
 
     engine, options = check_args(args or {})
-    settings = RouterSettings(served_model_name=served_model_name(engine, options), api_key=options.api_key,
-                              api_key_env=options.api_key_env,
-                              max_request_body_bytes=options.max_request_body_bytes,
-                              enable_log_requests=options.enable_log_requests,
-                              retry_after_s=options.retry_after_s, overload_status=options.overload_status)
+    settings = router_settings(engine, options)
     engine_opts = engine_deployment_options(engine, options)
     cpu_threads = options.cpu_threads
     if cpu_threads is None and engine_opts["ray_actor_options"].get("num_gpus", 0) == 0 and engine.tensor_parallel_size == 1:

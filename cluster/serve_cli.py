@@ -22,9 +22,9 @@ from cluster.engine_args import add_engine_args, engine_config_from_args, parse_
 from cluster.policy import ROUTERS
 
 _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "max_ongoing_requests", "max_queued_requests",
-                "max_request_body_bytes", "enable_log_requests", "routing", "routing_stats_period_s", "autoscale",
-                "min_replicas", "max_replicas", "upscale_delay_s", "downscale_delay_s", "target_kv_usage",
-                "target_ongoing_requests", "look_back_period_s")
+                "max_request_body_bytes", "max_sequences_per_request", "enable_log_requests", "routing",
+                "routing_stats_period_s", "autoscale", "min_replicas", "max_replicas", "upscale_delay_s",
+                "downscale_delay_s", "target_kv_usage", "target_ongoing_requests", "look_back_period_s")
 
 
 def add_serve_parser(commands) -> argparse.ArgumentParser:
@@ -41,6 +41,8 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                       help="the model name clients send (default: --model as given, or the embedded model's)")
     http.add_argument("--max-request-body-bytes", type=parse_bytes, metavar="BYTES",
                       help="larger request bodies get a 413 (default: 8M)")
+    http.add_argument("--max-sequences-per-request", type=int, metavar="N",
+                      help="prompts x n one request may ask for; more get a 400 (default: 256)")
     http.add_argument("--enable-log-requests", action="store_true", default=None,
                       help="log each request's prompt token ids and sampling params (off by default)")
     cluster = p.add_argument_group("serve")

@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -59,15 +60,63 @@ async def read_json(request: Request, model: type[BaseModel], limit: int) -> Bas
         body += chunk
         if len(body) > limit:  # a chunked body states no length up front
             raise OpenAIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OpenAIError(400, f"the request body is not valid JSON: {e.msg if hasattr(e, 'msg') else e}",
-                          code="invalid_json") from None
+    data = parse_json(bytes(body))
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e, set(model.model_fields)) from None
+
+
+MAX_JSON_DEPTH = 64  # far beyond any OpenAI request; deeper bodies are refused before pydantic walks them
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:20]} is out of range")
+    return value
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json(body: bytes):
+    """The body as JSON, or a 400 naming what is wrong: not JSON, a non-finite or oversized number,
+    nesting deeper than MAX_JSON_DEPTH, or text that is not Unicode (a lone surrogate escape)."""
+    try:
+        data = json.loads(body, parse_float=_finite_float, parse_constant=_no_constant)
+    except RecursionError:
+        raise _invalid_json(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, a huge integer, NaN / Infinity
+        raise _invalid_json(getattr(e, "msg", None) or str(e)) from None
+    _check_tree(data)
+    return data
+
+
+def _check_tree(data) -> None:
+    """Depth and strings of a parsed body, walked without recursion."""
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _invalid_json("a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not "
+                                    "Unicode text") from None
+        elif isinstance(node, (list, dict)):
+            if depth > MAX_JSON_DEPTH:
+                raise _invalid_json(f"nested deeper than {MAX_JSON_DEPTH} levels")
+            items = node.items() if isinstance(node, dict) else enumerate(node)
+            for k, v in items:
+                stack.append((v, depth + 1))
+                if isinstance(k, str):
+                    stack.append((k, depth))
+
+
+def _invalid_json(why: str) -> OpenAIError:
+    return OpenAIError(400, f"the request body is not valid JSON: {why}", code="invalid_json")
 
 
 def _digest(key: str) -> bytes:

@@ -8,6 +8,7 @@ anything else that escapes a handler becomes a 500 whose message says nothing ab
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 from pydantic import ValidationError
 
@@ -54,9 +55,13 @@ def from_validation_error(e: ValidationError, fields: set[str] = frozenset()) ->
     the offending value back, since it may be part of a prompt. A cross-field rule's message
     starts with the field it is about, which becomes `param` when it is one of `fields`."""
     errors = e.errors(include_url=False, include_input=False)
-    # A union reports one error per member; the deepest one is about what the client meant.
+    # A union reports errors per member. The client meant the member with the deepest error and,
+    # among equally deep ones, the member with the fewest errors ([1, -1] is a token list with one
+    # bad id, not a list of strings with two wrong types).
     field = errors[0]["loc"][:1]
-    err = max((x for x in errors if x["loc"][:1] == field), key=lambda x: len(x["loc"]))
+    candidates = [x for x in errors if x["loc"][:1] == field]
+    per_member = Counter(x["loc"][:2] for x in candidates)
+    err = max(candidates, key=lambda x: (len(x["loc"]), -per_member[x["loc"][:2]]))
     # loc mixes field names and indices with pydantic's union tags ('str', 'list[int]'): drop those
     path = [p for p in err["loc"] if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS)]
     param = ".".join(str(p) for p in path) or None

@@ -123,8 +123,12 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
         params = self._params(req)
-        prompts = [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=False)
-                   for p in req.prompts()]
+        texts = req.prompts()
+        limit = self.settings.max_sequences_per_request
+        if len(texts) * req.n > limit:
+            raise bad_request(f"this request asks for {len(texts)} prompts x n={req.n} = {len(texts) * req.n} "
+                              f"sequences; this server allows at most {limit} per request", param="prompt")
+        prompts = [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=False) for p in texts]
         rid = f"cmpl-{uuid.uuid4().hex}"
         first, merged = await self._start(rid, prompts, params, "prompt", "max_tokens")
         acc = Accumulator([len(p) for p in prompts], req.n)

@@ -13,6 +13,9 @@ class RouterSettings:
     # Kubernetes Secret can feed it without the key appearing in the Serve config).
     api_key_env: str | None = None
     max_request_body_bytes: int = 8 << 20  # larger bodies get a 413 before they are parsed
+    # Prompts x n one request may ask for (400 beyond): without a bound, one request could take
+    # every seat of the queue in front of the engine replicas.
+    max_sequences_per_request: int = 256
     enable_log_requests: bool = False  # log prompts and sampling params (off: prompts never logged)
     retry_after_s: float = 1.0  # the Retry-After of a 503/429 when the engine queue is full
     overload_status: int = 503  # 503, or 429 as some gateways prefer
@@ -26,6 +29,8 @@ class RouterSettings:
             raise ValueError("give api_key or api_key_env, not both")
         if self.max_request_body_bytes < 1024:
             raise ValueError(f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}")
+        if self.max_sequences_per_request < 1:
+            raise ValueError(f"max_sequences_per_request must be >= 1, got {self.max_sequences_per_request}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.overload_status not in (429, 503):

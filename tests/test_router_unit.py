@@ -255,3 +255,40 @@ def test_the_fake_engine_meets_the_engine_contract():
     fake = FakeEngine(EngineConfig(max_model_len=64, num_gpu_blocks_override=8))
     assert isinstance(fake, EngineClient) and fake.max_model_len == 64
     assert fake.routing_snapshot().num_total_blocks == 8
+
+
+@pytest.mark.parametrize("path, body, says", [
+    ("/v1/completions", b'{"prompt": "abc\\ud800def"}', "lone UTF-16 surrogate"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "lone UTF-16 surrogate"),
+    ("/tokenize", b'{"prompt": "abc\\ud800def"}', "lone UTF-16 surrogate"),
+    ("/v1/completions", b"[" * 10000 + b"]" * 10000, "nested deeper than"),
+    ("/v1/completions", b'{"prompt": "hi", "x": ' + b"[" * 100 + b"]" * 100 + b"}", "nested deeper than"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', "NaN is not a JSON number"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": 1e999}', "out of range"),
+    ("/v1/completions", b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    ("/v1/completions", b"\xff\xfe", "not valid JSON"),
+])
+def test_hostile_bodies_get_a_400_that_says_why(tokenizer, path, body, says):
+    r = call(tokenizer, "POST", path, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["code"] == "invalid_json"
+
+
+def test_a_surrogate_pair_is_text_and_is_served(tokenizer):
+    r = call(tokenizer, "POST", "/tokenize", content=b'{"prompt": "\\ud83d\\ude00"}',
+             headers={"Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["count"] >= 1
+
+
+def test_a_negative_token_id_is_named_as_such(tokenizer):
+    r = call(tokenizer, "POST", "/v1/completions", json={"prompt": [1, -1]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt.1"
+    assert "greater than or equal to 0" in r.json()["error"]["message"]
+
+
+def test_prompts_times_n_per_request_is_capped(tokenizer):
+    r = call(tokenizer, "POST", "/v1/completions", json={"prompt": ["hi"] * 300, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "300 prompts x n=1 = 300 sequences" in r.json()["error"]["message"]
+    r = call(tokenizer, "POST", "/v1/completions", json={"prompt": ["hi"] * 100, "n": 3, "max_tokens": 1})
+    assert r.status_code == 400 and "at most 256" in r.json()["error"]["message"]
