@@ -105,7 +105,10 @@ def ready_message(host: str, port: int, model: str, api_key: bool) -> str:
 
 
 def _check_port(host: str, port: int) -> None:
+    """Fails when something listens on host:port. SO_REUSEADDR, as the HTTP server itself binds:
+    connections of a server stopped a moment ago linger in TIME_WAIT and must not count."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:

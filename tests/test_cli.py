@@ -125,3 +125,32 @@ def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_the_port_check_ignores_time_wait_but_not_a_listener():
+    """A restart right after a stop finds the port's old connections in TIME_WAIT: that is no
+    reason to refuse, while a live listener is."""
+    import socket
+
+    from cluster.serve_cli import _check_port
+
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = srv.accept()
+    conn.close()  # the server side closes first: its end of the connection goes to TIME_WAIT
+    client.close()
+    srv.close()
+    _check_port("127.0.0.1", port)
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen()
+    try:
+        with pytest.raises(ValueError, match="cannot listen on"):
+            _check_port("127.0.0.1", port)
+    finally:
+        listener.close()
