@@ -1,6 +1,7 @@
 """The HTTP surface: a FastAPI app over `OpenAIServing`.
 
     GET  /health                liveness (no key needed)
+    GET  /openapi.json, /docs   the API's OpenAPI document and its browsable page (no key needed)
     GET  /ready                 200 only when every engine replica has loaded (no key needed)
     GET  /v1/models
     POST /v1/completions        stream: true -> SSE ending in `data: [DONE]`
@@ -137,7 +138,8 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None) -> FastAP
                               type="authentication_error", code="invalid_api_key",
                               headers={"WWW-Authenticate": "Bearer"})
 
-    app = FastAPI(title="kvserve", docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json and /docs need no key, as /health (vLLM serves them the same way).
+    app = FastAPI(title="kvserve", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     api = APIRouter(dependencies=[Depends(require_key)])
     limit = settings.max_request_body_bytes
 
@@ -154,25 +156,60 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None) -> FastAP
     async def models():
         return await serving.models()
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request):
         return _reply(await serving.completions(await read_json(request, CompletionRequest, limit)))
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return _reply(await serving.chat(await read_json(request, ChatCompletionRequest, limit)))
 
-    @api.post("/tokenize")
+    @api.post("/tokenize", openapi_extra=_json_body(TokenizeRequest))
     async def tokenize(request: Request):
         return await serving.tokenize(await read_json(request, TokenizeRequest, limit))
 
-    @api.post("/detokenize")
+    @api.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
     async def detokenize(request: Request):
         return await serving.detokenize(await read_json(request, DetokenizeRequest, limit))
 
     app.include_router(api)
     _add_error_handlers(app)
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+BODY_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+
+
+def _json_body(model: type[BaseModel]) -> dict:
+    """The route's request body in the OpenAPI document (handlers read bodies themselves, for
+    the size limit, so FastAPI cannot see it)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        doc = get_openapi(title=app.title, version=_version(), routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in BODY_MODELS:
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+        doc.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvserve")
+    except PackageNotFoundError:
+        return "0"
 
 
 def _reply(result):

@@ -292,3 +292,18 @@ def test_prompts_times_n_per_request_is_capped(tokenizer):
     assert "300 prompts x n=1 = 300 sequences" in r.json()["error"]["message"]
     r = call(tokenizer, "POST", "/v1/completions", json={"prompt": ["hi"] * 100, "n": 3, "max_tokens": 1})
     assert r.status_code == 400 and "at most 256" in r.json()["error"]["message"]
+
+
+def test_openapi_document_and_docs_page_are_served_without_a_key(tokenizer):
+    r = call(tokenizer, "GET", "/openapi.json", api_key="k")
+    assert r.status_code == 200
+    doc = r.json()
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/ChatCompletionRequest"}
+    chat = doc["components"]["schemas"]["ChatCompletionRequest"]
+    assert "messages" in chat["required"] and chat["properties"]["n"]["maximum"] == 128
+    assert {"/v1/completions", "/tokenize", "/detokenize", "/v1/models", "/health"} <= set(doc["paths"])
+    refs = {m.group(1) for m in __import__("re").finditer(r'"#/components/schemas/(\w+)"', r.text)}
+    assert refs <= set(doc["components"]["schemas"])  # every reference resolves
+    page = call(tokenizer, "GET", "/docs", api_key="k")
+    assert page.status_code == 200 and "/openapi.json" in page.text
