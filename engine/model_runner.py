@@ -1,6 +1,8 @@
 """Turn a scheduled batch into flat tensors, run the model, return logits of rows to sample."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine import cpu_kernels
@@ -8,6 +10,15 @@ from engine.attention import AttentionMetadata, DecodeGroup, NativeDecodes, Pref
 from engine.model.llama import LlamaModel
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+
+
+@dataclass
+class PreparedBatch:
+    input_ids: torch.Tensor  # (T,) the batch's new tokens, flat in row order
+    positions: torch.Tensor  # (T,)
+    attn: AttentionMetadata
+    sample_rows: list[int]  # flat rows whose logits are sampled: each sampling sequence's last
+    sampled: list[int]  # indices into batch.seqs of those sequences, same order (batch.sampled)
 
 
 class ModelRunner:
@@ -20,8 +31,8 @@ class ModelRunner:
         self.num_zeroed_blocks = 0  # blocks [0, n) have been zeroed (see _zero_new_blocks)
         k_cache = kv_caches[0][0]
         self.native_decode = cpu_kernels.supports_decode_attention(device, k_cache.dtype, k_cache.shape[-1])
-        # On a GPU one padded group beats many exact ones: a decode step of 256 sequences of mixed
-        # lengths ran ~13 attention launches per layer and was launch-bound (H200, session 4).
+        # On a GPU one padded group beats many exact ones: decode steps are launch-bound, and mixed
+        # lengths split a large batch into a dozen or more groups, each its own attention launch.
         self.one_decode_group = device.type == "cuda"
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
@@ -30,38 +41,36 @@ class ModelRunner:
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
-        """-> input_ids (T,), positions (T,), attention metadata, flat rows whose logits are sampled,
-        and the indices into batch.seqs of those sequences (same order).
-
-        Flat layout: prefill chunks first, then decodes sorted by their number of context blocks,
-        so each decode group is a contiguous slice of rows and of the gathered blocks."""
+    def prepare(self, batch: ScheduledBatch) -> PreparedBatch:
+        """Flat layout in batch.row_order: prefill chunks first, then decodes sorted by their number
+        of context blocks, so each decode group is a contiguous slice of rows and of the gathered
+        blocks."""
         bs = self.block_size
-        entries = list(enumerate(zip(batch.seqs, batch.num_new_tokens)))
-        prefill = [e for e in entries if e[1][1] > 1]
-        decode = sorted((e for e in entries if e[1][1] == 1), key=lambda e: e[1][0].num_computed_tokens // bs)
-        ids, pos, slots, sample_rows, sampled = [], [], [], [], []
-        for i, (seq, n) in prefill + decode:
+        order = batch.row_order(bs)
+        ids, pos, slots, last_row = [], [], [], {}
+        for i in order:
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
             slots.extend(self._slot(seq, p) for p in range(start, end))
-            if end == seq.num_tokens:
-                sample_rows.append(len(ids) - 1)
-                sampled.append(i)
+            last_row[i] = len(ids) - 1
+        num_prefill = sum(1 for n in batch.num_new_tokens if n > 1)
         chunks, row = [], 0
-        for _, (seq, n) in prefill:
+        for i in order[:num_prefill]:
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
             end = seq.num_computed_tokens + n
             chunks.append(PrefillChunk(row, n, self._tensor(seq.block_table[:-(-end // bs)]), end))
             row += n
-        decode_seqs = [seq for _, (seq, _) in decode]
+        decode_seqs = [batch.seqs[i] for i in order[num_prefill:]]
         if self.native_decode:
             native = self._native_decodes(decode_seqs, row) if decode_seqs else None
             meta = AttentionMetadata(self._tensor(slots), self._tensor([]), [], chunks, native)
         else:
             groups, block_ids = self._decode_groups(decode_seqs, row)
             meta = AttentionMetadata(self._tensor(slots), self._tensor(block_ids), groups, chunks)
-        return self._tensor(ids), self._tensor(pos), meta, sample_rows, sampled
+        sampled = batch.sampled(bs)
+        return PreparedBatch(self._tensor(ids), self._tensor(pos), meta, [last_row[i] for i in sampled], sampled)
 
     def _decode_groups(self, seqs: list[Sequence], first_row: int) -> tuple[list[DecodeGroup], list[int]]:
         """Consecutive decodes (sorted) with the same number of context blocks form one group; with
@@ -121,6 +130,6 @@ class ModelRunner:
         and their indices into batch.seqs."""
         self._zero_new_blocks(batch)
         self._copy_blocks(batch.copies)
-        input_ids, positions, meta, sample_rows, sampled = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        return self.model.compute_logits(hidden.index_select(0, self._tensor(sample_rows))), sampled
+        p = self.prepare(batch)
+        hidden = self.model(p.input_ids, p.positions, self.kv_caches, p.attn)
+        return self.model.compute_logits(hidden.index_select(0, self._tensor(p.sample_rows))), p.sampled

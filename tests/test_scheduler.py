@@ -1,10 +1,11 @@
 """Scheduler tests against a fake engine loop.
 
-`FakeEngine` does what LLMEngine.step does around the scheduler (advance num_computed_tokens,
-fork at the end of a prefill, append one sampled token per finished row, finish at max_tokens),
-and also models the KV pool: every slot remembers which prefix its KV was computed for, copies
-are applied before the step's writes, and every scheduled sequence must then read the right KV
-for all of its context. A wrong prefix hit, a missed copy-on-write or a block reused while still
+`FakeEngine` steps the scheduler as LLMEngine.step does, through the same
+`Scheduler.update_from_output` (advance, fork at the end of a prefill, append one token per
+sampled row, finish), with deterministic fake tokens and stops at max_tokens only. It also
+models the KV pool: every slot remembers which prefix its KV was computed for, copies are
+applied before the step's writes, and every scheduled sequence must then read the right KV for
+all of its context. A wrong prefix hit, a missed copy-on-write or a block reused while still
 needed shows up as a read of the wrong KV.
 """
 import itertools
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
 
 MAX_MODEL_LEN = 100  # prompts 1..80 + max_tokens 1..20
@@ -25,6 +26,11 @@ def token_for(seq):
     """The deterministic "sample" at the next position: recompute after preemption gives the same."""
     # a tuple of ints hashes the same in every process (no PYTHONHASHSEED), so examples replay
     return (hash((int(seq.request_id[1:]), seq.index, seq.num_tokens)) >> 3) % 3
+
+
+def append_token(seq, token):
+    seq.token_ids.append(token)
+    return seq.num_output_tokens >= seq.max_tokens
 
 
 class FakeEngine:
@@ -62,22 +68,9 @@ class FakeEngine:
         batch = self.sched.schedule()
         self.check_batch(batch, running_before)
         self.run_kv(batch)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-        sampled = [s for s in batch.seqs if s.num_computed_tokens == s.num_tokens]
-        rows = []
-        for seq in sampled:  # LLMEngine._fork: the parent that just finished its prefill forks
-            rows.append(seq)
-            for k in range(seq.pending_forks):
-                child = seq.fork(index=k + 1)
-                self.sched.fork(seq, child)
-                self.seqs.append(child)
-                rows.append(child)
-            seq.pending_forks = 0
-        for seq in rows:
-            seq.token_ids.append(token_for(seq))
-            if seq.num_output_tokens >= seq.max_tokens:
-                self.sched.finish(seq)
+        self.sched.update_from_output(batch, batch.sampled(self.bm.block_size),
+                                      lambda rows, seqs: [token_for(s) for s in seqs], append_token,
+                                      on_fork=self.seqs.append)
         self.check()
         return batch
 
@@ -382,6 +375,54 @@ def test_pending_forks_of_running_sequences_count_against_max_num_seqs():
     eng.add([3] * 5, max_tokens=2)
     eng.step()
     assert len(eng.sched.running) <= 3
+
+
+# ---- the post-step path -------------------------------------------------------------------
+
+
+def test_row_order_puts_prefill_chunks_first_then_decodes_by_context_blocks():
+    def seq(computed, num_tokens):
+        s = Sequence("r", [0] * num_tokens, SamplingParams(), 4)
+        s.num_computed_tokens = computed
+        return s
+
+    seqs = [seq(9, 10), seq(0, 40), seq(2, 3), seq(20, 40), seq(5, 6), seq(7, 8)]
+    batch = ScheduledBatch(seqs, [1, 8, 1, 20, 1, 1])
+    # decodes by full context blocks of 4: 9 -> 2, 2 -> 0, 5 -> 1, 7 -> 1 (stable among equals)
+    assert batch.row_order(4) == [1, 3, 2, 4, 5, 0]
+    assert batch.sampled(4) == [3, 2, 4, 5, 0]  # the 8-token chunk stops short of the prompt's end
+
+
+def test_sequences_finish_and_free_their_blocks_in_row_order():
+    """Two decodes finishing in one step free their blocks in the model's row order, not the
+    batch's: that order decides which cached prefix blocks are evicted first."""
+    eng = FakeEngine(num_blocks=16, block_size=4)
+    long, short = eng.add(range(10, 19), max_tokens=2), eng.add([1, 2, 3], max_tokens=2)
+    eng.step()
+    blocks_long, blocks_short = list(long.block_table), list(short.block_table)
+    batch = eng.step()  # decodes: long has 2 full context blocks, short none, so short's row is first
+    assert batch.seqs == [long, short] and batch.num_new_tokens == [1, 1]
+    assert long.is_finished and short.is_finished
+    freed = list(eng.bm.free_ids)[-len(blocks_long) - len(blocks_short):]
+    assert freed == blocks_short[::-1] + blocks_long[::-1]
+
+
+def test_update_from_output_forks_children_onto_their_parents_row():
+    eng = FakeEngine(num_blocks=16, block_size=4)
+    other, parent = eng.add([9] * 4, max_tokens=3), eng.add([1, 2, 3, 4, 5, 6], max_tokens=3, n=3)
+    batch = eng.sched.schedule()
+    seen, children = [], []
+
+    def sample(rows, seqs):
+        seen.append((rows, seqs))
+        return [token_for(s) for s in seqs]
+
+    finished = eng.sched.update_from_output(batch, batch.sampled(4), sample, append_token, children.append)
+    assert [c.index for c in children] == [1, 2] and not finished
+    assert seen == [([0, 1, 1, 1], [other, parent] + children)]
+    running = eng.sched.running
+    assert running[:2] == [other, parent] and sorted(running[2:], key=lambda s: s.index) == children
+    assert all(s.num_output_tokens == 1 for s in [other, parent] + children)
 
 
 # ---- property-based ----------------------------------------------------------------------

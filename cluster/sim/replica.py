@@ -1,11 +1,12 @@
 """One simulated engine replica: the engine's real Scheduler and BlockManager, no model.
 
 `schedule()` is `LLMEngine.step`'s first half (the scheduler's decision); `complete(batch)` is its
-bookkeeping after the model ran: advance num_computed_tokens by the scheduled tokens, append one
-token to every sequence that reached its length, finish sequences at max_tokens (or
-max_model_len). Only the sampled token ids are invented (`token_fn`); with n = 1 and ignore_eos
-nothing the scheduler decides depends on their values, which tests/test_cluster_sim.py checks by
-replaying one trace through this class and through a real LLMEngine.
+bookkeeping after the model ran, through the same `Scheduler.update_from_output`, with the
+sampling order the model runner uses (`ScheduledBatch.sampled`). Only the sampled token ids are
+invented (`token_fn`) and sequences stop only at max_tokens or max_model_len; with n = 1 and
+ignore_eos nothing the scheduler decides depends on the token values, which
+tests/test_cluster_sim.py checks by replaying one trace through this class and through a real
+LLMEngine.
 """
 from __future__ import annotations
 
@@ -66,10 +67,6 @@ class SimReplica:
         self.scheduler.add(seq)
         return seq
 
-    @property
-    def num_ongoing(self) -> int:
-        return len(self.scheduler.running) + len(self.scheduler.waiting)
-
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -79,31 +76,17 @@ class SimReplica:
     def complete(self, batch: ScheduledBatch) -> StepResult:
         """LLMEngine.step after executor.execute, for n = 1 and ignore_eos."""
         out = StepResult()
-        sampled = [seq for seq, _ in self._row_order(batch) if seq.num_computed_tokens == seq.num_tokens]
         max_len = self.config.max_model_len
-        for seq in sampled:
-            seq.token_ids.append(self.token_fn(seq))
-            if seq.num_tokens == seq.num_prompt_tokens + 1:
+
+        def append(seq: Sequence, token: int) -> bool:
+            seq.token_ids.append(token)
+            if seq.num_output_tokens == 1:
                 out.first_token.append(seq)
-            if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= max_len:
-                self.scheduler.finish(seq)
-                out.finished.append(seq)
+            return seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= max_len
+
+        out.finished = self.scheduler.update_from_output(
+            batch, batch.sampled(self.config.block_size), lambda rows, seqs: [self.token_fn(s) for s in seqs], append)
         return out
-
-    def _row_order(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
-        """Advance num_computed_tokens; return the batch in the engine's sampling order.
-
-        The order matters: sequences finishing in one step free their blocks in it, which sets
-        the LRU order of the free queue and so which cached blocks are evicted later.
-        ModelRunner.prepare lays out prefill chunks first, then decodes stably sorted by their
-        number of full context blocks (before this step's token)."""
-        bs = self.config.block_size
-        entries = list(zip(batch.seqs, batch.num_new_tokens))
-        prefill = [e for e in entries if e[1] > 1]
-        decode = sorted((e for e in entries if e[1] == 1), key=lambda e: e[0].num_computed_tokens // bs)
-        for seq, n in entries:
-            seq.num_computed_tokens += n
-        return prefill + decode
 
     def stats(self, now: float, prefix_limit: int = DEFAULT_PREFIX_LIMIT) -> ReplicaStats:
         return build_replica_stats(self.replica_id, self.scheduler, now, prefix_limit)
