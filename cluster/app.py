@@ -53,7 +53,7 @@ class ServeOptions:
     engine_cls: str | Callable | None = None  # "module:Class" built as cls(EngineConfig); default AsyncEngine
     cpu_threads: int | None = None  # torch threads per engine replica on CPU; default: cores // replicas
     num_ingress_replicas: int = 1
-    graceful_shutdown_timeout_s: float = 60.0  # how long a stopping replica may drain in-flight requests
+    graceful_shutdown_timeout_s: float = 30.0  # how long a stopping replica (or `kvserve serve`) drains
     health_check_period_s: float = 10.0
     # Routing of generate calls to engine replicas (cluster.serve_router): kv | pow2 (Serve's default) | round_robin
     routing: str = "kv"

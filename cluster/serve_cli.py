@@ -24,7 +24,8 @@ from cluster.policy import ROUTERS
 _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "max_ongoing_requests", "max_queued_requests",
                 "max_request_body_bytes", "max_sequences_per_request", "enable_log_requests", "routing",
                 "routing_stats_period_s", "autoscale", "min_replicas", "max_replicas", "upscale_delay_s",
-                "downscale_delay_s", "target_kv_usage", "target_ongoing_requests", "look_back_period_s")
+                "downscale_delay_s", "target_kv_usage", "target_ongoing_requests", "look_back_period_s",
+                "graceful_shutdown_timeout_s")
 
 
 def add_serve_parser(commands) -> argparse.ArgumentParser:
@@ -76,6 +77,9 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                        help="--autoscale requests: ongoing requests per replica to aim for (default: Serve's)")
     scale.add_argument("--look-back-period-s", type=float, metavar="S",
                        help="window the replicas' metrics are averaged over (default: 30)")
+    cluster.add_argument("--graceful-shutdown-timeout-s", type=float, metavar="S",
+                         help="on SIGTERM / SIGINT, and when Serve stops a replica, how long in-flight requests "
+                              "may run on while new ones get 503 (default: 30)")
     cluster.add_argument("--ray-address", metavar="ADDRESS",
                          help="deploy onto this running Ray cluster (default: start a local one)")
     cluster.add_argument("--dashboard", action="store_true", help="start the Ray dashboard with a local Ray")
@@ -149,7 +153,12 @@ def run_serve(ns: argparse.Namespace) -> int:
             return 1
         print(ready_message(ns.host, ns.port, served_model_name(engine, options), bool(options.api_key)), flush=True)
         _wait_for_stop_signal()
-        print("kvserve: stopping (draining in-flight requests)", file=sys.stderr, flush=True)
+        timeout_s = options.graceful_shutdown_timeout_s
+        print(f"kvserve: stopping: new requests get 503, in-flight ones may finish for up to {timeout_s:g}s "
+              "(Ctrl-C again stops at once)", file=sys.stderr, flush=True)
+        left = _drain(serve.get_app_handle(APP_NAME), timeout_s)
+        if left:
+            print(f"kvserve: drain timed out with {left} requests in flight", file=sys.stderr, flush=True)
         return 0
     finally:
         if local:
@@ -159,6 +168,21 @@ def run_serve(ns: argparse.Namespace) -> int:
                 ray.shutdown()
         else:
             serve.delete(APP_NAME)
+
+
+def _drain(ingress, timeout_s: float, poll_s: float = 0.2) -> int:
+    """Have the ingress refuse new requests and wait until none is in flight or `timeout_s` has
+    passed; returns how many were left. Only then may the proxy and the replicas stop."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            left = ingress.drain.remote().result(timeout_s=max(1.0, deadline - time.monotonic()))
+        except Exception as e:  # the ingress is gone or stuck: nothing more to wait for
+            print(f"kvserve: could not drain the ingress: {e!r}", file=sys.stderr, flush=True)
+            return -1
+        if left == 0 or time.monotonic() >= deadline:
+            return left
+        time.sleep(poll_s)
 
 
 def _wait_for_stop_signal() -> None:

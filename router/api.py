@@ -48,6 +48,45 @@ class SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+class Admission:
+    """Whether new requests are taken, and how many are in flight (a stream counts until its
+    last byte). Draining: new API requests get a 503 with Retry-After and /ready turns 503, so
+    that load balancers stop sending, while the requests in flight finish."""
+
+    def __init__(self, retry_after_s: float = 1.0) -> None:
+        self.draining = False
+        self.in_flight = 0
+        self.retry_after_s = retry_after_s
+
+    def drain(self) -> int:
+        """Stop taking new requests; returns how many are still in flight."""
+        self.draining = True
+        return self.in_flight
+
+
+class AdmissionGate:
+    """ASGI middleware that applies an `Admission` to every HTTP request but the probes and docs."""
+
+    OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json", "/docs"})
+
+    def __init__(self, app, admission: Admission) -> None:
+        self.app = app
+        self.admission = admission
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        if self.admission.draining:
+            e = OpenAIError(503, "The server is shutting down; retry on another replica.", type="server_error",
+                            code="unavailable", headers={"Retry-After": str(max(1, round(self.admission.retry_after_s)))})
+            return await error_response(e)(scope, receive, send)
+        self.admission.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.admission.in_flight -= 1
+
+
 def error_response(e: OpenAIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
@@ -124,8 +163,10 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None) -> FastAPI:
+def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
+              admission: Admission | None = None) -> FastAPI:
     settings = serving.settings
+    admission = admission or Admission(settings.retry_after_s)
     expected = _digest(settings.api_key) if settings.api_key else None
 
     async def require_key(request: Request) -> None:
@@ -149,6 +190,8 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None) -> FastAP
 
     @app.get("/ready")
     async def is_ready():
+        if admission.draining:
+            return JSONResponse({"ready": False, "draining": True}, status_code=503)
         ok, detail = await ready() if ready is not None else (True, {})
         return JSONResponse({"ready": ok, **detail}, status_code=200 if ok else 503)
 
@@ -174,6 +217,7 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None) -> FastAP
 
     app.include_router(api)
     _add_error_handlers(app)
+    app.add_middleware(AdmissionGate, admission=admission)
     app.openapi = lambda: _openapi(app)
     return app
 

@@ -25,7 +25,7 @@ from ray.serve.handle import DeploymentHandle
 from engine.errors import InvalidRequestError
 from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParams
-from router.api import build_api
+from router.api import Admission, build_api
 from router.errors import OpenAIError, from_invalid_request, overloaded
 from router.serving import OpenAIServing
 from router.settings import RouterSettings
@@ -96,8 +96,15 @@ class OpenAIIngress:
         settings = settings.resolve_api_key()
         self._serving = OpenAIServing(tokenizer, HandleReplicaClient(engine, settings), settings)
 
+        self._admission = Admission(settings.retry_after_s)
+
     def __serve_build_asgi_app__(self):
-        return build_api(self._serving, ready=self.ready)
+        return build_api(self._serving, ready=self.ready, admission=self._admission)
+
+    async def drain(self) -> int:
+        """Stop taking requests (503 + Retry-After, /ready 503); returns how many are in flight.
+        `kvserve serve` calls it on SIGTERM / SIGINT and waits for 0 before stopping Serve."""
+        return self._admission.drain()
 
     async def ready(self) -> tuple[bool, dict]:
         """True when every replica of the engine deployment is running (its engine loaded)."""

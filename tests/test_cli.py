@@ -154,3 +154,71 @@ def test_the_port_check_ignores_time_wait_but_not_a_listener():
             _check_port("127.0.0.1", port)
     finally:
         listener.close()
+
+
+def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(smollm2_path):
+    """SIGTERM with streams in flight: /ready and new requests get 503 (with Retry-After) at once,
+    every stream runs to its end ([DONE], finish_reason "length", all its tokens), then the
+    server exits 0 leaving no Ray process behind."""
+    import json
+    import signal
+    import threading
+
+    import httpx
+    import psutil
+
+    from tests.local_serve import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--max-model-len",
+                             "512", "--device", "cpu", "--graceful-shutdown-timeout-s", "120"], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    n, max_tokens = 4, 96
+    started = [threading.Event() for _ in range(n)]
+    results: list[list] = [[] for _ in range(n)]
+
+    def stream(i: int) -> None:
+        body = {"prompt": f"Story number {i}:", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                "temperature": 0}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    results[i].append(line[6:])
+                    started[i].set()
+
+    try:
+        for line in proc.stdout:
+            if line.startswith("kvserve: ready"):
+                break
+        assert proc.poll() is None, "kvserve serve exited before it was ready"
+        ray_procs = psutil.Process(proc.pid).children(recursive=True)
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in started)
+        proc.send_signal(signal.SIGTERM)
+        refused = None
+        for _ in range(100):  # the drain starts within a moment of the signal
+            ready = httpx.get(f"{url}/ready", timeout=10)
+            if ready.status_code == 503:
+                refused = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+                break
+            time.sleep(0.1)
+        assert refused is not None and refused.status_code == 503, refused
+        assert refused.json()["error"]["code"] == "unavailable" and int(refused.headers["Retry-After"]) >= 1
+        for t in threads:
+            t.join(120)
+        for events in results:
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e) for e in events[:-1]]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            assert len(chunks) == max_tokens  # one chunk per token: nothing was cut
+        assert proc.wait(timeout=60) == 0
+        gone, alive = psutil.wait_procs(ray_procs, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
