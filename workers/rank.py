@@ -7,7 +7,7 @@ Lifecycle, each step driven (and timed out) by `workers.group.WorkerGroup`:
 
 The rank keeps a mirror of every running sequence's block table (`RankMirror`); each step it
 applies the message's deltas, runs the same ModelRunner code as the single-process engine on
-its shard (RankModel gathers the logits of the rows to sample to rank 0 only).
+its shard (the lm_head gathers the logits of the rows to sample to the sampling rank only).
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from datetime import timedelta
 import ray
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from engine.executor import resolve_dtype
@@ -39,21 +38,6 @@ CONCURRENCY_GROUPS = {"control": 1}
 control = ray.method(concurrency_group="control")
 
 
-class RankModel(LlamaModel):
-    """The Llama model of one rank; its logits are gathered to rank 0 alone, the rank whose
-    output the engine samples (ModelRunner runs unchanged on top of it)."""
-
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor | None:
-        """h: (N, hidden) rows to sample -> rank 0: (N, vocab) float32; other ranks: None."""
-        head = self.lm_head if self.lm_head is not None else self.embed_tokens
-        local = F.linear(h, head.weight).contiguous()  # (N, vocab / tp): this rank's vocab range
-        parts = [torch.empty_like(local) for _ in range(self.tp.size)] if self.tp.rank == 0 else None
-        dist.gather(local, parts, dst=0, group=self.tp.group)
-        if self.tp.rank != 0:
-            return None
-        return torch.cat(parts, dim=-1)[:, :head.vocab_size].float()
-
-
 def model_fingerprint(arch: ModelArch, dtype: torch.dtype) -> str:
     return f"{arch!r} dtype={dtype}"
 
@@ -68,7 +52,7 @@ class RankWorker:
         self.tp: TPContext | None = None
         self.arch: ModelArch | None = None
         self.dtype: torch.dtype | None = None
-        self.model: RankModel | None = None
+        self.model: LlamaModel | None = None
         self.runner: ModelRunner | None = None
         self.mirror = RankMirror()
 
@@ -117,7 +101,7 @@ class RankWorker:
         dtype = resolve_dtype(self.config.dtype, self.device)
         self._check_same_model(arch, dtype)
         with torch.device(self.device):
-            model = RankModel(arch, dtype, self.tp)  # raises "cannot split" before any weight moves
+            model = LlamaModel(arch, dtype, self.tp)  # raises "cannot split" before any weight moves
         stats = load_sharded(model, self.model_dir if self.rank == 0 else None, self.tp)
         self.model, self.arch, self.dtype = model.eval(), arch, dtype
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

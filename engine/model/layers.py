@@ -1,11 +1,14 @@
 """Linear, embedding and norm layers that know their tensor-parallel shard.
 
-Each parameter carries a `weight_loader(param, full_tensor, shard_id)` that copies in this
-rank's slice of a checkpoint tensor, so model code reads like the single-device model and tensor
+Every layer says, in one `shard()` method, which piece of a full checkpoint tensor a rank holds
+and where that piece goes in the rank's parameter. The same answer serves both ways of loading:
+a layer's `weight_loader` (in-process, from the full tensor) and rank 0 scattering each rank its
+piece (workers/weights.py). So model code reads like the single-device model and tensor
 parallelism lives only here. With tp_size == 1 every layer is the plain layer.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +17,8 @@ from torch import nn
 
 from engine import cpu_kernels
 from engine.cpu_kernels import linear
+
+SAMPLING_RANK = 0  # the rank that receives the full-vocabulary logits and samples
 
 
 @dataclass(frozen=True)
@@ -27,24 +32,91 @@ class TPContext:
             torch.distributed.all_reduce(x, group=self.group)
         return x
 
-    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
+        """(..., d) on every rank -> (..., size * d) on SAMPLING_RANK, in rank order; None on the
+        others (only the sampling rank needs the whole vocabulary)."""
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == SAMPLING_RANK else None
+        torch.distributed.gather(x, parts, dst=SAMPLING_RANK, group=self.group)
+        return torch.cat(parts, dim=-1) if parts is not None else None
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+@dataclass(frozen=True)
+class Shard:
+    """The piece of a full checkpoint tensor that one rank holds, and where it goes:
+
+        checkpoint tensor, along `dim`:  [ ... | start, start + size | ... ]   (zero-padded past the end)
+        rank's parameter,  along `dim`:  [ ... | offset, offset + size | ... ]
+
+    `size` None: the rank holds the whole tensor (replicated: norms, row-parallel biases).
+    """
+    dim: int = 0
+    start: int = 0
+    size: int | None = None
+    offset: int = 0
+
+    @property
+    def replicated(self) -> bool:
+        return self.size is None
+
+    def piece_shape(self, full_shape) -> list[int]:
+        shape = list(full_shape)
+        if self.size is not None:
+            shape[self.dim] = self.size
+        return shape
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of `full`; every rank's piece of one tensor has the same shape."""
+        if self.size is None:
+            return full
+        start = min(self.start, full.shape[self.dim])
+        n = min(self.size, full.shape[self.dim] - start)
+        piece = full.narrow(self.dim, start, n)
+        if n == self.size:
+            return piece
+        pad_shape = list(full.shape)
+        pad_shape[self.dim] = self.size - n
+        return torch.cat([piece, full.new_zeros(pad_shape)], dim=self.dim)
+
+    def place(self, param: torch.Tensor, piece: torch.Tensor) -> None:
+        """Copy this rank's piece (from `take`) into its parameter."""
+        dst = param.data if self.size is None else param.data.narrow(self.dim, self.offset, self.size)
+        if dst.shape != piece.shape:
+            raise ValueError(f"checkpoint tensor shape {tuple(piece.shape)} != parameter shape {tuple(dst.shape)}")
+        dst.copy_(piece)
 
 
-class RMSNorm(nn.Module):
+class ShardedModule(nn.Module):
+    """A layer whose parameters each hold one rank's piece of a checkpoint tensor. Each parameter
+    carries `weight_loader(param, full_tensor, shard_id)`, which loads this rank's piece."""
+
+    def __init__(self, tp: TPContext = TPContext()) -> None:
+        super().__init__()
+        self.tp = tp
+
+    def shard(self, attr: str, shard_id=None, rank: int | None = None) -> Shard:
+        """Which piece of the checkpoint tensor of parameter `attr` (for a packed parameter: of its
+        part `shard_id`) rank `rank` (default: this layer's) holds. Replicated unless overridden."""
+        return Shard()
+
+    def _param(self, attr: str, *shape: int, dtype: torch.dtype) -> nn.Parameter:
+        param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+        param.weight_loader = functools.partial(self._load, attr)
+        setattr(self, attr, param)
+        return param
+
+    def _load(self, attr: str, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
+        shard = self.shard(attr, shard_id)
+        shard.place(param, shard.take(full))
+
+
+class RMSNorm(ShardedModule):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = _param(dim, dtype=dtype)
-        self.weight.weight_loader = _copy_loader
+        self._param("weight", dim, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and cpu_kernels.fusable(x) and self.weight.dtype == x.dtype:
@@ -55,36 +127,34 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def _copy_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}")
-    param.data.copy_(loaded)
-
-
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(ShardedModule):
     """y = x W^T with W's output rows split across ranks; `output_sizes` are the logical
-    sub-matrices packed together (q/k/v or gate/up), each split on its own."""
+    sub-matrices packed together (q/k/v or gate/up), each split on its own:
+
+        checkpoint gate (I, H)  rank r's rows [r * I/tp, (r+1) * I/tp) -> parameter rows [0, I/tp)
+        checkpoint up   (I, H)  rank r's rows [r * I/tp, (r+1) * I/tp) -> parameter rows [I/tp, 2 I/tp)
+    """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPContext,
                  dtype: torch.dtype, shard_ids: list | None = None) -> None:
-        super().__init__()
-        self.tp = tp
+        super().__init__(tp)
         self.shard_sizes = [s // tp.size for s in output_sizes]
         self.shard_ids = shard_ids or list(range(len(output_sizes)))
-        self.weight = _param(sum(self.shard_sizes), in_features, dtype=dtype)
-        self.weight.weight_loader = self._load
-        self.bias = _param(sum(self.shard_sizes), dtype=dtype) if bias else None
+        self._param("weight", sum(self.shard_sizes), in_features, dtype=dtype)
+        self.bias = None
         if bias:
-            self.bias.weight_loader = self._load
+            self._param("bias", sum(self.shard_sizes), dtype=dtype)
 
-    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def shard(self, attr: str, shard_id=None, rank: int | None = None) -> Shard:
+        """Weight and bias alike: rank's rows of the packed part `shard_id`."""
         idx = self.shard_ids.index(shard_id if shard_id is not None else 0)
-        offset, size = sum(self.shard_sizes[:idx]), self.shard_sizes[idx]
-        param.data.narrow(0, offset, size).copy_(self.rank_slice(loaded, idx))
-
-    def rank_slice(self, loaded: torch.Tensor, idx: int) -> torch.Tensor:
         size = self.shard_sizes[idx]
-        return loaded.narrow(0, self.tp.rank * size, size)
+        rank = self.tp.rank if rank is None else rank
+        return Shard(dim=0, start=self._part_index(idx, rank) * size, size=size, offset=sum(self.shard_sizes[:idx]))
+
+    def _part_index(self, idx: int, rank: int) -> int:
+        """Which of the equal pieces of packed part `idx` rank holds."""
+        return rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -101,28 +171,28 @@ class QKVParallelLinear(ColumnParallelLinear):
                          bias, tp, dtype, shard_ids=["q", "k", "v"])
         self.head_dim = head_dim
 
-    def rank_slice(self, loaded: torch.Tensor, idx: int) -> torch.Tensor:
-        if idx == 0:
-            return super().rank_slice(loaded, idx)
-        size = self.shard_sizes[idx]
-        return loaded.narrow(0, (self.tp.rank // self.kv_replicas) * size, size)
+    def _part_index(self, idx: int, rank: int) -> int:
+        return rank if idx == 0 else rank // self.kv_replicas  # kv_replicas ranks share a KV head
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ShardedModule):
     """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.tp = tp
+        super().__init__(tp)
         self.in_shard = in_features // tp.size
-        self.weight = _param(out_features, self.in_shard, dtype=dtype)
-        self.weight.weight_loader = self._load
-        self.bias = _param(out_features, dtype=dtype) if bias else None
+        self._param("weight", out_features, self.in_shard, dtype=dtype)
+        self.bias = None
         if bias:
-            self.bias.weight_loader = _copy_loader
+            self._param("bias", out_features, dtype=dtype)
 
-    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        param.data.copy_(loaded.narrow(1, self.tp.rank * self.in_shard, self.in_shard))
+    def shard(self, attr: str, shard_id=None, rank: int | None = None) -> Shard:
+        """The weight's columns [rank * in/tp, (rank+1) * in/tp); the bias (added once, after the
+        all-reduce) is replicated."""
+        if attr == "bias":
+            return Shard()
+        rank = self.tp.rank if rank is None else rank
+        return Shard(dim=1, start=rank * self.in_shard, size=self.in_shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight)
@@ -130,35 +200,35 @@ class RowParallelLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(ShardedModule):
     """Embedding rows split across ranks; each rank looks up its range, zeros elsewhere, all-reduce."""
 
     def __init__(self, vocab_size: int, dim: int, tp: TPContext, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.tp = tp
-        self.shard = -(-vocab_size // tp.size)
-        self.start = tp.rank * self.shard
+        super().__init__(tp)
+        self.rows = -(-vocab_size // tp.size)  # per rank; the last rank's range is zero-padded
+        self.start = tp.rank * self.rows
         self.vocab_size = vocab_size
-        self.weight = _param(self.shard, dim, dtype=dtype)
-        self.weight.weight_loader = self._load
+        self._param("weight", self.rows, dim, dtype=dtype)
 
-    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        part = loaded[self.start:self.start + self.shard]
-        param.data.zero_()
-        param.data[:part.shape[0]].copy_(part)
+    def shard(self, attr: str, shard_id=None, rank: int | None = None) -> Shard:
+        """Vocabulary rows [rank * rows, (rank+1) * rows), zero past the end of the vocabulary."""
+        rank = self.tp.rank if rank is None else rank
+        return Shard(dim=0, start=rank * self.rows, size=self.rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
-        valid = (local >= 0) & (local < self.shard)
-        y = F.embedding(local.clamp(0, self.shard - 1), self.weight) * valid.unsqueeze(-1)
+        valid = (local >= 0) & (local < self.rows)
+        y = F.embedding(local.clamp(0, self.rows - 1), self.weight) * valid.unsqueeze(-1)
         return self.tp.all_reduce(y)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """As the (tied or own) lm_head: this rank's vocab range, gathered to the full vocab."""
-        y = linear(h, self.weight)  # (N, vocab/tp)
-        return self.tp.all_gather_last_dim(y)[:, :self.vocab_size]
+    def logits(self, h: torch.Tensor) -> torch.Tensor | None:
+        """As the (tied or own) lm_head: (N, hidden) -> (N, vocab) on the sampling rank, None on
+        the other ranks."""
+        y = linear(h, self.weight)  # (N, rows): this rank's vocab range
+        full = self.tp.gather_last_dim(y)  # (N, tp * rows)
+        return None if full is None else full[:, :self.vocab_size]
 
 
 ParallelLMHead = VocabParallelEmbedding  # an untied lm_head has the same sharding

@@ -16,8 +16,7 @@ from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                                  RowParallelLinear, TPContext, VocabParallelEmbedding)
 from engine.model.rope import RopeStep, RotaryEmbedding, apply_rope
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from engine.model_source import SUPPORTED_MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -162,10 +161,12 @@ class LlamaModel(nn.Module):
             h = layer(h, rope, kv, meta)
         return self.norm(h)
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h: (N, hidden) rows to sample -> (N, vocab) float32."""
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor | None:
+        """h: (N, hidden) rows to sample -> (N, vocab) float32 on the sampling rank (the only rank at
+        tp=1); None on the other ranks."""
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
-        return head.logits(h).float()
+        logits = head.logits(h)
+        return None if logits is None else logits.float()
 
     def param_for(self, ckpt_name: str, params: dict[str, nn.Parameter]) -> tuple[nn.Parameter, object] | None:
         """Map a checkpoint tensor name to (our parameter, shard id); None for tensors we skip."""

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from engine.model.layers import TPContext
 from engine.model.llama import LlamaModel, ModelArch
@@ -38,14 +39,14 @@ def load_weights(model: LlamaModel, model_dir: str | Path) -> int:
                 nbytes += tensor.numel() * tensor.element_size()
                 param, shard = target
                 param.weight_loader(param, tensor.to(param.dtype), shard)
-                loaded.add((id(param), shard))
-    _check_complete(model, loaded)
+                loaded.add(id(param))
+    check_complete(params, loaded)
     return nbytes
 
 
-def _check_complete(model: LlamaModel, loaded: set) -> None:
-    seen = {pid for pid, _ in loaded}
-    missing = [n for n, p in model.named_parameters() if id(p) not in seen]
+def check_complete(params: dict[str, nn.Parameter], loaded: set[int]) -> None:
+    """Raise unless every parameter (by id) received at least one checkpoint tensor."""
+    missing = [n for n, p in params.items() if id(p) not in loaded]
     if missing:
         raise ValueError(f"checkpoint is missing tensors for: {', '.join(missing[:5])}"
                          + (" ..." if len(missing) > 5 else ""))
