@@ -307,3 +307,24 @@ def test_openapi_document_and_docs_page_are_served_without_a_key(tokenizer):
     assert refs <= set(doc["components"]["schemas"])  # every reference resolves
     page = call(tokenizer, "GET", "/docs", api_key="k")
     assert page.status_code == 200 and "/openapi.json" in page.text
+
+
+def test_a_draining_app_refuses_new_requests_but_stays_alive(tokenizer):
+    from router.api import Admission
+
+    admission = Admission(retry_after_s=2)
+    settings = RouterSettings(served_model_name="m")
+    engine = EngineServer(EngineConfig(max_model_len=64, num_gpu_blocks_override=64), "tests.fake_engine:FakeEngine")
+    app = build_api(OpenAIServing(tokenizer, engine, settings), admission=admission)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            before = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert admission.drain() == 0  # nothing in flight: the request above has ended
+            return (before, await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}),
+                    await c.get("/ready"), await c.get("/health"))
+
+    before, after, ready, health = asyncio.run(go())
+    assert before.status_code == 200 and after.status_code == 503
+    assert after.headers["Retry-After"] == "2" and after.json()["error"]["code"] == "unavailable"
+    assert ready.status_code == 503 and health.status_code == 200
