@@ -11,6 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
+from engine.model.llama import ModelArch
 from engine.model.loader import build_model, load_arch
 from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledBatch
@@ -64,7 +65,17 @@ def eos_token_ids(model_dir: Path, hf_config, tokenizer) -> list[int]:
     return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
 
-def load_model_info(config: EngineConfig) -> tuple[Path, object, object, object, torch.device]:
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model as its directory describes it, read before any weight is loaded."""
+    model_dir: Path
+    arch: ModelArch
+    tokenizer: object
+    eos_token_ids: list[int]
+    device: torch.device
+
+
+def load_model_info(config: EngineConfig) -> ModelSpec:
     from transformers import AutoTokenizer
 
     from engine.model_source import resolve_model
@@ -72,14 +83,15 @@ def load_model_info(config: EngineConfig) -> tuple[Path, object, object, object,
     model_dir = resolve_model(config.model)
     arch, hf_config = load_arch(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or model_dir))
-    device = resolve_device(config.device)
-    return model_dir, arch, hf_config, tokenizer, device
+    return ModelSpec(model_dir, arch, tokenizer, eos_token_ids(model_dir, hf_config, tokenizer),
+                     resolve_device(config.device))
 
 
 class LocalExecutor:
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
-        model_dir, arch, hf_config, tokenizer, device = load_model_info(config)
+        spec = load_model_info(config)
+        model_dir, arch, device = spec.model_dir, spec.arch, spec.device
         dtype = resolve_dtype(config.dtype, device)
         self.model = build_model(model_dir, dtype, device)
         block_bytes = bytes_per_block(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
@@ -87,7 +99,7 @@ class LocalExecutor:
         kv = allocate_kv_cache(arch.num_layers, num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim,
                                dtype, device)
         self.runner = ModelRunner(self.model, kv, config.block_size, device)
-        self.info = ModelInfo(model_dir, tokenizer, eos_token_ids(model_dir, hf_config, tokenizer), arch.vocab_size,
+        self.info = ModelInfo(model_dir, spec.tokenizer, spec.eos_token_ids, arch.vocab_size,
                               arch.max_position_embeddings, num_blocks, device, dtype)
         logger.info("loaded %s on %s (%s) in %.1fs; KV cache %d blocks x %d tokens", model_dir.name, device,
                     dtype, time.perf_counter() - t0, num_blocks, config.block_size)

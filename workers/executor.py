@@ -26,7 +26,7 @@ import ray
 import torch
 
 from engine.config import EngineConfig
-from engine.executor import ModelInfo, eos_token_ids, load_model_info, resolve_dtype
+from engine.executor import ModelInfo, load_model_info, resolve_dtype
 from engine.scheduler import ScheduledBatch
 from workers.group import WorkerGroup, WorkerGroupConfig, WorkerGroupError
 from workers.messages import StepEncoder
@@ -49,22 +49,23 @@ class WorkerGroupExecutor:
     def __init__(self, config: EngineConfig, group_config: WorkerGroupConfig | None = None,
                  worker_cls: type = RankWorker) -> None:
         t0 = time.perf_counter()
-        model_dir, arch, hf_config, tokenizer, _ = load_model_info(config)
-        arch.check_tp(config.tensor_parallel_size)  # before any actor starts or any weight is read
+        spec = load_model_info(config)
+        spec.arch.check_tp(config.tensor_parallel_size)  # before any actor starts or any weight is read
         self._owns_ray = _ensure_ray()
         try:
-            self.group = WorkerGroup(config, str(model_dir), group_config or WorkerGroupConfig(), worker_cls)
+            self.group = WorkerGroup(config, str(spec.model_dir), group_config or WorkerGroupConfig(), worker_cls)
         except BaseException:
             if self._owns_ray:
                 ray.shutdown()
             raise
         self.encoder = StepEncoder()
-        self.info = ModelInfo(model_dir, tokenizer, eos_token_ids(model_dir, hf_config, tokenizer), arch.vocab_size,
-                              arch.max_position_embeddings, self.group.num_blocks, torch.device("cpu"),
+        self.info = ModelInfo(spec.model_dir, spec.tokenizer, spec.eos_token_ids, spec.arch.vocab_size,
+                              spec.arch.max_position_embeddings, self.group.num_blocks, torch.device("cpu"),
                               resolve_dtype(config.dtype, torch.device(self.group.device)))
         self.startup_s = time.perf_counter() - t0
         logger.info("tp=%d worker group for %s up in %.1fs; KV cache %d blocks x %d tokens",
-                    config.tensor_parallel_size, model_dir.name, self.startup_s, self.group.num_blocks, config.block_size)
+                    config.tensor_parallel_size, spec.model_dir.name, self.startup_s, self.group.num_blocks,
+                    config.block_size)
 
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """-> logits (N, vocab) float32 on CPU of the sequences that completed their tokens this

@@ -73,10 +73,6 @@ class StepEncoder:
         self.step += 1
         return StepMessage(self.step, deltas, list(batch.copies), freed)
 
-    def reset(self) -> None:
-        self.live.clear()
-        self.sent.clear()
-
 
 class _Window:
     """`token_ids` as ModelRunner.prepare reads it: only this step's slice [start:start + n]."""
