@@ -34,8 +34,7 @@ class LLMEngine:
                              f"must be >= max_model_len ({self.max_model_len})")
         self.block_manager = BlockManager(info.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len, config.enable_chunked_prefill),
-                                   self.block_manager)
+                                                   config.enable_chunked_prefill), self.block_manager)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
 

@@ -25,7 +25,6 @@ T = TypeVar("T")  # what the caller samples per sequence: a token id, or the sam
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
-    max_model_len: int
     enable_chunked_prefill: bool = True
 
 

@@ -224,7 +224,7 @@ def test_stats_round_trip_through_plain_types():
 
 def _bm_with(prompts, num_blocks=64, block_size=4):
     bm = BlockManager(num_blocks, block_size)
-    sched = Scheduler(SchedulerConfig(8, 1024, 512), bm)
+    sched = Scheduler(SchedulerConfig(8, 1024), bm)
     seqs = []
     for i, p in enumerate(prompts):
         seq = Sequence(f"q{i}", p, SamplingParams(max_tokens=4), 4)

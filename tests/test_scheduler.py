@@ -37,7 +37,7 @@ class FakeEngine:
     def __init__(self, num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
                  enable_chunked_prefill=True, enable_prefix_caching=True):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, MAX_MODEL_LEN, enable_chunked_prefill)
+        self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
         self.sched = Scheduler(self.config, self.bm)
         self.seqs = []  # every sequence ever created (forks included)
         self.aborted = set()  # request ids

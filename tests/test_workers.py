@@ -45,7 +45,7 @@ def _assert_clean(llm: LLM) -> None:
 def test_mirror_tracks_scheduler_through_preemption_forks_and_aborts():
     rng = random.Random(7)
     bm = BlockManager(num_blocks=24, block_size=4)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=20, max_model_len=200), bm)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=20), bm)
     enc, mirror = StepEncoder(), RankMirror()
     copies = 0
     shared = [rng.randrange(100) for _ in range(9)]  # prefix-cache hits
@@ -92,7 +92,7 @@ def test_mirror_tracks_scheduler_through_preemption_forks_and_aborts():
 
 def test_decode_message_is_small():
     bm = BlockManager(num_blocks=64, block_size=16)
-    sched = Scheduler(SchedulerConfig(8, 256, 1000), bm)
+    sched = Scheduler(SchedulerConfig(8, 256), bm)
     seqs = [Sequence(str(i), list(range(3, 3 + 200)), SamplingParams(), max_tokens=50) for i in range(4)]
     for s in seqs:
         sched.add(s)

@@ -53,8 +53,8 @@ class SimReplica:
         self.config = config
         self.token_fn = token_fn
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.max_model_len, True), self.block_manager)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+                                   self.block_manager)
         self.busy = False  # a step is in flight (between schedule and complete)
 
     def add(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> Sequence:
