@@ -54,7 +54,7 @@ class ServeOptions:
     cpu_threads: int | None = None  # torch threads per engine replica on CPU; default: cores // replicas
     num_ingress_replicas: int = 1
     graceful_shutdown_timeout_s: float = 30.0  # how long a stopping replica (or `kvserve serve`) drains
-    health_check_period_s: float = 10.0
+    health_check_period_s: float = 1.0  # Serve's health check of each engine replica: a dead one shows in /ready
     # Routing of generate calls to engine replicas (cluster.serve_router): kv | pow2 (Serve's default) | round_robin
     routing: str = "kv"
     routing_stats_period_s: float = 0.5  # how often replicas report their KV state to the routers

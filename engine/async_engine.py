@@ -13,6 +13,7 @@ import threading
 from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
+from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -21,10 +22,6 @@ logger = logging.getLogger(__name__)
 
 
 _ABORTED = object()  # queue sentinel: the request was aborted before producing a final output
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed; in-flight and new requests end with this error."""
 
 
 class AsyncEngine:

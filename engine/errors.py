@@ -16,3 +16,7 @@ class InvalidRequestError(ValueError):
 
     def __reduce__(self):  # crosses Ray process boundaries with its fields
         return type(self), (self.param, self.message, self.code)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop (or one of its workers) failed; in-flight and new requests end with this."""

@@ -47,6 +47,12 @@ def overloaded(retry_after_s: float | None, status: int = 503) -> OpenAIError:
                        code="queue_full", headers=headers)
 
 
+def unavailable(message: str, retry_after_s: int = 2) -> OpenAIError:
+    """No engine replica can serve this now (one died, or none is running yet)."""
+    return OpenAIError(503, message, type="server_error", code="unavailable",
+                       headers={"Retry-After": str(retry_after_s)})
+
+
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 

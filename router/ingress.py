@@ -19,19 +19,22 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 from ray.serve.context import _set_request_context
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from engine.errors import InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError
 from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParams
 from router.api import Admission, build_api
-from router.errors import OpenAIError, from_invalid_request, overloaded
+from router.errors import from_invalid_request, overloaded, unavailable
 from router.serving import OpenAIServing
 from router.settings import RouterSettings
 
 logger = logging.getLogger(__name__)
 
+MAX_REPLICA_RETRIES = 2  # a request whose replica died before it started tries this many others
+RETRY_BACKOFF_S = 0.2
 _NOT_READY_STATES = {"STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION"}
 
 
@@ -58,6 +61,25 @@ class HandleReplicaClient:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[StepOutput]:
+        """The replica's StepOutputs. A replica that dies before its first output is replaced by
+        another (up to `MAX_REPLICA_RETRIES` times); one that dies mid-stream ends it with a 503
+        `unavailable` error, as the tokens already sent cannot be taken back."""
+        for attempt in range(MAX_REPLICA_RETRIES + 1):
+            started = False
+            try:
+                async for step in self._generate_once(request_id, prompt_token_ids, params):
+                    started = True
+                    yield step
+                return
+            except (RayActorError, EngineDeadError) as e:
+                if started or attempt == MAX_REPLICA_RETRIES:
+                    logger.warning("engine replica failed while serving %s: %r", request_id, e)
+                    raise unavailable("The engine replica serving this request failed. Retry.") from None
+                logger.warning("engine replica failed before %s started; retrying on another: %r", request_id, e)
+                await asyncio.sleep(RETRY_BACKOFF_S * (attempt + 1))  # for the routers to hear of the death
+
+    async def _generate_once(self, request_id: str, prompt_token_ids: list[int],
+                             params: SamplingParams) -> AsyncIterator[StepOutput]:
         response, finished = None, False
         try:
             # By name: the request router reads the call's arguments (cluster.serve_router).
@@ -72,11 +94,13 @@ class HandleReplicaClient:
                              self._settings.overload_status) from None
         except DeploymentUnavailableError:
             finished = True
-            raise OpenAIError(503, "The model is not available right now. Retry later.", type="server_error",
-                              code="unavailable", headers={"Retry-After": "5"}) from None
+            raise unavailable("The model is not available right now. Retry later.") from None
         except InvalidRequestError as e:  # the engine's validate(); arrives wrapped in a RayTaskError
             finished = True
             raise from_invalid_request(getattr(e, "cause", None) or e) from None
+        except (RayActorError, EngineDeadError):
+            finished = True  # the replica is gone: nothing left to cancel
+            raise
         finally:
             if response is not None and not finished:
                 with contextlib.suppress(Exception):  # keep the exception that brought us here
