@@ -140,3 +140,14 @@ def test_cli_prints_a_table_per_policy(capsys):
     assert main(["--replicas", "2", "--duration", "3", "--warmup", "0", "--rate", "4", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert out.count("\n") == 5 and "| kv |" in out and "| round_robin |" in out
+
+
+def test_a_simulated_replica_meets_the_engine_state_contract():
+    from engine.protocol import EngineState
+
+    replica = SimReplica("r", ReplicaConfig(num_blocks=64, block_size=16, max_model_len=512))
+    assert isinstance(replica, EngineState) and replica.max_model_len == 512
+    replica.add("a", list(range(40)), 4)
+    report = replica.report(2.5)
+    assert report.replica_id == "r" and report.timestamp == 2.5 and report.num_waiting == 1
+    assert replica.stats().num_waiting == 1 and replica.routing_snapshot().num_total_blocks == 64

@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.stats import DEFAULT_PREFIX_LIMIT, ReplicaStats, build_replica_stats
+from cluster.stats import ReplicaStats
+from engine.outputs import EngineStats
+from engine.snapshot import DEFAULT_PREFIX_LIMIT, snapshot
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -56,6 +58,7 @@ class SimReplica:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                                    self.block_manager)
         self.busy = False  # a step is in flight (between schedule and complete)
+        self.clock = 0.0  # simulated time of the last report
 
     def add(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> Sequence:
         n = len(prompt_token_ids)
@@ -88,5 +91,18 @@ class SimReplica:
             batch, batch.sampled(self.config.block_size), lambda rows, seqs: [self.token_fn(s) for s in seqs], append)
         return out
 
-    def stats(self, now: float, prefix_limit: int = DEFAULT_PREFIX_LIMIT) -> ReplicaStats:
-        return build_replica_stats(self.replica_id, self.scheduler, now, prefix_limit)
+    # -- engine.protocol.EngineState (the simulated clock stamps the snapshots) ------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    def stats(self) -> EngineStats:
+        return snapshot(self.scheduler, now=self.clock)
+
+    def routing_snapshot(self, prefix_limit: int = DEFAULT_PREFIX_LIMIT) -> EngineStats:
+        return snapshot(self.scheduler, prefix_limit, now=self.clock)
+
+    def report(self, now: float, prefix_limit: int = DEFAULT_PREFIX_LIMIT) -> ReplicaStats:
+        """What this replica tells the routers at simulated time `now`."""
+        self.clock = now
+        return ReplicaStats.of(self.routing_snapshot(prefix_limit), self.replica_id)

@@ -78,7 +78,7 @@ class Simulation:
         rng = random.Random(cfg.seed)
         for rid in self.replicas:  # staggered report phases, first report at once
             self._push(rng.uniform(0, cfg.stats_interval_s), REPORT, rid)
-            self.stats[rid] = self.replicas[rid].stats(0.0, cfg.prefix_limit)
+            self.stats[rid] = self.replicas[rid].report(0.0, cfg.prefix_limit)
 
     def _push(self, t: float, kind: int, payload) -> None:
         heapq.heappush(self._events, (t, next(self._tie), kind, payload))
@@ -153,7 +153,7 @@ class Simulation:
             self._drain(rid)  # live queue lengths and the ledger just changed
 
     def _on_report(self, rid: str) -> None:
-        self.stats[rid] = self.replicas[rid].stats(self.now, self.config.prefix_limit)
+        self.stats[rid] = self.replicas[rid].report(self.now, self.config.prefix_limit)
         self.ledger.covered(rid, self.now)
         self._push(self.now + self.config.stats_interval_s, REPORT, rid)
         if self.held:
