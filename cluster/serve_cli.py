@@ -108,6 +108,9 @@ def ready_message(host: str, port: int, model: str, api_key: bool) -> str:
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
 
 
+METRICS_REPORT_INTERVAL_MS = 1000
+
+
 def _check_port(host: str, port: int) -> None:
     """Fails when something listens on host:port. SO_REUSEADDR, as the HTTP server itself binds:
     connections of a server stopped a moment ago linger in TIME_WAIT and must not count."""
@@ -140,7 +143,9 @@ def run_serve(ns: argparse.Namespace) -> int:
     # Logical CPUs: the replica plus one per rank (the ranks run in the replica's placement group);
     # a laptop is oversubscribed on purpose.
     need = options.max_engine_replicas * (1 + tp if tp > 1 else 1)
-    local_only = {"num_cpus": max(os.cpu_count() or 1, need), "include_dashboard": ns.dashboard}
+    local_only = {"num_cpus": max(os.cpu_count() or 1, need), "include_dashboard": ns.dashboard,
+                  # Workers push metrics every second (Ray's default is 10 s), as the README promises.
+                  "_system_config": {"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS}}
     if ns.metrics_export_port is not None:
         local_only["_metrics_export_port"] = ns.metrics_export_port
     ray.init(address=ns.ray_address, **(local_only if local else {}))
