@@ -48,7 +48,10 @@ def num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device) 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # torch.empty: on CPU the pages are only touched (and so only resident) once written.
+    """The pool, written once: on CPU untouched pages are not resident, so a lazily touched pool
+    would grow the process's RSS over its first thousands of requests, and a pod sized by its
+    start-up footprint would be OOM-killed later. Touched now, the footprint is known at start."""
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    return [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+    # torch.zeros writes every page (torch.empty would leave them untouched).
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)]
