@@ -14,7 +14,9 @@ from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from engine.model.llama import ModelArch
 from engine.model.loader import build_model, load_arch
 from engine.model_runner import ModelRunner
+from engine.sampler import SampleResult, SequenceSampler
 from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +33,37 @@ class ModelInfo:
     dtype: torch.dtype
 
 
+class StepDraws(Protocol):
+    """One executed step, as the engine's post-step path (Scheduler.update_from_output) reads it."""
+
+    sampled: list[int]  # indices into batch.seqs of the sequences that sample, in row order
+
+    def sample(self, rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
+        """One draw per sequence, seqs[i] from row rows[i]; a parent's freshly forked children
+        follow it and share its row."""
+        ...
+
+
 class Executor(Protocol):
     info: ModelInfo
 
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]: ...
+    def execute(self, batch: ScheduledBatch) -> StepDraws:
+        """Run the model on `batch`. Sampling happens where the logits are: here at tp=1, on the
+        sampling rank at tp > 1 (then only token ids and asked-for logprobs come back)."""
+        ...
 
     def shutdown(self) -> None: ...
+
+
+@dataclass
+class LocalDraws:
+    """tp=1: the logits stay in this process and are sampled when the engine asks."""
+    logits: torch.Tensor  # (len(sampled), vocab) float32
+    sampled: list[int]
+    sampler: SequenceSampler
+
+    def sample(self, rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
+        return self.sampler.sample(self.logits, rows, seqs)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -99,13 +126,15 @@ class LocalExecutor:
         kv = allocate_kv_cache(arch.num_layers, num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim,
                                dtype, device)
         self.runner = ModelRunner(self.model, kv, config.block_size, device)
+        self.sampler = SequenceSampler(config.seed, spec.eos_token_ids)
         self.info = ModelInfo(model_dir, spec.tokenizer, spec.eos_token_ids, arch.vocab_size,
                               arch.max_position_embeddings, num_blocks, device, dtype)
         logger.info("loaded %s on %s (%s) in %.1fs; KV cache %d blocks x %d tokens", model_dir.name, device,
                     dtype, time.perf_counter() - t0, num_blocks, config.block_size)
 
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        return self.runner.execute(batch)
+    def execute(self, batch: ScheduledBatch) -> LocalDraws:
+        logits, sampled = self.runner.execute(batch)
+        return LocalDraws(logits, sampled, self.sampler)
 
     def shutdown(self) -> None:
         pass

@@ -3,15 +3,13 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.executor import Executor, make_executor
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request
-from engine.sampler import SampleResult, Sampler, SamplingRow
+from engine.sampler import SampleResult, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
@@ -95,19 +93,14 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        logits, sampled = self.executor.execute(batch)  # (len(sampled), vocab)
+        out = self.executor.execute(batch)  # which sequences sample, and their draws
         touched: dict[str, Request] = {}
-
-        def sample(rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
-            # forked children sample their parent's row; without forks rows is 0..n-1
-            picked = logits if len(rows) == len(sampled) else logits[torch.tensor(rows, device=logits.device)]
-            return self.sampler.sample(picked, [self._row(s, logits.device) for s in seqs])
 
         def append(seq: Sequence, result: SampleResult) -> bool:
             req = touched.setdefault(seq.request_id, self.requests[seq.request_id])
             return req.append_token(seq, result, self.eos_token_ids, self.max_model_len)
 
-        self.scheduler.update_from_output(batch, sampled, sample, append, on_fork=self._add_fork)
+        self.scheduler.update_from_output(batch, out.sampled, out.sample, append, on_fork=self._add_fork)
         outputs = []
         for req in touched.values():
             if req.output_due(self.config.stream_interval):
@@ -119,12 +112,6 @@ class LLMEngine:
     def _add_fork(self, child: Sequence) -> None:
         """A parent that just finished its prefill became n sequences: its request streams each."""
         self.requests[child.request_id].add_fork(child)
-
-    def _row(self, seq: Sequence, device: torch.device) -> SamplingRow:
-        req = self.requests[seq.request_id]
-        return SamplingRow(params=seq.params, prompt_token_ids=req.prompt_token_ids,
-                           output_token_ids=seq.output_token_ids, generator=req.generator(seq, device),
-                           eos_token_ids=self._eos_list)
 
     def stats(self) -> EngineStats:
         """Counters and queue state, without prefix hashes (cheap enough for every step)."""

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampler import SampleResult
@@ -23,7 +21,6 @@ class Request:
         self.seqs: list[Sequence] = [Sequence(request_id, prompt_token_ids, params, max_tokens)]
         self.completions: list[CompletionOutput] = [self._completion(0)]
         self.detoks: list[IncrementalDetokenizer] = [IncrementalDetokenizer(tokenizer, prompt_token_ids, params)]
-        self.generators: list[torch.Generator | None] = [None]
         self.aborted = False
         self.num_outputs = 0  # snapshots taken so far
 
@@ -39,18 +36,10 @@ class Request:
         return CompletionOutput(index=index, logprobs=[] if self.params.logprobs is not None else None,
                                 cumulative_logprob=0.0 if self.params.logprobs is not None else None)
 
-    def generator(self, seq: Sequence, device: torch.device) -> torch.Generator | None:
-        if self.params.seed is None:
-            return None
-        if self.generators[seq.index] is None:
-            self.generators[seq.index] = torch.Generator(device=device).manual_seed(self.params.seed + seq.index)
-        return self.generators[seq.index]
-
     def add_fork(self, child: Sequence) -> None:
         self.seqs.append(child)
         self.completions.append(self._completion(child.index))
         self.detoks.append(IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids, self.params))
-        self.generators.append(None)
 
     def append_token(self, seq: Sequence, result: SampleResult, eos_ids: set[int], max_model_len: int) -> bool:
         """Record a sampled token; returns True when this sequence is now finished."""

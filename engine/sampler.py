@@ -8,9 +8,13 @@ Order per step (vLLM v1 style):
 Random draws use the exponential race, argmax(probs / q) with q ~ Exp(1), which samples from
 probs; a seeded row draws its V uniforms for q from its own generator only, so its tokens do not
 depend on the rest of the batch.
+
+`Sampler` works on rows; `SequenceSampler` turns sequences into rows (their tokens, their seeded
+generators) wherever the logits are: in the engine process at tp=1, on the sampling rank at tp > 1.
 """
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 
@@ -220,3 +224,47 @@ class Sampler:
             results[i].logprob = sampled[j]
             results[i].top_logprobs = list(zip(top_ids[j][:n], top_values[j][:n]))
         return results
+
+
+def reads_prompt(params: SamplingParams) -> bool:
+    """Only the repetition penalty reads a row's prompt tokens; other rows may leave them out."""
+    return params.repetition_penalty != 1.0
+
+
+class SequenceSampler:
+    """Draws the next token of whole sequences: builds each one's SamplingRow and samples the rows
+    with one Sampler. The same code runs in the engine process (tp=1) and on the sampling rank
+    (tp > 1), so seeds, penalties and min_tokens behave the same at any tensor_parallel_size.
+
+    A sequence is anything with `index`, `params`, `prompt_token_ids` and `output_token_ids`
+    (an engine Sequence, or a rank's record of one). A seeded sequence draws from its own
+    generator, seeded with params.seed + index on first use, which lives as long as the
+    sequence does (through preemption, gone with it).
+    """
+
+    def __init__(self, seed: int, eos_token_ids: list[int]) -> None:
+        self.sampler = Sampler(seed)
+        self.eos_token_ids = sorted(set(eos_token_ids))  # masked until min_tokens, in every row
+        self._generators: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def sample(self, logits: torch.Tensor, rows: list[int], seqs: list) -> list[SampleResult]:
+        """logits: (R, V), one row per sampling sequence; seqs[i] draws from logits[rows[i]] (the
+        n - 1 children forked from a parent share its row). -> one result per sequence."""
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]  # (len(seqs), V)
+        return self.sampler.sample(logits, [self._row(s, logits.device) for s in seqs])
+
+    def _row(self, seq, device: torch.device) -> SamplingRow:
+        p = seq.params
+        return SamplingRow(params=p, prompt_token_ids=seq.prompt_token_ids if reads_prompt(p) else [],
+                           output_token_ids=seq.output_token_ids, generator=self._generator(seq, device),
+                           eos_token_ids=self.eos_token_ids)
+
+    def _generator(self, seq, device: torch.device) -> torch.Generator | None:
+        if seq.params.seed is None:
+            return None
+        generator = self._generators.get(seq)
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(seq.params.seed + seq.index)
+            self._generators[seq] = generator
+        return generator

@@ -1,3 +1,4 @@
+import gc
 import math
 
 import numpy as np
@@ -8,7 +9,7 @@ from hypothesis import strategies as st
 from unittest import mock
 
 from engine import sampler as sampler_module
-from engine.sampler import SamplingRow, Sampler, apply_min_tokens, apply_penalties
+from engine.sampler import SamplingRow, Sampler, SequenceSampler, apply_min_tokens, apply_penalties
 from engine.sampling_params import SamplingParams
 
 EOS = 2
@@ -293,3 +294,44 @@ def test_logprobs_are_of_the_raw_logits():
     assert results[1].top_logprobs == []
     assert results[2].logprob is None and results[2].top_logprobs is None
     assert math.isfinite(results[0].logprob)
+
+
+# ---- sequences -------------------------------------------------------------------------------
+
+
+class _Seq:
+    """What SequenceSampler reads of a sequence."""
+
+    def __init__(self, index, params, prompt=(), output=()):
+        self.index, self.params = index, params
+        self.prompt_token_ids, self.output_token_ids = list(prompt), list(output)
+
+
+def test_sequence_sampler_is_the_sampler_on_each_sequences_row():
+    """Forked siblings share a row; each seeded sequence draws from seed + index; penalties read
+    the prompt and output; eos stays masked until min_tokens."""
+    params = SamplingParams(temperature=1.0, seed=5, repetition_penalty=1.4, min_tokens=30, max_tokens=40)
+    seqs = [_Seq(0, params, prompt=[1, 4], output=[7]), _Seq(1, params, prompt=[1, 4], output=[7]),
+            _Seq(0, SamplingParams(temperature=0.8, top_k=4))]
+    sampler = SequenceSampler(seed=3, eos_token_ids=[EOS, EOS])
+    reference, generators = Sampler(seed=3), [torch.Generator().manual_seed(5), torch.Generator().manual_seed(6), None]
+    for step in range(6):
+        logits = random_logits(2, 50, seed=step)
+        got = sampler.sample(logits, [0, 0, 1], seqs)
+        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, g, [EOS])
+                for s, g in zip(seqs, generators)]
+        want = reference.sample(logits[[0, 0, 1]], rows)
+        assert [r.token_id for r in got] == [r.token_id for r in want]
+        assert EOS not in [r.token_id for r in got[:2]]
+        for s, r in zip(seqs, got):
+            s.output_token_ids.append(r.token_id)
+
+
+def test_sequence_sampler_drops_a_generator_with_its_sequence():
+    sampler = SequenceSampler(seed=0, eos_token_ids=[])
+    seqs = [_Seq(i, SamplingParams(seed=1)) for i in range(3)]
+    sampler.sample(random_logits(3, 20), [0, 1, 2], seqs)
+    assert len(sampler._generators) == 3
+    del seqs[1:]
+    gc.collect()
+    assert len(sampler._generators) == 1

@@ -183,6 +183,46 @@ def test_tp2_exact_staggered_arrivals(tp2):
     _assert_clean(llm)
 
 
+SAMPLED = [  # seeds, forks, penalties, filters, min_tokens against eos, stop ids, logprobs, the engine's seed
+    SamplingParams(n=2, temperature=0.9, top_p=0.9, seed=11, max_tokens=MAX_NEW, ignore_eos=True),
+    SamplingParams(temperature=1.1, top_k=20, seed=3, repetition_penalty=1.3, frequency_penalty=0.5,
+                   presence_penalty=0.3, max_tokens=MAX_NEW, ignore_eos=True),
+    SamplingParams(temperature=1.5, seed=5, min_tokens=8, max_tokens=MAX_NEW, logprobs=3),
+    SamplingParams(n=3, temperature=1.0, seed=7, min_p=0.05, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True),
+    SamplingParams(temperature=1.0, max_tokens=MAX_NEW, stop_token_ids=[100, 200, 300], ignore_eos=True),
+    SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=MAX_NEW, ignore_eos=True),
+    SamplingParams(n=2, temperature=0.7, top_k=5, max_tokens=MAX_NEW, ignore_eos=True),
+]
+
+
+def _samples(outs) -> list[list[tuple]]:
+    return [[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
+
+
+def test_tp2_sampling_on_the_sampling_rank_matches_tp1(tp2):
+    """Rank 0 samples: the same tokens as tp=1 for seeded and unseeded rows, forks, penalties,
+    min_tokens and stop ids, through chunked prefill and preemption; logprobs as asked."""
+    d, llm, prompts, _, _ = tp2
+    prompts = prompts[:len(SAMPLED)]
+    want = LLM(model=str(d), **ENGINE).generate(prompts, SAMPLED)
+    got = llm.generate(prompts, SAMPLED)
+    assert _samples(got) == _samples(want)
+    assert len({tuple(c.token_ids) for c in got[3].outputs}) > 1  # forks drew apart
+    for g, w in zip(got, want):
+        for gc, wc in zip(g.outputs, w.outputs):
+            assert (gc.logprobs is None) == (wc.logprobs is None)
+            for ge, we in zip(gc.logprobs or [], wc.logprobs or []):
+                assert ge.keys() == we.keys() and ge == pytest.approx(we, abs=1e-4)
+    assert [len(e) for e in got[2].outputs[0].logprobs] == [len(e) for e in want[2].outputs[0].logprobs]
+    _assert_clean(llm)
+    # the next step's message drops the records of every sequence that finished
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    import ray
+
+    records = ray.get(llm.engine.executor.group.ranks[0].sampling_records.remote())
+    assert len(records) <= 1 and all(isinstance(k, int) for k in records)
+
+
 def test_tp2_forks_copy_on_write(tp2):
     _, llm, prompts, ref, _ = tp2
     encoder, copies = llm.engine.executor.encoder, []

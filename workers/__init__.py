@@ -1,6 +1,7 @@
 """Tensor-parallel worker groups on Ray: one engine replica = one group of ranks.
 
-    messages.py  the per-step message (deltas) and the block-table mirrors on both sides
+    messages.py  the per-step message (deltas), the block-table mirrors on both sides, the draws back
+    sampling.py  the sampling rank's per-sequence records and draws (the engine's own sampler)
     weights.py   rank 0 reads the checkpoint once and scatters each rank its shard
     rank.py      the rank actor: its model shard, KV-cache shard, one step at a time
     group.py     placement group, start-up handshake with timeouts, health, teardown

@@ -1,35 +1,40 @@
 """WorkerGroupExecutor: the engine's Executor for tensor_parallel_size > 1.
 
-Process layout: the engine process (scheduler, sampler, detokenizer) is not a rank. All N ranks
-are Ray actors of one WorkerGroup, symmetric, each with its shard of the weights and KV cache:
+Process layout: the engine process (scheduler, detokenizer) is not a rank. All N ranks are Ray
+actors of one WorkerGroup, symmetric, each with its shard of the weights and KV cache; rank 0 is
+also the sampling rank:
 
-    engine process ──StepMessage (deltas)──> rank 0 ┐
-        scheduler  ──StepMessage (deltas)──> rank 1 ├─ gloo / NCCL all-reduce inside the model
-        sampler    <──logits of sampled rows── rank 0 ┘   (gather of the vocab shards to rank 0)
+    engine process ──StepMessage (deltas)──────────> rank 0 ┐ gloo / NCCL all-reduce inside the
+        scheduler  ──StepMessage (deltas)──────────> rank 1 ├ model; the lm_head gathers the
+                   <──Draws (token ids, logprobs)── rank 0 ┘ logits to rank 0, which samples
 
 Why not make the engine process rank 0 (vLLM's driver worker)? Keeping torch.distributed out of
 the engine process means a dead or stuck rank can never wedge it inside a collective: the engine
 only waits on Ray futures, sees a dead actor at once, and can tear the group down and build a new
 one in the same process. It also lets the engine run where there is no GPU (a Serve replica with
-zero GPUs) while every GPU rank sits in one placement group. The cost is one hop for the logits
-of the rows sampled this step (N x vocab float32); everything else stays on the ranks.
+zero GPUs) while every GPU rank sits in one placement group.
 
-Only rank 0 gets logits (the other ranks return None) and the engine's one Sampler samples them,
-so "one rank samples" holds: seeds, penalties and stop rules are the tp=1 code path unchanged.
+Rank 0 samples with the engine's own SequenceSampler (workers/sampling.py) and keeps each
+sequence's sampling record (params and prompt, sent once; the tokens it drew; its seeded
+generator), so seeds, penalties, stop rules and n > 1 forks are the tp=1 code path unchanged,
+and only token ids, plus the logprobs a request asked for, come back each step.
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import ray
 import torch
 
 from engine.config import EngineConfig
 from engine.executor import ModelInfo, load_model_info, resolve_dtype
+from engine.sampler import SampleResult
 from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
 from workers.group import WorkerGroup, WorkerGroupConfig, WorkerGroupError
-from workers.messages import StepEncoder
+from workers.messages import Draws, StepEncoder
 from workers.rank import RankWorker
 
 logger = logging.getLogger(__name__)
@@ -45,6 +50,34 @@ def _ensure_ray() -> bool:
     return True
 
 
+@dataclass
+class RankDraws:
+    """What the sampling rank drew for a step, handed to the engine's post-step path."""
+    draws: Draws
+    encoder: StepEncoder
+
+    @property
+    def sampled(self) -> list[int]:
+        return self.draws.sampled
+
+    def sample(self, rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
+        """The rank forked and drew for the same children the engine has just forked; tell the
+        encoder their seq ids, so that the next message names them."""
+        d = self.draws
+        if rows != d.rows:
+            raise RuntimeError(f"the engine samples rows {rows}, the sampling rank drew rows {d.rows}")
+        parent_of: dict[int, int] = {}  # row -> seq id of the sequence that owns it
+        results = []
+        for i, (row, seq) in enumerate(zip(rows, seqs)):
+            if row in parent_of:
+                self.encoder.add_fork(parent_of[row], seq)
+            else:
+                parent_of[row] = seq.seq_id
+            logprob, top = d.logprobs.get(i, (None, None))
+            results.append(SampleResult(d.token_ids[i], logprob, top))
+        return results
+
+
 class WorkerGroupExecutor:
     def __init__(self, config: EngineConfig, group_config: WorkerGroupConfig | None = None,
                  worker_cls: type = RankWorker) -> None:
@@ -53,7 +86,8 @@ class WorkerGroupExecutor:
         spec.arch.check_tp(config.tensor_parallel_size)  # before any actor starts or any weight is read
         self._owns_ray = _ensure_ray()
         try:
-            self.group = WorkerGroup(config, str(spec.model_dir), group_config or WorkerGroupConfig(), worker_cls)
+            self.group = WorkerGroup(config, str(spec.model_dir), spec.eos_token_ids,
+                                     group_config or WorkerGroupConfig(), worker_cls)
         except BaseException:
             if self._owns_ray:
                 ray.shutdown()
@@ -67,10 +101,8 @@ class WorkerGroupExecutor:
                     config.tensor_parallel_size, spec.model_dir.name, self.startup_s, self.group.num_blocks,
                     config.block_size)
 
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """-> logits (N, vocab) float32 on CPU of the sequences that completed their tokens this
-        step, and their indices into batch.seqs (as LocalExecutor)."""
-        return self.group.execute(self.encoder.encode(batch))
+    def execute(self, batch: ScheduledBatch) -> RankDraws:
+        return RankDraws(self.group.execute(self.encoder.encode(batch)), self.encoder)
 
     @property
     def healthy(self) -> bool:

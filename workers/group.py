@@ -15,6 +15,7 @@ lost one) and every later call raises WorkerGroupError. A new WorkerGroup is the
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -26,7 +27,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.config import EngineConfig
-from workers.messages import StepMessage
+from engine.model.layers import SAMPLING_RANK
+from workers.messages import Draws, StepMessage
 from workers.rank import CONCURRENCY_GROUPS, RankWorker
 
 logger = logging.getLogger(__name__)
@@ -75,9 +77,10 @@ def _describe(rank: int, e: Exception, what: str) -> str:
 
 
 class WorkerGroup:
-    def __init__(self, config: EngineConfig, model_dir: str, group_config: WorkerGroupConfig = WorkerGroupConfig(),
-                 worker_cls: type = RankWorker) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, eos_token_ids: list[int],
+                 group_config: WorkerGroupConfig = WorkerGroupConfig(), worker_cls: type = RankWorker) -> None:
         self.config, self.gc = config, group_config
+        self.eos_token_ids = eos_token_ids  # the sampling rank masks them until min_tokens
         self.size = config.tensor_parallel_size
         self.pg = None
         self.owns_pg = True
@@ -108,7 +111,7 @@ class WorkerGroup:
         self.ranks = [actor.options(
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=first + r),
-        ).remote(r, self.size, self.config, model_dir, self.device) for r in range(self.size)]
+        ).remote(r, self.size, self.config, model_dir, self.device, self.eos_token_ids) for r in range(self.size)]
         self._gather(self._all("ping"), self.gc.start_timeout_s, "start")
         backend = self._rendezvous()
         loads = self._gather(self._all("load"), self.gc.load_timeout_s, "load the model")
@@ -198,10 +201,12 @@ class WorkerGroup:
         raise WorkerGroupError(message)
 
     # -- serving -------------------------------------------------------------------------------
-    def execute(self, msg: StepMessage):
-        """Send the step to every rank; -> rank 0's (logits (N, vocab) float32 on CPU, their
-        indices into msg.seqs)."""
-        return self._gather(self._all("execute", msg), self.gc.step_timeout_s, f"run step {msg.step}")[0]
+    def execute(self, msg: StepMessage) -> Draws:
+        """Send the step to every rank, its sampling part to the sampling rank only; -> that
+        rank's draws."""
+        others = dataclasses.replace(msg, sampling=None)
+        refs = {r: a.execute.remote(msg if r == SAMPLING_RANK else others) for r, a in enumerate(self.ranks)}
+        return self._gather(refs, self.gc.step_timeout_s, f"run step {msg.step}")[SAMPLING_RANK]
 
     def check_health(self) -> None:
         """Raise WorkerGroupError unless every rank answers a ping in time."""

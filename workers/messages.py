@@ -10,12 +10,18 @@ what changed. Each rank keeps the same mirror and rebuilds from it the few field
 
 A sequence that is no longer running (finished, aborted or preempted) is listed in `freed` once
 and both sides drop its mirror; if it runs again later it is sent whole, like a new one.
-Pure Python: no torch, no Ray.
+
+The sampling rank also keeps a sampling record per sequence (workers/sampling.py). It gets a
+sequence's params and prompt once, the first step the sequence runs, and never its output
+tokens, which it drew itself; the record lives until the sequence finishes (preemption keeps
+it, with its seeded generator). It answers each step with `Draws`: token ids, and logprobs
+only where asked. Pure Python: no torch, no Ray.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence, SequenceStatus
 
@@ -31,11 +37,40 @@ class SeqDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class NewSample:
+    """What the sampling rank needs to sample a sequence; sent once, the first step it runs."""
+    seq_id: int
+    index: int  # which of its request's n samples: seeds its generator with params.seed + index
+    params: SamplingParams
+    prompt_token_ids: list[int]  # for the repetition penalty
+    forks: int  # children to fork at its first draw (n - 1 for a request's first sequence)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingDelta:
+    """The sampling rank's part of a step message, applied in field order."""
+    forked: list[tuple[int, int, int]]  # (parent seq id, index, child seq id): children drawn for last step
+    finished: list[int]  # seq ids whose sampling records to drop
+    new: list[NewSample]
+
+
+@dataclass(frozen=True, slots=True)
 class StepMessage:
     step: int
     seqs: list[SeqDelta]
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     freed: list[int] = field(default_factory=list)  # seq ids whose mirrors to drop (applied first)
+    sampling: SamplingDelta | None = None  # for the sampling rank only
+
+
+@dataclass(frozen=True, slots=True)
+class Draws:
+    """The sampling rank's answer to a step: one draw per sampling sequence, in the order of the
+    engine's post-step path (each sampling row, then the children its parent forks there)."""
+    sampled: list[int]  # indices into StepMessage.seqs of the rows that sampled, in row order
+    rows: list[int]  # per draw: its row (forked children repeat their parent's)
+    token_ids: list[int]  # per draw
+    logprobs: dict[int, tuple[float, list[tuple[int, float]]]]  # draw -> (its logprob, top logprobs), if asked
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -55,6 +90,8 @@ class StepEncoder:
     def __init__(self) -> None:
         self.live: dict[int, Sequence] = {}
         self.sent: dict[int, list[int]] = {}  # seq_id -> block table as the ranks have it
+        self.sampling: dict[int, Sequence] = {}  # seq_id -> sequence the sampling rank keeps a record of
+        self.forked: list[tuple[int, int, int]] = []  # (parent id, index, child id) not yet sent
         self.step = 0
 
     def encode(self, batch: ScheduledBatch) -> StepMessage:
@@ -71,7 +108,25 @@ class StepEncoder:
             self.live[seq.seq_id] = seq
             self.sent[seq.seq_id] = list(table)
         self.step += 1
-        return StepMessage(self.step, deltas, list(batch.copies), freed)
+        return StepMessage(self.step, deltas, list(batch.copies), freed, self._sampling_delta(batch))
+
+    def _sampling_delta(self, batch: ScheduledBatch) -> SamplingDelta:
+        finished = [sid for sid, s in self.sampling.items() if s.is_finished]
+        for sid in finished:
+            del self.sampling[sid]
+        new = []
+        for seq in batch.seqs:
+            if seq.seq_id not in self.sampling:
+                self.sampling[seq.seq_id] = seq
+                new.append(NewSample(seq.seq_id, seq.index, seq.params, seq.prompt_token_ids, seq.pending_forks))
+        forked, self.forked = self.forked, []
+        return SamplingDelta(forked, finished, new)
+
+    def add_fork(self, parent_id: int, child: Sequence) -> None:
+        """The sampling rank forked `child` from its parent and drew for it under the name
+        (parent_id, child.index); the next message gives it the child's seq id."""
+        self.forked.append((parent_id, child.index, child.seq_id))
+        self.sampling[child.seq_id] = child
 
 
 class _Window:

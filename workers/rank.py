@@ -7,7 +7,8 @@ Lifecycle, each step driven (and timed out) by `workers.group.WorkerGroup`:
 
 The rank keeps a mirror of every running sequence's block table (`RankMirror`); each step it
 applies the message's deltas, runs the same ModelRunner code as the single-process engine on
-its shard (the lm_head gathers the logits of the rows to sample to the sampling rank only).
+its shard, and the sampling rank (rank 0), which alone receives the gathered logits, draws the
+tokens with the engine's own sampler (workers/sampling.py).
 """
 from __future__ import annotations
 
@@ -24,11 +25,12 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.executor import resolve_dtype
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
-from engine.model.layers import TPContext
+from engine.model.layers import SAMPLING_RANK, TPContext
 from engine.model.llama import LlamaModel, ModelArch
 from engine.model.loader import load_arch
 from engine.model_runner import ModelRunner
-from workers.messages import RankMirror, StepMessage
+from workers.messages import Draws, RankMirror, StepMessage
+from workers.sampling import RankSampler
 from workers.weights import load_sharded
 
 HOST = "127.0.0.1"  # the group is STRICT_PACKed on one node, so the rendezvous stays on loopback
@@ -43,7 +45,8 @@ def model_fingerprint(arch: ModelArch, dtype: torch.dtype) -> str:
 
 
 class RankWorker:
-    def __init__(self, rank: int, world_size: int, config: EngineConfig, model_dir: str, device: str) -> None:
+    def __init__(self, rank: int, world_size: int, config: EngineConfig, model_dir: str, device: str,
+                 eos_token_ids: list[int]) -> None:
         self.rank, self.world_size = rank, world_size
         self.config = config
         self.model_dir = model_dir
@@ -55,6 +58,7 @@ class RankWorker:
         self.model: LlamaModel | None = None
         self.runner: ModelRunner | None = None
         self.mirror = RankMirror()
+        self.sampler = RankSampler(config.seed, eos_token_ids) if rank == SAMPLING_RANK else None
 
     # -- start-up ------------------------------------------------------------------------------
     @control
@@ -128,11 +132,15 @@ class RankWorker:
         return dict(rank=self.rank, kv_bytes=sum(k.numel() * k.element_size() * 2 for k, _ in kv))
 
     # -- serving -------------------------------------------------------------------------------
-    def execute(self, msg: StepMessage) -> tuple[torch.Tensor, list[int]] | None:
-        """-> rank 0: what ModelRunner.execute returns (logits on CPU, their indices into the
-        batch's sequences); other ranks: None."""
-        logits, sampled = self.runner.execute(self.mirror.apply(msg))
-        return (logits.cpu(), sampled) if self.rank == 0 else None
+    def execute(self, msg: StepMessage) -> Draws | None:
+        """-> the sampling rank: the step's draws (token ids, asked-for logprobs); other ranks: None."""
+        batch = self.mirror.apply(msg)
+        if self.sampler is not None:
+            self.sampler.apply(msg.sampling)
+        logits, sampled = self.runner.execute(batch)  # logits: (len(sampled), vocab) on the sampling rank
+        if self.sampler is None:
+            return None
+        return self.sampler.draw(logits, sampled, [msg.seqs[i].seq_id for i in sampled])
 
     @control
     def ping(self) -> int:
@@ -156,3 +164,7 @@ class RankWorker:
 
     def mirror_tables(self) -> dict[int, list[int]]:
         return {k: list(v) for k, v in self.mirror.tables.items()}
+
+    def sampling_records(self) -> list:
+        """The keys of the sampling rank's records (seq ids; (parent id, index) until renamed)."""
+        return list(self.sampler.records) if self.sampler is not None else []

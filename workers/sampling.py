@@ -1,0 +1,71 @@
+"""Sampling on the sampling rank: a record per sequence, kept from the step messages' sampling
+deltas, and each step's draws made by the engine's own SequenceSampler on the gathered logits.
+
+    engine (StepEncoder)                       sampling rank (RankSampler)
+    a sequence runs for the first time  ---->  record: index, params, prompt, outputs = []
+    each step                                  draws from the logits; each record appends its token
+                                        <----  Draws: token ids (+ logprobs where asked)
+                                               a parent's first draw forks n - 1 child records,
+                                               named (parent id, index), and draws for them too
+    the engine forked the same children ---->  renamed to the children's seq ids
+    a sequence finished or was aborted  ---->  its record (and seeded generator) dropped
+
+Records mirror, at tp > 1, what the engine's Sequences are to the sampler at tp=1, so the draws
+(seeds, penalties, min_tokens, forks) are the same.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.sampler import SequenceSampler
+from engine.sampling_params import SamplingParams
+from workers.messages import Draws, SamplingDelta
+
+
+class SampleRecord:
+    """What SequenceSampler reads of a sequence (as engine.Sequence offers it)."""
+
+    __slots__ = ("index", "params", "prompt_token_ids", "output_token_ids", "forks", "__weakref__")
+
+    def __init__(self, index: int, params: SamplingParams, prompt_token_ids: list[int],
+                 output_token_ids: list[int], forks: int = 0) -> None:
+        self.index = index
+        self.params = params
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids = output_token_ids
+        self.forks = forks  # children still to fork at the next draw
+
+
+class RankSampler:
+    def __init__(self, seed: int, eos_token_ids: list[int]) -> None:
+        self.sampler = SequenceSampler(seed, eos_token_ids)
+        self.records: dict[int | tuple[int, int], SampleRecord] = {}
+
+    def apply(self, delta: SamplingDelta) -> None:
+        for parent, index, child in delta.forked:
+            self.records[child] = self.records.pop((parent, index))
+        for seq_id in delta.finished:
+            self.records.pop(seq_id, None)
+        for s in delta.new:
+            self.records[s.seq_id] = SampleRecord(s.index, s.params, s.prompt_token_ids, [], s.forks)
+
+    def draw(self, logits: torch.Tensor, sampled: list[int], seq_ids: list[int]) -> Draws:
+        """logits: (R, vocab), row i for sequence seq_ids[i] (the batch's `sampled` sequences)."""
+        rows, seqs = [], []
+        for row, seq_id in enumerate(seq_ids):
+            parent = self.records[seq_id]
+            rows.append(row)
+            seqs.append(parent)
+            for index in range(1, parent.forks + 1):  # as Scheduler.update_from_output forks
+                child = SampleRecord(index, parent.params, parent.prompt_token_ids, list(parent.output_token_ids))
+                self.records[(seq_id, index)] = child
+                rows.append(row)
+                seqs.append(child)
+            parent.forks = 0
+        results = self.sampler.sample(logits, rows, seqs)
+        logprobs = {}
+        for i, (seq, result) in enumerate(zip(seqs, results)):
+            seq.output_token_ids.append(result.token_id)
+            if result.logprob is not None:
+                logprobs[i] = (result.logprob, result.top_logprobs)
+        return Draws(sampled, rows, [r.token_id for r in results], logprobs)
