@@ -98,9 +98,15 @@ METRICS = (
 )
 
 
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+ZERO_TAGS = {REQUEST_SUCCESS: [{FINISHED_REASON: r} for r in FINISHED_REASONS]}  # series a counter starts with
+
+
 def ray_metrics(model_name: str) -> dict[str, object]:
     """One ray.serve.metrics object per spec, tagged with the model. Inside a Serve replica they
-    also get its deployment, replica and application tags; outside Ray they record nothing."""
+    also get its deployment, replica and application tags; outside Ray they record nothing.
+    Every counter series is exported at 0 from the start, as vLLM's are, so that a Grafana panel
+    (rate of preemptions, prefix-cache hit rate) shows 0 rather than "No data"."""
     from ray.serve import metrics
 
     out = {}
@@ -112,6 +118,10 @@ def ray_metrics(model_name: str) -> dict[str, object]:
         else:
             m = cls(spec.name, spec.description, tag_keys=keys)
         m.set_default_tags({MODEL_NAME: model_name})
+        if spec.kind == "Counter":
+            for tags in ZERO_TAGS.get(spec.name, [{}]):
+                # Counter.inc refuses 0; the recorder it forwards to takes it and creates the series.
+                m._record(0, tags=tags)
         out[spec.name] = m
     return out
 
