@@ -15,8 +15,12 @@ silently ignored.
 
     OpenAIIngress (FastAPI)  --handle-->  EngineServer x num_replicas
     num_cpus 0, many requests             one AsyncEngine each; with tensor_parallel_size > 1 a
-                                          placement group: bundle 0 for the replica, then one
-                                          bundle per rank for the worker group it starts
+                                          STRICT_PACK placement group (one node): bundle 0 for
+                                          the replica, then one bundle per rank of its group
+
+Before anything is deployed, cluster.sizing checks that a replica fits the Ray nodes in sight
+and can read its checkpoint within load_timeout_s; a config change starts the new replicas
+before the old ones stop (max_surge_percent), so serving goes on through it.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cluster import sizing
 from cluster.policy import ROUTERS
 from engine.config import EngineConfig
 
@@ -68,6 +73,14 @@ class ServeOptions:
     target_ongoing_requests: float | None = None  # autoscale requests: Serve's target (default: Serve's)
     look_back_period_s: float = 30.0  # window Serve averages the replicas' metrics over
     metrics_interval_s: float | None = None  # how often replicas push metrics (default: Serve's, 10 s)
+    # Start-up and upgrades of the engine replicas
+    load_timeout_s: float = 900.0  # tp > 1: reading + scattering the weights (rank 0 reads them all)
+    weights_read_bytes_per_s: float = sizing.DEFAULT_READ_BYTES_PER_S  # stated volume read rate, for the check
+    # Extra replicas (percent of the target count, rounded up) a config change may start before old
+    # ones stop: 100 keeps full capacity through an upgrade at the cost of one more replica's
+    # devices meanwhile; 0 is Serve's default (stop old replicas first: an outage at 1 replica).
+    max_surge_percent: int = 100
+    check_nodes: bool = True  # refuse to deploy when no Ray node in sight can hold a replica
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTERS:
@@ -99,6 +112,10 @@ class ServeOptions:
             raise ValueError(f"max_queued_requests must be >= 1, or -1 for no limit, got {self.max_queued_requests}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if not self.load_timeout_s > 0 or not self.weights_read_bytes_per_s > 0:
+            raise ValueError("load_timeout_s and weights_read_bytes_per_s must be > 0")
+        if not 0 <= self.max_surge_percent <= 100:
+            raise ValueError(f"max_surge_percent must be within 0..100, got {self.max_surge_percent}")
 
     def kv_autoscale_config(self):
         from cluster.autoscale import KVAutoscaleConfig
@@ -126,6 +143,11 @@ class ServeOptions:
         return out
 
     @property
+    def surge_replicas(self) -> int:
+        """Replicas an upgrade may add on top of the most the app runs (Serve rounds up)."""
+        return -(-self.max_surge_percent * self.max_engine_replicas // 100)
+
+    @property
     def max_engine_replicas(self) -> int:
         """The most engine replicas this app may run (for sizing CPUs and threads)."""
         if self.autoscaling_config:
@@ -151,18 +173,35 @@ def split_args(args: dict) -> tuple[EngineConfig, ServeOptions]:
 
 
 def check_args(args: dict) -> tuple[EngineConfig, ServeOptions]:
-    """Everything that can be checked before Ray starts: the arguments, the model directory (the
-    default model is converted here, once) and whether the model splits tensor_parallel_size ways."""
+    """Everything that can be checked before the app deploys: the arguments, the model directory
+    (the default model is converted here, once), whether the model splits tensor_parallel_size
+    ways, and whether a replica fits the Ray nodes in sight and loads within load_timeout_s."""
+    from engine.model.loader import load_arch
     from engine.model_source import resolve_model
 
     engine, options = split_args(args)
     model_dir = resolve_model(engine.model)
+    arch = load_arch(model_dir)[0]
     if engine.tensor_parallel_size > 1:
-        from engine.model.loader import load_arch
-
-        load_arch(model_dir)[0].check_tp(engine.tensor_parallel_size)
+        arch.check_tp(engine.tensor_parallel_size)
     router_settings(engine, options)  # the ingress's limits are valid
+    check_sizing(engine, options, arch, model_dir)
     return engine, options
+
+
+def check_sizing(engine: EngineConfig, options: ServeOptions, arch, model_dir=None,
+                 nodes: list[sizing.NodeShape] | None = None) -> sizing.ReplicaNeeds:
+    """cluster.sizing's check of one replica against `nodes` (default: the alive Ray nodes that
+    could host it, when Ray is up and options.check_nodes). Raises sizing.SizingError."""
+    gpu = use_gpu(engine)
+    needs = sizing.replica_needs(engine, arch, sizing.checkpoint_bytes(
+        model_dir, arch, sizing.checkpoint_dtype_bytes(model_dir)), gpu)
+    if nodes is None:
+        import ray
+
+        nodes = sizing.ray_nodes(gpu) if options.check_nodes and ray.is_initialized() else []
+    sizing.check(needs, nodes, options.load_timeout_s, options.weights_read_bytes_per_s)
+    return needs
 
 
 def served_model_name(engine: EngineConfig, options: ServeOptions) -> str:
@@ -183,9 +222,14 @@ def router_settings(engine: EngineConfig, options: ServeOptions):
 
 
 def engine_bundles(tensor_parallel_size: int, use_gpu: bool) -> list[dict[str, float]]:
-    """Bundle 0 holds the replica (scheduler, no device); bundle 1 + r holds rank r."""
+    """Bundle 0 holds the replica (scheduler, no device); bundle 1 + r holds rank r. Placed with
+    STRICT_PACK: all on one node, since the ranks rendezvous over loopback."""
     rank = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}
     return [{"CPU": 1.0}] + [dict(rank) for _ in range(tensor_parallel_size)]
+
+
+def use_gpu(engine: EngineConfig) -> bool:
+    return engine.device == "cuda" or (engine.device == "auto" and _cluster_has_gpus())
 
 
 def _cluster_has_gpus() -> bool:
@@ -212,13 +256,14 @@ def engine_router_config(engine: EngineConfig, options: ServeOptions):
 
 def engine_deployment_options(engine: EngineConfig, options: ServeOptions) -> dict:
     tp = engine.tensor_parallel_size
-    use_gpu = engine.device == "cuda" or (engine.device == "auto" and _cluster_has_gpus())
+    gpu = use_gpu(engine)
     opts = {
         "max_ongoing_requests": options.max_ongoing_requests or engine.max_num_seqs,
         "max_queued_requests": options.max_queued_requests,
         "graceful_shutdown_timeout_s": options.graceful_shutdown_timeout_s,
         "health_check_period_s": options.health_check_period_s,
         "max_constructor_retry_count": 3,  # a model that fails to load rarely loads on the 20th try
+        "max_surge_percent": options.max_surge_percent,
     }
     autoscaling = options.engine_autoscaling_config()
     if autoscaling:
@@ -226,12 +271,15 @@ def engine_deployment_options(engine: EngineConfig, options: ServeOptions) -> di
     else:
         opts["num_replicas"] = options.num_replicas or 1
     opts["request_router_config"] = engine_router_config(engine, options)
+    from workers.group import LOAD_TIMEOUT_ENV  # where the replica's worker group reads its load timeout
+
+    env = {"runtime_env": {"env_vars": {LOAD_TIMEOUT_ENV: repr(float(options.load_timeout_s))}}}
     if tp > 1:
-        opts["placement_group_bundles"] = engine_bundles(tp, use_gpu)
-        opts["placement_group_strategy"] = "PACK"
-        opts["ray_actor_options"] = {"num_cpus": 1}  # must fit bundle 0
+        opts["placement_group_bundles"] = engine_bundles(tp, gpu)
+        opts["placement_group_strategy"] = "STRICT_PACK"
+        opts["ray_actor_options"] = {"num_cpus": 1, **env}  # must fit bundle 0
     else:
-        opts["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1 if use_gpu else 0}
+        opts["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1 if gpu else 0}
     return opts
 
 
@@ -251,5 +299,6 @@ def build_app(args: dict | None = None):
     ingress = IngressDeployment.options(num_replicas=options.num_ingress_replicas,
                                         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
                                         ray_actor_options={"num_cpus": 0},
-                                        graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s)
+                                        graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s,
+                                        max_surge_percent=100)  # 0 CPUs: a new ingress before the old one stops
     return ingress.bind(engine_app, settings, engine.model, engine.tokenizer)

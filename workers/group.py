@@ -18,8 +18,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
@@ -33,13 +34,21 @@ from workers.rank import CONCURRENCY_GROUPS, RankWorker
 
 logger = logging.getLogger(__name__)
 
+LOAD_TIMEOUT_ENV = "KVSERVE_LOAD_TIMEOUT_S"  # set by cluster.app from its load_timeout_s argument
+
+
+def _default_load_timeout_s() -> float:
+    return float(os.environ.get(LOAD_TIMEOUT_ENV, 900.0))
+
 
 @dataclass(frozen=True)
 class WorkerGroupConfig:
     placement_timeout_s: float = 60.0  # reserving the bundles
     start_timeout_s: float = 180.0  # rank processes start (spawn, imports, device context)
     join_timeout_s: float = 60.0  # per rendezvous stage: store, connect, process group
-    load_timeout_s: float = 900.0  # reading + scattering the weights, sizing the KV cache
+    # Reading + scattering the weights, sizing the KV cache: rank 0 reads the whole checkpoint, so
+    # this bounds checkpoint size / volume read rate (cluster.sizing checks it before deploying).
+    load_timeout_s: float = field(default_factory=_default_load_timeout_s)
     step_timeout_s: float = 600.0  # one step on every rank; a dead rank is noticed at once anyway
     health_timeout_s: float = 10.0  # a ping to every rank
     diagnose_grace_s: float = 2.0  # after a failure, how long to wait for the others' errors
@@ -132,6 +141,10 @@ class WorkerGroup:
         group instead of reserving their resources a second time."""
         current = ray.util.get_current_placement_group()
         if current is not None and len(current.bundle_specs) >= 1 + self.size:
+            strategy = ray.util.placement_group_table(current).get("strategy")
+            if strategy != "STRICT_PACK":  # ranks on two nodes would wait for each other on loopback
+                raise WorkerGroupError(f"the replica's placement group is {strategy}; tensor-parallel ranks "
+                                       "rendezvous over loopback, so it must be STRICT_PACK (one node)")
             self.pg, self.owns_pg = current, False
             return 1
         self.pg, self.owns_pg = placement_group([dict(bundle)] * self.size, strategy="STRICT_PACK"), True
