@@ -1,12 +1,14 @@
 """deploy/k8s: manifests that KubeRay accepts and that deploy our real application.
 
-No cluster and no running Ray: RayService / RayCluster documents are validated against the
-openAPIV3Schema of KubeRay's CRDs (../shared/kuberay-crds), closed to unknown fields as
-`kubectl apply`'s strict field validation is; serveConfigV2 against Serve's own config schema,
-then its import_path is imported and its args go through cluster.app.build_app (with only the
-model-directory check stubbed out, since the models live on the cluster's volume); the
-monitoring files against the metric and deployment names that really exist (Ray's own, and
-ours from workers.metrics).
+No cluster and no running Ray: each profile's RayService (deploy/k8s/<profile>/rayservice.yaml)
+is validated against the openAPIV3Schema of KubeRay's CRDs (../shared/kuberay-crds), closed to
+unknown fields as `kubectl apply`'s strict field validation is; serveConfigV2 against Serve's
+own config schema, then its import_path is imported and its args go through cluster.app.build_app
+(with only the model-directory check stubbed out, since the models live on the cluster's volume);
+each profile's pods against cluster.sizing (CPUs, GPUs, memory, load time); each profile as
+`kubectl kustomize` renders it (what `kubectl apply -k` sends: images, Secrets, the weights
+volume and Job); the monitoring files against the metric and deployment names that really exist
+(Ray's own, and ours from workers.metrics).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import functools
 import importlib
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import jsonschema
@@ -26,16 +30,19 @@ K8S = ROOT / "deploy" / "k8s"
 CRDS = ROOT.parent / "shared" / "kuberay-crds"
 CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
 GPU = "nvidia.com/gpu"
+PROFILES = ("cpu", "gpu-8b-tp2", "gpu-70b-tp8")
+GPU_MEMORY_ANNOTATION = "kvserve.dev/gpu-memory"
 
 
 def load_all(path: Path) -> list[dict]:
     return [d for d in yaml.load_all(path.read_text(), Loader=yaml.CSafeLoader) if d is not None]
 
 
-MANIFESTS = sorted(K8S.glob("*.yaml")) + sorted(K8S.glob("*.yml"))
-DOCS = [(p.name, d) for p in MANIFESTS for d in load_all(p)]
+MANIFESTS = sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml")
+DOCS = [(str(p.relative_to(K8S)), d) for p in MANIFESTS for d in load_all(p)]
 RAY_DOCS = [(f, d) for f, d in DOCS if d.get("apiVersion") == "ray.io/v1"]
-RAY_SERVICES = [(f, d) for f, d in RAY_DOCS if d["kind"] == "RayService"]
+RAY_SERVICES = [(f, d) for f, d in DOCS if d.get("kind") == "RayService"]
+PROFILE_SERVICE = {f.split("/")[0]: d for f, d in RAY_SERVICES}
 
 
 def doc_id(item) -> str:
@@ -222,6 +229,12 @@ def dockerfiles() -> dict[str, dict]:
     return out
 
 
+def component_images() -> dict[str, str]:
+    """Placeholder image name -> the registry-qualified image that components/image sets."""
+    (doc,) = load_all(K8S / "components" / "image" / "kustomization.yaml")
+    return {i["name"]: f"{i['newName']}:{i['newTag']}" for i in doc["images"]}
+
+
 @pytest.mark.parametrize("item", RAY_DOCS, ids=doc_id)
 def test_images_come_from_our_dockerfiles_with_the_same_ray(item):
     import ray
@@ -229,7 +242,7 @@ def test_images_come_from_our_dockerfiles_with_the_same_ray(item):
     doc, built = item[1], dockerfiles()
     cluster = doc["spec"]["rayClusterConfig"] if doc["kind"] == "RayService" else doc["spec"]
     for name, group in pod_groups(doc):
-        image = ray_container(group)["image"]
+        image = component_images().get(ray_container(group)["image"], ray_container(group)["image"])
         assert image in built, f"{name}: image {image} is built by none of {sorted(built)}"
         assert cluster["rayVersion"] == built[image]["ray_version"], f"{name}: rayVersion vs {built[image]['path']}"
     assert cluster["rayVersion"] == ray.__version__, "the image's Ray differs from the one the tests ran against"
@@ -305,14 +318,14 @@ def exported(metric: str) -> bool:
 
 
 def test_grafana_dashboard():
-    dash = json.loads((K8S / "grafana-dashboard.json").read_text())
+    dash = json.loads((K8S / "monitoring" / "grafana-dashboard.json").read_text())
     panels = dash["panels"]
     assert dash["title"] and dash["uid"] and len({p["id"] for p in panels}) == len(panels)
     variables = {v["name"]: v for v in dash["templating"]["list"]}
     app_names = {a["name"] for _, d in RAY_SERVICES for a in serve_config(d)["applications"]}
     assert variables["application"]["query"] in app_names
     deployments = set(re.findall(r'serve\.deployment\(name="(\w+)"\)',
-                                 "".join(p.read_text() for p in (ROOT / "router").glob("*.py"))))
+                                 "".join(p.read_text() for d in ("router", "workers") for p in (ROOT / d).glob("*.py"))))
     exprs = [t["expr"] for p in panels if p["type"] != "text" for t in p["targets"]]
     assert len(exprs) >= 8
     for expr in exprs:
@@ -322,7 +335,7 @@ def test_grafana_dashboard():
         assert not unknown, f"Ray exports no metric {unknown} ({expr})"
         assert set(re.findall(r'deployment="(\w+)"', expr)) <= deployments, expr
         assert set(re.findall(r"\$(\w+)", expr)) <= set(variables) | {"__rate_interval"}, expr
-    from router import metrics as m
+    from workers import metrics as m
 
     charted = {name for expr in exprs for name in re.findall(r"\bray_(kvserve_\w+?)(?:_total|_bucket)?\b", expr)}
     wanted = {m.KV_USAGE, m.RUNNING, m.WAITING, m.TTFT, m.ITL, m.PREEMPTIONS, m.PREFIX_HITS, m.PREFIX_QUERIES}
@@ -336,3 +349,255 @@ def test_metric_name_check_catches_mistakes():
     assert exported("ray_kvserve_time_to_first_token_seconds_bucket")
     assert not exported("ray_kvserve_num_preemptions")  # a counter is exported with _total only
     assert not exported("ray_kvserve_kv_usage")  # cluster.autoscale's name: goes to Serve's autoscaler only
+
+
+# -- what `kubectl apply -k deploy/k8s/<profile>` sends -------------------------------------------------
+@functools.cache
+def rendered(profile: str, tmp_root: str) -> tuple[dict, ...]:
+    """The profile as `kubectl kustomize` renders it, the secrets' .env files made from their templates
+    (in a copy of deploy/k8s: the real ones are git-ignored and absent from a clean checkout)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (with its built-in kustomize) is not installed")
+    tree = Path(tmp_root) / "k8s"
+    if not tree.exists():
+        shutil.copytree(K8S, tree)
+        for example in tree.glob("secrets/*/*.env.example"):
+            shutil.copy(example, example.with_suffix(""))
+    out = subprocess.run([kubectl, "kustomize", str(tree / profile)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+
+
+@pytest.fixture(scope="module")
+def render_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("kustomize"))
+
+
+def pod_specs(doc: dict):
+    """(where, pod spec) of every pod template in a rendered document."""
+    if doc["kind"] == "RayService":
+        for name, group in pod_groups(doc):
+            yield f"RayService {name}", group["template"]["spec"]
+    elif doc["kind"] == "Job":
+        yield f"Job {doc['metadata']['name']}", doc["spec"]["template"]["spec"]
+
+
+def app_args(doc: dict) -> dict:
+    (app,) = serve_config(doc)["applications"]
+    return app.get("args") or {}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_profile_renders_with_one_image_name_and_every_object_it_needs(profile, render_root):
+    docs = rendered(profile, render_root)
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    (service,) = [d for d in docs if d["kind"] == "RayService"]
+    images = {c["image"] for d in docs for _, spec in pod_specs(d)
+              for c in spec["containers"] + spec.get("initContainers", [])}
+    assert images <= set(component_images().values()), f"images not set by components/image: {images}"
+    version = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    for image in images:
+        name, _, tag = image.rpartition(":")
+        assert "." in name.split("/")[0] and name.count("/") >= 2, f"{image}: not registry-qualified"
+        assert tag.startswith(f"{version}-ray{service['spec']['rayClusterConfig']['rayVersion']}-"), image
+    for where, spec in (w for d in docs for w in pod_specs(d)):
+        for c in spec["containers"] + spec.get("initContainers", []):
+            for env in c.get("env", []):
+                ref = env.get("valueFrom", {}).get("secretKeyRef")
+                if ref and not ref.get("optional"):
+                    assert ("Secret", ref["name"]) in kinds, f"{where}: Secret {ref['name']} is not in the profile"
+        for vol in spec.get("volumes", []):
+            if "persistentVolumeClaim" in vol:
+                assert ("PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"]) in kinds, where
+            if "configMap" in vol:
+                assert ("ConfigMap", vol["configMap"]["name"]) in kinds, where
+    (secret,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "kvserve-api-key"]
+    assert set(secret["data"]) == {"key"}
+
+
+@pytest.mark.parametrize("profile", [p for p in PROFILES if p.startswith("gpu")])
+def test_gpu_profile_fills_its_volume_before_any_ray_pod_reads_it(profile, render_root):
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("fill_weights", K8S / "weights" / "fill_weights.py")
+    fill = module_from_spec(spec)
+    spec.loader.exec_module(fill)
+    docs = rendered(profile, render_root)
+    (service,) = [d for d in docs if d["kind"] == "RayService"]
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    (pvc,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    model = app_args(service)["model"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["command"][-2].startswith("hf://") and container["command"][-1] == model
+    assert {"name": "MODEL_DIR", "value": model} in container["env"]
+    assert set(pvc["spec"]["accessModes"]) <= {"ReadWriteMany", "ReadWriteOnce"}
+    for where, pod in pod_specs(service):
+        (claim,) = [v["persistentVolumeClaim"] for v in pod["volumes"] if "persistentVolumeClaim" in v]
+        assert claim == {"claimName": pvc["metadata"]["name"], "readOnly": True}, where
+        waits = [c for c in pod.get("initContainers", []) if f"{model}/{fill.MARKER}" in " ".join(c["command"])]
+        assert waits, f"{where}: no init container waits for {model}/{fill.MARKER}"
+
+
+def test_weights_fill_downloads_once_and_marks_the_directory(tmp_path, smollm2_path):
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("fill_weights", K8S / "weights" / "fill_weights.py")
+    fill = module_from_spec(spec)
+    spec.loader.exec_module(fill)
+    calls = []
+
+    def download(repo: str, dest: Path) -> None:  # stands in for the hub: copies a real checkpoint
+        calls.append(repo)
+        for f in Path(smollm2_path).iterdir():
+            if f.suffix in (".json", ".safetensors"):
+                shutil.copy(f, dest / f.name)
+
+    dest = tmp_path / "models" / "SmolLM2"
+    assert fill.fill("hf://org/SmolLM2", dest, download) is True
+    assert (dest / fill.MARKER).is_file() and (dest / "config.json").is_file()
+    assert not dest.with_name("SmolLM2.partial").exists()
+    assert fill.fill("hf://org/SmolLM2", dest, download) is False and calls == ["org/SmolLM2"]
+    with pytest.raises(SystemExit):
+        fill.fill("s3://bucket/x", tmp_path / "other", download)
+    with pytest.raises(SystemExit, match="no config.json"):
+        fill.fill("hf://org/empty", tmp_path / "empty", lambda repo, dest: None)
+
+
+@pytest.mark.parametrize("item", RAY_SERVICES, ids=doc_id)
+def test_cluster_is_secured_upgrades_without_outage_and_serves_only_when_ready(item):
+    import cluster.app
+
+    doc = item[1]
+    spec = doc["spec"]
+    assert spec["rayClusterConfig"]["authOptions"]["mode"] == "token", "Ray's dashboard and API open to anyone"
+    assert spec["upgradeStrategy"]["type"] in ("NewCluster", "NewClusterWithIncrementalUpgrade")
+    assert spec.get("excludeHeadPodFromServeSvc"), "traffic must enter where readiness follows /ready"
+    port = serve_config(doc)["http_options"]["port"]
+    for name, group in pod_groups(doc):
+        probe = ray_container(group).get("readinessProbe")
+        if name == "head":
+            assert probe is None, "the head keeps KubeRay's probe: KubeRay waits for a Ready head to deploy"
+            continue
+        assert probe["exec"]["command"] == ["python", "-m", "cluster.probe", "--serve-port", str(port)], name
+    engine, options = cluster.app.split_args(app_args(doc))
+    opts = cluster.app.engine_deployment_options(engine, options)
+    assert opts["max_surge_percent"] > 0, "a config change would stop the old replicas before new ones run"
+    if engine.tensor_parallel_size > 1:
+        assert opts["placement_group_strategy"] == "STRICT_PACK"
+        assert len(opts["placement_group_bundles"]) == 1 + engine.tensor_parallel_size
+
+
+# -- sizing: the pods hold the replicas, the replicas load in time ------------------------------------
+_QUANTITY = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def quantity(v) -> float:
+    m = re.fullmatch(r"([0-9.]+)([a-zA-Z]*)", str(v))
+    return float(m.group(1)) * _QUANTITY[m.group(2)]
+
+
+def node_shapes(doc: dict):
+    """cluster.sizing's view of each worker group's pod: its limits, as KubeRay hands them to Ray."""
+    from cluster.sizing import NodeShape
+
+    for name, group in pod_groups(doc):
+        if name == "head":
+            continue
+        limits = ray_container(group)["resources"]["limits"]
+        gpu_memory = group["template"]["metadata"].get("annotations", {}).get(GPU_MEMORY_ANNOTATION)
+        yield group, NodeShape(name, quantity(limits["cpu"]), quantity(limits.get(GPU, 0)),
+                               int(quantity(limits["memory"])), int(quantity(gpu_memory)) if gpu_memory else None)
+
+
+def llama(hidden: int, inter: int, layers: int, heads: int, kv: int):
+    from engine.model.llama import ModelArch
+
+    return ModelArch(vocab_size=128256, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
+                     num_heads=heads, num_kv_heads=kv, head_dim=hidden // heads, rms_norm_eps=1e-5,
+                     rope_theta=500000.0, rope_scaling=None, max_position_embeddings=131072,
+                     tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+
+
+# The profiles' checkpoints live on the cluster's volume; their shapes are their published configs.
+ARCHS = {"/models/Llama-3.1-8B-Instruct": lambda: llama(4096, 14336, 32, 32, 8),
+         "/models/Llama-3.1-70B-Instruct": lambda: llama(8192, 28672, 80, 64, 8)}
+
+
+def profile_model(doc: dict, smollm2_path: str):
+    """-> engine config, serve options, model arch, model dir (None: a checkpoint on the cluster's volume)."""
+    import cluster.app
+    from engine.model.loader import load_arch
+
+    engine, options = cluster.app.split_args(app_args(doc))
+    model_dir = smollm2_path if engine.model is None else None
+    return engine, options, load_arch(model_dir)[0] if model_dir else ARCHS[engine.model](), model_dir
+
+
+def profile_needs(doc: dict, smollm2_path: str):
+    import cluster.app
+    from cluster import sizing
+
+    engine, options, arch, model_dir = profile_model(doc, smollm2_path)
+    ckpt = sizing.checkpoint_bytes(model_dir, arch)
+    return engine, options, sizing.replica_needs(engine, arch, ckpt, cluster.app.use_gpu(engine))
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_profile_pods_hold_max_replicas_plus_an_upgrade_surge_and_load_in_time(profile, smollm2_path):
+    import cluster.app
+    from cluster import sizing
+
+    doc = PROFILE_SERVICE[profile]
+    engine, options, arch, model_dir = profile_model(doc, smollm2_path)
+    shapes = list(node_shapes(doc))
+    needs = cluster.app.check_sizing(engine, options, arch, model_dir, nodes=[s for _, s in shapes])  # what build_app runs
+    capacity = sum(group["maxReplicas"] * sizing.replicas_per_node(needs, shape) for group, shape in shapes)
+    assert capacity >= options.max_engine_replicas + options.surge_replicas, \
+        f"{capacity} replicas fit the worker groups; the app may run {options.max_engine_replicas} + " \
+        f"{options.surge_replicas} surging during an upgrade"
+    if engine.tensor_parallel_size > 1:
+        assert needs.load_s(options.weights_read_bytes_per_s) <= options.load_timeout_s
+
+
+@pytest.mark.parametrize("mutate, expect", [
+    (lambda limits: limits.__setitem__("cpu", "8"), "needs 9 CPUs"),  # TP8 on an 8-CPU pod
+    (lambda limits: limits.__setitem__(GPU, 4), "multi-node tensor parallelism is not supported"),
+    (lambda limits: limits.__setitem__("memory", "16Gi"), "of memory"),
+])
+def test_sizing_refuses_a_70b_tp8_pod_that_cannot_hold_a_replica(mutate, expect, smollm2_path):
+    from cluster import sizing
+
+    doc = copy.deepcopy(PROFILE_SERVICE["gpu-70b-tp8"])
+    (group,) = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    mutate(ray_container(group)["resources"]["limits"])
+    engine, options, needs = profile_needs(doc, smollm2_path)
+    with pytest.raises(sizing.SizingError, match=expect):
+        sizing.check(needs, [s for _, s in node_shapes(doc)], options.load_timeout_s, options.weights_read_bytes_per_s)
+
+
+def test_sizing_refuses_a_load_timeout_the_volume_cannot_meet(smollm2_path):
+    from cluster import sizing
+
+    doc = PROFILE_SERVICE["gpu-70b-tp8"]
+    engine, options, needs = profile_needs(doc, smollm2_path)
+    assert 1000 < needs.load_s(sizing.DEFAULT_READ_BYTES_PER_S) < 1200  # 141 GB at 125 MiB/s
+    with pytest.raises(sizing.SizingError, match="load_timeout_s=900"):
+        sizing.check(needs, [], 900.0)
+    with pytest.raises(sizing.SizingError, match="GPUs give the engine"):  # a 70B shard does not fit 16 GB GPUs
+        sizing.check(needs, [sizing.NodeShape("small", 16, 8, 256 << 30, 16 << 30)], options.load_timeout_s)
+
+
+def test_counters_are_exported_at_zero_from_the_start(monkeypatch):
+    from ray.util import metrics as ray_util_metrics
+
+    from workers import metrics as M
+
+    recorded = []
+    monkeypatch.setattr(ray_util_metrics.Metric, "_record",
+                        lambda self, value, tags=None: recorded.append((self._name, value, dict(tags or {}))))
+    M.ray_metrics("m")
+    counters = {s.name for s in M.METRICS if s.kind == "Counter"}
+    assert {name for name, v, _ in recorded if v == 0} == counters
+    assert {t[M.FINISHED_REASON] for name, _, t in recorded if name == M.REQUEST_SUCCESS} == set(M.FINISHED_REASONS)
