@@ -23,6 +23,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
+    # What runs the ranks when tensor_parallel_size > 1: "ray" (workers.executor's Ray worker group),
+    # or "package.module:Class" of an Executor built as Class(config).
+    distributed_executor_backend: str = "ray"
     stream_interval: int = 1  # a running request's output every N tokens (the first and the last at once)
 
     def __post_init__(self) -> None:
@@ -41,6 +44,9 @@ class EngineConfig:
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         need(self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        need(self.distributed_executor_backend == "ray" or ":" in self.distributed_executor_backend,
+             f"distributed_executor_backend must be 'ray' or 'package.module:Class', "
+             f"got {self.distributed_executor_backend!r}")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -1,6 +1,7 @@
 """Where model steps run: in-process for tensor_parallel_size == 1, a worker group otherwise."""
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from dataclasses import dataclass
@@ -140,9 +141,15 @@ class LocalExecutor:
         pass
 
 
+EXECUTOR_BACKENDS = {"ray": "workers.executor:WorkerGroupExecutor"}
+
+
 def make_executor(config: EngineConfig) -> Executor:
     if config.tensor_parallel_size == 1:
         return LocalExecutor(config)
-    from workers.executor import WorkerGroupExecutor  # Ray only when asked for
-
-    return WorkerGroupExecutor(config)
+    # The engine names its multi-rank executor instead of importing it: the engine package stays
+    # free of Ray and of our other packages, and a deployment can plug in its own (vLLM's
+    # --distributed-executor-backend).
+    path = EXECUTOR_BACKENDS.get(config.distributed_executor_backend, config.distributed_executor_backend)
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)(config)
