@@ -2,6 +2,7 @@
 #   make serve   venv + default model, then the OpenAI-compatible server on 127.0.0.1:8000
 #                (extra flags: SERVE_ARGS="--api-key KEY --max-model-len 2048"; Ctrl-C stops it)
 #   make test    venv + default model, then the pytest suite (extra args: PYTEST_ARGS="...")
+#   make reliability  the reliability suite (tests/reliability) at its full counts; figures at the end
 
 SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
@@ -19,7 +20,7 @@ SERVE_ARGS ?=
 # Quiet, non-interactive pip that behaves the same with and without a TTY (CI=true).
 PIP_INSTALL := $(PY) -m pip --no-input install --progress-bar off
 
-.PHONY: venv model serve test bench clean
+.PHONY: venv model serve test reliability bench clean
 
 venv: $(STAMP)
 
@@ -46,6 +47,11 @@ serve: venv model
 # With no PYTEST_ARGS paths, pytest runs testpaths (tests/) from pyproject.toml.
 test: venv model
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The reliability suite against real `kvserve serve` processes, at the larger counts (200+ streams,
+# a 2,000-request soak, ...); `make test` runs it at small counts. Figures: docs/reliability.md.
+reliability: venv model
+	RELIABILITY_SCALE=full $(PY) -m pytest -q -m reliability tests/reliability $(PYTEST_ARGS)
 
 bench: venv model
 	$(PY) benchmarks/offline.py
