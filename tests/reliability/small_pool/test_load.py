@@ -1,0 +1,55 @@
+"""Load: LOAD_STREAMS concurrent streams (64; 256 under RELIABILITY_SCALE=full) of
+LOAD_MAX_TOKENS tokens (24; 32) against the small pool (common.py)."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+import pytest
+
+from tests.reliability.harness import COMPLETED, FAILED, REFUSED, StreamResult, async_client, count, stream_request
+from tests.reliability.small_pool.common import (LOAD_STREAMS, MAX_NUM_SEQS, MAX_QUEUED, assert_pool_whole, prompt,
+                                                 settled_counters, wait_counters)
+
+pytestmark = pytest.mark.reliability
+
+LOAD_MAX_TOKENS = count("load_max_tokens", 24, 32)
+
+
+def test_load_burst_over_a_small_pool_completes_or_refuses_every_stream(server, figures):
+    """LOAD_STREAMS streams at once, a quarter of them chat: each ends with [DONE] and a
+    finish_reason, or is refused with 503 + Retry-After; none fails or hangs. Short prompts and
+    long outputs: the KV router admits on half the growth to come, so the running batch outgrows
+    the pool (preemptions). Afterwards every KV block is free again, and the engine counted
+    exactly the streams the clients saw complete."""
+    before = settled_counters(server)
+
+    async def burst() -> list[StreamResult]:
+        async with async_client(headers=server.headers()) as client:
+            def one(i: int):
+                if i % 4 == 3:
+                    body = {"messages": [{"role": "user", "content": prompt(i, 8)}], "max_tokens": LOAD_MAX_TOKENS,
+                            "ignore_eos": True, "stream": True, "temperature": 0.7, "seed": i}
+                    return stream_request(client, server.url, "/v1/chat/completions", body, 600.0)
+                body = {"prompt": prompt(i, 8), "max_tokens": LOAD_MAX_TOKENS, "ignore_eos": True, "stream": True}
+                return stream_request(client, server.url, "/v1/completions", body, 600.0)
+            return await asyncio.gather(*(one(i) for i in range(LOAD_STREAMS)))
+
+    t0 = time.monotonic()
+    results = asyncio.run(burst())
+    elapsed = time.monotonic() - t0
+    outcomes = collections.Counter(r.outcome for r in results)
+    failures = [r for r in results if r.outcome == FAILED]
+    delta = wait_counters(server, before, {"length": outcomes[COMPLETED], "abort": 0, "error": 0})
+    pool = assert_pool_whole(server)
+    figures(streams=LOAD_STREAMS, max_tokens=LOAD_MAX_TOKENS, max_queued=MAX_QUEUED, completed=outcomes[COMPLETED],
+            refused=outcomes[REFUSED], failed=len(failures), preemptions=delta["preemptions"],
+            leaked_blocks=pool["leaked_blocks"], seconds=round(elapsed, 1))
+    assert not failures, [(r.status, r.detail) for r in failures[:5]]
+    assert outcomes[COMPLETED] + outcomes[REFUSED] == LOAD_STREAMS
+    assert outcomes[COMPLETED] >= MAX_NUM_SEQS
+    assert all(r.finish_reason == "length" and r.events >= LOAD_MAX_TOKENS
+               for r in results if r.outcome == COMPLETED)
+    assert (delta["length"], delta["stop"], delta["abort"], delta["error"]) == (outcomes[COMPLETED], 0, 0, 0), delta
+    assert delta["preemptions"] > 0, "the burst never outgrew the KV pool: no preemption was exercised"
