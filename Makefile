@@ -20,7 +20,7 @@ SERVE_ARGS ?=
 # Quiet, non-interactive pip that behaves the same with and without a TTY (CI=true).
 PIP_INSTALL := $(PY) -m pip --no-input install --progress-bar off
 
-.PHONY: venv model serve test reliability bench clean
+.PHONY: venv model serve test reliability bench deploy-proof clean
 
 venv: $(STAMP)
 
@@ -55,6 +55,11 @@ reliability: venv model
 
 bench: venv model
 	$(PY) benchmarks/offline.py
+
+# The deploy/k8s profiles on a multi-node local Ray, as KubeRay runs them (minutes; not in `make
+# test`): tests/test_deploy_cluster.py, which stops every process it starts.
+deploy-proof: venv model
+	$(PY) -m pytest -q -s -m deploy_proof tests/test_deploy_cluster.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
