@@ -38,6 +38,18 @@ RETRY_BACKOFF_S = 0.2
 _NOT_READY_STATES = {"STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION"}
 
 
+def _log_through_serve(name: str) -> None:
+    """Send logger `name`'s INFO lines (--enable-log-requests: prompts and params) to the
+    replica's log through Serve's own handlers; in a replica only Serve's logger has any."""
+    serve_logger = logging.getLogger("ray.serve")
+    ours = logging.getLogger(name)
+    ours.setLevel(logging.INFO)
+    for handler in serve_logger.handlers:
+        if handler not in ours.handlers:
+            ours.addHandler(handler)
+    ours.propagate = False
+
+
 class HandleReplicaClient:
     """`router.serving.ReplicaClient` over a Serve handle to the engine deployment."""
 
@@ -118,6 +130,8 @@ class OpenAIIngress:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer or str(resolve_model(model)))
         self._engine_name = engine.deployment_name
         settings = settings.resolve_api_key()
+        if settings.enable_log_requests:
+            _log_through_serve("router")
         self._serving = OpenAIServing(tokenizer, HandleReplicaClient(engine, settings), settings)
 
         self._admission = Admission(settings.retry_after_s)

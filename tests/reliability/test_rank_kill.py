@@ -40,11 +40,6 @@ def server(tiny_model, tmp_path_factory):
         yield srv
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: --enable-log-requests logs nothing. router/serving.py logs the prompt ids with "
-    "logger.info on the 'router.serving' logger, but inside the Serve ingress replica no handler or "
-    "level is set for it, so Python's default WARNING level drops the line; it reaches neither "
-    "the serve process's output nor any file of the Ray session"))
 def test_enable_log_requests_logs_prompt_ids(server, smollm2_path, figures):
     """The positive control of the log search: with the flag, a request's prompt ids are logged."""
     from transformers import AutoTokenizer
