@@ -17,6 +17,7 @@ from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured.compiler import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class AsyncEngine:
         # every decode step ~1.5x slower on CPU.
         self.engine = engine or self._thread.submit(LLMEngine, config or EngineConfig(**kwargs)).result()
         self._queues: dict[str, asyncio.Queue] = {}
-        self._pending_adds: dict[str, tuple[str | list[int], SamplingParams]] = {}
+        self._pending_adds: dict[str, tuple[str | list[int], SamplingParams, CompiledGrammar | None]] = {}
         self._pending_aborts: set[str] = set()
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -105,11 +106,14 @@ class AsyncEngine:
         self.check_health()
         _, ids = self.engine.tokenize(prompt)
         self.engine.validate(ids, params)  # raises ValueError now, not inside the loop
+        grammar = None
+        if params.structured_outputs is not None:  # compiled on the grammar thread, never the step's
+            grammar = await self.engine.structured.compiler.compile_async(params.structured_outputs)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._pending_adds[request_id] = (prompt, params)
+        self._pending_adds[request_id] = (prompt, params, grammar)
         self._kick()
         finished = False
         try:
@@ -152,9 +156,9 @@ class AsyncEngine:
             self._deliver(rid, out if out is not None else _ABORTED)
         self._pending_aborts.clear()
         adds, self._pending_adds = self._pending_adds, {}
-        for rid, (prompt, params) in adds.items():
+        for rid, (prompt, params, grammar) in adds.items():
             try:
-                self.engine.add_request(rid, prompt, params)
+                self.engine.add_request(rid, prompt, params, grammar)
             except ValueError as e:
                 self._deliver(rid, e)
         self._take_stats()
@@ -187,3 +191,4 @@ class AsyncEngine:
             self._loop_task.cancel()
         self._thread.shutdown(wait=True)
         self.engine.executor.shutdown()
+        self.engine.structured.compiler.shutdown()

@@ -18,6 +18,7 @@ from engine.model_runner import ModelRunner
 from engine.sampler import SampleResult, SequenceSampler
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.structured.bitmask import GrammarMask
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +49,10 @@ class StepDraws(Protocol):
 class Executor(Protocol):
     info: ModelInfo
 
-    def execute(self, batch: ScheduledBatch) -> StepDraws:
+    def execute(self, batch: ScheduledBatch, grammar_mask: GrammarMask | None = None) -> StepDraws:
         """Run the model on `batch`. Sampling happens where the logits are: here at tp=1, on the
-        sampling rank at tp > 1 (then only token ids and asked-for logprobs come back)."""
+        sampling rank at tp > 1 (then only token ids and asked-for logprobs come back), with the
+        constrained rows' `grammar_mask` (rows in `sampled` order) applied first."""
         ...
 
     def shutdown(self) -> None: ...
@@ -62,9 +64,10 @@ class LocalDraws:
     logits: torch.Tensor  # (len(sampled), vocab) float32
     sampled: list[int]
     sampler: SequenceSampler
+    grammar_mask: GrammarMask | None = None
 
     def sample(self, rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
-        return self.sampler.sample(self.logits, rows, seqs)
+        return self.sampler.sample(self.logits, rows, seqs, self.grammar_mask)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -133,9 +136,9 @@ class LocalExecutor:
         logger.info("loaded %s on %s (%s) in %.1fs; KV cache %d blocks x %d tokens", model_dir.name, device,
                     dtype, time.perf_counter() - t0, num_blocks, config.block_size)
 
-    def execute(self, batch: ScheduledBatch) -> LocalDraws:
+    def execute(self, batch: ScheduledBatch, grammar_mask: GrammarMask | None = None) -> LocalDraws:
         logits, sampled = self.runner.execute(batch)
-        return LocalDraws(logits, sampled, self.sampler)
+        return LocalDraws(logits, sampled, self.sampler, grammar_mask)
 
     def shutdown(self) -> None:
         pass

@@ -14,6 +14,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
 from engine.snapshot import DEFAULT_PREFIX_LIMIT, snapshot
+from engine.structured.compiler import CompiledGrammar, GrammarCompiler
+from engine.structured.matchers import STOP, GrammarMatchers
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,9 @@ class LLMEngine:
                                                    config.enable_chunked_prefill), self.block_manager)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
+        # Grammars compile on their own thread (AsyncEngine waits for them before queueing a
+        # request); matchers live here, whatever the tensor parallelism, and masks travel.
+        self.structured = GrammarMatchers(GrammarCompiler(self.tokenizer, info.vocab_size, info.eos_token_ids))
 
     # -- admission -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -66,13 +71,19 @@ class LLMEngine:
             raise InvalidRequestError("n", f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         return max_tokens
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    grammar: CompiledGrammar | None = None) -> None:
+        """`grammar`: params.structured_outputs compiled ahead (else compiled here, blocking)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
         max_tokens = self.validate(ids, params)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.structured.compiler.compile(params.structured_outputs)
         req = Request(request_id, text, ids, params, max_tokens, self.tokenizer)
         self.requests[request_id] = req
+        if grammar is not None:
+            self.structured.add(req.seqs[0], grammar)
         self.scheduler.add(req.seqs[0])
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -82,6 +93,7 @@ class LLMEngine:
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
+            self.structured.drop(seq)
         req.abort()
         return req.take_output()
 
@@ -93,12 +105,18 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        out = self.executor.execute(batch)  # which sequences sample, and their draws
+        mask = self.structured.mask([batch.seqs[i] for i in batch.sampled(self.config.block_size)]) \
+            if self.structured else None
+        out = self.executor.execute(batch, mask)  # which sequences sample, and their draws
         touched: dict[str, Request] = {}
 
         def append(seq: Sequence, result: SampleResult) -> bool:
             req = touched.setdefault(seq.request_id, self.requests[seq.request_id])
-            return req.append_token(seq, result, self.eos_token_ids, self.max_model_len)
+            verdict = self.structured.accept(seq, result.token_id) if self.structured else None
+            done = req.append_token(seq, result, self.eos_token_ids, self.max_model_len)
+            if verdict is not None:
+                done = self._end_constrained(req, seq, verdict, done)
+            return done
 
         self.scheduler.update_from_output(batch, out.sampled, out.sample, append, on_fork=self._add_fork)
         outputs = []
@@ -107,11 +125,26 @@ class LLMEngine:
                 outputs.append(req.take_output())
             if req.finished:
                 del self.requests[req.request_id]
+                for seq in req.seqs:
+                    self.structured.drop(seq)
         return outputs
 
+    def _end_constrained(self, req: Request, seq: Sequence, verdict: str, done: bool) -> bool:
+        """A complete grammar stops its sequence (no eos needed); one that failed ends it with an
+        error, whatever else ended it, and only it: the engine goes on."""
+        if verdict != STOP:
+            logger.warning("request %s: %s", req.request_id, verdict)
+            done = req.finish(seq, "error", verdict)
+        elif not done:
+            done = req.finish(seq, "stop")
+        return done
+
     def _add_fork(self, child: Sequence) -> None:
-        """A parent that just finished its prefill became n sequences: its request streams each."""
-        self.requests[child.request_id].add_fork(child)
+        """A parent that just finished its prefill became n sequences: its request streams each
+        (a constrained parent's children get copies of its matcher, not yet advanced)."""
+        req = self.requests[child.request_id]
+        req.add_fork(child)
+        self.structured.fork(req.seqs[0], child)
 
     def stats(self) -> EngineStats:
         """Counters and queue state, without prefix hashes (cheap enough for every step)."""

@@ -12,8 +12,8 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None  # per token: top-k (+ sampled) token -> logprob
     cumulative_logprob: float | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (its grammar failed)
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it; for "error", why
     delta_text: str = ""  # new since the previous output of this request
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[dict[int, float]] | None = None
@@ -84,7 +84,7 @@ class ChoiceDelta:
     text: str  # new text since the previous step
     token_ids: list[int]  # new token ids
     logprobs: list[dict[int, float]] | None  # per new token: top-k (+ sampled) token -> logprob
-    finish_reason: str | None = None  # "stop" | "length" | "abort", sent exactly once
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error", sent exactly once
     stop_reason: str | int | None = None
 
 

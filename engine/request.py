@@ -64,6 +64,12 @@ class Request:
             comp.finish_reason = "length"
         return comp.finish_reason is not None
 
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | None = None) -> bool:
+        """End `seq` for a reason the engine found (a complete or failed grammar): True."""
+        comp = self.completions[seq.index]
+        comp.finish_reason, comp.stop_reason = reason, stop_reason
+        return True
+
     def abort(self) -> None:
         self.aborted = True
         for comp in self.completions:

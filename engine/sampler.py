@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured.bitmask import GrammarMask, apply_grammar_mask
 
 
 @dataclass
@@ -247,9 +248,14 @@ class SequenceSampler:
         self.eos_token_ids = sorted(set(eos_token_ids))  # masked until min_tokens, in every row
         self._generators: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def sample(self, logits: torch.Tensor, rows: list[int], seqs: list) -> list[SampleResult]:
+    def sample(self, logits: torch.Tensor, rows: list[int], seqs: list,
+               grammar_mask: GrammarMask | None = None) -> list[SampleResult]:
         """logits: (R, V), one row per sampling sequence; seqs[i] draws from logits[rows[i]] (the
-        n - 1 children forked from a parent share its row). -> one result per sequence."""
+        n - 1 children forked from a parent share its row). `grammar_mask`: the constrained rows'
+        allowed tokens (engine.structured), applied first, so logprobs are of the masked logits
+        (as vLLM's). -> one result per sequence."""
+        if grammar_mask is not None:
+            logits = apply_grammar_mask(logits, grammar_mask)
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]  # (len(seqs), V)
         return self.sampler.sample(logits, [self._row(s, logits.device) for s in seqs])

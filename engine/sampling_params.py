@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
+from engine.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 
@@ -24,6 +25,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None = up to max_model_len (resolved by the engine)
     min_tokens: int = 0  # eos and stop_token_ids are masked until this many tokens exist
     ignore_eos: bool = False  # keep generating past eos
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output to a schema / grammar
     logprobs: int | None = None  # top logprobs per token; 0 = only the sampled token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -44,6 +46,8 @@ class SamplingParams:
                 raise InvalidRequestError(field, f"{field} must be {rule}, got {getattr(self, field)!r}")
 
         need(self.n >= 1, "n", ">= 1")
+        need(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs", "a StructuredOutputsParams")
         need(self.temperature >= 0, "temperature", ">= 0")
         need(0 < self.top_p <= 1, "top_p", "in (0, 1]")
         need(self.top_k >= -1, "top_k", ">= 1, or 0 / -1 to disable")

@@ -21,6 +21,7 @@ and only token ids, plus the logprobs a request asked for, come back each step.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from engine.executor import ModelInfo, load_model_info, resolve_dtype
 from engine.sampler import SampleResult
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.structured.bitmask import GrammarMask
 from workers.group import WorkerGroup, WorkerGroupConfig, WorkerGroupError
 from workers.messages import Draws, StepEncoder
 from workers.rank import RankWorker
@@ -101,8 +103,11 @@ class WorkerGroupExecutor:
                     config.tensor_parallel_size, spec.model_dir.name, self.startup_s, self.group.num_blocks,
                     config.block_size)
 
-    def execute(self, batch: ScheduledBatch) -> RankDraws:
-        return RankDraws(self.group.execute(self.encoder.encode(batch)), self.encoder)
+    def execute(self, batch: ScheduledBatch, grammar_mask: GrammarMask | None = None) -> RankDraws:
+        msg = self.encoder.encode(batch)
+        if grammar_mask is not None:  # the constrained rows' masks go to the sampling rank with its part
+            msg = dataclasses.replace(msg, sampling=dataclasses.replace(msg.sampling, grammar_mask=grammar_mask))
+        return RankDraws(self.group.execute(msg), self.encoder)
 
     @property
     def healthy(self) -> bool:

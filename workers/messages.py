@@ -20,10 +20,14 @@ only where asked. Pure Python: no torch, no Ray.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:  # the mask holds a tensor; this module stays free of torch
+    from engine.structured.bitmask import GrammarMask
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +56,8 @@ class SamplingDelta:
     forked: list[tuple[int, int, int]]  # (parent seq id, index, child seq id): children drawn for last step
     finished: list[int]  # seq ids whose sampling records to drop
     new: list[NewSample]
+    grammar_mask: GrammarMask | None = None  # this step's constrained rows' allowed tokens (~6 KB a row),
+    # set by the executor on the encoded message
 
 
 @dataclass(frozen=True, slots=True)

@@ -140,7 +140,7 @@ class RankWorker:
         logits, sampled = self.runner.execute(batch)  # logits: (len(sampled), vocab) on the sampling rank
         if self.sampler is None:
             return None
-        return self.sampler.draw(logits, sampled, [msg.seqs[i].seq_id for i in sampled])
+        return self.sampler.draw(logits, sampled, [msg.seqs[i].seq_id for i in sampled], msg.sampling.grammar_mask)
 
     @control
     def ping(self) -> int:

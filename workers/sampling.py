@@ -19,6 +19,7 @@ import torch
 
 from engine.sampler import SequenceSampler
 from engine.sampling_params import SamplingParams
+from engine.structured.bitmask import GrammarMask
 from workers.messages import Draws, SamplingDelta
 
 
@@ -49,8 +50,10 @@ class RankSampler:
         for s in delta.new:
             self.records[s.seq_id] = SampleRecord(s.index, s.params, s.prompt_token_ids, [], s.forks)
 
-    def draw(self, logits: torch.Tensor, sampled: list[int], seq_ids: list[int]) -> Draws:
-        """logits: (R, vocab), row i for sequence seq_ids[i] (the batch's `sampled` sequences)."""
+    def draw(self, logits: torch.Tensor, sampled: list[int], seq_ids: list[int],
+             grammar_mask: GrammarMask | None = None) -> Draws:
+        """logits: (R, vocab), row i for sequence seq_ids[i] (the batch's `sampled` sequences);
+        `grammar_mask` rows name the same rows."""
         rows, seqs = [], []
         for row, seq_id in enumerate(seq_ids):
             parent = self.records[seq_id]
@@ -62,7 +65,7 @@ class RankSampler:
                 rows.append(row)
                 seqs.append(child)
             parent.forks = 0
-        results = self.sampler.sample(logits, rows, seqs)
+        results = self.sampler.sample(logits, rows, seqs, grammar_mask)
         logprobs = {}
         for i, (seq, result) in enumerate(zip(seqs, results)):
             seq.output_token_ids.append(result.token_id)

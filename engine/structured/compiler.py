@@ -1,0 +1,134 @@
+"""Grammars for constrained decoding, compiled off the step thread and cached by spec.
+
+    StructuredOutputsParams --to_grammar--> llguidance grammar text       (cheap, no tokenizer)
+                            --GrammarCompiler.submit--> Future[CompiledGrammar]
+                                 on a worker thread: builds the lexer against the tokenizer
+                                 (LLMatcher; up to ~1 s for a huge grammar, GIL released)
+    CompiledGrammar.matcher()  a fresh matcher per sequence (a deep copy: microseconds)
+
+The llguidance tokenizer (~1 s to build) is made on the first constrained request, so engines
+that never see one never pay for it. A compile that fails is cached too, so a bad schema sent
+again is refused at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import llguidance
+from llguidance import LLMatcher
+
+from engine.errors import InvalidRequestError
+from engine.structured.params import StructuredOutputsParams
+
+# One token-per-separator JSON, as models write it, and no free whitespace: a model allowed any
+# whitespace between tokens can fill max_tokens with newlines (a schema's own x-guidance wins).
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+PARAM = "structured_outputs"
+
+
+def to_grammar(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar for `params`; InvalidRequestError when its text is not even parseable."""
+    try:
+        if params.json is not None or params.json_object:
+            schema = params.json if params.json is not None else '{"type": "object"}'
+            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS,
+                                                      overrides={"lenient": True} if params.lenient else None)
+        if params.regex is not None:
+            return LLMatcher.grammar_from_regex(params.regex)
+        if params.choice is not None:
+            return llguidance.grammar_from("choice", list(params.choice))
+        return llguidance.grammar_from("grammar", params.grammar)
+    except ValueError as e:
+        raise InvalidRequestError(PARAM, f"the {params.kind} is invalid: {e}") from None
+
+
+def check(params: StructuredOutputsParams) -> str | None:
+    """Why llguidance cannot compile `params` (unsupported schema keywords, bad regex or grammar
+    syntax), or None; without a tokenizer, so cheap enough for the HTTP edge."""
+    try:
+        error = LLMatcher.validate_grammar(to_grammar(params))
+    except InvalidRequestError as e:
+        return e.message
+    return error or None
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    prototype: LLMatcher | None  # never advanced; each sequence gets a copy
+    error: str | None = None
+
+    def matcher(self) -> LLMatcher:
+        return self.prototype.deep_copy()
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], max_workers: int = 1,
+                 cache_size: int = 256) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's logits width; the mask covers max(this, tokenizer)
+        self.eos_token_ids = list(eos_token_ids)
+        self.cache_size = cache_size
+        self._max_workers = max_workers
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()  # the cache
+        self._tokenizer_lock = threading.Lock()  # held while the llguidance tokenizer is built
+        self._cache: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+
+    @property
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._tokenizer_lock:
+            if self._ll_tokenizer is None:
+                from llguidance.hf import from_tokenizer
+
+                n_vocab = self.vocab_size if self.vocab_size > len(self.tokenizer) else None
+                self._ll_tokenizer = from_tokenizer(self.tokenizer, n_vocab=n_vocab,
+                                                    eos_token=self.eos_token_ids or None)
+            return self._ll_tokenizer
+
+    def submit(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
+        """-> Future[CompiledGrammar], shared by every request with the same spec."""
+        key = params.key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(self._max_workers,
+                                                                   thread_name_prefix="kvserve-grammar")
+            future = self._pool.submit(self._compile, params)
+            self._cache[key] = future
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return future
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        return _checked(self.submit(params).result())
+
+    async def compile_async(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        return _checked(await asyncio.wrap_future(self.submit(params)))
+
+    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        try:
+            grammar = to_grammar(params)
+        except InvalidRequestError as e:
+            return CompiledGrammar(None, e.message)
+        matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            return CompiledGrammar(None, f"the {params.kind} cannot be compiled: {matcher.get_error()}")
+        return CompiledGrammar(matcher)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _checked(grammar: CompiledGrammar) -> CompiledGrammar:
+    if grammar.error is not None:
+        raise InvalidRequestError(PARAM, grammar.error)
+    return grammar

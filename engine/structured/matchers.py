@@ -1,0 +1,79 @@
+"""The engine's live grammar matchers, one per constrained sequence, kept in the engine process.
+
+Each step, before the model runs:   mask(sampling sequences)  -> GrammarMask (or None)
+    fills the constrained rows' bitmasks with llguidance's parallel executor; the mask travels
+    with the step to wherever the logits are sampled (this process at tp=1, rank 0 at tp > 1).
+After the draw, for each sequence:  accept(seq, token)         -> None | "stop" | an error
+    the matcher consumes the sampled token: a grammar that is complete ends the sequence, one
+    that rejects the token (or fails inside llguidance) ends its request with an error.
+
+A request's forks (n > 1) start from a copy of the parent's matcher, taken before the parent's
+first token is consumed: the parent's mask row is theirs too.
+"""
+from __future__ import annotations
+
+import torch
+from llguidance import LLExecutor, LLMatcher
+
+from engine.structured.bitmask import GrammarMask
+from engine.structured.compiler import CompiledGrammar, GrammarCompiler
+
+STOP = "stop"
+
+
+class GrammarMatchers:
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        self.matchers: dict[int, LLMatcher] = {}  # seq id -> its matcher
+        self._executor: LLExecutor | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.matchers)
+
+    def add(self, seq, grammar: CompiledGrammar) -> None:
+        self.matchers[seq.seq_id] = grammar.matcher()
+
+    def fork(self, parent, child) -> None:
+        matcher = self.matchers.get(parent.seq_id)
+        if matcher is not None:
+            self.matchers[child.seq_id] = matcher.deep_copy()
+
+    def drop(self, seq) -> None:
+        self.matchers.pop(seq.seq_id, None)
+
+    @property
+    def words(self) -> int:
+        return (self.compiler.ll_tokenizer.vocab_size + 31) // 32
+
+    def mask(self, seqs: list) -> GrammarMask | None:
+        """seqs: the step's sampling sequences in row order -> the bitmasks of the constrained ones."""
+        if not self.matchers:
+            return None
+        rows = [(i, m) for i, s in enumerate(seqs) if (m := self.matchers.get(s.seq_id)) is not None]
+        if not rows:
+            return None
+        bits = torch.zeros((len(rows), self.words), dtype=torch.int32)  # (k, W)
+        # llguidance.torch's fill_next_token_bitmask(_par), without importing that module (its
+        # torch.compile'd kernel costs seconds at import): the same pointer calls.
+        row_bytes = bits.shape[1] * 4
+        if len(rows) == 1:
+            rows[0][1].unsafe_compute_mask_ptr(bits.data_ptr(), row_bytes)
+        else:
+            self._parallel().unsafe_compute_mask_ptr([(m, j) for j, (_, m) in enumerate(rows)], bits.data_ptr(),
+                                                     row_bytes, len(rows))
+        return GrammarMask([i for i, _ in rows], bits)
+
+    def accept(self, seq, token_id: int) -> str | None:
+        """Feed `seq` its sampled token. -> None (go on; also for unconstrained sequences), STOP
+        (the grammar is complete), or what went wrong."""
+        matcher = self.matchers.get(seq.seq_id)
+        if matcher is None:
+            return None
+        if not matcher.consume_token(token_id):
+            return f"structured output failed: {matcher.get_error() or f'token {token_id} is not allowed here'}"
+        return STOP if matcher.is_stopped() else None
+
+    def _parallel(self) -> LLExecutor:
+        if self._executor is None:
+            self._executor = LLExecutor()
+        return self._executor

@@ -1,0 +1,50 @@
+"""What a request constrains its output to: vLLM's `StructuredOutputsParams`, one kind per request.
+
+    json         a JSON schema (dict, or its JSON text)          response_format json_schema, tools
+    json_object  any JSON object                                 response_format json_object
+    regex        a regular expression (Rust regex syntax)
+    choice       exactly one of these strings
+    grammar      a context-free grammar: Lark (llguidance's dialect) or GBNF
+
+Frozen and hashable: `key` is what compiled grammars are cached by. No llguidance here; the
+compiler (engine.structured.compiler) turns a spec into a grammar.
+"""
+from __future__ import annotations
+
+import json as _json
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    json: str | dict | None = None  # stored as compact JSON text, property order kept (it is the output's)
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    lenient: bool = False  # JSON schema keywords llguidance does not implement are ignored, not refused
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError("structured_outputs", "structured_outputs must set exactly one of "
+                                      f"{', '.join(KINDS)}; got {', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, str):
+            object.__setattr__(self, "json", _json.dumps(self.json, separators=(",", ":"), ensure_ascii=False))
+        if self.choice is not None:
+            choice = tuple(self.choice)
+            if not choice or not all(isinstance(c, str) for c in choice):
+                raise InvalidRequestError("structured_outputs", "choice must be a non-empty list of strings")
+            object.__setattr__(self, "choice", choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple:
+        return (self.kind, getattr(self, self.kind), self.lenient)

@@ -1,0 +1,279 @@
+"""Constrained decoding in the engine (llguidance): outputs that always parse and validate, under
+greedy and sampled decoding, forks and tensor parallelism; masks that change nothing when the
+grammar allows every token; compilation off the step thread; failures that end one request only."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import re
+import threading
+import time
+
+import jsonschema
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import LLM, AsyncEngine, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.sampler import SequenceSampler
+from engine.structured import StructuredOutputsParams as S
+from engine.structured.bitmask import GrammarMask, apply_grammar_mask
+from tests.tiny_llama import make_tiny_llama
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                    "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_path):
+    """A tiny random Llama over the whole SmolLM2 vocabulary: llguidance forces canonical tokens
+    (`{"` as one token), so the model must be able to emit every token the tokenizer has."""
+    return str(make_tiny_llama(tmp_path_factory.mktemp("structured"), smollm2_path, "gqa", vocab_size=49152))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return LLM(model=tiny_dir, num_gpu_blocks_override=256, max_model_len=512, max_num_batched_tokens=64)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(17, 49152) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+def _texts(outs) -> list[tuple[str, str]]:
+    return [(c.text, c.finish_reason) for o in outs for c in o.outputs]
+
+
+def test_json_schema_outputs_validate_greedy_sampled_and_forked(tiny):
+    spec = S(json=PERSON)
+    params = [SamplingParams(temperature=0, max_tokens=120, structured_outputs=spec),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=120, structured_outputs=spec),
+              SamplingParams(n=3, temperature=1.2, max_tokens=120, structured_outputs=spec),
+              SamplingParams(temperature=0.8, top_p=0.9, max_tokens=120, structured_outputs=S(json_object=True))]
+    outs = tiny.generate(_prompts(4, seed=1), params)
+    for text, reason in _texts(outs[:3]):
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), PERSON)
+    assert isinstance(json.loads(outs[3].outputs[0].text), dict)
+    assert len({c.text for c in outs[2].outputs}) > 1  # the forks drew apart, each under its own matcher
+    assert not tiny.engine.structured.matchers  # every matcher dropped with its request
+    tiny.engine.scheduler.check_integrity()
+
+
+def test_regex_choice_and_grammar(tiny):
+    specs = [S(regex=r"[0-9]{3}-[a-z]{2,4}"), S(choice=["yes", "no", "maybe not"]),
+             S(grammar='start: "(" item ("," item)* ")"\nitem: /[a-c]/'),
+             S(grammar='root ::= "x" [0-9] [0-9]?')]  # GBNF is taken too
+    outs = tiny.generate(_prompts(4, seed=2), [SamplingParams(temperature=1.0, seed=i, max_tokens=40,
+                                                              structured_outputs=s) for i, s in enumerate(specs)])
+    (a, _), (b, _), (c, _), (d, _) = _texts(outs)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", a)
+    assert b in ("yes", "no", "maybe not")
+    assert re.fullmatch(r"\([a-c](,[a-c])*\)", c)
+    assert re.fullmatch(r"x[0-9][0-9]?", d)
+
+
+def test_reaching_max_tokens_first_ends_with_length(tiny):
+    out = tiny.generate(_prompts(1, seed=3), SamplingParams(temperature=0, max_tokens=3,
+                                                            structured_outputs=S(json=PERSON)))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+def test_specs_the_library_cannot_compile_are_invalid_requests(tiny):
+    for spec, says in [(S(json={"type": "object", "properties": {"a": {"type": "strin"}}}), "strin"),
+                       (S(json={"type": "object", "if": {}}), "if"), (S(regex="a("), "unclosed"),
+                       (S(grammar="start: foo"), "foo")]:
+        with pytest.raises(InvalidRequestError, match=says) as e:
+            tiny.generate(_prompts(1), SamplingParams(max_tokens=4, structured_outputs=spec))
+        assert e.value.param == "structured_outputs"
+    assert not tiny.engine.requests
+    # lenient (a json_schema without strict): what llguidance does not implement is ignored
+    out = tiny.generate(_prompts(1), SamplingParams(temperature=0, max_tokens=60, structured_outputs=S(
+        json={"type": "object", "if": {}, "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+              "additionalProperties": False}, lenient=True)))[0].outputs[0]
+    assert json.loads(out.text) in ({"a": True}, {"a": False})
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        S(regex="a", choice=["b"])
+
+
+def test_compiled_grammars_are_cached_by_spec_failures_too(tiny):
+    compiler = tiny.engine.structured.compiler
+    assert compiler.submit(S(json=PERSON)) is compiler.submit(S(json=json.dumps(PERSON, separators=(",", ":"))))
+    bad = S(regex="(")
+    assert compiler.submit(bad) is compiler.submit(S(regex="("))
+    assert compiler.submit(S(regex="a")) is not compiler.submit(S(regex="a", lenient=True))
+
+
+def test_a_mask_that_allows_everything_changes_nothing():
+    """The sampler with an all-ones bitmask: the same tokens and logprobs, greedy and seeded."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 100) * 3
+    seqs = [type("Seq", (), dict(index=0, params=p, prompt_token_ids=[1, 2], output_token_ids=[3]))()
+            for p in (SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0.9, seed=4, logprobs=1),
+                      SamplingParams(temperature=1.0, top_k=5, seed=9))]
+    full = GrammarMask([0, 2], torch.full((2, 4), -1, dtype=torch.int32))  # 128 bits for a vocab of 100
+    plain = SequenceSampler(0, [2]).sample(logits, [0, 1, 2], seqs)
+    masked = SequenceSampler(0, [2]).sample(logits, [0, 1, 2], seqs, full)
+    assert plain == masked
+    one = GrammarMask([1], torch.zeros((1, 4), dtype=torch.int32))
+    one.bits[0, 1] = 1 << 5  # token 37 only
+    out = apply_grammar_mask(logits, one)
+    assert out[1].argmax() == 37 and torch.isinf(out[1]).sum() == 99 and torch.equal(out[0], logits[0])
+    assert torch.isinf(apply_grammar_mask(torch.zeros(1, 130), GrammarMask([0], full.bits[:1]))[0, 128:]).all()
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_path):
+    return LLM(model=smollm2_path, num_gpu_blocks_override=128, max_model_len=512)
+
+
+def test_bitmask_path_is_token_exact_when_the_grammar_allows_every_token(smol):
+    """`(?s:.*)` allows every token text can start with (all but the special tokens and lone UTF-8
+    continuation bytes): an English reply takes the mask path and must not change by one token."""
+    tok = smol.tokenizer
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in ("What is the capital of France?", "Name three colours.")]
+    for p in (SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0.8, seed=5, max_tokens=24,
+                                                                           logprobs=2)):
+        plain = smol.generate(chats, p)
+        constrained = smol.generate(chats, dataclasses.replace(p, structured_outputs=S(regex=r"(?s:.*)")))
+        assert [c.outputs[0].token_ids for c in constrained] == [c.outputs[0].token_ids for c in plain]
+        assert [c.outputs[0].finish_reason for c in constrained] == [c.outputs[0].finish_reason for c in plain]
+
+
+def test_a_grammar_failing_at_run_time_ends_only_its_request(tiny, monkeypatch):
+    from engine.structured import matchers
+
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=S(json=PERSON))
+    eng, real = tiny.engine, matchers.GrammarMatchers.accept
+    calls = {"n": 0}
+
+    def flaky(self, seq, token_id):
+        calls["n"] += 1
+        if seq.request_id == "bad" and calls["n"] > 3:
+            self.matchers[seq.seq_id].consume_token(1)  # <|im_start|> inside JSON: the matcher fails
+        return real(self, seq, token_id)
+
+    monkeypatch.setattr(matchers.GrammarMatchers, "accept", flaky)
+    eng.add_request("bad", _prompts(1, seed=5)[0], params)
+    eng.add_request("good", _prompts(1, seed=6)[0], params)
+    eng.add_request("free", _prompts(1, seed=7)[0], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    bad = done["bad"].outputs[0]
+    assert bad.finish_reason == "error" and "structured output failed" in bad.stop_reason
+    jsonschema.validate(json.loads(done["good"].outputs[0].text), PERSON)
+    assert len(done["free"].outputs[0].token_ids) == 10
+    assert not eng.structured.matchers
+    eng.scheduler.check_integrity()
+
+
+def test_compiling_never_stalls_the_step_loop(tiny_dir, monkeypatch):
+    """A slow compile runs on the grammar thread while another request keeps decoding; the
+    constrained request waits for it, then runs."""
+    from engine.structured.compiler import GrammarCompiler
+
+    real, threads = GrammarCompiler._compile, set()
+
+    def slow(self, params):
+        threads.add(threading.current_thread().name)
+        time.sleep(1.5)
+        return real(self, params)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", slow)
+
+    async def main():
+        engine = AsyncEngine(model=tiny_dir, num_gpu_blocks_override=128)
+        stamps = []
+
+        async def free():
+            async for out in engine.generate("free", _prompts(1)[0], SamplingParams(temperature=0, max_tokens=200,
+                                                                                     ignore_eos=True)):
+                stamps.append(time.monotonic())
+
+        async def constrained():
+            await asyncio.sleep(0.2)
+            start = time.monotonic()
+            async for out in engine.generate("json", _prompts(1, seed=9)[0], SamplingParams(
+                    temperature=0, max_tokens=120, structured_outputs=S(json=PERSON))):
+                last = out
+            return start, last
+
+        (_, (start, last)) = await asyncio.gather(free(), constrained())
+        await engine.shutdown()
+        return stamps, start, last
+
+    stamps, start, last = asyncio.run(main())
+    assert threads and all(t.startswith("kvserve-grammar") for t in threads)
+    jsonschema.validate(json.loads(last.outputs[0].text), PERSON)
+    during = [t for t in stamps if start < t < start + 1.4]
+    assert len(during) >= 3, "the step loop stalled while the grammar compiled"
+
+
+# -- property: random schemas of the supported subset ---------------------------------------------
+
+_LEAVES = st.sampled_from([
+    {"type": "boolean"}, {"type": "null"}, {"type": "integer", "minimum": -40, "maximum": 300},
+    {"type": "string", "maxLength": 6}, {"type": "string", "minLength": 1, "maxLength": 3},
+    {"type": "string", "pattern": "^[a-z]{1,4}$"}, {"enum": ["red", "green", 3, None]}, {"const": "k"},
+    {"type": "number", "minimum": 0, "maximum": 10}, {"type": "string", "format": "date"},
+])
+_KEYS = st.from_regex(r"[a-z][a-z_]{0,6}", fullmatch=True)
+
+
+def _object(props: dict, required: list[bool]) -> dict:
+    return {"type": "object", "properties": props, "additionalProperties": False,
+            "required": [k for k, r in zip(props, required) if r]}
+
+
+_SCHEMAS = st.recursive(_LEAVES, lambda inner: st.one_of(
+    st.dictionaries(_KEYS, inner, min_size=1, max_size=3).flatmap(
+        lambda d: st.lists(st.booleans(), min_size=len(d), max_size=len(d)).map(lambda r: _object(d, r))),
+    inner.map(lambda s: {"type": "array", "items": s, "maxItems": 3}),
+    st.lists(inner, min_size=2, max_size=3).map(lambda xs: {"anyOf": xs}),
+), max_leaves=6)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(schema=_SCHEMAS, seed=st.integers(0, 1000))
+def test_random_schemas_always_validate(tiny, schema, seed):
+    spec = S(json=schema)
+    params = [SamplingParams(temperature=0, max_tokens=300, structured_outputs=spec),
+              SamplingParams(n=2, temperature=1.0, seed=seed, max_tokens=300, structured_outputs=spec)]
+    for text, reason in _texts(tiny.generate(_prompts(2, seed=seed), params)):
+        assert reason == "stop", (schema, text)
+        jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
+
+
+# -- tensor parallelism: matchers stay in the engine, masks travel to rank 0 -----------------------
+
+def test_tp2_constrained_sampling_matches_tp1(tiny_dir):
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    try:
+        config = dict(num_gpu_blocks_override=64, max_model_len=512, max_num_batched_tokens=48)
+        spec = S(json=PERSON)
+        params = [SamplingParams(temperature=0, max_tokens=100, structured_outputs=spec),
+                  SamplingParams(n=2, temperature=1.0, seed=8, max_tokens=100, structured_outputs=spec, logprobs=1),
+                  SamplingParams(temperature=0.9, seed=2, max_tokens=20, ignore_eos=True)]
+        prompts = _prompts(3, seed=11)
+        want = LLM(model=tiny_dir, **config).generate(prompts, params)
+        tp2 = LLM(model=tiny_dir, tensor_parallel_size=2, **config)
+        got = tp2.generate(prompts, params)
+        tp2.engine.executor.shutdown()
+    finally:
+        ray.shutdown()
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+    for text, _ in _texts(got[:2]):
+        jsonschema.validate(json.loads(text), PERSON)
