@@ -327,14 +327,15 @@ def longest_failing_s(samples: list[tuple[float, int]]) -> float:
     return longest if since is None else float("inf")
 
 
-def replica_rss_bytes() -> list[int]:
+def replica_rss_bytes(local: LocalKubeRay) -> list[int]:
+    """RSS of this cluster's engine replica processes (not another Ray's on the same machine)."""
     out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            with contextlib.suppress(OSError):
-                if (d / "cmdline").read_bytes().startswith(b"ray::ServeReplica:kvserve:EngineServer"):
-                    rss = re.search(r"VmRSS:\s+(\d+) kB", (d / "status").read_text())
-                    out.append(int(rss.group(1)) * 1024)
+    for pid in _descendants({p.pid for p in local.procs}):
+        d = Path(f"/proc/{pid}")
+        with contextlib.suppress(OSError):
+            if (d / "cmdline").read_bytes().startswith(b"ray::ServeReplica:kvserve:EngineServer"):
+                rss = re.search(r"VmRSS:\s+(\d+) kB", (d / "status").read_text())
+                out.append(int(rss.group(1)) * 1024)
     return out
 
 
@@ -420,7 +421,7 @@ def test_profile_runs_on_a_multi_node_ray_as_kuberay_runs_it(profile, tiny_model
         wait_for(lambda: charted - expected_absent <= exported(cluster), 90, "every charted metric", 2.0)
         report["charted_metrics"] = {"charted": len(charted), "absent_by_design": sorted(expected_absent & charted),
                                      "exported_s_after_first_request": round(time.monotonic() - t0, 1)}
-        report["replica_rss_mib"] = [b // 2**20 for b in replica_rss_bytes()]
+        report["replica_rss_mib"] = [b // 2**20 for b in replica_rss_bytes(cluster)]
 
         # A config change while clients stream: max_num_seqs halves; the new replica must start
         # before the old one stops (max_surge_percent), and no request may fail. Where the surging
@@ -446,12 +447,17 @@ def test_profile_runs_on_a_multi_node_ray_as_kuberay_runs_it(profile, tiny_model
                 ready_codes.append(r.status_code)
                 if r.status_code != 200:
                     ready_bodies.add(r.text[:200])
-                p = subprocess.run([sys.executable, "-m", "cluster.probe", "--serve-port", str(workers[0]["serve_port"]),
-                                    "--agent-port", str(workers[0]["agent_port"])], env=env, capture_output=True,
-                                   text=True, timeout=30)
-                probe_codes.append((time.monotonic(), p.returncode))
-                if p.returncode:
-                    probe_why.append(p.stderr.strip()[-300:])
+                # The Service has endpoints while any serve pod is Ready. A pod whose replica moved
+                # away is drained by Serve ("This node is being drained") and leaves, as it should.
+                codes = []
+                for n in cluster.nodes[1:]:
+                    p = subprocess.run([sys.executable, "-m", "cluster.probe", "--serve-port", str(n["serve_port"]),
+                                        "--agent-port", str(n["agent_port"])], env=env, capture_output=True,
+                                       text=True, timeout=30)
+                    codes.append(p.returncode)
+                    if p.returncode:
+                        probe_why.append(f"{n['name']}: {p.stderr.strip()[-300:]}")
+                probe_codes.append((time.monotonic(), int(all(codes))))
                 s = app_status(cluster, token)
                 d = engine_deployment(s)
                 return (s.get("status") == "RUNNING" and d.get("deployment_config", {}).get("max_ongoing_requests") == new_seqs
@@ -465,8 +471,9 @@ def test_profile_runs_on_a_multi_node_ray_as_kuberay_runs_it(profile, tiny_model
                                       "during": sum(r["t1"] >= t0 and r["t0"] <= t0 + report["upgrade_s"] for r in clients.results),
                                       "ready_codes": {c: ready_codes.count(c) for c in set(ready_codes)},
                                       "ready_503_bodies": sorted(ready_bodies), "probe_checks": len(probe_codes),
-                                      "probe_not_ready": sum(rc != 0 for _, rc in probe_codes),
+                                      "no_pod_ready": sum(rc != 0 for _, rc in probe_codes),
                                       "probe_longest_not_ready_s": round(longest_failing_s(probe_codes), 1),
+                                      "pods_not_ready_at_the_end": sorted({w.split(":")[0] for w in probe_why[-len(cluster.nodes):]}),
                                       "probe_why": sorted(set(probe_why))}
         log(f"{profile}: upgrade in {report['upgrade_s']} s: {report['upgrade_requests']}")
         report["upgrade_failures"] = [{k: r[k] for k in ("status", "done", "chunks", "error")} | {"s": round(r["t1"] - r["t0"], 1)}
@@ -475,7 +482,7 @@ def test_profile_runs_on_a_multi_node_ray_as_kuberay_runs_it(profile, tiny_model
         probe = ray_container(PROFILE_SERVICE[profile]["spec"]["rayClusterConfig"]["workerGroupSpecs"][0])["readinessProbe"]
         tolerated_s = probe["periodSeconds"] * (probe["failureThreshold"] - 1)
         assert report["upgrade_requests"]["probe_longest_not_ready_s"] < tolerated_s, \
-            "the probe failed long enough that a serve pod would have left the Service"
+            "no serve pod was Ready long enough for the Service to lose every endpoint"
 
         # The dashboard's Serve page API lists the app and its deployments.
         status = app_status(cluster, token)

@@ -479,7 +479,7 @@ def test_cluster_is_secured_upgrades_without_outage_and_serves_only_when_ready(i
         if name == "head":
             assert probe is None, "the head keeps KubeRay's probe: KubeRay waits for a Ready head to deploy"
             continue
-        assert probe["exec"]["command"] == ["python", "-m", "cluster.probe", "--serve-port", str(port)], name
+        assert probe["exec"]["command"][:5] == ["python", "-m", "cluster.probe", "--serve-port", str(port)], name
     engine, options = cluster.app.split_args(app_args(doc))
     opts = cluster.app.engine_deployment_options(engine, options)
     assert opts["max_surge_percent"] > 0, "a config change would stop the old replicas before new ones run"
