@@ -44,7 +44,7 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
         "--kv-cache-memory", "1G", "--gpu-memory-utilization", "0.5", "--cpu-kv-cache-fraction", "0.1",
         "--max-cpu-kv-cache-bytes", "2G", "--max-model-len", "512", "--max-num-seqs", "4",
         "--max-num-batched-tokens", "256", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
-        "--stream-interval", "4"])
+        "--stream-interval", "4", "--distributed-executor-backend", "ray"])
     kwargs = engine_config_from_args(ns)
     assert set(kwargs) == EngineConfig.field_names()
     config = EngineConfig(**kwargs)
