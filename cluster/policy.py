@@ -14,8 +14,9 @@ kv (`choose_kv`), for each replica with fresh stats:
     need     = blocks_for(prompt + max_tokens) - hit           (hit blocks are shared, not new)
     headroom = free - reserve_weight * reserved - pending blocks
     room     = headroom >= need and a sequence seat is free (running + waiting + pending < max_num_seqs)
-    backlog  = waiting prefill tokens + pending prefill tokens
-    score    = hit * block_size - load_weight * backlog
+    backlog  = max(0, waiting prefill tokens - prefill_rate * report age) + pending prefill tokens
+    inflight = running + waiting + pending requests
+    score    = hit * block_size - load_weight * backlog - request_weight * inflight
 
 and picks the best score among replicas with room (ties: more headroom, then fewer running). The
 score is in prompt tokens, a first-order model of the time to first token (step time grows
@@ -23,6 +24,12 @@ linearly with the tokens batched): a cached prefix saves that many tokens of pre
 of queued prefill delays the first token by about as many. So a hot prefix spills over to a
 second replica once its home replica's backlog exceeds the prefix length, and a burst of one
 prefix starts it on several replicas at once instead of queueing behind the first request.
+The queue a report showed has drained since, at the replica's prefill rate (else a turn whose
+home was briefly busy when it reported would move away and recompute its whole context). Each
+request in flight costs a little too: its share of every step until the first token, and the
+KV its session will hold. Without that, every chat that starts with one system prompt would
+pile onto the first replica that cached it (its hit beats an idle replica), the replica's KV
+would evict the idle sessions between their turns, and other replicas would sit idle.
 
 When no replica with fresh stats has room:
 
@@ -32,19 +39,32 @@ When no replica with fresh stats has room:
     none unknown             -> None: the caller holds the request in its bounded queue and
                                 answers 503/429 with Retry-After when that queue is full.
 
+Past saturation requests wait at the router. When room opens on one replica, `choose_held`
+picks which held request takes it: one held `max_hold_s` or more first (tail latency), then the
+one with the most prefix blocks resident on that replica (its prefill there is the shortest),
+then one that can still meet the TTFT SLO, then the oldest; once the oldest has waited twice
+`max_hold_s`, nothing passes it.
+
 pow2 (`choose_pow2`) is Serve's default: two random replicas, the one with the shorter queue,
 never one whose queue is at `max_ongoing`. round_robin (`choose_round_robin`) cycles.
 Both read live queue lengths when the caller has them (Serve probes replicas; the simulator
 reads them) and otherwise running + waiting from stats plus pending dispatches.
+
+The peers users run instead, with their published rules and defaults, are in cluster/peers.py:
+prefix_affinity (Ray Serve LLM's PrefixCacheAffinityRouter), cache_aware (sgl-router), session
+(session-sticky consistent hashing). Their stateful wrappers are below, with kv's.
 """
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice, takewhile
 
+from cluster.peers import (CacheAwareConfig, HashRing, PrefixAffinityConfig, choose_cache_aware, choose_session,
+                           prefix_affinity_candidates)
 from cluster.pending import EMPTY, Pending
+from cluster.prefix_tree import PrefixTree, token_key
 from cluster.stats import ReplicaStats
 from engine.hashing import hash_prefix_blocks
 
@@ -53,17 +73,37 @@ PendingView = Mapping[str, Pending]
 
 
 class RouteRequest:
-    """A request as the router sees it: prompt token ids (or precomputed hashes) and max_tokens."""
-    __slots__ = ("token_ids", "num_prompt_tokens", "max_tokens", "_hashes")
+    """A request as the router sees it: prompt token ids (or precomputed hashes) and max_tokens;
+    for the peers also its prompt text (`detokenize`, else one character per token) and session."""
+    __slots__ = ("token_ids", "num_prompt_tokens", "max_tokens", "session", "_hashes", "_detokenize", "_text", "_key")
 
     def __init__(self, token_ids: Sequence[int] | None, max_tokens: int, *, num_prompt_tokens: int | None = None,
-                 prefix_hashes: Mapping[int, list[int]] | None = None) -> None:
+                 prefix_hashes: Mapping[int, list[int]] | None = None, session: str | None = None,
+                 detokenize: Callable[[Sequence[int]], str] | None = None) -> None:
         if token_ids is None and (num_prompt_tokens is None or prefix_hashes is None):
             raise ValueError("a RouteRequest needs token_ids, or num_prompt_tokens and prefix_hashes")
         self.token_ids = token_ids
         self.num_prompt_tokens = len(token_ids) if token_ids is not None else num_prompt_tokens
         self.max_tokens = max_tokens
+        self.session = session
         self._hashes: dict[int, list[int]] = dict(prefix_hashes or {})  # block_size -> hashes
+        self._detokenize = detokenize
+        self._text: str | None = None
+        self._key: str | None = None
+
+    @property
+    def key(self) -> str:
+        """The prompt's token ids, one character each (a token-level radix tree's key)."""
+        if self._key is None:
+            self._key = token_key(self.token_ids or ())
+        return self._key
+
+    @property
+    def text(self) -> str:
+        """The prompt text, for routers that match characters; one character per token without a detokenizer."""
+        if self._text is None:
+            self._text = self._detokenize(self.token_ids or ()) if self._detokenize else self.key
+        return self._text
 
     def hashes(self, block_size: int) -> list[int]:
         """Hashes of the prompt blocks a replica could serve from cache (the engine always computes
@@ -84,14 +124,32 @@ class RouteRequest:
 class KVPolicyConfig:
     stale_after_s: float = 5.0  # stats older than this are treated as missing
     load_weight: float = 1.0  # queued prefill tokens that cancel one cached prefix token
+    # Prompt tokens that one request in flight at a replica costs (tuned in the simulator: 20 cut
+    # kv's P99 TTFT on multi-turn chat at 64 replicas from 0.25 s to 0.15 s; see docs).
+    request_weight: float = 20.0
+    # Prompt tokens per second a replica prefills: the waiting prefill it reported drains at this
+    # rate until its next report. 2000 is below any GPU we target (an 8B model on an A10G class
+    # GPU prefills ~6000/s); the simulator sets its cost model's rate.
+    prefill_rate: float = 2000.0
     # Share of the replicas' worst-case growth (every sequence reaching max_tokens) counted against
     # room. 1 never overcommits; 0.5 still had no preemptions in the simulator (outputs stop early
     # and sequences are midway on average) with lower TTFT than 1 (tuned there, see docs).
     reserve_weight: float = 0.5
+    # Held requests (past saturation): which one takes room that opens on a replica.
+    held_order: str = "affinity"  # affinity (choose_held) | fifo (oldest first, no overtaking)
+    ttft_slo_s: float = 2.0  # affinity: requests held less than this can still meet the TTFT SLO: they go first
+    max_hold_s: float = 5.0  # affinity: a request held this long goes before every other one
+    held_window: int = 256  # affinity: how many of the oldest held requests are considered
 
     def __post_init__(self) -> None:
         if self.stale_after_s <= 0 or self.load_weight < 0 or not 0 <= self.reserve_weight <= 1:
             raise ValueError("KVPolicyConfig needs stale_after_s > 0, load_weight >= 0, reserve_weight in [0, 1]")
+        if self.request_weight < 0 or self.prefill_rate < 0:
+            raise ValueError("KVPolicyConfig needs request_weight >= 0 and prefill_rate >= 0")
+        if self.held_order not in ("affinity", "fifo") or self.max_hold_s < 0 or self.held_window < 1:
+            raise ValueError("KVPolicyConfig needs held_order affinity|fifo, max_hold_s >= 0, held_window >= 1")
+        if self.ttft_slo_s <= 0:
+            raise ValueError("KVPolicyConfig needs ttft_slo_s > 0")
 
 
 def prefix_hit_blocks(hashes: list[int], cached: frozenset[int], pending: Pending) -> int:
@@ -111,9 +169,11 @@ def prefix_hit_blocks(hashes: list[int], cached: frozenset[int], pending: Pendin
     return n
 
 
-def rank_key(request: RouteRequest, s: ReplicaStats, p: Pending, config: KVPolicyConfig) -> tuple | None:
+def rank_key(request: RouteRequest, s: ReplicaStats, p: Pending, config: KVPolicyConfig,
+             now: float | None = None) -> tuple | None:
     """None when the request does not fit on this replica now, else its sort key (larger is better):
-    (prefix tokens reused - weighted prefill backlog, headroom blocks, -running)."""
+    (prefix tokens reused - weighted prefill backlog and requests in flight, headroom blocks, -running).
+    Without `now` the reported backlog is taken as it was."""
     if s.max_num_seqs - s.num_running - s.num_waiting - p.num_requests < 1:
         return None  # no sequence seat
     bs = s.block_size
@@ -121,8 +181,12 @@ def rank_key(request: RouteRequest, s: ReplicaStats, p: Pending, config: KVPolic
     headroom = s.num_free_blocks - config.reserve_weight * s.num_reserved_blocks - p.num_blocks
     if headroom < request.footprint_blocks(bs) - hit:
         return None  # its KV would not fit without preempting someone
-    backlog = s.waiting_prefill_tokens + p.num_prefill_tokens
-    return hit * bs - config.load_weight * backlog, headroom, -s.num_running
+    waiting = s.waiting_prefill_tokens
+    if now is not None and config.prefill_rate > 0:  # drained since the report
+        waiting = max(0.0, waiting - config.prefill_rate * (now - s.timestamp))
+    backlog = waiting + p.num_prefill_tokens
+    inflight = s.num_running + s.num_waiting + p.num_requests
+    return hit * bs - config.load_weight * backlog - config.request_weight * inflight, headroom, -s.num_running
 
 
 def choose_kv(request: RouteRequest, stats: StatsView, pending: PendingView, now: float,
@@ -133,7 +197,7 @@ def choose_kv(request: RouteRequest, stats: StatsView, pending: PendingView, now
         if s is None or s.timestamp < oldest:
             unknown.append(rid)
             continue
-        key = rank_key(request, s, pending.get(rid, EMPTY), config)
+        key = rank_key(request, s, pending.get(rid, EMPTY), config, now)
         if key is not None and (best_key is None or key > best_key):
             best, best_key = rid, key
     if best is not None:
@@ -141,6 +205,36 @@ def choose_kv(request: RouteRequest, stats: StatsView, pending: PendingView, now
     if unknown:
         return min(unknown, key=lambda rid: pending.get(rid, EMPTY).num_requests)
     return None
+
+
+def choose_held(held: Sequence[tuple[float, RouteRequest]], rid: str, s: ReplicaStats, p: Pending, now: float,
+                config: KVPolicyConfig = KVPolicyConfig()) -> int | None:
+    """Which of the held (arrival, request) pairs, oldest first, takes the room that just opened
+    on replica `rid` (stats `s`, pending `p`): an index into `held`, or None when none fits there.
+
+    Among the first `held_window` that fit on `rid`, in this order of preference:
+      1. held at least `max_hold_s` (tail latency: they go before everyone else),
+      2. the most prefix blocks resident on `rid` (with `rid` fixed, rank_key orders by that
+         alone: the seat goes where its prefix is cached, so past saturation every prefill is
+         as short as it can be and the replicas drain fastest),
+      3. held less than `ttft_slo_s` (it can still meet the TTFT SLO; one that cannot waits),
+      4. the oldest.
+    Once the oldest has waited 2 * max_hold_s nothing passes it, even where it does not fit
+    (it would starve while smaller requests kept taking the room it needs)."""
+    if not held:
+        return None
+    if config.held_order == "fifo" or now - held[0][0] >= 2 * config.max_hold_s:
+        return 0 if rank_key(held[0][1], s, p, config, now) is not None else None
+    best, best_score = None, None
+    for i, (arrival, request) in enumerate(held[:config.held_window]):
+        key = rank_key(request, s, p, config, now)
+        if key is None:
+            continue
+        age = now - arrival
+        score = (age >= config.max_hold_s, key[0], age < config.ttft_slo_s)
+        if best_score is None or score > best_score:
+            best, best_score = i, score
+    return best
 
 
 def queue_len(rid: str, stats: StatsView, pending: PendingView, queue_lens: Mapping[str, int] | None) -> int:
@@ -191,6 +285,22 @@ def record_dispatch(ledger, replica_id: str, request: RouteRequest, stats: Stats
 
 
 # -- stateful wrappers with one call shape, for the simulator and the Serve router -------------------
+#   choose(request, stats, pending, now, queue_lens, max_ongoing) -> replica | None (None: hold, retry later)
+#   routed(request, replica, now)   the request was dispatched there (the peers' trees learn it)
+def shortest_open(candidates: Sequence[str], lens: Mapping[str, int], max_ongoing: int | None) -> str | None:
+    """Serve's pick within one rank: the shortest queue not at max_ongoing, the first of equals."""
+    best = None
+    for rid in candidates:
+        q = lens.get(rid, 0)
+        if (max_ongoing is None or q < max_ongoing) and (best is None or q < lens.get(best, 0)):
+            best = rid
+    return best
+
+
+def _all_queue_lens(stats: StatsView, pending: PendingView, queue_lens: Mapping[str, int] | None) -> dict[str, int]:
+    return {rid: queue_len(rid, stats, pending, queue_lens) for rid in stats}
+
+
 class KVRouter:
     name = "kv"
     serve_router = "cluster.serve_router:KVRequestRouter"  # the same policy as a Serve RequestRouter
@@ -202,6 +312,9 @@ class KVRouter:
                queue_lens: Mapping[str, int] | None = None, max_ongoing: int | None = None) -> str | None:
         return choose_kv(request, stats, pending, now, self.config)
 
+    def routed(self, request: RouteRequest, rid: str, now: float) -> None:
+        pass  # the caller's PendingLedger records kv's dispatches (record_dispatch)
+
 
 class Pow2Router:
     name = "pow2"
@@ -212,6 +325,9 @@ class Pow2Router:
 
     def choose(self, request, stats, pending, now, queue_lens=None, max_ongoing=None) -> str | None:
         return choose_pow2(request, stats, pending, now, self.rng, queue_lens, max_ongoing)
+
+    def routed(self, request, rid, now) -> None:
+        pass
 
 
 class RoundRobinRouter:
@@ -225,9 +341,78 @@ class RoundRobinRouter:
         rid, self.cursor = choose_round_robin(request, stats, pending, now, self.cursor, queue_lens, max_ongoing)
         return rid
 
+    def routed(self, request, rid, now) -> None:
+        pass
+
+
+class PrefixAffinityRouter:
+    """Ray Serve LLM's PrefixCacheAffinityRouter (cluster.peers.prefix_affinity_candidates): a
+    character tree of the prompt texts it routed, power of two choices when queues are uneven."""
+    name = "prefix_affinity"
+    serve_router = "cluster.serve_router:PrefixAffinityRequestRouter"
+    queues_at_replica = True  # Ray Serve LLM deploys with max_ongoing_requests=1e9 (llm constants.py)
+
+    def __init__(self, seed: int | None = None, config: PrefixAffinityConfig = PrefixAffinityConfig()) -> None:
+        self.config, self.tree, self.rng = config, PrefixTree(), random.Random(seed)
+
+    def choose(self, request, stats, pending, now, queue_lens=None, max_ongoing=None) -> str | None:
+        lens = _all_queue_lens(stats, pending, queue_lens)
+        for rid in lens:  # Ray adds every replica as a tenant when it joins (update_replicas)
+            self.tree.add_tenant(rid, now)
+        candidates = prefix_affinity_candidates(request.text, self.tree, lens, self.config)
+        if not candidates:
+            return choose_pow2(request, stats, pending, now, self.rng, queue_lens, max_ongoing)
+        return shortest_open(candidates, lens, max_ongoing)  # none open: Serve backs off and asks again
+
+    def routed(self, request, rid, now) -> None:
+        self.tree.insert(request.text, rid, now)  # Ray: on_request_routed
+
+
+class CacheAwareRouter:
+    """sgl-router's cache_aware policy (cluster.peers.choose_cache_aware): a token tree of the
+    prompts it routed, the least loaded worker when loads are uneven."""
+    name = "cache_aware"
+    serve_router = "cluster.serve_router:CacheAwareRequestRouter"
+    queues_at_replica = True  # sgl-router caps nothing: its workers queue
+
+    def __init__(self, config: CacheAwareConfig = CacheAwareConfig()) -> None:
+        self.config, self.tree = config, PrefixTree()
+
+    def choose(self, request, stats, pending, now, queue_lens=None, max_ongoing=None) -> str | None:
+        lens = _all_queue_lens(stats, pending, queue_lens)
+        rid = choose_cache_aware(request.key, self.tree, lens, self.config)
+        # sgl queues at the worker; behind Serve a full replica means: back off and ask again.
+        return rid if rid is not None and (max_ongoing is None or lens[rid] < max_ongoing) else None
+
+    def routed(self, request, rid, now) -> None:
+        self.tree.insert(request.key, rid, now)
+
+
+class SessionRouter:
+    """Session-sticky consistent hashing (cluster.peers.choose_session); not load-aware."""
+    name = "session"
+    serve_router = "cluster.serve_router:SessionRequestRouter"
+    queues_at_replica = True  # as sgl-router's consistent_hashing: its workers queue
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.rng = random.Random(seed)
+        self.ring = HashRing(())
+
+    def choose(self, request, stats, pending, now, queue_lens=None, max_ongoing=None) -> str | None:
+        ids = list(stats)
+        if self.ring.replicas != frozenset(ids):
+            self.ring = HashRing(ids)
+        rid = choose_session(request.session, self.ring, ids, self.rng)
+        full = rid is not None and max_ongoing is not None and queue_len(rid, stats, pending, queue_lens) >= max_ongoing
+        return None if full else rid
+
+    def routed(self, request, rid, now) -> None:
+        pass
+
 
 # The routing policies by name: `--routing`, the app's `routing`, the simulator's `--policies`.
-ROUTERS = {r.name: r for r in (KVRouter, Pow2Router, RoundRobinRouter)}
+ROUTERS = {r.name: r for r in (KVRouter, Pow2Router, RoundRobinRouter, PrefixAffinityRouter, CacheAwareRouter,
+                               SessionRouter)}
 
 
 def make_router(name: str, seed: int | None = None, kv_config: KVPolicyConfig | None = None):
@@ -235,4 +420,6 @@ def make_router(name: str, seed: int | None = None, kv_config: KVPolicyConfig | 
         raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(ROUTERS)}")
     if name == "kv":
         return KVRouter(kv_config or KVPolicyConfig())
-    return Pow2Router(seed) if name == "pow2" else RoundRobinRouter()
+    if name in ("pow2", "prefix_affinity", "session"):
+        return ROUTERS[name](seed)
+    return ROUTERS[name]()

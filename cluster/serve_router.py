@@ -13,7 +13,15 @@ A shared actor holding one ledger would be exact but would add a remote call to 
 and a single point of failure; the simulator shows the per-router view is enough.
 
 Selection (`--routing`): kv (KVRequestRouter), pow2 (Serve's PowerOfTwoChoicesRequestRouter),
-round_robin (RoundRobinRequestRouter). `request_router_config(...)` builds the deployment option.
+round_robin (RoundRobinRequestRouter), and the peers of cluster/peers.py, each driving the same
+wrapper the simulator runs: prefix_affinity (PrefixAffinityRequestRouter: Ray Serve LLM's rules
+on Serve's probed queue lengths; prompt text from the `tokenizer` kwarg, else one character per
+token id), cache_aware (CacheAwareRequestRouter: sgl-router's rules on this router's own
+in-flight counts), session (SessionRequestRouter: consistent hashing of the call's Serve
+`session_id`, which a caller sets with `handle.options(session_id=...)`; none: random). Their
+authors deploy them without a per-replica cap, so run them with a large
+`--max-ongoing-requests` to compare like for like. `request_router_config(...)` builds the
+deployment option.
 
 No replica with room: choose_replicas returns no candidates and asks Serve to back off, so the
 request waits in the handle's queue (FIFO by arrival, bounded by the deployment's
@@ -24,10 +32,12 @@ from __future__ import annotations
 
 import time
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
+from cluster.peers import CacheAwareConfig, PrefixAffinityConfig
 from cluster.pending import PendingLedger
-from cluster.policy import ROUTERS, KVPolicyConfig, RouteRequest, choose_kv, record_dispatch
+from cluster.policy import (ROUTERS, CacheAwareRouter, KVPolicyConfig, PrefixAffinityRouter, RouteRequest, SessionRouter,
+                            choose_kv, record_dispatch)
 from cluster.stats import ReplicaStats
 from engine.config import EngineConfig
 
@@ -35,7 +45,8 @@ ROUTER_CLASSES = {name: policy.serve_router for name, policy in ROUTERS.items()}
 GENERATE_METHOD = "generate"  # workers.server.EngineServer.generate, called with keyword arguments
 
 
-def route_request_from(pending: PendingRequest | None, default_max_tokens: int) -> RouteRequest | None:
+def route_request_from(pending: PendingRequest | None, default_max_tokens: int,
+                       detokenize=None) -> RouteRequest | None:
     """The RouteRequest of an EngineServer.generate call; None for other calls (info, stats, ...)."""
     if pending is None or pending.metadata.call_method != GENERATE_METHOD:
         return None
@@ -43,7 +54,7 @@ def route_request_from(pending: PendingRequest | None, default_max_tokens: int) 
     if token_ids is None:
         return None
     max_tokens = getattr(params, "max_tokens", None) or default_max_tokens
-    return RouteRequest(token_ids, max_tokens)
+    return RouteRequest(token_ids, max_tokens, session=pending.metadata.session_id or None, detokenize=detokenize)
 
 
 def replica_key(replica_id) -> str:
@@ -128,8 +139,105 @@ class RoundRobinRequestRouter(RequestRouter):
         return [[r] for r in ordered[i:] + ordered[:i]]
 
 
+class _PeerRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """A cluster.policy peer wrapper inside Serve: it picks one replica for each generate call
+    (Serve then skips it while full, backs off and asks again), learns where calls were routed
+    (on_request_routed) and counts this router's calls in flight per replica."""
+
+    def initialize_state(self, default_max_tokens: int = 256, tokenizer: str | None = None, **policy) -> None:
+        self.default_max_tokens = default_max_tokens
+        self.detokenize = _detokenizer(tokenizer) if tokenizer else None
+        self.policy = self.make_policy(**policy)
+        self._requests: dict[str, RouteRequest] = {}  # internal request id -> request, until routed
+        self._inflight: dict[str, int] = {}  # replica -> calls this router sent there, not yet completed
+
+    def make_policy(self, **policy):
+        raise NotImplementedError
+
+    async def queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int]:
+        return {replica_key(r.replica_id): self._inflight.get(replica_key(r.replica_id), 0) for r in replicas}
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        request = route_request_from(pending_request, self.default_max_tokens, self.detokenize)
+        if request is None or not candidate_replicas:
+            return [candidate_replicas]
+        pending_request.routing_context.should_backoff = True
+        by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
+        lens = await self.queue_lens(candidate_replicas)
+        full = min(r.max_ongoing_requests for r in candidate_replicas)
+        rid = self.policy.choose(request, dict.fromkeys(by_key), {}, time.time(), lens, full)
+        if rid is None:
+            return []  # its choice is full: back off and ask again
+        self._requests[pending_request.metadata.internal_request_id] = request
+        return [[by_key[rid]]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        request = self._requests.pop(pending_request.metadata.internal_request_id, None)
+        key = replica_key(replica_id)
+        self._inflight[key] = self._inflight.get(key, 0) + 1
+        if request is not None:
+            self.policy.routed(request, key, time.time())
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        key = replica_key(replica_id)
+        if self._inflight.get(key, 0) > 0:
+            self._inflight[key] -= 1
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._inflight.pop(replica_key(replica_id), None)
+        tree = getattr(self.policy, "tree", None)
+        if tree is not None:
+            tree.remove_tenant(replica_key(replica_id))
+
+
+def _detokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return lambda ids: tokenizer.decode(ids)
+
+
+class PrefixAffinityRequestRouter(_PeerRequestRouter):
+    """Ray Serve LLM's PrefixCacheAffinityRouter rules; queue lengths as Ray reads them (Serve's
+    cache, else a probe). Kwargs: PrefixAffinityConfig fields, `tokenizer` (a directory)."""
+
+    def make_policy(self, **policy):
+        return PrefixAffinityRouter(config=PrefixAffinityConfig(**policy))
+
+    async def queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int]:
+        lens, unknown = {}, []
+        for r in replicas:
+            q = self._replica_queue_len_cache.get(r.replica_id) if self._use_replica_queue_len_cache else None
+            if q is None or q >= r.max_ongoing_requests:
+                unknown.append(r)
+            else:
+                lens[replica_key(r.replica_id)] = q
+        if unknown:
+            for r, q in await self._probe_queue_lens(unknown, 0):
+                if q is not None:
+                    lens[replica_key(r.replica_id)] = q
+        return lens
+
+
+class CacheAwareRequestRouter(_PeerRequestRouter):
+    """sgl-router's cache_aware rules on this router's own in-flight counts (as sgl counts its
+    workers' load). Kwargs: CacheAwareConfig fields."""
+
+    def make_policy(self, **policy):
+        return CacheAwareRouter(CacheAwareConfig(**policy))
+
+
+class SessionRequestRouter(_PeerRequestRouter):
+    """Consistent hashing of the call's Serve session_id (random without one)."""
+
+    def make_policy(self, seed: int | None = None):
+        return SessionRouter(seed)
+
+
 def request_router_config(routing: str = "kv", stats_period_s: float = 0.5, **router_kwargs):
-    """The engine deployment's `request_router_config` for `--routing kv|pow2|round_robin`."""
+    """The engine deployment's `request_router_config` for `--routing` (cluster.policy.ROUTERS)."""
     from ray.serve.config import RequestRouterConfig
 
     if routing not in ROUTER_CLASSES:

@@ -1,11 +1,12 @@
 """Routing policies (cluster/policy.py), the pending ledger and replica stats, without Ray."""
+import os
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.pending import PendingLedger
+from cluster.pending import EMPTY, PendingLedger
 from cluster.policy import (KVPolicyConfig, RouteRequest, choose_kv, choose_pow2, choose_round_robin,
                             record_dispatch)
 from cluster.stats import ReplicaStats, build_replica_stats, summarize_prefix_hashes
@@ -273,3 +274,116 @@ def test_bad_policy_config_is_rejected():
         KVPolicyConfig(reserve_weight=2)
     with pytest.raises(ValueError):
         RouteRequest(None, 4)
+
+
+# -- prefix tree and the peer policies (cluster/prefix_tree.py, cluster/peers.py) ------------------------
+from cluster.peers import (CacheAwareConfig, HashRing, PrefixAffinityConfig, choose_cache_aware,  # noqa: E402
+                           choose_session, prefix_affinity_candidates)
+from cluster.policy import ROUTERS, choose_held, make_router  # noqa: E402
+from cluster.prefix_tree import PrefixTree, token_key  # noqa: E402
+
+
+def test_prefix_tree_splits_counts_and_matches_by_tenant():
+    t = PrefixTree()
+    t.insert("hello world", "a", 1.0)
+    t.insert("help me", "b", 2.0)
+    t.insert("hello there", "a", 3.0)
+    assert t.size == {"a": 16, "b": 7}  # "hel" + "lo " + "world" + "there"; "hel" + "p me"
+    assert t.match("hello wo") == (8, ["a"])  # stops inside "world"
+    assert t.match("help") == (4, ["b"])
+    assert t.match("xyz") == (0, ["a", "b"])  # the root: every tenant
+    assert t.match("hello", ["b"]) == (3, ["b"])  # only b's nodes are walked
+    assert t.smallest_tenants() == ["b"]
+    t.remove_tenant("a")
+    assert t.size == {"b": 7} and t.match("hello") == (3, ["b"]) and list(t.root.children["h"].children) == ["p"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.text("ab", max_size=12), st.sampled_from("xyz")), max_size=25), st.text("ab", max_size=12))
+def test_prefix_tree_match_is_the_longest_common_prefix_with_any_inserted_string(inserts, query):
+    t = PrefixTree()
+    for text, tenant in inserts:
+        t.insert(text, tenant, 0.0)
+    common = [(len(os.path.commonprefix([text, query])), tenant) for text, tenant in inserts]
+    best = max((n for n, _ in common), default=0)
+    n, owners = t.match(query)
+    assert n == best
+    if best:
+        assert set(owners) == {tenant for m, tenant in common if m == best}
+    for tenant in "xyz":  # a tenant's size: the characters of the union of its strings' paths
+        prefixes = {text[:k] for text, who in inserts if who == tenant for k in range(1, len(text) + 1)}
+        assert t.size.get(tenant, 0) == len(prefixes)
+
+
+def test_prefix_affinity_follows_ray_serve_llm_rules():
+    t = PrefixTree()
+    for rid in "abc":
+        t.add_tenant(rid)
+    t.insert("system prompt one, user: hi", "a", 1.0)
+    t.insert("x" * 100, "b", 2.0)
+    balanced = {"a": 3, "b": 0, "c": 10}  # spread 10: balanced (strictly above 10 is imbalanced)
+    assert prefix_affinity_candidates("system prompt one, user: bye", t, balanced) == ["a"]
+    # below a 10% match: the replicas holding the least text (c holds none)
+    assert prefix_affinity_candidates("s" + "q" * 20, t, balanced) == ["c"]
+    assert prefix_affinity_candidates("system prompt one", t, {"a": 0, "b": 0, "c": 11}) == []  # pow2
+    # the wrapper: shortest open queue among the candidates, pow2 when there are none
+    router = make_router("prefix_affinity", seed=0)
+    view = dict.fromkeys("ab")
+    first = router.choose(RouteRequest([1, 2, 3], 8), view, {}, NOW, {"a": 0, "b": 0})
+    router.routed(RouteRequest([1, 2, 3], 8), first, NOW)
+    assert router.choose(RouteRequest([1, 2, 3, 4], 8), view, {}, NOW, {"a": 1, "b": 1}) == first
+    assert router.choose(RouteRequest([1, 2, 3, 4], 8), view, {}, NOW, {"a": 4, "b": 4}, max_ongoing=4) is None
+
+
+def test_cache_aware_follows_sgl_router_rules():
+    t = PrefixTree()
+    t.insert(token_key(range(100)), "b", 1.0)
+    loads = {"a": 0, "b": 5}
+    assert choose_cache_aware(token_key(range(40)), t, loads) == "b"  # 100% of the prompt matched
+    assert choose_cache_aware(token_key(list(range(30)) + [999] * 70), t, loads) == "a"  # 30%: not above 0.3
+    assert choose_cache_aware(token_key(list(range(31)) + [999] * 69), t, loads) == "b"
+    # imbalanced needs both: max - min > 64 and max > 1.5 * min
+    assert choose_cache_aware(token_key(range(40)), t, {"a": 150, "b": 215}) == "b"  # 65 > 64, 215 < 1.5 * 150
+    assert choose_cache_aware(token_key(range(40)), t, {"a": 10, "b": 75}) == "a"
+    assert choose_cache_aware(token_key(range(40)), t, {"a": 10, "b": 74}) == "b"
+    with pytest.raises(ValueError):
+        CacheAwareConfig(balance_rel_threshold=0.5)
+    with pytest.raises(ValueError):
+        PrefixAffinityConfig(match_rate_threshold=2)
+
+
+def test_session_hashing_is_sticky_and_moves_only_the_keys_of_a_removed_replica():
+    ids = [f"r{i}" for i in range(8)]
+    ring, rng = HashRing(ids), random.Random(0)
+    before = {f"s{k}": choose_session(f"s{k}", ring, ids, rng) for k in range(400)}
+    assert len(set(before.values())) == 8 and all(choose_session(k, ring, ids, rng) == v for k, v in before.items())
+    after = {k: choose_session(k, ring, ids[1:], rng) for k in before}
+    assert {k for k in before if before[k] != after[k]} == {k for k, v in before.items() if v == "r0"}
+    assert {choose_session(None, ring, ids, rng) for _ in range(100)} == set(ids)  # no key: random
+
+
+def test_every_policy_is_selectable_and_routes():
+    assert set(ROUTERS) == {"kv", "pow2", "round_robin", "prefix_affinity", "cache_aware", "session"}
+    view = {rid: stats(rid) for rid in "ab"}
+    for name in ROUTERS:
+        router = make_router(name, seed=1)
+        rid = router.choose(req(), view, {}, NOW, {"a": 0, "b": 0}, 64)
+        assert rid in view, name
+        router.routed(req(), rid, NOW)
+        assert ROUTERS[name].serve_router.split(":")[0] in ("cluster.serve_router", "ray.serve._private.request_router")
+
+
+# -- held requests past saturation ----------------------------------------------------------------------
+def test_held_room_goes_to_the_overdue_then_the_resident_prefix_then_who_can_meet_the_slo():
+    s = stats("a", hashes=cached(PREFIX))
+    cold = [(0.0, RouteRequest(prompt(50, 300), 64)), (1.0, RouteRequest(prompt(51, 300), 64))]
+    warm = (2.0, req())
+    assert choose_held(cold + [warm], "a", s, EMPTY, 3.0) == 2  # its 32 blocks are cached on a
+    assert choose_held(cold, "a", s, EMPTY, 1.5) == 0  # no prefix anywhere, both can meet the SLO: the oldest
+    assert choose_held(cold, "a", s, EMPTY, 2.5) == 1  # the oldest can no longer meet the 2 s SLO
+    assert choose_held(cold + [warm], "a", s, EMPTY, 5.5) == 0  # the oldest has waited max_hold_s
+    assert choose_held(cold + [warm], "a", s, EMPTY, 3.0, KVPolicyConfig(held_order="fifo")) == 0
+    tight = stats("a", free=10, hashes=cached(PREFIX))  # 7 new blocks fit next to the cached prefix
+    assert choose_held(cold + [warm], "a", tight, EMPTY, 5.5) == 2  # the overdue ones do not fit here
+    assert choose_held(cold + [warm], "a", tight, EMPTY, 10.5) is None  # held 2 x max_hold_s: nobody passes it
+    assert choose_held([], "a", s, EMPTY, 3.0) is None

@@ -92,3 +92,57 @@ def test_request_router_config_selects_the_policy():
     assert request_router_config("pow2", stats_period_s=1).request_routing_stats_period_s == 1
     with pytest.raises(ValueError):
         request_router_config("random")
+
+
+def peer_replica(name):
+    return SimpleNamespace(replica_id=ReplicaID(unique_id=name, deployment_id=DEP), routing_stats={},
+                           max_ongoing_requests=64)
+
+
+def session_pending(n, tokens, session=""):
+    meta = RequestMetadata(request_id=f"r{n}", internal_request_id=f"i{n}", call_method="generate",
+                           session_id=session)
+    return PendingRequest(args=[], kwargs={"request_id": f"r{n}", "prompt_token_ids": tokens,
+                                           "params": SamplingParams(max_tokens=32)}, metadata=meta)
+
+
+def test_peer_routers_learn_where_prompts_went_and_follow_them():
+    from cluster.serve_router import CacheAwareRequestRouter, PrefixAffinityRequestRouter
+
+    async def main():
+        reps = [peer_replica(n) for n in "abc"]
+        for cls in (PrefixAffinityRequestRouter, CacheAwareRequestRouter):
+            router = make(cls)
+            if cls is PrefixAffinityRequestRouter:  # queue lengths from Serve's cache, as Ray reads them
+                router._use_replica_queue_len_cache = True
+                for r in reps:
+                    router._replica_queue_len_cache.update(r.replica_id, 0)
+            first = await router.choose_replicas(reps, session_pending(1, PREFIX + [1]))
+            router.on_request_routed(session_pending(1, PREFIX + [1]), first[0][0].replica_id, None)
+            again = await router.choose_replicas(reps, session_pending(2, PREFIX + [2, 3]))
+            assert again == first, cls.__name__  # the shared prefix follows the first request
+            router.on_request_completed(first[0][0].replica_id, "i1")
+            assert await router.choose_replicas(reps, pending(3, [], method="info")) == [reps]
+    asyncio.run(main())
+
+
+def test_session_router_keeps_a_session_on_one_replica():
+    from cluster.serve_router import SessionRequestRouter
+
+    async def main():
+        router = make(SessionRequestRouter)
+        reps = [peer_replica(n) for n in "abcd"]
+        picks = {(await router.choose_replicas(reps, session_pending(i, [i], "chat-7")))[0][0].replica_id.unique_id
+                 for i in range(6)}
+        assert len(picks) == 1
+        spread = {(await router.choose_replicas(reps, session_pending(i, [i], f"chat-{i}")))[0][0].replica_id.unique_id
+                  for i in range(40)}
+        assert len(spread) > 1
+    asyncio.run(main())
+
+
+def test_every_routing_policy_has_a_request_router_config():
+    from cluster.policy import ROUTERS
+
+    for name, policy in ROUTERS.items():
+        assert request_router_config(name).request_router_class == policy.serve_router

@@ -4,6 +4,7 @@ import random
 import numpy as np
 import pytest
 
+from cluster.policy import KVPolicyConfig
 from cluster.sim import CostModel, ReplicaConfig, SimConfig, SimReplica, WorkloadConfig, fit, generate, simulate
 from cluster.sim.workload import arrival_times
 from cluster.stats import build_replica_stats
@@ -151,3 +152,55 @@ def test_a_simulated_replica_meets_the_engine_state_contract():
     report = replica.report(2.5)
     assert report.replica_id == "r" and report.timestamp == 2.5 and report.num_waiting == 1
     assert replica.stats().num_waiting == 1 and replica.routing_snapshot().num_total_blocks == 64
+
+
+def test_multi_turn_sessions_extend_the_previous_prompt_and_answer():
+    from cluster.sim.simulation import Simulation
+
+    wl = generate(WorkloadConfig(kind="multi-turn", rate=8, duration_s=4, num_groups=2, prefix_len=64,
+                                 prompt_mean=32, output_mean=16, turns_mean=4, think_s=0.5, seed=4))
+    turns = {}
+    for spec in wl:
+        turns.setdefault(spec.session, []).append(spec)
+    assert len(turns) >= 4 and max(len(t) for t in turns.values()) >= 3
+    for session in turns.values():
+        for prev, nxt in zip(session, session[1:]):
+            assert nxt.context is prev and nxt.prompt()[:prev.num_prompt_tokens + prev.max_tokens] == \
+                prev.prompt() + prev.output()
+    sim = Simulation(SimConfig(num_replicas=2), "kv")
+    res = sim.run(wl)
+    assert res.num_finished == res.num_requests == len(wl)
+    recs = sim.records
+    for session in turns.values():  # closed loop: each turn is sent after the previous answer, plus think time
+        for prev, nxt in zip(session, session[1:]):
+            assert recs[nxt.request_id].arrival == pytest.approx(recs[prev.request_id].finish + nxt.arrival)
+    assert res.prefix_hit_rate > 0.5  # the replica cached the answers it generated
+
+
+def test_skewed_workload_puts_the_hot_share_on_a_few_prompts():
+    wl = generate(WorkloadConfig(kind="skewed", rate=200, duration_s=10, num_groups=200, num_hot=4, hot_share=0.8,
+                                 seed=5))
+    hot = sum(r.group < 4 for r in wl) / len(wl)
+    assert hot == pytest.approx(0.8, abs=0.03) and len({r.group for r in wl if r.group >= 4}) > 100
+
+
+def test_every_policy_runs_in_the_simulator():
+    from cluster.policy import ROUTERS
+
+    wl = generate(WorkloadConfig(kind="multi-turn", rate=12, duration_s=4, num_groups=2, prefix_len=128,
+                                 output_mean=32, seed=6))
+    cfg = SimConfig(num_replicas=3, warmup_s=0)
+    results = {p: simulate(wl, p, cfg) for p in ROUTERS}
+    assert all(r.num_finished == r.num_requests == len(wl) for r in results.values())
+    # the prefix-remembering peers and kv keep a session's turns together; pow2 does not
+    assert min(results[p].prefix_hit_rate for p in ("kv", "prefix_affinity", "cache_aware", "session")) > \
+        results["pow2"].prefix_hit_rate
+
+
+def test_past_saturation_the_held_order_meets_the_slo_more_often_than_fifo():
+    wl = generate(WorkloadConfig(kind="shared-prefix", rate=18, duration_s=8, num_groups=12, bursts=((2, 4, 6.0),),
+                                 seed=7))
+    fifo = simulate(wl, "kv", SimConfig(num_replicas=6, warmup_s=1, kv=KVPolicyConfig(held_order="fifo")))
+    held = simulate(wl, "kv", SimConfig(num_replicas=6, warmup_s=1))
+    assert fifo.max_held > 50 and held.num_finished == fifo.num_finished == held.num_requests
+    assert held.slo_met > fifo.slo_met + 0.03 and held.ttft_p99 <= 1.2 * fifo.ttft_p99

@@ -1,7 +1,7 @@
 """python -m cluster.sim [run] ... | sweep ... | fit ...
 
     run     one workload, each policy: P50/P99 TTFT, TPOT, throughput, preemptions, prefix hits
-    sweep   both workloads at rising load: a markdown table on stdout, one PNG per workload
+    sweep   workloads at rising load: a markdown table on stdout, one PNG per workload
     fit     measure a real engine's step times and fit the cost model (cluster/sim/fit.py)
 """
 from __future__ import annotations
@@ -17,9 +17,20 @@ from cluster.sim.replica import ReplicaConfig
 from cluster.sim.simulation import SimConfig, simulate
 from cluster.sim.workload import WorkloadConfig, generate
 
-# Per workload kind: (prompt_mean, output_mean). shared-prefix prompts are prefix_len + this suffix.
-PRESETS = {"shared-prefix": (128, 128), "no-prefix": (1024, 256)}
-SWEEP_LOADS = {"shared-prefix": (2, 3, 4, 5, 6, 7), "no-prefix": (1, 1.5, 2, 2.5, 2.75)}  # req/s per replica
+# Per workload: WorkloadConfig fields. prompt_mean is the suffix / user message where there is a
+# shared prefix (prefix_len tokens, from --prefix-len unless set here).
+PRESETS = {
+    "shared-prefix": dict(kind="shared-prefix", prompt_mean=128, output_mean=128),
+    "no-prefix": dict(kind="no-prefix", prompt_mean=1024, output_mean=256),
+    # 4 hot system prompts carry 80% of the requests; the rest spread over 16 per replica, Zipf.
+    "skewed": dict(kind="skewed", prompt_mean=128, output_mean=128, num_hot=4, hot_share=0.8),
+    # chat sessions of ~6 turns, 8 system prompts of 512 tokens, user turns ~128, answers ~192.
+    "multi-turn": dict(kind="multi-turn", prompt_mean=128, output_mean=192, num_groups=8, prefix_len=512),
+    # shared-prefix traffic with a 10 s burst at 4x the base rate, from t = 10 s.
+    "burst": dict(kind="shared-prefix", prompt_mean=128, output_mean=128, bursts=((10.0, 10.0, 4.0),)),
+}
+SWEEP_LOADS = {"shared-prefix": (2, 3, 4, 5, 6, 7), "no-prefix": (1, 1.5, 2, 2.5, 2.75),  # req/s per replica
+               "skewed": (2, 3, 4, 5, 6, 7), "multi-turn": (1, 2, 3, 4, 5), "burst": (2, 3, 4)}
 
 
 def _burst(text: str) -> tuple[float, float, float]:
@@ -31,6 +42,8 @@ def _burst(text: str) -> tuple[float, float, float]:
 
 
 def _policies(text: str) -> list[str]:
+    if text == "all":
+        return list(ROUTERS)
     names = [p.strip() for p in text.split(",") if p.strip()]
     bad = [p for p in names if p not in ROUTERS]
     if bad or not names:
@@ -40,8 +53,8 @@ def _policies(text: str) -> list[str]:
 
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=8, help="simulated engine replicas (default: 8)")
-    p.add_argument("--policies", type=_policies, default=list(ROUTERS),
-                   help="comma list (default: kv,pow2,round_robin)")
+    p.add_argument("--policies", type=_policies, default=["kv", "pow2", "round_robin"],
+                   help=f"comma list of {','.join(ROUTERS)}, or all (default: kv,pow2,round_robin; sweep: all)")
     p.add_argument("--duration", type=float,
                    help="seconds of arrivals (default: 30; with more than 64 replicas 30 * 64 / replicas, >= 8)")
     p.add_argument("--warmup", type=float, default=5.0, help="arrivals before this are not measured (default: 5)")
@@ -59,7 +72,20 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=ReplicaConfig.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=ReplicaConfig.max_num_batched_tokens)
     p.add_argument("--max-queue", type=int, default=1_000_000, help="requests held at the router before rejecting")
+    p.add_argument("--max-ongoing", type=int,
+                   help="requests in flight per replica before the router holds them, every policy but kv "
+                        "(default: max-num-seqs for pow2/round_robin, none for the peers, as they deploy)")
     p.add_argument("--load-weight", type=float, default=KVPolicyConfig.load_weight, help="kv: see cluster/policy.py")
+    p.add_argument("--request-weight", type=float, default=KVPolicyConfig.request_weight,
+                   help="kv: prompt tokens one request in flight costs (see cluster/policy.py)")
+    p.add_argument("--prefill-rate", type=float,
+                   help="kv: prompt tokens/s a replica prefills (default: the cost model's, 0.9 / b)")
+    p.add_argument("--held-order", choices=["affinity", "fifo"], default=KVPolicyConfig.held_order,
+                   help="kv: which held request takes room that opens (default: affinity, see cluster/policy.py)")
+    p.add_argument("--max-hold", type=float, default=KVPolicyConfig.max_hold_s,
+                   help="kv, affinity: seconds after which the oldest held request goes first")
+    p.add_argument("--ttft-slo", type=float, default=SimConfig.ttft_slo_s,
+                   help="goodput: a request meets the SLO when its first token came within this (s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
@@ -68,18 +94,27 @@ def sim_config(args) -> SimConfig:
     cost = CostModel.load(args.cost_model) if args.cost_model else CostModel()
     replica = ReplicaConfig(num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens)
+    rate = args.prefill_rate if args.prefill_rate is not None else round(0.9 / cost.b) if cost.b > 0 else 0.0
+    kv = KVPolicyConfig(load_weight=args.load_weight, request_weight=args.request_weight, prefill_rate=rate,
+                        held_order=args.held_order, max_hold_s=args.max_hold, ttft_slo_s=args.ttft_slo)
     return SimConfig(num_replicas=args.replicas, replica=replica, cost=cost, stats_interval_s=args.stats_interval,
-                     max_queue=args.max_queue, warmup_s=args.warmup, kv=KVPolicyConfig(load_weight=args.load_weight),
-                     seed=args.seed)
+                     max_queue=args.max_queue, max_ongoing=args.max_ongoing, warmup_s=args.warmup, kv=kv,
+                     ttft_slo_s=args.ttft_slo, seed=args.seed)
 
 
-def workload_config(args, kind: str, rate: float) -> WorkloadConfig:
-    prompt_mean, output_mean = PRESETS[kind]
+def workload_config(args, workload: str, rate: float) -> WorkloadConfig:
+    preset = dict(PRESETS[workload])
     duration = args.duration or (30.0 if args.replicas <= 64 else max(8.0, 30.0 * 64 / args.replicas))
-    return WorkloadConfig(kind=kind, rate=rate, duration_s=duration, cv=args.cv, bursts=tuple(args.burst),
-                          num_groups=max(1, round(args.groups_per_replica * args.replicas)), prefix_len=args.prefix_len,
-                          prompt_mean=args.prompt_mean or prompt_mean, output_mean=args.output_mean or output_mean,
-                          seed=args.seed)
+    groups = max(1, round(args.groups_per_replica * args.replicas))
+    if preset["kind"] == "skewed":
+        groups = max(preset["num_hot"] + 1, 16 * args.replicas)  # the long tail
+    fields = dict(num_groups=groups, prefix_len=args.prefix_len) | preset
+    fields["bursts"] = tuple(args.burst) or fields.get("bursts", ())
+    if args.prompt_mean:
+        fields["prompt_mean"] = args.prompt_mean
+    if args.output_mean:
+        fields["output_mean"] = args.output_mean
+    return WorkloadConfig(rate=rate, duration_s=duration, cv=args.cv, seed=args.seed, **fields)
 
 
 def _run_one(job: tuple) -> SimResult:
@@ -110,13 +145,13 @@ def run(argv: list[str]) -> int:
 
 def sweep(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m cluster.sim sweep",
-                                description="Both workloads at rising load: markdown table + one PNG per workload.")
-    p.add_argument("--workloads", default="shared-prefix,no-prefix")
+                                description="Workloads at rising load: markdown table + one PNG per workload.")
+    p.add_argument("--workloads", default=",".join(PRESETS))
     p.add_argument("--loads", help="requests/s per replica, comma list (default: per workload)")
     p.add_argument("--out", default="docs/sim", help="PNG path prefix: <out>_<workload>.png (default: docs/sim)")
     p.add_argument("--jobs", type=int, default=1, help="parallel simulations (processes)")
     add_common(p)
-    p.set_defaults(replicas=64)
+    p.set_defaults(replicas=64, policies=list(ROUTERS))
     args = p.parse_args(argv)
     cfg = sim_config(args)
     all_results: dict[str, list[tuple[float, SimResult]]] = {}

@@ -44,15 +44,17 @@ class SimResult:
     max_held: int
     sim_time_s: float
     events: int
+    slo_met: float = float("nan")  # goodput: share of measured requests (rejected ones too) with TTFT <= the SLO
+    goodput_req_s: float = float("nan")  # those requests per second of the measured arrival window
 
     ROW = ("policy", "replicas", "requests", "finished", "rejected", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms",
-           "TPOT p99 ms", "queue p99 s", "tok/s", "preempt", "prefix hit")
+           "TPOT p99 ms", "queue p99 s", "tok/s", "preempt", "prefix hit", "TTFT<=SLO")
 
     def row(self) -> list[str]:
         return [self.policy, str(self.num_replicas), str(self.num_requests), str(self.num_finished),
                 str(self.num_rejected), f"{self.ttft_p50:.3f}", f"{self.ttft_p99:.3f}", f"{self.tpot_p50 * 1e3:.1f}",
                 f"{self.tpot_p99 * 1e3:.1f}", f"{self.queue_p99:.3f}", f"{self.throughput_tok_s:.0f}",
-                str(self.preemptions), f"{self.prefix_hit_rate:.1%}"]
+                str(self.preemptions), f"{self.prefix_hit_rate:.1%}", f"{self.slo_met:.1%}"]
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -73,6 +75,9 @@ def summarize(policy: str, config, records: list[RequestRecord], replicas: Itera
     span = max(t1 - t0, 1e-9)
     sched = [rep.scheduler.stats for rep in replicas]
     query = sum(s.prefix_query_tokens for s in sched)
+    slo = getattr(config, "ttft_slo_s", float("inf"))
+    good = sum(1 for r in measured if r.first_token is not None and r.first_token - r.arrival <= slo)
+    window = max((r.arrival for r in measured), default=0.0) - min((r.arrival for r in measured), default=0.0)
     return SimResult(
         policy=policy, num_replicas=config.num_replicas, num_requests=len(measured),
         num_finished=sum(1 for r in measured if r.finish is not None), num_rejected=sum(r.rejected for r in measured),
@@ -80,7 +85,8 @@ def summarize(policy: str, config, records: list[RequestRecord], replicas: Itera
         queue_p99=_pct(queue, 99), throughput_tok_s=sum(r.num_output_tokens for r in finished) / span,
         throughput_req_s=len(finished) / span, preemptions=sum(s.num_preemptions for s in sched),
         prefix_hit_rate=sum(s.prefix_hit_tokens for s in sched) / query if query else 0.0,
-        max_held=max_held, sim_time_s=end, events=events)
+        max_held=max_held, sim_time_s=end, events=events,
+        slo_met=good / len(measured) if measured else float("nan"), goodput_req_s=good / window if window > 0 else 0.0)
 
 
 def markdown_table(results: list[SimResult], extra: dict[str, list[str]] | None = None) -> str:
