@@ -24,9 +24,12 @@ authors deploy them without a per-replica cap, so run them with a large
 deployment option.
 
 No replica with room: choose_replicas returns no candidates and asks Serve to back off, so the
-request waits in the handle's queue (FIFO by arrival, bounded by the deployment's
-`max_queued_requests`; beyond it Serve raises BackPressureError, which the ingress answers with
-503/429 and Retry-After).
+request waits in the handle's queue (bounded by the deployment's `max_queued_requests`; beyond it
+Serve raises BackPressureError, which the ingress answers with 503/429 and Retry-After). Serve
+retries each held request on its own backoff timer (up to 0.5 s), so a newcomer can take room
+that opened before an old request retries; the router remembers the requests it held, and once
+one has waited `max_hold_s` a newcomer yields it any replica it fits on (nothing starves). The
+rest of `cluster.policy.choose_held`'s order needs the simulator's retry on every change.
 """
 from __future__ import annotations
 
@@ -37,12 +40,13 @@ from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingReque
 from cluster.peers import CacheAwareConfig, PrefixAffinityConfig
 from cluster.pending import PendingLedger
 from cluster.policy import (ROUTERS, CacheAwareRouter, KVPolicyConfig, PrefixAffinityRouter, RouteRequest, SessionRouter,
-                            choose_kv, record_dispatch)
+                            choose_kv, rank_key, record_dispatch)
 from cluster.stats import ReplicaStats
 from engine.config import EngineConfig
 
 ROUTER_CLASSES = {name: policy.serve_router for name, policy in ROUTERS.items()}
 GENERATE_METHOD = "generate"  # workers.server.EngineServer.generate, called with keyword arguments
+FORGET_HELD_S = 2.0  # a held request asks again within Serve's max backoff (0.5 s), else it is gone
 
 
 def route_request_from(pending: PendingRequest | None, default_max_tokens: int,
@@ -73,6 +77,7 @@ class KVRequestRouter(RequestRouter):
         self.ledger = PendingLedger(expire_after_s=4 * self.config.stale_after_s)
         self._stats: dict[str, ReplicaStats] = {}  # parsed reports, by replica
         self._booked: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, footprint blocks)
+        self._held: dict[str, tuple[float, float, RouteRequest]] = {}  # id -> (first held, last asked, request)
         self._last_expire = 0.0
 
     def _view(self, replicas: list[RunningReplica]) -> dict[str, ReplicaStats | None]:
@@ -105,10 +110,26 @@ class KVRequestRouter(RequestRouter):
         self._unbook(key, now)  # a retry: Serve found our last pick full
         view = self._view(candidate_replicas)
         rid = choose_kv(request, view, self.ledger.view(), now, self.config)
-        if rid is None:
+        if rid is None or self._yields(key, rid, view, now):
+            first = self._held.get(key, (now,))[0]
+            self._held[key] = (first, now, request)
             return []  # hold: Serve backs off and asks again
+        self._held.pop(key, None)
         self._booked[key] = (rid, record_dispatch(self.ledger, rid, request, view, now, self.default_block_size))
         return [[r for r in candidate_replicas if replica_key(r.replica_id) == rid]]
+
+    def _yields(self, key: str, rid: str, view: dict, now: float) -> bool:
+        """Whether this request leaves `rid` to a held one that has waited max_hold_s and fits there
+        (held requests that stopped asking, cancelled or routed elsewhere, are forgotten)."""
+        mine = self._held.get(key, (now,))[0]
+        s = view.get(rid)
+        for other, (first, asked, request) in list(self._held.items()):
+            if now - asked > FORGET_HELD_S:
+                del self._held[other]
+            elif (other != key and first < mine and now - first >= self.config.max_hold_s and s is not None
+                  and rank_key(request, s, self.ledger.get(rid), self.config, now) is not None):
+                return True
+        return False
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self._unbook(internal_request_id, time.time())

@@ -146,3 +146,17 @@ def test_every_routing_policy_has_a_request_router_config():
 
     for name, policy in ROUTERS.items():
         assert request_router_config(name).request_router_class == policy.serve_router
+
+
+def test_kv_router_newcomers_yield_to_a_request_held_past_max_hold():
+    async def main():
+        router = make(KVRequestRouter, max_hold_s=0.2)
+        full = [replica("a", free=1)]
+        old = pending(1, [5] * 100)
+        assert await router.choose_replicas(full, old) == []  # no room: held
+        time.sleep(0.25)
+        roomy = [replica("a", free=500)]
+        assert await router.choose_replicas(roomy, pending(2, [6] * 100)) == []  # yields to the overdue one
+        assert await router.choose_replicas(roomy, old) == [roomy]  # which takes the room
+        assert await router.choose_replicas(roomy, pending(3, [7] * 100)) == [roomy]  # nobody overdue now
+    asyncio.run(main())
