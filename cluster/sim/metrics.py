@@ -97,3 +97,23 @@ def markdown_table(results: list[SimResult], extra: dict[str, list[str]] | None 
     for i, r in enumerate(results):
         lines.append("| " + " | ".join([v[i] for v in extra.values()] + r.row()) + " |")
     return "\n".join(lines)
+
+
+def comparison_table(pairs: list[tuple[float, SimResult]], field: str = "ttft_p99", fmt: str = "{:.3f}",
+                     lower_is_better: bool = True) -> str:
+    """One row per load: `field` for every policy, the best of the policies other than kv, and
+    kv's change against it (negative: kv is lower)."""
+    loads = list(dict.fromkeys(load for load, _ in pairs))
+    policies = list(dict.fromkeys(r.policy for _, r in pairs))
+    peers = [p for p in policies if p != "kv"]
+    head = ["load req/s/replica"] + policies + (["best peer", "kv vs best peer"] if "kv" in policies and peers else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    pick = min if lower_is_better else max
+    for load in loads:
+        got = {r.policy: getattr(r, field) for l, r in pairs if l == load}
+        row = [f"{load:g}"] + [fmt.format(got[p]) for p in policies]
+        if "kv" in got and peers:
+            best = pick(peers, key=lambda p: got[p])
+            row += [f"{best} {fmt.format(got[best])}", f"{got['kv'] / got[best] - 1:+.0%}" if got[best] else "n/a"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
