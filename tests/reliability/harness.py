@@ -89,7 +89,7 @@ class ServeProcess:
                 return self
             if self.proc.poll() is not None:
                 tail = self.log_tail()
-                kind = PortTaken if "cannot listen on" in tail or "Address already in use" in tail else RuntimeError
+                kind = RetryableStart if any(m in tail for m in RetryableStart.MARKS) else RuntimeError
                 raise kind(f"kvserve serve exited with {self.proc.returncode} before it was ready:\n{tail}")
             time.sleep(0.25)
         raise RuntimeError(f"kvserve serve not ready within {self.READY_TIMEOUT_S:g}s:\n{self.log_tail()}")
@@ -124,7 +124,7 @@ class ServeProcess:
     def __enter__(self) -> ServeProcess:
         try:
             return self.start()
-        except PortTaken:  # another process took a free port between our check and the bind
+        except RetryableStart:  # not kvserve's doing: try once more, on new ports
             self.stop(timeout_s=5)
             self._fresh()
         except BaseException:
@@ -230,8 +230,11 @@ class ServeProcess:
         return m
 
 
-class PortTaken(RuntimeError):
-    """The port picked as free was taken before kvserve bound it."""
+class RetryableStart(RuntimeError):
+    """A start that failed for the machine's sake: a port picked as free was taken before kvserve
+    bound it, or Ray's raylet did not register within Ray's fixed 30 s on an overloaded host."""
+
+    MARKS = ("cannot listen on", "Address already in use", "The current node timed out during startup")
 
 
 class _ignore_gone:

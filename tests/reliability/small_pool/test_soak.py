@@ -1,4 +1,4 @@
-"""A soak: SOAK_REQUESTS requests (100; 2,000 under RELIABILITY_SCALE=full) of a mixed workload,
+"""A soak: SOAK_REQUESTS requests (80; 2,000 under RELIABILITY_SCALE=full) of a mixed workload,
 SOAK_CONCURRENCY at a time, with the engine replica's RSS and open fds sampled at idle points
 after a warm-up of a tenth of them (at least 40)."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tests.reliability.small_pool.common import MAX_MODEL_LEN, assert_pool_whole
 
 pytestmark = pytest.mark.reliability
 
-SOAK_REQUESTS = count("soak_requests", 100, 2000)
+SOAK_REQUESTS = count("soak_requests", 80, 2000)
 SOAK_SAMPLES = count("soak_samples", 1, 4)  # idle points sampled after the warm-up one
 SOAK_CONCURRENCY = 8
 KINDS = ("completion", "completion", "completion-stream", "chat", "chat-stream", "completion-n2",
