@@ -7,6 +7,7 @@ vLLM does, so that clients sending newer OpenAI fields keep working.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -52,6 +53,7 @@ class _SamplingFields(_Model):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -113,6 +115,92 @@ class CompletionRequest(_SamplingFields):
         return self._sampling_params(self.max_tokens, self.logprobs)
 
 
+# Limits on what a request may ask the grammar compiler to build (400 beyond them).
+MAX_SCHEMA_CHARS = 64_000  # one JSON schema (a response_format's, a tool's parameters), serialized
+MAX_REGEX_CHARS = 4_000
+MAX_GRAMMAR_CHARS = 64_000
+MAX_CHOICES = 1_000
+MAX_TOOLS = 128  # OpenAI's own limit
+
+
+def _schema_size_ok(schema: dict | str | None, what: str) -> None:
+    text = schema if isinstance(schema, str) else json.dumps(schema or {})
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"{what} is {len(text)} characters of JSON; at most {MAX_SCHEMA_CHARS} are allowed")
+
+
+class StructuredOutputs(_Model):
+    """vLLM's `structured_outputs` extra: exactly one constraint on the output."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # a JSON schema
+    regex: str | None = Field(None, max_length=MAX_REGEX_CHARS)
+    choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)  # Lark (llguidance's dialect) or GBNF
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        given = [k for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                ("grammar", self.grammar), ("json_object", self.json_object)) if v]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, json_object")
+        if isinstance(self.json_, str):
+            try:
+                json.loads(self.json_)
+            except ValueError:
+                raise ValueError("structured_outputs.json is not valid JSON") from None
+        _schema_size_ok(self.json_, "structured_outputs.json")
+        return self
+
+
+class JsonSchemaFormat(_Model):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # true: schema keywords the engine cannot enforce are a 400, not ignored
+
+    @model_validator(mode="after")
+    def _size(self):
+        _schema_size_ok(self.schema_, "response_format.json_schema.schema")
+        return self
+
+
+class FunctionDefinition(_Model):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _size(self):
+        _schema_size_ok(self.parameters, f"the parameters of tool {self.name}")
+        return self
+
+
+class ToolDefinition(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Model):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class TextPart(_Model):
     type: Literal["text"]
     text: str
@@ -122,6 +210,8 @@ class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def to_template(self) -> dict[str, Any]:
         content = self.content
@@ -134,7 +224,14 @@ class ChatMessage(_Model):
 
 
 class ResponseFormat(_Model):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -144,19 +241,31 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True  # vLLM extra: end the prompt with the assistant header
 
     @model_validator(mode="after")
     def _check_unsupported(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError("response_format other than text is not supported")
-        if self.tools:
-            raise ValueError("tools are not supported")
+        self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        choice = self.tool_choice
+        forced = choice == "required" or isinstance(choice, NamedToolChoice)
+        if forced and not self.tools:
+            raise ValueError("tool_choice requires tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not among the tools")
+        formatted = self.response_format is not None and self.response_format.type != "text"
+        if forced and (formatted or self.structured_outputs is not None):
+            raise ValueError("tool_choice required or a named function cannot be combined with response_format "
+                             "or structured_outputs: each decides the output's form")
+        if formatted and self.structured_outputs is not None:
+            raise ValueError("response_format cannot be combined with structured_outputs: give one of them")
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -32,6 +33,8 @@ from router.formatting import (SSE_DONE, Accumulator, chat_logprobs, chat_respon
                                completion_response, sse)
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.settings import RouterSettings
+from router.structured import checked, from_response_format, from_structured_outputs
+from router.tools import ToolPlan, render, template_knows_tools
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +125,8 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
-        params = self._params(req)
+        params = await self._constrained(self._params(req), from_structured_outputs(req.structured_outputs),
+                                         "structured_outputs")
         texts = req.prompts()
         limit = self.settings.max_sequences_per_request
         if len(texts) * req.n > limit:
@@ -140,17 +144,26 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
+        plan = ToolPlan.of(req)
         params = self._params(req)
-        ids = self._chat_ids(req.messages, req.add_generation_prompt)
+        for spec, param in ((from_response_format(req.response_format), "response_format"),
+                            (from_structured_outputs(req.structured_outputs), "structured_outputs"),
+                            (plan.spec(), "tools")):
+            params = await self._constrained(params, spec, param)
+        ids = self._chat_ids(req.messages, req.add_generation_prompt, plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         first, merged = await self._start(rid, [ids], params, "messages", max_param)
         acc = Accumulator([len(ids)], req.n)
         if req.stream:
-            return self._chat_events(rid, req, acc, first, merged)
+            return self._chat_events(rid, req, acc, first, merged, plan)
         await _collect(acc, first, merged)
         k = (req.top_logprobs or 0) if req.logprobs else None
-        return chat_response(rid, int(time.time()), self.settings.served_model_name, acc, k, self.token_str)
+        response = chat_response(rid, int(time.time()), self.settings.served_model_name, acc, k, self.token_str)
+        if plan.calls_tools:
+            for choice in response["choices"]:
+                plan.apply(choice)
+        return response
 
     # -- shared steps ----------------------------------------------------------------------------
     @staticmethod
@@ -160,11 +173,20 @@ class OpenAIServing:
         except InvalidRequestError as e:
             raise from_invalid_request(e) from None
 
-    def _chat_ids(self, messages, add_generation_prompt: bool) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
+    @staticmethod
+    async def _constrained(params: SamplingParams, spec, param: str) -> SamplingParams:
+        """`params` constrained to `spec` (engine.structured) once it is known to compile; 400 else."""
+        if spec is None:
+            return params
+        return dataclasses.replace(params, structured_outputs=await checked(spec, param))
+
+    def _chat_ids(self, messages, add_generation_prompt: bool, plan: ToolPlan | None = None) -> list[int]:
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+        msgs, tools = render(messages, plan or ToolPlan("none"), template_knows_tools(template))
         try:
-            text = self.tokenizer.apply_chat_template([m.to_template() for m in messages], tokenize=False,
+            text = self.tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja raises on conversations its template rejects
             raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from None
@@ -231,13 +253,17 @@ class OpenAIServing:
         return self._sse(rid, "text_completion", req.include_usage_in_stream, acc, first, merged, [], choice)
 
     def _chat_events(self, rid: str, req: ChatCompletionRequest, acc: Accumulator, first,
-                     merged: AsyncIterator) -> AsyncIterator[str]:
+                     merged: AsyncIterator, plan: ToolPlan) -> AsyncIterator[str]:
         k = (req.top_logprobs or 0) if req.logprobs else None
+        calls = [plan.stream() for _ in acc.choices] if plan.calls_tools else None
 
         def choice(i: int, c: ChoiceDelta) -> dict:
             lps = chat_logprobs(c.token_ids, c.logprobs or [], k, self.token_str) if k is not None else None
             delta = {"content": c.text} if c.text or c.token_ids else {}
-            return {"index": i, "delta": delta, "logprobs": lps, "finish_reason": c.finish_reason,
+            finish_reason = c.finish_reason
+            if calls is not None:  # tool calls: name first, then argument fragments
+                delta, finish_reason = calls[i].step(c.text, c.finish_reason)
+            return {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish_reason,
                     "stop_reason": c.stop_reason}
 
         roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -264,20 +290,33 @@ class OpenAIServing:
         yield SSE_DONE
 
 
+def _check_failed(step: StepOutput) -> None:
+    """A sample the engine ended with an error (a grammar that failed while it ran; the engine
+    goes on) fails its request, saying why."""
+    for c in step.choices:
+        if c.finish_reason == "error":
+            raise OpenAIError(500, f"generation failed: {c.stop_reason}", type="server_error",
+                              code="generation_failed")
+
+
 async def _collect(acc: Accumulator, first, merged: AsyncIterator) -> None:
     acc.add(*first)
+    _check_failed(first[1])
     async with contextlib.aclosing(merged):
         async for prompt, step in merged:
             acc.add(prompt, step)
+            _check_failed(step)
 
 
 async def _events(first, merged: AsyncIterator, acc: Accumulator) -> AsyncIterator[tuple[int, StepOutput | str]]:
     """The request's outputs (counted into `acc`); a failure ends them with an SSE error event."""
     try:
         acc.add(*first)
+        _check_failed(first[1])
         yield first
         async for prompt, step in merged:
             acc.add(prompt, step)
+            _check_failed(step)
             yield prompt, step
     except OpenAIError as e:
         yield -1, sse(e.body())

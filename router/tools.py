@@ -1,0 +1,169 @@
+"""Tool calling in /v1/chat/completions: which constraint a `tool_choice` puts on the output, and
+how tools and earlier tool turns are rendered into the prompt.
+
+    tool_choice  none       tools left out of the prompt; the output is content
+                 auto       tools in the prompt; Hermes-style <tool_call> blocks in the output
+                            become tool_calls (router.tool_parser), the rest stays content
+                 required   the output is constrained to one or more such blocks (one without
+                            parallel_tool_calls), each a call of a listed tool with arguments
+                            that match its parameters' schema
+                 {function} the output is constrained to that function's arguments
+
+Calls are written the Hermes way, whatever the chat template:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+A template that knows tools (it reads `tools`) renders them, the assistant's `tool_calls` and
+the `tool` turns itself; for one that does not, the tools go into the system prompt with these
+instructions, calls into the assistant turn as blocks, and results into `<tool_response>` blocks.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from engine.structured.compiler import JSON_DEFAULTS
+from engine.structured.params import StructuredOutputsParams
+from router.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, ToolDefinition
+from router.tool_parser import NamedCallStream, ToolCallStream, call, parse_tool_calls
+
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+TOOLS_PROMPT = """You can call functions to help with the user's request. The functions are described \
+in JSON inside <tools></tools>:
+<tools>
+{tools}
+</tools>
+To call a function, answer with a JSON object holding its name and arguments inside \
+<tool_call></tool_call> tags, one block per call:
+<tool_call>
+{{"name": <function name>, "arguments": <arguments as a JSON object>}}
+</tool_call>"""
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: str  # "none" | "auto" | "required" | "named"
+    tools: tuple[ToolDefinition, ...] = ()
+    function: str | None = None  # mode "named": the function called
+    parallel: bool = True
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest) -> "ToolPlan":
+        tools = tuple(req.tools or ())
+        choice = req.tool_choice
+        if not tools or choice == "none":
+            return cls("none", tools)
+        if isinstance(choice, NamedToolChoice):
+            return cls("named", tools, choice.function.name, req.parallel_tool_calls)
+        return cls(choice or "auto", tools, None, req.parallel_tool_calls)
+
+    @property
+    def calls_tools(self) -> bool:
+        return self.mode != "none"
+
+    @property
+    def max_calls(self) -> int | None:
+        return None if self.parallel else 1
+
+    def apply(self, choice: dict) -> None:
+        """A finished reply's choice: its text -> content and message.tool_calls."""
+        message = choice["message"]
+        if self.mode == "named":
+            content, calls = None, [call(self.function, message["content"])]
+        else:
+            content, calls = parse_tool_calls(message["content"], self.max_calls)
+        message["content"] = content
+        if calls:
+            message["tool_calls"] = calls
+            if choice["finish_reason"] == "stop":
+                choice["finish_reason"] = "tool_calls"
+
+    def stream(self) -> NamedCallStream | ToolCallStream:
+        return NamedCallStream(self.function) if self.mode == "named" else ToolCallStream(self.max_calls)
+
+    def spec(self) -> StructuredOutputsParams | None:
+        """The constraint on the output: required and named calls are enforced."""
+        if self.mode == "named":
+            tool = next(t for t in self.tools if t.function.name == self.function)
+            return StructuredOutputsParams(json=_arguments_schema(tool), lenient=not tool.function.strict)
+        if self.mode == "required":
+            return StructuredOutputsParams(grammar=required_grammar(self.tools, self.parallel),
+                                           lenient=False)
+        return None
+
+
+def _arguments_schema(tool: ToolDefinition) -> dict:
+    return tool.function.parameters if tool.function.parameters is not None else NO_ARGUMENTS
+
+
+def required_grammar(tools: tuple[ToolDefinition, ...], parallel: bool) -> str:
+    """A Lark grammar (llguidance's dialect, with %json) for one or more Hermes-style calls.
+    Each tool's arguments keep their own schema as a JSON root, so its $refs still resolve."""
+    rules, names = [], []
+    for i, tool in enumerate(tools):
+        schema = dict(_arguments_schema(tool))
+        schema.setdefault("x-guidance", JSON_DEFAULTS)
+        head = json.dumps(f'{{"name": {json.dumps(tool.function.name)}, "arguments": ')
+        rules.append(f"call_{i}: {head} args_{i} \"}}\"\nargs_{i}: %json {json.dumps(schema)}")
+        names.append(f"call_{i}")
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return "\n".join([start, 'call: "<tool_call>\\n" (' + " | ".join(names) + ') "\\n</tool_call>"', *rules])
+
+
+# -- the prompt ------------------------------------------------------------------------------------
+
+def template_knows_tools(template: str | None) -> bool:
+    return bool(template) and "tools" in template
+
+
+def _arguments(text: str):
+    """A call's arguments as templates want them: parsed JSON (the text itself if it is not JSON)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def render(messages: list[ChatMessage], plan: ToolPlan, native: bool) -> tuple[list[dict], list[dict] | None]:
+    """-> (messages for apply_chat_template, its `tools` argument). `native`: the template
+    renders tools itself (template_knows_tools)."""
+    tools = [t.model_dump(exclude_none=True) for t in plan.tools] if plan.calls_tools else None
+    if native:
+        return [_native(m) for m in messages], tools
+    out = [_as_text(m) for m in messages]
+    if tools:
+        prompt = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out, None
+
+
+def _native(m: ChatMessage) -> dict:
+    msg = m.to_template()
+    if m.tool_calls:
+        msg["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                             for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        msg["tool_call_id"] = m.tool_call_id
+    return msg
+
+
+def call_block(name: str, arguments: str) -> str:
+    body = json.dumps({"name": name, "arguments": _arguments(arguments)}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def _as_text(m: ChatMessage) -> dict:
+    msg = m.to_template()
+    if m.tool_calls:
+        blocks = "\n".join(call_block(c.function.name, c.function.arguments) for c in m.tool_calls)
+        msg["content"] = f"{msg['content']}\n{blocks}" if msg["content"] else blocks
+    if m.role == "tool":
+        msg["content"] = f"<tool_response>\n{msg['content']}\n</tool_response>"
+    return msg

@@ -1,0 +1,356 @@
+"""Tool calling and structured-output requests at the HTTP edge, without Ray or a model: the
+official `openai` client against the app over an in-process engine that replies with a script,
+so that every tool_choice's reply shape (whole and streamed) is checked on known text; plus the
+Hermes parser, the streaming parser under every split, prompt rendering, and the 400s."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.config import EngineConfig
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from router.api import build_api
+from router.protocol import ChatCompletionRequest, ChatMessage, MAX_TOOLS
+from router.serving import OpenAIServing
+from router.settings import RouterSettings
+from router.tool_parser import NamedCallStream, ToolCallStream, parse_tool_calls
+from router.tools import ToolPlan, render, required_grammar
+from workers.server import EngineServer
+
+WEATHER_ARGS = {"type": "object", "properties": {"city": {"type": "string"},
+                                                 "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER_ARGS}},
+         {"type": "function", "function": {"name": "now", "description": "The time"}}]
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+HERMES = f"Let me look.\n<tool_call>\n{CALL}\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+class ScriptedEngine:
+    """Replies to every request with `script`, a few tokens a step; records what it was sent."""
+
+    def __init__(self, tokenizer, script: str, finish_reason: str = "stop", stop_reason=None) -> None:
+        self.tokenizer, self.script = tokenizer, script
+        self.finish_reason, self.stop_reason = finish_reason, stop_reason
+        self.max_model_len = 4096
+        self.seen: list[tuple[list[int], object]] = []
+
+    async def generate(self, request_id: str, prompt: list[int], params):
+        self.seen.append((prompt, params))
+        ids = self.tokenizer.encode(self.script, add_special_tokens=False)
+        sent, steps = "", [ids[i:i + 3] for i in range(0, len(ids), 3)]
+        for k, step in enumerate(steps):
+            await asyncio.sleep(0)
+            text = self.tokenizer.decode(sum(steps[:k + 1], []))
+            last = k == len(steps) - 1
+            outs = [CompletionOutput(index=i, delta_text=text[len(sent):], delta_token_ids=step,
+                                     finish_reason=self.finish_reason if last else None,
+                                     stop_reason=self.stop_reason if last else None) for i in range(params.n)]
+            sent = text
+            yield RequestOutput(request_id, None, prompt, outs, finished=last)
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_total_blocks=64, num_free_blocks=64, block_size=16, num_running=0, num_waiting=0,
+                           num_preemptions=0, prefix_query_tokens=0, prefix_hit_tokens=0, waiting_prefill_tokens=0)
+
+    def routing_snapshot(self) -> EngineStats:
+        return self.stats()
+
+    def check_health(self) -> None:
+        pass
+
+    async def shutdown(self) -> None:
+        pass
+
+
+def run(tokenizer, script: str, go, **engine_kwargs):
+    """go(client) against the app over a ScriptedEngine; -> (its result, the engine)."""
+    engine = ScriptedEngine(tokenizer, script, **engine_kwargs)
+    server = EngineServer(EngineConfig(max_model_len=4096, max_num_seqs=4), lambda config: engine)
+    app = build_api(OpenAIServing(tokenizer, server, RouterSettings(served_model_name="m")))
+
+    async def main():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="k", http_client=http, max_retries=0)
+            return await go(client)
+
+    return asyncio.run(main()), engine
+
+
+def create(**kwargs):
+    return lambda client: client.chat.completions.create(model="m", messages=kwargs.pop("messages", USER), **kwargs)
+
+
+def streamed(**kwargs):
+    """The stream's chunks, and the calls they add up to: index -> [id, name, arguments]."""
+    async def go(client):
+        stream = await create(stream=True, **kwargs)(client)
+        chunks = [c async for c in stream]
+        calls, content = {}, ""
+        for c in chunks:
+            delta = c.choices[0].delta if c.choices else None
+            content += (delta.content or "") if delta else ""
+            for tc in (delta.tool_calls or []) if delta else []:
+                entry = calls.setdefault(tc.index, [None, None, ""])
+                if tc.id:
+                    assert entry[0] is None and tc.function.name, "id and name come once, first"
+                    entry[0], entry[1] = tc.id, tc.function.name
+                assert entry[0] is not None, "an argument fragment before its call's name"
+                entry[2] += tc.function.arguments or ""
+        return chunks, calls, content
+    return go
+
+
+# -- replies: whole and streamed -----------------------------------------------------------------------
+
+def test_auto_turns_hermes_blocks_into_tool_calls(tokenizer):
+    r, engine = run(tokenizer, HERMES, create(tools=TOOLS))
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content == "Let me look."
+    (tc,) = msg.tool_calls
+    assert tc.id.startswith("call_") and tc.type == "function" and tc.function.name == "get_weather"
+    jsonschema.validate(json.loads(tc.function.arguments), WEATHER_ARGS)
+    prompt, params = engine.seen[0]
+    assert params.structured_outputs is None  # auto is not constrained
+    assert "<tools>" in tokenizer.decode(prompt) and "get_weather" in tokenizer.decode(prompt)
+
+
+def test_auto_streams_the_name_first_then_argument_fragments(tokenizer):
+    two = HERMES + "\n<tool_call>\n" + '{"name": "now", "arguments": {}}' + "\n</tool_call>"
+    (chunks, calls, content), _ = run(tokenizer, two, streamed(tools=TOOLS))
+    assert content.strip() == "Let me look."
+    assert [(name, json.loads(args)) for _, name, args in calls.values()] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("now", {})]
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.tool_calls) > 4  # arguments came in pieces
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_parallel_tool_calls_false_keeps_one_call(tokenizer):
+    two = HERMES + "\n<tool_call>\n" + '{"name": "now", "arguments": {}}' + "\n</tool_call>"
+    r, _ = run(tokenizer, two, create(tools=TOOLS, parallel_tool_calls=False))
+    assert [tc.function.name for tc in r.choices[0].message.tool_calls] == ["get_weather"]
+    (_, calls, _), _ = run(tokenizer, two, streamed(tools=TOOLS, parallel_tool_calls=False))
+    assert [name for _, name, _ in calls.values()] == ["get_weather"]
+
+
+def test_auto_without_a_call_is_content(tokenizer):
+    r, _ = run(tokenizer, "It is sunny. <b>ok</b> <tool_c", create(tools=TOOLS))
+    assert r.choices[0].message.content == "It is sunny. <b>ok</b> <tool_c" and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+    (_, calls, content), _ = run(tokenizer, "It is sunny. <b>ok</b> <tool_c", streamed(tools=TOOLS))
+    assert content == "It is sunny. <b>ok</b> <tool_c" and not calls
+
+
+def test_named_choice_constrains_to_the_arguments_schema(tokenizer):
+    args = '{"city": "Paris", "unit": "celsius"}'
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r, engine = run(tokenizer, args, create(tools=TOOLS, tool_choice=choice))
+    (tc,) = r.choices[0].message.tool_calls
+    assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
+    assert tc.function.name == "get_weather" and json.loads(tc.function.arguments) == json.loads(args)
+    spec = engine.seen[0][1].structured_outputs
+    assert json.loads(spec.json) == WEATHER_ARGS and spec.lenient  # the tool is not `strict`
+    (chunks, calls, _), _ = run(tokenizer, args, streamed(tools=TOOLS, tool_choice=choice))
+    ((call_id, name, streamed_args),) = calls.values()
+    assert name == "get_weather" and streamed_args == args
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_required_choice_constrains_to_hermes_calls_of_the_tools(tokenizer):
+    block = f"<tool_call>\n{CALL}\n</tool_call>"
+    r, engine = run(tokenizer, block, create(tools=TOOLS, tool_choice="required"))
+    assert [tc.function.name for tc in r.choices[0].message.tool_calls] == ["get_weather"]
+    spec = engine.seen[0][1].structured_outputs
+    assert spec.grammar == required_grammar(tuple(ChatCompletionRequest.model_validate(
+        {"messages": USER, "tools": TOOLS}).tools), True)
+
+
+def test_tool_choice_none_leaves_tools_out(tokenizer):
+    r, engine = run(tokenizer, HERMES, create(tools=TOOLS, tool_choice="none"))
+    assert r.choices[0].message.content == HERMES and r.choices[0].finish_reason == "stop"
+    assert "<tools>" not in tokenizer.decode(engine.seen[0][0])
+
+
+def test_a_cut_reply_keeps_its_length_finish(tokenizer):
+    r, _ = run(tokenizer, '{"city": "Par', create(tools=TOOLS, tool_choice={"type": "function",
+                                                                              "function": {"name": "get_weather"}}),
+               finish_reason="length")
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.tool_calls[0].function.arguments == \
+        '{"city": "Par'
+
+
+def test_a_generation_error_is_an_error_reply(tokenizer):
+    with pytest.raises(openai.InternalServerError, match="structured output failed: boom"):
+        run(tokenizer, "{", create(response_format={"type": "json_object"}), finish_reason="error",
+            stop_reason="structured output failed: boom")
+
+    async def stream(client):
+        chunks = []
+        with pytest.raises(openai.APIError, match="boom"):
+            async for c in await create(stream=True, response_format={"type": "json_object"})(client):
+                chunks.append(c)
+        return chunks
+    run(tokenizer, "{", stream, finish_reason="error", stop_reason="structured output failed: boom")
+
+
+def test_response_format_and_structured_outputs_reach_the_engine(tokenizer):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    _, engine = run(tokenizer, '{"a": 1}', create(response_format=fmt))
+    spec = engine.seen[0][1].structured_outputs
+    assert json.loads(spec.json) == schema and not spec.lenient
+    _, engine = run(tokenizer, "yes", create(extra_body={"structured_outputs": {"choice": ["yes", "no"]}}))
+    assert engine.seen[0][1].structured_outputs.choice == ("yes", "no")
+
+    async def completion(client):
+        return await client.completions.create(model="m", prompt="x", extra_body={"structured_outputs": {
+            "regex": "[0-9]+"}})
+    _, engine = run(tokenizer, "12", completion)
+    assert engine.seen[0][1].structured_outputs.regex == "[0-9]+"
+
+
+BAD = [
+    (dict(tool_choice="required"), "tool_choice", "requires tools"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice", "nope"),
+    (dict(tools=[TOOLS[0]] * (MAX_TOOLS + 1)), "tools", "128"),
+    (dict(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools.0.function.name", "pattern"),
+    (dict(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}),
+     "response_format", "strin"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+        "type": "object", "if": {}}}}), "response_format", "Unimplemented keys"),
+    (dict(response_format={"type": "json_schema"}), "response_format", "needs a json_schema"),
+    (dict(response_format={"type": "yaml"}), "response_format.type", "json_schema"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "description": "x" * 70_000}}}), "response_format.json_schema.schema", "64000"),
+    (dict(extra_body={"structured_outputs": {"regex": "a" * 5000}}), "structured_outputs.regex", "4000"),
+    (dict(extra_body={"structured_outputs": {"regex": "a("}}), "structured_outputs", "unclosed group"),
+    (dict(extra_body={"structured_outputs": {"grammar": "start: foo"}}), "structured_outputs", "foo"),
+    (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}), "structured_outputs", "exactly one"),
+    (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice", "combined"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}], tool_choice="required"), "tools", "strin"),
+]
+
+
+@pytest.mark.parametrize("kwargs,param,says", BAD, ids=[b[2] for b in BAD])
+def test_what_cannot_be_enforced_is_a_400_naming_it(tokenizer, kwargs, param, says):
+    with pytest.raises(openai.BadRequestError) as e:
+        run(tokenizer, "x", create(**kwargs))
+    assert says in e.value.body["message"]
+    assert (e.value.body["param"] or "").startswith(param.split(".")[0])
+
+
+# -- the prompt ------------------------------------------------------------------------------------
+
+HISTORY = USER + [
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                         "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]
+
+
+def test_tool_turns_render_into_a_template_without_tool_support(tokenizer):
+    req = ChatCompletionRequest.model_validate({"messages": HISTORY, "tools": TOOLS})
+    msgs, tools = render(req.messages, ToolPlan.of(req), native=False)
+    assert tools is None and msgs[0]["role"] == "system" and "<tools>" in msgs[0]["content"]
+    assert msgs[2]["content"] == f"<tool_call>\n{CALL}\n</tool_call>"
+    assert msgs[3] == {"role": "tool", "content": "<tool_response>\n21 degrees\n</tool_response>"}
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text.index("<tools>") < text.index("Weather in Paris?") < text.index(CALL) < text.index("21 degrees")
+
+
+def test_tool_turns_go_to_a_template_that_renders_tools(tokenizer):
+    req = ChatCompletionRequest.model_validate({"messages": HISTORY, "tools": TOOLS})
+    msgs, tools = render(req.messages, ToolPlan.of(req), native=True)
+    assert [t["function"]["name"] for t in tools] == ["get_weather", "now"]
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "celsius"}
+    assert msgs[2]["tool_call_id"] == "call_1" and msgs[2]["content"] == "21 degrees"
+    plain = [ChatMessage.model_validate(m) for m in USER]
+    assert render(plain, ToolPlan("none"), native=True) == ([{"role": "user", "content": "Weather in Paris?"}], None)
+
+
+def test_the_required_grammar_accepts_calls_and_nothing_else(tokenizer):
+    from engine.structured.compiler import GrammarCompiler
+    from engine.structured.params import StructuredOutputsParams
+
+    tools = tuple(ChatCompletionRequest.model_validate({"messages": USER, "tools": TOOLS}).tools)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    for parallel, text, ok in [(True, f"<tool_call>\n{CALL}\n</tool_call>", True),
+                               (True, f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n"
+                                      '{"name": "now", "arguments": {}}\n</tool_call>', True),
+                               (False, f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>", False),
+                               (True, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}', False),
+                               (True, "Hello", False)]:
+        matcher = compiler.compile(StructuredOutputsParams(grammar=required_grammar(tools, parallel))).matcher()
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert (matcher.try_consume_tokens(ids) == len(ids) and not matcher.is_error()) == ok, text
+
+
+# -- the parser ------------------------------------------------------------------------------------
+
+def test_parse_tool_calls():
+    content, calls = parse_tool_calls(HERMES + ' then <tool_call>not json</tool_call> and'
+                                      ' <tool_call>{"name": "now", "parameters": {"x": 1}}</tool_call>')
+    assert content == "Let me look.\n then <tool_call>not json</tool_call> and"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("now", {"x": 1})]
+    assert len({c["id"] for c in calls}) == 2
+    assert parse_tool_calls("plain") == ("plain", [])
+    assert parse_tool_calls(f"<tool_call>{CALL}")[1][0]["function"]["name"] == "get_weather"  # cut before its tag
+    assert len(parse_tool_calls(HERMES + HERMES, max_calls=1)[1]) == 1
+
+
+TEXTS = [HERMES, HERMES + "\n<tool_call>\n" + '{"arguments": {"b": "}"}, "name": "x"}' + "\n</tool_call> end",
+         'x <tool_call>{"name": "f", "arguments": {"s": "a\\"}]", "l": [1, {"m": []}]}}</tool_call>',
+         "no calls <tool_call> here", "<tool_call>\n{\"name\": \"f\", \"argu", "a <tool_call>broken</tool_call> b"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.sampled_from(TEXTS), seed=st.integers(0, 10**6))
+def test_streamed_calls_add_up_to_the_parsed_whole_under_any_split(text, seed):
+    rng, stream, deltas, i = random.Random(seed), ToolCallStream(), [], 0
+    while i < len(text):
+        n = rng.randint(1, 9)
+        deltas.append(stream.step(text[i:i + n], "stop" if i + n >= len(text) else None)[0])
+        i += n
+    content = "".join(d.get("content", "") for d in deltas)
+    calls: dict[int, list] = {}
+    for d in deltas:
+        for c in d.get("tool_calls", []):
+            entry = calls.setdefault(c["index"], [c.get("function", {}).get("name"), ""])
+            entry[1] += c["function"].get("arguments", "")
+    whole_content, whole = parse_tool_calls(text)
+    assert [(n, json.loads(a)) for n, a in calls.values()] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole]
+    assert content.replace("\n", "").strip() == (whole_content or "").replace("\n", "").strip()
+
+
+def test_named_stream():
+    s = NamedCallStream("f")
+    first, _ = s.step("", None)
+    assert first["tool_calls"][0]["function"] == {"name": "f", "arguments": ""}
+    assert s.step('{"a"', None)[0] == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a"'}}]}
+    assert s.step(": 1}", "stop") == ({"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]},
+                                      "tool_calls")
