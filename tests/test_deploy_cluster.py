@@ -134,7 +134,7 @@ class LocalKubeRay:
         self._start(f"{name}-{sum(n['name'].startswith(name + '-') for n in self.nodes)}", group, head=False)
         node = self.nodes[-1]
         wait_for(lambda: b"success" in get(f"http://127.0.0.1:{node['agent_port']}/api/local_raylet_healthz").content,
-                 120, f"{node['name']} raylet up")
+                 300, f"{node['name']} raylet up")  # minutes when the machine is busy
         return node
 
     def __exit__(self, *exc) -> None:
