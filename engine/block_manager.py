@@ -78,11 +78,12 @@ class BlockManager:
         return hashes[:num_blocks]
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding the longest prefix of `seq`; the last token is always left to compute."""
+        """Cached blocks holding the longest prefix of `seq` within its `max_cached_tokens` (the
+        last token is always left to compute)."""
         if not self.enable_prefix_caching:
             return []
         bs, hits, parent = self.block_size, [], NONE_HASH
-        for i, h in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // bs)):
+        for i, h in enumerate(self._block_hashes(seq, seq.max_cached_tokens // bs)):
             block_id = self.hash_to_block.get(h)
             if block_id is None:
                 break

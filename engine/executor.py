@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -15,6 +15,8 @@ from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from engine.model.llama import ModelArch
 from engine.model.loader import build_model, load_arch
 from engine.model_runner import ModelRunner
+from engine.outputs import PromptLogprob
+from engine.prompt_logprobs import prompt_logprobs
 from engine.sampler import SampleResult, SequenceSampler
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -39,6 +41,7 @@ class StepDraws(Protocol):
     """One executed step, as the engine's post-step path (Scheduler.update_from_output) reads it."""
 
     sampled: list[int]  # indices into batch.seqs of the sequences that sample, in row order
+    prompt_logprobs: dict[int, list[PromptLogprob]]  # index into batch.seqs -> this step's prompt logprobs
 
     def sample(self, rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
         """One draw per sequence, seqs[i] from row rows[i]; a parent's freshly forked children
@@ -65,6 +68,7 @@ class LocalDraws:
     sampled: list[int]
     sampler: SequenceSampler
     grammar_mask: GrammarMask | None = None
+    prompt_logprobs: dict[int, list[PromptLogprob]] = field(default_factory=dict)
 
     def sample(self, rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
         return self.sampler.sample(self.logits, rows, seqs, self.grammar_mask)
@@ -137,8 +141,12 @@ class LocalExecutor:
                     dtype, time.perf_counter() - t0, num_blocks, config.block_size)
 
     def execute(self, batch: ScheduledBatch, grammar_mask: GrammarMask | None = None) -> LocalDraws:
-        logits, sampled = self.runner.execute(batch)
-        return LocalDraws(logits, sampled, self.sampler, grammar_mask)
+        out = self.runner.execute(batch)
+        prompt = {}
+        if out.prompt_spans:
+            prompt = prompt_logprobs(out.prompt_logits, out.prompt_spans,
+                                     [batch.seqs[s.index] for s in out.prompt_spans])
+        return LocalDraws(out.logits, out.sampled, self.sampler, grammar_mask, prompt)
 
     def shutdown(self) -> None:
         pass

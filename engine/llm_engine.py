@@ -55,6 +55,8 @@ class LLMEngine:
         vocab = self.executor.info.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError("prompt", f"prompt token ids must be in [0, {vocab})")
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise InvalidRequestError("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
         if n >= self.max_model_len:
             raise InvalidRequestError("prompt", f"prompt has {n} tokens; max_model_len is {self.max_model_len} "
                                       "(the prompt must leave room for at least one generated token)",
@@ -108,6 +110,9 @@ class LLMEngine:
         mask = self.structured.mask([batch.seqs[i] for i in batch.sampled(self.config.block_size)]) \
             if self.structured else None
         out = self.executor.execute(batch, mask)  # which sequences sample, and their draws
+        for i, scored in out.prompt_logprobs.items():  # before any output of theirs is taken
+            seq = batch.seqs[i]
+            self.requests[seq.request_id].add_prompt_logprobs(seq, scored)
         touched: dict[str, Request] = {}
 
         def append(seq: Sequence, result: SampleResult) -> bool:

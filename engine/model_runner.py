@@ -1,13 +1,15 @@
-"""Turn a scheduled batch into flat tensors, run the model, return logits of rows to sample."""
+"""Turn a scheduled batch into flat tensors, run the model, return logits of rows to sample (and
+of the rows that score prompt tokens for prompt logprobs)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine import cpu_kernels
 from engine.attention import AttentionMetadata, DecodeGroup, NativeDecodes, PrefillChunk
 from engine.model.llama import LlamaModel
+from engine.prompt_logprobs import PromptSpan
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
@@ -19,6 +21,17 @@ class PreparedBatch:
     attn: AttentionMetadata
     sample_rows: list[int]  # flat rows whose logits are sampled: each sampling sequence's last
     sampled: list[int]  # indices into batch.seqs of those sequences, same order (batch.sampled)
+    prompt_rows: list[int] = field(default_factory=list)  # flat rows whose logits score prompt tokens
+    prompt_spans: list[PromptSpan] = field(default_factory=list)  # whose they are, same order
+
+
+@dataclass
+class RunnerOutput:
+    """One step's logits, on the sampling rank (None elsewhere at tp > 1)."""
+    logits: torch.Tensor | None  # (len(sampled), vocab) float32
+    sampled: list[int]  # indices into batch.seqs of the sequences that sample, in row order
+    prompt_logits: torch.Tensor | None = None  # (sum of span rows, vocab) float32, when spans
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -47,10 +60,14 @@ class ModelRunner:
         blocks."""
         bs = self.block_size
         order = batch.row_order(bs)
-        ids, pos, slots, last_row = [], [], [], {}
+        ids, pos, slots, last_row, prompt_rows, spans = [], [], [], {}, [], []
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            scored = seq.prompt_logprob_positions(n)
+            if scored:
+                prompt_rows.extend(len(ids) + p - start for p in scored)
+                spans.append(PromptSpan(i, scored.start, len(scored)))
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
             slots.extend(self._slot(seq, p) for p in range(start, end))
@@ -70,7 +87,8 @@ class ModelRunner:
             groups, block_ids = self._decode_groups(decode_seqs, row)
             meta = AttentionMetadata(self._tensor(slots), self._tensor(block_ids), groups, chunks)
         sampled = batch.sampled(bs)
-        return PreparedBatch(self._tensor(ids), self._tensor(pos), meta, [last_row[i] for i in sampled], sampled)
+        return PreparedBatch(self._tensor(ids), self._tensor(pos), meta, [last_row[i] for i in sampled], sampled,
+                             prompt_rows, spans)
 
     def _decode_groups(self, seqs: list[Sequence], first_row: int) -> tuple[list[DecodeGroup], list[int]]:
         """Consecutive decodes (sorted) with the same number of context blocks form one group; with
@@ -125,11 +143,17 @@ class ModelRunner:
             v[dst] = v[src]
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """-> logits (N, vocab) float32 for the N sequences that finished their prefill or decode,
-        and their indices into batch.seqs."""
+        their indices into batch.seqs, and the logits of the rows that score prompt tokens.
+        Those come from this same pass, in a second lm_head call so that the sampled rows' logits
+        are computed exactly as without them."""
         self._zero_new_blocks(batch)
         self._copy_blocks(batch.copies)
         p = self.prepare(batch)
         hidden = self.model(p.input_ids, p.positions, self.kv_caches, p.attn)
-        return self.model.compute_logits(hidden.index_select(0, self._tensor(p.sample_rows))), p.sampled
+        logits = self.model.compute_logits(hidden.index_select(0, self._tensor(p.sample_rows)))
+        if not p.prompt_rows:
+            return RunnerOutput(logits, p.sampled)
+        prompt_logits = self.model.compute_logits(hidden.index_select(0, self._tensor(p.prompt_rows)))
+        return RunnerOutput(logits, p.sampled, prompt_logits, p.prompt_spans)

@@ -5,6 +5,23 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True, slots=True)
+class PromptLogprob:
+    """A prompt token's logprob given the tokens before it, from the prefill's logits (raw, before
+    any sampling parameter)."""
+    token_id: int
+    logprob: float
+    rank: int  # 1 + how many tokens the model found more likely
+    top: tuple[tuple[int, float], ...]  # the params.prompt_logprobs most likely (token id, logprob), highest first
+
+    def entry(self) -> dict[int, float]:
+        """The top tokens plus this one: the shape of a generated token's logprobs."""
+        return {**dict(self.top), self.token_id: self.logprob}
+
+
+PromptLogprobs = list[PromptLogprob | None]  # one per prompt token; the first has no context: None
+
+
 @dataclass
 class CompletionOutput:
     index: int  # which of the request's n samples
@@ -31,6 +48,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: PromptLogprobs | None = None  # when params.prompt_logprobs is set
 
 
 @dataclass(frozen=True)
@@ -96,6 +114,7 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     finished: bool
+    prompt_logprobs: PromptLogprobs | None = None  # in a request's first StepOutput only
 
     @property
     def finish_reason(self) -> str:
@@ -103,9 +122,10 @@ class StepOutput:
         return next((c.finish_reason for c in reversed(self.choices) if c.finish_reason), "abort")
 
     @classmethod
-    def from_request_output(cls, out: RequestOutput, finished_samples: set[int]) -> "StepOutput":
+    def from_request_output(cls, out: RequestOutput, finished_samples: set[int],
+                            first: bool = False) -> "StepOutput":
         """The deltas of `out`; `finished_samples` (updated here) keeps a finished sample from
-        being sent again."""
+        being sent again. The prompt logprobs go with the `first` output only."""
         choices = []
         for c in out.outputs:
             if c.index in finished_samples or not (c.delta_token_ids or c.delta_text or c.finish_reason):
@@ -114,4 +134,5 @@ class StepOutput:
                                        c.finish_reason, c.stop_reason))
             if c.finish_reason is not None:
                 finished_samples.add(c.index)
-        return cls(choices, len(out.prompt_token_ids), out.num_cached_tokens, out.finished)
+        return cls(choices, len(out.prompt_token_ids), out.num_cached_tokens, out.finished,
+                   out.prompt_logprobs if first else None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, PromptLogprob, PromptLogprobs, RequestOutput
 from engine.sampler import SampleResult
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -23,6 +23,8 @@ class Request:
         self.detoks: list[IncrementalDetokenizer] = [IncrementalDetokenizer(tokenizer, prompt_token_ids, params)]
         self.aborted = False
         self.num_outputs = 0  # snapshots taken so far
+        # The first prompt token has no context; the rest arrive with the prefill chunks' steps.
+        self.prompt_logprobs: PromptLogprobs | None = [None] if params.prompt_logprobs is not None else None
 
     def output_due(self, stream_interval: int) -> bool:
         """Whether this step should hand out a snapshot: always the first (time to first token), the
@@ -40,6 +42,11 @@ class Request:
         self.seqs.append(child)
         self.completions.append(self._completion(child.index))
         self.detoks.append(IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids, self.params))
+
+    def add_prompt_logprobs(self, seq: Sequence, scored: list[PromptLogprob]) -> None:
+        """The logprobs of the prompt tokens after the ones seq already has, from this step's rows."""
+        self.prompt_logprobs.extend(scored)
+        seq.num_prompt_logprobs += len(scored)
 
     def append_token(self, seq: Sequence, result: SampleResult, eos_ids: set[int], max_model_len: int) -> bool:
         """Record a sampled token; returns True when this sequence is now finished."""
@@ -92,4 +99,4 @@ class Request:
             outs.append(dataclasses.replace(comp))
             comp.delta_token_ids, comp.delta_logprobs = [], None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             self.seqs[0].num_cached_tokens)
+                             self.seqs[0].num_cached_tokens, self.prompt_logprobs)

@@ -2,7 +2,7 @@
 
 Order per step (vLLM v1 style):
     raw logits -> logprobs (of the raw logits)
-               -> penalties, min_tokens mask        (all rows)
+               -> logit_bias, penalties, min_tokens mask   (all rows)
                -> greedy rows: argmax
                -> random rows: / temperature -> top_k -> top_p -> min_p -> draw
 Random draws use the exponential race, argmax(probs / q) with q ~ Exp(1), which samples from
@@ -92,6 +92,21 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return out
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Adds each row's params.logit_bias (token id -> bias) to its logits, before the penalties,
+    as vLLM does. Returns `logits` itself when no row has a bias, else a float32 copy."""
+    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return logits
+    row = [i for i, bias in biased for _ in bias]
+    token = [t for _, bias in biased for t in bias]
+    value = [b for _, bias in biased for b in bias.values()]
+    out = logits.to(torch.float32, copy=True)  # (B, V)
+    device = out.device
+    out[torch.tensor(row, device=device), torch.tensor(token, device=device)] += torch.tensor(value, device=device)
+    return out
+
+
 def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Masks eos and stop_token_ids to -inf for rows with fewer than min_tokens outputs.
 
@@ -173,7 +188,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         """logits: (B, V), one row per entry of `rows`; not modified."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
-        processed = apply_min_tokens(apply_penalties(logits, rows), rows)
+        processed = apply_min_tokens(apply_penalties(apply_logit_bias(logits, rows), rows), rows)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         if len(greedy) == len(rows):
             token_ids = processed.argmax(dim=-1)  # (B,)

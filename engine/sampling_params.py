@@ -7,6 +7,7 @@ from engine.errors import InvalidRequestError
 from engine.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias
 
 
 @dataclass
@@ -29,6 +30,8 @@ class SamplingParams:
     logprobs: int | None = None  # top logprobs per token; 0 = only the sampled token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (from the prefill); 0 = only its own
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -38,6 +41,7 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self._validate()
 
     def _validate(self) -> None:
@@ -63,6 +67,14 @@ class SamplingParams:
              "logprobs", f"in [0, {MAX_LOGPROBS}] or None")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
         need(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "non-negative token ids")
+        need(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             "prompt_logprobs", f"in [0, {MAX_LOGPROBS}] or None")
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError("logit_bias", f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, "
+                                      f"got {len(bias)}")
+        need(all(isinstance(t, int) and t >= 0 for t in bias), "logit_bias", "keyed by non-negative token ids")
+        need(all(-100 <= b <= 100 for b in bias.values()), "logit_bias", "biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

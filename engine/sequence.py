@@ -39,6 +39,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_preemptions = 0
         self.pending_forks = params.n - 1 if index == 0 else 0
+        self.num_prompt_logprobs = 0  # prompt positions [0, k) whose logits gave token k's logprob
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -57,6 +58,26 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def owes_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens - 1
+
+    @property
+    def max_cached_tokens(self) -> int:
+        """Leading tokens the prefix cache may supply: all but the last (its logits are sampled),
+        and while prompt logprobs are owed, none past them: a cached token's logits are gone."""
+        if self.owes_prompt_logprobs:
+            return self.num_prompt_logprobs
+        return self.num_tokens - 1
+
+    def prompt_logprob_positions(self, num_new: int) -> range:
+        """The positions among this step's `num_new` whose logits score the next prompt token for
+        its prompt logprob (position p's logits give token p + 1's); empty when none are owed."""
+        if not self.owes_prompt_logprobs:
+            return range(0)
+        start = max(self.num_computed_tokens, self.num_prompt_logprobs)  # a recompute skips what it has
+        return range(start, max(start, min(self.num_computed_tokens + num_new, self.num_prompt_tokens - 1)))
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
@@ -67,6 +88,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.block_hashes = list(self.block_hashes)
+        child.num_prompt_logprobs = self.num_prompt_logprobs
         child.status = self.status
         return child
 

@@ -31,6 +31,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.executor import ModelInfo, load_model_info, resolve_dtype
+from engine.outputs import PromptLogprob
 from engine.sampler import SampleResult
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -61,6 +62,10 @@ class RankDraws:
     @property
     def sampled(self) -> list[int]:
         return self.draws.sampled
+
+    @property
+    def prompt_logprobs(self) -> dict[int, list[PromptLogprob]]:
+        return self.draws.prompt_logprobs
 
     def sample(self, rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
         """The rank forked and drew for the same children the engine has just forked; tell the

@@ -15,13 +15,14 @@ The sampling rank also keeps a sampling record per sequence (workers/sampling.py
 sequence's params and prompt once, the first step the sequence runs, and never its output
 tokens, which it drew itself; the record lives until the sequence finishes (preemption keeps
 it, with its seeded generator). It answers each step with `Draws`: token ids, and logprobs
-only where asked. Pure Python: no torch, no Ray.
+(of drawn tokens, of prompt tokens) only where asked. Pure Python: no torch, no Ray.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.outputs import PromptLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence, SequenceStatus
@@ -38,6 +39,7 @@ class SeqDelta:
     num_tokens: int  # the sequence's known tokens: start + len(token_ids) == num_tokens -> sample it
     keep: int  # leading block-table entries still valid on the ranks
     new_blocks: list[int]  # entries after them
+    scored: tuple[int, int] | None = None  # positions [a, b) whose logits score prompt tokens (prompt logprobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,7 @@ class Draws:
     rows: list[int]  # per draw: its row (forked children repeat their parent's)
     token_ids: list[int]  # per draw
     logprobs: dict[int, tuple[float, list[tuple[int, float]]]]  # draw -> (its logprob, top logprobs), if asked
+    prompt_logprobs: dict[int, list[PromptLogprob]] = field(default_factory=dict)  # msg.seqs index -> its prompt logprobs
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -109,8 +112,9 @@ class StepEncoder:
             start, table = seq.num_computed_tokens, seq.block_table
             old = self.sent.get(seq.seq_id, [])
             keep = _common_prefix(old, table)
+            scored = seq.prompt_logprob_positions(n)
             deltas.append(SeqDelta(seq.seq_id, start, seq.token_ids[start:start + n], seq.num_tokens,
-                                   keep, table[keep:]))
+                                   keep, table[keep:], (scored.start, scored.stop) if scored else None))
             self.live[seq.seq_id] = seq
             self.sent[seq.seq_id] = list(table)
         self.step += 1
@@ -157,6 +161,11 @@ class SeqView:
     num_computed_tokens: int
     num_tokens: int
     block_table: list[int]
+    scored: range = range(0)
+
+    def prompt_logprob_positions(self, num_new: int) -> range:
+        """As Sequence's: the engine worked it out and sent it."""
+        return self.scored
 
 
 class RankMirror:
@@ -177,6 +186,7 @@ class RankMirror:
             table = self.tables.setdefault(d.seq_id, [])
             del table[d.keep:]
             table.extend(d.new_blocks)
-            views.append(SeqView(d.seq_id, _Window(d.start, d.token_ids), d.start, d.num_tokens, table))
+            views.append(SeqView(d.seq_id, _Window(d.start, d.token_ids), d.start, d.num_tokens, table,
+                                 range(*d.scored) if d.scored else range(0)))
         return ScheduledBatch(seqs=views, num_new_tokens=[len(d.token_ids) for d in msg.seqs],
                               copies=list(msg.copies))

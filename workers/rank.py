@@ -133,14 +133,21 @@ class RankWorker:
 
     # -- serving -------------------------------------------------------------------------------
     def execute(self, msg: StepMessage) -> Draws | None:
-        """-> the sampling rank: the step's draws (token ids, asked-for logprobs); other ranks: None."""
+        """-> the sampling rank: the step's draws (token ids, asked-for logprobs and prompt logprobs);
+        other ranks: None."""
         batch = self.mirror.apply(msg)
         if self.sampler is not None:
             self.sampler.apply(msg.sampling)
-        logits, sampled = self.runner.execute(batch)  # logits: (len(sampled), vocab) on the sampling rank
+        out = self.runner.execute(batch)  # logits: (len(sampled), vocab) on the sampling rank
         if self.sampler is None:
             return None
-        return self.sampler.draw(logits, sampled, [msg.seqs[i].seq_id for i in sampled], msg.sampling.grammar_mask)
+        seq_ids = [d.seq_id for d in msg.seqs]
+        draws = self.sampler.draw(out.logits, out.sampled, [seq_ids[i] for i in out.sampled], msg.sampling.grammar_mask)
+        if out.prompt_spans:  # only their numbers leave the group, never the logits rows
+            prompt = self.sampler.prompt_logprobs(out.prompt_logits, out.prompt_spans,
+                                                  [seq_ids[span.index] for span in out.prompt_spans])
+            draws = dataclasses.replace(draws, prompt_logprobs=prompt)
+        return draws
 
     @control
     def ping(self) -> int:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.outputs import PromptLogprob
+from engine.prompt_logprobs import PromptSpan, prompt_logprobs
 from engine.sampler import SequenceSampler
 from engine.sampling_params import SamplingParams
 from engine.structured.bitmask import GrammarMask
@@ -72,3 +74,9 @@ class RankSampler:
             if result.logprob is not None:
                 logprobs[i] = (result.logprob, result.top_logprobs)
         return Draws(sampled, rows, [r.token_id for r in results], logprobs)
+
+    def prompt_logprobs(self, logits: torch.Tensor, spans: list[PromptSpan],
+                        seq_ids: list[int]) -> dict[int, list[PromptLogprob]]:
+        """logits: (M, vocab) of the spans' rows; spans[i] of sequence seq_ids[i], whose record
+        holds its prompt. -> span index -> its prompt logprobs."""
+        return prompt_logprobs(logits, spans, [self.records[s] for s in seq_ids])

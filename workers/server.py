@@ -87,8 +87,10 @@ class EngineServer:
         try:
             # aclosing: a cancelled or closed caller must close the engine's stream too (-> abort).
             async with contextlib.aclosing(self.engine.generate(request_id, prompt_token_ids, params)) as stream:
+                first = True  # the prompt logprobs go with the first output only
                 async for out in stream:
-                    step = StepOutput.from_request_output(out, finished_samples)
+                    step = StepOutput.from_request_output(out, finished_samples, first)
+                    first = False
                     timer.tokens(sum(len(c.token_ids) for c in step.choices),
                                  steps=max((len(c.token_ids) for c in step.choices), default=0))
                     if step.finished:
