@@ -57,7 +57,8 @@ def route_request_from(pending: PendingRequest | None, default_max_tokens: int,
     token_ids, params = pending.kwargs.get("prompt_token_ids"), pending.kwargs.get("params")
     if token_ids is None:
         return None
-    max_tokens = getattr(params, "max_tokens", None) or default_max_tokens
+    # Unset: what the engine resolves it to, the rest of the context window.
+    max_tokens = getattr(params, "max_tokens", None) or max(1, default_max_tokens - len(token_ids))
     return RouteRequest(token_ids, max_tokens, session=pending.metadata.session_id or None, detokenize=detokenize)
 
 

@@ -56,14 +56,6 @@ def test_load_burst_over_a_small_pool_completes_or_refuses_every_stream(server, 
     assert delta["preemptions"] > 0, "the burst never outgrew the KV pool: no preemption was exercised"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: a request that leaves max_tokens unset (chat without max_tokens, or completions with "
-    "max_tokens: null) is held at the KV router forever when the pool has fewer than "
-    "blocks_for(prompt + max_model_len) blocks, though the engine accepts it (it needs "
-    "blocks_for(max_model_len)): cluster/serve_router.py route_request_from takes max_tokens = "
-    "params.max_tokens or default_max_tokens, and cluster/app.py sets default_max_tokens = max_model_len, "
-    "not max_model_len - prompt length as the engine resolves it; the request never gets a token, a 400 "
-    "or a 503"))
 def test_a_chat_request_without_max_tokens_is_served_not_held(server, figures):
     """On this server max_model_len (256 tokens) is the whole pool: a chat request without
     max_tokens may run to max_model_len, which the engine accepts (16 blocks). Streamed, its first
