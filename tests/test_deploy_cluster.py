@@ -112,8 +112,8 @@ class LocalKubeRay:
             node["serve_port"] = free_port()
             env["RAY_SERVE_WORKER_PROXY_HTTP_PORT"] = str(node["serve_port"])  # its pod's own port 8000
         assert not params, f"rayStartParams this proof does not map: {params}"
-        self.procs.append(subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                           start_new_session=True))
+        with open(Path(self.temp) / f"ray-start-{name}.log", "w") as out:  # Ray's own logs: <temp>/session_latest/logs
+            self.procs.append(subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         self.nodes.append(node)
 
     def __enter__(self) -> "LocalKubeRay":
@@ -132,9 +132,12 @@ class LocalKubeRay:
     def add_worker(self, name: str, group: dict) -> dict:
         """One more pod of this worker group, as KubeRay's autoscaler would add it."""
         self._start(f"{name}-{sum(n['name'].startswith(name + '-') for n in self.nodes)}", group, head=False)
-        node = self.nodes[-1]
-        wait_for(lambda: b"success" in get(f"http://127.0.0.1:{node['agent_port']}/api/local_raylet_healthz").content,
-                 300, f"{node['name']} raylet up")  # minutes when the machine is busy
+        node, proc = self.nodes[-1], self.procs[-1]
+
+        def up() -> bool:
+            assert proc.poll() is None, f"{node['name']}: ray start exited ({self.temp}/ray-start-{node['name']}.log)"
+            return b"success" in get(f"http://127.0.0.1:{node['agent_port']}/api/local_raylet_healthz").content
+        wait_for(up, 300, f"{node['name']} raylet up")  # minutes when the machine is busy
         return node
 
     def __exit__(self, *exc) -> None:
@@ -182,6 +185,8 @@ def wait_for(cond, timeout_s: float, what: str, period_s: float = 0.5):
     while True:
         try:
             value = cond()
+        except AssertionError:  # a definite failure, not "not yet"
+            raise
         except Exception:  # not up yet
             value = None
         if value:
