@@ -34,7 +34,8 @@ RECOVERY_TIMEOUT_S = 240.0
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve-tp2") / "serve.log"
-    args = ["--model", str(tiny_model), "-tp", "2", "--max-model-len", "512", "--num-gpu-blocks-override", "128",
+    # 512 blocks: room for every stream's 405 tokens at once, so all run when the rank dies
+    args = ["--model", str(tiny_model), "-tp", "2", "--max-model-len", "512", "--num-gpu-blocks-override", "512",
             "--max-num-seqs", "8", "--enable-log-requests"]
     with ServeProcess(args, log) as srv:
         yield srv
@@ -90,6 +91,7 @@ def test_a_killed_rank_ends_its_streams_unavailable_and_the_replica_is_replaced(
         t.start()
     assert all(e.wait(120) for e in started), "the streams never started"
     time.sleep(0.5)
+    assert all(t.is_alive() for t in threads), "a stream ended before the kill: the test proves nothing for it"
     killed_at = time.monotonic()
     os.kill(ranks[1].pid, signal.SIGKILL)
     for t in threads:
