@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.outputs import ChoiceDelta
+from engine.outputs import ChoiceDelta, PromptLogprobs
 
 TokenStr = Callable[[int], str]
 _MIN_LOGPROB = -9999.0  # -inf is not JSON
@@ -35,19 +35,61 @@ def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
 
 
-def completion_logprobs(token_ids: list[int], entries: list[dict[int, float]], k: int, token_str: TokenStr,
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, float] | None], k: int, token_str: TokenStr,
                         offset: int = 0) -> dict:
-    """The legacy completions shape; `offset` is where this piece starts in the choice's text."""
+    """The legacy completions shape; `offset` is where this piece starts in the choice's text. An
+    entry of None (an echoed prompt's first token, which nothing conditions) has null logprobs."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, entry in zip(token_ids, entries):
         s = token_str(tid)
-        top = _top(entry, k) if k > 0 else [(tid, entry[tid])]
         out["tokens"].append(s)
-        out["token_logprobs"].append(_lp(entry[tid]))
-        out["top_logprobs"].append({token_str(t): _lp(lp) for t, lp in top})
         out["text_offset"].append(offset)
         offset += len(s)
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        top = _top(entry, k) if k > 0 else [(tid, entry[tid])]
+        out["token_logprobs"].append(_lp(entry[tid]))
+        out["top_logprobs"].append({token_str(t): _lp(lp) for t, lp in top})
     return out
+
+
+def vllm_prompt_logprobs(scored: PromptLogprobs, k: int, token_str: TokenStr) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first, else token id -> {logprob,
+    rank, decoded_token} for the token itself and the k most likely."""
+    out = []
+    for pl in scored:
+        if pl is None:
+            out.append(None)
+            continue
+        entry = {pl.token_id: {"logprob": _lp(pl.logprob), "rank": pl.rank, "decoded_token": token_str(pl.token_id)}}
+        for rank, (tid, lp) in enumerate(pl.top[:k], 1):
+            entry.setdefault(tid, {"logprob": _lp(lp), "rank": rank, "decoded_token": token_str(tid)})
+        out.append(entry)
+    return out
+
+
+@dataclass
+class PromptEcho:
+    """The prompt's part of each completion choice: its text and tokens before the completion
+    (`echo`), with their logprobs when `logprobs` is set, and vLLM's `prompt_logprobs`."""
+    texts: list[str] | None  # per prompt, when echo
+    token_ids: list[list[int]]  # per prompt
+    prompt_logprobs: int | None  # vLLM's extra, when asked: its top-k
+
+    def head(self, acc: "Accumulator", choice: int, with_logprobs: bool,
+             token_str: TokenStr) -> tuple[str, list[int], list[dict[int, float] | None], dict]:
+        """-> the text, token ids and logprob entries the choice starts with, and its extra fields."""
+        p = choice // acc.n
+        scored = acc.prompt_logprobs[p]
+        extra = {}
+        if self.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = vllm_prompt_logprobs(scored, self.prompt_logprobs, token_str)
+        if self.texts is None:
+            return "", [], [], extra
+        entries = [pl.entry() if pl else None for pl in scored] if with_logprobs else []
+        return self.texts[p], self.token_ids[p], entries, extra
 
 
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], k: int, token_str: TokenStr) -> dict:
@@ -84,12 +126,15 @@ class Accumulator:
         self.prompt_lens, self.n = prompt_lens, n
         self.choices = [ChoiceState() for _ in range(len(prompt_lens) * n)]
         self.cached = [0] * len(prompt_lens)
+        self.prompt_logprobs: list[PromptLogprobs | None] = [None] * len(prompt_lens)  # when asked
 
     def index(self, prompt: int, c: ChoiceDelta) -> int:
         return prompt * self.n + c.index
 
     def add(self, prompt: int, step) -> None:
         self.cached[prompt] = step.num_cached_tokens
+        if step.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt] = step.prompt_logprobs
         for c in step.choices:
             self.choices[self.index(prompt, c)].add(c)
 
@@ -98,12 +143,13 @@ class Accumulator:
 
 
 def completion_response(rid: str, created: int, model: str, acc: Accumulator, k: int | None,
-                        token_str: TokenStr) -> dict:
+                        token_str: TokenStr, echo: PromptEcho | None = None) -> dict:
     choices = []
     for i, c in enumerate(acc.choices):
-        lps = completion_logprobs(c.token_ids, c.logprobs, k, token_str) if k is not None else None
-        choices.append({"index": i, "text": "".join(c.text), "logprobs": lps,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        text, ids, entries, extra = echo.head(acc, i, k is not None, token_str) if echo else ("", [], [], {})
+        lps = completion_logprobs(ids + c.token_ids, entries + c.logprobs, k, token_str) if k is not None else None
+        choices.append({"index": i, "text": text + "".join(c.text), "logprobs": lps,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, **extra})
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": acc.usage()}
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 MAX_N = 128
 MAX_SEED = (1 << 63) - 1 - MAX_N  # the engine seeds sample i with seed + i
@@ -59,15 +59,16 @@ class _SamplingFields(_Model):
     def _check_common(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+        if self.logit_bias is not None:
+            _check_logit_bias(self.logit_bias)
         return self
 
     @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError whose message starts with the offending field's name."""
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
@@ -78,7 +79,18 @@ class _SamplingFields(_Model):
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, max_tokens=max_tokens,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=prompt_logprobs,
+            logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None)
+
+
+def _check_logit_bias(bias: dict[str, float]) -> None:
+    """OpenAI's logit_bias: token id (a JSON key, so a string) -> bias in [-100, 100]."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    if not all(t.isascii() and t.isdigit() and len(t) <= 12 for t in bias):
+        raise ValueError("logit_bias keys must be token ids (non-negative integers, as strings)")
+    if not all(-100 <= b <= 100 for b in bias.values()):
+        raise ValueError("logit_bias values must be in [-100, 100]")
 
 
 PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]
@@ -86,16 +98,17 @@ PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
-    max_tokens: int | None = Field(16, ge=1)  # the OpenAI (and vLLM) default for completions
+    max_tokens: int | None = Field(16, ge=0)  # the OpenAI (and vLLM) default for completions; 0: see echo
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion, with its logprobs when logprobs is set
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM extra: each choice's prompt_logprobs
 
     @model_validator(mode="after")
     def _check_unsupported(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise ValueError("max_tokens 0 is only allowed with echo or prompt_logprobs (the reply is the prompt)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -111,8 +124,18 @@ class CompletionRequest(_SamplingFields):
             return [""]
         return list(p)
 
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The top-k the engine computes per prompt token: enough for echo's logprobs and for
+        prompt_logprobs; None when neither needs prompt logprobs."""
+        ks = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(ks) if ks else None
+
     def sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        # max_tokens 0 (vLLM, OpenAI): the reply is the prompt alone. The engine still draws one
+        # token from the prefill's last row (no extra step), which the reply leaves out.
+        max_tokens = 1 if self.max_tokens == 0 else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs, self.engine_prompt_logprobs)
 
 
 # Limits on what a request may ask the grammar compiler to build (400 beyond them).

@@ -29,8 +29,8 @@ from engine.errors import InvalidRequestError
 from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import SamplingParams
 from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error
-from router.formatting import (SSE_DONE, Accumulator, chat_logprobs, chat_response, completion_logprobs,
-                               completion_response, sse)
+from router.formatting import (SSE_DONE, Accumulator, PromptEcho, chat_logprobs, chat_response,
+                               completion_logprobs, completion_response, sse)
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.settings import RouterSettings
 from router.structured import checked, from_response_format, from_structured_outputs
@@ -135,12 +135,18 @@ class OpenAIServing:
         prompts = [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=False) for p in texts]
         rid = f"cmpl-{uuid.uuid4().hex}"
         first, merged = await self._start(rid, prompts, params, "prompt", "max_tokens")
+        if req.max_tokens == 0:
+            first, merged = (first[0], _prompt_only(first[1])), _map_steps(merged, _prompt_only)
         acc = Accumulator([len(p) for p in prompts], req.n)
+        echo = None
+        if req.echo or req.prompt_logprobs is not None:
+            texts = [t if isinstance(t, str) else self.tokenizer.decode(t) for t in texts] if req.echo else None
+            echo = PromptEcho(texts, prompts, req.prompt_logprobs)
         if req.stream:
-            return self._completion_events(rid, req, acc, first, merged)
+            return self._completion_events(rid, req, acc, first, merged, echo)
         await _collect(acc, first, merged)
         return completion_response(rid, int(time.time()), self.settings.served_model_name, acc, req.logprobs,
-                                   self.token_str)
+                                   self.token_str, echo)
 
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
@@ -239,16 +245,22 @@ class OpenAIServing:
         return base
 
     def _completion_events(self, rid: str, req: CompletionRequest, acc: Accumulator, first,
-                           merged: AsyncIterator) -> AsyncIterator[str]:
+                           merged: AsyncIterator, echo: PromptEcho | None) -> AsyncIterator[str]:
         offsets = [0] * len(acc.choices)  # per choice: text offset of its next logprobs token
+        started = [False] * len(acc.choices)  # the prompt's part goes with each choice's first chunk
 
         def choice(i: int, c: ChoiceDelta) -> dict:
+            text, ids, entries, extra = "", [], [], {}
+            if echo is not None and not started[i]:
+                text, ids, entries, extra = echo.head(acc, i, req.logprobs is not None, self.token_str)
+            started[i] = True
             lps = None
             if req.logprobs is not None:
-                lps = completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs, self.token_str, offsets[i])
+                lps = completion_logprobs(ids + c.token_ids, entries + (c.logprobs or []), req.logprobs,
+                                          self.token_str, offsets[i])
                 offsets[i] += sum(len(t) for t in lps["tokens"])
-            return {"index": i, "text": c.text, "logprobs": lps, "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason}
+            return {"index": i, "text": text + c.text, "logprobs": lps, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason, **extra}
 
         return self._sse(rid, "text_completion", req.include_usage_in_stream, acc, first, merged, [], choice)
 
@@ -288,6 +300,19 @@ class OpenAIServing:
         if include_usage:
             yield sse({**base, "choices": [], "usage": acc.usage()})
         yield SSE_DONE
+
+
+def _prompt_only(step: StepOutput) -> StepOutput:
+    """max_tokens 0: the reply is the prompt. The one token the engine drew is left out (and out
+    of the usage), and the choice ends for its length, 0."""
+    choices = [ChoiceDelta(c.index, "", [], None, c.finish_reason and "length") for c in step.choices]
+    return dataclasses.replace(step, choices=choices)
+
+
+async def _map_steps(merged: AsyncIterator, f: Callable[[StepOutput], StepOutput]) -> AsyncIterator:
+    async with contextlib.aclosing(merged):
+        async for prompt, step in merged:
+            yield prompt, f(step)
 
 
 def _check_failed(step: StepOutput) -> None:

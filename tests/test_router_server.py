@@ -233,7 +233,7 @@ ERROR_ROWS = [
     ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
      "invalid_value"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", "invalid_value"),  # echo is supported now
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
