@@ -277,3 +277,20 @@ def test_tp2_constrained_sampling_matches_tp1(tiny_dir):
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
     for text, _ in _texts(got[:2]):
         jsonschema.validate(json.loads(text), PERSON)
+
+
+# -- CUDA: the mask is unpacked and applied on the GPU (skipped where there is none) --------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_constrained_decoding_on_cuda(tiny_dir, dtype):
+    llm = LLM(model=tiny_dir, device="cuda", dtype=dtype, num_gpu_blocks_override=256, max_model_len=512)
+    spec = S(json=PERSON)
+    params = [SamplingParams(temperature=0, max_tokens=120, structured_outputs=spec),
+              SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=120, structured_outputs=spec)]
+    for text, reason in _texts(llm.generate(_prompts(2, seed=12), params)):
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), PERSON)
+    full = torch.full((1, 49152 // 32), -1, dtype=torch.int32)
+    logits = torch.randn(2, 49152, device="cuda")
+    assert torch.equal(apply_grammar_mask(logits, GrammarMask([1], full)), logits)  # allowing all: no change
