@@ -9,7 +9,7 @@ from engine.errors import InvalidRequestError
 from engine.executor import Executor, make_executor
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request
-from engine.sampler import SampleResult, Sampler
+from engine.sampler import SampleResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
@@ -27,7 +27,6 @@ class LLMEngine:
         info = self.executor.info
         self.tokenizer = info.tokenizer
         self.eos_token_ids = set(info.eos_token_ids)
-        self._eos_list = sorted(self.eos_token_ids)  # what every sampling row gets, built once
         self.max_model_len = min(config.max_model_len or info.max_position_embeddings, info.max_position_embeddings)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"without chunked prefill max_num_batched_tokens ({config.max_num_batched_tokens}) "
@@ -35,7 +34,6 @@ class LLMEngine:
         self.block_manager = BlockManager(info.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.enable_chunked_prefill), self.block_manager)
-        self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         # Grammars compile on their own thread (AsyncEngine waits for them before queueing a
         # request); matchers live here, whatever the tensor parallelism, and masks travel.
