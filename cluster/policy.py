@@ -16,11 +16,12 @@ kv (`choose_kv`), for each replica with fresh stats:
     room     = headroom >= need and a sequence seat is free (running + waiting + pending < max_num_seqs)
     backlog  = max(0, waiting prefill tokens - prefill_rate * report age) + pending prefill tokens
     inflight = running + waiting + pending requests
-    score    = hit * block_size - load_weight * backlog - request_weight * inflight
+    score    = hit * block_size - load_weight * backlog - min(request_weight, request_share * prompt) * inflight
+             + stay_margin if this replica holds the longest hit of all
 
-and picks the best score among replicas with room (ties: more headroom, then fewer running). The
-score is in prompt tokens, a first-order model of the time to first token (step time grows
-linearly with the tokens batched): a cached prefix saves that many tokens of prefill, a backlog
+and picks the best score among replicas with room (ties: the longer hit, more headroom, fewer
+running). The score is in prompt tokens, a first-order model of the time to first token (step
+time grows linearly with the tokens batched): a cached prefix saves that many tokens of prefill, a backlog
 of queued prefill delays the first token by about as many. So a hot prefix spills over to a
 second replica once its home replica's backlog exceeds the prefix length, and a burst of one
 prefix starts it on several replicas at once instead of queueing behind the first request.
@@ -29,7 +30,9 @@ home was briefly busy when it reported would move away and recompute its whole c
 request in flight costs a little too: its share of every step until the first token, and the
 KV its session will hold. Without that, every chat that starts with one system prompt would
 pile onto the first replica that cached it (its hit beats an idle replica), the replica's KV
-would evict the idle sessions between their turns, and other replicas would sit idle.
+would evict the idle sessions between their turns, and other replicas would sit idle. And the
+replicas holding the longest prefix keep the request unless another is better by `stay_margin`:
+smaller differences are noise, and moving would copy a chat's whole context for nothing.
 
 When no replica with fresh stats has room:
 
@@ -124,9 +127,15 @@ class RouteRequest:
 class KVPolicyConfig:
     stale_after_s: float = 5.0  # stats older than this are treated as missing
     load_weight: float = 1.0  # queued prefill tokens that cancel one cached prefix token
-    # Prompt tokens that one request in flight at a replica costs (tuned in the simulator: 20 cut
-    # kv's P99 TTFT on multi-turn chat at 64 replicas from 0.25 s to 0.15 s; see docs).
+    # Prompt tokens that one request in flight at a replica costs, at most `request_share` of this
+    # request's prompt (a short prompt's prefill suffers less from the others). Tuned in the
+    # simulator: 20 cut kv's P99 TTFT on multi-turn chat at 64 replicas from 0.25 s to 0.15 s.
     request_weight: float = 20.0
+    request_share: float = 0.03
+    # Score (prompt tokens) a replica must gain over the ones holding the longest cached prefix to
+    # take the request from them: smaller differences are within the model's error, and moving
+    # would copy the prefix (a chat's whole context) to a second replica for nothing.
+    stay_margin: float = 64.0
     # Prompt tokens per second a replica prefills: the waiting prefill it reported drains at this
     # rate until its next report. 2000 is below any GPU we target (an 8B model on an A10G class
     # GPU prefills ~6000/s); the simulator sets its cost model's rate.
@@ -144,8 +153,8 @@ class KVPolicyConfig:
     def __post_init__(self) -> None:
         if self.stale_after_s <= 0 or self.load_weight < 0 or not 0 <= self.reserve_weight <= 1:
             raise ValueError("KVPolicyConfig needs stale_after_s > 0, load_weight >= 0, reserve_weight in [0, 1]")
-        if self.request_weight < 0 or self.prefill_rate < 0:
-            raise ValueError("KVPolicyConfig needs request_weight >= 0 and prefill_rate >= 0")
+        if min(self.request_weight, self.request_share, self.prefill_rate, self.stay_margin) < 0:
+            raise ValueError("KVPolicyConfig needs request_weight, request_share, prefill_rate and stay_margin >= 0")
         if self.held_order not in ("affinity", "fifo") or self.max_hold_s < 0 or self.held_window < 1:
             raise ValueError("KVPolicyConfig needs held_order affinity|fifo, max_hold_s >= 0, held_window >= 1")
         if self.ttft_slo_s <= 0:
@@ -172,7 +181,8 @@ def prefix_hit_blocks(hashes: list[int], cached: frozenset[int], pending: Pendin
 def rank_key(request: RouteRequest, s: ReplicaStats, p: Pending, config: KVPolicyConfig,
              now: float | None = None) -> tuple | None:
     """None when the request does not fit on this replica now, else its sort key (larger is better):
-    (prefix tokens reused - weighted prefill backlog and requests in flight, headroom blocks, -running).
+    (prefix tokens reused - weighted prefill backlog and requests in flight, hit blocks, headroom blocks,
+    -running).
     Without `now` the reported backlog is taken as it was."""
     if s.max_num_seqs - s.num_running - s.num_waiting - p.num_requests < 1:
         return None  # no sequence seat
@@ -186,22 +196,26 @@ def rank_key(request: RouteRequest, s: ReplicaStats, p: Pending, config: KVPolic
         waiting = max(0.0, waiting - config.prefill_rate * (now - s.timestamp))
     backlog = waiting + p.num_prefill_tokens
     inflight = s.num_running + s.num_waiting + p.num_requests
-    return hit * bs - config.load_weight * backlog - config.request_weight * inflight, headroom, -s.num_running
+    per_request = min(config.request_weight, config.request_share * request.num_prompt_tokens)
+    return hit * bs - config.load_weight * backlog - per_request * inflight, hit, headroom, -s.num_running
 
 
 def choose_kv(request: RouteRequest, stats: StatsView, pending: PendingView, now: float,
               config: KVPolicyConfig = KVPolicyConfig()) -> str | None:
-    best, best_key, unknown = None, None, []
+    keys, unknown = {}, []
     oldest = now - config.stale_after_s
     for rid, s in stats.items():
         if s is None or s.timestamp < oldest:
             unknown.append(rid)
             continue
         key = rank_key(request, s, pending.get(rid, EMPTY), config, now)
-        if key is not None and (best_key is None or key > best_key):
-            best, best_key = rid, key
-    if best is not None:
-        return best
+        if key is not None:
+            keys[rid] = key
+    if keys:
+        longest = max(k[1] for k in keys.values())
+        if longest and config.stay_margin:  # the replicas holding the longest prefix keep it unless clearly worse
+            keys = {rid: (k[0] + config.stay_margin,) + k[1:] if k[1] == longest else k for rid, k in keys.items()}
+        return max(keys, key=keys.__getitem__)
     if unknown:
         return min(unknown, key=lambda rid: pending.get(rid, EMPTY).num_requests)
     return None

@@ -387,3 +387,25 @@ def test_held_room_goes_to_the_overdue_then_the_resident_prefix_then_who_can_mee
     assert choose_held(cold + [warm], "a", tight, EMPTY, 5.5) == 2  # the overdue ones do not fit here
     assert choose_held(cold + [warm], "a", tight, EMPTY, 10.5) is None  # held 2 x max_hold_s: nobody passes it
     assert choose_held([], "a", s, EMPTY, 3.0) is None
+
+
+def test_chat_turns_stay_home_and_new_chats_spread():
+    system = PREFIX[:256]  # 16 blocks every chat of this app starts with
+    context = PREFIX  # one chat's 32 blocks so far
+    home = stats("home", hashes=cached(context), running=3)
+    other = stats("other", hashes=cached(system), running=1)
+    turn = RouteRequest(context + prompt(60, 40), 64)
+    # home holds 16 more blocks; the other replica is 2 requests lighter: the turn stays home
+    assert choose_kv(turn, {"home": home, "other": other}, {}, NOW) == "home"
+    # a brief queue reported 0.4 s ago has drained since (prefill_rate): still home
+    busy = stats("home", hashes=cached(context), running=3, waiting=1, waiting_prefill=600, timestamp=NOW - 0.4)
+    assert choose_kv(turn, {"home": busy, "other": other}, {}, NOW) == "home"
+    # a new chat with the system prompt: a replica 40 requests busier loses it to an idle one with
+    # the same system prompt (the in-flight cost), though not for a difference within stay_margin
+    new_chat = RouteRequest(system + prompt(61, 500), 64)
+    crowded = stats("a", hashes=cached(system), running=45)
+    assert choose_kv(new_chat, {"a": crowded, "b": stats("b", hashes=cached(system))}, {}, NOW) == "b"
+    assert choose_kv(new_chat, {"a": crowded, "b": stats("b", hashes=cached(system[:128]), running=40)}, {},
+                     NOW) == "a"
+    with pytest.raises(ValueError):
+        KVPolicyConfig(stay_margin=-1)
