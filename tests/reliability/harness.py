@@ -346,6 +346,56 @@ async def stream_request(client: httpx.AsyncClient, url: str, path: str, body: d
         return StreamResult(FAILED, detail=f"{type(e).__name__}: {e}")
 
 
+def drop_stream(url: str, path: str, body: dict, after_events: int, timeout_s: float,
+                headers: dict | None = None) -> StreamResult:
+    """POST a `stream: true` request over a plain socket and hang up after `after_events` SSE
+    events, unless the stream had already ended by then. "Already ended" is decided on every byte
+    the server had sent at that moment: before hanging up, the client takes whatever its kernel
+    holds for it without waiting, so a client that fell behind (a busy host) is not mistaken for
+    one that left mid-stream. Cancelled: it left while the server was still sending."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", "Content-Type: application/json",
+            f"Content-Length: {len(payload)}", "Connection: close",
+            *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    deadline = time.monotonic() + timeout_s
+    received, server_closed = b"", False
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
+        while received.count(b"data: ") < after_events and b"data: [DONE]" not in received:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                chunk = sock.recv(65536)
+            except (TimeoutError, OSError) as e:
+                return StreamResult(FAILED, detail=f"{type(e).__name__} after {received[-300:]!r}")
+            if not chunk:
+                server_closed = True
+                break
+            received += chunk
+        head_bytes, _, rest = received.partition(b"\r\n\r\n")
+        status_line, *header_lines = head_bytes.decode("latin-1").split("\r\n")
+        status = int(status_line.split()[1]) if len(status_line.split()) > 1 else 0
+        if status != 200:
+            got = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines)}
+            return classify_refusal(status, got, rest)
+        sock.setblocking(False)
+        while True:  # what had already arrived when the client decided to leave
+            try:
+                chunk = sock.recv(65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                server_closed = True
+                break
+            received += chunk
+    events = received.count(b"data: ")
+    if b"data: [DONE]" in received:
+        return StreamResult(COMPLETED, 200, events - 1)
+    if server_closed:  # the server hung up without [DONE]: cut, not left
+        return StreamResult(FAILED, 200, events, detail=f"closed without [DONE]: {received[-300:]!r}")
+    return StreamResult(CANCELLED, 200, events)
+
+
 def check_sse(events: list[str]) -> StreamResult:
     if not events or events[-1] != "[DONE]":
         return StreamResult(FAILED, 200, len(events), detail=f"no [DONE]; last events {events[-2:]}")
