@@ -204,3 +204,16 @@ def test_past_saturation_the_held_order_meets_the_slo_more_often_than_fifo():
     held = simulate(wl, "kv", SimConfig(num_replicas=6, warmup_s=1))
     assert fifo.max_held > 50 and held.num_finished == fifo.num_finished == held.num_requests
     assert held.slo_met > fifo.slo_met + 0.03 and held.ttft_p99 <= 1.2 * fifo.ttft_p99
+
+
+def test_ttft_floor_reuses_what_the_workload_lets_a_request_reuse():
+    from cluster.sim.floor import cached_tokens, ttft_floor
+
+    cost = CostModel(0.01, 1e-4, 0.0)
+    assert ttft_floor(3000, 0, cost, 2048) == pytest.approx(2 * 0.01 + 3000 * 1e-4)  # two chunks
+    assert ttft_floor(3000, 2048, cost, 2048) == pytest.approx(0.01 + 952 * 1e-4)
+    wl = generate(WorkloadConfig(kind="multi-turn", rate=4, duration_s=3, num_groups=1, prefix_len=64, seed=2))
+    first, second = wl[0], wl[1]
+    assert cached_tokens(first, set(), 16) == 0 and cached_tokens(first, {first.group}, 16) == 64
+    assert second.context is first and cached_tokens(second, set(), 16) == \
+        (first.num_prompt_tokens + first.max_tokens) // 16 * 16

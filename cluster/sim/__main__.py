@@ -1,17 +1,22 @@
 """python -m cluster.sim [run] ... | sweep ... | fit ...
 
     run     one workload, each policy: P50/P99 TTFT, TPOT, throughput, preemptions, prefix hits
-    sweep   workloads at rising load: a markdown table on stdout, one PNG per workload
+    sweep   workloads at rising load: a markdown table on stdout, one PNG per workload (--json: the results)
+    report  tables and plots again from sweep --json files
     fit     measure a real engine's step times and fit the cost model (cluster/sim/fit.py)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 import time
+from pathlib import Path
 
 from cluster.policy import ROUTERS, KVPolicyConfig
 from cluster.sim.cost import CostModel
+from cluster.sim.floor import floor_p99
 from cluster.sim.metrics import SimResult, comparison_table, markdown_table
 from cluster.sim.replica import ReplicaConfig
 from cluster.sim.simulation import SimConfig, simulate
@@ -149,12 +154,13 @@ def sweep(argv: list[str]) -> int:
     p.add_argument("--workloads", default=",".join(PRESETS))
     p.add_argument("--loads", help="requests/s per replica, comma list (default: per workload)")
     p.add_argument("--out", default="docs/sim", help="PNG path prefix: <out>_<workload>.png (default: docs/sim)")
+    p.add_argument("--json", help="also write every result here, for `python -m cluster.sim report`")
     p.add_argument("--jobs", type=int, default=1, help="parallel simulations (processes)")
     add_common(p)
     p.set_defaults(replicas=64, policies=list(ROUTERS))
     args = p.parse_args(argv)
     cfg = sim_config(args)
-    all_results: dict[str, list[tuple[float, SimResult]]] = {}
+    rows = []
     for kind in args.workloads.split(","):
         loads = [float(x) for x in args.loads.split(",")] if args.loads else SWEEP_LOADS[kind]
         jobs = [(workload_config(args, kind, load * args.replicas), pol, cfg, False)
@@ -162,15 +168,51 @@ def sweep(argv: list[str]) -> int:
         t0 = time.time()
         results = _map(jobs, args.jobs, quiet=args.quiet, label=kind)
         pairs = list(zip([load for load in loads for _ in args.policies], results))
-        all_results[kind] = pairs
+        floors = {load: floor_p99(generate(workload_config(args, kind, load * args.replicas)), cfg.cost,
+                                  cfg.replica.block_size, cfg.replica.max_num_batched_tokens, cfg.warmup_s)
+                  for load in loads}
+        rows += [dict(workload=kind, load=load, floor_p99=floors[load], **dataclasses.asdict(r)) for load, r in pairs]
         print(f"\n### {kind}, {args.replicas} replicas ({time.time() - t0:.0f}s)\n")
         print(markdown_table([r for _, r in pairs], {"load req/s/replica": [f"{l:g}" for l, _ in pairs]}))
-        print(f"\nP99 TTFT (s), {kind}:\n")
-        print(comparison_table(pairs, "ttft_p99"))
-        print(f"\nShare of requests with TTFT <= {cfg.ttft_slo_s:g} s, {kind}:\n")
-        print(comparison_table(pairs, "slo_met", "{:.1%}", lower_is_better=False))
+        _print_comparisons(kind, pairs, floors, cfg.ttft_slo_s)
         path = f"{args.out}_{kind}.png"
         if plot(pairs, kind, args.replicas, path):
+            print(f"\nwrote {path}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=0) + "\n")
+    return 0
+
+
+def _print_comparisons(kind: str, pairs: list[tuple[float, SimResult]], floors: dict[float, float], slo: float) -> None:
+    print(f"\nP99 TTFT (s), {kind} (floor: the P99 no router can beat, cluster/sim/floor.py):\n")
+    print(comparison_table(pairs, "ttft_p99", floors=floors))
+    print(f"\nShare of requests with TTFT <= {slo:g} s, {kind}:\n")
+    print(comparison_table(pairs, "slo_met", "{:.1%}", lower_is_better=False))
+
+
+def report(argv: list[str]) -> int:
+    """Tables and plots from `sweep --json` files; a later file's (workload, load, policy) wins."""
+    p = argparse.ArgumentParser(prog="python -m cluster.sim report",
+                                description="Tables and plots from sweep --json files (later files win).")
+    p.add_argument("files", nargs="+")
+    p.add_argument("--out", default="docs/sim", help="PNG path prefix: <out>_<workload>.png")
+    p.add_argument("--ttft-slo", type=float, default=SimConfig.ttft_slo_s)
+    args = p.parse_args(argv)
+    merged: dict[tuple, dict] = {}
+    for f in args.files:
+        for row in json.loads(Path(f).read_text()):
+            merged[(row["workload"], row["load"], row["policy"])] = row
+    order = {name: i for i, name in enumerate(ROUTERS)}
+    fields = {f.name for f in dataclasses.fields(SimResult)}
+    for kind in dict.fromkeys(k[0] for k in merged):
+        rows = sorted((r for k, r in merged.items() if k[0] == kind), key=lambda r: (r["load"], order[r["policy"]]))
+        pairs = [(r["load"], SimResult(**{k: v for k, v in r.items() if k in fields})) for r in rows]
+        floors = {r["load"]: r["floor_p99"] for r in rows}
+        print(f"\n### {kind}, {pairs[0][1].num_replicas} replicas\n")
+        print(markdown_table([r for _, r in pairs], {"load req/s/replica": [f"{l:g}" for l, _ in pairs]}))
+        _print_comparisons(kind, pairs, floors, args.ttft_slo)
+        path = f"{args.out}_{kind}.png"
+        if plot(pairs, kind, pairs[0][1].num_replicas, path):
             print(f"\nwrote {path}")
     return 0
 
@@ -227,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "sweep":
         return sweep(argv[1:])
+    if argv and argv[0] == "report":
+        return report(argv[1:])
     if argv and argv[0] == "fit":
         from cluster.sim.fit import main as fit_main
         return fit_main(argv[1:])

@@ -100,18 +100,19 @@ def markdown_table(results: list[SimResult], extra: dict[str, list[str]] | None 
 
 
 def comparison_table(pairs: list[tuple[float, SimResult]], field: str = "ttft_p99", fmt: str = "{:.3f}",
-                     lower_is_better: bool = True) -> str:
+                     lower_is_better: bool = True, floors: dict[float, float] | None = None) -> str:
     """One row per load: `field` for every policy, the best of the policies other than kv, and
-    kv's change against it (negative: kv is lower)."""
+    kv's change against it (negative: kv is lower); with `floors`, a floor column first."""
     loads = list(dict.fromkeys(load for load, _ in pairs))
     policies = list(dict.fromkeys(r.policy for _, r in pairs))
     peers = [p for p in policies if p != "kv"]
-    head = ["load req/s/replica"] + policies + (["best peer", "kv vs best peer"] if "kv" in policies and peers else [])
+    head = (["load req/s/replica"] + (["floor"] if floors else []) + policies
+            + (["best peer", "kv vs best peer"] if "kv" in policies and peers else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     pick = min if lower_is_better else max
     for load in loads:
         got = {r.policy: getattr(r, field) for l, r in pairs if l == load}
-        row = [f"{load:g}"] + [fmt.format(got[p]) for p in policies]
+        row = [f"{load:g}"] + ([fmt.format(floors[load])] if floors else []) + [fmt.format(got[p]) for p in policies]
         if "kv" in got and peers:
             best = pick(peers, key=lambda p: got[p])
             row += [f"{best} {fmt.format(got[best])}", f"{got['kv'] / got[best] - 1:+.0%}" if got[best] else "n/a"]
