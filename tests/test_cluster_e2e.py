@@ -125,6 +125,69 @@ def test_kv_routing_gets_more_prefix_cache_hits_than_pow2(serve_url, tiny_model)
     assert kv >= 0.6
 
 
+# -- a') multi-turn chat: kv's prefix-cache hit rate against the peers' ---------------------------------
+SESSIONS, TURNS, SYSTEM_LEN, USER_LEN, ANSWER_LEN = 6, 4, 48, 12, 8
+PEERS = ("prefix_affinity", "cache_aware", "session")
+
+
+def _chat(app: str, seed: int = 0) -> None:
+    """SESSIONS concurrent chats of TURNS turns (two system prompts), straight to the engine
+    deployment (so that each call carries its Serve session_id, which the session router keys
+    on): every turn's prompt is the previous prompt + the tokens the replica answered + a new user
+    message."""
+    from ray import serve
+
+    from engine.sampling_params import SamplingParams
+
+    handle = serve.get_deployment_handle(ENGINE, app_name=app)
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, 500) for _ in range(SYSTEM_LEN)] for _ in range(2)]
+
+    def session(k: int) -> None:
+        srng = random.Random(seed * 100 + k)
+        prompt = systems[k % 2] + [srng.randrange(3, 500) for _ in range(USER_LEN)]
+        time.sleep(0.2 * k)  # users do not start in lockstep
+        for t in range(TURNS):
+            stream = handle.options(stream=True, session_id=f"chat-{k}").generate.remote(
+                request_id=f"{app}-{k}-{t}", prompt_token_ids=prompt,
+                params=SamplingParams(max_tokens=ANSWER_LEN, temperature=0, ignore_eos=True))
+            answer = [tok for step in stream for c in step.choices for tok in c.token_ids]
+            assert len(answer) == ANSWER_LEN
+            prompt = prompt + answer + [srng.randrange(3, 500) for _ in range(USER_LEN)]
+            time.sleep(0.3)  # the user reads; the next report carries this turn's blocks
+
+    with ThreadPoolExecutor(SESSIONS) as pool:
+        list(pool.map(session, range(SESSIONS)))
+
+
+def _multi_turn_hit_rate(routing: str, url: str, tiny_model: str) -> float:
+    from ray import serve
+
+    app = f"chat_{routing}"
+    _deploy(tiny_model, app, f"/{app}", routing=routing, num_replicas=2, num_gpu_blocks_override=64,
+            max_num_seqs=8, routing_stats_period_s=0.2)
+    try:
+        _chat(app)
+        stats = _per_replica_stats(app, 2)
+        hit = sum(s["prefix_hit_tokens"] for s in stats.values())
+        query = sum(s["prefix_query_tokens"] for s in stats.values())
+        assert query >= SESSIONS * TURNS * SYSTEM_LEN
+        return hit / query
+    finally:
+        serve.delete(app)
+
+
+def test_kv_routing_hits_the_prefix_cache_at_least_as_often_as_the_peers_on_multi_turn_chat(serve_url, tiny_model):
+    rates = {}
+    for routing in ("kv",) + PEERS:
+        t0 = time.monotonic()
+        rates[routing] = _multi_turn_hit_rate(routing, serve_url, tiny_model)
+        print(f"\n{routing}: hit rate {rates[routing]:.3f} in {time.monotonic() - t0:.0f}s", flush=True)
+    print("\nmulti-turn prefix-cache hit rate on 2 replicas: " + ", ".join(f"{k} {v:.3f}" for k, v in rates.items()))
+    assert rates["kv"] >= max(rates[p] for p in PEERS)
+    assert rates["kv"] >= 0.6
+
+
 def test_routing_stats_are_replica_stats(serve_url, tiny_model):
     """What the KV router parses: a ReplicaStats keyed by this replica's full id, plus the engine's counters."""
     from ray import serve
