@@ -19,11 +19,12 @@ LOAD_MAX_TOKENS = count("load_max_tokens", 24, 32)
 
 
 def test_load_burst_over_a_small_pool_completes_or_refuses_every_stream(server, figures):
-    """LOAD_STREAMS streams at once, a quarter of them chat: each ends with [DONE] and a
-    finish_reason, or is refused with 503 + Retry-After; none fails or hangs. Short prompts and
-    long outputs: the KV router admits on half the growth to come, so the running batch outgrows
-    the pool (preemptions). Afterwards every KV block is free again, and the engine counted
-    exactly the streams the clients saw complete."""
+    """LOAD_STREAMS streams at once, a quarter of them chat and a quarter n=3 completions: each
+    ends with [DONE] and a finish_reason on every choice, or is refused with 503 + Retry-After;
+    none fails or hangs. The running batch outgrows the pool, so the scheduler preempts: the KV
+    router budgets a request as one sequence (prompt + max_tokens, half its growth reserved), so
+    an n=3 request brings three times the growth it was admitted on. Afterwards every KV block
+    is free again, and the engine counted exactly the streams the clients saw complete."""
     before = settled_counters(server)
 
     async def burst() -> list[StreamResult]:
@@ -33,7 +34,9 @@ def test_load_burst_over_a_small_pool_completes_or_refuses_every_stream(server, 
                     body = {"messages": [{"role": "user", "content": prompt(i, 8)}], "max_tokens": LOAD_MAX_TOKENS,
                             "ignore_eos": True, "stream": True, "temperature": 0.7, "seed": i}
                     return stream_request(client, server.url, "/v1/chat/completions", body, 600.0)
-                body = {"prompt": prompt(i, 8), "max_tokens": LOAD_MAX_TOKENS, "ignore_eos": True, "stream": True}
+                n = 3 if i % 4 == 1 else 1
+                body = {"prompt": prompt(i, 8), "max_tokens": LOAD_MAX_TOKENS, "ignore_eos": True, "stream": True,
+                        "n": n, "temperature": 0.8 if n > 1 else 0.0, "seed": i}
                 return stream_request(client, server.url, "/v1/completions", body, 600.0)
             return await asyncio.gather(*(one(i) for i in range(LOAD_STREAMS)))
 
