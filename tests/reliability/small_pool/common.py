@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 
 import httpx
 
@@ -67,14 +68,16 @@ def settled_counters(server: ServeProcess, timeout_s: float = 30.0) -> dict[str,
     return last
 
 
-def wait_counters(server: ServeProcess, before: dict, want: dict, timeout_s: float = 30.0) -> dict:
-    """Counter increments since `before`, once they equal `want` (Ray exports them within a few
-    seconds) or the time is up; returns the last increments seen."""
+def wait_counters(server: ServeProcess, before: dict, want: dict | Callable[[dict], bool],
+                  timeout_s: float = 30.0) -> dict:
+    """Counter increments since `before`, once they equal `want` (or `want(delta)` holds; Ray
+    exports them within a few seconds) or the time is up; returns the last increments seen."""
+    done = want if callable(want) else (lambda delta: all(delta[k] == v for k, v in want.items()))
     deadline = time.monotonic() + timeout_s
     while True:
         now = counters(server)
         delta = {k: now[k] - before[k] for k in now}
-        if all(delta[k] == v for k, v in want.items()) or time.monotonic() > deadline:
+        if done(delta) or time.monotonic() > deadline:
             return delta
         time.sleep(1.0)
 
