@@ -63,30 +63,47 @@ def value(samples: dict, name: str, **labels) -> float | None:
     return sum(hits) if hits else None
 
 
-# Keep this test first: it runs on a fresh server, so the counters hold exactly its one request.
+def settled_samples() -> dict[str, list[tuple[dict, float]]]:
+    """The export once two reads a report interval and more apart agree: nothing still in flight."""
+    deadline, last = time.monotonic() + 30, None
+    while (samples := kvserve_samples()) != last:
+        assert time.monotonic() < deadline, "Ray's metrics export never settled"
+        last = samples
+        time.sleep(1.5)
+    return samples
+
+
 def test_engine_metrics_reach_rays_prometheus_export(http):
+    """One request moves each counter and histogram by exactly its own share. Measured against the
+    settled export before it, so whatever ran on the server earlier does not count."""
     from workers.metrics import E2E, ITL, TTFT
 
+    counted = ("ray_kvserve_request_success_total", "ray_kvserve_prompt_tokens_total",
+               "ray_kvserve_generation_tokens_total", f"ray_{TTFT}_count", f"ray_{ITL}_count", f"ray_{E2E}_count")
+    buckets = [(TTFT, 0.01), (TTFT, 10), (ITL, 0.01), (ITL, 10), (E2E, 0.1), (E2E, 10)]
+
+    def read(samples: dict) -> dict:
+        got = {k: value(samples, k) or 0.0 for k in counted}
+        got["length"] = value(samples, "ray_kvserve_request_success_total", finished_reason="length") or 0.0
+        for name, le in buckets:  # observations <= le (Ray exports sums as bucket midpoints)
+            got[(name, le)] = sum(v for lab, v in samples.get(f"ray_{name}_bucket", []) if float(lab["le"]) == le)
+        return got
+
+    before = read(settled_samples())
     r = http.post("/v1/completions", json={"prompt": [1, 2, 3, 4, 5], "max_tokens": 6})
     assert r.status_code == 200
     usage = r.json()["usage"]
-    expected = {"ray_kvserve_request_success_total": 1.0, "ray_kvserve_prompt_tokens_total": usage["prompt_tokens"],
-                "ray_kvserve_generation_tokens_total": usage["completion_tokens"],
-                f"ray_{TTFT}_count": 1.0, f"ray_{ITL}_count": usage["completion_tokens"] - 1, f"ray_{E2E}_count": 1.0}
+    # The fake engine sleeps 20 ms before each of the 6 tokens.
+    delta = {"ray_kvserve_request_success_total": 1.0, "ray_kvserve_prompt_tokens_total": usage["prompt_tokens"],
+             "ray_kvserve_generation_tokens_total": usage["completion_tokens"], f"ray_{TTFT}_count": 1.0,
+             f"ray_{ITL}_count": usage["completion_tokens"] - 1, f"ray_{E2E}_count": 1.0, "length": 1.0,
+             (TTFT, 0.01): 0.0, (TTFT, 10): 1.0, (ITL, 0.01): 0.0, (ITL, 10): 5.0, (E2E, 0.1): 0.0, (E2E, 10): 1.0}
+    expected = {k: before[k] + d for k, d in delta.items()}
     deadline, samples = time.monotonic() + 30, {}
-    while {k: value(samples, k) for k in expected} != expected:
-        assert time.monotonic() < deadline, {k: value(samples, k) for k in expected}
+    while read(samples) != expected:
+        assert time.monotonic() < deadline, (read(samples), expected)
         time.sleep(0.5)
         samples = kvserve_samples()
-    assert value(samples, "ray_kvserve_request_success_total", finished_reason="length") == 1
-
-    def at_most(name: str, le: float) -> float:  # observations <= le (Ray exports sums as bucket midpoints)
-        return sum(v for lab, v in samples[f"ray_{name}_bucket"] if float(lab["le"]) == le)
-
-    # The fake engine sleeps 20 ms before each of the 6 tokens.
-    assert at_most(TTFT, 0.01) == 0 and at_most(TTFT, 10) == 1
-    assert at_most(ITL, 0.01) == 0 and at_most(ITL, 10) == 5
-    assert at_most(E2E, 0.1) == 0 and at_most(E2E, 10) == 1
     for name in ("ray_kvserve_kv_cache_usage_perc", "ray_kvserve_num_requests_running",
                  "ray_kvserve_num_requests_waiting"):
         ((labels, v),) = samples[name]  # one engine replica
