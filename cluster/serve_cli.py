@@ -1,7 +1,7 @@
 """`kvserve serve`: start Ray + Serve and the OpenAI-compatible server, until Ctrl-C or SIGTERM.
 
     kvserve serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--num-replicas R]
-                  [--max-queued-requests N] [--routing kv|pow2|round_robin]
+                  [--max-queued-requests N] [--routing kv|pow2|round_robin|prefix_affinity|cache_aware|session]
                   [--autoscale none|kv|requests --min-replicas N --max-replicas N ...]
                   [engine flags: --model, -tp, --max-model-len, ...]
 
@@ -56,8 +56,10 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                          help="requests waiting for a replica before a 503 with Retry-After (default: -1, no limit)")
     cluster.add_argument("--routing", choices=list(ROUTERS),
                          help="how requests pick an engine replica: kv (prefix-cache and KV-headroom aware), "
-                              "pow2 (Serve's default: power of two choices on queue length), round_robin "
-                              "(default: kv)")
+                              "pow2 (Serve's default: power of two choices on queue length), round_robin, "
+                              "and the routers users run elsewhere: prefix_affinity (Ray Serve LLM's), "
+                              "cache_aware (sgl-router's), session (sticky on the X-Session-ID header, else the "
+                              "body's `user`) (default: kv)")
     cluster.add_argument("--routing-stats-period-s", type=float, metavar="S",
                          help="how often replicas report their KV state to the routers (default: 0.5)")
     scale = p.add_argument_group("autoscaling")

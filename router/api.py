@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from router.errors import OpenAIError, from_validation_error, internal_error
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.serving import OpenAIServing
+from router.session import SESSION_HEADER, set_session
 
 logger = logging.getLogger(__name__)
 
@@ -201,11 +202,15 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
 
     @api.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request):
-        return _reply(await serving.completions(await read_json(request, CompletionRequest, limit)))
+        body = await read_json(request, CompletionRequest, limit)
+        set_session(request.headers.get(SESSION_HEADER), body.user)
+        return _reply(await serving.completions(body))
 
     @api.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        return _reply(await serving.chat(await read_json(request, ChatCompletionRequest, limit)))
+        body = await read_json(request, ChatCompletionRequest, limit)
+        set_session(request.headers.get(SESSION_HEADER), body.user)
+        return _reply(await serving.chat(body))
 
     @api.post("/tokenize", openapi_extra=_json_body(TokenizeRequest))
     async def tokenize(request: Request):

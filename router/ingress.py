@@ -29,6 +29,7 @@ from engine.sampling_params import SamplingParams
 from router.api import Admission, build_api
 from router.errors import from_invalid_request, overloaded, unavailable
 from router.serving import OpenAIServing
+from router.session import current_session
 from router.settings import RouterSettings
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,9 @@ class HandleReplicaClient:
         # untouched). Cancellation does not depend on it: `generate` cancels the call itself
         # when its consumer goes away.
         _set_request_context(_internal_request_id=uuid.uuid4().hex)
-        return self._stream.generate.remote(**kwargs)
+        session = current_session()  # for --routing session (router.session)
+        stream = self._stream if session is None else self._stream.options(session_id=session)
+        return stream.generate.remote(**kwargs)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[StepOutput]:

@@ -188,6 +188,46 @@ def test_kv_routing_hits_the_prefix_cache_at_least_as_often_as_the_peers_on_mult
     assert rates["kv"] >= 0.6
 
 
+def test_session_routing_over_http_keeps_each_session_on_one_replica(serve_url, tiny_model):
+    """`--routing session` over HTTP: the X-Session-ID header (else the body's `user`) reaches
+    Serve's session id, so a session's requests all land on one replica; requests without one
+    spread (a replica's prefix_query_tokens grows by each prompt it serves)."""
+    app = "sessions"
+    _deploy(tiny_model, app, "/sessions", routing="session", num_replicas=2, num_gpu_blocks_override=64,
+            max_num_seqs=8)
+
+    def queried() -> dict[str, int]:
+        return {rid: s["prefix_query_tokens"] for rid, s in _per_replica_stats(app, 2).items()}
+
+    def grown(send, n: int) -> list[int]:
+        before = queried()
+        for k in range(n):
+            send(k)
+        after = queried()
+        return sorted(after[r] - before[r] for r in after)
+
+    rng = random.Random(7)
+    try:
+        with httpx.Client(base_url=serve_url, timeout=60) as http:
+            def post(k: int, headers: dict | None = None, **extra) -> None:
+                ids = [rng.randrange(3, 500) for _ in range(20)]
+                r = http.post("/sessions/v1/completions", headers=headers,
+                              json={"model": "tiny", "prompt": ids, "max_tokens": 2, **extra})
+                r.raise_for_status()
+
+            for session in ("alice", "bob"):
+                spread = grown(lambda k: post(k, headers={"X-Session-ID": session}), 6)
+                assert spread[0] == 0 and spread[1] >= 6 * 16, (session, spread)
+            spread = grown(lambda k: post(k, user="carol"), 6)
+            assert spread[0] == 0 and spread[1] >= 6 * 16, spread
+            spread = grown(post, 16)  # no session: random, both replicas serve
+            assert spread[0] > 0, spread
+    finally:
+        from ray import serve
+
+        serve.delete(app)
+
+
 def test_routing_stats_are_replica_stats(serve_url, tiny_model):
     """What the KV router parses: a ReplicaStats keyed by this replica's full id, plus the engine's counters."""
     from ray import serve
