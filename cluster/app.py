@@ -246,11 +246,15 @@ def engine_router_config(engine: EngineConfig, options: ServeOptions):
     """The engine deployment's request_router_config for `routing` (cluster.serve_router)."""
     from cluster.serve_router import request_router_config
 
+    from engine.model_source import resolve_model
+
     kwargs = {}
     if options.routing == "kv":  # what the router assumes before the first report / for max_tokens=None
         kwargs["default_block_size"] = engine.block_size
         if engine.max_model_len:
             kwargs["default_max_tokens"] = engine.max_model_len
+    elif options.routing in ("prefix_affinity", "cache_aware"):  # these match prompts as text, as their authors do
+        kwargs["tokenizer"] = engine.tokenizer or str(resolve_model(engine.model))
     return request_router_config(options.routing, options.routing_stats_period_s, **kwargs)
 
 

@@ -364,6 +364,11 @@ def test_flags_reach_the_engine_deployment(tiny_model):
     assert "policy" not in opts["autoscaling_config"] and opts["autoscaling_config"]["target_ongoing_requests"] == 8
     assert "initial_replicas" not in opts["autoscaling_config"]  # Serve starts from min_replicas
 
+    # The text-matching peers get the model's tokenizer (a directory its router process can load).
+    for routing in ("prefix_affinity", "cache_aware"):
+        opts = engine_deployment_options(*split_args({"device": "cpu", "routing": routing, "model": tiny_model}))
+        assert opts["request_router_config"].request_router_kwargs == {"tokenizer": tiny_model}
+
     # With autoscaling, --num-replicas is where it starts; with a raw autoscaling_config, its own field.
     opts = engine_deployment_options(*split_args({"device": "cpu", "autoscale": "kv", "max_replicas": 4,
                                                   "num_replicas": 2}))
