@@ -1,4 +1,30 @@
+import os
+
 import pytest
+
+
+def _triton_interpreter_wanted() -> bool:
+    import torch
+
+    return not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
+
+
+# The Triton kernel tests run under Triton's interpreter on a host without CUDA. Triton reads
+# TRITON_INTERPRET when it is imported (collection does that: transformers imports it), so the
+# variable is set from here until collection ends, then again only while those tests run
+# (tests/triton_interp.py); other tests and the processes they start never see it.
+TRITON_INTERPRETER = _triton_interpreter_wanted()
+if TRITON_INTERPRETER:
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:  # now, whichever test would import it first
+        import triton.language  # noqa: F401
+    except ImportError:
+        pass
+
+
+def pytest_collection_finish(session):
+    if TRITON_INTERPRETER:
+        os.environ.pop("TRITON_INTERPRET", None)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,164 @@
+"""The Triton kernels (engine.kernels) against a plain torch attention, on random ragged batches:
+prefill chunks with and without a cached prefix before them, single-token decodes, contexts
+crossing block boundaries, GQA ratios, several block sizes and head dims. On a CPU-only host they
+run under Triton's interpreter (tests/triton_interp.py), compiled on a CUDA one."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.triton_interp import kernels_here
+
+HEADS = [(4, 4), (4, 2), (6, 2), (8, 1), (9, 3)]  # (query heads, KV heads): MHA, GQA, MQA, SmolLM2's 3:1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def device():
+    with kernels_here() as d:
+        yield d
+
+
+def _kernels():
+    from engine.kernels import kv_write, paged_attention
+    return paged_attention, kv_write
+
+
+def make_batch(rng: random.Random, seqs: list[tuple[int, int]], block_size: int, kvh: int, d: int,
+               dtype: torch.dtype, device: torch.device) -> dict:
+    """seqs: (seq_len, q_len) each -> a pool with random contents, each sequence's blocks scattered
+    over it, and the kernels' metadata."""
+    need = [-(-n // block_size) for n, _ in seqs]
+    num_blocks = sum(need) + 3
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables, used = [], 0
+    for n in need:
+        tables.append(ids[used:used + n])
+        used += n
+    width = max(need) + rng.randint(0, 2)  # wider than needed: the tail is never read
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    k_cache = torch.randn(num_blocks, block_size, kvh, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kvh, d, generator=gen).to(dtype)
+    qs = [0]
+    for _, q in seqs:
+        qs.append(qs[-1] + q)
+    return dict(
+        k_cache=k_cache.to(device), v_cache=v_cache.to(device), tables=tables,
+        block_tables=torch.tensor([t + [num_blocks - 1] * (width - len(t)) for t in tables],
+                                  dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([n for n, _ in seqs], dtype=torch.int32, device=device),
+        query_start=torch.tensor(qs, dtype=torch.int32, device=device))
+
+
+def reference(q: torch.Tensor, b: dict, seqs: list[tuple[int, int]], scale: float) -> torch.Tensor:
+    """Each sequence's context gathered through its block table, causal softmax, in float64."""
+    _, h, d = q.shape
+    k_cache, v_cache = b["k_cache"].double().cpu(), b["v_cache"].double().cpu()
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i, (n, ql) in enumerate(seqs):
+        kvh = k_cache.shape[2]
+        k = k_cache[b["tables"][i]].reshape(-1, kvh, d)[:n].repeat_interleave(h // kvh, dim=1)  # (n, H, D)
+        v = v_cache[b["tables"][i]].reshape(-1, kvh, d)[:n].repeat_interleave(h // kvh, dim=1)
+        rows = slice(b["query_start"][i].item(), b["query_start"][i + 1].item())
+        s = torch.einsum("qhd,khd->hqk", q[rows].double().cpu(), k) * scale  # (H, ql, n)
+        visible = torch.arange(n)[None, :] <= (n - ql + torch.arange(ql))[:, None]
+        out[rows] = torch.einsum("hqk,khd->qhd", s.masked_fill(~visible, float("-inf")).softmax(-1), v)
+    return out
+
+
+@st.composite
+def ragged_batches(draw, max_seqs: int = 5):
+    """-> (seqs, block_size, (H, KVH), D, seed): each sequence a decode, a whole prompt, or a chunk
+    after a cached prefix / earlier chunks."""
+    block_size = draw(st.sampled_from([4, 16, 32]))
+    seqs = []
+    for _ in range(draw(st.integers(1, max_seqs))):
+        kind = draw(st.sampled_from(["decode", "prefill", "chunk"]))
+        if kind == "decode":
+            seqs.append((draw(st.integers(1, 80)), 1))
+        elif kind == "prefill":
+            q = draw(st.integers(1, 40))
+            seqs.append((q, q))
+        else:
+            q = draw(st.integers(1, 40))
+            seqs.append((q + draw(st.integers(1, 60)), q))
+    return seqs, block_size, draw(st.sampled_from(HEADS)), draw(st.sampled_from([16, 64])), draw(st.integers(0, 1 << 20))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ragged_batches())
+def test_mixed_batch_matches_reference_fp32(device, case):
+    seqs, block_size, (h, kvh), d, seed = case
+    rng = random.Random(seed)
+    b = make_batch(rng, seqs, block_size, kvh, d, torch.float32, device)
+    q = torch.randn(b["query_start"][-1].item(), h, d, generator=torch.Generator().manual_seed(seed)).to(device)
+    attention, _ = _kernels()
+    decode_only = all(ql == 1 for _, ql in seqs)
+    out = attention.paged_attention(q, b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"],
+                                    b["query_start"], d ** -0.5, decode_only)
+    torch.testing.assert_close(out.double().cpu(), reference(q, b, seqs, d ** -0.5), rtol=1e-4, atol=1e-5)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(1, 100), min_size=1, max_size=6), st.sampled_from([16, 32]), st.sampled_from(HEADS))
+def test_decode_tiles_match_mixed_tiles(device, lens, block_size, heads):
+    """Decode-only batches take the small tiles; the result is the same as with the large ones."""
+    h, kvh = heads
+    seqs = [(n, 1) for n in lens]
+    b = make_batch(random.Random(len(lens)), seqs, block_size, kvh, 64, torch.float32, device)
+    q = torch.randn(len(lens), h, 64, generator=torch.Generator().manual_seed(1)).to(device)
+    attention, _ = _kernels()
+    args = (q, b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"], b["query_start"], 0.125)
+    small, large = attention.paged_attention(*args, True), attention.paged_attention(*args, False)
+    torch.testing.assert_close(small, large, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(small.double().cpu(), reference(q, b, seqs, 0.125), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_within_its_rounding(device, dtype):
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        pytest.skip("Triton's interpreter computes bfloat16 dots wrongly (numpy has no bfloat16); CUDA only")
+    seqs = [(37, 37), (50, 9), (21, 1), (64, 1)]
+    b = make_batch(random.Random(0), seqs, 16, 2, 128, dtype, device)
+    q = torch.randn(b["query_start"][-1].item(), 6, 128, generator=torch.Generator().manual_seed(0)).to(dtype).to(device)
+    attention, _ = _kernels()
+    out = attention.paged_attention(q, b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"],
+                                    b["query_start"], 128 ** -0.5, False)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double().cpu(), reference(q, b, seqs, 128 ** -0.5), rtol=2e-2, atol=2e-2)
+
+
+def test_padding_sequences_read_nothing_and_come_out_zero(device):
+    """CUDA-graph padding: a sequence with no context (seq_len 0) yields zeros, not NaN."""
+    seqs = [(20, 1), (0, 1), (0, 1)]
+    b = make_batch(random.Random(0), [(20, 1), (1, 1), (1, 1)], 16, 2, 64, torch.float32, device)
+    b["seq_lens"][1:] = 0
+    q = torch.randn(3, 4, 64).to(device)
+    attention, _ = _kernels()
+    out = attention.paged_attention(q, b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"],
+                                    b["query_start"], 0.125, True)
+    assert torch.equal(out[1:].cpu(), torch.zeros(2, 4, 64))
+    torch.testing.assert_close(out[:1].double().cpu(), reference(q, b, seqs[:1], 0.125)[:1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_fills_slots_and_skips_padding(device, dtype):
+    num_blocks, block_size, kvh, d, t = 6, 16, 3, 64, 7
+    k_cache = torch.zeros(num_blocks, block_size, kvh, d, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    qkv = torch.randn(t, (9 + 2 * kvh) * d).to(dtype).to(device)  # k and v as views into a fused qkv
+    k = qkv[:, 9 * d:(9 + kvh) * d].view(t, kvh, d)
+    v = qkv[:, (9 + kvh) * d:].view(t, kvh, d)
+    slots = torch.tensor([5, 17, 16, -1, 95, 40, -1], device=device)
+    _, kv_write = _kernels()
+    kv_write.write_kv(k, v, k_cache, v_cache, slots)
+    expect_k, expect_v = torch.zeros_like(k_cache).view(-1, kvh, d), torch.zeros_like(v_cache).view(-1, kvh, d)
+    keep = slots >= 0
+    expect_k[slots[keep]] = k[keep]
+    expect_v[slots[keep]] = v[keep]
+    assert torch.equal(k_cache.view(-1, kvh, d), expect_k)
+    assert torch.equal(v_cache.view(-1, kvh, d), expect_v)
