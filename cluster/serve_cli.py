@@ -152,9 +152,14 @@ def run_serve(ns: argparse.Namespace) -> int:
         local_only["_metrics_export_port"] = ns.metrics_export_port
     ray.init(address=ns.ray_address, **(local_only if local else {}))
     try:
+        try:  # with Ray up, the replica is checked again against the nodes it sees
+            app = build_app(args)
+        except (ModelError, ValueError) as e:
+            print(f"kvserve: error: {e}", file=sys.stderr)
+            return 2
         serve.start(http_options={"host": ns.host, "port": ns.port})
         try:
-            serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+            serve.run(app, name=APP_NAME, route_prefix="/")
         except RuntimeError as e:
             print(f"kvserve: error: the application failed to start: {e}", file=sys.stderr)
             return 1

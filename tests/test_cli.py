@@ -1,4 +1,6 @@
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -125,6 +127,41 @@ def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_a_replica_no_ray_node_can_hold_is_one_error_line_after_ray_starts(tmp_path, smollm2_path):
+    """The node check needs Ray up, so it fails after Ray started: still one error line, exit 2,
+    no traceback, and no Ray process left behind."""
+    import psutil
+
+    from tests.local_serve import free_port
+    from tests.tiny_llama import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "tiny", tokenizer_dir=smollm2_path)
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--port",
+                             str(free_port()), "--max-model-len", "256", "--device", "cpu", "--kv-cache-memory", "64T"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        stderr = proc.communicate(timeout=300)[1]
+        assert proc.returncode == 2, stderr
+        assert "Traceback" not in stderr
+        errors = [line for line in stderr.splitlines() if line.startswith("kvserve: error: ")]
+        assert len(errors) == 1 and "needs" in errors[0] and "memory" in errors[0], stderr
+        # Ray's processes stay in the session the CLI started in.
+        time.sleep(2)
+        left = [p for p in psutil.process_iter(["pid"]) if _sid(p.pid) == proc.pid]
+        assert not left, [p.cmdline() for p in left]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _sid(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
 
 
 def test_the_port_check_ignores_time_wait_but_not_a_listener():
