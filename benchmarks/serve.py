@@ -7,6 +7,11 @@
     # kvserve and `transformers serve --continuous-batching` side by side, each launched here
     python benchmarks/serve.py --launch kvserve transformers --max-concurrency 1 4 16
 
+    # kvserve and vLLM's CPU build (`python benchmarks/vllm_cpu.py install` first), both up at
+    # once and loaded in turn, twice, by vLLM's own client (`vllm bench serve`)
+    python benchmarks/serve.py --launch kvserve vllm --together --rounds 2 --client vllm \\
+        --max-concurrency 16 1 --num-prompts 64
+
 Requests have random prompts of about --random-input-len tokens (optionally after a shared
 prefix of --prefix-len tokens) and ask for --random-output-len tokens, both varied by
 --random-range-ratio. They arrive as a Poisson process at --request-rate (gamma with
@@ -19,6 +24,12 @@ that do not yet form whole UTF-8 characters (random prompts often get such repli
 "first text" would then time the whole reply.
 Output lengths are made exact where the server allows it (kvserve/vLLM `ignore_eos`,
 transformers' `generation_config`), and tokens are counted from the server's `usage`.
+
+With `--client vllm` the load comes from `vllm bench serve` (random dataset, --ignore-eos) in
+vLLM's venv instead, and its JSON results fill the same table. With `--together` every launched
+server is up for the whole sweep and each run loads one of them while the others idle: on a
+small machine, runs of different servers then alternate in the same minutes (`--rounds`), so a
+slow phase of the host hits them alike; each run also records the CPU the idle servers took.
 """
 from __future__ import annotations
 
@@ -40,9 +51,13 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import vllm_cpu  # noqa: E402
 from benchmarks.common import free_port, machine_info, markdown_table, print_machine  # noqa: E402
+from benchmarks.proc_cpu import cpu_seconds, cpu_used  # noqa: E402
 
 BACKENDS = ("kvserve", "vllm", "transformers", "openai")
+LAUNCHABLE = ("kvserve", "vllm", "transformers")
+SERVED_NAME = "bench"  # the model name launched kvserve and vLLM serve under
 
 
 # -- workload ---------------------------------------------------------------------------------------
@@ -214,11 +229,13 @@ def print_summary(label: str, s: dict) -> None:
 def launch_command(backend: str, port: int, model_dir: str, args: argparse.Namespace) -> list[str]:
     if backend == "kvserve":
         return [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--model", model_dir,
-                "--served-model-name", "bench", "--max-model-len", str(args.max_model_len), *args.kvserve_arg]
+                "--served-model-name", SERVED_NAME, "--max-model-len", str(args.max_model_len), *args.kvserve_arg]
     if backend == "transformers":
         exe = Path(sys.executable).with_name("transformers")
         return [str(exe), "serve", model_dir, "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
                 "--log-level", "warning", *args.transformers_arg]
+    if backend == "vllm":
+        return vllm_cpu.serve_command(args.vllm_venv, model_dir, port, SERVED_NAME, args.max_model_len, args.vllm_arg)
     raise ValueError(f"cannot launch {backend}; start it yourself and pass --base-url")
 
 
@@ -273,13 +290,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     target.add_argument("--model", help="the model name to send (default: the launched server's)")
     target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     target.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    target.add_argument("--launch", nargs="+", choices=["kvserve", "transformers"],
+    target.add_argument("--launch", nargs="+", choices=LAUNCHABLE,
                         help="start these servers here, one after the other, and compare them")
+    target.add_argument("--together", action="store_true",
+                        help="keep every launched server up for the whole sweep and load them in turn")
+    target.add_argument("--rounds", type=int, default=1,
+                        help="run the launched servers' sweeps this many times, alternating (default: 1)")
+    target.add_argument("--client", choices=["ours", "vllm"], default="ours",
+                        help="load generator: this module's, or `vllm bench serve` from --vllm-venv")
     target.add_argument("--model-dir", help="model directory for launched servers (default: the embedded SmolLM2)")
     target.add_argument("--max-model-len", type=int, default=1024, help="launched kvserve's --max-model-len")
     target.add_argument("--kvserve-arg", action="append", default=[], help="extra flag for launched kvserve")
     target.add_argument("--transformers-arg", action="append", default=[],
                         help="extra flag for launched transformers serve")
+    target.add_argument("--vllm-venv", type=Path, default=vllm_cpu.DEFAULT_VENV,
+                        help="vLLM's CPU build (benchmarks/vllm_cpu.py install; default: %(default)s)")
+    target.add_argument("--vllm-arg", action="append", default=[], help="extra flag for launched vllm serve")
     target.add_argument("--log-dir", default="/tmp", help="where launched servers' logs go (default: /tmp)")
     load = p.add_argument_group("load")
     load.add_argument("--num-prompts", type=int, default=32)
@@ -303,17 +329,83 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def sweep(label: str, backend: str, base_url: str, model: str, tokenizer, args) -> list[dict]:
-    rows = []
-    for i, conc in enumerate(args.max_concurrency):
-        requests = make_requests(tokenizer, args, i)
+@dataclass
+class Target:
+    label: str
+    backend: str
+    base_url: str
+    model: str
+    server: "Launched | None" = None  # None: a server started elsewhere
+
+
+def load_once(target: Target, conc: int | None, index: int, tokenizer, model_dir: str, args) -> dict:
+    """One run of `args.num_prompts` requests at `conc`, with our client or vLLM's."""
+    if args.client == "vllm":
+        summary = vllm_bench(target, conc, index, model_dir, args)
+    else:
+        requests = make_requests(tokenizer, args, index)
         results, duration = asyncio.run(run(
-            base_url, lambda r: request_body(backend, args.endpoint, model, r), requests, conc, args.request_rate,
-            args.burstiness, args.seed, args.api_key, args.endpoint))
-        summary = {"target": label, "max_concurrency": conc, **summarize(results, duration)}
-        print_summary(f"{label}, concurrency {conc or 'unlimited'}", summary)
-        rows.append(summary)
-    return rows
+            target.base_url, lambda r: request_body(target.backend, args.endpoint, target.model, r), requests, conc,
+            args.request_rate, args.burstiness, args.seed, args.api_key, args.endpoint))
+        summary = summarize(results, duration)
+    return {"target": target.label, "max_concurrency": conc, **summary}
+
+
+def vllm_bench(target: Target, conc: int | None, index: int, model_dir: str, args) -> dict:
+    """`vllm bench serve` against the target; its saved JSON in this module's summary shape."""
+    out = Path(args.log_dir) / f"vllm-bench-{target.label}-{conc}-{index}.json"
+    cmd = [str(vllm_cpu.venv_bin(args.vllm_venv, "vllm")), "bench", "serve", "--backend", "vllm",
+           "--base-url", target.base_url, "--model", target.model, "--tokenizer", model_dir,
+           "--dataset-name", "random", "--random-input-len", str(args.random_input_len),
+           "--random-output-len", str(args.random_output_len), "--random-range-ratio", str(args.random_range_ratio),
+           "--num-prompts", str(args.num_prompts), "--ignore-eos", "--seed", str(args.seed + index),
+           "--request-rate", str(args.request_rate), "--burstiness", str(args.burstiness), "--percentile-metrics",
+           "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out.parent),
+           "--result-filename", out.name]
+    if conc:
+        cmd += ["--max-concurrency", str(conc)]
+    with open(Path(args.log_dir) / "vllm-bench.log", "a") as log:
+        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=args.log_dir)
+    r = json.loads(out.read_text())
+
+    def stats(name: str) -> dict:
+        return {"mean": r[f"mean_{name}_ms"], "median": r[f"median_{name}_ms"], "p99": r[f"p99_{name}_ms"]}
+
+    return {"completed": r["completed"], "failed": r.get("failed", args.num_prompts - r["completed"]),
+            "duration_s": r["duration"], "request_throughput": r["request_throughput"],
+            "output_throughput": r["output_throughput"], "total_token_throughput": r["total_token_throughput"],
+            "mean_prompt_tokens": r["total_input_tokens"] / max(1, r["completed"]),
+            "mean_output_tokens": r["total_output_tokens"] / max(1, r["completed"]),
+            "ttft_ms": stats("ttft"), "tpot_ms": stats("tpot"), "itl_ms": stats("itl"), "e2e_ms": stats("e2el"),
+            "errors": [e for e in r.get("errors", []) if e][:3]}
+
+
+def measured_run(target: Target, others: list[Target], conc, index, tokenizer, model_dir, args) -> dict:
+    """A run, with the CPU seconds of the target's processes and of the idle `others`."""
+    roots = [t for t in [target, *others] if t.server is not None]
+    before = {t.label: cpu_seconds(t.server.proc.pid) for t in roots}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    summary = load_once(target, conc, index, tokenizer, model_dir, args)
+    used = {t.label: cpu_used(before[t.label], cpu_seconds(t.server.proc.pid)) for t in roots}
+    summary["loadavg_1m_before"] = load
+    summary["cpu_s"] = used.get(target.label, {})
+    summary["idle_peers_cpu_s"] = {k: round(sum(v.values()), 1) for k, v in used.items() if k != target.label}
+    print_summary(f"{target.label}, concurrency {conc or 'unlimited'}", summary)
+    return summary
+
+
+def launch(backend: str, model_dir: str, args) -> Target:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    model = SERVED_NAME if backend in ("kvserve", "vllm") else model_dir
+    server = Launched(backend, port, model_dir, args)
+    print(f"\nstarting {backend} on {url} (log: {args.log_dir}/{backend}.log) ...", flush=True)
+    try:
+        asyncio.run(wait_ready(url, {"model": model, "prompt": "Hi", "max_tokens": 1}, args.api_key, server.proc))
+    except BaseException:
+        server.__exit__()
+        raise
+    return Target(backend, backend, url, model, server)
 
 
 def main(argv=None) -> int:
@@ -327,16 +419,35 @@ def main(argv=None) -> int:
     info = machine_info()
     print_machine(info)
     rows = []
+    concs = list(enumerate(args.max_concurrency))
+
+    def runs(targets: list[Target], rnd: int) -> None:
+        for i, conc in concs:  # run i of a sweep has its own prompts, whichever server and round
+            for t in targets:
+                rows.append({"round": rnd, **measured_run(t, [o for o in targets if o is not t], conc, i,
+                                                           tokenizer, model_dir, args)})
+
     if args.base_url:
-        rows += sweep(args.backend, args.backend, args.base_url.rstrip("/"), args.model, tokenizer, args)
-    for backend in args.launch or []:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        model = "bench" if backend == "kvserve" else model_dir
-        with Launched(backend, port, model_dir, args) as server:
-            print(f"\nstarting {backend} on {url} (log: {args.log_dir}/{backend}.log) ...", flush=True)
-            asyncio.run(wait_ready(url, {"model": model, "prompt": "Hi", "max_tokens": 1}, args.api_key, server.proc))
-            rows += sweep(backend, backend, url, model, tokenizer, args)
+        runs([Target(args.backend, args.backend, args.base_url.rstrip("/"), args.model)], 0)
+    launched = args.launch or []
+    if args.together and launched:
+        targets = []
+        try:
+            for backend in launched:
+                targets.append(launch(backend, model_dir, args))
+            for rnd in range(args.rounds):
+                runs(targets, rnd)
+        finally:
+            for t in targets:
+                t.server.__exit__()
+    else:
+        for rnd in range(args.rounds if launched else 0):
+            for backend in launched:
+                target = launch(backend, model_dir, args)
+                try:
+                    runs([target], rnd)
+                finally:
+                    target.server.__exit__()
     print_table(rows)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"machine": info, "args": vars(args) | {"request_rate": str(
@@ -345,18 +456,27 @@ def main(argv=None) -> int:
 
 
 def print_table(rows: list[dict]) -> None:
-    headers = ["target", "conc", "req/s", "out tok/s", "TTFT mean", "TTFT p99", "TPOT mean", "ITL p99", "E2E p99"]
-    table = [[r["target"], r["max_concurrency"] or "inf", f"{r['request_throughput']:.2f}",
-              f"{r['output_throughput']:.1f}", f"{r['ttft_ms']['mean']:.0f}", f"{r['ttft_ms']['p99']:.0f}",
-              f"{r['tpot_ms']['mean']:.0f}", f"{r['itl_ms']['p99']:.0f}", f"{r['e2e_ms']['p99']:.0f}"] for r in rows]
-    print("\n(latencies in ms)\n" + markdown_table(headers, table))
-    by = {(r["target"], r["max_concurrency"]): r for r in rows}
-    for (target, conc), r in by.items():
-        peer = by.get(("transformers", conc))
-        if target == "kvserve" and peer and peer["output_throughput"]:
-            print(f"concurrency {conc}: kvserve / transformers output tok/s = "
-                  f"{r['output_throughput'] / peer['output_throughput']:.2f}x, P99 TTFT = "
-                  f"{r['ttft_ms']['p99']:.0f} vs {peer['ttft_ms']['p99']:.0f} ms")
+    headers = ["target", "conc", "round", "load", "req/s", "out tok/s", "TTFT mean", "TTFT p99", "TPOT mean",
+               "ITL p99", "E2E p99", "CPU s"]
+    table = [[r["target"], r["max_concurrency"] or "inf", r.get("round", 0), f"{r.get('loadavg_1m_before', 0):.1f}",
+              f"{r['request_throughput']:.2f}", f"{r['output_throughput']:.1f}", f"{r['ttft_ms']['mean']:.0f}",
+              f"{r['ttft_ms']['p99']:.0f}", f"{r['tpot_ms']['mean']:.0f}", f"{r['itl_ms']['p99']:.0f}",
+              f"{r['e2e_ms']['p99']:.0f}", f"{sum(r.get('cpu_s', {}).values()):.0f}"] for r in rows]
+    print("\n(latencies in ms; load: 1-minute load average before the run; CPU s: the server's processes)\n"
+          + markdown_table(headers, table))
+    for r in rows:
+        if r.get("cpu_s"):
+            top = ", ".join(f"{k} {v:.1f}" for k, v in list(r["cpu_s"].items())[:6])
+            print(f"CPU s, {r['target']} at {r['max_concurrency']} (round {r.get('round', 0)}): {top}; "
+                  f"idle peers {r['idle_peers_cpu_s']}")
+    by = {(r["target"], r["max_concurrency"], r.get("round", 0)): r for r in rows}
+    for (target, conc, rnd), r in by.items():
+        for peer_name in ("vllm", "transformers"):
+            peer = by.get((peer_name, conc, rnd))
+            if target == "kvserve" and peer and peer["output_throughput"]:
+                print(f"concurrency {conc}, round {rnd}: kvserve / {peer_name} output tok/s = "
+                      f"{r['output_throughput'] / peer['output_throughput']:.2f}x, P99 TTFT = "
+                      f"{r['ttft_ms']['p99']:.0f} vs {peer['ttft_ms']['p99']:.0f} ms")
 
 
 if __name__ == "__main__":

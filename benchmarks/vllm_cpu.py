@@ -44,7 +44,7 @@ def serve_command(venv: Path, model_dir: str, port: int, served_model_name: str,
     """`vllm serve` on 127.0.0.1:port for the launched-peer benchmark."""
     return [str(venv_bin(venv, "vllm")), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", served_model_name, "--max-model-len", str(max_model_len),
-            "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION), "--disable-log-requests", *extra]
+            "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION), *extra]
 
 
 def _site_packages(venv: Path) -> Path:
