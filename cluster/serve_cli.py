@@ -25,7 +25,7 @@ _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "max_ongoing_req
                 "max_request_body_bytes", "max_sequences_per_request", "enable_log_requests", "routing",
                 "routing_stats_period_s", "autoscale", "min_replicas", "max_replicas", "upscale_delay_s",
                 "downscale_delay_s", "target_kv_usage", "target_ongoing_requests", "look_back_period_s",
-                "graceful_shutdown_timeout_s")
+                "graceful_shutdown_timeout_s", "engine_cls")
 
 
 def add_serve_parser(commands) -> argparse.ArgumentParser:
@@ -82,6 +82,9 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     cluster.add_argument("--graceful-shutdown-timeout-s", type=float, metavar="S",
                          help="on SIGTERM / SIGINT, and when Serve stops a replica, how long in-flight requests "
                               "may run on while new ones get 503 (default: 30)")
+    cluster.add_argument("--engine-cls", metavar="MODULE:CLASS",
+                         help="the engine each replica builds as CLASS(EngineConfig) (default: engine.AsyncEngine; "
+                              "e.g. benchmarks.paced_engine:PacedEngine to measure the serving path alone)")
     cluster.add_argument("--ray-address", metavar="ADDRESS",
                          help="deploy onto this running Ray cluster (default: start a local one)")
     cluster.add_argument("--dashboard", action="store_true", help="start the Ray dashboard with a local Ray")
@@ -137,6 +140,9 @@ def run_serve(ns: argparse.Namespace) -> int:
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2
 
+    from cluster.serve_env import apply_serve_env
+
+    apply_serve_env()  # before Ray starts, so that a local Ray's processes inherit it
     import ray
     from ray import serve
 

@@ -21,6 +21,9 @@ def running_server(args: dict, num_cpus: int = 4, app_name: str = "kvserve",
     from ray import serve
 
     from cluster.app import build_app
+    from cluster.serve_env import apply_serve_env
+
+    apply_serve_env()  # the Serve settings `kvserve serve` runs with
 
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialized in this process")
