@@ -32,8 +32,8 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _find_seq(query_start_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     """The last sequence whose first tile is <= tile."""
-    lo = 0
-    hi = num_seqs
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         first = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
@@ -44,7 +44,7 @@ def _find_seq(query_start_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # one compiled kernel for every batch size
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_ptr,
