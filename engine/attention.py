@@ -16,6 +16,7 @@ each sequence's blocks in place; the runner then fills `native_decode` instead o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -54,13 +55,33 @@ class NativeDecodes:
     context_lens: torch.Tensor  # (B,) int64, this step's token included
 
 
+class StepAttention(Protocol):
+    """What a layer asks of a step's attention metadata; one implementation per backend (this
+    module's torch one; engine.triton_attention's on CUDA)."""
+
+    slot_mapping: torch.Tensor  # (T,) int64 flat cache slot of every new token
+    cpu_fused_rope: ClassVar[bool]  # whether the CPU float32 rope + KV-write kernel may write the cache
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+
 @dataclass
 class AttentionMetadata:
+    cpu_fused_rope: ClassVar[bool] = True
     slot_mapping: torch.Tensor  # (T,) flat cache slot of every new token
     decode_block_ids: torch.Tensor  # (sum of size * nb,) every decode group's blocks, in row order
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     native_decode: NativeDecodes | None = None  # set instead of the groups when the kernel runs
+
+    # The two calls a layer makes (engine.triton_attention's metadata answers the same ones).
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        write_kv(k_cache, v_cache, k, v, self.slot_mapping)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        return paged_attention(q, k_cache, v_cache, self, scale)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama, SmolLM, Mistral-style, Qwen2-style bias) over a paged KV cache.
 
-Input is a flat, unpadded batch of T tokens from many sequences; `AttentionMetadata` tells
-each layer where every token's keys/values go and which context each query reads.
+Input is a flat, unpadded batch of T tokens from many sequences; the step's attention metadata
+(engine.attention.StepAttention: the torch backend's, or the Triton one's on CUDA) tells each layer
+where every token's keys/values go and which context each query reads.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import cpu_kernels
-from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.attention import StepAttention
 from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                                  RowParallelLinear, TPContext, VocabParallelEmbedding)
 from engine.model.rope import RopeStep, RotaryEmbedding, apply_rope
@@ -88,7 +89,7 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, False, tp, dtype)
 
     def forward(self, x: torch.Tensor, rope: RopeStep, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: StepAttention) -> torch.Tensor:
         T = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
@@ -101,8 +102,8 @@ class Attention(nn.Module):
             k = k.view(T, self.num_kv_heads, self.head_dim)
             v = v.view(T, self.num_kv_heads, self.head_dim)
             q, k = apply_rope(q, k, rope.cos, rope.sin)
-            write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)  # (T, H, D)
+            meta.write_kv(kv_cache[0], kv_cache[1], k, v)
+        o = meta.attend(q, kv_cache[0], kv_cache[1], self.scale)  # (T, H, D)
         return self.o_proj(o.reshape(T, q_size))
 
 
@@ -150,11 +151,11 @@ class LlamaModel(nn.Module):
         self.lm_head = None if a.tie_word_embeddings else ParallelLMHead(a.vocab_size, a.hidden_size, tp, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: StepAttention) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden)."""
         h = self.embed_tokens(input_ids)
         k_cache = kv_caches[0][0]
-        fused = (cpu_kernels.fusable(h) and k_cache.dtype == h.dtype and k_cache.is_contiguous()
+        fused = (meta.cpu_fused_rope and cpu_kernels.fusable(h) and k_cache.dtype == h.dtype and k_cache.is_contiguous()
                  and self.arch.head_dim % 2 == 0)
         rope = self.rotary.step(positions, h.dtype, fused)
         for layer, kv in zip(self.layers, kv_caches):

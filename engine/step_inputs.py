@@ -1,0 +1,159 @@
+"""One step's inputs for the Triton runner, built on the host once per step and copied to the
+device in two transfers (pinned memory, non_blocking on CUDA). The buffers are allocated once,
+so a CUDA graph captured on their device side reads each step's values in place.
+
+    int64 buffer:  [ input ids : T ][ positions : T ][ slots : T ][ logit rows : 2T ]
+    int32 buffer:  [ seq lens : B ][ query start : B + 1 ][ block tables : B x W ]
+                   (T = max tokens a step holds, B = max sequences, W = max blocks a sequence holds)
+
+The int32 copy stops after the block-table rows the step uses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.prompt_logprobs import PromptSpan
+from engine.scheduler import ScheduledBatch
+from engine.triton_attention import TritonAttentionMetadata
+
+
+@dataclass
+class StepLayout:
+    """Where one step's rows are; the device tensors live in StepInputs' buffers."""
+    num_tokens: int  # T rows the model runs (padding rows included)
+    num_seqs: int  # B sequences the attention sees (padding sequences included)
+    decode_only: bool  # every sequence has exactly one new token
+    sample_rows: int  # the first sample_rows logit rows are the sampling sequences' last rows
+    sampled: list[int]  # indices into batch.seqs of those sequences, same order
+    prompt_rows: int = 0  # then this many rows score prompt tokens
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
+
+
+class StepInputs:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device) -> None:
+        self.max_tokens, self.max_seqs, self.width = max_tokens, max_seqs, max_blocks_per_seq
+        self.block_size = block_size
+        pin = device.type == "cuda"
+        t, b = max_tokens, max_seqs
+        self.host64 = torch.zeros(5 * t, dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.zeros(2 * b + 1 + b * self.width, dtype=torch.int32, pin_memory=pin)
+        self.dev64 = torch.zeros_like(self.host64, device=device)
+        self.dev32 = torch.zeros_like(self.host32, device=device)
+        # Recorded after each upload: the host buffers are not rewritten before the copy has read
+        # them (a rank that does not sample never waits on the device otherwise).
+        self.uploaded = torch.cuda.Event() if pin else None
+        h64, h32 = self.host64.numpy(), self.host32.numpy()
+        self.ids, self.positions, self.slots, self.rows = h64[:t], h64[t:2 * t], h64[2 * t:3 * t], h64[3 * t:]
+        self.seq_lens, self.query_start = h32[:b], h32[b:2 * b + 1]
+        self.tables = h32[2 * b + 1:].reshape(b, self.width)
+
+    def fill(self, batch: ScheduledBatch, pad_to: int | None = None) -> StepLayout:
+        """Host side of the step, in batch.row_order. `pad_to`: a decode-only batch padded with
+        empty sequences (slot -1, no context) to a CUDA graph's batch size."""
+        self._wait_upload()
+        bs, order = self.block_size, batch.row_order(self.block_size)
+        if len(order) > self.max_seqs or batch.num_tokens > self.max_tokens:
+            raise ValueError(f"step of {len(order)} sequences / {batch.num_tokens} tokens exceeds the "
+                             f"runner's {self.max_seqs} / {self.max_tokens}")
+        t, last_row, prompt_rows, spans = 0, {}, [], []
+        self.query_start[0] = 0
+        for r, i in enumerate(order):
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            table = seq.block_table
+            if n == 1:  # decodes: scalar work only
+                self.ids[t] = seq.token_ids[start:end][0]  # a slice: a rank's Sequence holds only this step's
+                self.positions[t] = start
+                self.slots[t] = table[start // bs] * bs + start % bs
+            else:
+                pos = np.arange(start, end)
+                self.ids[t:t + n] = seq.token_ids[start:end]
+                self.positions[t:t + n] = pos
+                self.slots[t:t + n] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
+            self.tables[r, :len(table)] = table
+            self.seq_lens[r] = end
+            scored = seq.prompt_logprob_positions(n)
+            if scored:
+                prompt_rows.extend(t + p - start for p in scored)
+                spans.append(PromptSpan(i, scored.start, len(scored)))
+            t += n
+            self.query_start[r + 1] = t
+            last_row[i] = t - 1
+        b = len(order)
+        decode_only = t == b
+        if pad_to is not None and pad_to > b:
+            self._pad(b, pad_to)
+            t = b = pad_to
+        sampled = batch.sampled(bs)
+        rows = [last_row[i] for i in sampled] + prompt_rows
+        self.rows[:len(rows)] = rows
+        return StepLayout(t, b, decode_only, len(sampled), sampled, len(prompt_rows), spans)
+
+    def _wait_upload(self) -> None:
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
+
+    def fill_profile(self, num_tokens: int) -> StepLayout:
+        """The largest step there can be, to measure its memory: num_tokens prompt tokens in as few
+        sequences as the block tables allow, every block id 0, nothing written to the pool."""
+        self._wait_upload()
+        per_seq = min(num_tokens, self.width * self.block_size)
+        n = min(-(-num_tokens // per_seq), self.max_seqs)
+        num_tokens = min(num_tokens, n * per_seq)
+        self.ids[:num_tokens] = 0
+        self.positions[:num_tokens] = np.arange(num_tokens) % per_seq
+        self.slots[:num_tokens] = -1
+        self.tables[:n] = 0
+        self.query_start[:n + 1] = np.minimum(np.arange(n + 1) * per_seq, num_tokens)
+        self.seq_lens[:n] = np.diff(self.query_start[:n + 1])
+        rows = min(num_tokens, self.max_seqs)
+        self.rows[:rows] = np.arange(rows)
+        return StepLayout(num_tokens, n, False, rows, list(range(rows)))
+
+    def fill_padding(self, size: int) -> None:
+        """`size` padding sequences only (what a CUDA graph is captured on)."""
+        self._wait_upload()
+        self.query_start[0] = 0
+        self._pad(0, size)
+
+    def _pad(self, b: int, size: int) -> None:
+        self.ids[b:size] = 0
+        self.positions[b:size] = 0
+        self.slots[b:size] = -1
+        self.seq_lens[b:size] = 0
+        self.query_start[b + 1:size + 1] = np.arange(b + 1, size + 1)
+
+    def upload(self, layout: StepLayout) -> None:
+        """Host -> device, two copies, non_blocking from pinned memory on CUDA."""
+        used32 = 2 * self.max_seqs + 1 + layout.num_seqs * self.width
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32[:used32].copy_(self.host32[:used32], non_blocking=True)
+        if self.uploaded is not None:
+            self.uploaded.record()
+
+    # --- device views (fixed addresses: a CUDA graph reads them) ---
+
+    def input_ids(self, n: int) -> torch.Tensor:
+        return self.dev64[:n]
+
+    def positions_dev(self, n: int) -> torch.Tensor:
+        t = self.max_tokens
+        return self.dev64[t:t + n]
+
+    def logit_rows(self, first: int, n: int) -> torch.Tensor:
+        t = 3 * self.max_tokens + first
+        return self.dev64[t:t + n]
+
+    def attention(self, layout: StepLayout) -> TritonAttentionMetadata:
+        t, b, w = self.max_tokens, self.max_seqs, self.width
+        n, s = layout.num_tokens, layout.num_seqs
+        return TritonAttentionMetadata(
+            slot_mapping=self.dev64[2 * t:2 * t + n],
+            block_tables=self.dev32[2 * b + 1:2 * b + 1 + s * w].view(s, w),
+            seq_lens=self.dev32[:s],
+            query_start=self.dev32[b:b + s + 1],
+            decode_only=layout.decode_only)

@@ -1,0 +1,32 @@
+"""The Triton attention backend: one paged-attention launch and one KV-write launch per layer for
+a whole mixed batch (engine.kernels), reading the pool in place. Selected on CUDA at start-up;
+the CPU engine never imports this module (Triton's interpreter runs it on CPU in the tests)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+# Through the modules, not their functions: tests re-import them under Triton's interpreter.
+from engine.kernels import kv_write, paged_attention
+
+
+@dataclass
+class TritonAttentionMetadata:
+    """One step's batch as the kernels read it, every tensor on the device. Sequence i owns query
+    rows query_start[i]:query_start[i + 1] and context seq_lens[i] (its new tokens included)."""
+    cpu_fused_rope: ClassVar[bool] = False
+    slot_mapping: torch.Tensor  # (T,) int64 cache slot of every new token; -1: a padding row
+    block_tables: torch.Tensor  # (B, W) int32; entries past a sequence's blocks are never read
+    seq_lens: torch.Tensor  # (B,) int32; 0 for a padding sequence
+    query_start: torch.Tensor  # (B + 1,) int32
+    decode_only: bool  # every sequence has one query token: smaller tiles
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        kv_write.write_kv(k, v, k_cache, v_cache, self.slot_mapping)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: (T, H, D) -> (T, H, D)."""
+        return paged_attention.paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens,
+                                               self.query_start, scale, self.decode_only)

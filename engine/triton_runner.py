@@ -1,0 +1,83 @@
+"""The model runner of the CUDA path: Triton attention over the paged pool, step inputs built once
+per step in pinned buffers, and CUDA graphs for decode-only steps (engine.cuda_graphs).
+
+It runs wherever Triton does, so the tests drive it on CPU under Triton's interpreter (no graphs
+there). The CPU engine keeps engine.model_runner.ModelRunner and its C kernels.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from engine.model.llama import LlamaModel
+from engine.model_runner import ModelRunner, RunnerOutput
+from engine.scheduler import ScheduledBatch
+from engine.step_inputs import StepInputs, StepLayout
+
+
+class TritonModelRunner(ModelRunner):
+    """Same contract as ModelRunner.execute: logits of the sampling rows (row order of
+    batch.sampled) and of the prompt-logprob rows."""
+
+    def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                 device: torch.device, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+        super().__init__(model, kv_caches, block_size, device)
+        self.inputs = StepInputs(max(max_num_batched_tokens, max_num_seqs), max_num_seqs,
+                                 -(-max_model_len // block_size), block_size, device)
+        self.max_num_seqs = max_num_seqs
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_graphs(self) -> list[int]:
+        """Capture one decode graph per batch-size bucket (CUDA only); -> the bucket sizes."""
+        sizes = graph_batch_sizes(self.max_num_seqs)
+        self.graphs = DecodeGraphs(self._graph_setup, lambda size: self._forward(self._decode_layout(size)), sizes)
+        return sizes
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """The largest step (the token budget, as long sequences) and its logits, on whatever the
+        pool holds: run once so that the peak memory of a step can be measured."""
+        layout = self.inputs.fill_profile(self.inputs.max_tokens)
+        self.inputs.upload(layout)
+        hidden = self._forward(layout)
+        self.model.compute_logits(hidden.index_select(0, self.inputs.logit_rows(0, layout.sample_rows)))
+
+    def _graph_setup(self, size: int) -> None:
+        """Padding rows (slot -1, empty context) in the static buffers: warm-up and capture run
+        the model on them and write nothing to the pool."""
+        self.inputs.fill_padding(size)
+        self.inputs.upload(self._decode_layout(size))
+        torch.cuda.synchronize()
+
+    @staticmethod
+    def _decode_layout(size: int) -> StepLayout:
+        return StepLayout(size, size, True, 0, [])
+
+    def _forward(self, layout: StepLayout) -> torch.Tensor:
+        n = layout.num_tokens
+        return self.model(self.inputs.input_ids(n), self.inputs.positions_dev(n), self.kv_caches,
+                          self.inputs.attention(layout))  # (n, hidden)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        self._copy_blocks(batch.copies)
+        size = self._graph_size(batch)
+        layout = self.inputs.fill(batch, pad_to=size)
+        self.inputs.upload(layout)
+        if size is not None and layout.prompt_rows == 0:
+            hidden = self.graphs.replay(size)  # (size, hidden), static output
+        else:
+            hidden = self._forward(layout)
+        rows = self.inputs.logit_rows(0, layout.sample_rows)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if not layout.prompt_rows:
+            return RunnerOutput(logits, layout.sampled)
+        prompt_rows = self.inputs.logit_rows(layout.sample_rows, layout.prompt_rows)
+        prompt_logits = self.model.compute_logits(hidden.index_select(0, prompt_rows))
+        return RunnerOutput(logits, layout.sampled, prompt_logits, layout.prompt_spans)
+
+    def _graph_size(self, batch: ScheduledBatch) -> int | None:
+        """The captured batch size this step replays at, or None to run eagerly."""
+        if self.graphs is None or any(n != 1 for n in batch.num_new_tokens):
+            return None
+        return self.graphs.size_for(len(batch.seqs))
