@@ -1,0 +1,59 @@
+"""The CUDA runner's host-side pieces, without a GPU: the graph batch-size buckets and the step
+inputs' flat layout (padding rows for a graph, the profile step)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from engine.cuda_graphs import graph_batch_sizes  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.scheduler import ScheduledBatch  # noqa: E402
+from engine.sequence import Sequence  # noqa: E402
+from engine.step_inputs import StepInputs  # noqa: E402
+
+
+def test_graph_buckets():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(3) == [1, 2, 3]
+    assert graph_batch_sizes(128) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128]
+    assert graph_batch_sizes(100)[-3:] == [80, 96, 100]  # the last bucket is max_num_seqs itself
+
+
+def _seq(n_tokens: int, computed: int, table: list[int]) -> Sequence:
+    s = Sequence("r", list(range(100, 100 + n_tokens)), SamplingParams(max_tokens=4), 4)
+    s.num_computed_tokens = computed
+    s.block_table = table
+    return s
+
+
+def test_fill_lays_out_prefill_then_decodes_and_pads_for_a_graph():
+    inputs = StepInputs(max_tokens=32, max_seqs=8, max_blocks_per_seq=4, block_size=4, device=torch.device("cpu"))
+    decode = _seq(10, 9, [7, 3, 5])  # position 9: block 5, offset 1 -> slot 21
+    chunk = _seq(9, 2, [1, 2, 6])  # positions 2..8 of 9: a chunk after 2 computed tokens
+    batch = ScheduledBatch([decode, chunk], [1, 7])
+    layout = inputs.fill(batch)
+    assert (layout.num_tokens, layout.num_seqs, layout.decode_only) == (8, 2, False)
+    assert inputs.ids[:8].tolist() == list(range(102, 109)) + [109]  # the chunk's rows come first
+    assert inputs.positions[:8].tolist() == [2, 3, 4, 5, 6, 7, 8, 9]
+    assert inputs.slots[:8].tolist() == [6, 7, 8, 9, 10, 11, 24, 21]  # blocks 1, 2, 6; then 5
+    assert inputs.query_start[:3].tolist() == [0, 7, 8] and inputs.seq_lens[:2].tolist() == [9, 10]
+    assert inputs.tables[0, :3].tolist() == [1, 2, 6] and inputs.tables[1, :3].tolist() == [7, 3, 5]
+    assert layout.sampled == [1, 0] and inputs.rows[:2].tolist() == [6, 7]  # both reach their end
+
+    padded = inputs.fill(ScheduledBatch([decode], [1]), pad_to=4)
+    assert (padded.num_tokens, padded.num_seqs, padded.decode_only, padded.sample_rows) == (4, 4, True, 1)
+    assert inputs.slots[:4].tolist() == [21, -1, -1, -1]  # padding rows write nothing
+    assert inputs.seq_lens[:4].tolist() == [10, 0, 0, 0] and inputs.query_start[:5].tolist() == [0, 1, 2, 3, 4]
+    inputs.upload(padded)
+    meta = inputs.attention(padded)
+    assert meta.block_tables.shape == (4, 4) and meta.slot_mapping.tolist() == [21, -1, -1, -1]
+
+
+def test_profile_step_fills_the_token_budget_in_sequences_the_tables_can_hold():
+    inputs = StepInputs(max_tokens=40, max_seqs=8, max_blocks_per_seq=4, block_size=4, device=torch.device("cpu"))
+    layout = inputs.fill_profile(40)  # sequences of at most 16 tokens: 16 + 16 + 8
+    assert (layout.num_tokens, layout.num_seqs) == (40, 3)
+    assert inputs.query_start[:4].tolist() == [0, 16, 32, 40] and inputs.seq_lens[:3].tolist() == [16, 16, 8]
+    assert set(inputs.slots[:40].tolist()) == {-1}
