@@ -26,6 +26,7 @@ class EngineConfig:
     # What runs the ranks when tensor_parallel_size > 1: "ray" (workers.executor's Ray worker group),
     # or "package.module:Class" of an Executor built as Class(config).
     distributed_executor_backend: str = "ray"
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (vLLM's --enforce-eager)
     stream_interval: int = 1  # a running request's output every N tokens (the first and the last at once)
 
     def __post_init__(self) -> None:

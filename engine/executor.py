@@ -14,9 +14,9 @@ from engine.config import EngineConfig
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from engine.model.llama import ModelArch
 from engine.model.loader import build_model, load_arch
-from engine.model_runner import ModelRunner
 from engine.outputs import PromptLogprob
 from engine.prompt_logprobs import prompt_logprobs
+from engine.runners import cuda_step_bytes, make_runner
 from engine.sampler import SampleResult, SequenceSampler
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -130,10 +130,14 @@ class LocalExecutor:
         dtype = resolve_dtype(config.dtype, device)
         self.model = build_model(model_dir, dtype, device)
         block_bytes = bytes_per_block(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
-        num_blocks = num_kv_blocks(config, block_bytes, device)
+        max_model_len = config.max_model_len or arch.max_position_embeddings
+        step_bytes = None
+        if device.type == "cuda" and config.num_gpu_blocks_override is None and config.kv_cache_memory is None:
+            step_bytes = cuda_step_bytes(self.model, config, max_model_len, arch.num_kv_heads, device)
+        num_blocks = num_kv_blocks(config, block_bytes, device, step_bytes)
         kv = allocate_kv_cache(arch.num_layers, num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim,
                                dtype, device)
-        self.runner = ModelRunner(self.model, kv, config.block_size, device)
+        self.runner = make_runner(self.model, kv, config, max_model_len, device)
         self.sampler = SequenceSampler(config.seed, spec.eos_token_ids)
         self.info = ModelInfo(model_dir, spec.tokenizer, spec.eos_token_ids, arch.vocab_size,
                               arch.max_position_embeddings, num_blocks, device, dtype)

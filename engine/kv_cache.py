@@ -26,8 +26,10 @@ def _available_cpu_bytes() -> int:
     return host if limited is None else min(host, limited)
 
 
-def num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device) -> int:
-    """--num-gpu-blocks-override, else --kv-cache-memory bytes, else a share of device memory."""
+def num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device, step_bytes: int | None = None) -> int:
+    """--num-gpu-blocks-override, else --kv-cache-memory bytes, else a share of device memory.
+    step_bytes (CUDA): what a step needs besides weights and pool (peak activations, CUDA graphs),
+    as measured; without it 5% of the device is kept back."""
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override
     if config.kv_cache_memory is not None:
@@ -36,7 +38,7 @@ def num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device) 
         free, total = torch.cuda.mem_get_info(device)
         used_by_others = total - free - torch.cuda.memory_allocated(device)
         budget = int(total * config.gpu_memory_utilization) - used_by_others - torch.cuda.memory_allocated(device)
-        budget -= int(0.05 * total)  # headroom for activations
+        budget -= step_bytes if step_bytes is not None else int(0.05 * total)  # activations, graphs
     else:
         budget = min(int(_available_cpu_bytes() * config.cpu_kv_cache_fraction), config.max_cpu_kv_cache_bytes)
     blocks = budget // block_bytes

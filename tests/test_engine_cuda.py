@@ -1,8 +1,9 @@
 """The engine on a CUDA GPU: greedy output token-exact against HF transformers `generate` on the
-same GPU, weights and dtype, under the scheduling paths of test_engine_exact. Skipped where there
-is no GPU (CI has none); run by hand on a GPU node. The tiny models take their tokenizer from
-$KVSERVE_TEST_TOKENIZER_DIR when set (a GPU node without the embedded model's package), else from
-the embedded SmolLM2."""
+same GPU, weights and dtype, under the scheduling paths of test_engine_exact, with the Triton
+attention backend, both with CUDA graphs for decode steps and with enforce_eager. Skipped where
+there is no GPU (CI has none); run by hand on a GPU node (benchmarks/gpu_check.sh). The tiny models
+take their tokenizer from $KVSERVE_TEST_TOKENIZER_DIR when set (a GPU node without the embedded
+model's package), else from the embedded SmolLM2."""
 from __future__ import annotations
 
 import os
@@ -32,9 +33,25 @@ def case(request, tmp_path_factory, tokenizer_dir):
     return d, dtype, prompts, hf_greedy(d, prompts, MAX_NEW, device="cuda", dtype=DTYPES[dtype])
 
 
+@pytest.fixture(params=["graphs", "eager"])
+def enforce_eager(request):
+    return request.param == "eager"
+
+
 def _llm(case, **kw) -> LLM:
     d, dtype, _, _ = case
     return LLM(model=str(d), device="cuda", dtype=dtype, **kw)
+
+
+def _assert_backend(llm: LLM, enforce_eager: bool) -> None:
+    from engine.triton_runner import TritonModelRunner
+
+    runner = llm.engine.executor.runner
+    assert isinstance(runner, TritonModelRunner)
+    if enforce_eager:
+        assert runner.graphs is None
+    else:
+        assert runner.graphs is not None and runner.graphs.replays > 0  # decode steps ran as graphs
 
 
 @pytest.mark.parametrize("engine_kwargs", [
@@ -45,18 +62,30 @@ def _llm(case, **kw) -> LLM:
     dict(num_gpu_blocks_override=128, enable_prefix_caching=False),
     dict(num_gpu_blocks_override=12, max_num_batched_tokens=32),  # preemption (as test_engine_exact)
 ], ids=["batch", "chunked", "max2seqs", "bs4", "nocache", "preempt"])
-def test_exact_on_cuda(case, engine_kwargs):
-    llm = _llm(case, **engine_kwargs)
+def test_exact_on_cuda(case, engine_kwargs, enforce_eager):
+    llm = _llm(case, enforce_eager=enforce_eager, **engine_kwargs)
     assert next(llm.engine.executor.model.parameters()).is_cuda
     _, _, prompts, expected = case
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    _assert_backend(llm, enforce_eager)
     _assert_clean(llm)
 
 
-def test_exact_on_cuda_staggered_and_prefix_hits(case):
-    llm = _llm(case, num_gpu_blocks_override=128)
+def test_exact_on_cuda_staggered_and_prefix_hits(case, enforce_eager):
+    llm = _llm(case, num_gpu_blocks_override=128, enforce_eager=enforce_eager)
     _, _, prompts, expected = case
     assert _run_staggered(llm, prompts, steps_between=3) == expected
     assert _tokens(llm.generate(prompts, GREEDY)) == expected  # second pass: prefix-cache hits
     assert llm.engine.stats().prefix_hit_tokens > 0
+    _assert_backend(llm, enforce_eager)
+    _assert_clean(llm)
+
+
+def test_kv_pool_sized_after_measuring_steps_and_graphs(case):
+    """No explicit pool size: the pool takes what --gpu-memory-utilization leaves after the
+    measured step memory and graphs, and the engine still runs exactly."""
+    llm = _llm(case, gpu_memory_utilization=0.3, max_num_seqs=16)
+    _, _, prompts, expected = case
+    assert llm.engine.stats().num_total_blocks > 100
+    assert _tokens(llm.generate(prompts, GREEDY)) == expected
     _assert_clean(llm)

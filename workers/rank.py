@@ -29,6 +29,7 @@ from engine.model.layers import SAMPLING_RANK, TPContext
 from engine.model.llama import LlamaModel, ModelArch
 from engine.model.loader import load_arch
 from engine.model_runner import ModelRunner
+from engine.runners import make_runner
 from workers.messages import Draws, RankMirror, StepMessage
 from workers.sampling import RankSampler
 from workers.weights import load_sharded
@@ -128,7 +129,9 @@ class RankWorker:
     def allocate_kv(self, num_blocks: int) -> dict:
         kv = allocate_kv_cache(self.arch.num_layers, num_blocks, self.config.block_size,
                                self.arch.local_kv_heads(self.world_size), self.arch.head_dim, self.dtype, self.device)
-        self.runner = ModelRunner(self.model, kv, self.config.block_size, self.device)
+        # No CUDA graphs across ranks: a captured step would hold the NCCL all-reduces too.
+        max_model_len = self.config.max_model_len or self.arch.max_position_embeddings
+        self.runner = make_runner(self.model, kv, self.config, max_model_len, self.device, graphs=False)
         return dict(rank=self.rank, kv_bytes=sum(k.numel() * k.element_size() * 2 for k, _ in kv))
 
     # -- serving -------------------------------------------------------------------------------

@@ -1,0 +1,70 @@
+"""Which model runner a device gets, chosen once at start-up and named in the log:
+
+    CPU   engine.model_runner.ModelRunner: torch attention and the native C kernels
+    CUDA  engine.triton_runner.TritonModelRunner: Triton paged attention over the pool in place,
+          CUDA graphs for decode steps unless --enforce-eager (or tensor parallel ranks)
+
+The CUDA runner is imported only on CUDA, so CPU hosts need no Triton.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache import allocate_kv_cache
+from engine.model.llama import LlamaModel
+from engine.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def make_runner(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], config: EngineConfig,
+                max_model_len: int, device: torch.device, graphs: bool = True) -> ModelRunner:
+    if device.type != "cuda":
+        logger.info("attention backend: torch%s", " + native CPU kernels" if _native_cpu() else "")
+        return ModelRunner(model, kv_caches, config.block_size, device)
+    from engine.triton_runner import TritonModelRunner
+
+    runner = TritonModelRunner(model, kv_caches, config.block_size, device, config.max_num_seqs,
+                               config.max_num_batched_tokens, max_model_len)
+    graphs = graphs and not config.enforce_eager
+    sizes = runner.capture_graphs() if graphs else []
+    logger.info("attention backend: triton (paged, in place); CUDA graphs: %s",
+                f"decode batches of {', '.join(map(str, sizes))}" if graphs else "off (eager)")
+    return runner
+
+
+def cuda_step_bytes(model: LlamaModel, config: EngineConfig, max_model_len: int, kv_heads: int,
+                    device: torch.device, graphs: bool = True) -> int:
+    """Device memory a step needs beyond the weights and the KV pool: the largest step's peak
+    (activations, logits) and the decode graphs' pool, measured on a one-block pool that is freed
+    again, so that the real pool can be sized from what is left."""
+    from engine.triton_runner import TritonModelRunner
+
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    a = model.arch
+    kv = allocate_kv_cache(a.num_layers, 1, config.block_size, kv_heads, a.head_dim, next(model.parameters()).dtype,
+                           device)
+    runner = TritonModelRunner(model, kv, config.block_size, device, config.max_num_seqs,
+                               config.max_num_batched_tokens, max_model_len)
+    runner.profile_run()
+    if graphs and not config.enforce_eager:
+        runner.capture_graphs()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_reserved(device) - base
+    del runner, kv
+    gc.collect()
+    torch.cuda.empty_cache()
+    logits = config.max_num_seqs * a.vocab_size * 4
+    return peak + 4 * logits  # the sampler's float32 copies of the logits (probs, noise, ...)
+
+
+def _native_cpu() -> bool:
+    from engine import cpu_kernels
+    return cpu_kernels.enabled()
