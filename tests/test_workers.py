@@ -42,6 +42,11 @@ def _assert_clean(llm: LLM) -> None:
 
 # -- step messages: pure Python, driven by the real scheduler ----------------------------------
 
+def _append_token(seq: Sequence, token: int) -> bool:
+    seq.token_ids.append(token)
+    return seq.num_output_tokens >= seq.max_tokens
+
+
 def test_mirror_tracks_scheduler_through_preemption_forks_and_aborts():
     rng = random.Random(7)
     bm = BlockManager(num_blocks=24, block_size=4)
@@ -69,19 +74,9 @@ def test_mirror_tracks_scheduler_through_preemption_forks_and_aborts():
             assert view.token_ids[start:start + n] == seq.token_ids[start:start + n]
             assert (view.num_tokens, view.num_computed_tokens) == (seq.num_tokens, start)
         assert mirror.tables == enc.sent
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-        done = [s for s in batch.seqs if s.num_computed_tokens == s.num_tokens]
-        for seq in list(done):
-            if seq.pending_forks:
-                child = seq.fork(1)
-                sched.fork(seq, child)
-                seq.pending_forks = 0
-                done.append(child)
-        for seq in done:
-            seq.token_ids.append(rng.randrange(100))
-            if seq.num_output_tokens >= seq.max_tokens:
-                sched.finish(seq)
+        # The engine's own post-step path: advance, fork finished prefills, append, finish.
+        sched.update_from_output(batch, batch.sampled(bm.block_size),
+                                 lambda rows, seqs: [rng.randrange(100) for _ in seqs], _append_token)
         sched.check_integrity()
     assert sched.stats.num_preemptions > 0 and copies > 0 and sched.stats.prefix_hit_tokens > 0
     for seq in list(sched.running) + list(sched.waiting):
