@@ -13,6 +13,13 @@ Each system is loaded (timed apart), warmed up on a tiny workload, then timed on
 
     python benchmarks/offline.py                                   # 64 prompts, all systems
     python benchmarks/offline.py --num-prompts 4 --max-output 8 --systems kvserve,hf-batch
+    python benchmarks/offline.py --preset nano-vllm --systems kvserve,hf-static   # on a GPU
+
+Presets set a workload's defaults (explicit flags still win). `nano-vllm` is the workload nano-vllm
+and mini-sglang report: 256 sequences, random prompt ids of 100-1024 tokens, 100-1024 output
+tokens, EOS ignored, seed 0, on SmolLM2-135M's shape with random bfloat16 weights (real weights
+need not travel to the GPU host; benchmarks/random_model.py). HF static batching runs on the first
+--hf-num-prompts prompts only (its tok/s over those): all 256 would take it most of ten minutes.
 """
 from __future__ import annotations
 
@@ -35,7 +42,12 @@ from engine.config import EngineConfig  # noqa: E402
 SYSTEMS = ("kvserve", "hf-static", "hf-batch")
 FIRST_PROMPT_TOKEN = 100  # random prompt ids skip the special tokens at the start of the vocab
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_gpu_blocks_override",
-                "kv_cache_memory")
+                "kv_cache_memory", "enforce_eager")
+PRESETS = {
+    "nano-vllm": dict(num_prompts=256, min_input=100, max_input=1024, min_output=100, max_output=1024, seed=0,
+                      dtype="bfloat16", random_weights="smollm2-135m", max_num_seqs=256,
+                      max_num_batched_tokens=16384, hf_batch_size=16, hf_num_prompts=32),
+}
 
 
 @dataclass(frozen=True)
@@ -90,7 +102,7 @@ def check_lengths(system: str, outputs: list[list[int]], work: Workload) -> None
 def bench_kvserve(args, model_path: Path, work: Workload, warm: Workload) -> Result:
     from engine import LLM, SamplingParams
 
-    flags = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
+    flags = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) not in (None, False)}
     llm, load_s = timed(lambda: LLM(model=str(model_path), dtype=args.dtype, device=args.device, **flags))
 
     def generate(w: Workload, progress: bool) -> list[list[int]]:
@@ -102,6 +114,9 @@ def bench_kvserve(args, model_path: Path, work: Workload, warm: Workload) -> Res
     stats = llm.engine.stats()
     note = (f"{stats.num_total_blocks} KV blocks of {stats.block_size} tokens, "
             f"{stats.num_preemptions} preemptions (incl. warm-up)")
+    graphs = getattr(llm.engine.executor.runner, "graphs", None)
+    if graphs is not None:
+        note += f"; {graphs.replays} decode steps as CUDA graphs (incl. warm-up)"
     return Result("kvserve", load_s, seconds, work.output_tokens, work.output_tokens, outputs, [note])
 
 
@@ -226,7 +241,7 @@ def agreement(ref: Result, other: Result) -> dict:
             matches += 1
         else:
             first_diffs.append(next(i for i, (x, y) in enumerate(zip(a, b)) if x != y))
-    return {"system": other.system, "exact": matches, "prompts": len(ref.outputs),
+    return {"system": other.system, "exact": matches, "prompts": min(len(ref.outputs), len(other.outputs)),
             "first_diff_positions": first_diffs}
 
 
@@ -265,7 +280,14 @@ def engine_default(name: str):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a workload's defaults (see above)")
     p.add_argument("--model", default=None, help="local model dir (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--random-weights", default=None, metavar="SHAPE",
+                   help="instead of --model: random weights of this shape (smollm2-135m), made once in --model-cache")
+    p.add_argument("--model-cache", default=None, metavar="DIR",
+                   help="where --random-weights models are made (default: $KVSERVE_CACHE/random-models)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="--random-weights: copy this tokenizer (default: a synthesized one, one token per id)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--min-input", type=int, default=32)
@@ -283,11 +305,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     engine.add_argument("--block-size", type=int, default=None)
     engine.add_argument("--num-gpu-blocks-override", type=int, default=None)
     engine.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
+    engine.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     hf = p.add_argument_group("Hugging Face")
     hf.add_argument("--hf-batch-size", type=int, default=16, help="hf-static batch size")
+    hf.add_argument("--hf-num-prompts", type=int, default=None,
+                    help="HF systems run on the first N prompts only (default: all)")
     hf.add_argument("--hf-num-blocks", type=int, default=None,
                     help="hf-batch KV blocks of 256 tokens (default: enough for every request at once)")
     args = p.parse_args(argv)
+    if args.preset:  # the preset's values become defaults; flags given explicitly still win
+        p.set_defaults(**PRESETS[args.preset])
+        args = p.parse_args(argv)
     validate(p, args)
     return args
 
@@ -304,17 +332,31 @@ def validate(p: argparse.ArgumentParser, args) -> None:
         p.error("--num-prompts and --hf-batch-size must be >= 1")
 
 
+def head(work: Workload, n: int) -> Workload:
+    return Workload(work.prompts[:n], work.output_lens[:n])
+
+
+def model_dir(args) -> Path:
+    from engine.model_source import cache_dir, resolve_model
+
+    if args.model or not args.random_weights:  # an explicit --model wins over a preset's random weights
+        return resolve_model(args.model)
+    from benchmarks.random_model import make_random_model
+
+    cache = Path(args.model_cache) if args.model_cache else cache_dir() / "random-models"
+    return make_random_model(cache / f"{args.random_weights}-{args.dtype}", args.random_weights, args.dtype,
+                             args.tokenizer)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     import torch
     from transformers import AutoConfig
 
-    from engine.model_source import resolve_model
-
     if args.threads:
         torch.set_num_threads(args.threads)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model_path = resolve_model(args.model)
+    model_path = model_dir(args)
     vocab = AutoConfig.from_pretrained(model_path).vocab_size
     work = make_workload(args.num_prompts, (args.min_input, args.max_input),
                          (args.min_output, args.max_output), args.seed, vocab)
@@ -328,8 +370,9 @@ def main(argv=None) -> None:
     results = []
     for system in args.systems.split(","):
         print(f"\n== {system}", flush=True)
-        result = BENCHES[system](args, model_path, work, warm)
-        check_lengths(system, result.outputs, work)
+        own = work if system == "kvserve" or not args.hf_num_prompts else head(work, args.hf_num_prompts)
+        result = BENCHES[system](args, model_path, own, warm)
+        check_lengths(system, result.outputs, own)
         print(f"{system}: {result.output_tokens} tokens in {result.seconds:.2f}s = {result.tok_s:.1f} tok/s "
               f"(load {result.load_s:.1f}s)", flush=True)
         results.append(result)

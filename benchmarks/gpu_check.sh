@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Everything the CUDA path needs checked on a GPU, in one run of under 8 minutes, on a host with
+# only torch and transformers installed (Triton comes with torch's CUDA wheels):
+#
+#   1. tests: the Triton kernels compiled (tests/test_triton_attention.py), the Triton runner
+#      against the torch runner (tests/test_triton_runner.py), and greedy output token-exact
+#      against HF in float32 and bfloat16, CUDA graphs on and --enforce-eager
+#      (tests/test_engine_cuda.py)
+#   2. step times: decode step at batch 1, 64, 256 and prefill tok/s, with and without CUDA graphs
+#      (benchmarks/step_times.py)
+#   3. the nano-vllm workload against HF generate static batching in the same run
+#      (benchmarks/offline.py --preset nano-vllm)
+#
+# Results go to $OUT (else ./gpu_check_out): summary.txt, env.txt, tests.log, step_times.{log,json},
+# offline.{log,json}. The model is SmolLM2-135M's shape with random bfloat16 weights; its tokenizer
+# is copied from $KVSERVE_TOKENIZER_DIR when set, else synthesized (benchmarks/random_model.py).
+# Missing wheels (llguidance) are installed from ./.whl when that folder is there.
+#
+#   bash benchmarks/gpu_check.sh              # all of it
+#   STAGES="tests" bash benchmarks/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT=${OUT:-$PWD/gpu_check_out}
+STAGES=${STAGES-tests steps offline}  # set but empty: none (only the set-up)
+PY=${PYTHON:-python3}
+WORK=${KVSERVE_GPU_WORK:-/tmp/kvserve-gpu-check}
+export PYTHONUNBUFFERED=1 KVSERVE_CACHE="$WORK/cache"
+mkdir -p "$OUT" "$WORK"
+START=$SECONDS
+
+log() { echo "== +$((SECONDS - START))s $*" | tee -a "$OUT/summary.txt"; }
+
+# Runs "$@" under a time limit, output to $OUT/$name.log; notes the outcome in the summary.
+stage() {
+  local name=$1 limit=$2
+  shift 2
+  log "$name: $*"
+  timeout -k 10 "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
+  local rc=$?
+  log "$name: exit $rc$([ $rc -eq 124 ] && echo " (timed out after ${limit}s)")"
+  return 0
+}
+
+if ls .whl/*.whl > /dev/null 2>&1 && ! $PY -c "import llguidance" 2> /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" .whl/*.whl \
+    && export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  $PY -c 'import sys, torch, triton, transformers; print("python", sys.version.split()[0], "torch", torch.__version__,
+"cuda", torch.version.cuda, "triton", triton.__version__, "transformers", transformers.__version__)'
+  nproc
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+MODEL="$WORK/smollm2-135m-bfloat16"
+$PY benchmarks/random_model.py "$MODEL" --dtype bfloat16 ${KVSERVE_TOKENIZER_DIR:+--tokenizer "$KVSERVE_TOKENIZER_DIR"} \
+  || { log "could not make the model"; exit 1; }
+export KVSERVE_TEST_TOKENIZER_DIR="$MODEL"  # the tiny test models take their tokenizer from here
+
+for s in $STAGES; do
+  case $s in
+    tests)
+      stage tests 210 $PY -m pytest -q -p no:cacheprovider --durations=10 \
+        tests/test_triton_attention.py tests/test_triton_runner.py tests/test_engine_cuda.py ;;
+    steps)
+      stage step_times 120 $PY benchmarks/step_times.py --model "$MODEL" --batches 1,64,256 \
+        --json "$OUT/step_times.json" ;;
+    offline)
+      stage offline 150 $PY benchmarks/offline.py --preset nano-vllm --model "$MODEL" \
+        --systems kvserve,hf-static --json "$OUT/offline.json" ;;
+    *) log "unknown stage $s" ;;
+  esac
+done
+log "done"
+grep -hE "passed|failed|error" "$OUT/tests.log" 2> /dev/null | tail -1 | tee -a "$OUT/summary.txt"
+grep -hE "^\|" "$OUT/step_times.log" "$OUT/offline.log" 2> /dev/null | tee -a "$OUT/summary.txt"

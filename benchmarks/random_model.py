@@ -1,0 +1,73 @@
+"""A model directory with a known architecture and random weights, for GPU hosts the real weights
+cannot reach: config.json, model.safetensors and a tokenizer.
+
+The tokenizer is copied from --tokenizer when given (e.g. the embedded SmolLM2's, carried to the
+host), else synthesized: a word-level vocabulary of one token per id ("<t123>"), so that token-id
+prompts and detokenization work without any file from a hub.
+
+    python benchmarks/random_model.py OUT_DIR [--shape smollm2-135m] [--dtype bfloat16] [--tokenizer DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+SHAPES = {
+    # SmolLM2-135M(-Instruct): 30 layers, hidden 576, 9 heads / 3 KV heads of 64, tied embeddings
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def make_random_model(out_dir: Path, shape: str = "smollm2-135m", dtype: str = "bfloat16",
+                      tokenizer_dir: str | None = None, seed: int = 0) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out_dir = Path(out_dir)
+    if (out_dir / "model.safetensors").exists() and (out_dir / "tokenizer.json").exists():
+        return out_dir  # made before (same arguments assumed)
+    torch.manual_seed(seed)
+    config = LlamaConfig(**SHAPES[shape])
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()  # HF's init: normal(0, 0.02)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer_dir:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).exists():
+                shutil.copy(Path(tokenizer_dir) / name, out_dir / name)
+    else:
+        synthetic_tokenizer(config.vocab_size).save_pretrained(out_dir)
+    return out_dir
+
+
+def synthetic_tokenizer(vocab_size: int):
+    """One word-level token per id; ids 0, 1, 2 are unk, bos, eos as in SmolLM2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<t{i}>": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<t0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins tokens with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<t0>", bos_token="<t1>", eos_token="<t2>",
+                                   pad_token="<t2>")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out_dir")
+    p.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--tokenizer", default=None, help="copy this directory's tokenizer (default: synthesize one)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    print(make_random_model(Path(args.out_dir), args.shape, args.dtype, args.tokenizer, args.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Engine step times: a decode step at several batch sizes, and prefill throughput, with CUDA
+graphs and with --enforce-eager, on one model.
+
+    decode   B requests with --context-token prompts are prefilled, then --steps decode-only steps
+             are timed one by one (engine.step(), sampling and its device-to-host copy included);
+             the median is reported, and B / median as output tok/s
+    prefill  --prefill-prompts prompts of --prefill-len tokens, one output token each, in steps of
+             --max-num-batched-tokens; prompt tokens / seconds
+
+    python benchmarks/step_times.py --random-weights smollm2-135m --batches 1,64,256 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+from time import perf_counter
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or as a module
+
+from benchmarks.common import machine_info, markdown_table  # noqa: E402
+
+
+def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab) for _ in range(n)]
+
+
+def decode_step_ms(llm, batch: int, context: int, steps: int, rng: random.Random) -> float:
+    from engine import SamplingParams
+
+    eng, vocab = llm.engine, llm.engine.executor.info.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
+    ids = [f"decode-{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        eng.add_request(rid, _prompt(rng, context, vocab), params)
+    sched = eng.scheduler
+    while sched.waiting or any(s.num_tokens - s.num_computed_tokens != 1 for s in sched.running):
+        eng.step()  # prefill until every sequence decodes
+    times = []
+    for _ in range(steps):
+        start = perf_counter()
+        eng.step()
+        times.append(perf_counter() - start)
+    for rid in ids:
+        eng.abort(rid)
+    while eng.has_unfinished():
+        eng.step()
+    return 1000 * statistics.median(times)
+
+
+def prefill_tok_s(llm, prompts: int, length: int, rng: random.Random) -> float:
+    from engine import SamplingParams
+
+    vocab = llm.engine.executor.info.vocab_size
+    work = [_prompt(rng, length, vocab) for _ in range(prompts)]  # fresh ids: no prefix-cache hits
+    start = perf_counter()
+    llm.generate(work, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    return prompts * length / (perf_counter() - start)
+
+
+def run_mode(args, model: Path, eager: bool) -> dict:
+    from engine import LLM
+
+    t0 = perf_counter()
+    llm = LLM(model=str(model), dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_sizes),
+              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=eager)
+    load_s = perf_counter() - t0
+    rng = random.Random(args.seed)
+    prefill_tok_s(llm, 2, 64, rng)  # warm-up: kernels compile
+    decode_step_ms(llm, 1, 16, 2, rng)
+    out = {"mode": "eager" if eager else "cuda-graphs", "load_s": load_s,
+           "prefill_tok_s": prefill_tok_s(llm, args.prefill_prompts, args.prefill_len, rng), "decode": {}}
+    for b in args.batch_sizes:
+        ms = decode_step_ms(llm, b, args.context, args.steps, rng)
+        out["decode"][b] = {"step_ms": ms, "tok_s": b * 1000 / ms}
+        print(f"  {out['mode']}: batch {b}: {ms:.2f} ms/step = {b * 1000 / ms:.0f} tok/s", flush=True)
+    print(f"  {out['mode']}: prefill {out['prefill_tok_s']:.0f} tok/s (load {load_s:.1f}s)", flush=True)
+    del llm
+    gc.collect()
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="local model dir (default: the embedded SmolLM2)")
+    p.add_argument("--random-weights", default=None, metavar="SHAPE", help="as benchmarks/offline.py")
+    p.add_argument("--model-cache", default=None, metavar="DIR")
+    p.add_argument("--tokenizer", default=None, metavar="DIR")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=None, help="default: cuda when available")
+    p.add_argument("--batches", default="1,64,256", help="decode batch sizes, comma list")
+    p.add_argument("--context", type=int, default=512, help="prompt tokens of each decoding request")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
+    p.add_argument("--prefill-prompts", type=int, default=32)
+    p.add_argument("--prefill-len", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--modes", default="graphs,eager", help="graphs, eager or both (comma list)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH")
+    args = p.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batches.split(",")]
+    args.enforce_eager = False
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    from benchmarks.offline import model_dir
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = model_dir(args)
+    print(f"model {model} ({args.dtype}, {args.device}); decode batches {args.batch_sizes} at ~{args.context} "
+          f"tokens of context; prefill {args.prefill_prompts} x {args.prefill_len} tokens", flush=True)
+    results = [run_mode(args, model, mode == "eager") for mode in args.modes.split(",")]
+    rows = [[r["mode"]] + [f"{r['decode'][b]['step_ms']:.2f} ms ({r['decode'][b]['tok_s']:.0f} tok/s)"
+                           for b in args.batch_sizes] + [f"{r['prefill_tok_s']:.0f}"] for r in results]
+    print("\n" + markdown_table(["mode"] + [f"decode step, batch {b}" for b in args.batch_sizes] + ["prefill tok/s"],
+                                rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine_info(), "args": vars(args), "results": results},
+                                              indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
