@@ -16,7 +16,7 @@ each sequence's blocks in place; the runner then fills `native_decode` instead o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +60,17 @@ class StepAttention(Protocol):
     module's torch one; engine.triton_attention's on CUDA)."""
 
     slot_mapping: torch.Tensor  # (T,) int64 flat cache slot of every new token
-    cpu_fused_rope: ClassVar[bool]  # whether the CPU float32 rope + KV-write kernel may write the cache
+
+    def fuses_rope(self, h: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether rope_write_kv takes this step (else apply_rope, then write_kv)."""
+        ...
+
+    def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
+                      head_dim: int) -> torch.Tensor:
+        """Rotary embedding fused with the KV write: qkv (T, (H + 2 KVH) * D), cos/sin the (max
+        positions, D) tables -> q (T, H, D); rotated keys and values go to their slots."""
+        ...
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
@@ -69,14 +79,21 @@ class StepAttention(Protocol):
 
 @dataclass
 class AttentionMetadata:
-    cpu_fused_rope: ClassVar[bool] = True
     slot_mapping: torch.Tensor  # (T,) flat cache slot of every new token
     decode_block_ids: torch.Tensor  # (sum of size * nb,) every decode group's blocks, in row order
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     native_decode: NativeDecodes | None = None  # set instead of the groups when the kernel runs
 
-    # The two calls a layer makes (engine.triton_attention's metadata answers the same ones).
+    # The calls a layer makes (engine.triton_attention's metadata answers the same ones).
+    def fuses_rope(self, h: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """The native CPU float32 kernel (engine.cpu_kernels)."""
+        return cpu_kernels.fusable(h) and k_cache.dtype == h.dtype and k_cache.is_contiguous()
+
+    def rope_write_kv(self, qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, head_dim):
+        return cpu_kernels.rope_write_kv(qkv, cos, sin, positions, self.slot_mapping, k_cache, v_cache, num_heads,
+                                         num_kv_heads, head_dim)
+
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         write_kv(k_cache, v_cache, k, v, self.slot_mapping)
 

@@ -4,24 +4,31 @@ the CPU engine never imports this module (Triton's interpreter runs it on CPU in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
 # Through the modules, not their functions: tests re-import them under Triton's interpreter.
-from engine.kernels import kv_write, paged_attention
+from engine.kernels import kv_write, paged_attention, rope_kv
 
 
 @dataclass
 class TritonAttentionMetadata:
     """One step's batch as the kernels read it, every tensor on the device. Sequence i owns query
     rows query_start[i]:query_start[i + 1] and context seq_lens[i] (its new tokens included)."""
-    cpu_fused_rope: ClassVar[bool] = False
     slot_mapping: torch.Tensor  # (T,) int64 cache slot of every new token; -1: a padding row
     block_tables: torch.Tensor  # (B, W) int32; entries past a sequence's blocks are never read
     seq_lens: torch.Tensor  # (B,) int32; 0 for a padding sequence
     query_start: torch.Tensor  # (B + 1,) int32
     decode_only: bool  # every sequence has one query token: smaller tiles
+
+    def fuses_rope(self, h: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return k_cache.dtype == h.dtype
+
+    def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
+                      head_dim: int) -> torch.Tensor:
+        return rope_kv.rope_write_kv(qkv, cos, sin, positions, self.slot_mapping, k_cache, v_cache, num_heads,
+                                     num_kv_heads, head_dim)
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         kv_write.write_kv(k, v, k_cache, v_cache, self.slot_mapping)

@@ -162,3 +162,32 @@ def test_write_kv_fills_slots_and_skips_padding(device, dtype):
     expect_v[slots[keep]] = v[keep]
     assert torch.equal(k_cache.view(-1, kvh, d), expect_k)
     assert torch.equal(v_cache.view(-1, kvh, d), expect_v)
+
+
+@pytest.mark.parametrize("dtype, heads, d", [(torch.float32, (9, 3), 64), (torch.float16, (4, 2), 128),
+                                             (torch.float32, (6, 3), 16)])
+def test_rope_write_kv_matches_apply_rope_then_write(device, dtype, heads, d):
+    from engine.attention import write_kv
+    from engine.kernels import rope_kv
+    from engine.model.rope import RotaryEmbedding, apply_rope
+
+    h, kvh = heads
+    t, num_blocks, block_size = 7, 4, 16
+    rotary = RotaryEmbedding(d, 256, 10000.0, None).to(device)
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=torch.Generator().manual_seed(0)).to(dtype).to(device)
+    positions = torch.tensor([0, 1, 5, 17, 40, 200, 3], device=device)
+    slots = torch.tensor([0, 1, 5, -1, 40, 63, 33], device=device)
+    k_cache = torch.zeros(num_blocks, block_size, kvh, d, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    q = rope_kv.rope_write_kv(qkv, rotary.cos, rotary.sin, positions, slots, k_cache, v_cache, h, kvh, d)
+
+    q_ref, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+    cos, sin = rotary.cos_sin(positions, dtype)
+    q_ref, k = apply_rope(q_ref.view(t, h, d), k.view(t, kvh, d), cos, sin)
+    k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    keep = slots >= 0
+    write_kv(k_ref, v_ref, k[keep], v.reshape(t, kvh, d)[keep], slots[keep])
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(k_cache, k_ref, **tol)
+    assert torch.equal(v_cache, v_ref)

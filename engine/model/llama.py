@@ -94,8 +94,8 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
         if rope.fused:
-            q = cpu_kernels.rope_write_kv(qkv, rope.cos, rope.sin, rope.positions, meta.slot_mapping, *kv_cache,
-                                          self.num_heads, self.num_kv_heads, self.head_dim)
+            q = meta.rope_write_kv(qkv, rope.cos, rope.sin, rope.positions, *kv_cache, self.num_heads,
+                                   self.num_kv_heads, self.head_dim)
         else:
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(T, self.num_heads, self.head_dim)
@@ -155,8 +155,7 @@ class LlamaModel(nn.Module):
         """input_ids, positions: (T,) -> final hidden states (T, hidden)."""
         h = self.embed_tokens(input_ids)
         k_cache = kv_caches[0][0]
-        fused = (meta.cpu_fused_rope and cpu_kernels.fusable(h) and k_cache.dtype == h.dtype and k_cache.is_contiguous()
-                 and self.arch.head_dim % 2 == 0)
+        fused = self.arch.head_dim % 2 == 0 and meta.fuses_rope(h, k_cache)
         rope = self.rotary.step(positions, h.dtype, fused)
         for layer, kv in zip(self.layers, kv_caches):
             h = layer(h, rope, kv, meta)
