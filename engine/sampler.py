@@ -18,6 +18,7 @@ import weakref
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
@@ -133,25 +134,30 @@ def _keep_thresholds(probs: torch.Tensor, params: list[SamplingParams]) -> torch
     is the one above the highest of the three cut-offs. The top token is always kept.
     """
     device, vocab_size = probs.device, probs.shape[1]
-    k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], device=device)
+    k_host = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    k = torch.tensor(k_host, device=device)
     top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=device)
     min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)
     threshold = probs.amax(dim=-1) * min_p  # (R,)
-    if bool((k < vocab_size).any()) or bool((top_p < 1).any()):
-        threshold = torch.maximum(threshold, _top_k_top_p_threshold(probs, k, top_p))
+    # Which cut-offs apply is decided from the host-side params (no device sync), comparing top_p
+    # in float32 as the tensor holds it.
+    max_k = max((x for x in k_host if x < vocab_size), default=0)
+    any_top_p = any(np.float32(p.top_p) < 1 for p in params)
+    if max_k or any_top_p:
+        threshold = torch.maximum(threshold, _top_k_top_p_threshold(probs, k, top_p, max_k, any_top_p))
     return threshold.unsqueeze(1)
 
 
-def _top_k_top_p_threshold(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """(R, V) probs, (R,) k (V = off), (R,) top_p -> (R,) cut-off of the top-k-then-nucleus set.
+def _top_k_top_p_threshold(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, max_k: int,
+                           any_top_p: bool) -> torch.Tensor:
+    """(R, V) probs, (R,) k (V = off), (R,) top_p -> (R,) cut-off of the top-k-then-nucleus set;
+    max_k: the largest k in use (0: none), any_top_p: whether some row has top_p < 1.
 
     Works on the top candidates only (a partial top-k, far cheaper than a sort); rows whose
     candidates do not reach the nucleus mass are redone over the whole sorted row.
     """
     vocab_size = probs.shape[1]
-    num = int(k[k < vocab_size].max()) if bool((k < vocab_size).any()) else 0
-    if bool((top_p < 1).any()):
-        num = max(num, NUCLEUS_CANDIDATES)
+    num = max(max_k, NUCLEUS_CANDIDATES) if any_top_p else max_k
     candidates = probs.topk(min(num, vocab_size), dim=-1).values  # (R, n), descending
     threshold, covered = _threshold_from_candidates(candidates, k, top_p, vocab_size)
     if not bool(covered.all()):
