@@ -121,6 +121,9 @@ class RMSNorm(ShardedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and cpu_kernels.fusable(x) and self.weight.dtype == x.dtype:
             return cpu_kernels.rms_norm(x, self.weight, self.eps)
+        if x.is_cuda and x.dim() == 2 and self.weight.dtype == x.dtype:
+            from engine.kernels.norm import rms_norm  # imported on CUDA only: CPU hosts need no Triton
+            return rms_norm(x, self.weight, self.eps)
         # Same op order as HF's LlamaRMSNorm: normalise in float32, cast back, then scale.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -117,6 +117,9 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate)
         if cpu_kernels.fusable(gate_up):
             return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
+        if gate_up.is_cuda:
+            from engine.kernels.norm import silu_and_mul  # imported on CUDA only: CPU hosts need no Triton
+            return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
