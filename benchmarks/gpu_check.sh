@@ -2,7 +2,7 @@
 # Everything the CUDA path needs checked on a GPU, in one run of under 8 minutes, on a host with
 # only torch and transformers installed (Triton comes with torch's CUDA wheels):
 #
-#   1. tests: the Triton kernels compiled (tests/test_triton_attention.py), the Triton runner
+#   1. tests: the Triton kernels compiled (tests/test_triton_attention.py, test_triton_norm.py), the Triton runner
 #      against the torch runner (tests/test_triton_runner.py), and greedy output token-exact
 #      against HF in float32 and bfloat16, CUDA graphs on and --enforce-eager
 #      (tests/test_engine_cuda.py)
@@ -64,7 +64,7 @@ for s in $STAGES; do
   case $s in
     tests)
       stage tests 210 $PY -m pytest -q -p no:cacheprovider --durations=10 \
-        tests/test_triton_attention.py tests/test_triton_runner.py tests/test_engine_cuda.py ;;
+        tests/test_triton_attention.py tests/test_triton_norm.py tests/test_triton_runner.py tests/test_engine_cuda.py ;;
     steps)
       stage step_times 120 $PY benchmarks/step_times.py --model "$MODEL" --batches 1,64,256 \
         --json "$OUT/step_times.json" ;;
