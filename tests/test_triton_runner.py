@@ -94,3 +94,30 @@ def test_prompt_logprob_rows_match(tiny, device):
     outs = llm.generate(_prompts(lens=(9, 30)), params)
     assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in outs)
     _assert_clean(llm)
+
+
+class EagerGraphs:
+    """Stands in for engine.cuda_graphs.DecodeGraphs on CPU: 'replays' the captured body itself (the
+    model on the static buffers, laid out for the bucket size), so the padding to a bucket, the
+    padding rows and the fixed layout are checked without a GPU."""
+
+    def __init__(self, runner, sizes: list[int]) -> None:
+        self.runner, self.sizes, self.replays = runner, sizes, 0
+
+    def size_for(self, num_seqs: int) -> int | None:
+        return next((s for s in self.sizes if s >= num_seqs), None)
+
+    def replay(self, size: int) -> torch.Tensor:
+        self.replays += 1
+        return self.runner._forward(self.runner._decode_layout(size))
+
+
+def test_decode_steps_padded_to_graph_buckets(tiny, device):
+    from engine.cuda_graphs import graph_batch_sizes
+
+    llm, twin = _twin_llm(tiny["gqa"], device, num_gpu_blocks_override=64, max_num_seqs=6)
+    twin.other.graphs = EagerGraphs(twin.other, graph_batch_sizes(6))  # 1, 2, 4, 6
+    lengths = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (2, 3, 5, 6, 8)]
+    llm.generate(_prompts(lens=(5, 17, 33, 40, 9)), lengths)  # 5 decodes pad to 6, then 4 to 4, 3 to 4, ...
+    assert twin.other.graphs.replays > 3
+    _assert_clean(llm)
