@@ -27,6 +27,7 @@ class TritonModelRunner(ModelRunner):
         self.max_num_seqs = max_num_seqs
         self.graphs: DecodeGraphs | None = None
 
+    @torch.inference_mode()  # as execute() replays them
     def capture_graphs(self) -> list[int]:
         """Capture one decode graph per batch-size bucket (CUDA only); -> the bucket sizes."""
         sizes = graph_batch_sizes(self.max_num_seqs)
