@@ -26,6 +26,7 @@ STAGES=${STAGES-tests steps offline}  # set but empty: none (only the set-up)
 PY=${PYTHON:-python3}
 WORK=${KVSERVE_GPU_WORK:-/tmp/kvserve-gpu-check}
 export PYTHONUNBUFFERED=1 KVSERVE_CACHE="$WORK/cache"
+export KVSERVE_KERNEL_EXAMPLES=${KVSERVE_KERNEL_EXAMPLES:-12}  # compiled, every new kernel shape costs a compile
 mkdir -p "$OUT" "$WORK"
 START=$SECONDS
 
@@ -63,14 +64,14 @@ export KVSERVE_TEST_TOKENIZER_DIR="$MODEL"  # the tiny test models take their to
 for s in $STAGES; do
   case $s in
     tests)
-      stage tests 210 $PY -m pytest -q -p no:cacheprovider --durations=10 \
+      stage tests 180 $PY -m pytest -q -p no:cacheprovider --durations=10 \
         tests/test_triton_attention.py tests/test_triton_norm.py tests/test_triton_runner.py tests/test_engine_cuda.py ;;
     steps)
-      stage step_times 120 $PY benchmarks/step_times.py --model "$MODEL" --batches 1,64,256 \
+      stage step_times 110 $PY benchmarks/step_times.py --model "$MODEL" --batches 1,64,256 \
         --json "$OUT/step_times.json" ;;
     offline)
-      stage offline 150 $PY benchmarks/offline.py --preset nano-vllm --model "$MODEL" \
-        --systems kvserve,hf-static --json "$OUT/offline.json" ;;
+      stage offline 170 $PY benchmarks/offline.py --preset nano-vllm --model "$MODEL" \
+        --systems kvserve,hf-static --hf-num-prompts 16 --json "$OUT/offline.json" ;;
     *) log "unknown stage $s" ;;
   esac
 done

@@ -19,7 +19,8 @@ Presets set a workload's defaults (explicit flags still win). `nano-vllm` is the
 and mini-sglang report: 256 sequences, random prompt ids of 100-1024 tokens, 100-1024 output
 tokens, EOS ignored, seed 0, on SmolLM2-135M's shape with random bfloat16 weights (real weights
 need not travel to the GPU host; benchmarks/random_model.py). HF static batching runs on the first
---hf-num-prompts prompts only (its tok/s over those): all 256 would take it most of ten minutes.
+--hf-num-prompts (16: one batch) prompts only, its tok/s over those: all 256 would take it most of
+ten minutes.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_gpu
 PRESETS = {
     "nano-vllm": dict(num_prompts=256, min_input=100, max_input=1024, min_output=100, max_output=1024, seed=0,
                       dtype="bfloat16", random_weights="smollm2-135m", max_num_seqs=256,
-                      max_num_batched_tokens=16384, hf_batch_size=16, hf_num_prompts=32),
+                      max_num_batched_tokens=16384, hf_batch_size=16, hf_num_prompts=16),
 }
 
 
