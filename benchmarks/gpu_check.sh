@@ -12,7 +12,7 @@
 #      (benchmarks/offline.py --preset nano-vllm)
 #
 # Results go to $OUT (else ./gpu_check_out): summary.txt, env.txt, tests.log, step_times.{log,json},
-# offline.{log,json}. The model is SmolLM2-135M's shape with random bfloat16 weights; its tokenizer
+# profile.txt (5 decode steps at batch 256 under torch.profiler), offline.{log,json}. The model is SmolLM2-135M's shape with random bfloat16 weights; its tokenizer
 # is copied from $KVSERVE_TOKENIZER_DIR when set, else synthesized (benchmarks/random_model.py).
 # Missing wheels (llguidance) are installed from ./.whl when that folder is there.
 #
@@ -68,7 +68,7 @@ for s in $STAGES; do
         tests/test_triton_attention.py tests/test_triton_norm.py tests/test_triton_runner.py tests/test_engine_cuda.py ;;
     steps)
       stage step_times 110 $PY benchmarks/step_times.py --model "$MODEL" --batches 1,64,256 \
-        --json "$OUT/step_times.json" ;;
+        --json "$OUT/step_times.json" --profile "$OUT/profile.txt" ;;
     offline)
       stage offline 170 $PY benchmarks/offline.py --preset nano-vllm --model "$MODEL" \
         --systems kvserve,hf-static --hf-num-prompts 16 --json "$OUT/offline.json" ;;

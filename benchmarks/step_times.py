@@ -8,12 +8,18 @@ graphs and with --enforce-eager, on one model.
              --max-num-batched-tokens; prompt tokens / seconds
 
     python benchmarks/step_times.py --random-weights smollm2-135m --batches 1,64,256 --json out.json
+
+--profile PATH also records 5 decode steps at the largest batch with torch.profiler (first mode
+only) and writes the top kernels and host functions there: where a step's time goes.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
+import pstats
 import random
 import statistics
 import sys
@@ -29,7 +35,7 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(n)]
 
 
-def decode_step_ms(llm, batch: int, context: int, steps: int, rng: random.Random) -> float:
+def decode_step_ms(llm, batch: int, context: int, steps: int, rng: random.Random, profile: str | None = None) -> float:
     from engine import SamplingParams
 
     eng, vocab = llm.engine, llm.engine.executor.info.vocab_size
@@ -45,11 +51,33 @@ def decode_step_ms(llm, batch: int, context: int, steps: int, rng: random.Random
         start = perf_counter()
         eng.step()
         times.append(perf_counter() - start)
+    if profile:
+        write_profile(eng, profile, batch)
     for rid in ids:
         eng.abort(rid)
     while eng.has_unfinished():
         eng.step()
     return 1000 * statistics.median(times)
+
+
+def write_profile(eng, path: str, batch: int, steps: int = 5) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            eng.step()
+    averages = prof.key_averages()
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    host = io.StringIO()  # the engine's Python per step (scheduler, inputs, sampling, outputs)
+    profiler = cProfile.Profile()
+    profiler.runcall(lambda: [eng.step() for _ in range(steps)])
+    pstats.Stats(profiler, stream=host).sort_stats("cumulative").print_stats(30)
+    Path(path).write_text(f"{steps} decode steps at batch {batch}\n\n"
+                          + averages.table(sort_by=sort, row_limit=30) + "\n\n"
+                          + averages.table(sort_by="self_cpu_time_total", row_limit=20) + "\n\n"
+                          + host.getvalue())
 
 
 def prefill_tok_s(llm, prompts: int, length: int, rng: random.Random) -> float:
@@ -75,7 +103,9 @@ def run_mode(args, model: Path, eager: bool) -> dict:
     out = {"mode": "eager" if eager else "cuda-graphs", "load_s": load_s,
            "prefill_tok_s": prefill_tok_s(llm, args.prefill_prompts, args.prefill_len, rng), "decode": {}}
     for b in args.batch_sizes:
-        ms = decode_step_ms(llm, b, args.context, args.steps, rng)
+        profile = args.profile if b == max(args.batch_sizes) and not args.profiled else None
+        args.profiled = args.profiled or profile is not None
+        ms = decode_step_ms(llm, b, args.context, args.steps, rng, profile)
         out["decode"][b] = {"step_ms": ms, "tok_s": b * 1000 / ms}
         print(f"  {out['mode']}: batch {b}: {ms:.2f} ms/step = {b * 1000 / ms:.0f} tok/s", flush=True)
     print(f"  {out['mode']}: prefill {out['prefill_tok_s']:.0f} tok/s (load {load_s:.1f}s)", flush=True)
@@ -101,7 +131,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", default="graphs,eager", help="graphs, eager or both (comma list)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--profile", default=None, metavar="PATH", help="torch.profiler tables of 5 decode steps")
     args = p.parse_args(argv)
+    args.profiled = False
     args.batch_sizes = [int(b) for b in args.batches.split(",")]
     args.enforce_eager = False
     return args
