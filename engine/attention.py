@@ -1,4 +1,6 @@
-"""Paged attention over a mixed batch of prefill chunks and decodes, ragged, in plain torch.
+"""Paged attention over a mixed batch of prefill chunks and decodes, ragged, in plain torch: the
+CPU engine's backend (CUDA runs engine.triton_attention's kernels behind the same StepAttention
+interface; this one runs there only if a ModelRunner is built for CUDA by hand).
 
 Per layer the new keys/values are written into the paged pools first, then every query reads
 its whole context back through its block table, so a prefix-cache hit or an earlier chunk is
