@@ -231,20 +231,25 @@ class Sampler:
 
     def _results(self, logits: torch.Tensor, token_ids: torch.Tensor,
                  rows: list[SamplingRow]) -> list[SampleResult]:
-        tokens = token_ids.tolist()
-        results = [SampleResult(t, None, None) for t in tokens]
+        """One device-to-host copy: the sampled ids, with the asked-for logprobs packed behind them
+        (as float64, which holds every token id and float32 logprob exactly)."""
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if not want:
-            return results
+            return [SampleResult(t, None, None) for t in token_ids.tolist()]
         logprobs = logits[want].float().log_softmax(dim=-1)  # (R, V) of the raw logits
-        sampled = logprobs.gather(1, token_ids[want].unsqueeze(1)).squeeze(1).tolist()  # (R,)
+        sampled = logprobs.gather(1, token_ids[want].unsqueeze(1)).squeeze(1)  # (R,)
         num_top = max(rows[i].params.logprobs for i in want)
         top_values, top_ids = logprobs.topk(num_top, dim=-1)  # (R, num_top), highest first
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        packed = torch.cat([token_ids.double(), sampled.double(), top_values.double().flatten(),
+                            top_ids.double().flatten()]).tolist()
+        b, r = len(rows), len(want)
+        results = [SampleResult(int(t), None, None) for t in packed[:b]]
+        values, ids = packed[b + r:b + r + r * num_top], packed[b + r + r * num_top:]
         for j, i in enumerate(want):
             n = rows[i].params.logprobs
-            results[i].logprob = sampled[j]
-            results[i].top_logprobs = list(zip(top_ids[j][:n], top_values[j][:n]))
+            top = slice(j * num_top, j * num_top + n)
+            results[i].logprob = packed[b + j]
+            results[i].top_logprobs = [(int(t), v) for t, v in zip(ids[top], values[top])]
         return results
 
 
