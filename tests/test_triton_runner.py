@@ -4,6 +4,8 @@ both runners on their own KV pools and compares. Tiny random Llamas; on a CPU-on
 run under Triton's interpreter (tests/triton_interp.py)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -22,9 +24,12 @@ def device():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, smollm2_path):
-    """kind -> model dir: "gqa" (4 heads / 2 KV), "tied" (6 / 3, tied embeddings, llama3 rope)."""
-    return {kind: make_tiny_llama(tmp_path_factory.mktemp(kind), smollm2_path, kind) for kind in ("gqa", "tied")}
+def tiny(request, tmp_path_factory):
+    """kind -> model dir: "gqa" (4 heads / 2 KV), "tied" (6 / 3, tied embeddings, llama3 rope). The
+    tokenizer comes from $KVSERVE_TEST_TOKENIZER_DIR where set (a GPU host without the embedded
+    model), else from the embedded SmolLM2."""
+    tokenizer_dir = os.environ.get("KVSERVE_TEST_TOKENIZER_DIR") or request.getfixturevalue("smollm2_path")
+    return {kind: make_tiny_llama(tmp_path_factory.mktemp(kind), tokenizer_dir, kind) for kind in ("gqa", "tied")}
 
 
 class Twin:
