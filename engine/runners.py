@@ -62,7 +62,10 @@ def cuda_step_bytes(model: LlamaModel, config: EngineConfig, max_model_len: int,
     gc.collect()
     torch.cuda.empty_cache()
     logits = config.max_num_seqs * a.vocab_size * 4
-    return peak + 4 * logits  # the sampler's float32 copies of the logits (probs, noise, ...)
+    step = peak + 4 * logits  # the sampler's float32 copies of the logits (probs, noise, ...)
+    logger.info("a step needs %.0f MiB beside weights and KV pool (largest step and decode graphs, measured)",
+                step / (1 << 20))
+    return step
 
 
 def _native_cpu() -> bool:
