@@ -25,7 +25,7 @@ _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "max_ongoing_req
                 "max_request_body_bytes", "max_sequences_per_request", "enable_log_requests", "routing",
                 "routing_stats_period_s", "autoscale", "min_replicas", "max_replicas", "upscale_delay_s",
                 "downscale_delay_s", "target_kv_usage", "target_ongoing_requests", "look_back_period_s",
-                "graceful_shutdown_timeout_s", "engine_cls")
+                "graceful_shutdown_timeout_s", "engine_cls", "cpu_threads")
 
 
 def add_serve_parser(commands) -> argparse.ArgumentParser:
@@ -82,6 +82,8 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     cluster.add_argument("--graceful-shutdown-timeout-s", type=float, metavar="S",
                          help="on SIGTERM / SIGINT, and when Serve stops a replica, how long in-flight requests "
                               "may run on while new ones get 503 (default: 30)")
+    cluster.add_argument("--cpu-threads", type=int, metavar="N",
+                         help="CPU: torch threads per engine replica (default: the usable cores / replicas)")
     cluster.add_argument("--engine-cls", metavar="MODULE:CLASS",
                          help="the engine each replica builds as CLASS(EngineConfig) (default: engine.AsyncEngine; "
                               "e.g. benchmarks.paced_engine:PacedEngine to measure the serving path alone)")
