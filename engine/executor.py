@@ -16,7 +16,7 @@ from engine.model.llama import ModelArch
 from engine.model.loader import build_model, load_arch
 from engine.outputs import PromptLogprob
 from engine.prompt_logprobs import prompt_logprobs
-from engine.runners import cuda_step_bytes, make_runner
+from engine.runners import cuda_step_bytes, make_runner, triton_backend
 from engine.sampler import SampleResult, SequenceSampler
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -132,7 +132,7 @@ class LocalExecutor:
         block_bytes = bytes_per_block(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
         max_model_len = config.max_model_len or arch.max_position_embeddings
         step_bytes = None
-        if device.type == "cuda" and config.num_gpu_blocks_override is None and config.kv_cache_memory is None:
+        if triton_backend(device) and config.num_gpu_blocks_override is None and config.kv_cache_memory is None:
             step_bytes = cuda_step_bytes(self.model, config, max_model_len, arch.num_kv_heads, device)
         num_blocks = num_kv_blocks(config, block_bytes, device, step_bytes)
         kv = allocate_kv_cache(arch.num_layers, num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim,

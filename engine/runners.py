@@ -4,12 +4,14 @@
     CUDA  engine.triton_runner.TritonModelRunner: Triton paged attention over the pool in place,
           CUDA graphs for decode steps unless --enforce-eager (or tensor parallel ranks)
 
-The CUDA runner is imported only on CUDA, so CPU hosts need no Triton.
+The CUDA runner is imported only on CUDA, so CPU hosts need no Triton. KVSERVE_ATTENTION_BACKEND=torch
+(as vLLM's VLLM_ATTENTION_BACKEND) keeps a CUDA engine on the torch runner, to compare or bisect.
 """
 from __future__ import annotations
 
 import gc
 import logging
+import os
 
 import torch
 
@@ -21,9 +23,13 @@ from engine.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 
+def triton_backend(device: torch.device) -> bool:
+    return device.type == "cuda" and os.environ.get("KVSERVE_ATTENTION_BACKEND", "triton") != "torch"
+
+
 def make_runner(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], config: EngineConfig,
                 max_model_len: int, device: torch.device, graphs: bool = True) -> ModelRunner:
-    if device.type != "cuda":
+    if not triton_backend(device):
         logger.info("attention backend: torch%s", " + native CPU kernels" if _native_cpu() else "")
         return ModelRunner(model, kv_caches, config.block_size, device)
     from engine.triton_runner import TritonModelRunner
