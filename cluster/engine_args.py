@@ -55,6 +55,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="reuse KV blocks of identical prompt prefixes")
     add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
         help="split long prompts across engine steps")
+    add("--enforce-eager", action="store_true",
+        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (captured at start-up per "
+             "batch-size bucket)")
     add("--stream-interval", type=int, metavar="TOKENS",
         help="stream a request's tokens every N tokens rather than every step, so fewer messages "
              "carry them; the first token and the last are sent at once (default: 1)")
