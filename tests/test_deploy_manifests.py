@@ -254,6 +254,16 @@ def pod_monitor() -> dict:
     return doc
 
 
+@pytest.mark.parametrize("item", RAY_DOCS, ids=doc_id)
+def test_every_ray_container_runs_with_the_serve_settings_kvserve_serve_uses(item):
+    from cluster.serve_env import SERVE_ENV
+
+    for name, group in pod_groups(item[1]):
+        env = {e["name"]: e.get("value") for e in ray_container(group).get("env", [])}
+        for key, value in SERVE_ENV.items():
+            assert env.get(key) == value, f"{name}: {key} must be {value!r} before Ray starts"
+
+
 def scrape_config() -> dict:
     (cm,) = [d for _, d in DOCS if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "kvserve-prometheus-scrape"]
     (text,) = cm["data"].values()
