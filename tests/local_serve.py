@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from collections.abc import Iterator
 
@@ -23,12 +24,16 @@ def running_server(args: dict, num_cpus: int = 4, app_name: str = "kvserve",
     from cluster.app import build_app
     from cluster.serve_env import apply_serve_env
 
-    apply_serve_env()  # the Serve settings `kvserve serve` runs with
-
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialized in this process")
     port = free_port()
-    ray.init(num_cpus=num_cpus, include_dashboard=False, **(ray_options or {}))
+    saved = dict(os.environ)
+    apply_serve_env()  # the Serve settings `kvserve serve` runs with, for the Ray started here
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, **(ray_options or {}))
+    finally:  # not for the Rays later test modules start in this process
+        os.environ.clear()
+        os.environ.update(saved)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name=app_name, route_prefix="/")
