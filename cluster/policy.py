@@ -182,7 +182,10 @@ def rank_key(request: RouteRequest, s: ReplicaStats, p: Pending, config: KVPolic
              now: float | None = None) -> tuple | None:
     """None when the request does not fit on this replica now, else its sort key (larger is better):
     (prefix tokens reused - weighted prefill backlog and requests in flight, hit blocks, headroom blocks,
-    -running).
+    -running, -cached prefix blocks). Between replicas equal on the rest, the one caching the
+    fewest prefix blocks takes a prefix neither holds, so distinct prefixes spread over the
+    replicas instead of evicting each other on one (Ray Serve LLM's router sends an unmatched
+    prompt to the replica holding the least text for the same reason).
     Without `now` the reported backlog is taken as it was."""
     if s.max_num_seqs - s.num_running - s.num_waiting - p.num_requests < 1:
         return None  # no sequence seat
@@ -197,7 +200,8 @@ def rank_key(request: RouteRequest, s: ReplicaStats, p: Pending, config: KVPolic
     backlog = waiting + p.num_prefill_tokens
     inflight = s.num_running + s.num_waiting + p.num_requests
     per_request = min(config.request_weight, config.request_share * request.num_prompt_tokens)
-    return hit * bs - config.load_weight * backlog - per_request * inflight, hit, headroom, -s.num_running
+    return (hit * bs - config.load_weight * backlog - per_request * inflight, hit, headroom, -s.num_running,
+            -len(s.prefix_hashes))
 
 
 def choose_kv(request: RouteRequest, stats: StatsView, pending: PendingView, now: float,

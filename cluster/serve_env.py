@@ -9,7 +9,7 @@ Measured with benchmarks/serving_overhead.py (16 streams, a paced model-free eng
 
 They must be in the environment before Ray starts (a local Ray's processes inherit the driver's
 environment); a value already set there wins. On a running cluster they belong in every pod's
-environment (deploy/k8s does not set them yet).
+environment (every Ray container of deploy/k8s sets them).
 """
 from __future__ import annotations
 

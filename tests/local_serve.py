@@ -13,6 +13,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_ray_as_kvserve_serve(**ray_init) -> None:
+    """ray.init with the Serve settings `kvserve serve` runs with (cluster.serve_env) in the
+    environment its processes inherit, and this process's environment given back afterwards, so
+    that the Rays later test modules start run as they set themselves up."""
+    import ray
+
+    from cluster.serve_env import apply_serve_env
+
+    saved = dict(os.environ)
+    apply_serve_env()
+    try:
+        ray.init(**ray_init)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @contextlib.contextmanager
 def running_server(args: dict, num_cpus: int = 4, app_name: str = "kvserve",
                    ray_options: dict | None = None) -> Iterator[str]:
@@ -22,18 +39,11 @@ def running_server(args: dict, num_cpus: int = 4, app_name: str = "kvserve",
     from ray import serve
 
     from cluster.app import build_app
-    from cluster.serve_env import apply_serve_env
 
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialized in this process")
     port = free_port()
-    saved = dict(os.environ)
-    apply_serve_env()  # the Serve settings `kvserve serve` runs with, for the Ray started here
-    try:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, **(ray_options or {}))
-    finally:  # not for the Rays later test modules start in this process
-        os.environ.clear()
-        os.environ.update(saved)
+    init_ray_as_kvserve_serve(num_cpus=num_cpus, include_dashboard=False, **(ray_options or {}))
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name=app_name, route_prefix="/")

@@ -17,7 +17,7 @@ import pytest
 from cluster.app import engine_deployment_options, split_args
 from cluster.cli import main as kvserve_main
 from cluster.serve_router import ROUTER_CLASSES
-from tests.local_serve import free_port
+from tests.local_serve import free_port, init_ray_as_kvserve_serve
 from tests.tiny_llama import make_tiny_llama
 
 ENGINE = "EngineServer"
@@ -36,7 +36,7 @@ def serve_url():
     if ray.is_initialized():
         pytest.skip("Ray is already initialized in this process")
     port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False)
+    init_ray_as_kvserve_serve(num_cpus=4, include_dashboard=False)  # Serve's gRPC transport, as deployed
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield f"http://127.0.0.1:{port}"
@@ -62,17 +62,21 @@ def _replica_counts(app: str) -> dict[str, int]:
 
 
 def _per_replica_stats(app: str, want: int, timeout_s: float = 30.0) -> dict[str, dict]:
-    """record_routing_stats of every replica (calls land on any replica; ask until all answered)."""
-    from ray import serve
+    """record_routing_stats of every replica, asked of each replica actor as Serve's controller asks
+    it (a handle call would land wherever Serve's router sends it, on either transport)."""
+    import ray
 
-    handle = serve.get_deployment_handle(ENGINE, app_name=app)
-    seen: dict[str, dict] = {}
+    prefix = f"SERVE_REPLICA::{app}#{ENGINE}#"
     deadline = time.monotonic() + timeout_s
-    while len(seen) < want and time.monotonic() < deadline:
-        s = handle.record_routing_stats.remote().result(timeout_s=10)
-        seen[s["replica_id"]] = s
-    assert len(seen) == want, f"heard from {len(seen)} of {want} replicas"
-    return seen
+    names: list[str] = []
+    while time.monotonic() < deadline:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+        if len(names) >= want:
+            break
+        time.sleep(0.2)
+    assert len(names) == want, f"found {len(names)} of {want} replicas"
+    stats = ray.get([ray.get_actor(n, namespace="serve").record_routing_stats.remote() for n in names], timeout=10)
+    return {s["replica_id"]: s for s in stats}
 
 
 def _complete(http: httpx.Client, prefix: str, ids: list[int], max_tokens: int) -> dict:

@@ -51,6 +51,16 @@ def test_picks_the_prefix_hit_replica_with_room():
     assert choose_kv(req(), view, {}, NOW) == "b"
 
 
+def test_a_prefix_no_replica_holds_goes_where_fewest_prefixes_are_cached():
+    """Two idle replicas, equal free blocks (free cached blocks count as free): the new prefix goes
+    to the replica caching fewer blocks, whichever comes first in the view, rather than evicting
+    another prefix's blocks on one replica while the other's cache sits unused."""
+    other = cached(prompt(9, 256))
+    for order in (("a", "b"), ("b", "a")):
+        view = {rid: stats(rid, hashes=other if rid == "a" else ()) for rid in order}
+        assert choose_kv(req(), view, {}, NOW) == "b"
+
+
 def test_longer_prefix_match_wins():
     view = {"a": stats("a", hashes=cached(PREFIX[:256])), "b": stats("b", hashes=cached(PREFIX))}
     assert choose_kv(req(), view, {}, NOW) == "b"
