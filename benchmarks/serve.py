@@ -229,13 +229,15 @@ def print_summary(label: str, s: dict) -> None:
 def launch_command(backend: str, port: int, model_dir: str, args: argparse.Namespace) -> list[str]:
     if backend == "kvserve":
         return [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--model", model_dir,
-                "--served-model-name", SERVED_NAME, "--max-model-len", str(args.max_model_len), *args.kvserve_arg]
+                "--served-model-name", SERVED_NAME, "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
+                *args.kvserve_arg]
     if backend == "transformers":
         exe = Path(sys.executable).with_name("transformers")
         return [str(exe), "serve", model_dir, "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
                 "--log-level", "warning", *args.transformers_arg]
     if backend == "vllm":
-        return vllm_cpu.serve_command(args.vllm_venv, model_dir, port, SERVED_NAME, args.max_model_len, args.vllm_arg)
+        return vllm_cpu.serve_command(args.vllm_venv, model_dir, port, SERVED_NAME, args.max_model_len, args.dtype,
+                                      args.vllm_arg)
     raise ValueError(f"cannot launch {backend}; start it yourself and pass --base-url")
 
 
@@ -300,6 +302,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="load generator: this module's, or `vllm bench serve` from --vllm-venv")
     target.add_argument("--model-dir", help="model directory for launched servers (default: the embedded SmolLM2)")
     target.add_argument("--max-model-len", type=int, default=1024, help="launched kvserve's --max-model-len")
+    target.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="launched kvserve's and vLLM's --dtype, the same on both (default: %(default)s, "
+                             "kvserve's on CPU; vLLM's own default turns a float32 checkpoint into bfloat16)")
     target.add_argument("--kvserve-arg", action="append", default=[], help="extra flag for launched kvserve")
     target.add_argument("--transformers-arg", action="append", default=[],
                         help="extra flag for launched transformers serve")

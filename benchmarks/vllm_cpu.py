@@ -40,11 +40,13 @@ def venv_bin(venv: Path, name: str) -> Path:
 
 
 def serve_command(venv: Path, model_dir: str, port: int, served_model_name: str, max_model_len: int,
-                  extra: list[str]) -> list[str]:
-    """`vllm serve` on 127.0.0.1:port for the launched-peer benchmark."""
+                  dtype: str, extra: list[str]) -> list[str]:
+    """`vllm serve` on 127.0.0.1:port for the launched-peer benchmark. `dtype` is always passed:
+    with `auto` vLLM downcasts a float32 checkpoint to bfloat16 ("Downcasting torch.float32 to
+    torch.bfloat16" in its log), which would compare its bf16 against kvserve's float32."""
     return [str(venv_bin(venv, "vllm")), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", served_model_name, "--max-model-len", str(max_model_len),
-            "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION), *extra]
+            "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION), "--dtype", dtype, *extra]
 
 
 def _site_packages(venv: Path) -> Path:
