@@ -144,6 +144,15 @@ def test_decode_attention_matches_sdpa(lens, kvh, group):
 
 
 @needs_kernel
+@pytest.mark.parametrize("head_dim,block_size", [(128, 16), (96, 32), (8, 16)])  # 96 and 8: past the 64-lane blocks
+def test_decode_attention_matches_sdpa_at_other_head_dims(head_dim, block_size):
+    q, k_cache, v_cache, tables, ctx = _paged_case([1, 9, 70, 300], 2, 3, head_dim=head_dim, block_size=block_size)
+    scale = q.shape[-1] ** -0.5
+    out = cpu_kernels.decode_attention(q, k_cache, v_cache, tables, ctx, scale)
+    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, ctx, scale), rtol=1e-5, atol=2e-6)
+
+
+@needs_kernel
 def test_decode_attention_ignores_what_lies_past_each_context():
     """Slots past a sequence's length (the rest of its last block, padding in its table) hold
     anything, even NaN, without changing its output."""

@@ -8,8 +8,8 @@
  *   tables:   (B, max_blocks) int64 block ids;  ctx_lens: (B,) int64
  *
  * Work item = (sequence, kv head): its G = H / KVH query heads share every K/V row loaded.
- * Softmax in two passes over a per-item score buffer: scores and their max, then exp, sum and
- * the weighted V sum, normalised once at the end.
+ * Softmax in two passes over a per-item score buffer: scores (8 tokens at a time) and their max,
+ * then exp and sum, then the weighted V sum (CHUNK tokens at a time).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -40,28 +40,90 @@ static void softmax_inplace(float *s, long n) {
     for (long i = 0; i < n; i++) s[i] *= inv;
 }
 
+/* The 8 lane sums of a0..a7, as the 8 lanes of one vector (lane j = sum of aj), in one fixed order. */
+static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+    __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+#define CHUNK 32 /* tokens whose V rows one pass of the output accumulators reads */
+
 static void one_item(const float *q, const float *kc, const float *vc, const int64_t *table, long ctx,
                      float *out, long G, long KVH, long D, long bs, float scale, float *scores) {
     long row_stride = KVH * D, block_stride = bs * row_stride;
-    for (long t = 0; t < ctx; t++) {
-        const float *k = kc + table[t / bs] * block_stride + (t % bs) * row_stride;
+    __m256 vscale = _mm256_set1_ps(scale);
+    /* Scores, 8 tokens at a time: each (token, head) dot product is its own chain of D / 8 FMAs
+     * (8 chains in flight), summed across lanes by one hsum8. Past the context's end the last
+     * group re-reads token t0 and drops what it computed. */
+    for (long t0 = 0; t0 < ctx; t0 += 8) {
+        long nt = ctx - t0 < 8 ? ctx - t0 : 8;
+        const float *k[8];
+        for (long j = 0; j < 8; j++) {
+            long t = t0 + (j < nt ? j : 0);
+            long off = table[t / bs] * block_stride + (t % bs) * row_stride;
+            k[j] = kc + off;
+            /* the rows the V pass will read, into L2 while the scores are computed; and the
+             * next group's K rows */
+            for (long d = 0; d < D; d += 16) _mm_prefetch((const char *)(vc + off + d), _MM_HINT_T1);
+            long tn = t + 8 < ctx ? t + 8 : t;
+            const float *kn = kc + table[tn / bs] * block_stride + (tn % bs) * row_stride;
+            for (long d = 0; d < D; d += 16) _mm_prefetch((const char *)(kn + d), _MM_HINT_T0);
+        }
         for (long g = 0; g < G; g++) {
             const float *qg = q + g * D;
-            __m256 acc = _mm256_setzero_ps();
-            for (long d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(k + d), acc);
-            scores[g * ctx + t] = hsum(acc) * scale;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            for (long d = 0; d < D; d += 8) {
+                __m256 qv = _mm256_loadu_ps(qg + d);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + d), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + d), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + d), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + d), a3);
+                a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + d), a4);
+                a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + d), a5);
+                a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + d), a6);
+                a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + d), a7);
+            }
+            __m256 sv = _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), vscale);
+            float *dst = scores + g * ctx + t0;
+            if (nt == 8) {
+                _mm256_storeu_ps(dst, sv);
+            } else {
+                float tmp[8];
+                _mm256_storeu_ps(tmp, sv);
+                for (long j = 0; j < nt; j++) dst[j] = tmp[j];
+            }
         }
     }
     for (long g = 0; g < G; g++) softmax_inplace(scores + g * ctx, ctx);
-    for (long g = 0; g < G; g++)
-        for (long d = 0; d < D; d += 8) _mm256_storeu_ps(out + g * D + d, _mm256_setzero_ps());
-    for (long t = 0; t < ctx; t++) {
-        const float *v = vc + table[t / bs] * block_stride + (t % bs) * row_stride;
+    for (long i = 0; i < G * D; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
+    /* Weighted V sum, CHUNK tokens at a time: per head, 64 output lanes stay in registers while
+     * the chunk's V rows (in cache after the first head) stream by. */
+    for (long t0 = 0; t0 < ctx; t0 += CHUNK) {
+        long nt = ctx - t0 < CHUNK ? ctx - t0 : CHUNK;
+        const float *v[CHUNK];
+        for (long j = 0; j < nt; j++) {
+            long t = t0 + j;
+            v[j] = vc + table[t / bs] * block_stride + (t % bs) * row_stride;
+        }
         for (long g = 0; g < G; g++) {
-            __m256 p = _mm256_set1_ps(scores[g * ctx + t]);
+            const float *p = scores + g * ctx + t0;
             float *og = out + g * D;
-            for (long d = 0; d < D; d += 8)
-                _mm256_storeu_ps(og + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + d), _mm256_loadu_ps(og + d)));
+            long d0 = 0;
+            for (; d0 + 64 <= D; d0 += 64) {
+                __m256 o[8];
+                for (int i = 0; i < 8; i++) o[i] = _mm256_loadu_ps(og + d0 + 8 * i);
+                for (long j = 0; j < nt; j++) {
+                    __m256 pj = _mm256_set1_ps(p[j]);
+                    for (int i = 0; i < 8; i++) o[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v[j] + d0 + 8 * i), o[i]);
+                }
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps(og + d0 + 8 * i, o[i]);
+            }
+            for (; d0 < D; d0 += 8) { /* head dims that are not a multiple of 64 */
+                __m256 o = _mm256_loadu_ps(og + d0);
+                for (long j = 0; j < nt; j++) o = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v[j] + d0), o);
+                _mm256_storeu_ps(og + d0, o);
+            }
         }
     }
 }
