@@ -1,4 +1,5 @@
 """Routing policies (cluster/policy.py), the pending ledger and replica stats, without Ray."""
+import dataclasses
 import os
 import random
 
@@ -91,6 +92,19 @@ def test_no_room_anywhere_holds():
 def test_hot_prefix_spills_over_when_its_replica_is_backlogged():
     view = {"a": stats("a", hashes=cached(PREFIX), waiting_prefill=4000), "b": stats("b")}
     assert choose_kv(req(), view, {}, NOW) == "b"  # 512 cached tokens do not beat a 4000-token queue
+
+
+def test_the_cached_share_of_a_reported_queue_is_not_backlog():
+    """The engine reports a waiting request's whole prompt; a replica serving 90% of its prompt
+    tokens from cache prefills a tenth of that, so a queue of resident chats' next turns does not
+    push a turn off the replica holding its context (with a 0% hit rate the same queue does)."""
+    system, context = PREFIX[:256], PREFIX
+    turn = RouteRequest(context + prompt(60, 40), 64)
+    other = stats("other", hashes=cached(system), running=1)
+    queued = stats("home", hashes=cached(context), running=3, waiting=1, waiting_prefill=1000)
+    assert choose_kv(turn, {"home": queued, "other": other}, {}, NOW) == "other"
+    mostly_cached = dataclasses.replace(queued, prefix_query_tokens=10_000, prefix_hit_tokens=9_000)
+    assert choose_kv(turn, {"home": mostly_cached, "other": other}, {}, NOW) == "home"
 
 
 def _burst(view, ledger: PendingLedger, requests: list[RouteRequest]) -> list[str]:
