@@ -329,6 +329,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.base_url and not args.launch:
         p.error("give --base-url or --launch")
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     if args.base_url and not args.model:
         p.error("--base-url needs --model")
     return args
