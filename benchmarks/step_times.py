@@ -120,7 +120,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--random-weights", default=None, metavar="SHAPE", help="as benchmarks/offline.py")
     p.add_argument("--model-cache", default=None, metavar="DIR")
     p.add_argument("--tokenizer", default=None, metavar="DIR")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on CUDA, float32 on CPU (the engine's own default there; its native "
+                        "kernels are float32 only)")
     p.add_argument("--device", default=None, help="default: cuda when available")
     p.add_argument("--batches", default="1,64,256", help="decode batch sizes, comma list")
     p.add_argument("--context", type=int, default=512, help="prompt tokens of each decoding request")
@@ -146,6 +148,7 @@ def main(argv=None) -> None:
     from benchmarks.offline import model_dir
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     model = model_dir(args)
     print(f"model {model} ({args.dtype}, {args.device}); decode batches {args.batch_sizes} at ~{args.context} "
           f"tokens of context; prefill {args.prefill_prompts} x {args.prefill_len} tokens", flush=True)
