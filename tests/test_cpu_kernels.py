@@ -130,23 +130,17 @@ def _reference(q, k_cache, v_cache, tables, lens, scale):
 
 
 @needs_kernel
-@pytest.mark.parametrize("lens,kvh,group", [
-    ([1], 1, 1),
-    ([1, 15, 16, 17, 33, 64], 3, 3),  # around block boundaries, GQA as in SmolLM2
-    ([7, 1000, 250], 2, 4),  # long context, uneven lengths
-    ([40] * 16, 4, 1),  # plain multi-head
+@pytest.mark.parametrize("lens,kvh,group,head_dim,block_size", [
+    ([1], 1, 1, 64, 16),
+    ([1, 15, 16, 17, 33, 64], 3, 3, 64, 16),  # around block boundaries, GQA as in SmolLM2
+    ([7, 1000, 250], 2, 4, 64, 16),  # long context, uneven lengths
+    ([40] * 16, 4, 1, 64, 16),  # plain multi-head
+    ([1, 9, 70, 300], 2, 3, 128, 16),
+    ([1, 9, 70, 300], 2, 3, 96, 32),  # 96 and 8: past the kernel's 64-lane blocks
+    ([1, 9, 70, 300], 2, 3, 8, 16),
 ])
-def test_decode_attention_matches_sdpa(lens, kvh, group):
-    q, k_cache, v_cache, tables, ctx = _paged_case(lens, kvh, group)
-    scale = q.shape[-1] ** -0.5
-    out = cpu_kernels.decode_attention(q, k_cache, v_cache, tables, ctx, scale)
-    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, ctx, scale), rtol=1e-5, atol=2e-6)
-
-
-@needs_kernel
-@pytest.mark.parametrize("head_dim,block_size", [(128, 16), (96, 32), (8, 16)])  # 96 and 8: past the 64-lane blocks
-def test_decode_attention_matches_sdpa_at_other_head_dims(head_dim, block_size):
-    q, k_cache, v_cache, tables, ctx = _paged_case([1, 9, 70, 300], 2, 3, head_dim=head_dim, block_size=block_size)
+def test_decode_attention_matches_sdpa(lens, kvh, group, head_dim, block_size):
+    q, k_cache, v_cache, tables, ctx = _paged_case(lens, kvh, group, head_dim=head_dim, block_size=block_size)
     scale = q.shape[-1] ** -0.5
     out = cpu_kernels.decode_attention(q, k_cache, v_cache, tables, ctx, scale)
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, ctx, scale), rtol=1e-5, atol=2e-6)

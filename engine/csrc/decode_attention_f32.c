@@ -49,6 +49,11 @@ static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4
 
 #define CHUNK 32 /* tokens whose V rows one pass of the output accumulators reads */
 
+/* Where token t's row (of this item's kv head) starts in a K or V cache, through the block table. */
+static inline long row_offset(const int64_t *table, long t, long bs, long block_stride, long row_stride) {
+    return table[t / bs] * block_stride + (t % bs) * row_stride;
+}
+
 static void one_item(const float *q, const float *kc, const float *vc, const int64_t *table, long ctx,
                      float *out, long G, long KVH, long D, long bs, float scale, float *scores) {
     long row_stride = KVH * D, block_stride = bs * row_stride;
@@ -61,13 +66,13 @@ static void one_item(const float *q, const float *kc, const float *vc, const int
         const float *k[8];
         for (long j = 0; j < 8; j++) {
             long t = t0 + (j < nt ? j : 0);
-            long off = table[t / bs] * block_stride + (t % bs) * row_stride;
+            long off = row_offset(table, t, bs, block_stride, row_stride);
             k[j] = kc + off;
             /* the rows the V pass will read, into L2 while the scores are computed; and the
              * next group's K rows */
             for (long d = 0; d < D; d += 16) _mm_prefetch((const char *)(vc + off + d), _MM_HINT_T1);
             long tn = t + 8 < ctx ? t + 8 : t;
-            const float *kn = kc + table[tn / bs] * block_stride + (tn % bs) * row_stride;
+            const float *kn = kc + row_offset(table, tn, bs, block_stride, row_stride);
             for (long d = 0; d < D; d += 16) _mm_prefetch((const char *)(kn + d), _MM_HINT_T0);
         }
         for (long g = 0; g < G; g++) {
@@ -102,10 +107,7 @@ static void one_item(const float *q, const float *kc, const float *vc, const int
     for (long t0 = 0; t0 < ctx; t0 += CHUNK) {
         long nt = ctx - t0 < CHUNK ? ctx - t0 : CHUNK;
         const float *v[CHUNK];
-        for (long j = 0; j < nt; j++) {
-            long t = t0 + j;
-            v[j] = vc + table[t / bs] * block_stride + (t % bs) * row_stride;
-        }
+        for (long j = 0; j < nt; j++) v[j] = vc + row_offset(table, t0 + j, bs, block_stride, row_stride);
         for (long g = 0; g < G; g++) {
             const float *p = scores + g * ctx + t0;
             float *og = out + g * D;
