@@ -4,7 +4,8 @@ On an AVX2 + FMA CPU (engine/csrc/*.c, one shared library):
 
 - `linear(x, w, b)` is `F.linear`, but float32 batches of at most `SMALL_M` rows run a kernel
   that reads the weight matrix in place rather than repacking it as MKL does on every call
-  (about 2x on a decode step's GEMMs; docs/benchmarks.md). Larger batches (prefill) stay on MKL.
+  (about 2x on a decode step's GEMMs; docs/benchmarks.md), or reads the weight's 4/8-bit codes
+  where it has them (engine/model/codes.py). Larger batches (prefill) stay on MKL.
 - `decode_attention(...)` reads each sequence's keys and values straight from the paged cache
   through its block table, replacing a gather plus SDPA per group of decodes.
 - `rms_norm`, `silu_and_mul` and `rope_write_kv` fuse the elementwise work between GEMMs
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.model.codes import BlockCodes
 from engine.model_source import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -98,14 +100,25 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x (M, K), weight (N, K)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           codes: BlockCodes | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x (M, K), weight (N, K). `codes`, when given, is the same
+    weight as 4/8-bit codes (engine/model/codes.py): a small batch reads those instead, for the
+    same bits in y."""
     if not _fits(x, weight) or not enabled():
         return F.linear(x, weight, bias)
     x = x.contiguous()
     (m, k), n = x.shape, weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype)
-    _library().kvserve_linear_f32(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    if codes is not None:
+        rc = _library().kvserve_linear_codes_f32(x.data_ptr(), codes.codes.data_ptr(), codes.scale.data_ptr(),
+                                                 codes.offset.data_ptr(), codes.bits, y.data_ptr(), m, n, k, threads)
+        if rc != 0:
+            raise RuntimeError(f"linear kernel over codes failed ({rc}) for x {tuple(x.shape)}, {codes.bits}-bit W "
+                               f"{codes.shape}")
+    else:
+        _library().kvserve_linear_f32(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, threads)
     return y if bias is None else y.add_(bias)
 
 
@@ -129,11 +142,12 @@ def _library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))  # ctypes releases the GIL for each call
     ptr, long, c_int = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     lib.kvserve_linear_f32.argtypes = [ptr] * 3 + [long] * 3 + [c_int]
+    lib.kvserve_linear_codes_f32.argtypes = [ptr] * 4 + [c_int, ptr] + [long] * 3 + [c_int]
     lib.kvserve_decode_attention_f32.argtypes = [ptr] * 4 + [long] + [ptr] * 2 + [long] * 5 + [ctypes.c_float, c_int]
     lib.kvserve_rms_norm_f32.argtypes = [ptr] * 3 + [long] * 2 + [ctypes.c_float, c_int]
     lib.kvserve_silu_and_mul_f32.argtypes = [ptr] * 2 + [long] * 2 + [c_int]
     lib.kvserve_rope_write_kv_f32.argtypes = [ptr] * 7 + [long] * 4 + [c_int]
-    for fn in (lib.kvserve_linear_f32, lib.kvserve_decode_attention_f32):
+    for fn in (lib.kvserve_linear_f32, lib.kvserve_linear_codes_f32, lib.kvserve_decode_attention_f32):
         fn.restype = c_int
     for fn in (lib.kvserve_rms_norm_f32, lib.kvserve_silu_and_mul_f32, lib.kvserve_rope_write_kv_f32):
         fn.restype = None

@@ -24,7 +24,7 @@ def kernels(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(scope="module", params=["gqa", "tied"])
+@pytest.fixture(scope="module", params=["gqa", "tied", "tied-gguf"])
 def tiny(request, tmp_path_factory, smollm2_path):
     d = make_tiny_llama(tmp_path_factory.mktemp(request.param), smollm2_path, request.param)
     prompts = _prompts()
@@ -32,6 +32,11 @@ def tiny(request, tmp_path_factory, smollm2_path):
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def weights_read_as_codes(llm: LLM) -> int:
+    """How many of the model's linear layers decode reads as 4/8-bit codes (engine/model/codes.py)."""
+    return sum(getattr(m, "weight_codes", None) is not None for m in llm.engine.executor.model.modules())
 
 
 def _assert_clean(llm: LLM) -> None:
@@ -63,9 +68,12 @@ def _tokens(outs) -> list[list[int]]:
     dict(num_gpu_blocks_override=128, block_size=4),
     dict(num_gpu_blocks_override=128, enable_prefix_caching=False),
 ], ids=["batch", "chunked", "max2seqs", "bs4", "nocache"])
-def test_exact_batch(tiny, engine_kwargs):
+def test_exact_batch(tiny, engine_kwargs, kernels):
     d, prompts, ref = tiny
     llm = LLM(model=str(d), **engine_kwargs)
+    # Each tiny model has 2-3 layers of 4 linears, plus an lm_head: all of them codes, or none.
+    assert weights_read_as_codes(llm) == (0 if kernels == "torch" or "-gguf" not in d.name else
+                                          4 * llm.engine.executor.model.arch.num_layers + 1)
     assert _tokens(llm.generate(prompts, GREEDY)) == ref
     _assert_clean(llm)
 
@@ -154,9 +162,11 @@ def smol_case(smollm2_path):
     dict(num_gpu_blocks_override=256),
     dict(num_gpu_blocks_override=9, max_num_batched_tokens=20),  # chunked prefill + preemption
 ], ids=["batch", "chunked+preempt"])
-def test_smollm2_exact(smollm2_path, smol_case, engine_kwargs):
+def test_smollm2_exact(smollm2_path, smol_case, engine_kwargs, kernels):
     prompts, ref = smol_case
     llm = LLM(model=smollm2_path, **engine_kwargs)
+    # Its GGUF file is Q4_1 (Q8_0 embedding): with the native kernels, decode reads every weight as codes.
+    assert weights_read_as_codes(llm) == (0 if kernels == "torch" else 30 * 4 + 1)
     assert _run_staggered(llm, prompts, steps_between=1) == ref
     assert llm.engine.stats().prefix_hit_tokens > 0  # the chat template's system prompt is shared
     _assert_clean(llm)

@@ -19,16 +19,21 @@ TINY_CONFIGS = {
 
 
 def make_tiny_llama(out_dir: Path, tokenizer_dir: str, kind: str = "gqa", vocab_size: int = 512, seed: int = 0) -> Path:
+    """kind: a TINY_CONFIGS key, or one with "-gguf" appended: the same model with its weights as
+    a GGUF Q4_1 file dequantizes them (Q8_0 for the embedding), as the embedded SmolLM2's are."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
+    config, gguf_weights = kind.removesuffix("-gguf"), kind.endswith("-gguf")
     cfg = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=1024, rms_norm_eps=1e-5,
-                      bos_token_id=1, eos_token_id=2, **TINY_CONFIGS[kind])
+                      bos_token_id=1, eos_token_id=2, **TINY_CONFIGS[config])
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # larger weights than the default init give peaky, tie-free logits
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
+                if gguf_weights:
+                    p.copy_(gguf_roundtrip(p, "Q8_0" if "embed" in name else "Q4_1"))
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -36,6 +41,14 @@ def make_tiny_llama(out_dir: Path, tokenizer_dir: str, kind: str = "gqa", vocab_
         if src.exists():
             shutil.copy(src, out_dir / name)
     return out_dir
+
+
+def gguf_roundtrip(w: torch.Tensor, qtype: str) -> torch.Tensor:
+    """w quantized and dequantized by gguf-py, as transformers loads a GGUF tensor."""
+    import gguf
+
+    t = gguf.GGMLQuantizationType[qtype]
+    return torch.from_numpy(gguf.dequantize(gguf.quantize(w.detach().numpy(), t), t).reshape(w.shape).copy())
 
 
 def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu",

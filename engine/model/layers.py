@@ -144,6 +144,7 @@ class ColumnParallelLinear(ShardedModule):
         self.shard_sizes = [s // tp.size for s in output_sizes]
         self.shard_ids = shard_ids or list(range(len(output_sizes)))
         self._param("weight", sum(self.shard_sizes), in_features, dtype=dtype)
+        self.weight_codes = None  # the same weight as 4/8-bit codes, where it is exactly that (codes.py)
         self.bias = None
         if bias:
             self._param("bias", sum(self.shard_sizes), dtype=dtype)
@@ -160,7 +161,7 @@ class ColumnParallelLinear(ShardedModule):
         return rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_codes)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -185,6 +186,7 @@ class RowParallelLinear(ShardedModule):
         super().__init__(tp)
         self.in_shard = in_features // tp.size
         self._param("weight", out_features, self.in_shard, dtype=dtype)
+        self.weight_codes = None
         self.bias = None
         if bias:
             self._param("bias", out_features, dtype=dtype)
@@ -198,7 +200,7 @@ class RowParallelLinear(ShardedModule):
         return Shard(dim=1, start=rank * self.in_shard, size=self.in_shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = linear(x, self.weight, codes=self.weight_codes)
         y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
@@ -229,7 +231,8 @@ class VocabParallelEmbedding(ShardedModule):
     def logits(self, h: torch.Tensor) -> torch.Tensor | None:
         """As the (tied or own) lm_head: (N, hidden) -> (N, vocab) on the sampling rank, None on
         the other ranks."""
-        y = linear(h, self.weight)  # (N, rows): this rank's vocab range
+        # The model gives its head (only) a weight_codes attribute: a lookup table never reads codes.
+        y = linear(h, self.weight, codes=getattr(self, "weight_codes", None))  # (N, rows): this rank's vocab range
         full = self.tp.gather_last_dim(y)  # (N, tp * rows)
         return None if full is None else full[:, :self.vocab_size]
 

@@ -152,6 +152,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(a, tp, dtype) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.lm_head = None if a.tie_word_embeddings else ParallelLMHead(a.vocab_size, a.hidden_size, tp, dtype)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        head.weight_codes = None  # its logits GEMM, like the linear layers', may read 4/8-bit codes (codes.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: StepAttention) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.model.codes import encode_for_cpu_decode
 from engine.model.layers import TPContext
 from engine.model.llama import LlamaModel, ModelArch
 
@@ -57,4 +58,6 @@ def build_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     arch, _ = load_arch(model_dir)
     model = LlamaModel(arch, dtype, tp)
     load_weights(model, model_dir)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    encode_for_cpu_decode(model, device, dtype)
+    return model

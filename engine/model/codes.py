@@ -1,0 +1,138 @@
+"""Weights that came out of a 4-bit or 8-bit GGUF file, held again as their integer codes for CPU decode.
+
+The embedded SmolLM2 ships as GGUF Q4_1 (Q8_0 for the tied embedding) and is dequantized to
+float32 once, as transformers does (engine/model_source.py). Every weight is then exactly
+`scale * q + offset` for one (scale, offset) per 32 weights along a row, with q a 4-bit or
+8-bit integer. A decode step on CPU is bound by streaming the weights from memory, so holding
+those codes (0.75 or 1.25 bytes a weight instead of 4) and dequantizing them inside the GEMM
+kernel (engine/csrc/linear_codes.c) cuts a step's weight traffic about 5x without changing a
+bit: `encode` recovers the codes from the float32 tensor and keeps them only if they rebuild
+every weight bit for bit, so any other checkpoint simply stays float32.
+
+The float32 weights stay too: prefill (large batches) runs on MKL over them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 32  # weights per (scale, offset) pair, along a row: GGUF's block size for Q4_x and Q8_0
+
+
+@dataclass(frozen=True)
+class BlockCodes:
+    """An (N, K) float32 weight as codes: w[n, 32 b + i] = scale[n, b] * q[n, 32 b + i] + offset[n, b]."""
+    bits: int  # 4: q in [0, 15], two a byte; 8: q in [-127, 127], one signed byte
+    codes: torch.Tensor  # uint8 (N, K/2) or int8 (N, K); 4-bit byte j of a block: q[j] | q[j + 16] << 4
+    scale: torch.Tensor  # float32 (N, K/32)
+    offset: torch.Tensor  # float32 (N, K/32); -0.0 for 8-bit (adding it changes no bits)
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset))
+
+    def to_float(self) -> torch.Tensor:
+        """The float32 weight again, rounded as gguf-py dequantizes: the product, then the sum."""
+        n, k = self.shape
+        if self.bits == 4:
+            c = self.codes.view(n, k // BLOCK, BLOCK // 2)
+            q = torch.cat([c & 0x0F, c >> 4], dim=2)
+        else:
+            q = self.codes.view(n, k // BLOCK, BLOCK)
+        w = q.float() * self.scale.unsqueeze(-1)
+        return (w + self.offset.unsqueeze(-1)).view(n, k)
+
+
+def encode(weight: torch.Tensor) -> BlockCodes | None:
+    """The weight as 4-bit codes if they rebuild it exactly, else as 8-bit codes if those do,
+    else None."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK or weight.numel() == 0:
+        return None
+    blocks = weight.detach().reshape(-1, BLOCK)
+    return _encode_affine_4bit(blocks, weight.shape) or _encode_scaled_8bit(blocks, weight.shape)
+
+
+def encode_model(model: nn.Module) -> int:
+    """Set `weight_codes` on every module that has it (the linear layers and the lm_head) to its
+    weight's codes, or None where the weight is not exactly codes; returns how many were set."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "weight_codes"):
+            module.weight_codes = encode(module.weight)
+            count += module.weight_codes is not None
+    return count
+
+
+def encode_for_cpu_decode(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """encode_model where the CPU kernels will read the codes: float32 on a CPU that runs them,
+    unless KVSERVE_WEIGHT_CODES=0 (to measure without them)."""
+    from engine import cpu_kernels
+
+    if (device.type != "cpu" or dtype != torch.float32 or os.environ.get("KVSERVE_WEIGHT_CODES", "1") == "0"
+            or not cpu_kernels.enabled()):
+        return
+    t0 = time.perf_counter()
+    if count := encode_model(model):
+        held = [m.weight_codes for m in model.modules() if getattr(m, "weight_codes", None) is not None]
+        logger.info("decode reads %d weights as 4/8-bit codes (%.0f MB in place of %.0f MB of float32; found in "
+                    "%.1fs)", count, sum(c.nbytes for c in held) / 1e6,
+                    sum(c.shape[0] * c.shape[1] * 4 for c in held) / 1e6, time.perf_counter() - t0)
+
+
+def _encode_affine_4bit(blocks: torch.Tensor, shape: torch.Size) -> BlockCodes | None:
+    # Q4_1 quantizes a block to q = round((x - min) / d), d = (max - min) / 15, storing d and min
+    # as float16: the smallest weight of a block is its offset (q = 0), the largest is q = 15.
+    offset = blocks.min(dim=1).values
+    guess = ((blocks.max(dim=1).values.double() - offset.double()) / 15).to(torch.float16)
+    codes, scales = torch.empty_like(blocks), torch.empty_like(offset)
+    ok = torch.zeros_like(offset, dtype=torch.bool)
+    for step in (0, 1, -1, 2, -2):  # float16 neighbours absorb the rounding of the largest weight
+        todo = (~ok).nonzero().squeeze(1)
+        if step == 1 and len(todo) > len(ok) // 2:
+            return None  # not a 4-bit tensor (e.g. 8-bit codes, or plain float weights)
+        b, o = blocks[todo], offset[todo, None]
+        s = _float16_step(guess[todo], step).float()[:, None]
+        q = torch.where(s > 0, (b - o) / s, 0).round().clamp(0, 15)
+        exact = _same_bits(q * s + o, b)
+        hit = todo[exact]
+        codes[hit], scales[hit], ok[hit] = q[exact], s[exact, 0], True
+    if not bool(ok.all()):
+        return None
+    n, k = shape
+    nibbles = codes.to(torch.uint8).view(-1, 2, BLOCK // 2)
+    pairs = (nibbles[:, 0] | (nibbles[:, 1] << 4)).reshape(n, k // 2)
+    return BlockCodes(4, pairs.contiguous(), scales.view(n, -1).contiguous(), offset.view(n, -1).contiguous(),
+                        (n, k))
+
+
+def _encode_scaled_8bit(blocks: torch.Tensor, shape: torch.Size) -> BlockCodes | None:
+    # Q8_0: d = max|x| / 127 (float16), q = round(x / d); the largest |weight| is d * 127 exactly.
+    scale = blocks.abs().max(dim=1).values / 127
+    q = torch.where(scale[:, None] > 0, blocks / scale[:, None], 0).round()
+    offset = torch.full_like(scale, -0.0)
+    if q.abs().max() > 127 or not bool(_same_bits(q * scale[:, None] + offset[:, None], blocks).all()):
+        return None
+    n, k = shape
+    return BlockCodes(8, q.to(torch.int8).view(n, k).contiguous(), scale.view(n, -1).contiguous(),
+                        offset.view(n, -1).contiguous(), (n, k))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per block (row): whether every value has the same bits (so -0.0 != 0.0, NaN == same NaN)."""
+    return (a.view(torch.int32) == b.view(torch.int32)).all(dim=1)
+
+
+def _float16_step(x: torch.Tensor, step: int) -> torch.Tensor:
+    """x (float16, >= 0) moved `step` representable float16 values up or down."""
+    if step == 0:
+        return x
+    bits = x.view(torch.int16).to(torch.int32) + step
+    return bits.clamp(0, 0x7BFF).to(torch.int16).view(torch.float16)

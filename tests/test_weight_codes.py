@@ -1,0 +1,103 @@
+"""engine/model/codes.py and engine/csrc/linear_codes.c: weights dequantized from GGUF Q4_1 / Q8_0
+are found again as their codes, bit for bit, and a GEMM over the codes gives the same bits as the
+float32 kernel over the float32 weights; anything else stays float32."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from engine import cpu_kernels
+from engine.cpu_kernels import linear
+from engine.model.codes import BlockCodes, encode, encode_for_cpu_decode, encode_model
+from tests.test_cpu_kernels import needs_kernel
+from tests.tiny_llama import gguf_roundtrip
+
+
+def gguf_weights(n: int, k: int, qtype: QType, seed: int) -> torch.Tensor:
+    """Random weights quantized and dequantized by gguf-py: what transformers loads from a GGUF file."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    return gguf_roundtrip(torch.from_numpy(w), qtype.name)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype, bits", [(QType.Q4_1, 4), (QType.Q8_0, 8)])
+@pytest.mark.parametrize("n, k", [(1, 32), (7, 64), (96, 576), (300, 1536)])
+def test_gguf_weights_are_found_as_their_codes(qtype, bits, n, k):
+    w = gguf_weights(n, k, qtype, seed=n + k)
+    codes = encode(w)
+    assert codes is not None and codes.bits == bits and codes.shape == (n, k)
+    assert same_bits(codes.to_float(), w)
+    assert codes.nbytes < w.numel() * 4 * (0.19 if bits == 4 else 0.32)
+
+
+def test_weights_that_are_not_codes_stay_float():
+    g = torch.Generator().manual_seed(0)
+    assert encode(torch.randn(64, 64, generator=g)) is None
+    almost = gguf_weights(64, 64, QType.Q4_1, seed=1)
+    almost[5, 17] = torch.nextafter(almost[5, 17], torch.tensor(1.0))  # one weight one ulp off its grid
+    assert encode(almost) is None
+    assert encode(gguf_weights(8, 64, QType.Q8_0, seed=2)[:, :48].contiguous()) is None  # K % 32 != 0
+    assert encode(gguf_weights(8, 64, QType.Q8_0, seed=3).double()) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 33])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 50, 577])
+def test_linear_over_codes_gives_the_float32_kernels_bits(qtype, m, n):
+    k = 96
+    w = gguf_weights(n, k, qtype, seed=m * 1000 + n)
+    codes = encode(w)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    assert same_bits(linear(x, w, codes=codes), linear(x, w))
+    assert same_bits(linear(x, w, bias, codes=codes), linear(x, w, bias))
+    torch.testing.assert_close(linear(x, w, codes=codes), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_model_sized_shapes_over_codes():
+    for n, k, qtype in [(960, 576, QType.Q4_1), (576, 1536, QType.Q4_1), (4099, 576, QType.Q8_0)]:
+        w = gguf_weights(n, k, qtype, seed=n)
+        x = torch.randn(16, k, generator=torch.Generator().manual_seed(k))
+        assert same_bits(linear(x, w, codes=encode(w)), linear(x, w))
+
+
+@needs_kernel
+def test_the_kernel_refuses_codes_it_cannot_read():
+    w = gguf_weights(4, 64, QType.Q8_0, seed=5)
+    c = encode(w)
+    bad = BlockCodes(5, c.codes, c.scale, c.offset, c.shape)
+    with pytest.raises(RuntimeError, match="codes failed"):
+        linear(torch.randn(2, 64), w, codes=bad)
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.weight_codes = None
+
+
+def test_encode_model_sets_codes_only_where_they_are_exact():
+    model = torch.nn.Sequential(_Linear(gguf_weights(8, 64, QType.Q4_1, seed=6)), _Linear(torch.randn(8, 64)))
+    assert encode_model(model) == 1
+    assert model[0].weight_codes.bits == 4 and model[1].weight_codes is None
+
+
+def test_codes_are_only_made_where_the_cpu_kernels_read_them(monkeypatch):
+    model = torch.nn.Sequential(_Linear(gguf_weights(8, 64, QType.Q4_1, seed=7)))
+    encode_for_cpu_decode(model, torch.device("cpu"), torch.bfloat16)
+    assert model[0].weight_codes is None
+    for switch in ("KVSERVE_CPU_KERNELS", "KVSERVE_WEIGHT_CODES"):
+        monkeypatch.setenv(switch, "0")
+        encode_for_cpu_decode(model, torch.device("cpu"), torch.float32)
+        assert model[0].weight_codes is None
+        monkeypatch.delenv(switch)
+    encode_for_cpu_decode(model, torch.device("cpu"), torch.float32)
+    assert (model[0].weight_codes is not None) == cpu_kernels.enabled()
