@@ -324,6 +324,8 @@ def test_smollm2_tp3_exact_vs_tp1(ray_cluster, smollm2_path, smol_prompts):
         assert "Paris" in AutoTokenizer.from_pretrained(smollm2_path).decode(ref[0])
         reports = llm.engine.executor.stats()["ranks"]
         assert [bool(r["files_opened"]) for r in reports] == [True, False, False]
+        # Each rank's slices of the Q4_1 / Q8_0 weights are still whole 32-weight blocks: all codes.
+        assert [r["weight_codes"] for r in reports] == [30 * 4 + 1] * 3
     finally:
         llm.engine.executor.shutdown()
 

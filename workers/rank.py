@@ -109,14 +109,14 @@ class RankWorker:
         with torch.device(self.device):
             model = LlamaModel(arch, dtype, self.tp)  # raises "cannot split" before any weight moves
         stats = load_sharded(model, self.model_dir if self.rank == 0 else None, self.tp)
-        encode_for_cpu_decode(model, self.device, dtype)
+        weight_codes = encode_for_cpu_decode(model, self.device, dtype)
         self.model, self.arch, self.dtype = model.eval(), arch, dtype
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         block_bytes = bytes_per_block(arch.num_layers, self.config.block_size, arch.local_kv_heads(self.world_size),
                                       arch.head_dim, dtype)
         return dict(rank=self.rank, max_blocks=num_kv_blocks(self._kv_config(), block_bytes, self.device),
                     block_bytes=block_bytes, param_bytes=param_bytes, bytes_read=stats.bytes_read,
-                    bytes_received=stats.bytes_received, files_opened=stats.files_opened,
+                    bytes_received=stats.bytes_received, files_opened=stats.files_opened, weight_codes=weight_codes,
                     load_s=time.perf_counter() - t0, memory_after_load=self.memory())
 
     def _kv_config(self) -> EngineConfig:

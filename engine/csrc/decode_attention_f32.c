@@ -7,7 +7,8 @@
  *   k_cache:  (num_blocks, block_size, KVH, D), v_cache the same
  *   tables:   (B, max_blocks) int64 block ids;  ctx_lens: (B,) int64
  *
- * Work item = (sequence, kv head): its G = H / KVH query heads share every K/V row loaded.
+ * Work item = one sequence, all of its heads: each cached token's KV heads are read as one
+ * contiguous run, and the G = H / KVH query heads of a kv head share every K/V row loaded.
  * Softmax in two passes over a per-item score buffer: scores (8 tokens at a time) and their max,
  * then exp and sum, then the weighted V sum (CHUNK tokens at a time).
  */
@@ -56,6 +57,8 @@ static inline long row_offset(const int64_t *table, long t, long bs, long block_
 
 static void one_item(const float *q, const float *kc, const float *vc, const int64_t *table, long ctx,
                      float *out, long G, long KVH, long D, long bs, float scale, float *scores) {
+    /* q, out: (KVH * G, D) for this sequence; kc, vc: the caches; scores: (KVH * G, ctx). All
+     * KVH heads at once, so each cached token's KVH * D contiguous floats are read together. */
     long row_stride = KVH * D, block_stride = bs * row_stride;
     __m256 vscale = _mm256_set1_ps(scale);
     /* Scores, 8 tokens at a time: each (token, head) dot product is its own chain of D / 8 FMAs
@@ -70,24 +73,26 @@ static void one_item(const float *q, const float *kc, const float *vc, const int
             k[j] = kc + off;
             /* the rows the V pass will read, into L2 while the scores are computed; and the
              * next group's K rows */
-            for (long d = 0; d < D; d += 16) _mm_prefetch((const char *)(vc + off + d), _MM_HINT_T1);
+            for (long d = 0; d < row_stride; d += 16) _mm_prefetch((const char *)(vc + off + d), _MM_HINT_T1);
             long tn = t + 8 < ctx ? t + 8 : t;
             const float *kn = kc + row_offset(table, tn, bs, block_stride, row_stride);
-            for (long d = 0; d < D; d += 16) _mm_prefetch((const char *)(kn + d), _MM_HINT_T0);
+            for (long d = 0; d < row_stride; d += 16) _mm_prefetch((const char *)(kn + d), _MM_HINT_T0);
         }
-        for (long g = 0; g < G; g++) {
+        for (long g = 0; g < KVH * G; g++) {
             const float *qg = q + g * D;
+            long kv_off = g / G * D;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
             for (long d = 0; d < D; d += 8) {
                 __m256 qv = _mm256_loadu_ps(qg + d);
-                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + d), a0);
-                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + d), a1);
-                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + d), a2);
-                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + d), a3);
-                a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + d), a4);
-                a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + d), a5);
-                a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + d), a6);
-                a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + d), a7);
+                long e = kv_off + d;
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + e), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + e), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + e), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + e), a3);
+                a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + e), a4);
+                a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + e), a5);
+                a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + e), a6);
+                a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + e), a7);
             }
             __m256 sv = _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), vscale);
             float *dst = scores + g * ctx + t0;
@@ -100,30 +105,33 @@ static void one_item(const float *q, const float *kc, const float *vc, const int
             }
         }
     }
-    for (long g = 0; g < G; g++) softmax_inplace(scores + g * ctx, ctx);
-    for (long i = 0; i < G * D; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
+    for (long g = 0; g < KVH * G; g++) softmax_inplace(scores + g * ctx, ctx);
+    for (long i = 0; i < KVH * G * D; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
     /* Weighted V sum, CHUNK tokens at a time: per head, 64 output lanes stay in registers while
      * the chunk's V rows (in cache after the first head) stream by. */
     for (long t0 = 0; t0 < ctx; t0 += CHUNK) {
         long nt = ctx - t0 < CHUNK ? ctx - t0 : CHUNK;
         const float *v[CHUNK];
         for (long j = 0; j < nt; j++) v[j] = vc + row_offset(table, t0 + j, bs, block_stride, row_stride);
-        for (long g = 0; g < G; g++) {
+        for (long g = 0; g < KVH * G; g++) {
             const float *p = scores + g * ctx + t0;
             float *og = out + g * D;
+            long kv_off = g / G * D;
             long d0 = 0;
             for (; d0 + 64 <= D; d0 += 64) {
                 __m256 o[8];
                 for (int i = 0; i < 8; i++) o[i] = _mm256_loadu_ps(og + d0 + 8 * i);
                 for (long j = 0; j < nt; j++) {
                     __m256 pj = _mm256_set1_ps(p[j]);
-                    for (int i = 0; i < 8; i++) o[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v[j] + d0 + 8 * i), o[i]);
+                    for (int i = 0; i < 8; i++)
+                        o[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v[j] + kv_off + d0 + 8 * i), o[i]);
                 }
                 for (int i = 0; i < 8; i++) _mm256_storeu_ps(og + d0 + 8 * i, o[i]);
             }
             for (; d0 < D; d0 += 8) { /* head dims that are not a multiple of 64 */
                 __m256 o = _mm256_loadu_ps(og + d0);
-                for (long j = 0; j < nt; j++) o = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v[j] + d0), o);
+                for (long j = 0; j < nt; j++)
+                    o = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v[j] + kv_off + d0), o);
                 _mm256_storeu_ps(og + d0, o);
             }
         }
@@ -140,17 +148,16 @@ int kvserve_decode_attention_f32(const float *q, const float *k_cache, const flo
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * (G * max_ctx + 1));
+        float *scores = malloc(sizeof(float) * (H * max_ctx + 1));
         if (!scores) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 1)
-        for (long item = 0; item < B * KVH; item++) {
+        for (long b = 0; b < B; b++) {
             if (!scores) continue;
-            long b = item / KVH, h = item % KVH;
-            one_item(q + (b * H + h * G) * D, k_cache + h * D, v_cache + h * D, tables + b * max_blocks, ctx_lens[b],
-                     out + (b * H + h * G) * D, G, KVH, D, block_size, scale, scores);
+            one_item(q + b * H * D, k_cache, v_cache, tables + b * max_blocks, ctx_lens[b], out + b * H * D, G, KVH, D,
+                     block_size, scale, scores);
         }
         free(scores);
     }

@@ -71,20 +71,21 @@ def encode_model(model: nn.Module) -> int:
     return count
 
 
-def encode_for_cpu_decode(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+def encode_for_cpu_decode(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
     """encode_model where the CPU kernels will read the codes: float32 on a CPU that runs them,
-    unless KVSERVE_WEIGHT_CODES=0 (to measure without them)."""
+    unless KVSERVE_WEIGHT_CODES=0 (to measure without them). Returns how many weights have codes."""
     from engine import cpu_kernels
 
     if (device.type != "cpu" or dtype != torch.float32 or os.environ.get("KVSERVE_WEIGHT_CODES", "1") == "0"
             or not cpu_kernels.enabled()):
-        return
+        return 0
     t0 = time.perf_counter()
     if count := encode_model(model):
         held = [m.weight_codes for m in model.modules() if getattr(m, "weight_codes", None) is not None]
         logger.info("decode reads %d weights as 4/8-bit codes (%.0f MB in place of %.0f MB of float32; found in "
                     "%.1fs)", count, sum(c.nbytes for c in held) / 1e6,
                     sum(c.shape[0] * c.shape[1] * 4 for c in held) / 1e6, time.perf_counter() - t0)
+    return count
 
 
 def _encode_affine_4bit(blocks: torch.Tensor, shape: torch.Size) -> BlockCodes | None:
