@@ -68,6 +68,7 @@ class EngineStats:
     waiting_prefill_tokens: int  # prompt tokens queued, not yet computed
     num_reserved_blocks: int = 0  # blocks admitted + queued requests still need to reach max_tokens
     max_num_seqs: int = 0
+    running_prefill_tokens: int = 0  # prompt tokens of admitted sequences whose chunked prefill is under way
     prefix_hashes: frozenset[int] = frozenset()  # bounded summary of cached prefix-block hashes
     timestamp: float = 0.0  # when the snapshot was taken (time.time() of the engine's host)
 

@@ -55,6 +55,11 @@ def reserved_blocks(scheduler: Scheduler) -> int:
     return total
 
 
+def running_prefill_tokens(scheduler: Scheduler) -> int:
+    """Prompt tokens admitted sequences have still to prefill (a decoding one has 1 token to go)."""
+    return sum(left for s in scheduler.running if (left := s.num_tokens - s.num_computed_tokens) > 1)
+
+
 def snapshot(scheduler: Scheduler, prefix_limit: int = 0, now: float | None = None) -> EngineStats:
     """The scheduler's state now; with `prefix_limit` > 0 also up to that many prefix hashes."""
     bm = scheduler.block_manager
@@ -66,5 +71,6 @@ def snapshot(scheduler: Scheduler, prefix_limit: int = 0, now: float | None = No
         prefix_hit_tokens=st.prefix_hit_tokens,
         waiting_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in scheduler.waiting),
         num_reserved_blocks=reserved_blocks(scheduler), max_num_seqs=scheduler.config.max_num_seqs,
+        running_prefill_tokens=running_prefill_tokens(scheduler),
         prefix_hashes=summarize_prefix_hashes(bm, prefix_limit) if prefix_limit > 0 else frozenset(),
         timestamp=time.time() if now is None else now)

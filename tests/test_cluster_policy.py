@@ -107,6 +107,20 @@ def test_the_cached_share_of_a_reported_queue_is_not_backlog():
     assert choose_kv(turn, {"home": mostly_cached, "other": other}, {}, NOW) == "home"
 
 
+def test_a_prefill_under_way_is_reported_and_counts_as_backlog():
+    """A prompt admitted and chunked over several steps is neither waiting nor decoding: the
+    report carries what it has left, and the router counts it like a queue."""
+    sched = Scheduler(SchedulerConfig(8, 10), BlockManager(64, 4))
+    sched.add(Sequence("long", prompt(15, 30), SamplingParams(max_tokens=4), 4))
+    batch = sched.schedule()
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        seq.num_computed_tokens += n
+    reported = build_replica_stats("busy", sched, NOW)
+    assert (reported.running_prefill_tokens, reported.waiting_prefill_tokens, reported.num_running) == (20, 0, 1)
+    busy = dataclasses.replace(stats("busy", running=1), running_prefill_tokens=3000)
+    assert choose_kv(req(), {"busy": busy, "idle": stats("idle", running=1)}, {}, NOW) == "idle"
+
+
 def _burst(view, ledger: PendingLedger, requests: list[RouteRequest]) -> list[str]:
     """Route requests one after another with no stats report in between; the replicas picked."""
     picks = []
