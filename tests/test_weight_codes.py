@@ -45,6 +45,21 @@ def test_weights_that_are_not_codes_stay_float():
     assert encode(gguf_weights(8, 64, QType.Q8_0, seed=3).double()) is None
 
 
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0])
+def test_encoding_in_row_chunks_gives_the_same_codes(monkeypatch, qtype):
+    from engine.model import codes as codes_module
+
+    w = gguf_weights(95, 576, qtype, seed=9)
+    whole = encode(w)
+    monkeypatch.setattr(codes_module, "CHUNK_WEIGHTS", 576 * 10)  # 10 rows a chunk, the last one 5
+    chunked = encode(w)
+    assert chunked.shape == whole.shape and chunked.bits == whole.bits
+    for field in ("codes", "scale", "offset"):
+        assert torch.equal(getattr(chunked, field), getattr(whole, field))
+    w[90, 3] = torch.nextafter(w[90, 3], torch.tensor(1.0))  # off the grid in the last chunk only
+    assert encode(w) is None
+
+
 @needs_kernel
 @pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 33])

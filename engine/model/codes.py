@@ -24,6 +24,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 BLOCK = 32  # weights per (scale, offset) pair, along a row: GGUF's block size for Q4_x and Q8_0
+CHUNK_WEIGHTS = 1 << 22  # weights encoded at a time
 
 
 @dataclass(frozen=True)
@@ -53,11 +54,23 @@ class BlockCodes:
 
 def encode(weight: torch.Tensor) -> BlockCodes | None:
     """The weight as 4-bit codes if they rebuild it exactly, else as 8-bit codes if those do,
-    else None."""
+    else None. Works through CHUNK_ROWS rows at a time, so its temporaries stay small and a
+    weight that is no grid is given up on at its first rows."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK or weight.numel() == 0:
         return None
-    blocks = weight.detach().reshape(-1, BLOCK)
-    return _encode_affine_4bit(blocks, weight.shape) or _encode_scaled_8bit(blocks, weight.shape)
+    rows = max(1, CHUNK_WEIGHTS // weight.shape[1])
+    first = weight[:rows].detach()
+    for encoder in (_encode_affine_4bit, _encode_scaled_8bit):
+        parts = [encoder(first.reshape(-1, BLOCK), first.shape)]
+        for start in range(rows, weight.shape[0], rows):
+            if parts[-1] is None:
+                break
+            chunk = weight[start:start + rows].detach()
+            parts.append(encoder(chunk.reshape(-1, BLOCK), chunk.shape))
+        if parts[-1] is not None:
+            return BlockCodes(parts[0].bits, *(torch.cat([getattr(p, f) for p in parts]) for f in
+                                               ("codes", "scale", "offset")), tuple(weight.shape))
+    return None
 
 
 def encode_model(model: nn.Module) -> int:
