@@ -35,6 +35,7 @@ from engine.model_source import cache_dir
 
 logger = logging.getLogger(__name__)
 
+PREFILL_HINT = 512  # the batch size oneDNN's weight layout is chosen for (prefill chunks)
 SMALL_M = 96  # rows up to which the kernel beats MKL on this shape of model (measured crossover ~110)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = sorted(_CSRC.glob("*.c"))
@@ -101,11 +102,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           codes: BlockCodes | None = None) -> torch.Tensor:
+           codes: BlockCodes | None = None, prepacked: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x (M, K), weight (N, K). `codes`, when given, is the same
     weight as 4/8-bit codes (engine/model/codes.py): a small batch reads those instead, for the
-    same bits in y."""
+    same bits in y. `prepacked`, when given, is the weight in oneDNN's blocked layout
+    (`prepack`): a large batch (prefill) runs oneDNN's GEMM on it instead of MKL's sgemm, which
+    on this 2-core AMD host does 197-216 GFLOPS against 116-180 (docs/benchmarks.md)."""
     if not _fits(x, weight) or not enabled():
+        if prepacked is not None and x.dim() == 2 and x.dtype == torch.float32 and not x.requires_grad:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepacked, bias, "none", [], "")
         return F.linear(x, weight, bias)
     x = x.contiguous()
     (m, k), n = x.shape, weight.shape[0]
@@ -120,6 +125,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     else:
         _library().kvserve_linear_f32(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, threads)
     return y if bias is None else y.add_(bias)
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight in oneDNN's blocked layout for `linear(..., prepacked=)`, or None where oneDNN is
+    not available."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREFILL_HINT)
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:

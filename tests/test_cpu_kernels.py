@@ -205,3 +205,16 @@ def test_rope_write_kv_is_bitwise_the_torch_path():
                                   heads, kv_heads, dim)
     assert torch.equal(q, q_ref)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("m", [SMALL_M + 1, 512, 1500])
+def test_prefill_sized_batches_run_on_the_prepacked_weight(m):
+    g = torch.Generator().manual_seed(m)
+    x, w, b = torch.randn(m, 576, generator=g), torch.randn(960, 576, generator=g), torch.randn(960, generator=g)
+    packed = cpu_kernels.prepack(w)
+    assert packed is not None and cpu_kernels.prepack(w.double()) is None
+    torch.testing.assert_close(linear(x, w, prepacked=packed), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(x, w, b, prepacked=packed), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    w.zero_()  # the prepacked copy is what a prefill-sized batch reads
+    assert linear(x, w, prepacked=packed).abs().sum() > 0

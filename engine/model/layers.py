@@ -145,6 +145,7 @@ class ColumnParallelLinear(ShardedModule):
         self.shard_ids = shard_ids or list(range(len(output_sizes)))
         self._param("weight", sum(self.shard_sizes), in_features, dtype=dtype)
         self.weight_codes = None  # the same weight as 4/8-bit codes, where it is exactly that (codes.py)
+        self.weight_prepacked = None  # the same weight in oneDNN's layout, for prefill on CPU (codes.py)
         self.bias = None
         if bias:
             self._param("bias", sum(self.shard_sizes), dtype=dtype)
@@ -161,7 +162,7 @@ class ColumnParallelLinear(ShardedModule):
         return rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_codes)
+        return linear(x, self.weight, self.bias, self.weight_codes, self.weight_prepacked)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -187,6 +188,7 @@ class RowParallelLinear(ShardedModule):
         self.in_shard = in_features // tp.size
         self._param("weight", out_features, self.in_shard, dtype=dtype)
         self.weight_codes = None
+        self.weight_prepacked = None
         self.bias = None
         if bias:
             self._param("bias", out_features, dtype=dtype)
@@ -200,7 +202,7 @@ class RowParallelLinear(ShardedModule):
         return Shard(dim=1, start=rank * self.in_shard, size=self.in_shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, codes=self.weight_codes)
+        y = linear(x, self.weight, codes=self.weight_codes, prepacked=self.weight_prepacked)
         y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
@@ -232,7 +234,8 @@ class VocabParallelEmbedding(ShardedModule):
         """As the (tied or own) lm_head: (N, hidden) -> (N, vocab) on the sampling rank, None on
         the other ranks."""
         # The model gives its head (only) a weight_codes attribute: a lookup table never reads codes.
-        y = linear(h, self.weight, codes=getattr(self, "weight_codes", None))  # (N, rows): this rank's vocab range
+        y = linear(h, self.weight, codes=getattr(self, "weight_codes", None),
+                   prepacked=getattr(self, "weight_prepacked", None))  # (N, rows): this rank's vocab range
         full = self.tp.gather_last_dim(y)  # (N, tp * rows)
         return None if full is None else full[:, :self.vocab_size]
 

@@ -154,6 +154,7 @@ class LlamaModel(nn.Module):
         self.lm_head = None if a.tie_word_embeddings else ParallelLMHead(a.vocab_size, a.hidden_size, tp, dtype)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         head.weight_codes = None  # its logits GEMM, like the linear layers', may read 4/8-bit codes (codes.py)
+        head.weight_prepacked = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: StepAttention) -> torch.Tensor:
