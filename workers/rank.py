@@ -25,10 +25,9 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.executor import resolve_dtype
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
-from engine.model.codes import encode_for_cpu_decode
 from engine.model.layers import SAMPLING_RANK, TPContext
 from engine.model.llama import LlamaModel, ModelArch
-from engine.model.loader import load_arch
+from engine.model.loader import load_arch, prepare_cpu_weights
 from engine.model_runner import ModelRunner
 from engine.runners import make_runner
 from workers.messages import Draws, RankMirror, StepMessage
@@ -109,7 +108,7 @@ class RankWorker:
         with torch.device(self.device):
             model = LlamaModel(arch, dtype, self.tp)  # raises "cannot split" before any weight moves
         stats = load_sharded(model, self.model_dir if self.rank == 0 else None, self.tp)
-        weight_codes = encode_for_cpu_decode(model, self.device, dtype)
+        weight_codes = prepare_cpu_weights(model, self.device, dtype)
         self.model, self.arch, self.dtype = model.eval(), arch, dtype
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         block_bytes = bytes_per_block(arch.num_layers, self.config.block_size, arch.local_kv_heads(self.world_size),

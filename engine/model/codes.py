@@ -9,7 +9,8 @@ kernel (engine/csrc/linear_codes.c) cuts a step's weight traffic about 5x withou
 bit: `encode` recovers the codes from the float32 tensor and keeps them only if they rebuild
 every weight bit for bit, so any other checkpoint simply stays float32.
 
-The float32 weights stay too: prefill (large batches) runs on MKL over them.
+The float32 weights stay too: prefill (large batches) reads them, or their oneDNN-prepacked copy
+(engine/model/loader.py, `prepare_cpu_weights`).
 """
 from __future__ import annotations
 
@@ -93,10 +94,6 @@ def encode_for_cpu_decode(model: nn.Module, device: torch.device, dtype: torch.d
             or not cpu_kernels.enabled()):
         return 0
     t0 = time.perf_counter()
-    if os.environ.get("KVSERVE_ONEDNN_PREFILL", "1") != "0":  # prefill's GEMMs on oneDNN (cpu_kernels.linear)
-        for module in model.modules():
-            if hasattr(module, "weight_codes"):
-                module.weight_prepacked = cpu_kernels.prepack(module.weight)
     if count := encode_model(model):
         held = [m.weight_codes for m in model.modules() if getattr(m, "weight_codes", None) is not None]
         logger.info("decode reads %d weights as 4/8-bit codes (%.0f MB in place of %.0f MB of float32; found in "

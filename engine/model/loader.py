@@ -1,12 +1,14 @@
 """Build the model from an HF-style directory: config via transformers, weights via safetensors."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine import cpu_kernels
 from engine.model.codes import encode_for_cpu_decode
 from engine.model.layers import TPContext
 from engine.model.llama import LlamaModel, ModelArch
@@ -59,5 +61,19 @@ def build_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     model = LlamaModel(arch, dtype, tp)
     load_weights(model, model_dir)
     model = model.to(device).eval()
-    encode_for_cpu_decode(model, device, dtype)
+    prepare_cpu_weights(model, device, dtype)
     return model
+
+
+def prepare_cpu_weights(model: LlamaModel, device: torch.device, dtype: torch.dtype) -> int:
+    """The second forms of the weights that engine.cpu_kernels.linear reads on a float32 CPU with
+    its kernels on: a oneDNN-prepacked copy for prefill (unless KVSERVE_ONEDNN_PREFILL=0), and
+    4/8-bit codes for decode where the weights are exactly those (codes.py). Returns how many
+    weights have codes."""
+    if device.type != "cpu" or dtype != torch.float32 or not cpu_kernels.enabled():
+        return 0
+    if os.environ.get("KVSERVE_ONEDNN_PREFILL", "1") != "0":
+        for module in model.modules():
+            if hasattr(module, "weight_prepacked"):
+                module.weight_prepacked = cpu_kernels.prepack(module.weight)
+    return encode_for_cpu_decode(model, device, dtype)
