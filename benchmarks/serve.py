@@ -38,6 +38,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -226,11 +227,13 @@ def print_summary(label: str, s: dict) -> None:
 
 # -- launching servers ------------------------------------------------------------------------------
 
-def launch_command(backend: str, port: int, model_dir: str, args: argparse.Namespace) -> list[str]:
+def launch_command(backend: str, port: int, model_dir: str, args: argparse.Namespace,
+                   metrics_port: int | None = None) -> list[str]:
     if backend == "kvserve":
+        metrics = ["--metrics-export-port", str(metrics_port)] if metrics_port else []
         return [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--model", model_dir,
                 "--served-model-name", SERVED_NAME, "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
-                *args.kvserve_arg]
+                *metrics, *args.kvserve_arg]
     if backend == "transformers":
         exe = Path(sys.executable).with_name("transformers")
         return [str(exe), "serve", model_dir, "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
@@ -246,8 +249,10 @@ class Launched:
 
     def __init__(self, backend: str, port: int, model_dir: str, args: argparse.Namespace) -> None:
         self.log = open(Path(args.log_dir) / f"{backend}.log", "w")
-        self.proc = subprocess.Popen(launch_command(backend, port, model_dir, args), cwd=ROOT, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        # kvserve's Ray exports the engine's step counters here (engine_steps reads them)
+        self.metrics_port = free_port() if backend == "kvserve" else None
+        self.proc = subprocess.Popen(launch_command(backend, port, model_dir, args, self.metrics_port), cwd=ROOT,
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def __enter__(self):
         return self
@@ -386,13 +391,50 @@ def vllm_bench(target: Target, conc: int | None, index: int, model_dir: str, arg
             "errors": [e for e in r.get("errors", []) if e][:3]}
 
 
+STEP_SERIES = re.compile(r'^ray_kvserve_engine_(steps|step_seconds)_total\{[^}]*kind="(\w+)"[^}]*\} (\S+)$', re.M)
+METRICS_LAG_S = 3.0  # the engine's counters reach Ray within 1 s, and Ray's export within 1 s more
+
+
+def engine_steps(metrics_port: int | None) -> dict[tuple[str, str], float] | None:
+    """kvserve's cumulative engine step counters, {(steps|step_seconds, kind): total}, summed over
+    replicas, from its Ray's Prometheus export; None when there is none to read."""
+    if metrics_port is None:
+        return None
+    try:
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    totals: dict[tuple[str, str], float] = {}
+    for name, kind, value in STEP_SERIES.findall(text):
+        totals[name, kind] = totals.get((name, kind), 0.0) + float(value)
+    return totals
+
+
+def step_ms(before: dict | None, after: dict | None) -> dict[str, float]:
+    """Mean engine step time (ms) by kind between two readings of engine_steps."""
+    out = {}
+    for kind in ("prefill", "decode"):
+        if before is None or after is None:
+            break
+        steps = after.get(("steps", kind), 0.0) - before.get(("steps", kind), 0.0)
+        if steps > 0:
+            out[kind] = 1e3 * (after.get(("step_seconds", kind), 0.0) - before.get(("step_seconds", kind), 0.0)) / steps
+    return out
+
+
 def measured_run(target: Target, others: list[Target], conc, index, tokenizer, model_dir, args) -> dict:
-    """A run, with the CPU seconds of the target's processes and of the idle `others`."""
+    """A run, with the CPU seconds of the target's processes and of the idle `others`, and for a
+    launched kvserve its engine's mean step times."""
     roots = [t for t in [target, *others] if t.server is not None]
     before = {t.label: cpu_seconds(t.server.proc.pid) for t in roots}
+    metrics_port = target.server.metrics_port if target.server is not None else None
+    steps_before = engine_steps(metrics_port)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     summary = load_once(target, conc, index, tokenizer, model_dir, args)
     used = {t.label: cpu_used(before[t.label], cpu_seconds(t.server.proc.pid)) for t in roots}
+    if steps_before is not None:
+        time.sleep(METRICS_LAG_S)
+        summary["engine_step_ms"] = step_ms(steps_before, engine_steps(metrics_port))
     summary["loadavg_1m_before"] = load
     summary["cpu_s"] = used.get(target.label, {})
     summary["idle_peers_cpu_s"] = {k: round(sum(v.values()), 1) for k, v in used.items() if k != target.label}
@@ -475,6 +517,9 @@ def print_table(rows: list[dict]) -> None:
             top = ", ".join(f"{k} {v:.1f}" for k, v in list(r["cpu_s"].items())[:6])
             print(f"CPU s, {r['target']} at {r['max_concurrency']} (round {r.get('round', 0)}): {top}; "
                   f"idle peers {r['idle_peers_cpu_s']}")
+        if r.get("engine_step_ms"):
+            ms = ", ".join(f"{k} {v:.1f}" for k, v in r["engine_step_ms"].items())
+            print(f"engine step ms, {r['target']} at {r['max_concurrency']} (round {r.get('round', 0)}): {ms}")
     by = {(r["target"], r["max_concurrency"], r.get("round", 0)): r for r in rows}
     for (target, conc, rnd), r in by.items():
         for peer_name in ("vllm", "transformers"):

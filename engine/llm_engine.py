@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -11,7 +12,7 @@ from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request
 from engine.sampler import SampleResult
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import Sequence
 from engine.snapshot import DEFAULT_PREFIX_LIMIT, snapshot
 from engine.structured.compiler import CompiledGrammar, GrammarCompiler
@@ -104,9 +105,16 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        try:
+            return self._run(batch)
+        finally:  # a step that raised took its time too
+            self.scheduler.stats.record_step(batch.num_tokens > len(batch.seqs), time.perf_counter() - start)
+
+    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         mask = self.structured.mask([batch.seqs[i] for i in batch.sampled(self.config.block_size)]) \
             if self.structured else None
         out = self.executor.execute(batch, mask)  # which sequences sample, and their draws

@@ -69,6 +69,12 @@ class EngineStats:
     num_reserved_blocks: int = 0  # blocks admitted + queued requests still need to reach max_tokens
     max_num_seqs: int = 0
     running_prefill_tokens: int = 0  # prompt tokens of admitted sequences whose chunked prefill is under way
+    # Cumulative engine steps and their wall time on the step thread, split by whether the step
+    # computed prompt tokens (prefill: prompt chunks, maybe with decodes) or decodes only.
+    prefill_steps: int = 0
+    prefill_step_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_step_seconds: float = 0.0
     prefix_hashes: frozenset[int] = frozenset()  # bounded summary of cached prefix-block hashes
     timestamp: float = 0.0  # when the snapshot was taken (time.time() of the engine's host)
 

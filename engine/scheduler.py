@@ -65,6 +65,19 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    # The engine's steps over these batches (LLMEngine.step times them): see EngineStats.
+    prefill_steps: int = 0
+    prefill_step_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_step_seconds: float = 0.0
+
+    def record_step(self, prefill: bool, seconds: float) -> None:
+        if prefill:
+            self.prefill_steps += 1
+            self.prefill_step_seconds += seconds
+        else:
+            self.decode_steps += 1
+            self.decode_step_seconds += seconds
 
 
 class Scheduler:

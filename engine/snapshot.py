@@ -72,5 +72,7 @@ def snapshot(scheduler: Scheduler, prefix_limit: int = 0, now: float | None = No
         waiting_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in scheduler.waiting),
         num_reserved_blocks=reserved_blocks(scheduler), max_num_seqs=scheduler.config.max_num_seqs,
         running_prefill_tokens=running_prefill_tokens(scheduler),
+        prefill_steps=st.prefill_steps, prefill_step_seconds=st.prefill_step_seconds,
+        decode_steps=st.decode_steps, decode_step_seconds=st.decode_step_seconds,
         prefix_hashes=summarize_prefix_hashes(bm, prefix_limit) if prefix_limit > 0 else frozenset(),
         timestamp=time.time() if now is None else now)

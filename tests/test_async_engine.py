@@ -50,6 +50,19 @@ def test_streams_match_offline(tiny_dir, prompts):
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 
+def test_stats_count_the_steps_and_their_time_by_kind(tiny_dir, prompts):
+    """110 prompt tokens at 64 a step: two steps compute prompt tokens, then the last prompt's
+    19 further tokens take decode-only steps."""
+    llm = LLM(model=tiny_dir, num_gpu_blocks_override=64, max_num_batched_tokens=64)
+    start = time.perf_counter()
+    llm.generate(prompts, GREEDY)
+    wall = time.perf_counter() - start
+    s = llm.engine.stats()
+    assert (s.prefill_steps, s.decode_steps) == (2, 19)
+    assert 0 < s.prefill_step_seconds and 0 < s.decode_step_seconds
+    assert s.prefill_step_seconds + s.decode_step_seconds <= wall
+
+
 def _wait_free(engine: AsyncEngine, timeout: float = 2.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

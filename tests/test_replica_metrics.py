@@ -143,6 +143,16 @@ def test_gauges_and_engine_counters_from_stats_snapshots():
     assert values(sinks, M.PREFIX_HITS) == [32]
 
 
+def test_engine_step_counters_become_increments_by_kind():
+    m, sinks = recorder()
+    m.record_stats(stats(prefill_steps=2, prefill_step_seconds=1.5, decode_steps=10, decode_step_seconds=0.5))
+    m.record_stats(stats(prefill_steps=2, prefill_step_seconds=1.5, decode_steps=14, decode_step_seconds=0.75))
+    assert values(sinks, M.ENGINE_STEPS) == [2, 10, 4]
+    assert sinks[M.ENGINE_STEPS].tags == [{"kind": "prefill"}, {"kind": "decode"}, {"kind": "decode"}]
+    assert values(sinks, M.ENGINE_STEP_SECONDS) == pytest.approx([1.5, 0.5, 0.25])
+    assert sinks[M.ENGINE_STEP_SECONDS].tags == [{"kind": "prefill"}, {"kind": "decode"}, {"kind": "decode"}]
+
+
 def test_refresh_loop_keeps_going_after_a_failed_read():
     m, sinks = recorder()
     calls = []

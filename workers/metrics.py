@@ -12,6 +12,9 @@ carries `model_name` and, from Serve, `deployment`, `replica` and `application`.
     kvserve_num_preemptions                counter      "   (the engine's cumulative counters, as deltas)
     kvserve_prefix_cache_queries           counter      "   (prompt tokens looked up)
     kvserve_prefix_cache_hits              counter      "   (of those, found cached)
+    kvserve_engine_steps                   counter      "   by kind: prefill (computed prompt tokens) | decode
+    kvserve_engine_step_seconds            counter      "   wall time of those steps, by kind (their ratio:
+                                                            the mean step time, which a busy host stretches)
     kvserve_prompt_tokens                  counter    RequestTimer: once its prefill is done
     kvserve_generation_tokens              counter      "   every FLUSH_PERIOD_S and at the end
     kvserve_time_to_first_token_seconds    histogram    "   arrival at the replica -> first token
@@ -75,7 +78,11 @@ TTFT = "kvserve_time_to_first_token_seconds"
 ITL = "kvserve_inter_token_latency_seconds"
 E2E = "kvserve_e2e_request_latency_seconds"
 REQUEST_SUCCESS = "kvserve_request_success"
+ENGINE_STEPS = "kvserve_engine_steps"
+ENGINE_STEP_SECONDS = "kvserve_engine_step_seconds"
 FINISHED_REASON = "finished_reason"
+STEP_KIND = "kind"
+STEP_KINDS = ("prefill", "decode")
 MODEL_NAME = "model_name"
 
 METRICS = (
@@ -85,6 +92,10 @@ METRICS = (
     MetricSpec(PREEMPTIONS, "Counter", "Sequences preempted to free KV blocks."),
     MetricSpec(PREFIX_QUERIES, "Counter", "Prompt tokens looked up in the prefix cache."),
     MetricSpec(PREFIX_HITS, "Counter", "Prompt tokens found in the prefix cache."),
+    MetricSpec(ENGINE_STEPS, "Counter", "Engine steps, by kind: prefill (computed prompt tokens) or decode (only decodes).",
+               tag_keys=(STEP_KIND,)),
+    MetricSpec(ENGINE_STEP_SECONDS, "Counter", "Wall-clock seconds of the engine's steps, by kind (prefill, decode).",
+               tag_keys=(STEP_KIND,)),
     MetricSpec(PROMPT_TOKENS, "Counter", "Prompt tokens of requests whose prefill completed."),
     MetricSpec(GENERATION_TOKENS, "Counter", "Generated tokens, all samples of a request together."),
     MetricSpec(TTFT, "Histogram", "Seconds from a request's arrival at the replica to its first token.",
@@ -99,7 +110,9 @@ METRICS = (
 
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
-ZERO_TAGS = {REQUEST_SUCCESS: [{FINISHED_REASON: r} for r in FINISHED_REASONS]}  # series a counter starts with
+ZERO_TAGS = {REQUEST_SUCCESS: [{FINISHED_REASON: r} for r in FINISHED_REASONS],  # series a counter starts with
+             ENGINE_STEPS: [{STEP_KIND: k} for k in STEP_KINDS],
+             ENGINE_STEP_SECONDS: [{STEP_KIND: k} for k in STEP_KINDS]}
 
 
 def ray_metrics(model_name: str) -> dict[str, object]:
@@ -134,6 +147,7 @@ class EngineMetrics:
         self.sinks = sinks
         self.clock = clock
         self._totals = {PREEMPTIONS: 0, PREFIX_QUERIES: 0, PREFIX_HITS: 0}  # engine counters seen so far
+        self._steps = {(name, kind): 0 for name in (ENGINE_STEPS, ENGINE_STEP_SECONDS) for kind in STEP_KINDS}
 
     def start_request(self, num_prompt_tokens: int) -> RequestTimer:
         return RequestTimer(self, num_prompt_tokens, self.clock())
@@ -147,6 +161,11 @@ class EngineMetrics:
                             (PREFIX_HITS, stats.prefix_hit_tokens)):
             self._inc(name, total - self._totals[name])
             self._totals[name] = total
+        for kind, steps, seconds in (("prefill", stats.prefill_steps, stats.prefill_step_seconds),
+                                     ("decode", stats.decode_steps, stats.decode_step_seconds)):
+            for name, total in ((ENGINE_STEPS, steps), (ENGINE_STEP_SECONDS, seconds)):
+                self._inc(name, total - self._steps[name, kind], {STEP_KIND: kind})
+                self._steps[name, kind] = total
 
     async def refresh_forever(self, stats_fn: Callable[[], EngineStats],
                               period_s: float = REFRESH_PERIOD_S) -> None:
@@ -181,9 +200,12 @@ class EngineMetrics:
         self.sinks[E2E].observe(e2e_s)
         self.sinks[REQUEST_SUCCESS].inc(1, {FINISHED_REASON: reason})
 
-    def _inc(self, name: str, value: int) -> None:
+    def _inc(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
         if value > 0:  # Ray's Counter rejects 0
-            self.sinks[name].inc(value)
+            if tags:
+                self.sinks[name].inc(value, tags)
+            else:
+                self.sinks[name].inc(value)
 
 
 class RequestTimer:

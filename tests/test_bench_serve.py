@@ -1,0 +1,27 @@
+"""benchmarks/serve.py's reading of kvserve's engine step counters from Ray's Prometheus text."""
+from benchmarks import serve
+
+EXPORT = """# HELP ray_kvserve_engine_steps_total Engine steps, by kind
+# TYPE ray_kvserve_engine_steps_total counter
+ray_kvserve_engine_steps_total{application="kvserve",deployment="EngineServer",kind="decode",model_name="bench",replica="a"} 100.0
+ray_kvserve_engine_steps_total{application="kvserve",deployment="EngineServer",kind="decode",model_name="bench",replica="b"} 20.0
+ray_kvserve_engine_steps_total{application="kvserve",deployment="EngineServer",kind="prefill",model_name="bench",replica="a"} 4.0
+ray_kvserve_engine_step_seconds_total{application="kvserve",deployment="EngineServer",kind="decode",model_name="bench",replica="a"} 5.0
+ray_kvserve_engine_step_seconds_total{application="kvserve",deployment="EngineServer",kind="decode",model_name="bench",replica="b"} 1.0
+ray_kvserve_engine_step_seconds_total{application="kvserve",deployment="EngineServer",kind="prefill",model_name="bench",replica="a"} 8.0
+ray_kvserve_num_preemptions_total{application="kvserve",model_name="bench",replica="a"} 3.0
+"""
+
+
+def test_step_counters_are_summed_over_replicas_and_differenced_into_mean_step_times(monkeypatch):
+    class Response:
+        text = EXPORT
+
+    monkeypatch.setattr(serve.httpx, "get", lambda url, timeout: Response())
+    after = serve.engine_steps(9999)
+    assert after == {("steps", "decode"): 120.0, ("steps", "prefill"): 4.0,
+                     ("step_seconds", "decode"): 6.0, ("step_seconds", "prefill"): 8.0}
+    before = {("steps", "decode"): 20.0, ("step_seconds", "decode"): 1.0, ("steps", "prefill"): 4.0,
+              ("step_seconds", "prefill"): 8.0}
+    assert serve.step_ms(before, after) == {"decode": 50.0}  # no prefill step in between: no prefill figure
+    assert serve.step_ms(None, after) == {} and serve.engine_steps(None) is None
