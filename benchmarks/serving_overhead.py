@@ -44,7 +44,7 @@ def main(argv=None) -> int:
         key, _, value = kv.partition("=")
         os.environ[key] = value
     os.environ["KVSERVE_PACED_STEP_S"] = str(args.step_s)
-    launch_args = argparse.Namespace(log_dir=args.log_dir, max_model_len=1024, kvserve_arg=[
+    launch_args = argparse.Namespace(log_dir=args.log_dir, max_model_len=1024, dtype="float32", kvserve_arg=[
         "--engine-cls", "benchmarks.paced_engine:PacedEngine", *args.kvserve_arg])
     port = free_port()
     url = f"http://127.0.0.1:{port}"
