@@ -112,7 +112,7 @@ class LLMEngine:
         try:
             return self._run(batch)
         finally:  # a step that raised took its time too
-            self.scheduler.stats.record_step(batch.num_tokens > len(batch.seqs), time.perf_counter() - start)
+            self.scheduler.stats.record_step(batch.has_prefill, time.perf_counter() - start)
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         mask = self.structured.mask([batch.seqs[i] for i in batch.sampled(self.config.block_size)]) \

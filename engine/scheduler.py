@@ -39,6 +39,11 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    @property
+    def has_prefill(self) -> bool:
+        """Whether the step computes prompt tokens (a prefill chunk), not only decodes."""
+        return self.num_tokens > len(self.seqs)
+
     def __len__(self) -> int:
         return len(self.seqs)
 

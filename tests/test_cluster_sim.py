@@ -1,4 +1,5 @@
 """The cluster simulator (cluster/sim): same scheduling as the engine, and kv beats pow2 on prefixes."""
+import dataclasses
 import random
 
 import numpy as np
@@ -75,6 +76,8 @@ def test_sim_replica_schedules_exactly_like_the_engine(tiny_dir):
         preempted += len(sim_view[1])
         a = build_replica_stats("x", engine.scheduler, 0.0)
         b = build_replica_stats("x", replica.scheduler, 0.0)
+        # the same steps of each kind; the engine's took wall time, the replica's none
+        a = dataclasses.replace(a, prefill_step_seconds=0.0, decode_step_seconds=0.0)
         assert a == b, f"step {step}"
         ebm, sbm = engine.block_manager, replica.block_manager  # down to the LRU order of the free queue
         assert list(ebm.free_ids) == list(sbm.free_ids) and ebm.hash_to_block == sbm.hash_to_block, f"step {step}"
@@ -83,7 +86,8 @@ def test_sim_replica_schedules_exactly_like_the_engine(tiny_dir):
         assert step < 500
     assert not replica.has_work()
     assert preempted > 0 and replica.scheduler.stats.prefix_hit_tokens > 0  # the trace exercised both
-    assert replica.scheduler.stats == engine.scheduler.stats
+    assert replica.scheduler.stats == dataclasses.replace(engine.scheduler.stats, prefill_step_seconds=0.0,
+                                                          decode_step_seconds=0.0)
 
 
 def test_kv_routing_beats_pow2_on_shared_prefixes():
@@ -154,6 +158,10 @@ def test_a_simulated_replica_meets_the_engine_state_contract():
     report = replica.report(2.5)
     assert report.replica_id == "r" and report.timestamp == 2.5 and report.num_waiting == 1
     assert replica.stats().num_waiting == 1 and replica.routing_snapshot().num_total_blocks == 64
+    for seconds in (0.5, 0.25, 0.25):  # the prompt, then two decodes, in simulated seconds
+        replica.complete(replica.schedule(), seconds)
+    s = replica.stats()
+    assert (s.prefill_steps, s.prefill_step_seconds, s.decode_steps, s.decode_step_seconds) == (1, 0.5, 2, 0.5)
 
 
 def test_multi_turn_sessions_extend_the_previous_prompt_and_answer():

@@ -76,8 +76,10 @@ class SimReplica:
     def schedule(self) -> ScheduledBatch:
         return self.scheduler.schedule()
 
-    def complete(self, batch: ScheduledBatch) -> StepResult:
-        """LLMEngine.step after executor.execute, for n = 1 and ignore_eos."""
+    def complete(self, batch: ScheduledBatch, seconds: float = 0.0) -> StepResult:
+        """LLMEngine.step after executor.execute, for n = 1 and ignore_eos; the step took `seconds`
+        of simulated time."""
+        self.scheduler.stats.record_step(batch.has_prefill, seconds)
         out = StepResult()
         max_len = self.config.max_model_len
 

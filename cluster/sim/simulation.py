@@ -91,7 +91,7 @@ class Simulation:
         self.ledger = PendingLedger(expire_after_s=max(10.0, 4 * cfg.stats_interval_s))
         self.held: deque[_Held] = deque()
         self.records: dict[str, RequestRecord] = {}
-        self.inflight: dict[str, ScheduledBatch] = {}  # replica -> the batch of its running step
+        self.inflight: dict[str, tuple[ScheduledBatch, float]] = {}  # replica -> its running step and its duration
         uncapped = getattr(self.router, "queues_at_replica", False)
         self.max_ongoing = cfg.max_ongoing or (None if uncapped else cfg.replica.max_num_seqs)
         self.rejected = 0
@@ -202,12 +202,13 @@ class Simulation:
         batch = rep.schedule()
         if not batch.seqs:  # nothing schedulable (cannot happen with work queued and an empty pool)
             return
-        self.inflight[rid] = batch
-        self._push(self.now + self.config.cost.batch_time(batch), STEP_DONE, rid)
+        seconds = self.config.cost.batch_time(batch)
+        self.inflight[rid] = (batch, seconds)
+        self._push(self.now + seconds, STEP_DONE, rid)
 
     def _on_step_done(self, rid: str) -> None:
-        rep, batch = self.replicas[rid], self.inflight.pop(rid)
-        res = rep.complete(batch)
+        rep, (batch, seconds) = self.replicas[rid], self.inflight.pop(rid)
+        res = rep.complete(batch, seconds)
         for seq in res.first_token:
             self.records[seq.request_id].first_token = self.now
         for seq in res.finished:
