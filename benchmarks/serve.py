@@ -412,10 +412,10 @@ def engine_steps(metrics_port: int | None) -> dict[tuple[str, str], float] | Non
 
 def step_ms(before: dict | None, after: dict | None) -> dict[str, float]:
     """Mean engine step time (ms) by kind between two readings of engine_steps."""
+    if before is None or after is None:
+        return {}
     out = {}
     for kind in ("prefill", "decode"):
-        if before is None or after is None:
-            break
         steps = after.get(("steps", kind), 0.0) - before.get(("steps", kind), 0.0)
         if steps > 0:
             out[kind] = 1e3 * (after.get(("step_seconds", kind), 0.0) - before.get(("step_seconds", kind), 0.0)) / steps

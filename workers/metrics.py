@@ -146,8 +146,7 @@ class EngineMetrics:
     def __init__(self, sinks: Mapping[str, object], clock: Callable[[], float] = time.monotonic) -> None:
         self.sinks = sinks
         self.clock = clock
-        self._totals = {PREEMPTIONS: 0, PREFIX_QUERIES: 0, PREFIX_HITS: 0}  # engine counters seen so far
-        self._steps = {(name, kind): 0 for name in (ENGINE_STEPS, ENGINE_STEP_SECONDS) for kind in STEP_KINDS}
+        self._totals: dict[tuple[str, str | None], float] = {}  # (counter, step kind) -> engine total seen so far
 
     def start_request(self, num_prompt_tokens: int) -> RequestTimer:
         return RequestTimer(self, num_prompt_tokens, self.clock())
@@ -157,15 +156,15 @@ class EngineMetrics:
         self.sinks[RUNNING].set(stats.num_running)
         self.sinks[WAITING].set(stats.num_waiting)
         self.sinks[KV_USAGE].set(stats.kv_usage)
-        for name, total in ((PREEMPTIONS, stats.num_preemptions), (PREFIX_QUERIES, stats.prefix_query_tokens),
-                            (PREFIX_HITS, stats.prefix_hit_tokens)):
-            self._inc(name, total - self._totals[name])
-            self._totals[name] = total
-        for kind, steps, seconds in (("prefill", stats.prefill_steps, stats.prefill_step_seconds),
-                                     ("decode", stats.decode_steps, stats.decode_step_seconds)):
-            for name, total in ((ENGINE_STEPS, steps), (ENGINE_STEP_SECONDS, seconds)):
-                self._inc(name, total - self._steps[name, kind], {STEP_KIND: kind})
-                self._steps[name, kind] = total
+        for name, kind, total in ((PREEMPTIONS, None, stats.num_preemptions),
+                                  (PREFIX_QUERIES, None, stats.prefix_query_tokens),
+                                  (PREFIX_HITS, None, stats.prefix_hit_tokens),
+                                  (ENGINE_STEPS, "prefill", stats.prefill_steps),
+                                  (ENGINE_STEP_SECONDS, "prefill", stats.prefill_step_seconds),
+                                  (ENGINE_STEPS, "decode", stats.decode_steps),
+                                  (ENGINE_STEP_SECONDS, "decode", stats.decode_step_seconds)):
+            self._inc(name, total - self._totals.get((name, kind), 0), {STEP_KIND: kind} if kind else None)
+            self._totals[name, kind] = total
 
     async def refresh_forever(self, stats_fn: Callable[[], EngineStats],
                               period_s: float = REFRESH_PERIOD_S) -> None:
@@ -202,10 +201,7 @@ class EngineMetrics:
 
     def _inc(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
         if value > 0:  # Ray's Counter rejects 0
-            if tags:
-                self.sinks[name].inc(value, tags)
-            else:
-                self.sinks[name].inc(value)
+            self.sinks[name].inc(value, tags)
 
 
 class RequestTimer:

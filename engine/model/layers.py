@@ -145,7 +145,7 @@ class ColumnParallelLinear(ShardedModule):
         self.shard_ids = shard_ids or list(range(len(output_sizes)))
         self._param("weight", sum(self.shard_sizes), in_features, dtype=dtype)
         self.weight_codes = None  # the same weight as 4/8-bit codes, where it is exactly that (codes.py)
-        self.weight_prepacked = None  # the same weight in oneDNN's layout, for prefill on CPU (codes.py)
+        self.weight_prepacked = None  # the same weight in oneDNN's layout, for prefill on CPU (loader.prepare_cpu_weights)
         self.bias = None
         if bias:
             self._param("bias", sum(self.shard_sizes), dtype=dtype)
