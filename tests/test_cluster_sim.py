@@ -227,3 +227,20 @@ def test_ttft_floor_reuses_what_the_workload_lets_a_request_reuse():
     assert cached_tokens(first, set(), 16) == 0 and cached_tokens(first, {first.group}, 16) == 64
     assert second.context is first and cached_tokens(second, set(), 16) == \
         (first.num_prompt_tokens + first.max_tokens) // 16 * 16
+
+
+def test_prewarm_gives_every_replica_every_shared_prefix_from_the_start():
+    from cluster.sim.simulation import Simulation
+
+    wl = generate(WorkloadConfig(kind="multi-turn", rate=6, duration_s=3, num_groups=3, prefix_len=64,
+                                 prompt_mean=16, output_mean=8, seed=8))
+    cfg = SimConfig(num_replicas=3, warmup_s=0)
+    cold, warm = Simulation(cfg, "round_robin"), Simulation(dataclasses.replace(cfg, prewarm=True), "round_robin")
+    cold_res, warm_res = cold.run(wl), warm.run(wl)
+    assert warm_res.num_finished == cold_res.num_finished == len(wl)
+    firsts = [s for s in wl if s.context is None]
+    # each first turn finds its system prompt (64 tokens, 4 blocks) wherever it lands, from t = 0
+    assert all(warm.records[s.request_id].num_cached_tokens >= 64 for s in firsts)
+    assert any(cold.records[s.request_id].num_cached_tokens == 0 for s in firsts)
+    assert all(len(warm.replicas[r].report(0.0).prefix_hashes) >= 3 * 4 for r in warm.replicas)
+    assert warm_res.ttft_p99 < cold_res.ttft_p99

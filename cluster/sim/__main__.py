@@ -83,6 +83,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-weight", type=float, default=KVPolicyConfig.load_weight, help="kv: see cluster/policy.py")
     p.add_argument("--request-weight", type=float, default=KVPolicyConfig.request_weight,
                    help="kv: prompt tokens one request in flight costs (see cluster/policy.py)")
+    p.add_argument("--session-weight", type=float, default=KVPolicyConfig.session_weight,
+                   help="kv: what a request in flight costs a session's first request (see cluster/policy.py)")
     p.add_argument("--prefill-rate", type=float,
                    help="kv: prompt tokens/s a replica prefills (default: the cost model's, 0.9 / b)")
     p.add_argument("--held-order", choices=["affinity", "fifo"], default=KVPolicyConfig.held_order,
@@ -92,6 +94,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-slo", type=float, default=SimConfig.ttft_slo_s,
                    help="goodput: a request meets the SLO when its first token came within this (s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prewarm", action="store_true",
+                   help="every replica starts holding every shared prefix (what routing could reach with no cold prefix)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -100,11 +104,12 @@ def sim_config(args) -> SimConfig:
     replica = ReplicaConfig(num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens)
     rate = args.prefill_rate if args.prefill_rate is not None else round(0.9 / cost.b) if cost.b > 0 else 0.0
-    kv = KVPolicyConfig(load_weight=args.load_weight, request_weight=args.request_weight, prefill_rate=rate,
+    kv = KVPolicyConfig(load_weight=args.load_weight, request_weight=args.request_weight,
+                        session_weight=args.session_weight, prefill_rate=rate,
                         held_order=args.held_order, max_hold_s=args.max_hold, ttft_slo_s=args.ttft_slo)
     return SimConfig(num_replicas=args.replicas, replica=replica, cost=cost, stats_interval_s=args.stats_interval,
                      max_queue=args.max_queue, max_ongoing=args.max_ongoing, warmup_s=args.warmup, kv=kv,
-                     ttft_slo_s=args.ttft_slo, seed=args.seed)
+                     ttft_slo_s=args.ttft_slo, seed=args.seed, prewarm=args.prewarm)
 
 
 def workload_config(args, workload: str, rate: float) -> WorkloadConfig:

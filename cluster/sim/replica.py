@@ -70,6 +70,13 @@ class SimReplica:
         self.scheduler.add(seq)
         return seq
 
+    def prewarm(self, token_ids: list[int]) -> None:
+        """Leave `token_ids`' full blocks in the prefix cache, as if a request with that prompt had
+        run and finished here, at no simulated time (the free blocks are evicted as usual)."""
+        seq = Sequence(f"prewarm-{len(token_ids)}", list(token_ids), SamplingParams(max_tokens=1), 1)
+        if self.block_manager.allocate_slots(seq, len(token_ids)):
+            self.block_manager.free(seq)
+
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished()
 

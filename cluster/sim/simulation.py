@@ -58,6 +58,10 @@ class SimConfig:
     kv: KVPolicyConfig = KVPolicyConfig()
     ttft_slo_s: float = 2.0  # goodput: requests whose first token came within this
     seed: int = 0
+    # Every replica starts with every shared prefix of the workload in its prefix cache (system
+    # prompts, group prefixes): a world no router can make for free, which shows what routing could
+    # reach if no request ever met a cold prefix.
+    prewarm: bool = False
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1 or self.stats_interval_s <= 0 or self.max_queue < 1 or self.ttft_slo_s <= 0:
@@ -235,6 +239,8 @@ class Simulation:
 
     # -- the loop ---------------------------------------------------------------------------------------
     def run(self, workload: list[RequestSpec]) -> SimResult:
+        if self.config.prewarm:
+            self._prewarm(workload)
         for spec in workload:
             if spec.context is None:
                 self._push(spec.arrival, ARRIVAL, spec)
@@ -259,6 +265,13 @@ class Simulation:
             sys.stderr.write("\n")
         return summarize(self.policy, self.config, list(self.records.values()), self.replicas.values(),
                          self.now, self.rejected, self.max_held, n_events)
+
+    def _prewarm(self, workload: list[RequestSpec]) -> None:
+        prefixes = {id(s.prefix): s.prefix for s in workload if s.prefix}  # one object per group
+        for rep in self.replicas.values():
+            for prefix in prefixes.values():
+                rep.prewarm(list(prefix))
+            self.stats[rep.replica_id] = rep.report(0.0, self.config.prefix_limit)
 
     def _idle(self) -> bool:
         return not self.held and not self.inflight and not self.arrivals_due
