@@ -40,7 +40,7 @@ from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingReque
 from cluster.peers import CacheAwareConfig, PrefixAffinityConfig
 from cluster.pending import PendingLedger
 from cluster.policy import (ROUTERS, CacheAwareRouter, KVPolicyConfig, PrefixAffinityRouter, RouteRequest, SessionRouter,
-                            choose_kv, rank_key, record_dispatch)
+                            SeenSessions, choose_kv, rank_key, record_dispatch)
 from cluster.stats import ReplicaStats
 from engine.config import EngineConfig
 
@@ -79,6 +79,7 @@ class KVRequestRouter(RequestRouter):
         self._stats: dict[str, ReplicaStats] = {}  # parsed reports, by replica
         self._booked: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, footprint blocks)
         self._held: dict[str, tuple[float, float, RouteRequest]] = {}  # id -> (first held, last asked, request)
+        self._sessions = SeenSessions()  # the session ids this router has routed (ingress replicas: each its own)
         self._last_expire = 0.0
 
     def _view(self, replicas: list[RunningReplica]) -> dict[str, ReplicaStats | None]:
@@ -110,12 +111,13 @@ class KVRequestRouter(RequestRouter):
         key = pending_request.metadata.internal_request_id
         self._unbook(key, now)  # a retry: Serve found our last pick full
         view = self._view(candidate_replicas)
-        rid = choose_kv(request, view, self.ledger.view(), now, self.config)
+        rid = choose_kv(request, view, self.ledger.view(), now, self.config, self._sessions.is_new(request.session))
         if rid is None or self._yields(key, rid, view, now):
             first = self._held.get(key, (now,))[0]
             self._held[key] = (first, now, request)
             return []  # hold: Serve backs off and asks again
         self._held.pop(key, None)
+        self._sessions.add(request.session)
         self._booked[key] = (rid, record_dispatch(self.ledger, rid, request, view, now, self.default_block_size))
         return [[r for r in candidate_replicas if replica_key(r.replica_id) == rid]]
 

@@ -70,7 +70,7 @@ class HandleReplicaClient:
         # untouched). Cancellation does not depend on it: `generate` cancels the call itself
         # when its consumer goes away.
         _set_request_context(_internal_request_id=uuid.uuid4().hex)
-        session = current_session()  # for --routing session (router.session)
+        session = current_session()  # for --routing session and kv (router.session)
         stream = self._stream if session is None else self._stream.options(session_id=session)
         return stream.generate.remote(**kwargs)
 

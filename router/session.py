@@ -3,7 +3,8 @@
 A client names its conversation with the `X-Session-ID` header or, failing that, the OpenAI
 body's `user` field. The API layer records it here for the request's task; the ingress hands it
 to Serve with each engine call (`handle.options(session_id=...)`), where routers that keep a
-session on one replica (`--routing session`) read it. Other routers ignore it.
+session on one replica (`--routing session`) read it, and kv tells a conversation's first request
+by it (that request places the whole chat; cluster/policy.py). Other routers ignore it.
 """
 from __future__ import annotations
 

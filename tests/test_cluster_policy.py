@@ -447,3 +447,28 @@ def test_chat_turns_stay_home_and_new_chats_spread():
                      NOW) == "a"
     with pytest.raises(ValueError):
         KVPolicyConfig(stay_margin=-1)
+
+
+def test_a_new_session_places_its_chat_away_from_a_crowded_cache():
+    """A session's first request weighs each request in flight at session_weight: it decides where
+    the whole chat's context will live. 10 running requests cost a 552-token prompt 10 x 16.6
+    tokens as a single request (the cached 512 win), 10 x 100 as a new chat (an idle replica wins)."""
+    from cluster.policy import KVRouter, SeenSessions
+
+    crowded = stats("a", hashes=cached(PREFIX), running=10)
+    view = {"a": crowded, "b": stats("b")}
+    assert choose_kv(req(), view, {}, NOW) == "a"
+    assert choose_kv(req(), view, {}, NOW, new_session=True) == "b"
+    assert choose_kv(req(), view, {}, NOW, KVPolicyConfig(session_weight=20, session_share=0.03), True) == "a"
+    router = KVRouter()
+    chat = RouteRequest(PREFIX + prompt(3, 40), 64, session="chat-1")
+    assert router.choose(chat, view, {}, NOW) == "b"
+    router.routed(chat, "b", NOW)
+    assert router.choose(chat, view, {}, NOW) == "a"  # its next turn is no longer a new session
+    assert router.choose(req(), view, {}, NOW) == "a"  # nor is a request without a session
+    seen = SeenSessions(capacity=2)
+    for sid in ("x", "y", "x", "z"):
+        seen.add(sid)
+    assert not seen.is_new("x") and not seen.is_new("z") and seen.is_new("y") and not seen.is_new(None)
+    with pytest.raises(ValueError):
+        KVPolicyConfig(session_weight=-1)

@@ -25,7 +25,8 @@ def replica(name, **stats):
     raw = None
     if stats:
         raw = ReplicaStats(replica_id=rid.to_full_id_str(), num_free_blocks=stats.get("free", 500),
-                           num_total_blocks=500, block_size=16, num_reserved_blocks=0, num_running=0, num_waiting=0,
+                           num_total_blocks=500, block_size=16, num_reserved_blocks=0,
+                           num_running=stats.get("running", 0), num_waiting=0,
                            max_num_seqs=64, waiting_prefill_tokens=0, num_preemptions=0, prefix_query_tokens=0,
                            prefix_hit_tokens=0, prefix_hashes=frozenset(stats.get("hashes", ())),
                            timestamp=time.time()).to_dict()
@@ -138,6 +139,21 @@ def test_session_router_keeps_a_session_on_one_replica():
         spread = {(await router.choose_replicas(reps, session_pending(i, [i], f"chat-{i}")))[0][0].replica_id.unique_id
                   for i in range(40)}
         assert len(spread) > 1
+    asyncio.run(main())
+
+
+def test_kv_router_spreads_new_sessions_and_keeps_known_ones_by_the_cache():
+    async def main():
+        router = make(KVRequestRouter)
+        # a holds the prompt's 16-block prefix but runs 10 requests; b is idle with nothing cached
+        reps = [replica("a", hashes=hash_prefix_blocks(PREFIX, 16), running=10), replica("b", free=500)]
+        names = lambda ranks: [r.replica_id.unique_id for r in ranks[0]]  # noqa: E731
+        assert names(await router.choose_replicas(reps, session_pending(1, PREFIX + [1] * 60))) == ["a"]
+        # a session's first request places the whole chat: the busy replica loses it
+        assert names(await router.choose_replicas(reps, session_pending(2, PREFIX + [2] * 60, "chat-1"))) == ["b"]
+        router.on_request_completed(reps[1].replica_id, "i2")
+        # the same session's next request weighs in-flight requests as any other request does
+        assert names(await router.choose_replicas(reps, session_pending(3, PREFIX + [3] * 60, "chat-1"))) == ["a"]
     asyncio.run(main())
 
 
