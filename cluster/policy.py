@@ -144,10 +144,12 @@ class KVPolicyConfig:
     # The same for the first request of a session (a session id not routed before): it places the
     # whole conversation. Tuned in the simulator (multi-turn chat, 64 replicas, seeds 0-2): kv's
     # P99 TTFT at 1 / 3 / 5 req/s per replica went from 0.116-0.125 / 0.125-0.141 / 0.135-0.143 s
-    # to 0.115-0.116 / 0.116-0.117 / 0.125-0.126 s; at 20 / 0.03 new chats piled onto the replicas
-    # holding their system prompt (10.6 requests running where the cluster's mean was 2.1).
+    # to 0.117-0.119 / 0.122-0.125 / 0.125-0.126 s; at 20 / 0.03 new chats piled onto the replicas
+    # holding their system prompt (10.6 requests running where the cluster's mean was 2.1). A share
+    # of 0.2 did a little better there (0.116 s at load 3) but on two real replicas with 48-token
+    # system prompts it sometimes moved a new chat off the replica holding its prompt.
     session_weight: float = 100.0
-    session_share: float = 0.2
+    session_share: float = 0.1
     # Score (prompt tokens) a replica must gain over the ones holding the longest cached prefix to
     # take the request from them: smaller differences are within the model's error, and moving
     # would copy the prefix (a chat's whole context) to a second replica for nothing.

@@ -451,11 +451,12 @@ def test_chat_turns_stay_home_and_new_chats_spread():
 
 def test_a_new_session_places_its_chat_away_from_a_crowded_cache():
     """A session's first request weighs each request in flight at session_weight: it decides where
-    the whole chat's context will live. 10 running requests cost a 552-token prompt 10 x 16.6
-    tokens as a single request (the cached 512 win), 10 x 100 as a new chat (an idle replica wins)."""
+    the whole chat's context will live. 20 running requests cost a 552-token prompt 20 x 16.6
+    tokens as a single request (the cached 512 and stay_margin win), 20 x 55.2 as a new chat (an
+    idle replica wins)."""
     from cluster.policy import KVRouter, SeenSessions
 
-    crowded = stats("a", hashes=cached(PREFIX), running=10)
+    crowded = stats("a", hashes=cached(PREFIX), running=20)
     view = {"a": crowded, "b": stats("b")}
     assert choose_kv(req(), view, {}, NOW) == "a"
     assert choose_kv(req(), view, {}, NOW, new_session=True) == "b"

@@ -145,8 +145,8 @@ def test_session_router_keeps_a_session_on_one_replica():
 def test_kv_router_spreads_new_sessions_and_keeps_known_ones_by_the_cache():
     async def main():
         router = make(KVRequestRouter)
-        # a holds the prompt's 16-block prefix but runs 10 requests; b is idle with nothing cached
-        reps = [replica("a", hashes=hash_prefix_blocks(PREFIX, 16), running=10), replica("b", free=500)]
+        # a holds the prompt's 16-block prefix but runs 20 requests; b is idle with nothing cached
+        reps = [replica("a", hashes=hash_prefix_blocks(PREFIX, 16), running=20), replica("b", free=500)]
         names = lambda ranks: [r.replica_id.unique_id for r in ranks[0]]  # noqa: E731
         assert names(await router.choose_replicas(reps, session_pending(1, PREFIX + [1] * 60))) == ["a"]
         # a session's first request places the whole chat: the busy replica loses it
