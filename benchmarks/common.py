@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: what machine ran them, and markdown tables of results."""
+"""Helpers shared by the benchmarks: what machine ran them, markdown tables of results, and the
+engine's mean step times between two readings of its step counters."""
 from __future__ import annotations
 
 import os
@@ -48,6 +49,26 @@ def print_machine(info: dict, file=sys.stdout) -> None:
     print(f"machine: {info['cpu']} ({info['usable_cores']} of {info['logical_cores']} cores usable){gpu}", file=file)
     print(f"python {info['python']}, torch {info['torch']} ({info['torch_threads']} threads), "
           f"transformers {info['transformers']}", file=file)
+
+
+STEP_KINDS = ("prefill", "decode")
+StepTotals = dict[tuple[str, str], float]  # ("steps" | "step_seconds", kind) -> cumulative total
+
+
+def step_totals(stats) -> StepTotals:
+    """An EngineStats' step counters as StepTotals."""
+    return {(name, kind): getattr(stats, f"{kind}_{name}") for name in ("steps", "step_seconds") for kind in STEP_KINDS}
+
+
+def step_means(before: StepTotals, after: StepTotals) -> dict[str, tuple[float, float]]:
+    """{kind: (steps, mean step ms)} between two readings, for the kinds that stepped in between."""
+    out = {}
+    for kind in STEP_KINDS:
+        steps = after.get(("steps", kind), 0.0) - before.get(("steps", kind), 0.0)
+        if steps > 0:
+            seconds = after.get(("step_seconds", kind), 0.0) - before.get(("step_seconds", kind), 0.0)
+            out[kind] = (steps, 1e3 * seconds / steps)
+    return out
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:

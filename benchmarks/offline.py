@@ -37,7 +37,7 @@ from time import perf_counter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or as a module
 
-from benchmarks.common import machine_info, markdown_table, print_machine  # noqa: E402
+from benchmarks.common import machine_info, markdown_table, print_machine, step_means, step_totals  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 
 SYSTEMS = ("kvserve", "hf-static", "hf-batch")
@@ -111,16 +111,13 @@ def bench_kvserve(args, model_path: Path, work: Workload, warm: Workload) -> Res
         return [list(o.outputs[0].token_ids) for o in llm.generate(w.prompts, params, use_tqdm=progress)]
 
     generate(warm, False)
-    warm_stats = llm.engine.stats()
+    warm_steps = step_totals(llm.engine.stats())
     outputs, seconds = timed(generate, work, True)
     stats = llm.engine.stats()
     note = (f"{stats.num_total_blocks} KV blocks of {stats.block_size} tokens, "
             f"{stats.num_preemptions} preemptions (incl. warm-up)")
-    for kind in ("prefill", "decode"):  # the timed run's steps (serve.py reports the same for a server)
-        steps = getattr(stats, f"{kind}_steps") - getattr(warm_stats, f"{kind}_steps")
-        if steps:
-            secs = getattr(stats, f"{kind}_step_seconds") - getattr(warm_stats, f"{kind}_step_seconds")
-            note += f"; {steps} {kind} steps of {1e3 * secs / steps:.1f} ms"
+    for kind, (steps, ms) in step_means(warm_steps, step_totals(stats)).items():  # the timed run's (as serve.py)
+        note += f"; {steps:.0f} {kind} steps of {ms:.1f} ms"
     graphs = getattr(llm.engine.executor.runner, "graphs", None)
     if graphs is not None:
         note += f"; {graphs.replays} decode steps as CUDA graphs (incl. warm-up)"

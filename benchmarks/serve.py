@@ -53,7 +53,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import vllm_cpu  # noqa: E402
-from benchmarks.common import free_port, machine_info, markdown_table, print_machine  # noqa: E402
+from benchmarks.common import (StepTotals, free_port, machine_info, markdown_table, print_machine,  # noqa: E402
+                               step_means)
 from benchmarks.proc_cpu import cpu_seconds, cpu_used  # noqa: E402
 
 BACKENDS = ("kvserve", "vllm", "transformers", "openai")
@@ -395,7 +396,7 @@ STEP_SERIES = re.compile(r'^ray_kvserve_engine_(steps|step_seconds)_total\{[^}]*
 METRICS_LAG_S = 3.0  # the engine's counters reach Ray within 1 s, and Ray's export within 1 s more
 
 
-def engine_steps(metrics_port: int | None) -> dict[tuple[str, str], float] | None:
+def engine_steps(metrics_port: int | None) -> StepTotals | None:
     """kvserve's cumulative engine step counters, {(steps|step_seconds, kind): total}, summed over
     replicas, from its Ray's Prometheus export; None when there is none to read."""
     if metrics_port is None:
@@ -404,22 +405,17 @@ def engine_steps(metrics_port: int | None) -> dict[tuple[str, str], float] | Non
         text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
     except httpx.HTTPError:
         return None
-    totals: dict[tuple[str, str], float] = {}
+    totals: StepTotals = {}
     for name, kind, value in STEP_SERIES.findall(text):
         totals[name, kind] = totals.get((name, kind), 0.0) + float(value)
     return totals
 
 
-def step_ms(before: dict | None, after: dict | None) -> dict[str, float]:
+def step_ms(before: StepTotals | None, after: StepTotals | None) -> dict[str, float]:
     """Mean engine step time (ms) by kind between two readings of engine_steps."""
     if before is None or after is None:
         return {}
-    out = {}
-    for kind in ("prefill", "decode"):
-        steps = after.get(("steps", kind), 0.0) - before.get(("steps", kind), 0.0)
-        if steps > 0:
-            out[kind] = 1e3 * (after.get(("step_seconds", kind), 0.0) - before.get(("step_seconds", kind), 0.0)) / steps
-    return out
+    return {kind: ms for kind, (_, ms) in step_means(before, after).items()}
 
 
 def measured_run(target: Target, others: list[Target], conc, index, tokenizer, model_dir, args) -> dict:

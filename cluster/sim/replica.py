@@ -70,7 +70,7 @@ class SimReplica:
         self.scheduler.add(seq)
         return seq
 
-    def prewarm(self, token_ids: list[int]) -> None:
+    def prewarm(self, token_ids: tuple[int, ...] | list[int]) -> None:
         """Leave `token_ids`' full blocks in the prefix cache, as if a request with that prompt had
         run and finished here, at no simulated time (the free blocks are evicted as usual)."""
         seq = Sequence(f"prewarm-{len(token_ids)}", list(token_ids), SamplingParams(max_tokens=1), 1)

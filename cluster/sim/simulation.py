@@ -270,7 +270,7 @@ class Simulation:
         prefixes = {id(s.prefix): s.prefix for s in workload if s.prefix}  # one object per group
         for rep in self.replicas.values():
             for prefix in prefixes.values():
-                rep.prewarm(list(prefix))
+                rep.prewarm(prefix)
             self.stats[rep.replica_id] = rep.report(0.0, self.config.prefix_limit)
 
     def _idle(self) -> bool:
