@@ -39,4 +39,4 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     row = kvh * d
     _write_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-                           ROW=row, ROW_PAD=triton.next_power_of_2(row))
+                           ROW=row, ROW_PAD=triton.next_power_of_2(row), enable_fp_fusion=False)

@@ -1,6 +1,7 @@
 """The elementwise work between a CUDA layer's GEMMs, one launch each instead of 3-8 torch ops:
 RMSNorm and SiLU-and-mul. Same op order and roundings as the torch code they replace
-(engine.model.layers.RMSNorm, engine.model.llama.MLP), so bfloat16 stays as HF computes it:
+(engine.model.layers.RMSNorm, engine.model.llama.MLP), so bfloat16 stays as HF computes it
+(compiled without FMA contraction: torch rounds a product before the sum that follows it):
 
     rms_norm:      y = weight * (x * rsqrt(mean(x^2) + eps))  normalised in float32, cast, then scaled
     silu_and_mul:  y = silu(gate) * up                           silu rounded to the dtype, then the product
@@ -44,7 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty_like(x)
     if rows:
         _rms_norm_kernel[(rows,)](x, weight, y, x.stride(0), y.stride(0), eps, N=dim,
-                                  BLOCK=triton.next_power_of_2(dim))
+                                  BLOCK=triton.next_power_of_2(dim), enable_fp_fusion=False)
     return y
 
 
@@ -56,5 +57,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(inter))
     if rows:
         _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, y, gate_up.stride(0), y.stride(0),
-                                                                N=inter, BLOCK=block)
+                                                                N=inter, BLOCK=block, enable_fp_fusion=False)
     return y

@@ -63,5 +63,6 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
         return q
     _rope_kv_kernel[(t, num_heads + num_kv_heads)](
         qkv, cos, sin, positions, slots, q, k_cache, v_cache, qkv.stride(0),
-        H=num_heads, KVH=num_kv_heads, D=head_dim, HALF_PAD=triton.next_power_of_2(head_dim // 2))
+        H=num_heads, KVH=num_kv_heads, D=head_dim, HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        enable_fp_fusion=False)  # torch rounds each product before the sum: no FMA
     return q
