@@ -13,15 +13,37 @@ consistent with a decode of the whole sequence.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.sampling_params import SamplingParams
 
 PROMPT_CONTEXT_TOKENS = 5  # prompt tail used as left context for the first output tokens
 REPLACEMENT_CHAR = "\ufffd"
 
 
+def decoder(tokenizer) -> Callable[..., str]:
+    """`tokenizer.decode`, or the same call one layer down: a transformers fast tokenizer that
+    neither overrides decoding nor cleans up spaces only converts its arguments and calls its Rust
+    tokenizer's decode, so that is called directly (same string, ~0.8 us a call instead of ~3 here;
+    the detokenizer decodes twice per generated token)."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+    except ImportError:
+        return tokenizer.decode
+    cls, backend = type(tokenizer), getattr(tokenizer, "_tokenizer", None)
+    if (isinstance(backend, Tokenizer) and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+            and cls.decode is PreTrainedTokenizerBase.decode and cls._decode is PreTrainedTokenizerFast._decode):
+        return backend.decode
+    return tokenizer.decode
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
+                 decode: Callable[..., str] | None = None) -> None:
+        """decode: `decoder(tokenizer)`, when the caller keeps one for many requests."""
         self.tokenizer = tokenizer
+        self._decode_ids = decode or decoder(tokenizer)
         self.params = params
         self.output_text = ""  # committed text, truncated at a matched stop string
         self.stop_string: str | None = None  # the stop string that ended the output, if any
@@ -56,7 +78,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+        return self._decode_ids(ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def _decode_new(self, flush: bool) -> str:
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])

@@ -32,7 +32,7 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         for rid, prompt, p in zip(ids, prompts, params):
-            self.engine.add_request(rid, prompt, p)
+            self.engine.add_request(rid, prompt, p, stream=False)  # only the finished outputs are kept
         done: dict[str, RequestOutput] = {}
         bar = _progress(len(prompts)) if use_tqdm else None
         while len(done) < len(ids):

@@ -1,9 +1,9 @@
 """A request's state in the engine: its n sequences and their text streams."""
 from __future__ import annotations
 
-import dataclasses
+import copy
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, decoder
 from engine.outputs import CompletionOutput, PromptLogprob, PromptLogprobs, RequestOutput
 from engine.sampler import SampleResult
 from engine.sampling_params import SamplingParams
@@ -12,15 +12,18 @@ from engine.sequence import Sequence
 
 class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, max_tokens: int, tokenizer) -> None:
+                 params: SamplingParams, max_tokens: int, tokenizer, stream: bool = True) -> None:
+        """stream: a snapshot as tokens come (output_due); False: only the finished one."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.tokenizer = tokenizer
+        self.stream = stream
+        self._decode = decoder(tokenizer)
         self.seqs: list[Sequence] = [Sequence(request_id, prompt_token_ids, params, max_tokens)]
         self.completions: list[CompletionOutput] = [self._completion(0)]
-        self.detoks: list[IncrementalDetokenizer] = [IncrementalDetokenizer(tokenizer, prompt_token_ids, params)]
+        self.detoks: list[IncrementalDetokenizer] = [self._detokenizer()]
         self.aborted = False
         self.num_outputs = 0  # snapshots taken so far
         # The first prompt token has no context; the rest arrive with the prefill chunks' steps.
@@ -29,7 +32,9 @@ class Request:
     def output_due(self, stream_interval: int) -> bool:
         """Whether this step should hand out a snapshot: always the first (time to first token), the
         last, and one where a sample finished; otherwise once some sample has `stream_interval`
-        tokens not yet handed out."""
+        tokens not yet handed out. Not streamed: the last only."""
+        if not self.stream:
+            return self.finished
         pending = [len(c.delta_token_ids) for c in self.completions]
         return (self.num_outputs == 0 or self.finished or max(pending) >= stream_interval
                 or any(n and c.finish_reason for n, c in zip(pending, self.completions)))
@@ -38,10 +43,13 @@ class Request:
         return CompletionOutput(index=index, logprobs=[] if self.params.logprobs is not None else None,
                                 cumulative_logprob=0.0 if self.params.logprobs is not None else None)
 
+    def _detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids, self.params, self._decode)
+
     def add_fork(self, child: Sequence) -> None:
         self.seqs.append(child)
         self.completions.append(self._completion(child.index))
-        self.detoks.append(IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids, self.params))
+        self.detoks.append(self._detokenizer())
 
     def add_prompt_logprobs(self, seq: Sequence, scored: list[PromptLogprob]) -> None:
         """The logprobs of the prompt tokens after the ones seq already has, from this step's rows."""
@@ -96,7 +104,7 @@ class Request:
             comp.delta_text = detok.get_delta(finished=comp.finished)
             comp.text = detok.output_text
             comp.token_ids = seq.output_token_ids
-            outs.append(dataclasses.replace(comp))
+            outs.append(copy.copy(comp))
             comp.delta_token_ids, comp.delta_logprobs = [], None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
                              self.seqs[0].num_cached_tokens, self.prompt_logprobs)

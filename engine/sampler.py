@@ -28,8 +28,8 @@ from engine.structured.bitmask import GrammarMask, apply_grammar_mask
 @dataclass
 class SamplingRow:
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # generated so far (penalties, min_tokens)
+    prompt_token_ids: list[int]  # only where reads_prompt(params), else empty
+    output_token_ids: list[int]  # generated so far; only where reads_output(params), else empty
     generator: torch.Generator | None  # set when params.seed is set; on the logits' device
     eos_token_ids: list[int]  # masked, with params.stop_token_ids, until min_tokens are generated
 
@@ -258,6 +258,12 @@ def reads_prompt(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0
 
 
+def reads_output(params: SamplingParams) -> bool:
+    """Only penalties and min_tokens read a row's output tokens; other rows may leave them out
+    (a copy of a long output per row per step otherwise)."""
+    return params.min_tokens > 0 or _has_penalties(params)
+
+
 class SequenceSampler:
     """Draws the next token of whole sequences: builds each one's SamplingRow and samples the rows
     with one Sampler. The same code runs in the engine process (tp=1) and on the sampling rank
@@ -289,7 +295,8 @@ class SequenceSampler:
     def _row(self, seq, device: torch.device) -> SamplingRow:
         p = seq.params
         return SamplingRow(params=p, prompt_token_ids=seq.prompt_token_ids if reads_prompt(p) else [],
-                           output_token_ids=seq.output_token_ids, generator=self._generator(seq, device),
+                           output_token_ids=seq.output_token_ids if reads_output(p) else [],
+                           generator=self._generator(seq, device),
                            eos_token_ids=self.eos_token_ids)
 
     def _generator(self, seq, device: torch.device) -> torch.Generator | None:

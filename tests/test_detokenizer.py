@@ -1,8 +1,10 @@
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, decoder
 from engine.sampling_params import SamplingParams
 
 MULTI_BYTE_TEXTS = [
@@ -157,3 +159,21 @@ def test_no_stop_means_no_hold_back(tokenizer, prompt_ids):
     assert det.get_delta(False) == "Hello"
     assert det.update(tokenizer.encode(" world")) is None
     assert det.get_delta(False) == " world"
+
+
+def test_decoder_calls_the_rust_tokenizer_with_the_same_result(tokenizer):
+    """The detokenizer's decode skips transformers' argument handling where it only forwards."""
+    from transformers import AutoTokenizer
+
+    decode = decoder(tokenizer)
+    assert decode == tokenizer._tokenizer.decode
+    rng = random.Random(0)
+    specials = tokenizer.all_special_ids
+    for _ in range(200):
+        ids = [rng.choice(specials) if rng.random() < 0.2 else rng.randrange(tokenizer.vocab_size)
+               for _ in range(rng.randrange(0, 12))]
+        for skip in (True, False):
+            assert decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+    # A tokenizer that cleans up spaces after decoding keeps its own decode.
+    cleaning = AutoTokenizer.from_pretrained(tokenizer.name_or_path, clean_up_tokenization_spaces=True)
+    assert decoder(cleaning) == cleaning.decode
