@@ -4,7 +4,8 @@ Every `KVSERVE_PACED_STEP_S` seconds (default 0.1, about a 16-sequence decode st
 2 CPU cores) every running request gets one token, as in a continuous-batching engine's decode
 step; so the Serve proxy, the ingress and the replica carry the message rate a real engine makes
 them carry, and what they cost per token can be read from /proc without model compute (and its
-noise) on the same cores. Built by Serve as `PacedEngine(EngineConfig)` from the string
+noise) on the same cores. A FINAL_ONLY request (a reply not streamed) gets its first output and
+its last, which holds the tokens in between, as the real engine hands them out. Built by Serve as `PacedEngine(EngineConfig)` from the string
 "benchmarks.paced_engine:PacedEngine" (benchmarks/serving_overhead.py).
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class PacedEngine:
@@ -40,14 +41,20 @@ class PacedEngine:
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams):
         max_tokens = params.max_tokens or 16
+        final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         self._running[request_id] = asyncio.Event()
+        pending: list[int] = []  # tokens made and not handed out yet
         try:
             for step in range(max_tokens):
                 await self._next_step()
-                tok = prompt[step % len(prompt)]
+                pending.append(prompt[step % len(prompt)])
                 last = step == max_tokens - 1
-                outs = [CompletionOutput(index=i, delta_text=f"{tok} ", delta_token_ids=[tok],
-                                         finish_reason="length" if last else None) for i in range(params.n)]
+                if final_only and 0 < step < max_tokens - 1:
+                    continue
+                outs = [CompletionOutput(index=i, delta_text="".join(f"{t} " for t in pending),
+                                         delta_token_ids=list(pending), finish_reason="length" if last else None)
+                        for i in range(params.n)]
+                pending = []
                 yield RequestOutput(request_id, None, prompt, outs, finished=last)
         finally:
             self._running.pop(request_id, None)

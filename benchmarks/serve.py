@@ -113,9 +113,11 @@ class Result:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
-def request_body(backend: str, endpoint: str, model: str, req: Request) -> dict:
-    body = {"model": model, "max_tokens": req.output_len, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+def request_body(backend: str, endpoint: str, model: str, req: Request, stream: bool = True) -> dict:
+    """stream=False: the reply comes whole (TTFT and ITL are then not measured)."""
+    body = {"model": model, "max_tokens": req.output_len, "temperature": 0.0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": req.prompt}]
     else:
@@ -129,6 +131,8 @@ def request_body(backend: str, endpoint: str, model: str, req: Request) -> dict:
 
 
 async def send(client: httpx.AsyncClient, url: str, body: dict) -> Result:
+    if not body["stream"]:
+        return await send_whole(client, url, body)
     res = Result(ok=False, start=time.perf_counter())
     last, chunks = None, 0
     try:
@@ -157,6 +161,24 @@ async def send(client: httpx.AsyncClient, url: str, body: dict) -> Result:
         res.e2e = time.perf_counter() - res.start
         res.output_tokens = res.output_tokens or chunks
         res.ok = last is not None
+        res.error = "" if res.ok else "no content"
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def send_whole(client: httpx.AsyncClient, url: str, body: dict) -> Result:
+    """A request not streamed: its e2e latency and usage (TTFT is the e2e latency)."""
+    res = Result(ok=False, start=time.perf_counter())
+    try:
+        r = await client.post(url, json=body)
+        res.e2e = res.ttft = time.perf_counter() - res.start
+        if r.status_code != 200:
+            res.error = f"HTTP {r.status_code}: {r.content[:200]!r}"
+            return res
+        usage = r.json().get("usage") or {}
+        res.prompt_tokens, res.output_tokens = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+        res.ok = res.output_tokens > 0
         res.error = "" if res.ok else "no content"
     except httpx.HTTPError as e:
         res.error = f"{type(e).__name__}: {e}"

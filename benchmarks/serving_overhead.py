@@ -2,10 +2,12 @@
 
     python benchmarks/serving_overhead.py --max-concurrency 16 --num-prompts 64
     python benchmarks/serving_overhead.py --env RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 ...
+    python benchmarks/serving_overhead.py --no-stream     # replies sent whole
 
 The server is the real one (Serve proxy, ingress, request router, engine replica) with
 benchmarks.paced_engine.PacedEngine in the replica: every running request gets a token each
-KVSERVE_PACED_STEP_S (--step-s). Streamed load as in benchmarks/serve.py. Reported: each
+KVSERVE_PACED_STEP_S (--step-s). Streamed load as in benchmarks/serve.py, or with --no-stream
+replies sent whole (the engine then hands out a request's first and last outputs only). Reported: each
 process's CPU milliseconds per output token (from /proc), which, unlike throughput, hardly
 depends on what else the host runs. `--env` settings reach every Ray process of the server
 (they are in the driver's environment when it starts Ray).
@@ -34,6 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--step-s", type=float, default=0.1, help="the paced engine's step time (default: 0.1)")
+    p.add_argument("--no-stream", action="store_true", help="requests with stream: false")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="for the server's processes")
     p.add_argument("--kvserve-arg", action="append", default=[], help="extra flag for kvserve serve")
     p.add_argument("--log-dir", default="/tmp")
@@ -55,7 +58,8 @@ def main(argv=None) -> int:
         requests = [Request(" ".join(["hello"] * 32), args.output_len) for _ in range(args.num_prompts)]
         before = cpu_seconds(server.proc.pid)
         spies = profile(before, args.py_spy) if args.py_spy else []
-        results, duration = asyncio.run(run(url, lambda r: request_body("kvserve", "completions", "bench", r),
+        results, duration = asyncio.run(run(url, lambda r: request_body("kvserve", "completions", "bench", r,
+                                                                              not args.no_stream),
                                             requests, args.max_concurrency, float("inf"), 1.0, 0, None,
                                             "completions"))
         used = cpu_used(before, cpu_seconds(server.proc.pid))
@@ -66,7 +70,7 @@ def main(argv=None) -> int:
     tokens = sum(r.output_tokens for r in results if r.ok)
     print(f"{s['completed']} requests ({s['failed']} failed) in {duration:.1f} s: {s['output_throughput']:.1f} tok/s, "
           f"TTFT p99 {s['ttft_ms']['p99']:.0f} ms, ITL mean {s['itl_ms']['mean']:.1f} ms; load "
-          f"{os.getloadavg()[0]:.1f}; env {args.env or 'default'}")
+          f"{os.getloadavg()[0]:.1f}; env {args.env or 'default'}{'; not streamed' if args.no_stream else ''}")
     rows = [[name, f"{sec:.2f}", f"{1000 * sec / max(tokens, 1):.2f}", f"{100 * sec / duration:.1f}"]
             for name, sec in used.items() if sec >= 0.05]
     total = sum(used.values())

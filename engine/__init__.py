@@ -1,9 +1,9 @@
 """kvserve's paged-KV continuous-batching inference engine (no Ray, no HTTP)."""
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "AsyncEngine", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
+__all__ = ["LLM", "AsyncEngine", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput",
            "CompletionOutput", "EngineStats"]
 
 

@@ -1,13 +1,14 @@
 """Offline batch generation: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 
@@ -31,8 +32,8 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        for rid, prompt, p in zip(ids, prompts, params):
-            self.engine.add_request(rid, prompt, p, stream=False)  # only the finished outputs are kept
+        for rid, prompt, p in zip(ids, prompts, params):  # only the finished outputs are kept
+            self.engine.add_request(rid, prompt, dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY))
         done: dict[str, RequestOutput] = {}
         bar = _progress(len(prompts)) if use_tqdm else None
         while len(done) < len(ids):

@@ -75,16 +75,15 @@ class LLMEngine:
         return max_tokens
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    grammar: CompiledGrammar | None = None, stream: bool = True) -> None:
-        """`grammar`: params.structured_outputs compiled ahead (else compiled here, blocking).
-        `stream`: step() returns the request's outputs as they come; False: only its last one."""
+                    grammar: CompiledGrammar | None = None) -> None:
+        """`grammar`: params.structured_outputs compiled ahead (else compiled here, blocking)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
         max_tokens = self.validate(ids, params)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.structured.compiler.compile(params.structured_outputs)
-        req = Request(request_id, text, ids, params, max_tokens, self.tokenizer, stream)
+        req = Request(request_id, text, ids, params, max_tokens, self.tokenizer)
         self.requests[request_id] = req
         if grammar is not None:
             self.structured.add(req.seqs[0], grammar)

@@ -6,20 +6,19 @@ import copy
 from engine.detokenizer import IncrementalDetokenizer, decoder
 from engine.outputs import CompletionOutput, PromptLogprob, PromptLogprobs, RequestOutput
 from engine.sampler import SampleResult
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.sequence import Sequence
 
 
 class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, max_tokens: int, tokenizer, stream: bool = True) -> None:
-        """stream: a snapshot as tokens come (output_due); False: only the finished one."""
+                 params: SamplingParams, max_tokens: int, tokenizer) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.tokenizer = tokenizer
-        self.stream = stream
+        self.stream = params.output_kind != RequestOutputKind.FINAL_ONLY
         self._decode = decoder(tokenizer)
         self.seqs: list[Sequence] = [Sequence(request_id, prompt_token_ids, params, max_tokens)]
         self.completions: list[CompletionOutput] = [self._completion(0)]
@@ -32,9 +31,9 @@ class Request:
     def output_due(self, stream_interval: int) -> bool:
         """Whether this step should hand out a snapshot: always the first (time to first token), the
         last, and one where a sample finished; otherwise once some sample has `stream_interval`
-        tokens not yet handed out. Not streamed: the last only."""
+        tokens not yet handed out. FINAL_ONLY: the first and the last only."""
         if not self.stream:
-            return self.finished
+            return self.num_outputs == 0 or self.finished
         pending = [len(c.delta_token_ids) for c in self.completions]
         return (self.num_outputs == 0 or self.finished or max(pending) >= stream_interval
                 or any(n and c.finish_reason for n, c in zip(pending, self.completions)))

@@ -1,6 +1,7 @@
 """Per-request sampling parameters (vLLM names and defaults), validated on construction."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
@@ -8,6 +9,12 @@ from engine.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs the engine hands out for a request (vLLM's names and values)."""
+    DELTA = 1  # as tokens come (every stream_interval tokens): deltas, and the text so far
+    FINAL_ONLY = 2  # the first (its time to first token) and the finished one: no per-token work
 
 
 @dataclass
@@ -32,6 +39,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # top logprobs per prompt token (from the prefill); 0 = only its own
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA  # FINAL_ONLY: a caller that does not stream
 
     def __post_init__(self) -> None:
         if self.stop is None:

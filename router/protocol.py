@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 MAX_N = 128
 MAX_SEED = (1 << 63) - 1 - MAX_N  # the engine seeds sample i with seed + i
@@ -80,7 +80,9 @@ class _SamplingFields(_Model):
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=prompt_logprobs,
-            logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None)
+            logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
+            # a reply sent whole needs no output per token from the engine (nor one per token over Ray)
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
 
 def _check_logit_bias(bias: dict[str, float]) -> None:

@@ -1,4 +1,7 @@
-"""benchmarks/serve.py's reading of kvserve's engine step counters from Ray's Prometheus text."""
+"""benchmarks/serve.py's reading of kvserve's engine step counters from Ray's Prometheus text, and
+benchmarks/paced_engine.py's outputs."""
+import asyncio
+
 from benchmarks import serve
 
 EXPORT = """# HELP ray_kvserve_engine_steps_total Engine steps, by kind
@@ -25,3 +28,23 @@ def test_step_counters_are_summed_over_replicas_and_differenced_into_mean_step_t
               ("step_seconds", "prefill"): 8.0}
     assert serve.step_ms(before, after) == {"decode": 50.0}  # no prefill step in between: no prefill figure
     assert serve.step_ms(None, after) == {} and serve.engine_steps(None) is None
+
+
+def test_the_paced_engine_hands_out_outputs_as_the_engine_does(monkeypatch):
+    from benchmarks.paced_engine import PacedEngine
+    from engine.config import EngineConfig
+    from engine.sampling_params import RequestOutputKind, SamplingParams
+
+    monkeypatch.setenv("KVSERVE_PACED_STEP_S", "0.001")
+
+    async def outputs(kind):
+        engine = PacedEngine(EngineConfig())
+        try:
+            return [o async for o in engine.generate("r", [5, 6, 7], SamplingParams(max_tokens=5, output_kind=kind))]
+        finally:
+            await engine.shutdown()
+
+    delta, final = asyncio.run(outputs(RequestOutputKind.DELTA)), asyncio.run(outputs(RequestOutputKind.FINAL_ONLY))
+    assert [o.outputs[0].delta_token_ids for o in delta] == [[5], [6], [7], [5], [6]]
+    assert [o.outputs[0].delta_token_ids for o in final] == [[5], [6, 7, 5, 6]]  # the first, then the rest
+    assert [o.finished for o in final] == [False, True] and final[1].outputs[0].finish_reason == "length"

@@ -1,11 +1,12 @@
 """Sampling through the whole engine: seeds, stops, logprobs, min/max tokens, n."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, RequestOutputKind, SamplingParams
 from tests.tiny_llama import make_tiny_llama
 
 
@@ -82,12 +83,12 @@ def test_logprobs(tiny):
 
 
 def _outputs_by_request(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
-                        abort_after: dict[str, int] | None = None, stream: bool = True) -> dict[str, list]:
+                        abort_after: dict[str, int] | None = None) -> dict[str, list]:
     """Every RequestOutput each request got, stepping the engine by hand; a request in
     `abort_after` is aborted once the engine has taken that many steps."""
     eng, got = llm.engine, {}
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        eng.add_request(f"s{i}", prompt, p, stream=stream)
+        eng.add_request(f"s{i}", prompt, p)
         got[f"s{i}"] = []
     steps = 0
     while eng.has_unfinished():
@@ -134,22 +135,26 @@ def test_stream_interval_sends_the_same_tokens_in_fewer_outputs(tiny, every4):
         LLM(model=tiny.engine.config.model, stream_interval=0)
 
 
-def test_unstreamed_requests_get_only_their_finished_output(tiny):
-    """LLM.generate's requests (stream=False): no snapshot per token, the same last one."""
+def test_final_only_requests_get_their_first_and_finished_outputs(tiny):
+    """RequestOutputKind.FINAL_ONLY (LLM.generate's requests, HTTP replies not streamed): the
+    first output (its time to first token) and the finished one, with the same tokens and text."""
     prompts = _prompts(3, seed=23)
     params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
               SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=7, logprobs=1, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
     streamed = _outputs_by_request(tiny, prompts, params)
-    final = _outputs_by_request(tiny, prompts, params, abort_after={"s2": 5}, stream=False)
+    final_only = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
+    final = _outputs_by_request(tiny, prompts, final_only, abort_after={"s2": 5})
     for rid in ("s0", "s1"):
-        (out,), last = final[rid], streamed[rid][-1]
+        (first, out), last = final[rid], streamed[rid][-1]
+        assert [c.token_ids for c in first.outputs] == [c.token_ids for c in streamed[rid][0].outputs]
         assert out.finished and [c.token_ids for c in out.outputs] == [c.token_ids for c in last.outputs]
         assert [c.text for c in out.outputs] == [c.text for c in last.outputs]
         assert [c.logprobs for c in out.outputs] == [c.logprobs for c in last.outputs]
-        assert [c.delta_token_ids for c in out.outputs] == [c.token_ids for c in out.outputs]  # all of it
-        assert [c.delta_text for c in out.outputs] == [c.text for c in out.outputs]
-    (aborted,) = final["s2"]  # the abort's output is its only one
+        for k, comp in enumerate(out.outputs):  # the two deltas add up to the whole
+            assert first.outputs[k].delta_token_ids + comp.delta_token_ids == comp.token_ids
+            assert first.outputs[k].delta_text + comp.delta_text == comp.text
+    first, aborted = final["s2"]  # the abort's output is the second
     assert aborted.outputs[0].finish_reason == "abort" and len(aborted.outputs[0].token_ids) == 5
     assert tiny.generate(prompts, params[0])[0].outputs[0].token_ids == streamed["s0"][-1].outputs[0].token_ids
     assert tiny.engine.block_manager.num_free_blocks == tiny.engine.block_manager.num_blocks

@@ -104,6 +104,41 @@ def test_an_invalid_request_error_is_a_400_naming_its_field_and_any_other_error_
     assert r.status_code == 500 and "max_model_len" not in r.text
 
 
+class FirstAndLastEngine:
+    """Records the params it is sent; answers as the engine answers a FINAL_ONLY request: the
+    first token, then one output holding the rest."""
+
+    def __init__(self) -> None:
+        self.params = []
+
+    async def info(self) -> dict:
+        return {"max_model_len": 64, "max_num_seqs": 4}
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        self.params.append(params)
+        n = len(prompt_token_ids)
+        yield StepOutput([ChoiceDelta(0, "Hel", [1], None)], n, 0, False)
+        yield StepOutput([ChoiceDelta(0, "lo there", [2, 3, 4], None, "length")], n, 0, True)
+
+
+@pytest.mark.parametrize("path, body, text_of", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4}, lambda r: r["choices"][0]["text"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+     lambda r: r["choices"][0]["message"]["content"]),
+])
+def test_a_reply_sent_whole_asks_the_engine_for_its_final_output_only(tokenizer, path, body, text_of):
+    """stream: false -> RequestOutputKind.FINAL_ONLY (no output per token from the engine, nor a
+    message per token over Ray); streamed requests keep DELTA."""
+    from engine.sampling_params import RequestOutputKind
+
+    engine = FirstAndLastEngine()
+    r = call(tokenizer, "POST", path, engine=engine, json=body)
+    assert r.status_code == 200 and text_of(r.json()) == "Hello there"
+    assert r.json()["usage"]["completion_tokens"] == 4
+    call(tokenizer, "POST", path, engine=engine, json={**body, "stream": True})
+    assert [p.output_kind for p in engine.params] == [RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA]
+
+
 def test_sampling_params_errors_name_their_field():
     from engine.sampling_params import SamplingParams
 
