@@ -126,3 +126,21 @@ def test_decode_steps_padded_to_graph_buckets(tiny, device):
     llm.generate(_prompts(lens=(5, 17, 33, 40, 9)), lengths)  # 5 decodes pad to 6, then 4 to 4, 3 to 4, ...
     assert twin.other.graphs.replays > 3
     _assert_clean(llm)
+
+
+def test_forked_samples_copy_their_shared_block(tiny, device):
+    """n > 1: the children share the parent's blocks, and the first write into the shared partial
+    block copies it (copy-on-write) in the Triton runner's pool as in the torch runner's."""
+    llm, twin = _twin_llm(tiny["gqa"], device, num_gpu_blocks_override=64, block_size=4)
+    copies = []
+    execute = twin.execute
+
+    def counting(batch):
+        copies.extend(batch.copies)
+        return execute(batch)
+
+    twin.execute = counting
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=5, ignore_eos=True)
+    (out,) = llm.generate(_prompts(lens=(10,)), params)  # 10 tokens: the third block is shared, partial
+    assert len(out.outputs) == 3 and copies
+    _assert_clean(llm)
