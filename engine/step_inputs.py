@@ -50,6 +50,9 @@ class StepInputs:
         self.ids, self.positions, self.slots, self.rows = h64[:t], h64[t:2 * t], h64[2 * t:3 * t], h64[3 * t:]
         self.seq_lens, self.query_start = h32[:b], h32[b:2 * b + 1]
         self.tables = h32[2 * b + 1:].reshape(b, self.width)
+        # id(block table list) -> (the list, its int32 copy, entries copied): last step's, this step's
+        self._last_tables: dict[int, tuple[list[int], np.ndarray, int]] = {}
+        self._step_tables: dict[int, tuple[list[int], np.ndarray, int]] = {}
 
     def fill(self, batch: ScheduledBatch, pad_to: int | None = None) -> StepLayout:
         """Host side of the step, in batch.row_order. `pad_to`: a decode-only batch padded with
@@ -74,7 +77,7 @@ class StepInputs:
                 self.ids[t:t + n] = seq.token_ids[start:end]
                 self.positions[t:t + n] = pos
                 self.slots[t:t + n] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
-            self.tables[r, :len(table)] = table
+            self.tables[r, :len(table)] = self._table_array(table, n == 1)[:len(table)]
             self.seq_lens[r] = end
             scored = seq.prompt_logprob_positions(n)
             if scored:
@@ -83,6 +86,7 @@ class StepInputs:
             t += n
             self.query_start[r + 1] = t
             last_row[i] = t - 1
+        self._last_tables, self._step_tables = self._step_tables, {}
         b = len(order)
         decode_only = t == b
         if pad_to is not None and pad_to > b:
@@ -92,6 +96,22 @@ class StepInputs:
         rows = [last_row[i] for i in sampled] + prompt_rows
         self.rows[:len(rows)] = rows
         return StepLayout(t, b, decode_only, len(sampled), sampled, len(prompt_rows), spans)
+
+    def _table_array(self, table: list[int], decoding: bool) -> np.ndarray:
+        """The sequence's block table as an int32 array kept from the step before, where a list
+        would be converted whole every step. A decoding sequence's table (the same list as last
+        step) only grows at its end, and the one entry changed in place, a copy-on-write, is its
+        partial last block: from the entry last written on is rewritten. Anything else (a new
+        sequence, a prefill chunk, a table rebuilt after preemption) is converted whole."""
+        cached = self._last_tables.get(id(table))
+        if decoding and cached is not None and 0 < cached[2] <= len(table):
+            _, array, written = cached
+            array[written - 1:len(table)] = table[written - 1:]
+        else:
+            array = np.empty(self.width, dtype=np.int32)
+            array[:len(table)] = table
+        self._step_tables[id(table)] = (table, array, len(table))  # the list is held: its id stays its own
+        return array
 
     def _wait_upload(self) -> None:
         if self.uploaded is not None:

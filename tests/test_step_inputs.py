@@ -57,3 +57,39 @@ def test_profile_step_fills_the_token_budget_in_sequences_the_tables_can_hold():
     assert (layout.num_tokens, layout.num_seqs) == (40, 3)
     assert inputs.query_start[:4].tolist() == [0, 16, 32, 40] and inputs.seq_lens[:3].tolist() == [16, 16, 8]
     assert set(inputs.slots[:40].tolist()) == {-1}
+
+
+def test_block_tables_stay_right_as_they_grow_change_and_move_between_rows():
+    """The int32 copies of block tables kept between steps (StepInputs._table_array) against the
+    lists themselves, over decode steps where tables grow, a partial block is replaced in place
+    (copy-on-write), a sequence's table is rebuilt (preemption), sequences finish and join, and
+    the rows they land in shuffle."""
+    import random
+
+    rng = random.Random(0)
+    inputs = StepInputs(max_tokens=64, max_seqs=8, max_blocks_per_seq=16, block_size=4, device=torch.device("cpu"))
+    next_block = iter(range(10_000))
+    seqs = []
+    for step in range(300):
+        while len(seqs) < 6:  # new sequences join with a few blocks
+            n = rng.randrange(1, 30)
+            seqs.append(_seq(n + 1, n, [next(next_block) for _ in range(-(-(n + 1) // 4))]))
+        for s in seqs:
+            s.token_ids.append(7)  # one more token to decode: a new block at a block boundary
+            s.num_computed_tokens += 1
+            if len(s.block_table) * 4 < s.num_tokens:
+                s.block_table.append(next(next_block))
+            if rng.random() < 0.05:  # copy-on-write of the partial last block
+                s.block_table[-1] = next(next_block)
+            if rng.random() < 0.02:  # preempted and recomputed: a new list
+                s.block_table = [next(next_block) for _ in s.block_table]
+        s_out = [s for s in seqs if s.num_tokens < 60 and rng.random() > 0.05]  # some finish
+        seqs = s_out
+        rng.shuffle(seqs)  # rows move between steps
+        batch = ScheduledBatch(list(seqs), [1] * len(seqs))
+        layout = inputs.fill(batch)
+        order = batch.row_order(4)
+        for r, i in enumerate(order):
+            table = seqs[i].block_table
+            assert inputs.tables[r, :len(table)].tolist() == table, (step, r)
+        assert layout.num_seqs == len(seqs)
