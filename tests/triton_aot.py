@@ -111,7 +111,7 @@ def compile_only(arch: int) -> Iterator[AOT]:
     from triton.runtime.jit import JITFunction
 
     aot = AOT(arch, SimpleNamespace(**{name: _load_jit(name) for name in KERNEL_MODULES}))
-    launch, previous = JITFunction.run, driver._active
+    launch, previous = JITFunction.run, dict(vars(driver))  # the active driver, however this Triton keeps it
 
     def compile_instead(self, *args, grid, warmup, **kwargs):
         kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
@@ -126,7 +126,8 @@ def compile_only(arch: int) -> Iterator[AOT]:
         yield aot
     finally:
         JITFunction.run = launch
-        driver._active = previous
+        vars(driver).clear()
+        vars(driver).update(previous)
 
 
 def in_clean_process(fn, *args):
