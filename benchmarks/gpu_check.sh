@@ -14,7 +14,8 @@
 # Results go to $OUT (else ./gpu_check_out): summary.txt, env.txt, tests.log, step_times.{log,json},
 # profile.txt (5 decode steps at batch 256 under torch.profiler), offline.{log,json}. The model is SmolLM2-135M's shape with random bfloat16 weights; its tokenizer
 # is copied from $KVSERVE_TOKENIZER_DIR when set, else synthesized (benchmarks/random_model.py).
-# Missing wheels (llguidance) are installed from ./.whl when that folder is there.
+# Modules the host lacks (llguidance; pytest and hypothesis where absent) are installed from the
+# wheels in ./.whl when that folder is there.
 #
 #   bash benchmarks/gpu_check.sh              # all of it
 #   STAGES="tests" bash benchmarks/gpu_check.sh
@@ -43,8 +44,17 @@ stage() {
   return 0
 }
 
-if ls .whl/*.whl > /dev/null 2>&1 && ! $PY -c "import llguidance" 2> /dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" .whl/*.whl \
+# A carried wheel is installed only where the host lacks its module (a wheel's distribution name
+# is its module's here: llguidance, pytest, pluggy, iniconfig, pygments, hypothesis, sortedcontainers).
+missing=()
+for whl in .whl/*.whl; do
+  [ -e "$whl" ] || continue
+  module=$(basename "$whl" | cut -d- -f1)
+  $PY -c "import $module" 2> /dev/null || missing+=("$whl")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing the carried wheels the host lacks: ${missing[*]}"
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" "${missing[@]}" \
     && export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
