@@ -352,6 +352,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     load.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths vary in [len*(1-r), len*(1+r)]")
     load.add_argument("--prefix-len", type=int, default=0, help="a shared prefix of this many tokens on every prompt")
     load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--no-stream", action="store_true",
+                      help="requests with stream: false (our client): TTFT is then the whole reply's latency, no ITL")
     load.add_argument("--tokenizer", help="for building prompts (default: --model-dir or the embedded SmolLM2)")
     p.add_argument("--json-out", help="write every run's summary here")
     args = p.parse_args(argv)
@@ -379,8 +381,8 @@ def load_once(target: Target, conc: int | None, index: int, tokenizer, model_dir
     else:
         requests = make_requests(tokenizer, args, index)
         results, duration = asyncio.run(run(
-            target.base_url, lambda r: request_body(target.backend, args.endpoint, target.model, r), requests, conc,
-            args.request_rate, args.burstiness, args.seed, args.api_key, args.endpoint))
+            target.base_url, lambda r: request_body(target.backend, args.endpoint, target.model, r, not args.no_stream),
+            requests, conc, args.request_rate, args.burstiness, args.seed, args.api_key, args.endpoint))
         summary = summarize(results, duration)
     return {"target": target.label, "max_concurrency": conc, **summary}
 
