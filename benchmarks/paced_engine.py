@@ -5,8 +5,9 @@ Every `KVSERVE_PACED_STEP_S` seconds (default 0.1, about a 16-sequence decode st
 step; so the Serve proxy, the ingress and the replica carry the message rate a real engine makes
 them carry, and what they cost per token can be read from /proc without model compute (and its
 noise) on the same cores. A FINAL_ONLY request (a reply not streamed) gets its first output and
-its last, which holds the tokens in between, as the real engine hands them out. Built by Serve as `PacedEngine(EngineConfig)` from the string
-"benchmarks.paced_engine:PacedEngine" (benchmarks/serving_overhead.py).
+its last, which holds the tokens in between, as the real engine hands them out. Built by Serve as
+`PacedEngine(EngineConfig)` from the string "benchmarks.paced_engine:PacedEngine"
+(benchmarks/serving_overhead.py).
 """
 from __future__ import annotations
 

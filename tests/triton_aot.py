@@ -55,9 +55,9 @@ class CompiledKernel:
 
 @dataclass
 class AOT:
-    arch: int
     kernels: SimpleNamespace  # the kernel modules, loaded as JIT
-    compiled: list[CompiledKernel] = field(default_factory=list)
+    compiled: list[CompiledKernel] = field(default_factory=list)  # one entry per launch
+    usage: dict[str, dict[str, int]] = field(default_factory=dict)  # kernel hash -> resource usage
 
 
 class _CompileOnlyDriver:
@@ -110,14 +110,16 @@ def compile_only(arch: int) -> Iterator[AOT]:
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    aot = AOT(arch, SimpleNamespace(**{name: _load_jit(name) for name in KERNEL_MODULES}))
+    aot = AOT(SimpleNamespace(**{name: _load_jit(name) for name in KERNEL_MODULES}))
     launch, previous = JITFunction.run, dict(vars(driver))  # the active driver, however this Triton keeps it
 
     def compile_instead(self, *args, grid, warmup, **kwargs):
         kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
         cubin = kernel.asm["cubin"]
+        if kernel.metadata.hash not in aot.usage:  # a launch that reused a compile: cuobjdump read it already
+            aot.usage[kernel.metadata.hash] = resource_usage(cubin)
         aot.compiled.append(CompiledKernel(self.fn.__name__, kernel.metadata, kernel.asm["ptx"], cubin,
-                                           resource_usage(cubin)))
+                                           aot.usage[kernel.metadata.hash]))
         return kernel
 
     driver.set_active(_CompileOnlyDriver(arch))
