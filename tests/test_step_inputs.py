@@ -75,18 +75,17 @@ def test_block_tables_stay_right_as_they_grow_change_and_move_between_rows():
             n = rng.randrange(1, 30)
             seqs.append(_seq(n + 1, n, [next(next_block) for _ in range(-(-(n + 1) // 4))]))
         for s in seqs:
-            s.token_ids.append(7)  # one more token to decode: a new block at a block boundary
+            s.token_ids.append(7)  # one more token to decode
             s.num_computed_tokens += 1
-            if len(s.block_table) * 4 < s.num_tokens:
+            if len(s.block_table) * 4 < s.num_tokens:  # a new block at a block boundary
                 s.block_table.append(next(next_block))
             if rng.random() < 0.05:  # copy-on-write of the partial last block
                 s.block_table[-1] = next(next_block)
             if rng.random() < 0.02:  # preempted and recomputed: a new list
                 s.block_table = [next(next_block) for _ in s.block_table]
-        s_out = [s for s in seqs if s.num_tokens < 60 and rng.random() > 0.05]  # some finish
-        seqs = s_out
+        seqs = [s for s in seqs if s.num_tokens < 60 and rng.random() > 0.05]  # some finish
         rng.shuffle(seqs)  # rows move between steps
-        batch = ScheduledBatch(list(seqs), [1] * len(seqs))
+        batch = ScheduledBatch(seqs, [1] * len(seqs))
         layout = inputs.fill(batch)
         order = batch.row_order(4)
         for r, i in enumerate(order):
