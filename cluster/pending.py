@@ -5,8 +5,13 @@ ledger every request of a burst would see the same snapshot and land on the same
 Each dispatch is recorded with its KV footprint, its new prefill tokens and its prompt's prefix
 hashes (which that replica will hold once it admits the request, so followers of the same prefix
 are sent after it). A completion is recorded as a negative entry: the request's seat and blocks
-are free again (Serve tells its router through `on_request_completed`). A report taken after an
-entry covers it, and the entry is dropped:
+are free again (Serve tells its router through `on_request_completed`), and if no report has
+covered its dispatch yet, its prompt no longer waits to be prefilled (once one has, the prompt
+is in the queue that report showed, or done). A completion also books the prompt's partial last
+block, by its parent hash and tokens: the answer has filled that block and the replica caches
+it, but the router never sees the answer, so until the next report it would not know that the
+chat's next turn (prompt + answer + new message) finds one block more there than anywhere else.
+A report taken after an entry covers it, and the entry is dropped:
 
     entries  +t1  +t2  -t3  +t4          report(timestamp=T, t2 <= T < t3)
     ledger   [+t1, +t2, -t3, +t4]  -->  [-t3, +t4]
@@ -29,12 +34,27 @@ class Pending:
     num_blocks: int = 0  # KV footprint (prompt + max_tokens, less expected prefix hits), dispatched - freed
     num_prefill_tokens: int = 0  # prompt tokens the replica will have to compute
     prefix_hashes: Counter = field(default_factory=Counter)  # hash -> dispatches holding it
+    tails: Counter = field(default_factory=Counter)  # (parent hash, tokens) of completed prompts' last blocks
+    tail_parents: Counter = field(default_factory=Counter)  # their parent hashes (one lookup rules most out)
 
     def __contains__(self, h: int) -> bool:
         return h in self.prefix_hashes
 
 
 EMPTY = Pending()
+
+Tail = tuple[int, tuple[int, ...]]  # (parent hash, token ids) of a prompt's partial last block
+
+
+@dataclass(frozen=True)
+class Booking:
+    """What a dispatch at `time` booked at its replica: its KV footprint in blocks, the prompt
+    tokens the replica has to compute, and the tail its completion will leave there (None when
+    the prompt ends on a block boundary)."""
+    time: float
+    num_blocks: int
+    num_prefill_tokens: int = 0
+    tail: Tail | None = None
 
 
 @dataclass(frozen=True)
@@ -44,6 +64,7 @@ class _Entry:
     num_blocks: int
     num_prefill_tokens: int
     prefix_hashes: tuple[int, ...]
+    tail: Tail | None = None
 
 
 class PendingLedger:
@@ -56,9 +77,12 @@ class PendingLedger:
                prefix_hashes: tuple[int, ...] | list[int] = ()) -> None:
         self._add(replica_id, _Entry(now, 1, num_blocks, num_prefill_tokens, tuple(prefix_hashes)))
 
-    def release(self, replica_id: str, now: float, num_blocks: int) -> None:
-        """A request dispatched there with this footprint has completed (or was aborted)."""
-        self._add(replica_id, _Entry(now, -1, -num_blocks, 0, ()))
+    def release(self, replica_id: str, now: float, booking: Booking) -> None:
+        """A request dispatched there with this booking has completed (or was aborted)."""
+        log = self._log.get(replica_id)
+        booked = log and log[0].time <= booking.time  # its dispatch is still here (entries go in time order)
+        prefill = booking.num_prefill_tokens if booked else 0
+        self._add(replica_id, _Entry(now, -1, -booking.num_blocks, -prefill, (), booking.tail))
 
     def _add(self, replica_id: str, d: _Entry) -> None:
         self._log.setdefault(replica_id, deque()).append(d)
@@ -67,6 +91,9 @@ class PendingLedger:
         p.num_blocks += d.num_blocks
         p.num_prefill_tokens += d.num_prefill_tokens
         p.prefix_hashes.update(d.prefix_hashes)
+        if d.tail is not None:
+            p.tails[d.tail] += 1
+            p.tail_parents[d.tail[0]] += 1
 
     def covered(self, replica_id: str, report_time: float) -> None:
         """A report taken at `report_time` already reflects the dispatches made before it."""
@@ -97,5 +124,15 @@ class PendingLedger:
             for h in d.prefix_hashes:
                 if p.prefix_hashes.get(h, 0) <= 0:
                     p.prefix_hashes.pop(h, None)
+            if d.tail is not None:
+                _discount(p.tails, d.tail)
+                _discount(p.tail_parents, d.tail[0])
         if log is not None and not log:
             self.forget(replica_id)
+
+
+def _discount(counter: Counter, key) -> None:
+    if counter[key] <= 1:
+        del counter[key]
+    else:
+        counter[key] -= 1

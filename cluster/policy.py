@@ -10,7 +10,9 @@ reported yet; `pending` maps replica ids to what was dispatched there since that
 
 kv (`choose_kv`), for each replica with fresh stats:
 
-    hit      = leading request blocks found in its prefix summary or in its pending dispatches
+    hit      = leading request blocks found in its prefix summary or in its pending dispatches,
+               + 1 when the next one starts with the partial last block of a prompt completed
+               there since its report (the answer filled it: a chat's next turn)
     need     = blocks_for(prompt + max_tokens) - hit           (hit blocks are shared, not new)
     headroom = free - reserve_weight * reserved - pending blocks
     room     = headroom >= need and a sequence seat is free (running + waiting + pending < max_num_seqs)
@@ -75,10 +77,10 @@ from itertools import islice, takewhile
 
 from cluster.peers import (CacheAwareConfig, HashRing, PrefixAffinityConfig, choose_cache_aware, choose_session,
                            prefix_affinity_candidates)
-from cluster.pending import EMPTY, Pending
+from cluster.pending import EMPTY, Booking, Pending, Tail
 from cluster.prefix_tree import PrefixTree, token_key
 from cluster.stats import ReplicaStats
-from engine.hashing import hash_prefix_blocks
+from engine.hashing import NONE_HASH, hash_prefix_blocks
 
 StatsView = Mapping[str, ReplicaStats | None]
 PendingView = Mapping[str, Pending]
@@ -198,6 +200,36 @@ def prefix_hit_blocks(hashes: list[int], cached: frozenset[int], pending: Pendin
     return n
 
 
+def tail_hit(request: RouteRequest, block_size: int, n: int, pending: Pending) -> int:
+    """1 when the request's block after its first `n` hit blocks begins with the tail (partial last
+    block) of a prompt completed at this replica since its report, else 0: the completed request's
+    answer filled that block there (unless it was shorter than the rest of the block, which the
+    router cannot tell), and a chat's next turn repeats the answer after the prompt."""
+    hashes = request.hashes(block_size)
+    if not pending.tail_parents or n >= len(hashes) or request.token_ids is None:
+        return 0
+    parent = hashes[n - 1] if n else NONE_HASH
+    if parent not in pending.tail_parents:
+        return 0
+    block = tuple(request.token_ids[n * block_size:(n + 1) * block_size])
+    return int(any((parent, block[:k]) in pending.tails for k in range(1, block_size)))
+
+
+def request_hit_blocks(request: RouteRequest, block_size: int, cached: frozenset[int], pending: Pending) -> int:
+    n = prefix_hit_blocks(request.hashes(block_size), cached, pending)
+    return n + tail_hit(request, block_size, n, pending)
+
+
+def prompt_tail(request: RouteRequest, block_size: int) -> Tail | None:
+    """(parent hash, tokens) of the request's partial last prompt block; None on a block boundary."""
+    full = request.num_prompt_tokens // block_size
+    if request.token_ids is None or full * block_size == request.num_prompt_tokens:
+        return None
+    hashes = request.hashes(block_size)
+    parent = hashes[full - 1] if full else NONE_HASH
+    return parent, tuple(request.token_ids[full * block_size:])
+
+
 def rank_key(request: RouteRequest, s: ReplicaStats, p: Pending, config: KVPolicyConfig,
              now: float | None = None, new_session: bool = False) -> tuple | None:
     """None when the request does not fit on this replica now, else its sort key (larger is better):
@@ -210,7 +242,7 @@ def rank_key(request: RouteRequest, s: ReplicaStats, p: Pending, config: KVPolic
     if s.max_num_seqs - s.num_running - s.num_waiting - p.num_requests < 1:
         return None  # no sequence seat
     bs = s.block_size
-    hit = prefix_hit_blocks(request.hashes(bs), s.prefix_hashes, p)
+    hit = request_hit_blocks(request, bs, s.prefix_hashes, p)
     headroom = s.num_free_blocks - config.reserve_weight * s.num_reserved_blocks - p.num_blocks
     if headroom < request.footprint_blocks(bs) - hit:
         return None  # its KV would not fit without preempting someone
@@ -322,17 +354,16 @@ def choose_round_robin(request: RouteRequest, stats: StatsView, pending: Pending
 
 
 def record_dispatch(ledger, replica_id: str, request: RouteRequest, stats: StatsView, now: float,
-                    default_block_size: int = 16) -> int:
+                    default_block_size: int = 16) -> Booking:
     """Enter a dispatch in a `cluster.pending.PendingLedger`, with the footprint and new prefill
-    tokens the replica's last stats predict (no stats: no hit assumed). Returns the footprint in
-    blocks, for `ledger.release` when the request completes."""
+    tokens the replica's last stats predict (no stats: no hit assumed). Returns the booking, for
+    `ledger.release` when the request completes."""
     s = stats.get(replica_id)
     bs = s.block_size if s is not None else default_block_size
-    hashes = request.hashes(bs)
-    hit = prefix_hit_blocks(hashes, s.prefix_hashes, ledger.get(replica_id)) if s is not None else 0
-    blocks = request.footprint_blocks(bs) - hit
-    ledger.record(replica_id, now, blocks, request.num_prompt_tokens - hit * bs, hashes)
-    return blocks
+    hit = request_hit_blocks(request, bs, s.prefix_hashes, ledger.get(replica_id)) if s is not None else 0
+    blocks, prefill = request.footprint_blocks(bs) - hit, request.num_prompt_tokens - hit * bs
+    ledger.record(replica_id, now, blocks, prefill, request.hashes(bs))
+    return Booking(now, blocks, prefill, prompt_tail(request, bs))
 
 
 # -- stateful wrappers with one call shape, for the simulator and the Serve router -------------------

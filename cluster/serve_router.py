@@ -38,7 +38,7 @@ import time
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
 from cluster.peers import CacheAwareConfig, PrefixAffinityConfig
-from cluster.pending import PendingLedger
+from cluster.pending import Booking, PendingLedger
 from cluster.policy import (ROUTERS, CacheAwareRouter, KVPolicyConfig, PrefixAffinityRouter, RouteRequest, SessionRouter,
                             SeenSessions, choose_kv, rank_key, record_dispatch)
 from cluster.stats import ReplicaStats
@@ -77,7 +77,7 @@ class KVRequestRouter(RequestRouter):
         self.default_block_size = default_block_size
         self.ledger = PendingLedger(expire_after_s=4 * self.config.stale_after_s)
         self._stats: dict[str, ReplicaStats] = {}  # parsed reports, by replica
-        self._booked: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, footprint blocks)
+        self._booked: dict[str, tuple[str, Booking]] = {}  # internal request id -> (replica, its booking)
         self._held: dict[str, tuple[float, float, RouteRequest]] = {}  # id -> (first held, last asked, request)
         self._sessions = SeenSessions()  # the session ids this router has routed (ingress replicas: each its own)
         self._last_expire = 0.0

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.pending import EMPTY, PendingLedger
+from cluster.pending import EMPTY, Booking, PendingLedger
 from cluster.policy import (KVPolicyConfig, RouteRequest, choose_kv, choose_pow2, choose_round_robin,
                             record_dispatch)
 from cluster.stats import ReplicaStats, build_replica_stats, summarize_prefix_hashes
@@ -239,17 +239,53 @@ def test_round_robin_cycles_and_skips_full_replicas():
     assert rid == "b"
 
 
+def test_a_finished_turn_keeps_its_chat_at_home_until_the_next_report():
+    """The router never sees an answer. Until the home replica reports again, a chat's next turn
+    (prompt + answer + new message) seems to hit there only the full blocks of the last prompt,
+    here the system prompt, which the other replica holds too, and a little load there sends the
+    turn away to recompute its context. A completion books its prompt's partial last block (the
+    answer filled it), which makes home the replica holding the longest prefix."""
+    system = prompt(20, 48)  # 3 blocks
+    turn1 = RouteRequest(system + prompt(21, 12), 8)  # 3 full blocks + 12 tokens of the 4th
+    turn2 = RouteRequest(turn1.token_ids + prompt(22, 8) + prompt(23, 12), 8)  # + answer + new message
+    led = PendingLedger()
+    view = {rid: stats(rid, hashes=cached(system), timestamp=NOW - 1) for rid in ("home", "other")}
+    booking = record_dispatch(led, "home", turn1, view, NOW - 0.9)
+    assert booking == Booking(NOW - 0.9, 2, 12, (cached(system)[-1], tuple(turn1.token_ids[48:])))
+    # A report while turn 1 ran (it covers the dispatch); home serves 10 other requests.
+    view["home"] = stats("home", hashes=cached(system), running=11, timestamp=NOW - 0.5)
+    led.covered("home", NOW - 0.5)
+    assert choose_kv(turn2, view, led.view(), NOW) == "other"  # without the answer's block: even hits
+    led.release("home", NOW - 0.2, booking)
+    assert choose_kv(turn2, view, led.view(), NOW) == "home"
+    assert choose_kv(req(), view, led.view(), NOW) == "other"  # a tail counts only for prompts that continue it
+    led.covered("home", NOW - 0.1)  # the next report holds the block itself
+    assert not led.view()
+    on_boundary = RouteRequest(system, 8)
+    assert record_dispatch(led, "other", on_boundary, view, NOW).tail is None
+
+
 # -- ledger ---------------------------------------------------------------------------------------------
 def test_ledger_nets_dispatches_and_completions_until_a_report_covers_them():
     led = PendingLedger(expire_after_s=10)
     led.record("a", 1.0, 10, 100, (11, 12))
     led.record("a", 2.0, 5, 50, (11,))
-    led.release("a", 3.0, 7)
+    led.release("a", 3.0, Booking(2.0, 5, 50, (12, (5, 6))))  # done before any report: prefilled, tail left
     p = led.get("a")
-    assert (p.num_requests, p.num_blocks, p.num_prefill_tokens) == (1, 8, 150) and 11 in p and 12 in p
+    assert (p.num_requests, p.num_blocks, p.num_prefill_tokens) == (1, 10, 100) and 11 in p and 12 in p
+    assert p.tails == {(12, (5, 6)): 1} and p.tail_parents == {12: 1}
     led.covered("a", 1.5)
     p = led.get("a")
-    assert (p.num_requests, p.num_blocks, p.num_prefill_tokens) == (0, -2, 50) and 11 in p and 12 not in p
+    assert (p.num_requests, p.num_blocks, p.num_prefill_tokens) == (0, 0, 0) and 11 in p and 12 not in p
+    # the dispatch at 1.0 is in the report's figures now: its completion frees its seat and blocks,
+    # and leaves the prefill figure to that report (its queue, less what drained since)
+    led.release("a", 3.5, Booking(1.0, 10, 100))
+    p = led.get("a")
+    assert (p.num_requests, p.num_blocks, p.num_prefill_tokens) == (-1, -10, 0) and p.tails
+    led.covered("a", 3.0)  # a report after the first completion holds the block its answer filled
+    p = led.get("a")
+    assert (p.num_requests, p.num_blocks, p.num_prefill_tokens) == (-1, -10, 0) and not p.tails
+    assert not p.tail_parents and not p.prefix_hashes
     led.expire(20.0)
     assert led.get("a").num_requests == 0 and not led.view()
 

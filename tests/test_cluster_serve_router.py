@@ -145,15 +145,20 @@ def test_session_router_keeps_a_session_on_one_replica():
 def test_kv_router_spreads_new_sessions_and_keeps_known_ones_by_the_cache():
     async def main():
         router = make(KVRequestRouter)
-        # a holds the prompt's 16-block prefix but runs 20 requests; b is idle with nothing cached
-        reps = [replica("a", hashes=hash_prefix_blocks(PREFIX, 16), running=20), replica("b", free=500)]
+        # a holds two 16-block prefixes but runs 20 requests; b is idle with nothing cached
+        other = [random.Random(1).randrange(1000) for _ in range(256)]
+        held = hash_prefix_blocks(PREFIX, 16) + hash_prefix_blocks(other, 16)
+        reps = [replica("a", hashes=held, running=20), replica("b", free=500)]
         names = lambda ranks: [r.replica_id.unique_id for r in ranks[0]]  # noqa: E731
         assert names(await router.choose_replicas(reps, session_pending(1, PREFIX + [1] * 60))) == ["a"]
         # a session's first request places the whole chat: the busy replica loses it
         assert names(await router.choose_replicas(reps, session_pending(2, PREFIX + [2] * 60, "chat-1"))) == ["b"]
         router.on_request_completed(reps[1].replica_id, "i2")
-        # the same session's next request weighs in-flight requests as any other request does
-        assert names(await router.choose_replicas(reps, session_pending(3, PREFIX + [3] * 60, "chat-1"))) == ["a"]
+        # the same session's next request weighs in-flight requests as any other request does (b
+        # holds PREFIX now, so this one starts with the prefix only a holds)
+        assert names(await router.choose_replicas(reps, session_pending(3, other + [3] * 60, "chat-1"))) == ["a"]
+        # and a turn that continues the chat on b stays there
+        assert names(await router.choose_replicas(reps, session_pending(4, PREFIX + [2] * 64, "chat-1"))) == ["b"]
     asyncio.run(main())
 
 

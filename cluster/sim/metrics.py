@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cluster.pending import Booking
+
 
 @dataclass
 class RequestRecord:
@@ -16,7 +18,7 @@ class RequestRecord:
     max_tokens: int
     dispatch: float | None = None
     replica: str | None = None
-    footprint: int = 0  # KV blocks the router booked for it at dispatch
+    booking: Booking | None = None  # what the router booked for it at dispatch
     first_token: float | None = None
     finish: float | None = None
     num_output_tokens: int = 0

@@ -122,7 +122,7 @@ class Simulation:
         if rid is None:
             return False
         rec = self.records[h.spec.request_id]
-        rec.footprint = record_dispatch(self.ledger, rid, h.request, self.stats, self.now,
+        rec.booking = record_dispatch(self.ledger, rid, h.request, self.stats, self.now,
                                         self.config.replica.block_size)
         self.router.routed(h.request, rid, self.now)
         rec.dispatch, rec.replica = self.now, rid
@@ -219,7 +219,7 @@ class Simulation:
             rec = self.records[seq.request_id]
             rec.finish, rec.num_output_tokens = self.now, seq.num_output_tokens
             rec.num_cached_tokens, rec.num_preemptions = seq.num_cached_tokens, seq.num_preemptions
-            self.ledger.release(rid, self.now, rec.footprint)  # Serve: RequestRouter.on_request_completed
+            self.ledger.release(rid, self.now, rec.booking)  # Serve: RequestRouter.on_request_completed
             self.outputs.pop(seq.request_id, None)
             for nxt in self.followups.pop(seq.request_id, ()):
                 self._push(self.now + nxt.arrival, ARRIVAL, nxt)
