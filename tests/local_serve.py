@@ -42,12 +42,26 @@ def running_server(args: dict, num_cpus: int = 4, app_name: str = "kvserve",
 
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialized in this process")
-    port = free_port()
     init_ray_as_kvserve_serve(num_cpus=num_cpus, include_dashboard=False, **(ray_options or {}))
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = _start_serve(serve)
         serve.run(build_app(args), name=app_name, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _start_serve(serve, tries: int = 3) -> int:
+    """serve.start on a free loopback port, chosen after Ray's own processes have taken theirs; a
+    port some other process took between the choice and the proxy's bind is chosen again."""
+    for attempt in range(tries):
+        port = free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except Exception as e:  # RayTaskError wrapping the proxy's "Failed to bind to address"
+            if "Failed to bind" not in str(e) or attempt == tries - 1:
+                raise
+            serve.shutdown()
+    raise AssertionError("unreachable")
