@@ -120,10 +120,8 @@ class PendingLedger:
             p.num_requests -= d.num_requests
             p.num_blocks -= d.num_blocks
             p.num_prefill_tokens -= d.num_prefill_tokens
-            p.prefix_hashes.subtract(d.prefix_hashes)
             for h in d.prefix_hashes:
-                if p.prefix_hashes.get(h, 0) <= 0:
-                    p.prefix_hashes.pop(h, None)
+                _discount(p.prefix_hashes, h)
             if d.tail is not None:
                 _discount(p.tails, d.tail)
                 _discount(p.tail_parents, d.tail[0])
@@ -132,6 +130,7 @@ class PendingLedger:
 
 
 def _discount(counter: Counter, key) -> None:
+    """One holder of `key` less; the key goes when none is left (membership means held)."""
     if counter[key] <= 1:
         del counter[key]
     else:

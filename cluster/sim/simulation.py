@@ -123,7 +123,7 @@ class Simulation:
             return False
         rec = self.records[h.spec.request_id]
         rec.booking = record_dispatch(self.ledger, rid, h.request, self.stats, self.now,
-                                        self.config.replica.block_size)
+                                      self.config.replica.block_size)
         self.router.routed(h.request, rid, self.now)
         rec.dispatch, rec.replica = self.now, rid
         self.replicas[rid].add(h.spec.request_id, h.prompt, h.spec.max_tokens)
