@@ -10,6 +10,8 @@ On an AVX2 + FMA CPU (engine/csrc/*.c, one shared library):
   through its block table, replacing a gather plus SDPA per group of decodes.
 - `rms_norm`, `silu_and_mul` and `rope_write_kv` fuse the elementwise work between GEMMs
   (each replaces 3-10 small torch ops per layer).
+- `decode_step(...)` chains all of them through every layer of a small decode-only step in one
+  call (engine/decode_step.py).
 
 The sources are compiled once per content hash with the system compiler (`$CC`, else `cc`)
 into $KVSERVE_CACHE/kernels/ and use the OpenMP runtime torch has already loaded. Without a
@@ -101,6 +103,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+def decode_step(decoder, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                context_lens: torch.Tensor) -> None:
+    """Every decoder layer of a decode step (engine/decode_step.py): h (B, hidden) float32, the
+    step's embeddings, becomes the last layer's output in place. `decoder` is a ctypes reference
+    to the C side's description of the model; positions, slots, context_lens: (B,) int64;
+    block_tables: (B, max blocks) int64."""
+    rc = _library().kvserve_decode_step_f32(decoder, h.data_ptr(), h.shape[0], positions.data_ptr(), slots.data_ptr(),
+                                            block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
+                                            torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"native decode step failed ({rc}) for a batch of {h.shape[0]}")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            codes: BlockCodes | None = None, prepacked: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x (M, K), weight (N, K). `codes`, when given, is the same
@@ -160,7 +175,9 @@ def _library() -> ctypes.CDLL | None:
     lib.kvserve_rms_norm_f32.argtypes = [ptr] * 3 + [long] * 2 + [ctypes.c_float, c_int]
     lib.kvserve_silu_and_mul_f32.argtypes = [ptr] * 2 + [long] * 2 + [c_int]
     lib.kvserve_rope_write_kv_f32.argtypes = [ptr] * 7 + [long] * 4 + [c_int]
-    for fn in (lib.kvserve_linear_f32, lib.kvserve_linear_codes_f32, lib.kvserve_decode_attention_f32):
+    lib.kvserve_decode_step_f32.argtypes = [ptr, ptr, long, ptr, ptr, ptr, long, ptr, c_int]
+    for fn in (lib.kvserve_linear_f32, lib.kvserve_linear_codes_f32, lib.kvserve_decode_attention_f32,
+               lib.kvserve_decode_step_f32):
         fn.restype = c_int
     for fn in (lib.kvserve_rms_norm_f32, lib.kvserve_silu_and_mul_f32, lib.kvserve_rope_write_kv_f32):
         fn.restype = None

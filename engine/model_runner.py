@@ -8,6 +8,7 @@ import torch
 
 from engine import cpu_kernels
 from engine.attention import AttentionMetadata, DecodeGroup, NativeDecodes, PrefillChunk
+from engine.decode_step import NativeDecodeStep
 from engine.model.llama import LlamaModel
 from engine.prompt_logprobs import PromptSpan
 from engine.scheduler import ScheduledBatch
@@ -47,6 +48,8 @@ class ModelRunner:
         # On a GPU one padded group beats many exact ones: decode steps are launch-bound, and mixed
         # lengths split a large batch into a dozen or more groups, each its own attention launch.
         self.one_decode_group = device.type == "cuda"
+        # Small decode-only steps in one native call (float32 CPU, tp 1); None elsewhere.
+        self.native_step = NativeDecodeStep.build(model, kv_caches, block_size) if self.native_decode else None
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
@@ -151,7 +154,10 @@ class ModelRunner:
         self._zero_new_blocks(batch)
         self._copy_blocks(batch.copies)
         p = self.prepare(batch)
-        hidden = self.model(p.input_ids, p.positions, self.kv_caches, p.attn)
+        if self.native_step is not None and self.native_step.runs(p.attn, p.input_ids.shape[0]):
+            hidden = self.native_step.forward(p.input_ids, p.positions, p.attn)
+        else:
+            hidden = self.model(p.input_ids, p.positions, self.kv_caches, p.attn)
         logits = self.model.compute_logits(hidden.index_select(0, self._tensor(p.sample_rows)))
         if not p.prompt_rows:
             return RunnerOutput(logits, p.sampled)
