@@ -74,8 +74,23 @@ def test_exact_batch(tiny, engine_kwargs, kernels):
     # Each tiny model has 2-3 layers of 4 linears, plus an lm_head: all of them codes, or none.
     assert weights_read_as_codes(llm) == (0 if kernels == "torch" or "-gguf" not in d.name else
                                           4 * llm.engine.executor.model.arch.num_layers + 1)
+    native_steps = _count_native_steps(llm)
     assert _tokens(llm.generate(prompts, GREEDY)) == ref
+    # With the kernels, decode-only steps run all layers in one call (engine/decode_step.py).
+    assert (native_steps[0] > 0) == (kernels == "native")
     _assert_clean(llm)
+
+
+def _count_native_steps(llm: LLM) -> list[int]:
+    runner, count = llm.engine.executor.runner, [0]
+    if runner.native_step is not None:
+        forward = runner.native_step.forward
+
+        def counted(*args):
+            count[0] += 1
+            return forward(*args)
+        runner.native_step.forward = counted
+    return count
 
 
 def test_exact_under_preemption(tiny):
