@@ -79,8 +79,9 @@ def test_linear_over_codes_gives_the_float32_kernels_bits(qtype, m, n):
 def test_model_sized_shapes_over_codes():
     for n, k, qtype in [(960, 576, QType.Q4_1), (576, 1536, QType.Q4_1), (4099, 576, QType.Q8_0)]:
         w = gguf_weights(n, k, qtype, seed=n)
-        x = torch.randn(16, k, generator=torch.Generator().manual_seed(k))
-        assert same_bits(linear(x, w, codes=encode(w)), linear(x, w))
+        for m in (1, 2, 16):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+            assert same_bits(linear(x, w, codes=encode(w)), linear(x, w))
 
 
 @needs_kernel
