@@ -20,7 +20,7 @@ SERVE_ARGS ?=
 # Quiet, non-interactive pip that behaves the same with and without a TTY (CI=true).
 PIP_INSTALL := $(PY) -m pip --no-input install --progress-bar off
 
-.PHONY: venv model serve test reliability bench deploy-proof clean
+.PHONY: venv model serve test reliability bench deploy-proof gpu-carry clean
 
 venv: $(STAMP)
 
@@ -60,6 +60,20 @@ bench: venv model
 # test`): tests/test_deploy_cluster.py, which stops every process it starts.
 deploy-proof: venv model
 	$(PY) -m pytest -q -s -m deploy_proof tests/test_deploy_cluster.py $(PYTEST_ARGS)
+
+# What benchmarks/gpu_check.sh takes to the lent GPU host (Python 3.12, torch, transformers,
+# pytest and hypothesis; no index, no hub): the one module the engine needs that its image lacks
+# (llguidance) as a wheel in .whl/, and the embedded model's tokenizer in out/tokenizer/. Then,
+# through the device tool: KVSERVE_TOKENIZER_DIR=out/tokenizer bash benchmarks/gpu_check.sh,
+# carrying .whl and out/tokenizer (~5 MB).
+GPU_HOST_PYTHON ?= 3.12
+gpu-carry: venv model
+	rm -rf .whl out/tokenizer && mkdir -p .whl out/tokenizer
+	$(PY) -m pip --no-input download --progress-bar off --no-deps --only-binary=:all: -d .whl \
+		--python-version $(GPU_HOST_PYTHON) --implementation cp $(foreach n,17 24 27 28 31 34 35,--platform manylinux_2_$(n)_x86_64) \
+		llguidance
+	cp "$$($(PY) -c 'from engine.model_source import default_model_dir; print(default_model_dir())')"/tokenizer*.json out/tokenizer/
+	du -sh .whl out/tokenizer
 
 clean:
 	rm -rf $(VENV) build *.egg-info
