@@ -22,6 +22,16 @@ if TRITON_INTERPRETER:
         pass
 
 
+def pytest_configure(config):
+    # Named here rather than in pyproject's filterwarnings: pytest imports a filter's category when
+    # it reads its configuration, and the GPU host benchmarks/gpu_check.sh runs on has no pydantic.
+    try:
+        import pydantic.warnings  # noqa: F401
+    except ImportError:
+        return
+    config.addinivalue_line("filterwarnings", "ignore::pydantic.warnings.PydanticDeprecatedSince20")
+
+
 def pytest_collection_finish(session):
     if TRITON_INTERPRETER:
         os.environ.pop("TRITON_INTERPRET", None)
