@@ -1,0 +1,73 @@
+"""benchmarks/gpu_check.sh runs on a GPU host that reaches no package index and whose image lacks
+some of kvserve's dependencies (the device's KINDS.md lists what it has: torch, transformers,
+triton, pytest, hypothesis, safetensors, tokenizers, numpy, tqdm; llguidance travels as a wheel,
+`make gpu-carry`). GPU time comes in short windows, so an import that fails there loses one.
+This runs, in a fresh interpreter where the dependencies the image lacks cannot be imported (a
+meta-path finder refuses them, as an absent module is refused), what the script runs first: the
+engine's imports, collection of its test stage, and its benchmark scripts' start-up."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# kvserve's dependencies (pyproject.toml, with the test extras the script does not run) that the
+# GPU image does not have.
+ABSENT_ON_GPU_HOST = ("ray", "pydantic", "pydantic_core", "fastapi", "starlette", "uvicorn", "gguf", "openai", "httpx",
+                      "jsonschema", "schemathesis", "lm_eval")
+
+# The test files of gpu_check.sh's test stage.
+GPU_CHECK_TESTS = ("tests/test_triton_attention.py", "tests/test_triton_norm.py", "tests/test_triton_runner.py",
+                   "tests/test_engine_cuda.py")
+
+_ABSENT = textwrap.dedent("""\
+    import sys
+
+    class Absent:
+        names = set(sys.argv.pop(1).split(","))
+
+        @classmethod
+        def find_spec(cls, name, path=None, target=None):
+            if name.split(".")[0] in cls.names:
+                raise ModuleNotFoundError(f"No module named {name!r} (not on the GPU host)", name=name)
+            return None
+
+    sys.meta_path.insert(0, Absent)
+""")
+
+
+def _run(*code_or_args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """python -c '<absent finder>; <tail>' with ABSENT_ON_GPU_HOST refused."""
+    env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", _ABSENT + code_or_args[0], ",".join(ABSENT_ON_GPU_HOST),
+                           *code_or_args[1:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_finder_refuses_what_the_gpu_host_lacks():
+    r = _run("import importlib.util\nprint(importlib.util.find_spec('json') is not None)\nimport ray")
+    assert r.stdout.strip() == "True"
+    assert "ModuleNotFoundError: No module named 'ray' (not on the GPU host)" in r.stderr
+
+
+def test_the_engine_and_its_cuda_path_import_without_them():
+    r = _run("import engine, engine.llm, engine.runners, engine.triton_runner, engine.cuda_graphs, engine.structured\n"
+             "print('imported')")
+    assert r.returncode == 0 and r.stdout.strip() == "imported", r.stderr[-2000:]
+
+
+def test_gpu_check_tests_collect_without_them():
+    r = _run("import pytest\nsys.exit(pytest.main(sys.argv[1:]))", "-q", "--co", "-p", "no:cacheprovider",
+             *GPU_CHECK_TESTS)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert " collected" in r.stdout and "error" not in r.stdout.lower(), r.stdout[-3000:]
+
+
+def test_gpu_check_benchmarks_start_without_them():
+    for script in ("benchmarks/random_model.py", "benchmarks/step_times.py", "benchmarks/offline.py"):
+        r = _run("import runpy\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')",
+                 script, "--help")
+        assert r.returncode == 0 and "usage:" in r.stdout, f"{script}: {r.stderr[-2000:]}"
