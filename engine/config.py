@@ -52,3 +52,8 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+    def model_len(self, max_position_embeddings: int) -> int:
+        """Tokens one sequence may hold: max_model_len, at most (and by default) the model's
+        positions. The engine, the runners and the step profile all use this one figure."""
+        return min(self.max_model_len or max_position_embeddings, max_position_embeddings)

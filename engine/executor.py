@@ -127,10 +127,12 @@ class LocalExecutor:
         t0 = time.perf_counter()
         spec = load_model_info(config)
         model_dir, arch, device = spec.model_dir, spec.arch, spec.device
+        if device.type == "cuda":  # Triton launches, graph capture and step events use the current device
+            torch.cuda.set_device(device)
         dtype = resolve_dtype(config.dtype, device)
         self.model = build_model(model_dir, dtype, device)
         block_bytes = bytes_per_block(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
-        max_model_len = config.max_model_len or arch.max_position_embeddings
+        max_model_len = config.model_len(arch.max_position_embeddings)
         step_bytes = None
         if triton_backend(device) and config.num_gpu_blocks_override is None and config.kv_cache_memory is None:
             step_bytes = cuda_step_bytes(self.model, config, max_model_len, arch.num_kv_heads, device)

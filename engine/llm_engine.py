@@ -28,7 +28,7 @@ class LLMEngine:
         info = self.executor.info
         self.tokenizer = info.tokenizer
         self.eos_token_ids = set(info.eos_token_ids)
-        self.max_model_len = min(config.max_model_len or info.max_position_embeddings, info.max_position_embeddings)
+        self.max_model_len = config.model_len(info.max_position_embeddings)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"without chunked prefill max_num_batched_tokens ({config.max_num_batched_tokens}) "
                              f"must be >= max_model_len ({self.max_model_len})")

@@ -70,6 +70,14 @@ def test_max_tokens_none_runs_to_max_model_len(tiny):
     assert len(prompt) + len(out.token_ids) == 256 and out.finish_reason == "length"
 
 
+def test_model_len_is_max_model_len_at_most_the_models_positions():
+    from engine.config import EngineConfig
+
+    assert EngineConfig(max_model_len=256).model_len(1024) == 256
+    assert EngineConfig(max_model_len=4096).model_len(1024) == 1024  # the runners' step profile uses this too
+    assert EngineConfig().model_len(1024) == 1024
+
+
 def test_logprobs(tiny):
     prompt = _prompts(1, seed=5)[0]
     out = tiny.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=3,

@@ -131,7 +131,7 @@ class RankWorker:
         kv = allocate_kv_cache(self.arch.num_layers, num_blocks, self.config.block_size,
                                self.arch.local_kv_heads(self.world_size), self.arch.head_dim, self.dtype, self.device)
         # No CUDA graphs across ranks: a captured step would hold the NCCL all-reduces too.
-        max_model_len = self.config.max_model_len or self.arch.max_position_embeddings
+        max_model_len = self.config.model_len(self.arch.max_position_embeddings)
         self.runner = make_runner(self.model, kv, self.config, max_model_len, self.device, graphs=False)
         return dict(rank=self.rank, kv_bytes=sum(k.numel() * k.element_size() * 2 for k, _ in kv))
 
