@@ -65,7 +65,7 @@ deploy-proof: venv model
 # pytest and hypothesis; no index, no hub): the one module the engine needs that its image lacks
 # (llguidance) as a wheel in .whl/, and the embedded model's tokenizer in out/tokenizer/. Then,
 # through the device tool: KVSERVE_TOKENIZER_DIR=out/tokenizer bash benchmarks/gpu_check.sh,
-# carrying .whl and out/tokenizer (~5 MB).
+# carrying .whl and out/tokenizer (~6 MB).
 GPU_HOST_PYTHON ?= 3.12
 gpu-carry: venv model
 	rm -rf .whl out/tokenizer && mkdir -p .whl out/tokenizer
