@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # kvserve's dependencies (pyproject.toml, with the test extras the script does not run) that the
 # GPU image does not have.
-ABSENT_ON_GPU_HOST = ("ray", "pydantic", "pydantic_core", "fastapi", "starlette", "uvicorn", "gguf", "openai", "httpx",
+ABSENT_ON_GPU_HOST = ("ray", "pydantic", "pydantic_core", "fastapi", "starlette", "uvicorn", "gguf", "openai",
                       "jsonschema", "schemathesis", "lm_eval")
 
 # The test files of gpu_check.sh's test stage.
