@@ -8,6 +8,7 @@ engine's imports, collection of its test stage, and its benchmark scripts' start
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -20,9 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 ABSENT_ON_GPU_HOST = ("ray", "pydantic", "pydantic_core", "fastapi", "starlette", "uvicorn", "gguf", "openai",
                       "jsonschema", "schemathesis", "lm_eval")
 
-# The test files of gpu_check.sh's test stage.
-GPU_CHECK_TESTS = ("tests/test_triton_attention.py", "tests/test_triton_norm.py", "tests/test_triton_runner.py",
-                   "tests/test_engine_cuda.py")
+# What the script runs, read from it so this follows the script: its test stage's files and its
+# Python scripts.
+_GPU_CHECK = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+GPU_CHECK_TESTS = sorted(set(re.findall(r"tests/test_\w+\.py", _GPU_CHECK)))
+GPU_CHECK_SCRIPTS = sorted(set(re.findall(r"benchmarks/\w+\.py", _GPU_CHECK)))
 
 _ABSENT = textwrap.dedent("""\
     import sys
@@ -60,6 +63,7 @@ def test_the_engine_and_its_cuda_path_import_without_them():
 
 
 def test_gpu_check_tests_collect_without_them():
+    assert {"tests/test_engine_cuda.py", "tests/test_triton_attention.py"} <= set(GPU_CHECK_TESTS), GPU_CHECK_TESTS
     r = _run("import pytest\nsys.exit(pytest.main(sys.argv[1:]))", "-q", "--co", "-p", "no:cacheprovider",
              *GPU_CHECK_TESTS)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
@@ -67,7 +71,8 @@ def test_gpu_check_tests_collect_without_them():
 
 
 def test_gpu_check_benchmarks_start_without_them():
-    for script in ("benchmarks/random_model.py", "benchmarks/step_times.py", "benchmarks/offline.py"):
+    assert {"benchmarks/random_model.py", "benchmarks/offline.py"} <= set(GPU_CHECK_SCRIPTS), GPU_CHECK_SCRIPTS
+    for script in GPU_CHECK_SCRIPTS:
         r = _run("import runpy\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')",
                  script, "--help")
         assert r.returncode == 0 and "usage:" in r.stdout, f"{script}: {r.stderr[-2000:]}"
