@@ -9,6 +9,7 @@ import torch
 from engine import cpu_kernels
 from engine.attention import AttentionMetadata, DecodeGroup, NativeDecodes, PrefillChunk
 from engine.decode_step import NativeDecodeStep
+from engine.device_copy import to_device
 from engine.model.llama import LlamaModel
 from engine.prompt_logprobs import PromptSpan
 from engine.scheduler import ScheduledBatch
@@ -52,7 +53,7 @@ class ModelRunner:
         self.native_step = NativeDecodeStep.build(model, kv_caches, block_size) if self.native_decode else None
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
-        return torch.tensor(data, dtype=torch.long, device=self.device)
+        return to_device(data, torch.long, self.device)
 
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device_copy import to_device
 from engine.outputs import PromptLogprob
 
 
@@ -36,16 +37,21 @@ def prompt_logprobs(logits: torch.Tensor, spans: list[PromptSpan], seqs: list) -
                for t in seq.prompt_token_ids[span.start + 1:span.start + 1 + span.num_rows]]
     assert len(targets) == logits.shape[0], (len(targets), tuple(logits.shape))
     logprobs = logits.sub_(logits.logsumexp(dim=-1, keepdim=True))  # (M, V), in place
-    target = torch.tensor(targets, dtype=torch.long, device=logits.device)
+    target = to_device(targets, torch.long, logits.device)
     token_lp = logprobs.gather(1, target.unsqueeze(1))  # (M, 1)
-    rank = ((logprobs > token_lp).sum(dim=-1) + 1).tolist()  # (M,)
+    rank = (logprobs > token_lp).sum(dim=-1) + 1  # (M,)
     k = max(seq.params.prompt_logprobs for seq in seqs)
     top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())  # (M, k)
-    token_lp, top_lp, top_ids = token_lp.squeeze(1).tolist(), top_lp.tolist(), top_ids.tolist()
+    # One copy back; float64 holds every id, rank and float32 logprob exactly.
+    packed = torch.cat([token_lp.squeeze(1).double(), rank.double(), top_lp.double().flatten(),
+                        top_ids.double().flatten()]).tolist()
+    m = len(targets)
+    top_lp, top_ids = packed[2 * m:2 * m + m * k], packed[2 * m + m * k:]
     out, row = {}, 0
     for span, seq in zip(spans, seqs):
         n = seq.params.prompt_logprobs
-        out[span.index] = [PromptLogprob(targets[r], token_lp[r], rank[r], tuple(zip(top_ids[r][:n], top_lp[r][:n])))
+        out[span.index] = [PromptLogprob(targets[r], packed[r], int(packed[m + r]),
+                                         tuple(zip(map(int, top_ids[r * k:r * k + n]), top_lp[r * k:r * k + n])))
                            for r in range(row, row + span.num_rows)]
         row += span.num_rows
     return out

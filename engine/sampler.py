@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.device_copy import to_device
 from engine.sampling_params import SamplingParams
 from engine.structured.bitmask import GrammarMask, apply_grammar_mask
 
@@ -54,9 +55,8 @@ def _occurrences(token_lists: list[list[int]],
         index += [i] * len(counter)
         tokens += counter.keys()
         counts += counter.values()
-    return (torch.tensor(index, dtype=torch.long, device=device),
-            torch.tensor(tokens, dtype=torch.long, device=device),
-            torch.tensor(counts, dtype=torch.float32, device=device))
+    return (to_device(index, torch.long, device), to_device(tokens, torch.long, device),
+            to_device(counts, torch.float32, device))
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -74,10 +74,10 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     device = logits.device
     out = logits.to(torch.float32, copy=True)  # (B, V)
     params = [rows[i].params for i in idx]
-    batch_row = torch.tensor(idx, device=device)  # penalized row -> row of `out`
+    batch_row = to_device(idx, torch.long, device)  # penalized row -> row of `out`
 
     def per_row(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)  # (R,)
+        return to_device(values, torch.float32, device)  # (R,)
 
     if any(p.repetition_penalty != 1.0 for p in params):
         row, token, _ = _occurrences(
@@ -104,7 +104,8 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     value = [b for _, bias in biased for b in bias.values()]
     out = logits.to(torch.float32, copy=True)  # (B, V)
     device = out.device
-    out[torch.tensor(row, device=device), torch.tensor(token, device=device)] += torch.tensor(value, device=device)
+    out[to_device(row, torch.long, device), to_device(token, torch.long, device)] += to_device(
+        value, torch.float32, device)
     return out
 
 
@@ -115,56 +116,47 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     """
     masked = [(i, r.eos_token_ids + r.params.stop_token_ids) for i, r in enumerate(rows)
               if len(r.output_token_ids) < r.params.min_tokens]
-    masked = [(i, ids) for i, ids in masked if ids]
-    if not masked:
+    row = [i for i, ids in masked for _ in ids]
+    if not row:
         return logits
+    token = [t for _, ids in masked for t in ids]
     out = logits.clone()
-    for i, ids in masked:
-        out[i, ids] = float("-inf")
+    out[to_device(row, torch.long, out.device), to_device(token, torch.long, out.device)] = float("-inf")
     return out
 
 
 NUCLEUS_CANDIDATES = 1024  # top_p looks at this many top tokens first, sorts the row only if short
 
 
-def _keep_thresholds(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """(R, V) probs -> (R, 1) probability below which each row drops tokens.
+def _keep_thresholds(probs: torch.Tensor, params: list[SamplingParams],
+                     full_sort: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(R, V) probs -> (R, 1) probability below which each row drops tokens, and (R,) whether a
+    row's top NUCLEUS_CANDIDATES tokens held less than its top_p mass, so that its cut-off is
+    only a bound (None where that cannot happen: no top_p, or `full_sort` of every row).
 
     top_k, top_p and min_p all keep the tokens at or above a cut-off probability, so the kept set
     is the one above the highest of the three cut-offs. The top token is always kept.
     """
     device, vocab_size = probs.device, probs.shape[1]
     k_host = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-    k = torch.tensor(k_host, device=device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=device)
-    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)
+    k = to_device(k_host, torch.long, device)
+    top_p = to_device([p.top_p for p in params], probs.dtype, device)
+    min_p = to_device([p.min_p for p in params], probs.dtype, device)
     threshold = probs.amax(dim=-1) * min_p  # (R,)
     # Which cut-offs apply is decided from the host-side params (no device sync), comparing top_p
     # in float32 as the tensor holds it.
     max_k = max((x for x in k_host if x < vocab_size), default=0)
     any_top_p = any(np.float32(p.top_p) < 1 for p in params)
-    if max_k or any_top_p:
-        threshold = torch.maximum(threshold, _top_k_top_p_threshold(probs, k, top_p, max_k, any_top_p))
-    return threshold.unsqueeze(1)
-
-
-def _top_k_top_p_threshold(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, max_k: int,
-                           any_top_p: bool) -> torch.Tensor:
-    """(R, V) probs, (R,) k (V = off), (R,) top_p -> (R,) cut-off of the top-k-then-nucleus set;
-    max_k: the largest k in use (0: none), any_top_p: whether some row has top_p < 1.
-
-    Works on the top candidates only (a partial top-k, far cheaper than a sort); rows whose
-    candidates do not reach the nucleus mass are redone over the whole sorted row.
-    """
-    vocab_size = probs.shape[1]
-    num = max(max_k, NUCLEUS_CANDIDATES) if any_top_p else max_k
-    candidates = probs.topk(min(num, vocab_size), dim=-1).values  # (R, n), descending
-    threshold, covered = _threshold_from_candidates(candidates, k, top_p, vocab_size)
-    if not bool(covered.all()):
-        redo = (~covered).nonzero().squeeze(1)
-        full = probs[redo].sort(dim=-1, descending=True).values  # (r, V)
-        threshold[redo] = _threshold_from_candidates(full, k[redo], top_p[redo], vocab_size)[0]
-    return threshold
+    if not (max_k or any_top_p):
+        return threshold.unsqueeze(1), None
+    if full_sort:
+        candidates = probs.sort(dim=-1, descending=True).values  # (R, V)
+    else:  # a partial top-k, far cheaper than a sort
+        num = max(max_k, NUCLEUS_CANDIDATES) if any_top_p else max_k
+        candidates = probs.topk(min(num, vocab_size), dim=-1).values  # (R, n), descending
+    cut, covered = _threshold_from_candidates(candidates, k, top_p, vocab_size)
+    short = ~covered if any_top_p and not full_sort else None
+    return torch.maximum(threshold, cut).unsqueeze(1), short
 
 
 def _threshold_from_candidates(candidates: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
@@ -186,34 +178,75 @@ def _threshold_from_candidates(candidates: torch.Tensor, k: torch.Tensor, top_p:
     return threshold, covered
 
 
+@dataclass
+class _Redraw:
+    """Random rows whose top NUCLEUS_CANDIDATES tokens held less than their top_p mass (flat
+    distributions): their cut-off lies further down the row. Whether any exists travels back
+    with the step's one device-to-host copy; where one does (rare), those rows are drawn again
+    over their whole sorted row with the same Exp(1) draws, which gives the token a full sort
+    would have given in the first place."""
+    short: torch.Tensor  # (R,) bool
+    logits: torch.Tensor  # (R, V) the rows' processed logits
+    q: torch.Tensor  # (R, V) their Exp(1) draws
+    rows: list[SamplingRow]
+    index: torch.Tensor | None  # (R,) the rows' places in the batch; None: the whole batch
+
+    def apply(self, token_ids: torch.Tensor) -> torch.Tensor:
+        redo = self.short.nonzero().squeeze(1)
+        rows = [self.rows[i] for i in redo.tolist()]
+        probs = _probs(self.logits[redo], rows)
+        threshold, _ = _keep_thresholds(probs, [r.params for r in rows], full_sort=True)
+        probs.masked_fill_(probs < threshold, 0.0)
+        token_ids = token_ids.clone()
+        token_ids[redo if self.index is None else self.index[redo]] = (probs / self.q[redo]).argmax(dim=-1)
+        return token_ids
+
+
+def _probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """(R, V) logits -> (R, V) float32 probabilities at each row's temperature."""
+    temperature = to_device([r.params.temperature for r in rows], torch.float32, logits.device)
+    return (logits.float() / temperature.unsqueeze(1)).softmax(dim=-1)
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}  # shared, for unseeded rows
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
-        """logits: (B, V), one row per entry of `rows`; not modified."""
+        """logits: (B, V), one row per entry of `rows`; not modified. On a GPU the host waits for
+        the device once, in the one copy that brings the results back."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         processed = apply_min_tokens(apply_penalties(apply_logit_bias(logits, rows), rows), rows)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        redraw = None
         if len(greedy) == len(rows):
             token_ids = processed.argmax(dim=-1)  # (B,)
         elif not greedy:
-            token_ids = self._sample_random(processed, rows)
+            token_ids, redraw = self._sample_random(processed, rows)
         else:
-            token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-            token_ids[greedy] = processed[greedy].argmax(dim=-1)
+            device = logits.device
             rand = [i for i, r in enumerate(rows) if not r.params.greedy]
-            token_ids[rand] = self._sample_random(processed[rand], [rows[i] for i in rand])
-        return self._results(logits, token_ids, rows)
+            greedy_index, rand_index = to_device(greedy, torch.long, device), to_device(rand, torch.long, device)
+            token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
+            token_ids[greedy_index] = processed[greedy_index].argmax(dim=-1)
+            token_ids[rand_index], redraw = self._sample_random(processed[rand_index], [rows[i] for i in rand],
+                                                                rand_index)
+        results = self._results(logits, token_ids, rows, None if redraw is None else redraw.short)
+        if results is None:
+            results = self._results(logits, redraw.apply(token_ids), rows)
+        return results
 
-    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """(R, V) logits, not modified -> (R,) token ids."""
+    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow],
+                       index: torch.Tensor | None = None) -> tuple[torch.Tensor, _Redraw | None]:
+        """(R, V) logits, not modified -> (R,) token ids, and the rows that may need drawing again
+        (None: none can); `index`: the rows' places in the batch."""
         params = [r.params for r in rows]
-        temperature = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
-        probs = (logits.float() / temperature).softmax(dim=-1)  # (R, V)
+        probs = _probs(logits, rows)  # (R, V)
+        short = None
         if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
-            probs.masked_fill_(probs < _keep_thresholds(probs, params), 0.0)
+            threshold, short = _keep_thresholds(probs, params)
+            probs.masked_fill_(probs < threshold, 0.0)
 
         # q = -log(u) ~ Exp(1), u ~ U[0, 1): u == 0 gives q = inf, a zero score, never a NaN.
         u = torch.empty_like(probs)  # (R, V)
@@ -222,28 +255,38 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.generator is not None:
                 u[i].uniform_(generator=r.generator)
-        return (probs / u.log_().neg_()).argmax(dim=-1)
+        q = u.log_().neg_()
+        redraw = None if short is None else _Redraw(short, logits, q, rows, index)
+        return (probs / q).argmax(dim=-1), redraw
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device).manual_seed(self.seed)
         return self._generators[device]
 
-    def _results(self, logits: torch.Tensor, token_ids: torch.Tensor,
-                 rows: list[SamplingRow]) -> list[SampleResult]:
+    def _results(self, logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow],
+                 short: torch.Tensor | None = None) -> list[SampleResult] | None:
         """One device-to-host copy: the sampled ids, with the asked-for logprobs packed behind them
-        (as float64, which holds every token id and float32 logprob exactly)."""
+        (as float64, which holds every token id and float32 logprob exactly), and whether any of
+        the `short` rows must be drawn again: None when one must."""
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        if not want:
-            return [SampleResult(t, None, None) for t in token_ids.tolist()]
-        logprobs = logits[want].float().log_softmax(dim=-1)  # (R, V) of the raw logits
-        sampled = logprobs.gather(1, token_ids[want].unsqueeze(1)).squeeze(1)  # (R,)
-        num_top = max(rows[i].params.logprobs for i in want)
-        top_values, top_ids = logprobs.topk(num_top, dim=-1)  # (R, num_top), highest first
-        packed = torch.cat([token_ids.double(), sampled.double(), top_values.double().flatten(),
-                            top_ids.double().flatten()]).tolist()
+        parts = [token_ids]
+        if want:
+            want_index = to_device(want, torch.long, logits.device)
+            logprobs = logits[want_index].float().log_softmax(dim=-1)  # (R, V) of the raw logits
+            sampled = logprobs.gather(1, token_ids[want_index].unsqueeze(1)).squeeze(1)  # (R,)
+            num_top = max(rows[i].params.logprobs for i in want)
+            top_values, top_ids = logprobs.topk(num_top, dim=-1)  # (R, num_top), highest first
+            parts += [sampled, top_values.flatten(), top_ids.flatten()]
+        if short is not None:
+            parts.append(short.any().unsqueeze(0))
+        packed = token_ids.tolist() if len(parts) == 1 else torch.cat([p.double() for p in parts]).tolist()
+        if short is not None and packed.pop():
+            return None
         b, r = len(rows), len(want)
         results = [SampleResult(int(t), None, None) for t in packed[:b]]
+        if not want:
+            return results
         values, ids = packed[b + r:b + r + r * num_top], packed[b + r + r * num_top:]
         for j, i in enumerate(want):
             n = rows[i].params.logprobs
@@ -289,7 +332,7 @@ class SequenceSampler:
         if grammar_mask is not None:
             logits = apply_grammar_mask(logits, grammar_mask)
         if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]  # (len(seqs), V)
+            logits = logits[to_device(rows, torch.long, logits.device)]  # (len(seqs), V)
         return self.sampler.sample(logits, [self._row(s, logits.device) for s in seqs])
 
     def _row(self, seq, device: torch.device) -> SamplingRow:

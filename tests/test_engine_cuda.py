@@ -7,6 +7,7 @@ model's package), else from the embedded SmolLM2."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -92,3 +93,38 @@ def test_kv_pool_sized_after_measuring_steps_and_graphs(case):
     assert llm.engine.stats().num_total_blocks > 1000
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
     _assert_clean(llm)
+
+
+@pytest.mark.parametrize("nucleus", ["covered", "short"])
+def test_sampling_waits_for_the_device_once(nucleus, monkeypatch):
+    """A batch using every sampling feature, sampled on the GPU: the host waits for the device
+    once, in the copy that brings back the ids and logprobs (torch's sync debug mode reports every
+    wait). Rows short of their nucleus (flat logits, 1 candidate) cost a second round, and get
+    the tokens a full sort would have given."""
+    from engine import sampler as sampler_module
+    from engine.sampler import Sampler
+    from tests.test_sampler import mixed_rows
+
+    flat = nucleus == "short"
+    logits = torch.randn(len(mixed_rows()), 1000, generator=torch.Generator().manual_seed(0)) * (0.1 if flat else 4)
+    logits = logits.cuda()
+    if flat:
+        full = [r.token_id for r in Sampler(1).sample(logits, mixed_rows("cuda"))]  # 1000 candidates: all covered
+        monkeypatch.setattr(sampler_module, "NUCLEUS_CANDIDATES", 1)
+    Sampler(1).sample(logits, mixed_rows("cuda"))  # first use: allocations, generators
+    sampler, rows = Sampler(1), mixed_rows("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results = sampler.sample(logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    waits = [w for w in caught if "synchroniz" in str(w.message)]
+    if flat:
+        assert [r.token_id for r in results] == full
+        assert len(waits) > 1
+    else:
+        assert len(waits) == 1, [str(w.message) for w in waits]
+        assert results[7].token_id == int(logits[7].argmax())

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 from unittest import mock
 
 from engine import sampler as sampler_module
@@ -15,9 +16,9 @@ from engine.sampling_params import SamplingParams
 EOS = 2
 
 
-def row(params=None, prompt=(), output=(), eos=(EOS,), **kwargs):
+def row(params=None, prompt=(), output=(), eos=(EOS,), device="cpu", **kwargs):
     params = params or SamplingParams(**kwargs)
-    generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+    generator = None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
     return SamplingRow(params, list(prompt), list(output), generator, list(eos))
 
 
@@ -294,6 +295,59 @@ def test_logprobs_are_of_the_raw_logits():
     assert results[1].top_logprobs == []
     assert results[2].logprob is None and results[2].top_logprobs is None
     assert math.isfinite(results[0].logprob)
+
+
+# ---- host waits ------------------------------------------------------------------------------
+
+
+class HostWaits(TorchDispatchMode):
+    """Records the ops that would make the host wait for a GPU mid-step: a tensor read as a
+    Python number, and ops whose output size depends on the values. (The one copy that brings
+    the results back, `tolist`, is not a dispatched op.)"""
+    WAITS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique")
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(self.WAITS):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def mixed_rows(device="cpu"):
+    """Every sampling feature in one batch (the seeded row's generator on `device`)."""
+    return [row(), row(temperature=0.7), row(temperature=1.0, top_k=5), row(temperature=1.2, top_p=0.9),
+            row(temperature=0.9, min_p=0.2), row(temperature=1.0, top_p=0.8, seed=3, device=device),
+            row(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2,
+                logit_bias={7: 3.0}, min_tokens=4, prompt=[5, 7], output=[7, 9]),
+            row(temperature=0.0, logprobs=3), row(temperature=0.5, top_k=3, top_p=0.5, logprobs=0)]
+
+
+def test_sampling_reads_nothing_back_before_its_one_copy():
+    """On a GPU each such read would stall the host until the forward has run, then launch the
+    rest of the sampler behind an idle device; the step's one copy is the only wait."""
+    logits = random_logits(len(mixed_rows()), 2000, seed=9)
+    with HostWaits() as waits:
+        results = Sampler(1).sample(logits, mixed_rows())
+    assert waits.ops == []
+    assert len(results) == len(mixed_rows()) and results[7].token_id == int(logits[7].argmax())
+
+
+@pytest.mark.parametrize("candidates", [1, 2, 16])
+def test_rows_short_of_their_nucleus_are_drawn_as_with_a_full_sort(candidates, monkeypatch):
+    """Flat rows whose top candidates hold less than top_p: the copy says so, they are drawn again
+    over the whole sorted row with the same draws, and every row gets the token that considering
+    the whole vocabulary from the start gives."""
+    logits = random_logits(len(mixed_rows()), 64, seed=4, scale=0.1)  # nearly flat
+    monkeypatch.setattr(sampler_module, "NUCLEUS_CANDIDATES", 64)
+    full = [r.token_id for r in Sampler(2).sample(logits, mixed_rows())]
+    monkeypatch.setattr(sampler_module, "NUCLEUS_CANDIDATES", candidates)
+    with HostWaits() as waits:
+        short = [r.token_id for r in Sampler(2).sample(logits, mixed_rows())]
+    assert short == full
+    assert "aten.nonzero.default" in waits.ops  # the redraw ran
 
 
 # ---- sequences -------------------------------------------------------------------------------

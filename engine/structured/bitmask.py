@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.device_copy import to_device
+
 
 @dataclass(frozen=True)
 class GrammarMask:
@@ -48,10 +50,10 @@ def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> torch.Tensor:
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
     allowed = allowed[:, :vocab]  # (k, V)
-    ninf = torch.tensor(float("-inf"), dtype=logits.dtype, device=device)
+    ninf = float("-inf")
     if mask.rows == list(range(logits.shape[0])):  # every row constrained: no gather, no scatter
         return torch.where(allowed, logits, ninf)
-    rows = torch.tensor(mask.rows, device=logits.device)
+    rows = to_device(mask.rows, torch.long, device)
     out = logits.clone()
     out[rows] = torch.where(allowed, logits[rows], ninf)
     return out

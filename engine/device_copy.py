@@ -1,0 +1,17 @@
+"""Small host lists onto the device without stopping the host.
+
+`torch.tensor(values, device="cuda")` is a blocking copy: torch synchronizes the stream after it,
+so the host waits for every kernel queued before (the whole forward) and then launches the rest of
+the step one kernel at a time behind an idle GPU. A step waits for the device once, when it reads
+its sampled ids back; what it sends on the way goes non_blocking. From pageable memory CUDA
+stages the values before the call returns, so the host tensor may go at once.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A list (or nested lists) of numbers as a tensor on `device`, without a host sync."""
+    host = torch.tensor(values, dtype=dtype)
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
