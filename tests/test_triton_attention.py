@@ -121,6 +121,28 @@ def test_decode_tiles_match_mixed_tiles(device, lens, block_size, heads):
     torch.testing.assert_close(small.double().cpu(), reference(q, b, seqs, 0.125), rtol=1e-4, atol=1e-5)
 
 
+@settings(max_examples=max(1, EXAMPLES // 2), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=4), st.sampled_from([4, 16]), st.sampled_from(HEADS),
+       st.sampled_from([16, 64]), st.integers(2, 16))
+def test_split_decode_matches_reference(device, lens, block_size, heads, d, num_splits):
+    """Split-KV decoding: each program's context cut into num_splits ranges (some empty when the
+    context is short), merged by a second launch; length-0 sequences (graph padding) come out 0."""
+    h, kvh = heads
+    seqs = [(max(n, 1), 1) for n in lens]
+    b = make_batch(random.Random(sum(lens)), seqs, block_size, kvh, d, torch.float32, device)
+    b["seq_lens"] = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(lens), h, d, generator=torch.Generator().manual_seed(len(lens))).to(device)
+    attention, _ = _kernels()
+    out = attention.paged_attention(q, b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"],
+                                    b["query_start"], d ** -0.5, True, num_splits=num_splits)
+    expected = reference(q, b, seqs, d ** -0.5)
+    for i, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(out[i].cpu(), torch.zeros(h, d))
+        else:
+            torch.testing.assert_close(out[i].double().cpu(), expected[i], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_within_its_rounding(device, dtype):
     if dtype == torch.bfloat16 and device.type == "cpu":

@@ -51,9 +51,10 @@ def _attention_inputs(shape: str, dtype: str, num_seqs: int, num_tokens: int, bl
 def compile_attention(arch: int) -> list[dict]:
     with compile_only(arch) as aot:
         for shape, dtype in CASES[arch]:
-            for decode_only in (True, False):
+            for decode_only in (True, False):  # decodes split over the context: the merge kernel too
                 inputs = _attention_inputs(shape, dtype, num_seqs=4, num_tokens=4 if decode_only else 40)
-                aot.kernels.paged_attention.paged_attention(*inputs, scale=0.125, decode_only=decode_only)
+                aot.kernels.paged_attention.paged_attention(*inputs, scale=0.125, decode_only=decode_only,
+                                                            num_splits=4 if decode_only else None)
     return [c.record() for c in aot.compiled]
 
 
@@ -78,11 +79,13 @@ def compile_elementwise(arch: int, dtype: str) -> list[dict]:
 
 
 def compile_batch_sizes() -> list[dict]:
-    """SmolLM2's attention at decode batches 1-256 and at prefill steps of 100-2048 tokens."""
+    """SmolLM2's attention at decode batches 1-256, split over the context as on an H200's 132 SMs
+    (engine.kernels.paged_attention.decode_splits), and at prefill steps of 100-2048 tokens."""
     with compile_only(90) as aot:
         for num_seqs in (1, 2, 7, 64, 256):
             inputs = _attention_inputs("smollm2-135m", "bfloat16", num_seqs=num_seqs, num_tokens=num_seqs)
-            aot.kernels.paged_attention.paged_attention(*inputs, scale=0.125, decode_only=True)
+            splits = max(1, min(16, 264 // (num_seqs * 3)))  # 16, 16, 12, 1, 1
+            aot.kernels.paged_attention.paged_attention(*inputs, scale=0.125, decode_only=True, num_splits=splits)
         for num_seqs, num_tokens in ((1, 100), (3, 517), (40, 2048)):
             inputs = _attention_inputs("smollm2-135m", "bfloat16", num_seqs=num_seqs, num_tokens=num_tokens)
             aot.kernels.paged_attention.paged_attention(*inputs, scale=0.125, decode_only=False)
@@ -101,7 +104,8 @@ def _assert_fits(kernel: dict, arch: int) -> None:
 @pytest.mark.parametrize("arch", sorted(CASES))
 def test_attention_compiles_and_fits(arch):
     kernels = in_clean_process(compile_attention, arch)
-    assert len(kernels) == 2 * len(CASES[arch]) and {k["name"] for k in kernels} == {"_paged_attention_kernel"}
+    assert len(kernels) == 3 * len(CASES[arch])
+    assert {k["name"] for k in kernels} == {"_paged_attention_kernel", "_merge_splits_kernel"}
     for kernel in kernels:
         _assert_fits(kernel, arch)
 
@@ -121,6 +125,9 @@ def test_elementwise_kernels_compile_fit_and_round_as_torch(arch, dtype):
 def test_one_attention_kernel_serves_every_batch_size():
     """A decode step at any batch size and a prefill step at any size reuse their first compile:
     CUDA graph capture compiles once, and a replay or a new batch size never waits on Triton."""
-    hashes = [k["hash"] for k in in_clean_process(compile_batch_sizes)]
+    kernels = in_clean_process(compile_batch_sizes)
+    hashes = [k["hash"] for k in kernels if k["name"] == "_paged_attention_kernel"]
     assert len(hashes) == 8 and len(set(hashes[:5])) == 1 and len(set(hashes[5:])) == 1, hashes
     assert hashes[0] != hashes[5]  # decode tiles and prefill tiles are two kernels
+    merges = {k["hash"] for k in kernels if k["name"] == "_merge_splits_kernel"}
+    assert len(merges) == 1  # one compile for every number of splits

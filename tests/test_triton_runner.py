@@ -128,6 +128,22 @@ def test_decode_steps_padded_to_graph_buckets(tiny, device):
     _assert_clean(llm)
 
 
+def test_split_kv_decode_steps(tiny, device, monkeypatch):
+    """Decode steps with each program's context split in three (what a GPU does at small batches)
+    give the torch runner's logits, in graph buckets with padding sequences too."""
+    from engine.cuda_graphs import graph_batch_sizes
+    from engine.kernels import paged_attention
+
+    calls = []
+    monkeypatch.setattr(paged_attention, "decode_splits", lambda num_seqs, kvh, dev: calls.append(num_seqs) or 3)
+    llm, twin = _twin_llm(tiny["tied"], device, num_gpu_blocks_override=64, max_num_seqs=4, block_size=4)
+    twin.other.graphs = EagerGraphs(twin.other, graph_batch_sizes(4))
+    lengths = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (3, 9, 12)]
+    llm.generate(_prompts(lens=(5, 17, 33)), lengths)
+    assert twin.other.graphs.replays > 5 and len(calls) > 5
+    _assert_clean(llm)
+
+
 def test_forked_samples_copy_their_shared_block(tiny, device):
     """n > 1: the children share the parent's blocks, and the first write into the shared partial
     block copies it (copy-on-write) in the Triton runner's pool as in the torch runner's."""

@@ -19,8 +19,18 @@ softmax. Tiles are numbered per sequence from a host-free formula, so the grid d
     grid = num_tokens // BLOCK_Q + num_seqs                         before it; spare ones exit)
 
 A program finds its sequence by binary search over that formula.
+
+Split-KV decoding (flash-decoding): a decode-only step with few sequences gives too few programs
+to fill the GPU (batch 1 of SmolLM2: 3, one per KV head, each walking the whole context), so
+each (tile, KV head) program is split over `num_splits` consecutive ranges of the context (grid
+axis 2). Each writes its unnormalized output with its running max and sum to a scratch buffer,
+and a second launch merges the splits. The ranges come from each sequence's length inside the
+kernel, and the number of splits from the batch size only, so a CUDA graph captured at one batch
+size replays at any context length; num_splits is a runtime argument, one compile for all.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -44,11 +54,12 @@ def _find_seq(query_start_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # one compiled kernel for every batch size
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])  # one compiled kernel for every batch size
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_ptr,
-        num_seqs, scale_log2,
+        part_acc_ptr, part_max_ptr, part_sum_ptr,  # (T, H, num_splits[, HEAD_DIM]) float32, num_splits > 1
+        num_seqs, num_splits, scale_log2,
         q_stride_t, q_stride_h, out_stride_t, out_stride_h,
         bt_stride, cache_stride_block, cache_stride_slot,
         G: tl.constexpr,  # query heads per KV head
@@ -58,6 +69,7 @@ def _paged_attention_kernel(
         IEEE: tl.constexpr):  # float32 inputs: exact fp32 dots, not TF32
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq = _find_seq(query_start_ptr, tile, num_seqs, BLOCK_Q)
     q_begin = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_begin
@@ -82,9 +94,13 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     # The tile's last query sees keys up to prefix + its index; no key past seq_len exists.
     kv_end = tl.minimum(seq_len, prefix + first_q + BLOCK_Q)
+    # This split's range: whole tiles, so that splitting only regroups the unsplit kernel's tiles.
+    chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), TILE_N) * TILE_N
+    kv_begin = split * chunk
+    kv_end = tl.minimum(kv_end, kv_begin + chunk)
     keys = tl.arange(0, TILE_N)
     kv_head_off = kv_head * HEAD_DIM
-    for start in range(0, kv_end, TILE_N):
+    for start in range(kv_begin, kv_end, TILE_N):
         pos = start + keys  # (TILE_N,) key positions
         pos_ok = pos < kv_end
         block = tl.load(block_tables_ptr + seq * bt_stride + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
@@ -110,9 +126,37 @@ def _paged_attention_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m = m_new
-    acc = acc / tl.where(l > 0, l, 1.0)[:, None]  # rows with no keys (padding) come out 0
-    tl.store(out_ptr + q_rows[:, None] * out_stride_t + head[:, None] * out_stride_h + dims[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    if num_splits > 1:  # a split with no keys leaves max -inf, sum 0, output 0
+        part = (q_rows * (tl.num_programs(1) * G) + head) * num_splits + split  # (BLOCK_M,)
+        tl.store(part_max_ptr + part, m, mask=row_ok)
+        tl.store(part_sum_ptr + part, l, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
+    else:
+        acc = acc / tl.where(l > 0, l, 1.0)[:, None]  # rows with no keys (padding) come out 0
+        tl.store(out_ptr + q_rows[:, None] * out_stride_t + head[:, None] * out_stride_h + dims[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_splits, out_stride_t, out_stride_h,
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Program (token, head): the splits' outputs rescaled to their common max and summed."""
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < num_splits
+    part = (t * tl.num_programs(1) + head) * num_splits + splits  # (SPLITS_PAD,)
+    m = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
+    l = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # 0 for splits with no keys
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None] & dim_ok[None, :],
+                  other=0.0)  # (SPLITS_PAD, HEAD_DIM_PAD)
+    total = tl.sum(l * weight, axis=0)
+    acc = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # no keys at all: 0
+    tl.store(out_ptr + t * out_stride_t + head * out_stride_h + dims, acc.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 def tile_rows(num_heads: int, num_kv_heads: int, decode_only: bool) -> tuple[int, int]:
@@ -123,13 +167,31 @@ def tile_rows(num_heads: int, num_kv_heads: int, decode_only: bool) -> tuple[int
     return block_m // g, block_m
 
 
+MAX_SPLITS = 16
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Context splits per decode program: enough programs for two waves over the GPU's SMs, from
+    the batch size alone (a CUDA graph fixes it per batch size). 1 off CUDA."""
+    if device.type != "cuda":
+        return 1
+    programs = 2 * _num_sms(torch.cuda.current_device() if device.index is None else device.index)
+    return max(1, min(MAX_SPLITS, programs // (num_seqs * num_kv_heads)))
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start: torch.Tensor, scale: float, decode_only: bool,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
     """q: (T, H, D) with head dim contiguous; caches: (num_blocks, block_size, KVH, D) contiguous,
     already holding this step's keys/values; block_tables: (B, W) int32; seq_lens: (B,) int32
     context lengths including the new tokens; query_start: (B + 1,) int32 row offsets into q;
-    decode_only: every sequence has exactly one query (smaller tiles). -> (T, H, D)."""
+    decode_only: every sequence has exactly one query (smaller tiles); num_splits: of each decode
+    program's context (default: decode_splits; 1 where not decode_only). -> (T, H, D)."""
     t, h, d = q.shape
     _, block_size, kvh, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -140,13 +202,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     block_q, block_m = tile_rows(h, kvh, decode_only)
     tile_n = 64 if d <= 64 else 32
-    grid = (t // block_q + num_seqs, kvh)
+    if not decode_only:
+        num_splits = 1
+    elif num_splits is None:
+        num_splits = decode_splits(num_seqs, kvh, q.device)
+    assert 1 <= num_splits <= MAX_SPLITS, num_splits
+    # Unused with one split, but float32 all the same: one compile whatever the number of splits.
+    parts = 1 if num_splits == 1 else t * h * num_splits
+    part_acc = torch.empty(parts * d, dtype=torch.float32, device=q.device)
+    part_max = torch.empty(parts, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    grid = (t // block_q + num_seqs, kvh, num_splits)
     _paged_attention_kernel[grid](
-        out, q, k_cache, v_cache, block_tables, seq_lens, query_start,
-        num_seqs, scale * LOG2E,
+        out, q, k_cache, v_cache, block_tables, seq_lens, query_start, part_acc, part_max, part_sum,
+        num_seqs, num_splits, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         G=h // kvh, HEAD_DIM=d, HEAD_DIM_PAD=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=block_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, IEEE=q.dtype == torch.float32,
         num_warps=4, num_stages=2, enable_fp_fusion=True)  # allclose, not bitwise, to torch
+    if num_splits > 1:
+        _merge_splits_kernel[(t, h)](out, part_acc, part_max, part_sum, num_splits, out.stride(0), out.stride(1),
+                                     HEAD_DIM=d, HEAD_DIM_PAD=max(16, triton.next_power_of_2(d)),
+                                     SPLITS_PAD=MAX_SPLITS, num_warps=2)
     return out
