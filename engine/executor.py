@@ -150,7 +150,7 @@ class LocalExecutor:
         out = self.runner.execute(batch)
         prompt = {}
         if out.prompt_spans:
-            prompt = prompt_logprobs(out.prompt_logits, out.prompt_spans,
+            prompt = prompt_logprobs(out.prompt_rows.logits(), out.prompt_spans,
                                      [batch.seqs[s.index] for s in out.prompt_spans])
         return LocalDraws(out.logits, out.sampled, self.sampler, grammar_mask, prompt)
 

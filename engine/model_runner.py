@@ -11,7 +11,7 @@ from engine.attention import AttentionMetadata, DecodeGroup, NativeDecodes, Pref
 from engine.decode_step import NativeDecodeStep
 from engine.device_copy import to_device
 from engine.model.llama import LlamaModel
-from engine.prompt_logprobs import PromptSpan
+from engine.prompt_logprobs import PromptRows, PromptSpan
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
@@ -32,7 +32,7 @@ class RunnerOutput:
     """One step's logits, on the sampling rank (None elsewhere at tp > 1)."""
     logits: torch.Tensor | None  # (len(sampled), vocab) float32
     sampled: list[int]  # indices into batch.seqs of the sequences that sample, in row order
-    prompt_logits: torch.Tensor | None = None  # (sum of span rows, vocab) float32, when spans
+    prompt_rows: PromptRows | None = None  # whose logits score prompt tokens (sum of span rows), when spans
     prompt_spans: list[PromptSpan] = field(default_factory=list)
 
 
@@ -162,5 +162,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, self._tensor(p.sample_rows)))
         if not p.prompt_rows:
             return RunnerOutput(logits, p.sampled)
-        prompt_logits = self.model.compute_logits(hidden.index_select(0, self._tensor(p.prompt_rows)))
-        return RunnerOutput(logits, p.sampled, prompt_logits, p.prompt_spans)
+        return RunnerOutput(logits, p.sampled, self._prompt_rows(hidden.index_select(0, self._tensor(p.prompt_rows))),
+                            p.prompt_spans)
+
+    def _prompt_rows(self, hidden: torch.Tensor) -> PromptRows:
+        return PromptRows(hidden, self.model.compute_logits, self.model.arch.vocab_size)

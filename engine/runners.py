@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import allocate_kv_cache
 from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner
+from engine.prompt_logprobs import PROMPT_LOGITS_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,9 @@ def cuda_step_bytes(model: LlamaModel, config: EngineConfig, max_model_len: int,
     gc.collect()
     torch.cuda.empty_cache()
     logits = config.max_num_seqs * a.vocab_size * 4
-    step = peak + 4 * logits  # the sampler's float32 copies of the logits (probs, noise, ...)
+    # The sampler's float32 copies of the logits (probs, noise, ...), and prompt logprobs' chunk of
+    # logits with its log-softmax temporaries.
+    step = peak + 4 * logits + 3 * PROMPT_LOGITS_BYTES
     logger.info("a step needs %.0f MiB beside weights and KV pool (largest step and decode graphs, measured)",
                 step / (1 << 20))
     return step

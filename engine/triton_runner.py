@@ -74,8 +74,8 @@ class TritonModelRunner(ModelRunner):
         if not layout.prompt_rows:
             return RunnerOutput(logits, layout.sampled)
         prompt_rows = self.inputs.logit_rows(layout.sample_rows, layout.prompt_rows)
-        prompt_logits = self.model.compute_logits(hidden.index_select(0, prompt_rows))
-        return RunnerOutput(logits, layout.sampled, prompt_logits, layout.prompt_spans)
+        return RunnerOutput(logits, layout.sampled, self._prompt_rows(hidden.index_select(0, prompt_rows)),
+                            layout.prompt_spans)
 
     def _graph_size(self, batch: ScheduledBatch) -> int | None:
         """The captured batch size this step replays at, or None to run eagerly."""

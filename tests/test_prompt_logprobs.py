@@ -7,6 +7,7 @@ them does not take its prompt from the prefix cache. Greedy tokens stay exact wi
 """
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -103,6 +104,31 @@ def test_max_tokens_one_scores_the_prompt_and_one_token(tiny):
     for prompt, out, r, g in zip(prompts, outs, ref, greedy):
         assert_prompt_logprobs(out.prompt_logprobs, prompt, r, 1)
         assert out.outputs[0].token_ids == g[:1] and out.outputs[0].finish_reason in ("length", "stop")
+
+
+def test_prompt_rows_turn_into_logits_a_bounded_chunk_at_a_time(tiny, monkeypatch):
+    """A step's prompt rows become logits a few rows at a time (here 3, where the real bound is
+    256 MiB of float32), and the logprobs are the same as HF's."""
+    from engine import prompt_logprobs as module
+
+    d, prompts, ref, greedy = tiny
+    vocab = json.loads((d / "config.json").read_text())["vocab_size"]
+    monkeypatch.setattr(module, "PROMPT_LOGITS_BYTES", 3 * 4 * vocab + 5)
+    chunks, logits = [], module.PromptRows.logits
+
+    def counted(self):
+        for chunk in logits(self):
+            chunks.append(chunk.shape[0])
+            yield chunk
+
+    monkeypatch.setattr(module.PromptRows, "logits", counted)
+    llm = LLM(model=str(d), num_gpu_blocks_override=128, max_num_batched_tokens=64)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2))
+    for prompt, out, r, g in zip(prompts, outs, ref, greedy):
+        assert_prompt_logprobs(out.prompt_logprobs, prompt, r, 2)
+        assert out.outputs[0].token_ids == g[:2]
+    assert max(chunks) == 3 and sum(chunks) == sum(len(p) - 1 for p in prompts)
+    _assert_clean(llm)
 
 
 def test_logit_bias_steers_greedy_and_leaves_logprobs_raw(tiny):

@@ -42,8 +42,9 @@ class Twin:
         a, b = self.ref.execute(batch), self.other.execute(batch)
         assert a.sampled == b.sampled and a.prompt_spans == b.prompt_spans
         torch.testing.assert_close(b.logits.cpu(), a.logits, rtol=1e-4, atol=1e-4)
-        if a.prompt_logits is not None:
-            torch.testing.assert_close(b.prompt_logits.cpu(), a.prompt_logits, rtol=1e-4, atol=1e-4)
+        if a.prompt_rows is not None:
+            torch.testing.assert_close(torch.cat(list(b.prompt_rows.logits())).cpu(),
+                                       torch.cat(list(a.prompt_rows.logits())), rtol=1e-4, atol=1e-4)
         self.steps += 1
         return a
 

@@ -144,11 +144,14 @@ class RankWorker:
             self.sampler.apply(msg.sampling)
         out = self.runner.execute(batch)  # logits: (len(sampled), vocab) on the sampling rank
         if self.sampler is None:
+            if out.prompt_rows is not None:
+                for _ in out.prompt_rows.logits():  # each chunk's logits are a collective: take part
+                    pass
             return None
         seq_ids = [d.seq_id for d in msg.seqs]
         draws = self.sampler.draw(out.logits, out.sampled, [seq_ids[i] for i in out.sampled], msg.sampling.grammar_mask)
         if out.prompt_spans:  # only their numbers leave the group, never the logits rows
-            prompt = self.sampler.prompt_logprobs(out.prompt_logits, out.prompt_spans,
+            prompt = self.sampler.prompt_logprobs(out.prompt_rows.logits(), out.prompt_spans,
                                                   [seq_ids[span.index] for span in out.prompt_spans])
             draws = dataclasses.replace(draws, prompt_logprobs=prompt)
         return draws

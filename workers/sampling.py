@@ -15,6 +15,8 @@ Records mirror, at tp > 1, what the engine's Sequences are to the sampler at tp=
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from engine.outputs import PromptLogprob
@@ -75,8 +77,8 @@ class RankSampler:
                 logprobs[i] = (result.logprob, result.top_logprobs)
         return Draws(sampled, rows, [r.token_id for r in results], logprobs)
 
-    def prompt_logprobs(self, logits: torch.Tensor, spans: list[PromptSpan],
+    def prompt_logprobs(self, chunks: Iterable[torch.Tensor], spans: list[PromptSpan],
                         seq_ids: list[int]) -> dict[int, list[PromptLogprob]]:
-        """logits: (M, vocab) of the spans' rows; spans[i] of sequence seq_ids[i], whose record
-        holds its prompt. -> span index -> its prompt logprobs."""
-        return prompt_logprobs(logits, spans, [self.records[s] for s in seq_ids])
+        """chunks: (n, vocab) logits of the spans' rows, in order (PromptRows.logits); spans[i] of
+        sequence seq_ids[i], whose record holds its prompt. -> span index -> its prompt logprobs."""
+        return prompt_logprobs(chunks, spans, [self.records[s] for s in seq_ids])
