@@ -59,8 +59,9 @@ def compile_attention(arch: int) -> list[dict]:
 
 
 def compile_elementwise(arch: int, dtype: str) -> list[dict]:
-    """RoPE + KV write, the KV write alone, RMSNorm and SiLU-and-mul, at SmolLM2-135M's sizes (9
-    heads, 3 KV heads, 64 dims, hidden 576, intermediate 1536) and Llama-3-8B's."""
+    """RoPE + KV write, the KV write alone, RMSNorm (alone and after the residual add) and
+    SiLU-and-mul, at SmolLM2-135M's sizes (9 heads, 3 KV heads, 64 dims, hidden 576, intermediate
+    1536) and Llama-3-8B's."""
     dtype = getattr(torch, dtype)
     with compile_only(arch) as aot:
         k = aot.kernels
@@ -74,6 +75,8 @@ def compile_elementwise(arch: int, dtype: str) -> list[dict]:
             kv = qkv[:, h * d:].view(t, 2 * kvh, d)
             k.kv_write.write_kv(kv[:, :kvh], kv[:, kvh:], k_cache, k_cache.clone(), slots)
             k.norm.rms_norm(torch.zeros(t, hidden, dtype=dtype), torch.zeros(hidden, dtype=dtype), 1e-5)
+            k.norm.add_rms_norm(torch.zeros(t, hidden, dtype=dtype), torch.zeros(t, hidden, dtype=dtype),
+                                torch.zeros(hidden, dtype=dtype), 1e-5)
             k.norm.silu_and_mul(torch.zeros(t, 2 * inter, dtype=dtype))
     return [c.record() for c in aot.compiled]
 
@@ -115,7 +118,7 @@ def test_attention_compiles_and_fits(arch):
 def test_elementwise_kernels_compile_fit_and_round_as_torch(arch, dtype):
     kernels = in_clean_process(compile_elementwise, arch, dtype)
     assert [k["name"] for k in kernels] == \
-        ["_rope_kv_kernel", "_write_kv_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel"] * 2
+        ["_rope_kv_kernel", "_write_kv_kernel", "_rms_norm_kernel", "_add_rms_norm_kernel", "_silu_and_mul_kernel"] * 2
     for kernel in kernels:
         _assert_fits(kernel, arch)
         # torch computes x * cos and rotate_half(x) * sin, x * x and w * h as separate, rounded ops

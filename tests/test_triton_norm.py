@@ -33,6 +33,21 @@ def test_rms_norm_matches_torch(device, dtype, rows, dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows, dim", [(1, 576), (5, 64), (3, 96)])
+def test_add_rms_norm_is_the_add_then_the_norm(device, dtype, rows, dim):
+    """The fused residual add: the sum exactly as torch's add rounds it, and the norm exactly as
+    the plain kernel computes it from that sum (bitwise: the layer's output does not move)."""
+    from engine.kernels import norm
+
+    gen = torch.Generator().manual_seed(dim)
+    x, residual = ((torch.randn(2, rows, dim, generator=gen) * 3).to(dtype)).to(device)
+    weight = (torch.rand(dim, generator=gen) + 0.5).to(dtype).to(device)
+    s, y = norm.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(s, x + residual)
+    assert torch.equal(y, norm.rms_norm(x + residual, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows, inter", [(1, 1536), (4, 160), (2, 2500)])
 def test_silu_and_mul_matches_torch(device, dtype, rows, inter):
     from engine.kernels import norm

@@ -132,9 +132,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.mlp = MLP(a, tp, dtype)
 
-    def forward(self, x, rope, kv_cache, meta):
-        h = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, rope, kv_cache, meta):
+        """x: the previous layer's MLP output (the embeddings in the first layer, where residual is
+        None); residual: the residual stream before it. -> (this layer's MLP output, the stream
+        before it): each residual add happens in the norm that follows it (RMSNorm.add_forward)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add_forward(x, residual)
+        residual, h = self.post_attention_layernorm.add_forward(self.self_attn(h, rope, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -163,9 +170,10 @@ class LlamaModel(nn.Module):
         k_cache = kv_caches[0][0]
         fused = self.arch.head_dim % 2 == 0 and meta.fuses_rope(h, k_cache)
         rope = self.rotary.step(positions, h.dtype, fused)
+        residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            h = layer(h, rope, kv, meta)
-        return self.norm(h)
+            h, residual = layer(h, residual, rope, kv, meta)
+        return self.norm.add_forward(h, residual)[1]
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor | None:
         """h: (N, hidden) rows to sample -> (N, vocab) float32 on the sampling rank (the only rank at
