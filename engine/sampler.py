@@ -121,7 +121,9 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
         return logits
     token = [t for _, ids in masked for t in ids]
     out = logits.clone()
-    out[to_device(row, torch.long, out.device), to_device(token, torch.long, out.device)] = float("-inf")
+    # A device scalar: a Python one would be copied up with a blocking (synchronizing) copy.
+    out.index_put_((to_device(row, torch.long, out.device), to_device(token, torch.long, out.device)),
+                   out.new_full((), float("-inf")))
     return out
 
 
