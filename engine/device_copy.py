@@ -3,8 +3,8 @@
 `torch.tensor(values, device="cuda")` is a blocking copy: torch synchronizes the stream after it,
 so the host waits for every kernel queued before (the whole forward) and then launches the rest of
 the step one kernel at a time behind an idle GPU. A step waits for the device once, when it reads
-its sampled ids back; what it sends on the way goes non_blocking. From pageable memory CUDA
-stages the values before the call returns, so the host tensor may go at once.
+its sampled ids back; what it sends on the way goes from pinned memory, non_blocking (torch's
+pinned-memory cache keeps the block until the copy has read it).
 """
 from __future__ import annotations
 
@@ -14,4 +14,4 @@ import torch
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A list (or nested lists) of numbers as a tensor on `device`, without a host sync."""
     host = torch.tensor(values, dtype=dtype)
-    return host if device.type == "cpu" else host.to(device, non_blocking=True)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
