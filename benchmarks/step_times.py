@@ -3,7 +3,9 @@ graphs and with --enforce-eager, on one model.
 
     decode   B requests with --context-token prompts are prefilled, then --steps decode-only steps
              are timed one by one (engine.step(), sampling and its device-to-host copy included);
-             the median is reported, and B / median as output tok/s
+             the median is reported, and B / median as output tok/s; "host" is the median of the
+             step's time outside the model's step (executor.execute, timed to the device's end),
+             the engine's Python: schedule, step inputs, sampling rows, tokens, outputs
     prefill  --prefill-prompts prompts of --prefill-len tokens, one output token each, in steps of
              --max-num-batched-tokens; prompt tokens / seconds
 
@@ -35,7 +37,11 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(n)]
 
 
-def decode_step_ms(llm, batch: int, context: int, steps: int, rng: random.Random, profile: str | None = None) -> float:
+def decode_step_ms(llm, batch: int, context: int, steps: int, rng: random.Random,
+                   profile: str | None = None) -> tuple[float, float]:
+    """-> (median step ms, median host ms of a step)."""
+    import torch
+
     from engine import SamplingParams
 
     eng, vocab = llm.engine, llm.engine.executor.info.vocab_size
@@ -46,18 +52,31 @@ def decode_step_ms(llm, batch: int, context: int, steps: int, rng: random.Random
     sched = eng.scheduler
     while sched.waiting or any(s.num_tokens - s.num_computed_tokens != 1 for s in sched.running):
         eng.step()  # prefill until every sequence decodes
-    times = []
-    for _ in range(steps):
+    times, inside, execute = [], [], eng.executor.execute
+
+    def timed_execute(*args, **kwargs):
         start = perf_counter()
-        eng.step()
-        times.append(perf_counter() - start)
+        out = execute(*args, **kwargs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the model's step, not the host's wait for it later
+        inside.append(perf_counter() - start)
+        return out
+
+    eng.executor.execute = timed_execute
+    try:
+        for _ in range(steps):
+            start = perf_counter()
+            eng.step()
+            times.append(perf_counter() - start)
+    finally:
+        del eng.executor.execute
     if profile:
         write_profile(eng, profile, batch)
     for rid in ids:
         eng.abort(rid)
     while eng.has_unfinished():
         eng.step()
-    return 1000 * statistics.median(times)
+    return 1000 * statistics.median(times), 1000 * statistics.median(t - i for t, i in zip(times, inside))
 
 
 def write_profile(eng, path: str, batch: int, steps: int = 5) -> None:
@@ -105,9 +124,10 @@ def run_mode(args, model: Path, eager: bool) -> dict:
     for b in args.batch_sizes:
         profile = args.profile if b == max(args.batch_sizes) and not args.profiled else None
         args.profiled = args.profiled or profile is not None
-        ms = decode_step_ms(llm, b, args.context, args.steps, rng, profile)
-        out["decode"][b] = {"step_ms": ms, "tok_s": b * 1000 / ms}
-        print(f"  {out['mode']}: batch {b}: {ms:.2f} ms/step = {b * 1000 / ms:.0f} tok/s", flush=True)
+        ms, host_ms = decode_step_ms(llm, b, args.context, args.steps, rng, profile)
+        out["decode"][b] = {"step_ms": ms, "tok_s": b * 1000 / ms, "host_ms": host_ms}
+        print(f"  {out['mode']}: batch {b}: {ms:.2f} ms/step = {b * 1000 / ms:.0f} tok/s (host {host_ms:.2f} ms)",
+              flush=True)
     print(f"  {out['mode']}: prefill {out['prefill_tok_s']:.0f} tok/s (load {load_s:.1f}s)", flush=True)
     del llm
     gc.collect()
@@ -153,8 +173,9 @@ def main(argv=None) -> None:
     print(f"model {model} ({args.dtype}, {args.device}); decode batches {args.batch_sizes} at ~{args.context} "
           f"tokens of context; prefill {args.prefill_prompts} x {args.prefill_len} tokens", flush=True)
     results = [run_mode(args, model, mode == "eager") for mode in args.modes.split(",")]
-    rows = [[r["mode"]] + [f"{r['decode'][b]['step_ms']:.2f} ms ({r['decode'][b]['tok_s']:.0f} tok/s)"
-                           for b in args.batch_sizes] + [f"{r['prefill_tok_s']:.0f}"] for r in results]
+    rows = [[r["mode"]] + [f"{r['decode'][b]['step_ms']:.2f} ms ({r['decode'][b]['tok_s']:.0f} tok/s, "
+                           f"host {r['decode'][b]['host_ms']:.2f})" for b in args.batch_sizes]
+            + [f"{r['prefill_tok_s']:.0f}"] for r in results]
     print("\n" + markdown_table(["mode"] + [f"decode step, batch {b}" for b in args.batch_sizes] + ["prefill tok/s"],
                                 rows))
     if args.json:

@@ -1,8 +1,6 @@
 """A request's state in the engine: its n sequences and their text streams."""
 from __future__ import annotations
 
-import copy
-
 from engine.detokenizer import IncrementalDetokenizer, decoder
 from engine.outputs import CompletionOutput, PromptLogprob, PromptLogprobs, RequestOutput
 from engine.sampler import SampleResult
@@ -34,6 +32,10 @@ class Request:
         tokens not yet handed out. FINAL_ONLY: the first and the last only."""
         if not self.stream:
             return self.num_outputs == 0 or self.finished
+        if self.params.n == 1:  # the same test, for the common case, without the lists (it runs per request per step)
+            c = self.completions[0]
+            return (self.num_outputs == 0 or self.aborted or c.finish_reason is not None
+                    or len(c.delta_token_ids) >= stream_interval)
         pending = [len(c.delta_token_ids) for c in self.completions]
         return (self.num_outputs == 0 or self.finished or max(pending) >= stream_interval
                 or any(n and c.finish_reason for n, c in zip(pending, self.completions)))
@@ -103,7 +105,7 @@ class Request:
             comp.delta_text = detok.get_delta(finished=comp.finished)
             comp.text = detok.output_text
             comp.token_ids = seq.output_token_ids
-            outs.append(copy.copy(comp))
+            outs.append(comp.snapshot())
             comp.delta_token_ids, comp.delta_logprobs = [], None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
                              self.seqs[0].num_cached_tokens, self.prompt_logprobs)
