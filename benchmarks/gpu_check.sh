@@ -2,14 +2,17 @@
 # Everything the CUDA path needs checked on a GPU, in one run of under 8 minutes, on a host with
 # only torch and transformers installed (Triton comes with torch's CUDA wheels):
 #
-#   1. tests: the Triton kernels compiled (tests/test_triton_attention.py, test_triton_norm.py), the Triton runner
+#   1. step times: decode step at batch 1, 64, 256 and prefill tok/s, with and without CUDA graphs
+#      (benchmarks/step_times.py)
+#   2. the nano-vllm workload against HF generate static batching in the same run
+#      (benchmarks/offline.py --preset nano-vllm)
+#   3. tests: the Triton kernels compiled (tests/test_triton_attention.py, test_triton_norm.py), the Triton runner
 #      against the torch runner (tests/test_triton_runner.py), and greedy output token-exact
 #      against HF in float32 and bfloat16, CUDA graphs on and --enforce-eager
 #      (tests/test_engine_cuda.py)
-#   2. step times: decode step at batch 1, 64, 256 and prefill tok/s, with and without CUDA graphs
-#      (benchmarks/step_times.py)
-#   3. the nano-vllm workload against HF generate static batching in the same run
-#      (benchmarks/offline.py --preset nano-vllm)
+#
+# The numbers come first and the tests take the time left before $KVSERVE_GPU_DEADLINE_S (470 s
+# from the start): GPU time comes in short windows, and a run cut short still leaves its logs.
 #
 # Results go to $OUT (else ./gpu_check_out): summary.txt, env.txt, tests.log, step_times.{log,json},
 # profile.txt (5 decode steps at batch 256 under torch.profiler), offline.{log,json}. The model is SmolLM2-135M's shape with random bfloat16 weights; its tokenizer
@@ -23,7 +26,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${OUT:-$PWD/gpu_check_out}
-STAGES=${STAGES-tests steps offline}  # set but empty: none (only the set-up)
+STAGES=${STAGES-steps offline tests}  # set but empty: none (only the set-up)
+DEADLINE=${KVSERVE_GPU_DEADLINE_S:-470}  # seconds from the start by which the last stage ends
 PY=${PYTHON:-python3}
 WORK=${KVSERVE_GPU_WORK:-/tmp/kvserve-gpu-check}
 export PYTHONUNBUFFERED=1 KVSERVE_CACHE="$WORK/cache"
@@ -74,8 +78,9 @@ export KVSERVE_TEST_TOKENIZER_DIR="$MODEL"  # the tiny test models take their to
 for s in $STAGES; do
   case $s in
     tests)
-      stage tests 180 $PY -m pytest -q -p no:cacheprovider --durations=10 \
-        tests/test_triton_attention.py tests/test_triton_norm.py tests/test_triton_runner.py tests/test_engine_cuda.py ;;
+      left=$((DEADLINE - (SECONDS - START)))
+      stage tests $((left > 60 ? left : 60)) $PY -m pytest -q -p no:cacheprovider --durations=10 \
+        tests/test_engine_cuda.py tests/test_triton_attention.py tests/test_triton_norm.py tests/test_triton_runner.py ;;
     steps)
       stage step_times 110 $PY benchmarks/step_times.py --model "$MODEL" --batches 1,64,256 \
         --json "$OUT/step_times.json" --profile "$OUT/profile.txt" ;;
