@@ -115,6 +115,13 @@ class BlockManager:
         on admission) plus `num_new_tokens`. All or nothing: returns False, changing nothing,
         when the free queue is too short."""
         bs = self.block_size
+        table = seq.block_table
+        if not computed_blocks:  # most steps of a decode: the new tokens fit its last block, not shared
+            num_computed = seq.num_computed_tokens
+            if num_computed + num_new_tokens <= len(table) * bs and (
+                    num_computed % bs == 0 or self.blocks[table[num_computed // bs]].ref_count == 1):
+                self._register_full_blocks(seq, num_computed + num_new_tokens)
+                return True
         num_computed = seq.num_computed_tokens + len(computed_blocks) * bs
         total_blocks = self.blocks_for(num_computed + num_new_tokens)
         num_new_blocks = max(0, total_blocks - len(seq.block_table) - len(computed_blocks))
