@@ -195,8 +195,8 @@ def test_compiling_never_stalls_the_step_loop(tiny_dir, monkeypatch):
         engine = AsyncEngine(model=tiny_dir, num_gpu_blocks_override=128)
         stamps = []
 
-        async def free():
-            async for out in engine.generate("free", _prompts(1)[0], SamplingParams(temperature=0, max_tokens=200,
+        async def free():  # decodes until the constrained request is done (a fixed length may end first)
+            async for out in engine.generate("free", _prompts(1)[0], SamplingParams(temperature=0, max_tokens=900,
                                                                                      ignore_eos=True)):
                 stamps.append(time.monotonic())
 
@@ -206,6 +206,7 @@ def test_compiling_never_stalls_the_step_loop(tiny_dir, monkeypatch):
             async for out in engine.generate("json", _prompts(1, seed=9)[0], SamplingParams(
                     temperature=0, max_tokens=120, structured_outputs=S(json=PERSON))):
                 last = out
+            await engine.abort("free")
             return start, last
 
         (_, (start, last)) = await asyncio.gather(free(), constrained())
