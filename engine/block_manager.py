@@ -115,11 +115,10 @@ class BlockManager:
         on admission) plus `num_new_tokens`. All or nothing: returns False, changing nothing,
         when the free queue is too short."""
         bs = self.block_size
-        table = seq.block_table
         if not computed_blocks:  # most steps of a decode: the new tokens fit its last block, not shared
             num_computed = seq.num_computed_tokens
-            if num_computed + num_new_tokens <= len(table) * bs and (
-                    num_computed % bs == 0 or self.blocks[table[num_computed // bs]].ref_count == 1):
+            if (num_computed + num_new_tokens <= len(seq.block_table) * bs
+                    and not self._needs_cow(seq, num_computed)):
                 self._register_full_blocks(seq, num_computed + num_new_tokens)
                 return True
         num_computed = seq.num_computed_tokens + len(computed_blocks) * bs
