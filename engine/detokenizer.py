@@ -10,6 +10,11 @@ new_text[len(prefix_text):]. They are taken only once new_text does not end in U
 every multi-byte UTF-8 character split across byte-level tokens is complete. Decoding with a few
 tokens of left context keeps tokenizers that treat the first token specially (leading spaces)
 consistent with a decode of the whole sequence.
+
+Without stop strings nothing needs the text until it is read (a streamed delta, the final output),
+so tokens are decoded then, all at once: an offline request decodes twice in all instead of twice
+per token. A read that lands inside a character replays its tokens one at a time, so every read
+returns exactly what per-token decoding would have.
 """
 from __future__ import annotations
 
@@ -45,7 +50,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self._decode_ids = decode or decoder(tokenizer)
         self.params = params
-        self.output_text = ""  # committed text, truncated at a matched stop string
+        self._text = ""  # committed text, truncated at a matched stop string
         self.stop_string: str | None = None  # the stop string that ended the output, if any
         self.num_output_tokens = 0
         self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
@@ -56,6 +61,14 @@ class IncrementalDetokenizer:
         self._emitted = 0  # chars of output_text already returned by get_delta
         # A stop string split across tokens is at most this many chars long before it completes.
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self._lazy = not params.stop  # decode when read: no stop string waits on each token's text
+        self._unread = 0  # tokens appended but not yet decoded (lazy only)
+
+    @property
+    def output_text(self) -> str:
+        if self._unread:
+            self._catch_up()
+        return self._text
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Appends the text of new tokens; returns the stop string that matched, if one did."""
@@ -63,19 +76,42 @@ class IncrementalDetokenizer:
             return None
         self._ids.extend(new_token_ids)
         self.num_output_tokens += len(new_token_ids)
+        if self._lazy:
+            self._unread += len(new_token_ids)
+            return None
         return self._append(self._decode_new(flush=False))
 
     def get_delta(self, finished: bool) -> str:
         """Text not yet returned. While unfinished, the tail that could start a stop string is held."""
-        if finished and self.stop_string is None:
+        if self._unread:
+            self._catch_up()
+        if finished and self.stop_string is None and self._read_offset < len(self._ids):
             self._append(self._decode_new(flush=True))  # incomplete trailing bytes, as decode() shows them
         final = finished or self.stop_string is not None
-        end = len(self.output_text) if final else len(self.output_text) - self._holdback
+        end = len(self._text) if final else len(self._text) - self._holdback
         if end <= self._emitted:
             return ""
-        delta = self.output_text[self._emitted:end]
+        delta = self._text[self._emitted:end]
         self._emitted = end
         return delta
+
+    def _catch_up(self) -> None:
+        """Decodes the unread tokens in one window when that text ends on a whole character (token by
+        token extends the same window to the same text), else token by token."""
+        unread, self._unread = self._unread, 0
+        if unread == 1:
+            self._append(self._decode_new(flush=False))
+            return
+        if unread > 1:
+            text = self._decode_new(flush=False)
+            if text:
+                self._append(text)
+                return
+            tokens = self._ids[-unread:]
+            del self._ids[-unread:]
+            for token in tokens:
+                self._ids.append(token)
+                self._append(self._decode_new(flush=False))
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_ids(ids, skip_special_tokens=self.params.skip_special_tokens)
@@ -91,8 +127,8 @@ class IncrementalDetokenizer:
     def _append(self, text: str) -> str | None:
         if not text:
             return None
-        old_len = len(self.output_text)
-        self.output_text += text
+        old_len = len(self._text)
+        self._text += text
         if self.num_output_tokens < self.params.min_tokens:
             return None
         match = self._find_stop(old_len)
@@ -100,7 +136,7 @@ class IncrementalDetokenizer:
             return None
         stop, start = match
         end = start + len(stop) if self.params.include_stop_str_in_output else start
-        self.output_text = self.output_text[:end]
+        self._text = self._text[:end]
         self.stop_string = stop
         return stop
 
@@ -108,7 +144,7 @@ class IncrementalDetokenizer:
         """Earliest stop string that ends in the text appended after old_len."""
         best: tuple[str, int] | None = None
         for stop in self.params.stop:
-            start = self.output_text.find(stop, max(0, old_len - len(stop) + 1))
+            start = self._text.find(stop, max(0, old_len - len(stop) + 1))
             if start != -1 and (best is None or start < best[1]):
                 best = (stop, start)
         return best

@@ -177,3 +177,30 @@ def test_decoder_calls_the_rust_tokenizer_with_the_same_result(tokenizer):
     # A tokenizer that cleans up spaces after decoding keeps its own decode.
     cleaning = AutoTokenizer.from_pretrained(tokenizer.name_or_path, clean_up_tokenization_spaces=True)
     assert decoder(cleaning) == cleaning.decode
+
+
+NEVER = "\x07never\x07"  # a stop string no token decodes to: keeps a detokenizer decoding per token
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), skip=st.booleans())
+def test_decoding_when_read_gives_what_decoding_each_token_gives(tokenizer, prompt_ids, data, skip):
+    """Without stop strings tokens are decoded only when the text is read; every read must return
+    exactly what per-token decoding had by then: multi-byte characters split across tokens and
+    across reads, special tokens (skipped or not), several tokens per update."""
+    pool = sorted({i for t in MULTI_BYTE_TEXTS for i in tokenizer.encode(t)} | set(tokenizer.all_special_ids))
+    ids = data.draw(st.lists(st.sampled_from(pool), max_size=30))
+    lazy = IncrementalDetokenizer(tokenizer, prompt_ids, SamplingParams(skip_special_tokens=skip))
+    eager = IncrementalDetokenizer(tokenizer, prompt_ids, SamplingParams(skip_special_tokens=skip, stop=[NEVER]))
+    read, i = "", 0
+    while i < len(ids):
+        step = data.draw(st.integers(1, 4))
+        lazy.update(ids[i:i + step])
+        for token in ids[i:i + step]:
+            eager.update([token])
+        i += step
+        if data.draw(st.booleans()):
+            read += lazy.get_delta(False)
+            assert read == lazy.output_text == eager.output_text
+    assert read + lazy.get_delta(True) == eager.get_delta(True)  # the flush of a trailing partial character too
+    assert lazy.output_text == eager.output_text
