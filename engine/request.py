@@ -94,6 +94,8 @@ class Request:
 
     @property
     def finished(self) -> bool:
+        if self.params.n == 1:  # the common case without the generator (it runs twice per request per step)
+            return self.aborted or self.completions[0].finish_reason is not None
         return self.aborted or (len(self.completions) == self.params.n
                                 and all(c.finish_reason for c in self.completions))
 
