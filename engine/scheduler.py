@@ -34,6 +34,7 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)  # parallel to seqs
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     preempted: list[Sequence] = field(default_factory=list)
+    _row_orders: dict[int, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -54,10 +55,13 @@ class ScheduledBatch:
 
         Sequences sample in this order, so they finish and free their blocks in it, which sets
         the LRU order in which freed prefix blocks are evicted."""
-        prefill = [i for i, n in enumerate(self.num_new_tokens) if n > 1]
-        decode = [i for i, n in enumerate(self.num_new_tokens) if n == 1]
-        decode.sort(key=lambda i: self.seqs[i].num_computed_tokens // block_size)
-        return prefill + decode
+        order = self._row_orders.get(block_size)  # the engine and the runner each ask once a step
+        if order is None:
+            prefill = [i for i, n in enumerate(self.num_new_tokens) if n > 1]
+            decode = [i for i, n in enumerate(self.num_new_tokens) if n == 1]
+            decode.sort(key=lambda i: self.seqs[i].num_computed_tokens // block_size)
+            order = self._row_orders[block_size] = prefill + decode
+        return order
 
     def sampled(self, block_size: int) -> list[int]:
         """The indices of row_order whose new tokens reach the sequence's end: they sample."""

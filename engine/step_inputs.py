@@ -50,9 +50,12 @@ class StepInputs:
         self.ids, self.positions, self.slots, self.rows = h64[:t], h64[t:2 * t], h64[2 * t:3 * t], h64[3 * t:]
         self.seq_lens, self.query_start = h32[:b], h32[b:2 * b + 1]
         self.tables = h32[2 * b + 1:].reshape(b, self.width)
-        # id(block table list) -> (the list, its int32 copy, entries copied): last step's, this step's
-        self._last_tables: dict[int, tuple[list[int], np.ndarray, int]] = {}
-        self._step_tables: dict[int, tuple[list[int], np.ndarray, int]] = {}
+        # Block tables kept as int32 rows between steps (see _table_row): 2 * max_seqs rows hold the
+        # last step's and this step's; id(list) -> (the list, its row, entries written, the last one).
+        self._store = np.zeros((2 * b, self.width), dtype=np.int32)
+        self._free_rows = list(range(2 * b))
+        self._last_tables: dict[int, tuple[list[int], int, int, int]] = {}
+        self._step_tables: dict[int, tuple[list[int], int, int, int]] = {}
 
     def fill(self, batch: ScheduledBatch, pad_to: int | None = None) -> StepLayout:
         """Host side of the step, in batch.row_order. `pad_to`: a decode-only batch padded with
@@ -62,23 +65,21 @@ class StepInputs:
         if len(order) > self.max_seqs or batch.num_tokens > self.max_tokens:
             raise ValueError(f"step of {len(order)} sequences / {batch.num_tokens} tokens exceeds the "
                              f"runner's {self.max_seqs} / {self.max_tokens}")
-        t, last_row, prompt_rows, spans = 0, {}, [], []
+        seqs, num_new = batch.seqs, batch.num_new_tokens
+        num_chunks = sum(1 for n in num_new if n > 1)  # row_order puts them first
+        t, last_row, prompt_rows, spans, table_rows, width = 0, {}, [], [], [], 0
         self.query_start[0] = 0
-        for r, i in enumerate(order):
-            seq, n = batch.seqs[i], batch.num_new_tokens[i]
+        for r, i in enumerate(order[:num_chunks]):  # prefill chunks: arrays per sequence
+            seq, n = seqs[i], num_new[i]
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             table = seq.block_table
-            if n == 1:  # decodes: scalar work only
-                self.ids[t] = seq.token_ids[start:end][0]  # a slice: a rank's Sequence holds only this step's
-                self.positions[t] = start
-                self.slots[t] = table[start // bs] * bs + start % bs
-            else:
-                pos = np.arange(start, end)
-                self.ids[t:t + n] = seq.token_ids[start:end]
-                self.positions[t:t + n] = pos
-                self.slots[t:t + n] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
-            self.tables[r, :len(table)] = self._table_array(table, n == 1)[:len(table)]
+            pos = np.arange(start, end)
+            self.ids[t:t + n] = seq.token_ids[start:end]
+            self.positions[t:t + n] = pos
+            self.slots[t:t + n] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
             self.seq_lens[r] = end
+            table_rows.append(self._table_row(table, False))
+            width = max(width, len(table))
             scored = seq.prompt_logprob_positions(n)
             if scored:
                 prompt_rows.extend(t + p - start for p in scored)
@@ -86,8 +87,32 @@ class StepInputs:
             t += n
             self.query_start[r + 1] = t
             last_row[i] = t - 1
-        self._last_tables, self._step_tables = self._step_tables, {}
-        b = len(order)
+        # Single-token rows (decodes, or a prompt's last token): scalars into lists, written at once.
+        ids, positions, slots = [], [], []
+        for i in order[num_chunks:]:
+            seq = seqs[i]
+            start, table = seq.num_computed_tokens, seq.block_table
+            ids.append(seq.token_ids[start:start + 1][0])  # a slice: a rank's Sequence holds only this step's
+            positions.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+            table_rows.append(self._table_row(table, True))
+            if len(table) > width:
+                width = len(table)
+            scored = seq.prompt_logprob_positions(1)
+            if scored:
+                prompt_rows.append(t + len(ids) - 1)
+                spans.append(PromptSpan(i, scored.start, 1))
+            last_row[i] = t + len(ids) - 1
+        b, k = len(order), len(ids)
+        if k:
+            self.ids[t:t + k] = ids
+            self.positions[t:t + k] = positions
+            self.slots[t:t + k] = slots
+            self.seq_lens[num_chunks:b] = self.positions[t:t + k] + 1
+            self.query_start[num_chunks + 1:b + 1] = np.arange(t + 1, t + k + 1)
+            t += k
+        self.tables[:b, :width] = self._store[table_rows, :width]
+        self._release_tables()
         decode_only = t == b
         if pad_to is not None and pad_to > b:
             self._pad(b, pad_to)
@@ -97,21 +122,31 @@ class StepInputs:
         self.rows[:len(rows)] = rows
         return StepLayout(t, b, decode_only, len(sampled), sampled, len(prompt_rows), spans)
 
-    def _table_array(self, table: list[int], decoding: bool) -> np.ndarray:
-        """The sequence's block table as an int32 array kept from the step before, where a list
+    def _table_row(self, table: list[int], decoding: bool) -> int:
+        """The store row holding the sequence's block table, kept from the step before where a list
         would be converted whole every step. A decoding sequence's table (the same list as last
         step) only grows at its end, and the one entry changed in place, a copy-on-write, is its
-        partial last block: from the entry last written on is rewritten. Anything else (a new
-        sequence, a prefill chunk, a table rebuilt after preemption) is converted whole."""
-        cached = self._last_tables.get(id(table))
-        if decoding and cached is not None and 0 < cached[2] <= len(table):
-            _, array, written = cached
-            array[written - 1:len(table)] = table[written - 1:]
+        partial last block: from the entry last written on is rewritten when it grew or changed.
+        Anything else (a new sequence, a prefill chunk, a table rebuilt after preemption) is
+        written whole."""
+        entry = self._last_tables.pop(id(table), None)
+        n = len(table)
+        if entry is None:
+            row = self._free_rows.pop()
+            self._store[row, :n] = table
         else:
-            array = np.empty(self.width, dtype=np.int32)
-            array[:len(table)] = table
-        self._step_tables[id(table)] = (table, array, len(table))  # the list is held: its id stays its own
-        return array
+            _, row, written, last = entry
+            if not (decoding and 0 < written <= n):
+                self._store[row, :n] = table
+            elif written < n or table[written - 1] != last:
+                self._store[row, written - 1:n] = table[written - 1:]
+        self._step_tables[id(table)] = (table, row, n, table[-1] if n else -1)  # the list is held: its id stays its own
+        return row
+
+    def _release_tables(self) -> None:
+        """Last step's tables that this step did not use give their rows back."""
+        self._free_rows.extend(entry[1] for entry in self._last_tables.values())
+        self._last_tables, self._step_tables = self._step_tables, {}
 
     def _wait_upload(self) -> None:
         if self.uploaded is not None:

@@ -62,33 +62,46 @@ def test_profile_step_fills_the_token_budget_in_sequences_the_tables_can_hold():
 def test_block_tables_stay_right_as_they_grow_change_and_move_between_rows():
     """The int32 copies of block tables kept between steps (StepInputs._table_array) against the
     lists themselves, over decode steps where tables grow, a partial block is replaced in place
-    (copy-on-write), a sequence's table is rebuilt (preemption), sequences finish and join, and
-    the rows they land in shuffle."""
+    (copy-on-write), a sequence's table is rebuilt (preemption: a new list, or the same list
+    refilled and recomputed as a chunk), sequences finish and join, and the rows they land in
+    shuffle."""
     import random
 
     rng = random.Random(0)
-    inputs = StepInputs(max_tokens=64, max_seqs=8, max_blocks_per_seq=16, block_size=4, device=torch.device("cpu"))
+    inputs = StepInputs(max_tokens=512, max_seqs=8, max_blocks_per_seq=16, block_size=4, device=torch.device("cpu"))
     next_block = iter(range(10_000))
     seqs = []
     for step in range(300):
         while len(seqs) < 6:  # new sequences join with a few blocks
             n = rng.randrange(1, 30)
             seqs.append(_seq(n + 1, n, [next(next_block) for _ in range(-(-(n + 1) // 4))]))
+        new_tokens = {}
         for s in seqs:
             s.token_ids.append(7)  # one more token to decode
-            s.num_computed_tokens += 1
+            s.num_computed_tokens = s.num_tokens - 1
+            new_tokens[id(s)] = 1
             if len(s.block_table) * 4 < s.num_tokens:  # a new block at a block boundary
                 s.block_table.append(next(next_block))
             if rng.random() < 0.05:  # copy-on-write of the partial last block
                 s.block_table[-1] = next(next_block)
             if rng.random() < 0.02:  # preempted and recomputed: a new list
                 s.block_table = [next(next_block) for _ in s.block_table]
+            elif rng.random() < 0.02 and s.num_tokens > 8:  # the same list, refilled for a recompute
+                s.num_computed_tokens = 4  # its first block came from the prefix cache
+                new_tokens[id(s)] = s.num_tokens - 4
+                s.block_table[:] = [s.block_table[0]] + [next(next_block) for _ in s.block_table[1:]]
         seqs = [s for s in seqs if s.num_tokens < 60 and rng.random() > 0.05]  # some finish
         rng.shuffle(seqs)  # rows move between steps
-        batch = ScheduledBatch(seqs, [1] * len(seqs))
+        batch = ScheduledBatch(seqs, [new_tokens[id(s)] for s in seqs])
         layout = inputs.fill(batch)
         order = batch.row_order(4)
         for r, i in enumerate(order):
-            table = seqs[i].block_table
+            s, table = seqs[i], seqs[i].block_table
             assert inputs.tables[r, :len(table)].tolist() == table, (step, r)
-        assert layout.num_seqs == len(seqs)
+            first, end = inputs.query_start[r], inputs.query_start[r + 1]
+            positions = list(range(s.num_computed_tokens, s.num_tokens))
+            assert inputs.positions[first:end].tolist() == positions
+            assert inputs.ids[first:end].tolist() == s.token_ids[s.num_computed_tokens:]
+            assert inputs.slots[first:end].tolist() == [table[p // 4] * 4 + p % 4 for p in positions]
+            assert inputs.seq_lens[r] == s.num_tokens
+        assert layout.num_seqs == len(seqs) and inputs.query_start[len(seqs)] == layout.num_tokens
