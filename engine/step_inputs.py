@@ -65,6 +65,9 @@ class StepInputs:
         if len(order) > self.max_seqs or batch.num_tokens > self.max_tokens:
             raise ValueError(f"step of {len(order)} sequences / {batch.num_tokens} tokens exceeds the "
                              f"runner's {self.max_seqs} / {self.max_tokens}")
+        if self._step_tables:  # a fill that raised: its rows go back, its tables are written whole again
+            self._free_rows.extend(entry[1] for entry in self._step_tables.values())
+            self._step_tables = {}
         seqs, num_new = batch.seqs, batch.num_new_tokens
         num_chunks = sum(1 for n in num_new if n > 1)  # row_order puts them first
         t, last_row, prompt_rows, spans, table_rows, width = 0, {}, [], [], [], 0

@@ -105,3 +105,15 @@ def test_block_tables_stay_right_as_they_grow_change_and_move_between_rows():
             assert inputs.slots[first:end].tolist() == [table[p // 4] * 4 + p % 4 for p in positions]
             assert inputs.seq_lens[r] == s.num_tokens
         assert layout.num_seqs == len(seqs) and inputs.query_start[len(seqs)] == layout.num_tokens
+
+
+def test_a_fill_that_raises_gives_its_table_rows_back():
+    """The tables a failed fill stored go back to the store; else each failure would keep a row
+    and the store (2 x max_seqs rows) would run out."""
+    inputs = StepInputs(max_tokens=64, max_seqs=2, max_blocks_per_seq=8, block_size=4, device=torch.device("cpu"))
+    good = _seq(6, 5, [3, 4])
+    for _ in range(10):  # each time the second sequence's table lacks the block its token goes to
+        with pytest.raises(IndexError):
+            inputs.fill(ScheduledBatch([good, _seq(9, 8, [1, 2])], [1, 1]))
+    inputs.fill(ScheduledBatch([good, _seq(9, 8, [1, 2, 9])], [1, 1]))
+    assert inputs.tables[0, :2].tolist() == [3, 4] and inputs.tables[1, :3].tolist() == [1, 2, 9]
