@@ -60,7 +60,7 @@ def test_profile_step_fills_the_token_budget_in_sequences_the_tables_can_hold():
 
 
 def test_block_tables_stay_right_as_they_grow_change_and_move_between_rows():
-    """The int32 copies of block tables kept between steps (StepInputs._table_array) against the
+    """The int32 rows of block tables kept between steps (StepInputs._table_row) against the
     lists themselves, over decode steps where tables grow, a partial block is replaced in place
     (copy-on-write), a sequence's table is rebuilt (preemption: a new list, or the same list
     refilled and recomputed as a chunk), sequences finish and join, and the rows they land in
