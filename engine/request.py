@@ -33,9 +33,8 @@ class Request:
         if not self.stream:
             return self.num_outputs == 0 or self.finished
         if self.params.n == 1:  # the same test, for the common case, without the lists (it runs per request per step)
-            c = self.completions[0]
-            return (self.num_outputs == 0 or self.aborted or c.finish_reason is not None
-                    or len(c.delta_token_ids) >= stream_interval)
+            return (self.num_outputs == 0 or self.finished
+                    or len(self.completions[0].delta_token_ids) >= stream_interval)
         pending = [len(c.delta_token_ids) for c in self.completions]
         return (self.num_outputs == 0 or self.finished or max(pending) >= stream_interval
                 or any(n and c.finish_reason for n, c in zip(pending, self.completions)))
