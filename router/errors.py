@@ -72,8 +72,9 @@ def from_validation_error(e: ValidationError, fields: set[str] = frozenset()) ->
     path = [p for p in err["loc"] if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS)]
     param = ".".join(str(p) for p in path) or None
     msg = err["msg"].removeprefix("Value error, ")
-    if param is None and msg.split(" ", 1)[0] in fields:
-        param = msg.split(" ", 1)[0]
+    first = msg.split(" ", 1)[0].removesuffix(":")
+    if param is None and first in fields:
+        param = first
     return bad_request(f"{param}: {msg}" if err["loc"] else msg, param=param, code="invalid_value")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
@@ -54,6 +54,20 @@ class _SamplingFields(_Model):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the prompt's last k tokens; -1: max_model_len
+    # vLLM's structured-output fields before 0.12, which clients still send: folded into
+    # structured_outputs, so that a constraint never falls away unnoticed (vLLM now ignores them)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # which compiler: this server has one, so it is ignored
+    guided_whitespace_pattern: str | None = None
+    # vLLM's sampling extras this server does not implement: a 400 when set, not a reply without them
+    use_beam_search: bool = False
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    _structured_param: str = PrivateAttr("structured_outputs")  # the field structured_outputs came from
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -61,7 +75,31 @@ class _SamplingFields(_Model):
             raise ValueError("stream_options is only allowed when stream is true")
         if self.logit_bias is not None:
             _check_logit_bias(self.logit_bias)
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be positive, or -1 for the model's max_model_len")
+        _refuse(self, "use_beam_search", "bad_words", "allowed_token_ids", "guided_whitespace_pattern")
+        self._fold_guided()
         return self
+
+    def _fold_guided(self) -> None:
+        given = {k: v for k in ("json", "regex", "choice", "grammar")
+                 if (v := getattr(self, f"guided_{k}")) is not None}
+        if not given:
+            return
+        names = " and ".join(f"guided_{k}" for k in given)
+        if len(given) > 1 or self.structured_outputs is not None:
+            raise ValueError(f"{names}{' and structured_outputs' if self.structured_outputs else ''}: "
+                             "give one constraint on the output")
+        try:
+            self.structured_outputs = StructuredOutputs.model_validate(given)
+        except ValidationError as e:
+            raise ValueError(f"{names}: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+        self._structured_param = names
+
+    @property
+    def structured_param(self) -> str:
+        """The field that set structured_outputs, for the errors about it."""
+        return self._structured_param
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -83,6 +121,13 @@ class _SamplingFields(_Model):
             logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
             # a reply sent whole needs no output per token from the engine (nor one per token over Ray)
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+
+
+def _refuse(request: BaseModel, *names: str, where: str = "by this server") -> None:
+    """A 400 naming the first of these fields that is set (not None, False or empty)."""
+    for name in names:
+        if getattr(request, name):
+            raise ValueError(f"{name} is not supported {where}")
 
 
 def _check_logit_bias(bias: dict[str, float]) -> None:
@@ -270,11 +315,24 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True  # vLLM extra: end the prompt with the assistant header
+    continue_final_message: bool = False  # vLLM extra: the reply goes on with the last message's text
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extra: more variables for the chat template
+    # OpenAI's function calling before tools, and vLLM extras not implemented: a 400 when set
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    chat_template: str | None = None  # a template of the request's own is code the server would run
+    echo: bool = False
+    prompt_logprobs: int | None = None
 
     @model_validator(mode="after")
     def _check_unsupported(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.functions or self.function_call not in (None, "none", "auto"):
+            raise ValueError(f"{'functions' if self.functions else 'function_call'} (OpenAI's deprecated function "
+                             "calling) is not supported: send tools and tool_choice")
+        _refuse(self, "chat_template", "echo", "prompt_logprobs", where="in chat completions")
+        _check_template_options(self)
         self._check_tools()
         return self
 
@@ -304,12 +362,31 @@ class TokenizeRequest(_Model):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = False  # as the completions endpoint encodes prompts
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        _check_template_options(self)
         return self
+
+
+# apply_chat_template's own arguments, which chat_template_kwargs may not set
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                "truncation", "max_length", "return_tensors", "return_dict",
+                                "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def _check_template_options(request: ChatCompletionRequest | TokenizeRequest) -> None:
+    if request.continue_final_message and request.add_generation_prompt:
+        raise ValueError("continue_final_message needs add_generation_prompt false: the reply goes on with the "
+                         "last message instead of starting a new one")
+    taken = sorted(TEMPLATE_ARGUMENTS & set(request.chat_template_kwargs or ()))
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}")
 
 
 class DetokenizeRequest(_Model):

@@ -111,7 +111,7 @@ class OpenAIServing:
     async def tokenize(self, req: TokenizeRequest) -> dict:
         self.check_model(req.model)
         if req.messages is not None:
-            ids = self._chat_ids(req.messages, req.add_generation_prompt)
+            ids = self._chat_ids(req)
         else:
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         info = await self.limits()
@@ -126,13 +126,17 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
         params = await self._constrained(self._params(req), from_structured_outputs(req.structured_outputs),
-                                         "structured_outputs")
+                                         req.structured_param)
         texts = req.prompts()
         limit = self.settings.max_sequences_per_request
         if len(texts) * req.n > limit:
             raise bad_request(f"this request asks for {len(texts)} prompts x n={req.n} = {len(texts) * req.n} "
                               f"sequences; this server allows at most {limit} per request", param="prompt")
         prompts = [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=False) for p in texts]
+        if req.truncate_prompt_tokens is not None:
+            kept = [await self._truncated(p, req.truncate_prompt_tokens) for p in prompts]
+            texts = [t if len(k) == len(p) else k for t, p, k in zip(texts, prompts, kept)]  # echo: what was kept
+            prompts = kept
         rid = f"cmpl-{uuid.uuid4().hex}"
         first, merged = await self._start(rid, prompts, params, "prompt", "max_tokens")
         if req.max_tokens == 0:
@@ -153,10 +157,12 @@ class OpenAIServing:
         plan = ToolPlan.of(req)
         params = self._params(req)
         for spec, param in ((from_response_format(req.response_format), "response_format"),
-                            (from_structured_outputs(req.structured_outputs), "structured_outputs"),
+                            (from_structured_outputs(req.structured_outputs), req.structured_param),
                             (plan.spec(), "tools")):
             params = await self._constrained(params, spec, param)
-        ids = self._chat_ids(req.messages, req.add_generation_prompt, plan)
+        ids = self._chat_ids(req, plan)
+        if req.truncate_prompt_tokens is not None:
+            ids = await self._truncated(ids, req.truncate_prompt_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         first, merged = await self._start(rid, [ids], params, "messages", max_param)
@@ -186,14 +192,21 @@ class OpenAIServing:
             return params
         return dataclasses.replace(params, structured_outputs=await checked(spec, param))
 
-    def _chat_ids(self, messages, add_generation_prompt: bool, plan: ToolPlan | None = None) -> list[int]:
+    async def _truncated(self, ids: list[int], keep: int) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len)."""
+        if keep == -1:
+            keep = (await self.limits())["max_model_len"]
+        return ids[-keep:]
+
+    def _chat_ids(self, req: ChatCompletionRequest | TokenizeRequest, plan: ToolPlan | None = None) -> list[int]:
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
-        msgs, tools = render(messages, plan or ToolPlan("none"), template_knows_tools(template))
+        msgs, tools = render(req.messages, plan or ToolPlan("none"), template_knows_tools(template))
         try:
-            text = self.tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(
+                msgs, tools=tools, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
         except Exception as e:  # jinja raises on conversations its template rejects
             raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -4,26 +4,19 @@ so that every tool_choice's reply shape (whole and streamed) is checked on known
 Hermes parser, the streaming parser under every split, prompt rendering, and the 400s."""
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 
-import httpx
 import jsonschema
 import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.config import EngineConfig
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from router.api import build_api
 from router.protocol import ChatCompletionRequest, ChatMessage, MAX_TOOLS
-from router.serving import OpenAIServing
-from router.settings import RouterSettings
 from router.tool_parser import NamedCallStream, ToolCallStream, parse_tool_calls
 from router.tools import ToolPlan, render, required_grammar
-from workers.server import EngineServer
+from tests.scripted_engine import run
 
 WEATHER_ARGS = {"type": "object", "properties": {"city": {"type": "string"},
                                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -41,61 +34,6 @@ def tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_path)
-
-
-class ScriptedEngine:
-    """Replies to every request with `script`, a few tokens a step; records what it was sent."""
-
-    def __init__(self, tokenizer, script: str, finish_reason: str = "stop", stop_reason=None) -> None:
-        self.tokenizer, self.script = tokenizer, script
-        self.finish_reason, self.stop_reason = finish_reason, stop_reason
-        self.max_model_len = 4096
-        self.seen: list[tuple[list[int], object]] = []
-
-    async def generate(self, request_id: str, prompt: list[int], params):
-        self.seen.append((prompt, params))
-        ids = self.tokenizer.encode(self.script, add_special_tokens=False)
-        sent, steps = "", [ids[i:i + 3] for i in range(0, len(ids), 3)]
-        for k, step in enumerate(steps):
-            await asyncio.sleep(0)
-            text = self.tokenizer.decode(sum(steps[:k + 1], []))
-            last = k == len(steps) - 1
-            outs = [CompletionOutput(index=i, delta_text=text[len(sent):], delta_token_ids=step,
-                                     finish_reason=self.finish_reason if last else None,
-                                     stop_reason=self.stop_reason if last else None) for i in range(params.n)]
-            sent = text
-            yield RequestOutput(request_id, None, prompt, outs, finished=last)
-
-    async def abort(self, request_id: str) -> None:
-        pass
-
-    def stats(self) -> EngineStats:
-        return EngineStats(num_total_blocks=64, num_free_blocks=64, block_size=16, num_running=0, num_waiting=0,
-                           num_preemptions=0, prefix_query_tokens=0, prefix_hit_tokens=0, waiting_prefill_tokens=0)
-
-    def routing_snapshot(self) -> EngineStats:
-        return self.stats()
-
-    def check_health(self) -> None:
-        pass
-
-    async def shutdown(self) -> None:
-        pass
-
-
-def run(tokenizer, script: str, go, **engine_kwargs):
-    """go(client) against the app over a ScriptedEngine; -> (its result, the engine)."""
-    engine = ScriptedEngine(tokenizer, script, **engine_kwargs)
-    server = EngineServer(EngineConfig(max_model_len=4096, max_num_seqs=4), lambda config: engine)
-    app = build_api(OpenAIServing(tokenizer, server, RouterSettings(served_model_name="m")))
-
-    async def main():
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
-            client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="k", http_client=http, max_retries=0)
-            return await go(client)
-
-    return asyncio.run(main()), engine
 
 
 def create(**kwargs):

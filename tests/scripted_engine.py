@@ -1,0 +1,71 @@
+"""An engine that replies to every request with a fixed text and records what it was sent, and
+`run`, which puts the real HTTP app (and the official openai client) in front of it: the API's
+edge tested on known text, without Ray or a model."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+
+from engine.config import EngineConfig
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from router.api import build_api
+from router.serving import OpenAIServing
+from router.settings import RouterSettings
+from workers.server import EngineServer
+
+
+class ScriptedEngine:
+    """Replies to every request with `script`, a few tokens a step; records what it was sent."""
+
+    def __init__(self, tokenizer, script: str, finish_reason: str = "stop", stop_reason=None) -> None:
+        self.tokenizer, self.script = tokenizer, script
+        self.finish_reason, self.stop_reason = finish_reason, stop_reason
+        self.max_model_len = 4096
+        self.seen: list[tuple[list[int], object]] = []
+
+    async def generate(self, request_id: str, prompt: list[int], params):
+        self.seen.append((prompt, params))
+        ids = self.tokenizer.encode(self.script, add_special_tokens=False)
+        sent, steps = "", [ids[i:i + 3] for i in range(0, len(ids), 3)]
+        for k, step in enumerate(steps):
+            await asyncio.sleep(0)
+            text = self.tokenizer.decode(sum(steps[:k + 1], []))
+            last = k == len(steps) - 1
+            outs = [CompletionOutput(index=i, delta_text=text[len(sent):], delta_token_ids=step,
+                                     finish_reason=self.finish_reason if last else None,
+                                     stop_reason=self.stop_reason if last else None) for i in range(params.n)]
+            sent = text
+            yield RequestOutput(request_id, None, prompt, outs, finished=last)
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_total_blocks=64, num_free_blocks=64, block_size=16, num_running=0, num_waiting=0,
+                           num_preemptions=0, prefix_query_tokens=0, prefix_hit_tokens=0, waiting_prefill_tokens=0)
+
+    def routing_snapshot(self) -> EngineStats:
+        return self.stats()
+
+    def check_health(self) -> None:
+        pass
+
+    async def shutdown(self) -> None:
+        pass
+
+
+def run(tokenizer, script: str, go, **engine_kwargs):
+    """go(client) against the app over a ScriptedEngine; -> (its result, the engine)."""
+    engine = ScriptedEngine(tokenizer, script, **engine_kwargs)
+    server = EngineServer(EngineConfig(max_model_len=4096, max_num_seqs=4), lambda config: engine)
+    app = build_api(OpenAIServing(tokenizer, server, RouterSettings(served_model_name="m")))
+
+    async def main():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="k", http_client=http, max_retries=0)
+            return await go(client)
+
+    return asyncio.run(main()), engine

@@ -1,0 +1,128 @@
+"""Request fields beyond OpenAI's that vLLM users send, at the HTTP edge over a scripted engine:
+each is either honoured (vLLM's pre-0.12 `guided_*` fields, `continue_final_message`,
+`chat_template_kwargs`, `truncate_prompt_tokens`) or refused with a 400 naming it, never
+ignored in a reply that looks fine without it."""
+from __future__ import annotations
+
+import copy
+
+import openai
+import pytest
+
+from tests.scripted_engine import run
+
+USER = [{"role": "user", "content": "Is the sky blue?"}]
+GRAMMAR = 'start: "yes" | "no"'
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def chat(**kwargs):
+    return lambda client: client.chat.completions.create(model="m", messages=kwargs.pop("messages", USER), **kwargs)
+
+
+def completion(**kwargs):
+    return lambda client: client.completions.create(model="m", **kwargs)
+
+
+def sent(tokenizer, go):
+    """(prompt ids, SamplingParams) the engine got for the request `go` makes."""
+    _, engine = run(tokenizer, "yes", go)
+    (seen,) = engine.seen
+    return seen
+
+
+def refused(tokenizer, go) -> dict:
+    with pytest.raises(openai.BadRequestError) as e:
+        run(tokenizer, "yes", go)
+    return e.value.body
+
+
+@pytest.mark.parametrize("key, value", [("json", SCHEMA), ("regex", "(yes|no)"), ("choice", ["yes", "no"]),
+                                        ("grammar", GRAMMAR)])
+@pytest.mark.parametrize("endpoint", [chat, lambda **kw: completion(prompt="Is the sky blue?", **kw)])
+def test_a_guided_field_constrains_as_structured_outputs_does(tokenizer, endpoint, key, value):
+    _, legacy = sent(tokenizer, endpoint(extra_body={f"guided_{key}": value, "guided_decoding_backend": "xgrammar"}))
+    _, current = sent(tokenizer, endpoint(extra_body={"structured_outputs": {key: value}}))
+    assert legacy.structured_outputs is not None and legacy.structured_outputs == current.structured_outputs
+
+
+@pytest.mark.parametrize("extra, param, says", [
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "give one constraint"),
+    ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex", "give one constraint"),
+    ({"guided_json": '{"type": '}, "guided_json", "not valid JSON"),
+    ({"guided_choice": []}, "guided_choice", "at least 1 item"),
+    ({"guided_regex": "(("}, "guided_regex", "invalid regex"),
+    ({"guided_whitespace_pattern": r"\s*", "guided_json": SCHEMA}, "guided_whitespace_pattern", "not supported"),
+    ({"use_beam_search": True}, "use_beam_search", "not supported"),
+    ({"bad_words": ["sky"]}, "bad_words", "not supported"),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids", "not supported"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be positive"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions", "send tools"),
+    ({"function_call": {"name": "f"}}, "function_call", "send tools"),
+    ({"echo": True}, "echo", "not supported in chat"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs", "not supported in chat"),
+    ({"chat_template": "{{ messages }}"}, "chat_template", "not supported in chat"),
+    ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt false"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "may not set tokenize"),
+])
+def test_a_field_the_server_cannot_honour_is_a_400_naming_it(tokenizer, extra, param, says):
+    error = refused(tokenizer, chat(extra_body=extra))
+    assert error["param"] == param and says in error["message"], error
+
+
+def test_the_same_fields_at_their_defaults_are_accepted(tokenizer):
+    defaults = {"use_beam_search": False, "bad_words": [], "functions": [], "function_call": "auto", "echo": False,
+                "guided_decoding_backend": "x"}
+    _, params = sent(tokenizer, chat(extra_body=defaults))
+    assert params.structured_outputs is None
+
+
+def test_continue_final_message_renders_the_last_message_open(tokenizer):
+    messages = USER + [{"role": "assistant", "content": "The sky is"}]
+    ids, _ = sent(tokenizer, chat(messages=messages, extra_body={"continue_final_message": True,
+                                                                 "add_generation_prompt": False}))
+    text = tokenizer.decode(ids)
+    assert text == tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\nThe sky is")  # no end of turn, no new turn
+
+    async def tokenize(client):  # /tokenize renders it the same way (openai's client has no call for it)
+        r = await client._client.post("http://t/tokenize", json={
+            "messages": messages, "continue_final_message": True, "add_generation_prompt": False})
+        return r.json()["tokens"]
+
+    assert run(tokenizer, "yes", tokenize)[0] == ids
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ tail | default('') }}"
+    ids, _ = sent(tok, chat(extra_body={"chat_template_kwargs": {"tail": " Answer:"}}))
+    assert tok.decode(ids) == "Is the sky blue? Answer:"
+    ids, _ = sent(tok, chat())
+    assert tok.decode(ids) == "Is the sky blue?"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(tokenizer):
+    prompt = list(range(100, 120))
+    ids, _ = sent(tokenizer, completion(prompt=prompt, max_tokens=2, extra_body={"truncate_prompt_tokens": 5}))
+    assert ids == prompt[-5:]
+    ids, _ = sent(tokenizer, completion(prompt=prompt, max_tokens=2, extra_body={"truncate_prompt_tokens": -1}))
+    assert ids == prompt  # -1: up to max_model_len, which this prompt is under
+    full, _ = sent(tokenizer, chat())
+    ids, _ = sent(tokenizer, chat(extra_body={"truncate_prompt_tokens": 3}))
+    assert ids == full[-3:]
+
+
+def test_an_echoed_truncated_prompt_is_the_text_that_was_kept(tokenizer):
+    text = "one two three four five six seven eight"
+    kept = tokenizer.encode(text, add_special_tokens=False)[-3:]
+    r, _ = run(tokenizer, "yes", completion(prompt=text, max_tokens=1, echo=True,
+                                            extra_body={"truncate_prompt_tokens": 3}))
+    assert r.choices[0].text == tokenizer.decode(kept) + "yes"
