@@ -42,8 +42,10 @@ class LLMEngine:
 
     # -- admission -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """A text prompt gets the tokenizer's special tokens (a BOS where the model has one), as
+        vLLM's `LLM.generate` and `tokenizer(prompt)` before HF `generate` give it."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         return None, list(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:

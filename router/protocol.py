@@ -151,6 +151,7 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM extra: each choice's prompt_logprobs
+    add_special_tokens: bool = True  # vLLM extra: a text prompt gets the tokenizer's BOS, where it has one
 
     @model_validator(mode="after")
     def _check_unsupported(self):
@@ -315,6 +316,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True  # vLLM extra: end the prompt with the assistant header
+    add_special_tokens: bool = False  # vLLM extra: the chat template writes the special tokens itself
     continue_final_message: bool = False  # vLLM extra: the reply goes on with the last message's text
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extra: more variables for the chat template
     # OpenAI's function calling before tools, and vLLM extras not implemented: a 400 when set
@@ -360,7 +362,7 @@ class TokenizeRequest(_Model):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = False  # as the completions endpoint encodes prompts
+    add_special_tokens: bool | None = None  # None: as the endpoint does, True for a prompt, False for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

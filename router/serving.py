@@ -113,7 +113,7 @@ class OpenAIServing:
         if req.messages is not None:
             ids = self._chat_ids(req)
         else:
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
         info = await self.limits()
         return {"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids}
 
@@ -132,7 +132,8 @@ class OpenAIServing:
         if len(texts) * req.n > limit:
             raise bad_request(f"this request asks for {len(texts)} prompts x n={req.n} = {len(texts) * req.n} "
                               f"sequences; this server allows at most {limit} per request", param="prompt")
-        prompts = [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=False) for p in texts]
+        prompts = [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)
+                   for p in texts]
         if req.truncate_prompt_tokens is not None:
             kept = [await self._truncated(p, req.truncate_prompt_tokens) for p in prompts]
             texts = [t if len(k) == len(p) else k for t, p, k in zip(texts, prompts, kept)]  # echo: what was kept
@@ -209,7 +210,7 @@ class OpenAIServing:
                 continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
         except Exception as e:  # jinja raises on conversations its template rejects
             raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
 
     async def _check_prompts(self, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
                              max_param: str) -> None:

@@ -126,3 +126,50 @@ def test_an_echoed_truncated_prompt_is_the_text_that_was_kept(tokenizer):
     r, _ = run(tokenizer, "yes", completion(prompt=text, max_tokens=1, echo=True,
                                             extra_body={"truncate_prompt_tokens": 3}))
     assert r.choices[0].text == tokenizer.decode(kept) + "yes"
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(tokenizer):
+    """SmolLM2's tokenizer made to begin every encoding with a BOS (<|endoftext|>, id 0), as
+    Llama's does; SmolLM2's own adds nothing, so the default model never shows the difference."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = copy.deepcopy(tokenizer)
+    tok._tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    return tok
+
+
+def test_a_text_prompt_gets_the_tokenizers_bos_as_vllm_gives_it(bos_tokenizer):
+    """Completions add special tokens unless told not to (vLLM's default); chat does not, since
+    the template writes them; /tokenize does as the endpoint it mirrors."""
+    plain = bos_tokenizer.encode("Is the sky blue?", add_special_tokens=False)
+    ids, _ = sent(bos_tokenizer, completion(prompt="Is the sky blue?", max_tokens=2))
+    assert ids == [0] + plain
+    ids, _ = sent(bos_tokenizer, completion(prompt="Is the sky blue?", max_tokens=2,
+                                            extra_body={"add_special_tokens": False}))
+    assert ids == plain
+    ids, _ = sent(bos_tokenizer, completion(prompt=plain, max_tokens=2))
+    assert ids == plain  # token ids are taken as given
+    template = bos_tokenizer.apply_chat_template(USER, tokenize=False, add_generation_prompt=True)
+    ids, _ = sent(bos_tokenizer, chat())
+    assert ids == bos_tokenizer.encode(template, add_special_tokens=False)
+    ids, _ = sent(bos_tokenizer, chat(extra_body={"add_special_tokens": True}))
+    assert ids == bos_tokenizer.encode(template, add_special_tokens=True) and ids[0] == 0
+
+    async def tokenize(client):
+        counts = []
+        for body in ({"prompt": "Is the sky blue?"}, {"prompt": "Is the sky blue?", "add_special_tokens": False},
+                     {"messages": USER}):
+            counts.append(len((await client._client.post("http://t/tokenize", json=body)).json()["tokens"]))
+        return counts
+
+    assert run(bos_tokenizer, "yes", tokenize)[0] == [len(plain) + 1, len(plain), len(ids) - 1]
+
+
+def test_the_engine_encodes_a_text_prompt_with_its_special_tokens(bos_tokenizer):
+    from engine.llm_engine import LLMEngine
+
+    engine = object.__new__(LLMEngine)  # tokenize reads the tokenizer only
+    engine.tokenizer = bos_tokenizer
+    assert engine.tokenize("Is the sky blue?") == ("Is the sky blue?", bos_tokenizer.encode("Is the sky blue?"))
+    assert engine.tokenize([5, 6]) == (None, [5, 6])
