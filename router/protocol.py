@@ -54,6 +54,7 @@ class _SamplingFields(_Model):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's for chat; vLLM takes it in completions too
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the prompt's last k tokens; -1: max_model_len
     # vLLM's structured-output fields before 0.12, which clients still send: folded into
     # structured_outputs, so that a constraint never falls away unnoticed (vLLM now ignores them)
@@ -79,6 +80,8 @@ class _SamplingFields(_Model):
             raise ValueError("truncate_prompt_tokens must be positive, or -1 for the model's max_model_len")
         _refuse(self, "use_beam_search", "bad_words", "allowed_token_ids", "guided_whitespace_pattern")
         self._fold_guided()
+        if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:
+            raise ValueError("response_format cannot be combined with structured_outputs: give one of them")
         return self
 
     def _fold_guided(self) -> None:
@@ -311,7 +314,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool = True
@@ -349,8 +351,6 @@ class ChatCompletionRequest(_SamplingFields):
         if forced and (formatted or self.structured_outputs is not None):
             raise ValueError("tool_choice required or a named function cannot be combined with response_format "
                              "or structured_outputs: each decides the output's form")
-        if formatted and self.structured_outputs is not None:
-            raise ValueError("response_format cannot be combined with structured_outputs: give one of them")
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens

@@ -28,6 +28,7 @@ from typing import Protocol
 from engine.errors import InvalidRequestError
 from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import SamplingParams
+from engine.structured.params import StructuredOutputsParams
 from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error
 from router.formatting import (SSE_DONE, Accumulator, PromptEcho, chat_logprobs, chat_response,
                                completion_logprobs, completion_response, sse)
@@ -125,8 +126,7 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
-        params = await self._constrained(self._params(req), from_structured_outputs(req.structured_outputs),
-                                         req.structured_param)
+        params = await self._constrained(self._params(req), *self._output_constraint(req))
         texts = req.prompts()
         limit = self.settings.max_sequences_per_request
         if len(texts) * req.n > limit:
@@ -157,9 +157,7 @@ class OpenAIServing:
         self.check_model(req.model)
         plan = ToolPlan.of(req)
         params = self._params(req)
-        for spec, param in ((from_response_format(req.response_format), "response_format"),
-                            (from_structured_outputs(req.structured_outputs), req.structured_param),
-                            (plan.spec(), "tools")):
+        for spec, param in (self._output_constraint(req), (plan.spec(), "tools")):
             params = await self._constrained(params, spec, param)
         ids = self._chat_ids(req, plan)
         if req.truncate_prompt_tokens is not None:
@@ -185,6 +183,15 @@ class OpenAIServing:
             return req.sampling_params()
         except InvalidRequestError as e:
             raise from_invalid_request(e) from None
+
+    @staticmethod
+    def _output_constraint(req: CompletionRequest | ChatCompletionRequest,
+                           ) -> tuple[StructuredOutputsParams | None, str]:
+        """The request's constraint on its output, and the field that set it (validation allows one)."""
+        spec = from_response_format(req.response_format)
+        if spec is not None:
+            return spec, "response_format"
+        return from_structured_outputs(req.structured_outputs), req.structured_param
 
     @staticmethod
     async def _constrained(params: SamplingParams, spec, param: str) -> SamplingParams:

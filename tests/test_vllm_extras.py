@@ -173,3 +173,16 @@ def test_the_engine_encodes_a_text_prompt_with_its_special_tokens(bos_tokenizer)
     engine.tokenizer = bos_tokenizer
     assert engine.tokenize("Is the sky blue?") == ("Is the sky blue?", bos_tokenizer.encode("Is the sky blue?"))
     assert engine.tokenize([5, 6]) == (None, [5, 6])
+
+
+def test_completions_take_response_format_as_vllm_does(tokenizer):
+    strict = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}
+    _, params = sent(tokenizer, completion(prompt="JSON:", max_tokens=8, extra_body={"response_format": strict}))
+    _, chat_params = sent(tokenizer, chat(response_format=strict))
+    assert params.structured_outputs is not None and params.structured_outputs == chat_params.structured_outputs
+    text = {"response_format": {"type": "text"}}
+    _, params = sent(tokenizer, completion(prompt="JSON:", max_tokens=8, extra_body=text))
+    assert params.structured_outputs is None
+    error = refused(tokenizer, completion(prompt="JSON:", max_tokens=8, extra_body={
+        "response_format": {"type": "json_object"}, "guided_regex": "a"}))
+    assert error["param"] == "response_format" and "give one of them" in error["message"]
