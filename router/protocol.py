@@ -27,6 +27,7 @@ class _Model(BaseModel):
 
 class StreamOptions(_Model):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM extra: with include_usage, every chunk carries the usage so far
 
 
 class _SamplingFields(_Model):
@@ -105,8 +106,10 @@ class _SamplingFields(_Model):
         return self._structured_param
 
     @property
-    def include_usage_in_stream(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+    def stream_usage(self) -> tuple[bool, bool]:
+        """(a usage chunk before [DONE], the usage so far in every chunk)."""
+        final = self.stream_options is not None and self.stream_options.include_usage
+        return final, final and self.stream_options.continuous_usage_stats
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:

@@ -259,7 +259,8 @@ class OpenAIServing:
 
     # -- streaming -------------------------------------------------------------------------------
     def _chunk_base(self, rid: str, obj: str, include_usage: bool) -> dict:
-        """Fields every chunk of one stream shares; `usage` is null until the final usage chunk."""
+        """Fields every chunk of one stream shares; `usage` is null until the final usage chunk
+        (unless continuous usage stats replace it in each)."""
         base = {"id": rid, "object": obj, "created": int(time.time()), "model": self.settings.served_model_name}
         if include_usage:
             base["usage"] = None
@@ -283,7 +284,7 @@ class OpenAIServing:
             return {"index": i, "text": text + c.text, "logprobs": lps, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason, **extra}
 
-        return self._sse(rid, "text_completion", req.include_usage_in_stream, acc, first, merged, [], choice)
+        return self._sse(rid, "text_completion", req.stream_usage, acc, first, merged, [], choice)
 
     def _chat_events(self, rid: str, req: ChatCompletionRequest, acc: Accumulator, first,
                      merged: AsyncIterator, plan: ToolPlan) -> AsyncIterator[str]:
@@ -301,23 +302,29 @@ class OpenAIServing:
 
         roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                  for i in range(len(acc.choices))]
-        return self._sse(rid, "chat.completion.chunk", req.include_usage_in_stream, acc, first, merged, roles, choice)
+        return self._sse(rid, "chat.completion.chunk", req.stream_usage, acc, first, merged, roles, choice)
 
-    async def _sse(self, rid: str, obj: str, include_usage: bool, acc: Accumulator, first, merged: AsyncIterator,
-                   preamble: list[dict], choice: Callable[[int, ChoiceDelta], dict]) -> AsyncIterator[str]:
+    async def _sse(self, rid: str, obj: str, usage: tuple[bool, bool], acc: Accumulator, first,
+                   merged: AsyncIterator, preamble: list[dict],
+                   choice: Callable[[int, ChoiceDelta], dict]) -> AsyncIterator[str]:
         """The SSE body of a stream: `preamble` chunks, then one chunk per sample delta of every
         engine output that made tokens, text or not (see module doc), the usage chunk if asked
-        for, and [DONE]."""
+        for, and [DONE]. `usage`: (include_usage, continuous_usage_stats)."""
+        include_usage, continuous = usage
         base = self._chunk_base(rid, obj, include_usage)
+
+        def chunk(c: dict) -> str:
+            return sse({**base, "choices": [c], "usage": acc.usage()} if continuous else {**base, "choices": [c]})
+
         async with contextlib.aclosing(merged):  # however this generator ends, the engine requests end
             for c in preamble:
-                yield sse({**base, "choices": [c]})
+                yield chunk(c)
             async for prompt, step in _events(first, merged, acc):
                 if isinstance(step, str):
                     yield step
                     continue
                 for c in step.choices:
-                    yield sse({**base, "choices": [choice(acc.index(prompt, c), c)]})
+                    yield chunk(choice(acc.index(prompt, c), c))
         if include_usage:
             yield sse({**base, "choices": [], "usage": acc.usage()})
         yield SSE_DONE

@@ -186,3 +186,24 @@ def test_completions_take_response_format_as_vllm_does(tokenizer):
     error = refused(tokenizer, completion(prompt="JSON:", max_tokens=8, extra_body={
         "response_format": {"type": "json_object"}, "guided_regex": "a"}))
     assert error["param"] == "response_format" and "give one of them" in error["message"]
+
+
+@pytest.mark.parametrize("endpoint", [chat, lambda **kw: completion(prompt="Is the sky blue?", **kw)])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(tokenizer, endpoint):
+    script = "Yes, the sky is blue on a clear day."
+
+    def stream(**options):
+        async def go(client):
+            return [c async for c in await endpoint(stream=True, max_tokens=50, stream_options=options)(client)]
+        return run(tokenizer, script, go)[0]
+
+    chunks = stream(include_usage=True, continuous_usage_stats=True)
+    usages = [c.usage for c in chunks]
+    assert all(u is not None for u in usages)
+    done = [u.completion_tokens for u in usages]
+    assert done == sorted(done) and done[-1] == len(tokenizer.encode(script)) and done[0] < done[-1]
+    assert len({u.prompt_tokens for u in usages}) == 1
+    assert chunks[-1].choices == [] and usages[-1] == usages[-2]  # the usage chunk repeats the last count
+    plain = stream(include_usage=True)
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage == usages[-1]
+    assert all(c.usage is None for c in stream(continuous_usage_stats=True))  # needs include_usage, as vLLM
