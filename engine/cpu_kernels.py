@@ -124,7 +124,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (`prepack`): a large batch (prefill) runs oneDNN's GEMM on it instead of MKL's sgemm, which
     on this 2-core AMD host does 197-216 GFLOPS against 116-180 (docs/benchmarks.md)."""
     if not _fits(x, weight) or not enabled():
-        if prepacked is not None and x.dim() == 2 and x.dtype == torch.float32 and not x.requires_grad:
+        if (prepacked is not None and x.device.type == "cpu" and x.dim() == 2 and x.dtype == torch.float32
+                and not x.requires_grad):
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepacked, bias, "none", [], "")
         return F.linear(x, weight, bias)
     x = x.contiguous()

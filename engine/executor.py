@@ -75,9 +75,13 @@ class LocalDraws:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device to run on; a CUDA one with its index (torch.cuda.set_device refuses bare "cuda")."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

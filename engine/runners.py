@@ -61,10 +61,15 @@ def cuda_step_bytes(model: LlamaModel, config: EngineConfig, max_model_len: int,
     runner = TritonModelRunner(model, kv, config.block_size, device, config.max_num_seqs,
                                config.max_num_batched_tokens, max_model_len)
     runner.profile_run()
-    if graphs and not config.enforce_eager:
-        runner.capture_graphs()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_reserved(device) - base
+    if graphs and not config.enforce_eager:  # their pool stays reserved beside a step's activations: the sum
+        torch.cuda.empty_cache()  # capture empties the cache too: measured from here, its growth is the pool
+        reserved = torch.cuda.memory_reserved(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        runner.capture_graphs()
+        torch.cuda.synchronize(device)
+        peak += torch.cuda.max_memory_reserved(device) - reserved
     del runner, kv
     gc.collect()
     torch.cuda.empty_cache()

@@ -4,7 +4,8 @@ triton, pytest, hypothesis, safetensors, tokenizers, numpy, tqdm; llguidance tra
 `make gpu-carry`). GPU time comes in short windows, so an import that fails there loses one.
 This runs, in a fresh interpreter where the dependencies the image lacks cannot be imported (a
 meta-path finder refuses them, as an absent module is refused), what the script runs first: the
-engine's imports, collection of its test stage, and its benchmark scripts' start-up."""
+engine's imports, collection of its test stage, and its benchmark scripts' start-up; and, with
+torch told it has a GPU, what the engine does with a device name before its first CUDA call."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,3 +79,18 @@ def test_gpu_check_benchmarks_start_without_them():
         r = _run("import runpy\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')",
                  script, "--help")
         assert r.returncode == 0 and "usage:" in r.stdout, f"{script}: {r.stderr[-2000:]}"
+
+
+@pytest.mark.parametrize("name", ["cuda", "auto", "cuda:1"])
+def test_a_cuda_device_is_resolved_with_its_index(monkeypatch, name):
+    """torch.cuda.set_device refuses a bare "cuda" (the executor makes the engine's device the
+    current one before anything else on CUDA): every engine on a GPU failed at start-up."""
+    import torch
+    from torch.cuda._utils import _get_device_index
+
+    from engine.executor import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    device = resolve_device(name)
+    assert device.type == "cuda" and _get_device_index(device) == (1 if name == "cuda:1" else 0)
