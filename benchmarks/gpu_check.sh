@@ -78,8 +78,11 @@ export KVSERVE_TEST_TOKENIZER_DIR="$MODEL"  # the tiny test models take their to
 for s in $STAGES; do
   case $s in
     tests)
+      # -v: a line per test as it ends, so a stage cut off at the deadline still says how far it got;
+      # exactness on the GPU first, then the kernels against their references
       left=$((DEADLINE - (SECONDS - START)))
-      stage tests $((left > 60 ? left : 60)) $PY -m pytest -q -p no:cacheprovider --durations=10 \
+      per_test=$($PY -c "import pytest_timeout" 2> /dev/null && echo "--timeout=120")
+      stage tests $((left > 60 ? left : 60)) $PY -m pytest -v -rfE -p no:cacheprovider --durations=10 $per_test \
         tests/test_engine_cuda.py tests/test_triton_attention.py tests/test_triton_norm.py tests/test_triton_runner.py ;;
     steps)
       stage step_times 110 $PY benchmarks/step_times.py --model "$MODEL" --batches 1,64,256 \

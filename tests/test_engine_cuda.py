@@ -1,6 +1,9 @@
 """The engine on a CUDA GPU: greedy output token-exact against HF transformers `generate` on the
 same GPU, weights and dtype, under the scheduling paths of test_engine_exact, with the Triton
-attention backend, both with CUDA graphs for decode steps and with enforce_eager. Skipped where
+attention backend, both with CUDA graphs for decode steps and with enforce_eager; in bfloat16,
+a departure where HF's two best logits nearly tie passes (tests/tiny_llama.py's tie_breaks: two
+bfloat16 implementations round differently, and HF bfloat16 already departs from HF float32 on
+these models). Skipped where
 there is no GPU (CI has none); run by hand on a GPU node (benchmarks/gpu_check.sh). The tiny models
 take their tokenizer from $KVSERVE_TEST_TOKENIZER_DIR when set (a GPU node without the embedded
 model's package), else from the embedded SmolLM2."""
@@ -14,7 +17,7 @@ import torch
 
 from engine import LLM
 from tests.test_engine_exact import GREEDY, MAX_NEW, _assert_clean, _prompts, _run_staggered, _tokens
-from tests.tiny_llama import hf_greedy, make_tiny_llama
+from tests.tiny_llama import hf_greedy, make_tiny_llama, tie_breaks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -44,6 +47,14 @@ def _llm(case, **kw) -> LLM:
     return LLM(model=str(d), device="cuda", dtype=dtype, **kw)
 
 
+def _assert_greedy(case, got: list[list[int]]) -> None:
+    d, dtype, prompts, expected = case
+    if dtype == "float32":
+        assert got == expected
+    else:
+        assert tie_breaks(d, prompts, got, expected, device="cuda", dtype=DTYPES[dtype]) == []
+
+
 def _assert_backend(llm: LLM, enforce_eager: bool) -> None:
     from engine.triton_runner import TritonModelRunner
 
@@ -66,17 +77,15 @@ def _assert_backend(llm: LLM, enforce_eager: bool) -> None:
 def test_exact_on_cuda(case, engine_kwargs, enforce_eager):
     llm = _llm(case, enforce_eager=enforce_eager, **engine_kwargs)
     assert next(llm.engine.executor.model.parameters()).is_cuda
-    _, _, prompts, expected = case
-    assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    _assert_greedy(case, _tokens(llm.generate(case[2], GREEDY)))
     _assert_backend(llm, enforce_eager)
     _assert_clean(llm)
 
 
 def test_exact_on_cuda_staggered_and_prefix_hits(case, enforce_eager):
     llm = _llm(case, num_gpu_blocks_override=128, enforce_eager=enforce_eager)
-    _, _, prompts, expected = case
-    assert _run_staggered(llm, prompts, steps_between=3) == expected
-    assert _tokens(llm.generate(prompts, GREEDY)) == expected  # second pass: prefix-cache hits
+    _assert_greedy(case, _run_staggered(llm, case[2], steps_between=3))
+    _assert_greedy(case, _tokens(llm.generate(case[2], GREEDY)))  # second pass: prefix-cache hits
     assert llm.engine.stats().prefix_hit_tokens > 0
     _assert_backend(llm, enforce_eager)
     _assert_clean(llm)
@@ -89,9 +98,8 @@ def test_kv_pool_sized_after_measuring_steps_and_graphs(case):
     # About 1 GiB beyond what is in use now: a share of a whole H200 would be millions of tiny blocks.
     utilization = min(1.0, (total - free + (1 << 30)) / total)
     llm = _llm(case, gpu_memory_utilization=utilization, max_num_seqs=16)
-    _, _, prompts, expected = case
     assert llm.engine.stats().num_total_blocks > 1000
-    assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    _assert_greedy(case, _tokens(llm.generate(case[2], GREEDY)))
     _assert_clean(llm)
 
 

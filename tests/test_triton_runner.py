@@ -11,6 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.kv_cache import allocate_kv_cache
+from engine.model.loader import build_model
 from engine.model_runner import ModelRunner, RunnerOutput
 from tests.test_engine_exact import _assert_clean, _prompts
 from tests.tiny_llama import make_tiny_llama
@@ -57,16 +58,12 @@ def _twin_llm(model_dir, device, **kw) -> tuple[LLM, Twin]:
     ref = ex.runner
     k = ref.kv_caches[0][0]
     kv = allocate_kv_cache(len(ref.kv_caches), k.shape[0], k.shape[1], k.shape[2], k.shape[3], k.dtype, device)
-    model = ex.model if device.type == "cpu" else _copy_to(ex.model, device)
+    # On a GPU the same checkpoint loaded there (a copy of the CPU model would carry its oneDNN-packed weights)
+    model = ex.model if device.type == "cpu" else build_model(model_dir, torch.float32, device)
     other = TritonModelRunner(model, kv, config.block_size, device, config.max_num_seqs,
                               config.max_num_batched_tokens, ex.info.max_position_embeddings)
     ex.runner = Twin(ref, other)
     return llm, ex.runner
-
-
-def _copy_to(model, device):
-    import copy
-    return copy.deepcopy(model).to(device)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -66,3 +66,35 @@ def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: i
                                do_sample=False, pad_token_id=0)
         outs.append(y[0, len(ids):].tolist())
     return outs
+
+
+def tie_breaks(model_dir: str | Path, prompts: list[list[int]], got: list[list[int]], expected: list[list[int]],
+               device: str = "cpu", dtype: torch.dtype = torch.float32, max_gap: float = 0.02) -> list[str]:
+    """Why `got` is not HF's greedy `expected` beyond ties the dtype cannot resolve: one line per
+    sequence that differs other than at a near-tie (empty: they agree). Two bfloat16
+    implementations (HF's kernels, the engine's) round differently, so where HF's two best logits
+    lie within `max_gap` of the best's magnitude either may come first; from there the sequences
+    go apart, and only the prefix before it is compared. vLLM's bfloat16 tests accept the same
+    (its check_logprobs_close)."""
+    from transformers import AutoModelForCausalLM
+
+    model = None
+    problems = []
+    for i, (prompt, g, e) in enumerate(zip(prompts, got, expected)):
+        k = next((j for j, (a, b) in enumerate(zip(g, e)) if a != b), None)
+        if k is None:
+            if len(g) != len(e):
+                problems.append(f"sequence {i}: {len(g)} tokens, HF {len(e)}")
+            continue
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=dtype).to(device).eval()
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + e[:k]], device=device)).logits[0, -1].float()
+        (top, second), (best, runner_up) = logits.topk(2).values.tolist(), logits.topk(2).indices.tolist()
+        gap = (top - second) / max(abs(top), 1e-6)
+        if g[k] != runner_up:
+            problems.append(f"sequence {i}, token {k}: {g[k]}, not one of HF's two best ({best}, {runner_up})")
+        elif gap > max_gap:
+            problems.append(f"sequence {i}, token {k}: {g[k]} where HF has {best}, {gap:.1e} apart (relative to the "
+                            f"best), more than {max_gap}")
+    return problems
