@@ -3,7 +3,7 @@
     GET  /health                liveness (no key needed)
     GET  /openapi.json, /docs   the API's OpenAPI document and its browsable page (no key needed)
     GET  /ready                 200 only when every engine replica has loaded (no key needed)
-    GET  /v1/models
+    GET  /v1/models, /v1/models/{model}
     POST /v1/completions        stream: true -> SSE ending in `data: [DONE]`
     POST /v1/chat/completions
     POST /tokenize, /detokenize
@@ -199,6 +199,10 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     @api.get("/v1/models")
     async def models():
         return await serving.models()
+
+    @api.get("/v1/models/{model:path}")  # a served name may hold slashes (org/name)
+    async def model(model: str):
+        return await serving.model(model)
 
     @api.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request):

@@ -104,10 +104,14 @@ class OpenAIServing:
 
     # -- endpoints -------------------------------------------------------------------------------
     async def models(self) -> dict:
+        return {"object": "list", "data": [await self.model(self.settings.served_model_name)]}
+
+    async def model(self, name: str) -> dict:
+        """OpenAI's model object (`client.models.retrieve`); 404 for a name not served here."""
+        self.check_model(name)
         info = await self.limits()
-        card = {"id": self.settings.served_model_name, "object": "model", "created": 0, "owned_by": "kvserve",
+        return {"id": name, "object": "model", "created": 0, "owned_by": "kvserve",
                 "max_model_len": info["max_model_len"]}
-        return {"object": "list", "data": [card]}
 
     async def tokenize(self, req: TokenizeRequest) -> dict:
         self.check_model(req.model)

@@ -171,6 +171,9 @@ def test_penalties_and_vllm_extras_are_accepted(client):
 def test_models(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
 
 
 def test_tokenize_detokenize(http, oracle):

@@ -364,3 +364,11 @@ def test_a_draining_app_refuses_new_requests_but_stays_alive(tokenizer):
     assert before.status_code == 200 and after.status_code == 503
     assert after.headers["Retry-After"] == "2" and after.json()["error"]["code"] == "unavailable"
     assert ready.status_code == 503 and health.status_code == 200
+
+
+def test_a_model_is_retrieved_by_its_name_and_another_is_a_404(tokenizer):
+    r = call(tokenizer, "GET", "/v1/models/m")
+    assert r.status_code == 200 and r.json()["id"] == "m" and r.json()["object"] == "model"
+    assert r.json() == call(tokenizer, "GET", "/v1/models").json()["data"][0]
+    r = call(tokenizer, "GET", "/v1/models/org/other")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
