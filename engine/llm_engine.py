@@ -1,6 +1,7 @@
 """The synchronous engine core: add requests, step, abort. No threads, no Ray, no HTTP."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -17,6 +18,7 @@ from engine.sequence import Sequence
 from engine.snapshot import DEFAULT_PREFIX_LIMIT, snapshot
 from engine.structured.compiler import CompiledGrammar, GrammarCompiler
 from engine.structured.matchers import STOP, GrammarMatchers
+from engine.token_bans import bad_words_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,8 @@ class LLMEngine:
             raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be in [0, {vocab})")
         if params.logit_bias and any(t >= vocab for t in params.logit_bias):
             raise InvalidRequestError("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
+        if params.allowed_token_ids and any(t >= vocab for t in params.allowed_token_ids):
+            raise InvalidRequestError("allowed_token_ids", f"allowed_token_ids must be in [0, {vocab})")
         if n >= self.max_model_len:
             raise InvalidRequestError("prompt", f"prompt has {n} tokens; max_model_len is {self.max_model_len} "
                                       "(the prompt must leave room for at least one generated token)",
@@ -85,6 +89,9 @@ class LLMEngine:
         max_tokens = self.validate(ids, params)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.structured.compiler.compile(params.structured_outputs)
+        if params.bad_words and params.bad_words_token_ids is None:
+            words = bad_words_token_ids(self.tokenizer, params.bad_words)
+            params = dataclasses.replace(params, bad_words_token_ids=words)
         req = Request(request_id, text, ids, params, max_tokens, self.tokenizer)
         self.requests[request_id] = req
         if grammar is not None:

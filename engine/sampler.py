@@ -2,7 +2,7 @@
 
 Order per step (vLLM v1 style):
     raw logits -> logprobs (of the raw logits)
-               -> logit_bias, penalties, min_tokens mask   (all rows)
+               -> logit_bias, banned tokens, penalties, min_tokens mask   (all rows)
                -> greedy rows: argmax
                -> random rows: / temperature -> top_k -> top_p -> min_p -> draw
 Random draws use the exponential race, argmax(probs / q) with q ~ Exp(1), which samples from
@@ -24,6 +24,8 @@ import torch
 from engine.device_copy import to_device
 from engine.sampling_params import SamplingParams
 from engine.structured.bitmask import GrammarMask, apply_grammar_mask
+from engine.token_bans import apply_token_bans
+from engine.token_bans import reads_output as bans_read_output
 
 
 @dataclass
@@ -219,7 +221,8 @@ class Sampler:
         """logits: (B, V), one row per entry of `rows`; not modified. On a GPU the host waits for
         the device once, in the one copy that brings the results back."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
-        processed = apply_min_tokens(apply_penalties(apply_logit_bias(logits, rows), rows), rows)
+        processed = apply_min_tokens(apply_penalties(apply_token_bans(apply_logit_bias(logits, rows), rows), rows),
+                                     rows)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         redraw = None
         if len(greedy) == len(rows):
@@ -304,9 +307,9 @@ def reads_prompt(params: SamplingParams) -> bool:
 
 
 def reads_output(params: SamplingParams) -> bool:
-    """Only penalties and min_tokens read a row's output tokens; other rows may leave them out
-    (a copy of a long output per row per step otherwise)."""
-    return params.min_tokens > 0 or _has_penalties(params)
+    """Only penalties, min_tokens and bad words of several tokens read a row's output tokens; other
+    rows may leave them out (a copy of a long output per row per step otherwise)."""
+    return params.min_tokens > 0 or _has_penalties(params) or bans_read_output(params)
 
 
 class SequenceSampler:

@@ -9,6 +9,7 @@ from engine.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias
+MAX_BAD_WORDS = 100  # entries in one request's bad_words (each is checked per step)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -39,6 +40,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # top logprobs per prompt token (from the prefill); 0 = only its own
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] | None = None  # words the output may not complete (engine.token_bans)
+    bad_words_token_ids: list[list[int]] | None = None  # bad_words as token ids: the engine fills it
     output_kind: RequestOutputKind = RequestOutputKind.DELTA  # FINAL_ONLY: a caller that does not stream
 
     def __post_init__(self) -> None:
@@ -50,6 +54,8 @@ class SamplingParams:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        self.allowed_token_ids = None if self.allowed_token_ids is None else list(self.allowed_token_ids)
+        self.bad_words = list(self.bad_words) if self.bad_words else None
         self._validate()
 
     def _validate(self) -> None:
@@ -83,6 +89,11 @@ class SamplingParams:
                                       f"got {len(bias)}")
         need(all(isinstance(t, int) and t >= 0 for t in bias), "logit_bias", "keyed by non-negative token ids")
         need(all(-100 <= b <= 100 for b in bias.values()), "logit_bias", "biases in [-100, 100]")
+        need(self.allowed_token_ids is None or (self.allowed_token_ids and all(
+            isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)), "allowed_token_ids",
+             "a non-empty list of token ids")
+        need(len(self.bad_words or ()) <= MAX_BAD_WORDS, "bad_words", f"at most {MAX_BAD_WORDS} words")
+        need(all(isinstance(w, str) and w.strip() for w in self.bad_words or ()), "bad_words", "non-blank strings")
 
     @property
     def greedy(self) -> bool:

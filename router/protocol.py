@@ -65,10 +65,9 @@ class _SamplingFields(_Model):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # which compiler: this server has one, so it is ignored
     guided_whitespace_pattern: str | None = None
-    # vLLM's sampling extras this server does not implement: a 400 when set, not a reply without them
-    use_beam_search: bool = False
-    bad_words: list[str] | None = None
-    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None  # vLLM extra: words the output may not complete
+    allowed_token_ids: list[TokenId] | None = None  # vLLM extra: the only tokens that may be sampled
+    use_beam_search: bool = False  # vLLM extra this server does not implement: a 400 when true
     _structured_param: str = PrivateAttr("structured_outputs")  # the field structured_outputs came from
 
     @model_validator(mode="after")
@@ -79,7 +78,7 @@ class _SamplingFields(_Model):
             _check_logit_bias(self.logit_bias)
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens must be positive, or -1 for the model's max_model_len")
-        _refuse(self, "use_beam_search", "bad_words", "allowed_token_ids", "guided_whitespace_pattern")
+        _refuse(self, "use_beam_search", "guided_whitespace_pattern")
         self._fold_guided()
         if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:
             raise ValueError("response_format cannot be combined with structured_outputs: give one of them")
@@ -125,6 +124,7 @@ class _SamplingFields(_Model):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=prompt_logprobs,
             logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             # a reply sent whole needs no output per token from the engine (nor one per token over Ray)
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 

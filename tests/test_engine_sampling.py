@@ -214,3 +214,28 @@ def test_streamed_deltas_join_to_text(smol):
     text = smol.generate(prompt, params)[0].outputs[0].text
     assert "".join(smol.stream(prompt, params)) == text
     assert smol.engine.block_manager.num_free_blocks == smol.engine.block_manager.num_blocks
+
+
+def test_allowed_token_ids_and_bad_words_hold_through_the_engine(smol):
+    """vLLM's two bans, on the real model, greedy and sampled: every token allowed, and the banned
+    word never completed where the unbanned run writes it."""
+    from engine.errors import InvalidRequestError
+    from engine.token_bans import bad_words_token_ids
+
+    prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    free = smol.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    assert "Paris" in free.text
+    banned = bad_words_token_ids(smol.engine.tokenizer, ["Paris"])
+    for p in (SamplingParams(temperature=0, max_tokens=12, bad_words=["Paris"]),
+              SamplingParams(temperature=1.0, seed=1, n=3, max_tokens=12, bad_words=["Paris"])):
+        for out in smol.generate([prompt], p)[0].outputs:
+            ids = out.token_ids
+            assert not any(ids[i:i + len(w)] == w for w in banned for i in range(len(ids))), out.text
+    allowed = sorted(set(free.token_ids))[:3] + [2]  # three of its tokens and eos
+    for p in (SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=allowed),
+              SamplingParams(temperature=1.0, seed=2, n=2, max_tokens=8, allowed_token_ids=allowed)):
+        for out in smol.generate([prompt], p)[0].outputs:
+            assert set(out.token_ids) <= set(allowed), out.token_ids
+    with pytest.raises(InvalidRequestError) as e:
+        smol.generate([prompt], SamplingParams(allowed_token_ids=[10 ** 6]))
+    assert e.value.param == "allowed_token_ids"

@@ -322,7 +322,8 @@ def mixed_rows(device="cpu"):
             row(temperature=0.9, min_p=0.2), row(temperature=1.0, top_p=0.8, seed=3, device=device),
             row(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2,
                 logit_bias={7: 3.0}, min_tokens=4, prompt=[5, 7], output=[7, 9]),
-            row(temperature=0.0, logprobs=3), row(temperature=0.5, top_k=3, top_p=0.5, logprobs=0)]
+            row(temperature=0.0, logprobs=3), row(temperature=0.5, top_k=3, top_p=0.5, logprobs=0),
+            row(temperature=0.8, allowed_token_ids=[4, 8, 15, 16], bad_words_token_ids=[[15], [3, 16]], output=[3])]
 
 
 def test_sampling_reads_nothing_back_before_its_one_copy():
@@ -389,3 +390,51 @@ def test_sequence_sampler_drops_a_generator_with_its_sequence():
     del seqs[1:]
     gc.collect()
     assert len(sampler._generators) == 1
+
+
+# ---- allowed_token_ids, bad_words (engine.token_bans) -------------------------------------------
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.7, seed=4),
+                                    dict(temperature=1.2, top_p=0.5, logprobs=2)])
+def test_only_allowed_tokens_are_sampled(params):
+    allowed = [3, 17, 40, 41]
+    logits = random_logits(6, 100, seed=5)
+    rows = [row(allowed_token_ids=allowed, **params) for _ in range(3)] + [row(**params) for _ in range(3)]
+    for _ in range(20):
+        results = Sampler(2).sample(logits, rows)
+        assert all(r.token_id in allowed for r in results[:3])
+    if params["temperature"] == 0:
+        assert [r.token_id for r in results[:3]] == [allowed[int(logits[i, allowed].argmax())] for i in range(3)]
+        assert [r.token_id for r in results[3:]] == logits[3:].argmax(dim=-1).tolist()  # other rows untouched
+
+
+def test_a_bad_word_is_banned_only_where_it_would_be_completed():
+    logits = torch.zeros(4, 50)
+    logits[:, 7] = 5.0  # everyone's first choice
+    logits[:, 8] = 4.0  # and second
+    words = [[5, 6, 7]]
+    rows = [row(temperature=0, bad_words_token_ids=words, output=[1, 5, 6]),  # 7 would complete it: banned
+            row(temperature=0, bad_words_token_ids=words, output=[5, 6, 1]),  # not at its end: free
+            row(temperature=0, bad_words_token_ids=words, output=[6]),  # too short: free
+            row(temperature=0, bad_words_token_ids=[[7]])]  # a one-token word: always banned
+    assert [r.token_id for r in Sampler(0).sample(logits, rows)] == [8, 7, 7, 8]
+
+
+def test_banned_tokens_leave_the_logprobs_raw():
+    logits = random_logits(1, 30, seed=2)
+    banned = int(logits[0].argmax())
+    (result,) = Sampler(0).sample(logits, [row(temperature=0, logprobs=1, bad_words_token_ids=[[banned]])])
+    assert result.token_id != banned and result.top_logprobs[0][0] == banned
+
+
+def test_bad_words_are_tokenized_alone_and_after_a_space(smollm2_path):
+    from transformers import AutoTokenizer
+
+    from engine.token_bans import bad_words_token_ids
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    seqs = bad_words_token_ids(tok, ["Paris", " Paris", "Ile de France"])
+    for text in ("Paris", " Paris", " Ile de France"):
+        assert tok.encode(text, add_special_tokens=False) in seqs
+    assert len(seqs) == len({tuple(s) for s in seqs}) == 4  # " Paris" is "Paris" again

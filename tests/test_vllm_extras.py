@@ -1,7 +1,7 @@
 """Request fields beyond OpenAI's that vLLM users send, at the HTTP edge over a scripted engine:
 each is either honoured (vLLM's pre-0.12 `guided_*` fields, `continue_final_message`,
-`chat_template_kwargs`, `truncate_prompt_tokens`) or refused with a 400 naming it, never
-ignored in a reply that looks fine without it."""
+`chat_template_kwargs`, `truncate_prompt_tokens`, `allowed_token_ids`, `bad_words`) or refused
+with a 400 naming it, never ignored in a reply that looks fine without it."""
 from __future__ import annotations
 
 import copy
@@ -61,8 +61,7 @@ def test_a_guided_field_constrains_as_structured_outputs_does(tokenizer, endpoin
     ({"guided_regex": "(("}, "guided_regex", "invalid regex"),
     ({"guided_whitespace_pattern": r"\s*", "guided_json": SCHEMA}, "guided_whitespace_pattern", "not supported"),
     ({"use_beam_search": True}, "use_beam_search", "not supported"),
-    ({"bad_words": ["sky"]}, "bad_words", "not supported"),
-    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids", "not supported"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "non-empty list"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be positive"),
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions", "send tools"),
     ({"function_call": {"name": "f"}}, "function_call", "send tools"),
@@ -207,3 +206,9 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(tokenizer, e
     plain = stream(include_usage=True)
     assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage == usages[-1]
     assert all(c.usage is None for c in stream(continuous_usage_stats=True))  # needs include_usage, as vLLM
+
+
+@pytest.mark.parametrize("endpoint", [chat, lambda **kw: completion(prompt="Is the sky blue?", **kw)])
+def test_allowed_token_ids_and_bad_words_reach_the_engine(tokenizer, endpoint):
+    _, params = sent(tokenizer, endpoint(extra_body={"allowed_token_ids": [5, 9], "bad_words": ["sky", "blue"]}))
+    assert params.allowed_token_ids == [5, 9] and params.bad_words == ["sky", "blue"]
