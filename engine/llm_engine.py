@@ -90,7 +90,8 @@ class LLMEngine:
         if params.structured_outputs is not None and grammar is None:
             grammar = self.structured.compiler.compile(params.structured_outputs)
         if params.bad_words and params.bad_words_token_ids is None:
-            words = bad_words_token_ids(self.tokenizer, params.bad_words)
+            vocab = self.executor.info.vocab_size  # a word the model cannot write needs no ban
+            words = [w for w in bad_words_token_ids(self.tokenizer, params.bad_words) if max(w) < vocab]
             params = dataclasses.replace(params, bad_words_token_ids=words)
         req = Request(request_id, text, ids, params, max_tokens, self.tokenizer)
         self.requests[request_id] = req

@@ -187,6 +187,9 @@ SAMPLED = [  # seeds, forks, penalties, filters, min_tokens against eos, stop id
     SamplingParams(temperature=1.0, max_tokens=MAX_NEW, stop_token_ids=[100, 200, 300], ignore_eos=True),
     SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=MAX_NEW, ignore_eos=True),
     SamplingParams(n=2, temperature=0.7, top_k=5, max_tokens=MAX_NEW, ignore_eos=True),
+    SamplingParams(temperature=1.0, seed=9, max_tokens=MAX_NEW, ignore_eos=True, bad_words=["a", "the", "xyz"]),
+    SamplingParams(n=2, temperature=0.8, seed=4, max_tokens=MAX_NEW, ignore_eos=True,
+                   allowed_token_ids=list(range(3, 60))),
 ]
 
 
@@ -196,9 +199,10 @@ def _samples(outs) -> list[list[tuple]]:
 
 def test_tp2_sampling_on_the_sampling_rank_matches_tp1(tp2):
     """Rank 0 samples: the same tokens as tp=1 for seeded and unseeded rows, forks, penalties,
-    min_tokens and stop ids, through chunked prefill and preemption; logprobs as asked."""
+    min_tokens, stop ids, bad words and allowed tokens, through chunked prefill and preemption;
+    logprobs as asked."""
     d, llm, prompts, _, _ = tp2
-    prompts = prompts[:len(SAMPLED)]
+    prompts = (prompts * 2)[:len(SAMPLED)]
     want = LLM(model=str(d), **ENGINE).generate(prompts, SAMPLED)
     got = llm.generate(prompts, SAMPLED)
     assert _samples(got) == _samples(want)
@@ -209,6 +213,7 @@ def test_tp2_sampling_on_the_sampling_rank_matches_tp1(tp2):
             for ge, we in zip(gc.logprobs or [], wc.logprobs or []):
                 assert ge.keys() == we.keys() and ge == pytest.approx(we, abs=1e-4)
     assert [len(e) for e in got[2].outputs[0].logprobs] == [len(e) for e in want[2].outputs[0].logprobs]
+    assert all(3 <= t < 60 for c in got[8].outputs for t in c.token_ids)
     _assert_clean(llm)
     # the next step's message drops the records of every sequence that finished
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
