@@ -1,7 +1,7 @@
 """benchmarks/gpu_check.sh runs on a GPU host that reaches no package index and whose image lacks
 some of kvserve's dependencies (the device's KINDS.md lists what it has: torch, transformers,
-triton, pytest, hypothesis, safetensors, tokenizers, numpy, tqdm; llguidance travels as a wheel,
-`make gpu-carry`). GPU time comes in short windows, so an import that fails there loses one.
+triton, pytest, hypothesis, safetensors, tokenizers, numpy, tqdm; llguidance, which the engine
+imports only for a constrained request, can travel as a wheel, `make gpu-carry`). GPU time comes in short windows, so an import that fails there loses one.
 This runs, in a fresh interpreter where the dependencies the image lacks cannot be imported (a
 meta-path finder refuses them, as an absent module is refused), what the script runs first: the
 engine's imports, collection of its test stage, and its benchmark scripts' start-up; and, with
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # kvserve's dependencies (pyproject.toml, with the test extras the script does not run) that the
 # GPU image does not have.
 ABSENT_ON_GPU_HOST = ("ray", "pydantic", "pydantic_core", "fastapi", "starlette", "uvicorn", "gguf", "openai",
-                      "jsonschema", "schemathesis", "lm_eval")
+                      "jsonschema", "schemathesis", "lm_eval", "llguidance")
 
 # What the script runs, read from it so this follows the script: its test stage's files and its
 # Python scripts.
@@ -94,3 +94,16 @@ def test_a_cuda_device_is_resolved_with_its_index(monkeypatch, name):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     device = resolve_device(name)
     assert device.type == "cuda" and _get_device_index(device) == (1 if name == "cuda:1" else 0)
+
+
+def test_the_engine_generates_without_them(tmp_path, smollm2_path):
+    """The stages that build an LLM (step_times, offline, the CUDA tests) run where llguidance is
+    absent: nothing imports it before a request asks for a grammar."""
+    from tests.tiny_llama import make_tiny_llama
+
+    d = make_tiny_llama(tmp_path / "tiny", smollm2_path, "gqa")
+    r = _run("from engine import LLM, SamplingParams\n"
+             f"out = LLM(model={str(d)!r}, num_gpu_blocks_override=32).generate([[5, 6, 7]], "
+             "SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))\n"
+             "print(len(out[0].outputs[0].token_ids))")
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "4", r.stderr[-2000:]

@@ -6,8 +6,8 @@
                                  (LLMatcher; up to ~1 s for a huge grammar, GIL released)
     CompiledGrammar.matcher()  a fresh matcher per sequence (a deep copy: microseconds)
 
-The llguidance tokenizer (~1 s to build) is made on the first constrained request, so engines
-that never see one never pay for it. A compile that fails is cached too, so a bad schema sent
+llguidance itself is imported on the first grammar, and its tokenizer (~1 s to build) made on the
+first constrained request, so engines that never see one never pay for it (nor need it installed). A compile that fails is cached too, so a bad schema sent
 again is refused at once.
 """
 from __future__ import annotations
@@ -17,12 +17,14 @@ import concurrent.futures
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-
-import llguidance
-from llguidance import LLMatcher
+from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
 from engine.structured.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import llguidance
+    from llguidance import LLMatcher
 
 # One token-per-separator JSON, as models write it, and no free whitespace: a model allowed any
 # whitespace between tokens can fill max_tokens with newlines (a schema's own x-guidance wins).
@@ -32,6 +34,9 @@ PARAM = "structured_outputs"
 
 def to_grammar(params: StructuredOutputsParams) -> str:
     """The llguidance grammar for `params`; InvalidRequestError when its text is not even parseable."""
+    import llguidance
+    from llguidance import LLMatcher
+
     try:
         if params.json is not None or params.json_object:
             schema = params.json if params.json is not None else '{"type": "object"}'
@@ -49,6 +54,8 @@ def to_grammar(params: StructuredOutputsParams) -> str:
 def check(params: StructuredOutputsParams) -> str | None:
     """Why llguidance cannot compile `params` (unsupported schema keywords, bad regex or grammar
     syntax), or None; without a tokenizer, so cheap enough for the HTTP edge."""
+    from llguidance import LLMatcher
+
     try:
         error = LLMatcher.validate_grammar(to_grammar(params))
     except InvalidRequestError as e:
@@ -118,6 +125,8 @@ class GrammarCompiler:
             grammar = to_grammar(params)
         except InvalidRequestError as e:
             return CompiledGrammar(None, e.message)
+        from llguidance import LLMatcher
+
         matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             return CompiledGrammar(None, f"the {params.kind} cannot be compiled: {matcher.get_error()}")

@@ -12,11 +12,15 @@ first token is consumed: the parent's mask row is theirs too.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from llguidance import LLExecutor, LLMatcher
 
 from engine.structured.bitmask import GrammarMask
 from engine.structured.compiler import CompiledGrammar, GrammarCompiler
+
+if TYPE_CHECKING:
+    from llguidance import LLExecutor, LLMatcher
 
 STOP = "stop"
 
@@ -75,5 +79,7 @@ class GrammarMatchers:
 
     def _parallel(self) -> LLExecutor:
         if self._executor is None:
+            from llguidance import LLExecutor
+
             self._executor = LLExecutor()
         return self._executor
