@@ -33,9 +33,12 @@ def reads_output(params) -> bool:
 
 def apply_token_bans(logits: torch.Tensor, rows: list) -> torch.Tensor:
     """(B, V) logits with each row's banned tokens at -inf; `logits` itself when no row bans any."""
-    allowed = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids]
-    banned = [(i, word[-1]) for i, r in enumerate(rows) for word in r.params.bad_words_token_ids or ()
-              if _completes(r.output_token_ids, word[:-1])]
+    banning = [i for i, r in enumerate(rows) if r.params.allowed_token_ids or r.params.bad_words_token_ids]
+    if not banning:  # the common case, in one pass (this runs every step)
+        return logits
+    allowed = [(i, rows[i].params.allowed_token_ids) for i in banning if rows[i].params.allowed_token_ids]
+    banned = [(i, word[-1]) for i in banning for word in rows[i].params.bad_words_token_ids or ()
+              if _completes(rows[i].output_token_ids, word[:-1])]
     if not allowed and not banned:
         return logits
     out = logits.clone()
