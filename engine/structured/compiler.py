@@ -7,8 +7,8 @@
     CompiledGrammar.matcher()  a fresh matcher per sequence (a deep copy: microseconds)
 
 llguidance itself is imported on the first grammar, and its tokenizer (~1 s to build) made on the
-first constrained request, so engines that never see one never pay for it (nor need it installed). A compile that fails is cached too, so a bad schema sent
-again is refused at once.
+first constrained request, so engines that never see one never pay for it (nor need it
+installed). A compile that fails is cached too, so a bad schema sent again is refused at once.
 """
 from __future__ import annotations
 
