@@ -1,10 +1,11 @@
 """benchmarks/gpu_check.sh runs on a GPU host that reaches no package index and whose image lacks
 some of kvserve's dependencies (the device's KINDS.md lists what it has: torch, transformers,
 triton, pytest, hypothesis, safetensors, tokenizers, numpy, tqdm; llguidance, which the engine
-imports only for a constrained request, can travel as a wheel, `make gpu-carry`). GPU time comes in short windows, so an import that fails there loses one.
-This runs, in a fresh interpreter where the dependencies the image lacks cannot be imported (a
-meta-path finder refuses them, as an absent module is refused), what the script runs first: the
-engine's imports, collection of its test stage, and its benchmark scripts' start-up; and, with
+imports only for a constrained request, can travel as a wheel, `make gpu-carry`). GPU time comes
+in short windows, so an import that fails there loses one. This runs, in a fresh interpreter where
+the dependencies the image lacks cannot be imported (a meta-path finder refuses them, as an
+absent module is refused), what the script runs first: the engine's imports and an engine's
+first requests, collection of its test stage, and its benchmark scripts' start-up; and, with
 torch told it has a GPU, what the engine does with a device name before its first CUDA call."""
 from __future__ import annotations
 
