@@ -229,7 +229,8 @@ def engine_bundles(tensor_parallel_size: int, use_gpu: bool) -> list[dict[str, f
 
 
 def use_gpu(engine: EngineConfig) -> bool:
-    return engine.device == "cuda" or (engine.device == "auto" and _cluster_has_gpus())
+    """Whether the ranks' bundles hold GPUs (the replica's worker group reads the decision there)."""
+    return engine.device.startswith("cuda") or (engine.device == "auto" and _cluster_has_gpus())
 
 
 def _cluster_has_gpus() -> bool:

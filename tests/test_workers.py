@@ -467,3 +467,31 @@ def test_startup_failures_are_clear_and_release_everything(ray_cluster, tiny_dir
         WorkerGroupExecutor(config, WorkerGroupConfig(join_timeout_s=3), worker_cls=cls())
     assert time.monotonic() - t0 < 40
     assert live_groups() == before
+
+
+@pytest.mark.parametrize("ray_ids, visible, index", [
+    ([], None, 0),  # no GPU assigned (CPU ranks)
+    (["3"], "3", 0),  # Ray narrowed CUDA_VISIBLE_DEVICES to this rank's GPU: torch's cuda:0
+    ([3], "0,1,2,3", 3),  # several visible: the assigned one's position
+    (["3"], None, 3),  # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES: every GPU visible, by Ray's id
+    (["5"], "GPU-0a1b2c", 0),  # ids Ray does not list (UUIDs): the first visible
+])
+def test_each_rank_finds_its_own_gpu(ray_ids, visible, index):
+    from workers.rank import local_gpu_index
+
+    assert local_gpu_index(ray_ids, visible) == index
+
+
+def test_a_replicas_bundles_decide_whether_its_ranks_use_gpus():
+    """A Serve deployment reserved the ranks' bundles when it was built; its ranks ask for what
+    those hold, whatever the cluster shows when the replica starts (GPU nodes scaled to zero then)."""
+    from cluster.app import engine_bundles, use_gpu
+    from engine.config import EngineConfig
+    from workers.group import WorkerGroupConfig, _wants_gpu
+
+    for device in ("auto", "cuda"):
+        config = EngineConfig(device=device, tensor_parallel_size=2)
+        assert _wants_gpu(config, WorkerGroupConfig(), 2, engine_bundles(2, use_gpu=True))
+        assert not _wants_gpu(config, WorkerGroupConfig(), 2, engine_bundles(2, use_gpu=False))
+    assert use_gpu(EngineConfig(device="cuda:0")) and use_gpu(EngineConfig(device="cuda"))
+    assert not use_gpu(EngineConfig(device="cpu"))

@@ -68,9 +68,13 @@ class WorkerGroupError(RuntimeError):
     """The worker group failed (a rank died, raised or timed out); it cannot serve any more."""
 
 
-def _wants_gpu(config: EngineConfig, gc: WorkerGroupConfig, size: int) -> bool:
+def _wants_gpu(config: EngineConfig, gc: WorkerGroupConfig, size: int, reserved: list[dict] | None = None) -> bool:
+    """`reserved`: the bundles a Serve deployment placed this replica in (bundle 1 + r is rank
+    r's), which already decided: ranks that asked otherwise would not fit in them."""
     if gc.use_gpu is not None:
         return gc.use_gpu
+    if reserved is not None:
+        return reserved[1].get("GPU", 0) > 0
     gpus = ray.cluster_resources().get("GPU", 0)
     if config.device.startswith("cuda") and gpus < size:
         raise WorkerGroupError(f"tensor_parallel_size={size} on cuda needs {size} GPUs; the Ray cluster has {gpus:g}")
@@ -112,10 +116,11 @@ class WorkerGroup:
 
     # -- start-up ------------------------------------------------------------------------------
     def _start(self, model_dir: str, worker_cls: type) -> None:
-        gpu = _wants_gpu(self.config, self.gc, self.size)
-        self.device = "cuda:0" if gpu else "cpu"  # Ray shows each rank only its own GPU
+        replica_pg = self._replica_group()
+        gpu = _wants_gpu(self.config, self.gc, self.size, replica_pg and replica_pg.bundle_specs)
+        self.device = "cuda" if gpu else "cpu"  # each rank finds its own GPU's index (local_gpu_index)
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": self._cpus_per_rank()}
-        first = self._reserve(bundle)
+        first = self._reserve(bundle, replica_pg)
         actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(worker_cls)
         self.ranks = [actor.options(
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_task_retries=0,
@@ -135,12 +140,16 @@ class WorkerGroup:
         logger.info("worker group up: tp=%d (%s) on %s, %d KV blocks, %d bytes read from storage", self.size,
                     backend, self.device, self.num_blocks, sum(r["bytes_read"] for r in self.reports))
 
-    def _reserve(self, bundle: dict) -> int:
-        """-> index of rank 0's bundle. Inside a Serve replica whose deployment reserved
-        `placement_group_bundles` (bundle 0 for the replica, 1 + r for rank r), the ranks use that
-        group instead of reserving their resources a second time."""
+    def _replica_group(self):
+        """The placement group of a Serve replica whose deployment reserved
+        `placement_group_bundles` (bundle 0 for the replica, 1 + r for rank r), else None."""
         current = ray.util.get_current_placement_group()
-        if current is not None and len(current.bundle_specs) >= 1 + self.size:
+        return current if current is not None and len(current.bundle_specs) >= 1 + self.size else None
+
+    def _reserve(self, bundle: dict, current) -> int:
+        """-> index of rank 0's bundle. In a replica's group (`current`) the ranks use its
+        bundles instead of reserving their resources a second time."""
+        if current is not None:
             strategy = ray.util.placement_group_table(current).get("strategy")
             if strategy != "STRICT_PACK":  # ranks on two nodes would wait for each other on loopback
                 raise WorkerGroupError(f"the replica's placement group is {strategy}; tensor-parallel ranks "

@@ -45,12 +45,28 @@ def model_fingerprint(arch: ModelArch, dtype: torch.dtype) -> str:
     return f"{arch!r} dtype={dtype}"
 
 
+def local_gpu_index(ray_gpu_ids: list, visible: str | None) -> int:
+    """This actor's GPU as torch numbers it. Ray assigns each rank its GPU id and narrows
+    CUDA_VISIBLE_DEVICES to it, so that it is torch's cuda:0; under
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES it leaves the variable as it was, and cuda:0 would
+    be the same GPU for every rank (NCCL then refuses to start)."""
+    if not ray_gpu_ids:
+        return 0
+    gpu = str(ray_gpu_ids[0])
+    if visible is None:
+        return int(gpu)
+    shown = [d.strip() for d in visible.split(",")]
+    return shown.index(gpu) if gpu in shown else 0
+
+
 class RankWorker:
     def __init__(self, rank: int, world_size: int, config: EngineConfig, model_dir: str, device: str,
                  eos_token_ids: list[int]) -> None:
         self.rank, self.world_size = rank, world_size
         self.config = config
         self.model_dir = model_dir
+        if device == "cuda":  # which of the node's GPUs is this rank's: Ray knows
+            device = f"cuda:{local_gpu_index(ray.get_gpu_ids(), os.environ.get('CUDA_VISIBLE_DEVICES'))}"
         self.device = torch.device(device)
         self.store = None
         self.tp: TPContext | None = None
