@@ -36,7 +36,9 @@ def num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device, 
         budget = config.kv_cache_memory
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        used_by_others = total - free - torch.cuda.memory_allocated(device)
+        # What this process's allocator caches but does not use is free for the pool (a rank that
+        # loaded its shards through it holds GBs of such cache): only the rest is others'.
+        used_by_others = total - free - torch.cuda.memory_reserved(device)
         budget = int(total * config.gpu_memory_utilization) - used_by_others - torch.cuda.memory_allocated(device)
         budget -= step_bytes if step_bytes is not None else int(0.05 * total)  # activations, graphs
     else:

@@ -41,3 +41,20 @@ def test_an_untouched_mapping_is_not_resident():
     assert _resident_fraction(t) == 1.0
     del t
     m.close()
+
+
+def test_the_gpu_pool_takes_what_this_process_caches_but_does_not_use(monkeypatch):
+    """A rank that loaded its weight shards through torch's allocator holds GBs it no longer uses;
+    that memory is the pool's to take, not another process's. (torch.cuda's figures stubbed: 100
+    GiB device, 60 free, 30 reserved here of which 10 are allocated, so 10 are others'.)"""
+    from engine.config import EngineConfig
+    from engine.kv_cache import num_kv_blocks
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 100 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 10 * gib)
+    config = EngineConfig(gpu_memory_utilization=0.9)
+    # 90 GiB allowed - 10 others' - 10 allocated here - 5 kept back for a step (5% of the device)
+    assert num_kv_blocks(config, gib, torch.device("cuda", 0)) == 65
+    assert num_kv_blocks(config, gib, torch.device("cuda", 0), step_bytes=2 * gib) == 68
