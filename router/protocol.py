@@ -57,6 +57,7 @@ class _SamplingFields(_Model):
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None  # OpenAI's for chat; vLLM takes it in completions too
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the prompt's last k tokens; -1: max_model_len
+    return_tokens_as_token_ids: bool = False  # vLLM extra: logprobs name tokens "token_id:{id}", not their text
     # vLLM's structured-output fields before 0.12, which clients still send: folded into
     # structured_outputs, so that a constraint never falls away unnoticed (vLLM now ignores them)
     guided_json: dict[str, Any] | str | None = None

@@ -155,7 +155,7 @@ class OpenAIServing:
             return self._completion_events(rid, req, acc, first, merged, echo)
         await _collect(acc, first, merged)
         return completion_response(rid, int(time.time()), self.settings.served_model_name, acc, req.logprobs,
-                                   self.token_str, echo)
+                                   self._token_str(req), echo)
 
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
@@ -174,7 +174,8 @@ class OpenAIServing:
             return self._chat_events(rid, req, acc, first, merged, plan)
         await _collect(acc, first, merged)
         k = (req.top_logprobs or 0) if req.logprobs else None
-        response = chat_response(rid, int(time.time()), self.settings.served_model_name, acc, k, self.token_str)
+        response = chat_response(rid, int(time.time()), self.settings.served_model_name, acc, k,
+                                 self._token_str(req))
         if plan.calls_tools:
             for choice in response["choices"]:
                 plan.apply(choice)
@@ -187,6 +188,10 @@ class OpenAIServing:
             return req.sampling_params()
         except InvalidRequestError as e:
             raise from_invalid_request(e) from None
+
+    def _token_str(self, req: CompletionRequest | ChatCompletionRequest) -> Callable[[int], str]:
+        """How logprobs name a token: its text, or vLLM's "token_id:{id}" (return_tokens_as_token_ids)."""
+        return _as_token_id if req.return_tokens_as_token_ids else self.token_str
 
     @staticmethod
     def _output_constraint(req: CompletionRequest | ChatCompletionRequest,
@@ -273,17 +278,18 @@ class OpenAIServing:
     def _completion_events(self, rid: str, req: CompletionRequest, acc: Accumulator, first,
                            merged: AsyncIterator, echo: PromptEcho | None) -> AsyncIterator[str]:
         offsets = [0] * len(acc.choices)  # per choice: text offset of its next logprobs token
+        token_str = self._token_str(req)
         started = [False] * len(acc.choices)  # the prompt's part goes with each choice's first chunk
 
         def choice(i: int, c: ChoiceDelta) -> dict:
             text, ids, entries, extra = "", [], [], {}
             if echo is not None and not started[i]:
-                text, ids, entries, extra = echo.head(acc, i, req.logprobs is not None, self.token_str)
+                text, ids, entries, extra = echo.head(acc, i, req.logprobs is not None, token_str)
             started[i] = True
             lps = None
             if req.logprobs is not None:
                 lps = completion_logprobs(ids + c.token_ids, entries + (c.logprobs or []), req.logprobs,
-                                          self.token_str, offsets[i])
+                                          token_str, offsets[i])
                 offsets[i] += sum(len(t) for t in lps["tokens"])
             return {"index": i, "text": text + c.text, "logprobs": lps, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason, **extra}
@@ -293,10 +299,11 @@ class OpenAIServing:
     def _chat_events(self, rid: str, req: ChatCompletionRequest, acc: Accumulator, first,
                      merged: AsyncIterator, plan: ToolPlan) -> AsyncIterator[str]:
         k = (req.top_logprobs or 0) if req.logprobs else None
+        token_str = self._token_str(req)
         calls = [plan.stream() for _ in acc.choices] if plan.calls_tools else None
 
         def choice(i: int, c: ChoiceDelta) -> dict:
-            lps = chat_logprobs(c.token_ids, c.logprobs or [], k, self.token_str) if k is not None else None
+            lps = chat_logprobs(c.token_ids, c.logprobs or [], k, token_str) if k is not None else None
             delta = {"content": c.text} if c.text or c.token_ids else {}
             finish_reason = c.finish_reason
             if calls is not None:  # tool calls: name first, then argument fragments
@@ -332,6 +339,10 @@ class OpenAIServing:
         if include_usage:
             yield sse({**base, "choices": [], "usage": acc.usage()})
         yield SSE_DONE
+
+
+def _as_token_id(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 def _prompt_only(step: StepOutput) -> StepOutput:

@@ -1,6 +1,7 @@
 """Request fields beyond OpenAI's that vLLM users send, at the HTTP edge over a scripted engine:
 each is either honoured (vLLM's pre-0.12 `guided_*` fields, `continue_final_message`,
-`chat_template_kwargs`, `truncate_prompt_tokens`, `allowed_token_ids`, `bad_words`) or refused
+`chat_template_kwargs`, `truncate_prompt_tokens`, `allowed_token_ids`, `bad_words`,
+`return_tokens_as_token_ids`) or refused
 with a 400 naming it, never ignored in a reply that looks fine without it."""
 from __future__ import annotations
 
@@ -212,3 +213,23 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(tokenizer, e
 def test_allowed_token_ids_and_bad_words_reach_the_engine(tokenizer, endpoint):
     _, params = sent(tokenizer, endpoint(extra_body={"allowed_token_ids": [5, 9], "bad_words": ["sky", "blue"]}))
     assert params.allowed_token_ids == [5, 9] and params.bad_words == ["sky", "blue"]
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(tokenizer):
+    ids = tokenizer.encode("yes", add_special_tokens=False)
+    named = [f"token_id:{t}" for t in ids]
+    r, _ = run(tokenizer, "yes", chat(logprobs=True, top_logprobs=1, extra_body={"return_tokens_as_token_ids": True}))
+    assert [c.token for c in r.choices[0].logprobs.content] == named
+    assert r.choices[0].logprobs.content[0].bytes == list(named[0].encode())
+    r, _ = run(tokenizer, "yes", completion(prompt="Is the sky blue?", max_tokens=2, logprobs=2,
+                                            extra_body={"return_tokens_as_token_ids": True}))
+    assert r.choices[0].logprobs.tokens == named and "token_id:7" in r.choices[0].logprobs.top_logprobs[0]
+
+    async def streamed(client):
+        stream = await chat(logprobs=True, stream=True, extra_body={"return_tokens_as_token_ids": True})(client)
+        return [t.token async for c in stream if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]
+
+    assert run(tokenizer, "yes", streamed)[0] == named
+    r, _ = run(tokenizer, "yes", chat(logprobs=True))
+    assert [c.token for c in r.choices[0].logprobs.content] == [tokenizer.decode([t]) for t in ids]
