@@ -1,8 +1,8 @@
 """Request fields beyond OpenAI's that vLLM users send, at the HTTP edge over a scripted engine:
 each is either honoured (vLLM's pre-0.12 `guided_*` fields, `continue_final_message`,
 `chat_template_kwargs`, `truncate_prompt_tokens`, `allowed_token_ids`, `bad_words`,
-`return_tokens_as_token_ids`) or refused
-with a 400 naming it, never ignored in a reply that looks fine without it."""
+`return_tokens_as_token_ids`) or refused with a 400 naming it, never ignored in a reply that
+looks fine without it."""
 from __future__ import annotations
 
 import copy
