@@ -43,3 +43,11 @@ def smollm2_path():
     from engine.model_source import resolve_model
 
     return str(resolve_model(None))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_path):
+    """The embedded SmolLM2's HF tokenizer, loaded once (a test that changes one changes a copy)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)

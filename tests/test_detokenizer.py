@@ -16,13 +16,6 @@ MULTI_BYTE_TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_path)
-
-
-@pytest.fixture(scope="module")
 def prompt_ids(tokenizer):
     return tokenizer.encode("<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n")
 

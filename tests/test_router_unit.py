@@ -23,13 +23,6 @@ from workers.server import EngineServer
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_path)
-
-
 def call(tokenizer, method: str, path: str, num_blocks: int = 64, engine=None, **kwargs) -> httpx.Response:
     """One request to a fresh app over an in-process FakeEngine (the fake is loop-bound), or over
     `engine` when given."""

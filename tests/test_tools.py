@@ -29,13 +29,6 @@ CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"
 HERMES = f"Let me look.\n<tool_call>\n{CALL}\n</tool_call>"
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_path)
-
-
 def create(**kwargs):
     return lambda client: client.chat.completions.create(model="m", messages=kwargs.pop("messages", USER), **kwargs)
 

@@ -17,13 +17,6 @@ GRAMMAR = 'start: "yes" | "no"'
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"]}
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_path)
-
-
 def chat(**kwargs):
     return lambda client: client.chat.completions.create(model="m", messages=kwargs.pop("messages", USER), **kwargs)
 
