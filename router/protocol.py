@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
@@ -69,7 +69,6 @@ class _SamplingFields(_Model):
     bad_words: list[str] | None = None  # vLLM extra: words the output may not complete
     allowed_token_ids: list[TokenId] | None = None  # vLLM extra: the only tokens that may be sampled
     use_beam_search: bool = False  # vLLM extra this server does not implement: a 400 when true
-    _structured_param: str = PrivateAttr("structured_outputs")  # the field structured_outputs came from
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -85,12 +84,15 @@ class _SamplingFields(_Model):
             raise ValueError("response_format cannot be combined with structured_outputs: give one of them")
         return self
 
+    def _guided(self) -> dict[str, Any]:
+        """The guided_* fields given, by their structured_outputs names."""
+        return {k: v for k in ("json", "regex", "choice", "grammar") if (v := getattr(self, f"guided_{k}")) is not None}
+
     def _fold_guided(self) -> None:
-        given = {k: v for k in ("json", "regex", "choice", "grammar")
-                 if (v := getattr(self, f"guided_{k}")) is not None}
+        given = self._guided()
         if not given:
             return
-        names = " and ".join(f"guided_{k}" for k in given)
+        names = self.structured_param
         if len(given) > 1 or self.structured_outputs is not None:
             raise ValueError(f"{names}{' and structured_outputs' if self.structured_outputs else ''}: "
                              "give one constraint on the output")
@@ -98,12 +100,11 @@ class _SamplingFields(_Model):
             self.structured_outputs = StructuredOutputs.model_validate(given)
         except ValidationError as e:
             raise ValueError(f"{names}: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
-        self._structured_param = names
 
     @property
     def structured_param(self) -> str:
         """The field that set structured_outputs, for the errors about it."""
-        return self._structured_param
+        return " and ".join(f"guided_{k}" for k in self._guided()) or "structured_outputs"
 
     @property
     def stream_usage(self) -> tuple[bool, bool]:
