@@ -98,20 +98,16 @@ class IncrementalDetokenizer:
     def _catch_up(self) -> None:
         """Decodes the unread tokens in one window when that text ends on a whole character (token by
         token extends the same window to the same text), else token by token."""
-        unread, self._unread = self._unread, 0
-        if unread == 1:
-            self._append(self._decode_new(flush=False))
+        unread, self._unread = self._unread, 0  # callers ask only when there is one
+        text = self._decode_new(flush=False)
+        if text or unread == 1:
+            self._append(text)
             return
-        if unread > 1:
-            text = self._decode_new(flush=False)
-            if text:
-                self._append(text)
-                return
-            tokens = self._ids[-unread:]
-            del self._ids[-unread:]
-            for token in tokens:
-                self._ids.append(token)
-                self._append(self._decode_new(flush=False))
+        tokens = self._ids[-unread:]
+        del self._ids[-unread:]
+        for token in tokens:
+            self._ids.append(token)
+            self._append(self._decode_new(flush=False))
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_ids(ids, skip_special_tokens=self.params.skip_special_tokens)
