@@ -165,8 +165,7 @@ class CompletionRequest(_SamplingFields):
     def _check_unsupported(self):
         if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
             raise ValueError("max_tokens 0 is only allowed with echo or prompt_logprobs (the reply is the prompt)")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
+        _refuse(self, "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is only supported equal to n")
         return self

@@ -226,3 +226,8 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(tokenizer):
     assert run(tokenizer, "yes", streamed)[0] == named
     r, _ = run(tokenizer, "yes", chat(logprobs=True))
     assert [c.token for c in r.choices[0].logprobs.content] == [tokenizer.decode([t]) for t in ids]
+
+
+def test_a_completion_suffix_is_a_400_naming_it(tokenizer):
+    error = refused(tokenizer, completion(prompt="def f(", suffix="return x", max_tokens=4))
+    assert error["param"] == "suffix" and "not supported" in error["message"], error
