@@ -90,7 +90,8 @@ def tie_breaks(model_dir: str | Path, prompts: list[list[int]], got: list[list[i
             model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=dtype).to(device).eval()
         with torch.no_grad():
             logits = model(torch.tensor([prompt + e[:k]], device=device)).logits[0, -1].float()
-        (top, second), (best, runner_up) = logits.topk(2).values.tolist(), logits.topk(2).indices.tolist()
+        two = logits.topk(2)
+        (top, second), (best, runner_up) = two.values.tolist(), two.indices.tolist()
         gap = (top - second) / max(abs(top), 1e-6)
         if g[k] != runner_up:
             problems.append(f"sequence {i}, token {k}: {g[k]}, not one of HF's two best ({best}, {runner_up})")
