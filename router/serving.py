@@ -359,12 +359,13 @@ async def _map_steps(merged: AsyncIterator, f: Callable[[StepOutput], StepOutput
 
 
 def _check_failed(step: StepOutput) -> None:
-    """A sample the engine ended with an error (a grammar that failed while it ran; the engine
-    goes on) fails its request, saying why."""
+    """A sample the engine ended with an error fails its request, saying why. Only a request's own
+    output constraint ends a sample so (one the model's tokens cannot follow: a regex forcing a
+    control byte its tokenizer has no token for), so it is the request's error, a 400, as a
+    constraint refused before it ran is; the engine goes on."""
     for c in step.choices:
         if c.finish_reason == "error":
-            raise OpenAIError(500, f"generation failed: {c.stop_reason}", type="server_error",
-                              code="generation_failed")
+            raise OpenAIError(400, f"generation failed: {c.stop_reason}", code="invalid_grammar")
 
 
 async def _collect(acc: Accumulator, first, merged: AsyncIterator) -> None:

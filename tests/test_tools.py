@@ -132,7 +132,7 @@ def test_a_cut_reply_keeps_its_length_finish(tokenizer):
 
 
 def test_a_generation_error_is_an_error_reply(tokenizer):
-    with pytest.raises(openai.InternalServerError, match="structured output failed: boom"):
+    with pytest.raises(openai.BadRequestError, match="structured output failed: boom"):
         run(tokenizer, "{", create(response_format={"type": "json_object"}), finish_reason="error",
             stop_reason="structured output failed: boom")
 

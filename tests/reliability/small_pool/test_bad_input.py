@@ -91,6 +91,9 @@ CORPUS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 1, "stop_token_ids": [240814726]},
      "stop_token_ids past the vocabulary + min_tokens: IndexError in engine/sampler.py apply_min_tokens "
      "killed the engine loop (503 unavailable for it and every request in flight; the replica replaced)"),
+    ("/v1/completions", {"prompt": "o", "guided_regex": "\U000e873c\x01\x1c\x1c\x06c\x03\u00fb"},
+     "a regex forcing a control byte SmolLM2's tokens cannot write: llguidance's mask allowed 'c', the "
+     "matcher then refused it, and the grammar's failure was a 500"),
 ]
 
 
