@@ -155,11 +155,11 @@ def completion_response(rid: str, created: int, model: str, acc: Accumulator, k:
 
 
 def chat_response(rid: str, created: int, model: str, acc: Accumulator, k: int | None,
-                  token_str: TokenStr) -> dict:
+                  token_str: TokenStr, role: str = "assistant") -> dict:
     choices = []
     for i, c in enumerate(acc.choices):
         lps = chat_logprobs(c.token_ids, c.logprobs, k, token_str) if k is not None else None
-        choices.append({"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
+        choices.append({"index": i, "message": {"role": role, "content": "".join(c.text)},
                         "logprobs": lps, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": acc.usage()}

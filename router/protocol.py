@@ -291,11 +291,14 @@ class ChatMessage(_Model):
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
 
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines, as the template sees them)."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
     def to_template(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        msg = {"role": self.role, "content": content or ""}
+        msg = {"role": self.role, "content": self.text()}
         if self.name is not None:
             msg["name"] = self.name
         return msg
@@ -329,8 +332,8 @@ class ChatCompletionRequest(_SamplingFields):
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     chat_template: str | None = None  # a template of the request's own is code the server would run
-    echo: bool = False
-    prompt_logprobs: int | None = None
+    echo: bool = False  # vLLM extra: the reply begins with the last message's text when it has the reply's role
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM extra: the reply's prompt_logprobs
 
     @model_validator(mode="after")
     def _check_unsupported(self):
@@ -339,7 +342,9 @@ class ChatCompletionRequest(_SamplingFields):
         if self.functions or self.function_call not in (None, "none", "auto"):
             raise ValueError(f"{'functions' if self.functions else 'function_call'} (OpenAI's deprecated function "
                              "calling) is not supported: send tools and tool_choice")
-        _refuse(self, "chat_template", "echo", "prompt_logprobs", where="in chat completions")
+        _refuse(self, "chat_template", where="in chat completions")
+        if self.stream and self.prompt_logprobs is not None:  # vLLM's rule: the field is on the whole reply
+            raise ValueError("prompt_logprobs is not available when stream is true")
         _check_template_options(self)
         self._check_tools()
         return self
@@ -356,10 +361,22 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("tool_choice required or a named function cannot be combined with response_format "
                              "or structured_outputs: each decides the output's form")
 
+    @property
+    def reply_role(self) -> str:
+        """The reply's role, as vLLM names it: the assistant's, or the last message's when the
+        prompt does not open a new turn (add_generation_prompt false)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    @property
+    def echoed_text(self) -> str:
+        """What `echo` puts before the reply: the last message's text when it has the reply's role."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == self.reply_role else ""
+
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
 
 
 class TokenizeRequest(_Model):

@@ -31,7 +31,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
 from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error
 from router.formatting import (SSE_DONE, Accumulator, PromptEcho, chat_logprobs, chat_response,
-                               completion_logprobs, completion_response, sse)
+                               completion_logprobs, completion_response, sse, vllm_prompt_logprobs)
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.settings import RouterSettings
 from router.structured import checked, from_response_format, from_structured_outputs
@@ -174,11 +174,17 @@ class OpenAIServing:
             return self._chat_events(rid, req, acc, first, merged, plan)
         await _collect(acc, first, merged)
         k = (req.top_logprobs or 0) if req.logprobs else None
-        response = chat_response(rid, int(time.time()), self.settings.served_model_name, acc, k,
-                                 self._token_str(req))
-        if plan.calls_tools:
-            for choice in response["choices"]:
+        token_str = self._token_str(req)
+        response = chat_response(rid, int(time.time()), self.settings.served_model_name, acc, k, token_str,
+                                 req.reply_role)
+        for choice in response["choices"]:
+            if plan.calls_tools:
                 plan.apply(choice)
+            if req.echoed_text:  # vLLM's order: after the tool calls took theirs out of the content
+                choice["message"]["content"] = req.echoed_text + (choice["message"]["content"] or "")
+        if req.prompt_logprobs is not None:
+            response["prompt_logprobs"] = vllm_prompt_logprobs(acc.prompt_logprobs[0], req.prompt_logprobs,
+                                                               token_str)
         return response
 
     # -- shared steps ----------------------------------------------------------------------------
@@ -311,9 +317,13 @@ class OpenAIServing:
             return {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish_reason,
                     "stop_reason": c.stop_reason}
 
-        roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                 for i in range(len(acc.choices))]
-        return self._sse(rid, "chat.completion.chunk", req.stream_usage, acc, first, merged, roles, choice)
+        n = len(acc.choices)
+        preamble = [{"index": i, "delta": {"role": req.reply_role, "content": ""}, "logprobs": None,
+                     "finish_reason": None} for i in range(n)]
+        if req.echoed_text:  # as vLLM streams it: one chunk per choice after the roles
+            preamble += [{"index": i, "delta": {"content": req.echoed_text}, "logprobs": None, "finish_reason": None}
+                         for i in range(n)]
+        return self._sse(rid, "chat.completion.chunk", req.stream_usage, acc, first, merged, preamble, choice)
 
     async def _sse(self, rid: str, obj: str, usage: tuple[bool, bool], acc: Accumulator, first,
                    merged: AsyncIterator, preamble: list[dict],

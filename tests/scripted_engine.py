@@ -9,7 +9,7 @@ import httpx
 import openai
 
 from engine.config import EngineConfig
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.outputs import CompletionOutput, EngineStats, PromptLogprob, RequestOutput
 from router.api import build_api
 from router.serving import OpenAIServing
 from router.settings import RouterSettings
@@ -39,7 +39,10 @@ class ScriptedEngine:
                                      finish_reason=self.finish_reason if last else None,
                                      stop_reason=self.stop_reason if last else None) for i in range(params.n)]
             sent = text
-            yield RequestOutput(request_id, None, prompt, outs, finished=last)
+            # asked for prompt logprobs: each prompt token after the first at -1.0, ranked first
+            scored = ([None] + [PromptLogprob(t, -1.0, 1, ((t, -1.0),)) for t in prompt[1:]]
+                      if params.prompt_logprobs is not None and k == 0 else None)
+            yield RequestOutput(request_id, None, prompt, outs, finished=last, prompt_logprobs=scored)
 
     async def abort(self, request_id: str) -> None:
         pass

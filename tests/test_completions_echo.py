@@ -27,6 +27,7 @@ LONG = ("A paged KV cache stores the keys and values of every token in fixed-siz
         "scheduler can admit new requests whenever enough blocks are free. When the pool runs dry, "
         "the newest running sequence is preempted: its blocks return to the pool and it waits at the "
         "front of the queue, to be recomputed from its prompt and the tokens it has produced so far.")
+CHAT = "What is the capital of France?"
 REPO = Path(__file__).resolve().parent.parent
 TASK = "kvserve_tiny_mc"  # tests/data/tiny_mc.yaml
 
@@ -41,6 +42,8 @@ def oracle(smollm2_path):
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     ids = {p: tok.encode(p, add_special_tokens=False) for p in (SHORT, LONG)}
+    ids[CHAT] = tok.encode(tok.apply_chat_template(_messages(CHAT), tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False)  # as the server renders a chat
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = {p: model(torch.tensor([i])).logits[0, :-1].float().log_softmax(-1) for p, i in ids.items()}
@@ -115,25 +118,52 @@ def test_echo_then_greedy_completion(client, oracle):
     assert plain.choices[0].text == greedy.text
 
 
+def _messages(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def _assert_prompt_logprobs(scored: list, ids: list[int], ref: torch.Tensor, tok, k: int) -> None:
+    """vLLM's prompt_logprobs (null, then token id -> logprob, rank, decoded_token) against HF."""
+    assert len(scored) == len(ids) and scored[0] is None
+    for p, (entry, tid) in enumerate(zip(scored[1:], ids[1:])):
+        row = ref[p]
+        assert str(tid) in entry and len(entry) <= k + 1
+        mine = entry[str(tid)]
+        assert abs(mine["logprob"] - row[tid].item()) < TOL and mine["decoded_token"] == tok.decode([tid])
+        assert int((row > row[tid] + TOL).sum()) + 1 <= mine["rank"] <= int((row >= row[tid] - TOL).sum())
+        top = sorted(entry.values(), key=lambda e: e["rank"])
+        assert top[0]["logprob"] == pytest.approx(row.max().item(), abs=TOL)
+
+
 def test_vllm_prompt_logprobs_extra(client, oracle):
     ids, ref, tok = oracle["ids"][LONG], oracle["ref"][LONG], oracle["tok"]
     r = client.completions.create(model=MODEL, prompt=LONG, max_tokens=2, temperature=0,
                                   extra_body={"prompt_logprobs": 2})
     c = r.choices[0]
     assert c.logprobs is None and not c.text.startswith(LONG)
-    scored = c.model_extra["prompt_logprobs"]
-    assert len(scored) == len(ids) and scored[0] is None
-    for p, (entry, tid) in enumerate(zip(scored[1:], ids[1:])):
-        row = ref[p]
-        assert str(tid) in entry and len(entry) <= 3
-        mine = entry[str(tid)]
-        assert abs(mine["logprob"] - row[tid].item()) < TOL and mine["decoded_token"] == tok.decode([tid])
-        assert int((row > row[tid] + TOL).sum()) + 1 <= mine["rank"] <= int((row >= row[tid] - TOL).sum())
-        top = sorted(entry.values(), key=lambda e: e["rank"])
-        assert top[0]["logprob"] == pytest.approx(row.max().item(), abs=TOL)
+    _assert_prompt_logprobs(c.model_extra["prompt_logprobs"], ids, ref, tok, 2)
     only = client.completions.create(model=MODEL, prompt=LONG, max_tokens=0, extra_body={"prompt_logprobs": 0})
     assert only.choices[0].text == "" and [e and len(e) for e in only.choices[0].model_extra["prompt_logprobs"]] \
         == [None] + [1] * (len(ids) - 1)
+
+
+def test_chat_prompt_logprobs_and_echo(client, oracle):
+    """vLLM's chat extras: the rendered prompt's logprobs on the reply, against HF's; and echo, the
+    last message's text before a reply that goes on with it (continue_final_message)."""
+    ids, ref, tok = oracle["ids"][CHAT], oracle["ref"][CHAT], oracle["tok"]
+    r = client.chat.completions.create(model=MODEL, messages=_messages(CHAT), max_tokens=2, temperature=0,
+                                       extra_body={"prompt_logprobs": 1})
+    assert r.usage.prompt_tokens == len(ids)
+    _assert_prompt_logprobs(r.model_extra["prompt_logprobs"], ids, ref, tok, 1)
+    started = _messages(CHAT) + [{"role": "assistant", "content": "The capital of France"}]
+    kwargs = dict(model=MODEL, messages=started, max_tokens=4, temperature=0,
+                  extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    plain = client.chat.completions.create(**kwargs).choices[0].message.content
+    kwargs["extra_body"]["echo"] = True
+    echoed = client.chat.completions.create(**kwargs).choices[0].message
+    assert echoed.role == "assistant" and echoed.content == "The capital of France" + plain and plain
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs))
+    assert streamed == echoed.content
 
 
 def test_streamed_echo_equals_the_reply(client):

@@ -1,7 +1,7 @@
 """Request fields beyond OpenAI's that vLLM users send, at the HTTP edge over a scripted engine:
 each is either honoured (vLLM's pre-0.12 `guided_*` fields, `continue_final_message`,
 `chat_template_kwargs`, `truncate_prompt_tokens`, `allowed_token_ids`, `bad_words`,
-`return_tokens_as_token_ids`) or refused with a 400 naming it, never ignored in a reply that
+`return_tokens_as_token_ids`, chat's `echo` and `prompt_logprobs`) or refused with a 400 naming it, never ignored in a reply that
 looks fine without it."""
 from __future__ import annotations
 
@@ -59,8 +59,7 @@ def test_a_guided_field_constrains_as_structured_outputs_does(tokenizer, endpoin
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be positive"),
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions", "send tools"),
     ({"function_call": {"name": "f"}}, "function_call", "send tools"),
-    ({"echo": True}, "echo", "not supported in chat"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs", "not supported in chat"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
     ({"chat_template": "{{ messages }}"}, "chat_template", "not supported in chat"),
     ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt false"),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "may not set tokenize"),
@@ -231,3 +230,49 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(tokenizer):
 def test_a_completion_suffix_is_a_400_naming_it(tokenizer):
     error = refused(tokenizer, completion(prompt="def f(", suffix="return x", max_tokens=4))
     assert error["param"] == "suffix" and "not supported" in error["message"], error
+
+
+STARTED = USER + [{"role": "assistant", "content": "The sky"}]
+GO_ON = {"add_generation_prompt": False, "continue_final_message": True}
+
+
+def _content(chunks) -> dict[int, str]:
+    out = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            out[c.index] = out.get(c.index, "") + (c.delta.content or "")
+    return out
+
+
+@pytest.mark.parametrize("messages, options, head, role", [
+    (STARTED, GO_ON, "The sky", "assistant"),  # the last message is the reply's own start
+    (USER, {}, "", "assistant"),  # a new assistant turn: the user's message is not the reply's
+    (USER, {"add_generation_prompt": False}, "Is the sky blue?", "user"),  # no new turn: the reply is the user's
+])
+def test_chat_echo_puts_the_last_message_before_the_reply_as_vllm_does(tokenizer, messages, options, head, role):
+    body = {**options, "echo": True}
+    whole, _ = run(tokenizer, " is blue.", chat(messages=messages, n=2, extra_body=body))
+    assert [(c.message.role, c.message.content) for c in whole.choices] == [(role, head + " is blue.")] * 2
+
+    async def streamed(client):
+        stream = await client.chat.completions.create(model="m", messages=messages, n=2, stream=True, extra_body=body)
+        return [chunk async for chunk in stream]
+
+    chunks, _ = run(tokenizer, " is blue.", streamed)
+    assert _content(chunks) == {0: head + " is blue.", 1: head + " is blue."}
+    assert {c.choices[0].delta.role for c in chunks[:2]} == {role}
+    plain, _ = run(tokenizer, " is blue.", chat(messages=messages, extra_body=options))
+    assert plain.choices[0].message.content == " is blue."
+
+
+def test_chat_prompt_logprobs_come_with_the_reply(tokenizer):
+    ids, params = sent(tokenizer, chat(extra_body={"prompt_logprobs": 3}))
+    assert params.prompt_logprobs == 3
+    r, _ = run(tokenizer, "yes", chat(extra_body={"prompt_logprobs": 3}))
+    scored = r.model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(ids)
+    assert [list(e) for e in scored[1:]] == [[str(t)] for t in ids[1:]]
+    assert scored[1][str(ids[1])] == {"logprob": -1.0, "rank": 1, "decoded_token": tokenizer.decode([ids[1]])}
+    assert "prompt_logprobs" not in run(tokenizer, "yes", chat())[0].model_extra
+    error = refused(tokenizer, chat(stream=True, extra_body={"prompt_logprobs": 1}))
+    assert error["param"] == "prompt_logprobs" and "stream" in error["message"], error
