@@ -58,9 +58,10 @@ def check_complete(params: dict[str, nn.Parameter], loaded: set[int]) -> None:
 def build_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                 tp: TPContext = TPContext()) -> LlamaModel:
     arch, _ = load_arch(model_dir)
-    model = LlamaModel(arch, dtype, tp)
+    with torch.device(device):  # built where it runs, as a tensor-parallel rank builds its shard
+        model = LlamaModel(arch, dtype, tp)
     load_weights(model, model_dir)
-    model = model.to(device).eval()
+    model = model.eval()
     prepare_cpu_weights(model, device, dtype)
     return model
 

@@ -8,8 +8,10 @@ import torch
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """(head_dim // 2,) float32 inverse frequencies, computed the way HF transformers does."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """(head_dim // 2,) float32 inverse frequencies, computed the way HF transformers does: on
+    the CPU, whatever device the model is built on."""
+    exps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta ** exps)
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv_freq
@@ -33,10 +35,17 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
+    """cos/sin tables over every position. The inverse frequencies come from the CPU and the
+    tables from the device the model is built on (the default device), as HF computes its cos and
+    sin where the model runs: CUDA's and the CPU's cos round differently in the last bit, and a
+    table built on the CPU would set a GPU engine a bit apart from HF on the same GPU (and tp=1
+    apart from tp>1, whose ranks build on their GPUs)."""
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        device = torch.get_default_device()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
+        freqs = torch.arange(max_positions, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, D), halves layout as in HF Llama
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
