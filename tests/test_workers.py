@@ -495,3 +495,22 @@ def test_a_replicas_bundles_decide_whether_its_ranks_use_gpus():
         assert not _wants_gpu(config, WorkerGroupConfig(), 2, engine_bundles(2, use_gpu=False))
     assert use_gpu(EngineConfig(device="cuda:0")) and use_gpu(EngineConfig(device="cuda"))
     assert not use_gpu(EngineConfig(device="cpu"))
+
+
+def test_a_step_that_samples_nothing_gathers_no_logits(monkeypatch):
+    """Zero logit rows (a step of unfinished prefill chunks only): no rank calls the collective,
+    a shape NCCL has never run here, and the sampling rank still gets its (0, vocab) logits."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.model.layers import TPContext
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("gathered zero rows")
+
+    monkeypatch.setattr(dist, "gather", refuse)
+    rows = torch.empty(0, 7)
+    assert TPContext(0, 2, object()).gather_last_dim(rows).shape == (0, 14)
+    assert TPContext(1, 2, object()).gather_last_dim(rows) is None
+    with pytest.raises(AssertionError, match="gathered zero rows"):
+        TPContext(0, 2, object()).gather_last_dim(torch.empty(1, 7))

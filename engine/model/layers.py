@@ -37,6 +37,8 @@ class TPContext:
         others (only the sampling rank needs the whole vocabulary)."""
         if self.size == 1:
             return x
+        if x.numel() == 0:  # a step that samples nothing: every rank knows it, so none calls NCCL
+            return x.new_empty(*x.shape[:-1], self.size * x.shape[-1]) if self.rank == SAMPLING_RANK else None
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == SAMPLING_RANK else None
         torch.distributed.gather(x, parts, dst=SAMPLING_RANK, group=self.group)
