@@ -16,7 +16,7 @@ from engine.model.llama import ModelArch
 from engine.model.loader import build_model, load_arch
 from engine.outputs import PromptLogprob
 from engine.prompt_logprobs import prompt_logprobs
-from engine.runners import cuda_step_bytes, make_runner, triton_backend
+from engine.runners import make_runner, step_bytes
 from engine.sampler import SampleResult, SequenceSampler
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -137,10 +137,8 @@ class LocalExecutor:
         self.model = build_model(model_dir, dtype, device)
         block_bytes = bytes_per_block(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
         max_model_len = config.model_len(arch.max_position_embeddings)
-        step_bytes = None
-        if triton_backend(device) and config.num_gpu_blocks_override is None and config.kv_cache_memory is None:
-            step_bytes = cuda_step_bytes(self.model, config, max_model_len, arch.num_kv_heads, device)
-        num_blocks = num_kv_blocks(config, block_bytes, device, step_bytes)
+        num_blocks = num_kv_blocks(config, block_bytes, device,
+                                   step_bytes(self.model, config, max_model_len, arch.num_kv_heads, device))
         kv = allocate_kv_cache(arch.num_layers, num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim,
                                dtype, device)
         self.runner = make_runner(self.model, kv, config, max_model_len, device)

@@ -44,6 +44,17 @@ def make_runner(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Ten
     return runner
 
 
+def step_bytes(model: LlamaModel, config: EngineConfig, max_model_len: int, kv_heads: int, device: torch.device,
+               graphs: bool = True) -> int | None:
+    """What a pool sized from device memory leaves for a step: measured (cuda_step_bytes) on CUDA
+    with the Triton runner; None (kv_cache's fixed share) otherwise, or when the pool's size is
+    given. A tensor-parallel rank measures too: every rank decides alike and runs the profile's
+    collectives in step."""
+    if not triton_backend(device) or config.num_gpu_blocks_override is not None or config.kv_cache_memory is not None:
+        return None
+    return cuda_step_bytes(model, config, max_model_len, kv_heads, device, graphs)
+
+
 def cuda_step_bytes(model: LlamaModel, config: EngineConfig, max_model_len: int, kv_heads: int,
                     device: torch.device, graphs: bool = True) -> int:
     """Device memory a step needs beyond the weights and the KV pool: the largest step's peak

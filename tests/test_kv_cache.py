@@ -58,3 +58,21 @@ def test_the_gpu_pool_takes_what_this_process_caches_but_does_not_use(monkeypatc
     # 90 GiB allowed - 10 others' - 10 allocated here - 5 kept back for a step (5% of the device)
     assert num_kv_blocks(config, gib, torch.device("cuda", 0)) == 65
     assert num_kv_blocks(config, gib, torch.device("cuda", 0), step_bytes=2 * gib) == 68
+
+
+def test_a_step_is_measured_only_where_the_pool_is_sized_from_device_memory(monkeypatch):
+    """engine.runners.step_bytes: CUDA with the Triton runner measures (the caller says whether with
+    graphs); a CPU device, the torch backend, or a pool whose size is given keep the fixed share."""
+    from engine import runners
+    from engine.config import EngineConfig
+
+    measured = []
+    monkeypatch.setattr(runners, "cuda_step_bytes", lambda *args: measured.append(args[-1]) or 7)
+    cuda, config = torch.device("cuda", 0), EngineConfig()
+    assert runners.step_bytes(None, config, 512, 2, torch.device("cpu")) is None
+    assert runners.step_bytes(None, config, 512, 2, cuda) == 7
+    assert runners.step_bytes(None, config, 512, 2, cuda, graphs=False) == 7 and measured == [True, False]
+    assert runners.step_bytes(None, EngineConfig(num_gpu_blocks_override=9), 512, 2, cuda) is None
+    assert runners.step_bytes(None, EngineConfig(kv_cache_memory=1 << 30), 512, 2, cuda) is None
+    monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "torch")
+    assert runners.step_bytes(None, config, 512, 2, cuda) is None and measured == [True, False]

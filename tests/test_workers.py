@@ -514,3 +514,26 @@ def test_a_step_that_samples_nothing_gathers_no_logits(monkeypatch):
     assert TPContext(1, 2, object()).gather_last_dim(rows) is None
     with pytest.raises(AssertionError, match="gathered zero rows"):
         TPContext(0, 2, object()).gather_last_dim(torch.empty(1, 7))
+
+
+def test_a_rank_measures_its_step_before_sizing_its_pool(tiny_dirs, monkeypatch):
+    """A tensor-parallel rank sizes its pool as tp=1 does, from a measured step (without graphs,
+    which ranks do not capture), where it kept a fixed 5% of the GPU back before. One rank on a
+    gloo group of one, the measurement stubbed: CPU ranks have no step to measure."""
+    import torch.distributed as dist
+
+    from engine.config import EngineConfig
+    from workers import rank as rank_module
+
+    measured, sized = [], []
+    monkeypatch.setattr(rank_module, "step_bytes",
+                        lambda model, config, max_model_len, kv_heads, device, graphs: measured.append(graphs) or 1)
+    monkeypatch.setattr(rank_module, "num_kv_blocks", lambda config, block_bytes, device, step: sized.append(step) or 8)
+    worker = rank_module.RankWorker(0, 1, EngineConfig(), str(tiny_dirs["gqa"]), "cpu", [2])
+    worker.open_store(30)
+    worker.init_collective(30)
+    try:
+        assert worker.load()["max_blocks"] == 8
+    finally:
+        dist.destroy_process_group()
+    assert measured == [False] and sized == [1]

@@ -29,7 +29,7 @@ from engine.model.layers import SAMPLING_RANK, TPContext
 from engine.model.llama import LlamaModel, ModelArch
 from engine.model.loader import load_arch, prepare_cpu_weights
 from engine.model_runner import ModelRunner
-from engine.runners import make_runner
+from engine.runners import make_runner, step_bytes
 from workers.messages import Draws, RankMirror, StepMessage
 from workers.sampling import RankSampler
 from workers.weights import load_sharded
@@ -127,9 +127,13 @@ class RankWorker:
         weight_codes = prepare_cpu_weights(model, self.device, dtype)
         self.model, self.arch, self.dtype = model.eval(), arch, dtype
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        block_bytes = bytes_per_block(arch.num_layers, self.config.block_size, arch.local_kv_heads(self.world_size),
-                                      arch.head_dim, dtype)
-        return dict(rank=self.rank, max_blocks=num_kv_blocks(self._kv_config(), block_bytes, self.device),
+        kv_heads = arch.local_kv_heads(self.world_size)
+        block_bytes = bytes_per_block(arch.num_layers, self.config.block_size, kv_heads, arch.head_dim, dtype)
+        # The largest step measured on every rank (no graphs across ranks): its all-reduces and the
+        # sampling rank's logits are allocated now, before the pool takes what is left.
+        step = step_bytes(model, self.config, self.config.model_len(arch.max_position_embeddings), kv_heads,
+                          self.device, graphs=False)
+        return dict(rank=self.rank, max_blocks=num_kv_blocks(self._kv_config(), block_bytes, self.device, step),
                     block_bytes=block_bytes, param_bytes=param_bytes, bytes_read=stats.bytes_read,
                     bytes_received=stats.bytes_received, files_opened=stats.files_opened, weight_codes=weight_codes,
                     load_s=time.perf_counter() - t0, memory_after_load=self.memory())
