@@ -58,6 +58,10 @@ class ServeOptions:
     engine_cls: str | Callable | None = None  # "module:Class" built as cls(EngineConfig); default AsyncEngine
     cpu_threads: int | None = None  # torch threads per engine replica on CPU; default: cores // replicas
     num_ingress_replicas: int = 1
+    # Raw Serve autoscaling of the ingress replicas, instead of num_ingress_replicas: each stream
+    # is one ongoing request there, and one ingress process relays a few thousand streamed tokens
+    # a second (docs/benchmarks.md), less than GPU replicas make.
+    ingress_autoscaling_config: dict | None = None
     graceful_shutdown_timeout_s: float = 30.0  # how long a stopping replica (or `kvserve serve`) drains
     health_check_period_s: float = 1.0  # Serve's health check of each engine replica: a dead one shows in /ready
     # Routing of generate calls to engine replicas (cluster.serve_router): kv | pow2 (Serve's default) | round_robin
@@ -104,8 +108,14 @@ class ServeOptions:
                 raise ValueError(f"target_ongoing_requests must be > 0, got {self.target_ongoing_requests}")
         if self.autoscaling_config and self.num_replicas is not None:
             raise ValueError("give num_replicas or an autoscaling_config (with its initial_replicas), not both")
+        if self.autoscaling_config:
+            _check_serve_autoscaling("autoscaling_config", self.autoscaling_config)
         if (self.num_replicas is not None and self.num_replicas < 1) or self.num_ingress_replicas < 1:
             raise ValueError("num_replicas and num_ingress_replicas must be >= 1")
+        if self.ingress_autoscaling_config is not None:
+            if self.num_ingress_replicas != 1:
+                raise ValueError("give num_ingress_replicas or an ingress_autoscaling_config, not both")
+            _check_serve_autoscaling("ingress_autoscaling_config", self.ingress_autoscaling_config)
         if self.max_ongoing_requests is not None and self.max_ongoing_requests < 1:
             raise ValueError(f"max_ongoing_requests must be >= 1, got {self.max_ongoing_requests}")
         if self.max_queued_requests < -1 or self.max_queued_requests == 0:
@@ -170,6 +180,24 @@ def split_args(args: dict) -> tuple[EngineConfig, ServeOptions]:
     engine = EngineConfig(**{k: v for k, v in args.items() if k in EngineConfig.field_names()})
     options = ServeOptions(**{k: v for k, v in args.items() if k in ServeOptions.field_names()})
     return engine, options
+
+
+def _check_serve_autoscaling(name: str, config: dict) -> None:
+    """What Serve would refuse at deploy time, refused here with the argument's name."""
+    from pydantic import ValidationError
+    from ray.serve.config import AutoscalingConfig
+
+    if not isinstance(config, dict):
+        raise ValueError(f"{name} must be a mapping (Serve's autoscaling_config), got {type(config).__name__}")
+    unknown = sorted(set(config) - set(AutoscalingConfig.model_fields))
+    if unknown:  # Serve would ignore them: a misspelt max_replicas would silently not scale
+        raise ValueError(f"{name}: unknown field(s) {', '.join(unknown)}")
+    try:
+        AutoscalingConfig(**config)
+    except ValidationError as e:
+        error = e.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise ValueError(f"{name}{'.' + where if where else ''}: {error['msg'].removeprefix('Value error, ')}") from None
 
 
 def check_args(args: dict) -> tuple[EngineConfig, ServeOptions]:
@@ -301,8 +329,9 @@ def build_app(args: dict | None = None):
         cpu_threads = max(1, _usable_cores() // options.max_engine_replicas)
     engine_app = EngineDeployment.options(**engine_opts).bind(engine, options.engine_cls, cpu_threads,
                                                               settings.served_model_name)
-    ingress = IngressDeployment.options(num_replicas=options.num_ingress_replicas,
-                                        max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+    scale = ({"autoscaling_config": options.ingress_autoscaling_config} if options.ingress_autoscaling_config
+             else {"num_replicas": options.num_ingress_replicas})
+    ingress = IngressDeployment.options(**scale, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
                                         ray_actor_options={"num_cpus": 0},
                                         graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s,
                                         max_surge_percent=100)  # 0 CPUs: a new ingress before the old one stops

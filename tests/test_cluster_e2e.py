@@ -21,6 +21,7 @@ from tests.local_serve import free_port, init_ray_as_kvserve_serve
 from tests.tiny_llama import make_tiny_llama
 
 ENGINE = "EngineServer"
+INGRESS = "OpenAIIngress"
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +55,10 @@ def _deploy(tiny_model: str, name: str, route_prefix: str, **args):
     serve.run(build_app(args), name=name, route_prefix=route_prefix)
 
 
-def _replica_counts(app: str) -> dict[str, int]:
+def _replica_counts(app: str, deployment: str = ENGINE) -> dict[str, int]:
     from ray import serve
 
-    dep = serve.status().applications[app].deployments[ENGINE]
+    dep = serve.status().applications[app].deployments[deployment]
     return {getattr(k, "value", str(k)): v for k, v in dep.replica_states.items() if v}
 
 
@@ -254,14 +255,15 @@ def test_routing_stats_are_replica_stats(serve_url, tiny_model):
 
 
 # -- b) KV-pressure autoscaling 1 -> 2 -> 1 --------------------------------------------------------------
-def _wait_for_running(app: str, n: int, timeout_s: float) -> float:
+def _wait_for_running(app: str, n: int, timeout_s: float, deployment: str = ENGINE) -> float:
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
-        counts = _replica_counts(app)
+        counts = _replica_counts(app, deployment)
         if counts.get("RUNNING", 0) == n and sum(counts.values()) == n:
             return time.monotonic() - start
         time.sleep(0.5)
-    raise AssertionError(f"{app}: wanted {n} running replicas within {timeout_s}s, have {_replica_counts(app)}")
+    raise AssertionError(f"{app}: wanted {n} running {deployment} replicas within {timeout_s}s, "
+                         f"have {_replica_counts(app, deployment)}")
 
 
 def test_kv_pressure_scales_up_and_back_down(serve_url, tiny_model):
@@ -308,6 +310,45 @@ def test_kv_pressure_scales_up_and_back_down(serve_url, tiny_model):
         serve.delete(app)
 
 
+def test_the_ingress_scales_on_the_streams_it_holds(serve_url, tiny_model):
+    """ingress_autoscaling_config: Serve's ongoing-requests autoscaling of the ingress, whose
+    ongoing requests are the replies it relays (here 3 at a time against a target of 1 each)."""
+    from ray import serve
+
+    app, prefix = "ingress-scale", "/ingress-scale"
+    _deploy(tiny_model, app, prefix, engine_cls="tests.fake_engine:FakeEngine",
+            ingress_autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+                                        "upscale_delay_s": 0, "downscale_delay_s": 1, "look_back_period_s": 1,
+                                        "metrics_interval_s": 0.5})
+    try:
+        assert _replica_counts(app, INGRESS) == {"RUNNING": 1}
+        stop, errors = threading.Event(), []
+
+        def load() -> None:  # 64 echoed tokens at the fake engine's 0.02 s each: ~1.3 s a reply
+            with httpx.Client(base_url=serve_url, timeout=60) as http:
+                while not stop.is_set():
+                    try:
+                        assert len(_complete(http, prefix, list(range(100, 164)), 64)["choices"][0]["text"]) > 0
+                    except Exception as e:  # noqa: BLE001 - reported below
+                        errors.append(e)
+                        return
+
+        threads = [threading.Thread(target=load, daemon=True) for _ in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            up_s = _wait_for_running(app, 2, timeout_s=60, deployment=INGRESS)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=60)
+        assert not errors, errors[:1]
+        down_s = _wait_for_running(app, 1, timeout_s=60, deployment=INGRESS)
+        print(f"\ningress: 1 -> 2 replicas after {up_s:.1f}s of load, 2 -> 1 {down_s:.1f}s after it stopped")
+    finally:
+        serve.delete(app)
+
+
 # -- c) the flags -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv, message", [
     (["--routing", "random"], "kvserve: error: argument --routing: invalid choice: 'random'"),
@@ -338,6 +379,25 @@ def test_bad_flag_combinations_fail_in_one_line_before_ray(capsys, tiny_model, a
     assert kvserve_main(["serve", "--model", tiny_model, *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"ingress_autoscaling_config": {"max_replica": 4}}, "ingress_autoscaling_config: unknown field(s) max_replica"),
+    ({"ingress_autoscaling_config": {"min_replicas": 3, "max_replicas": 2}},
+     "ingress_autoscaling_config: max_replicas (2) must be greater than or equal to min_replicas (3)"),
+    ({"ingress_autoscaling_config": {"target_ongoing_requests": "many"}},
+     "ingress_autoscaling_config.target_ongoing_requests: Input should be a valid number"),
+    ({"ingress_autoscaling_config": [2]}, "ingress_autoscaling_config must be a mapping"),
+    ({"ingress_autoscaling_config": {"max_replicas": 4}, "num_ingress_replicas": 2},
+     "give num_ingress_replicas or an ingress_autoscaling_config, not both"),
+    ({"autoscaling_config": {"max_replica": 4}}, "autoscaling_config: unknown field(s) max_replica"),
+])
+def test_a_raw_autoscaling_config_is_checked_before_it_deploys(args, message):
+    """What Serve would refuse only when deploying (or ignore: a misspelt key) is a ValueError
+    naming the argument, as every other app argument's."""
+    with pytest.raises(ValueError) as e:
+        split_args(args)
+    assert str(e.value).startswith(message), e.value
 
 
 def test_flags_reach_the_engine_deployment(tiny_model):
