@@ -48,7 +48,7 @@ class ServeOptions:
     num_replicas: int | None = None
     autoscaling_config: dict | None = None  # raw Serve autoscaling of the engine replicas
     max_ongoing_requests: int | None = None  # requests in flight per engine replica; default: max_num_seqs
-    max_queued_requests: int = -1  # requests waiting for a replica before a 503 (-1: no limit)
+    max_queued_requests: int = -1  # requests waiting for a replica, per ingress replica, before a 503 (-1: no limit)
     # The ingress's limits (router.settings.RouterSettings; None: its default).
     overload_status: int | None = None  # 503, or 429, for a full queue
     retry_after_s: float | None = None  # Retry-After of that reply
