@@ -6,6 +6,7 @@
     GET  /v1/models, /v1/models/{model}
     POST /v1/completions        stream: true -> SSE ending in `data: [DONE]`
     POST /v1/chat/completions
+    POST /v1/responses          OpenAI's Responses API over the chat path; streams its typed events
     POST /tokenize, /detokenize
 
 Bodies are read here (at most `max_request_body_bytes`, else 413) and validated by the pydantic
@@ -28,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.errors import OpenAIError, from_validation_error, internal_error
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.responses import ResponsesRequest
 from router.serving import OpenAIServing
 from router.session import SESSION_HEADER, set_session
 
@@ -216,6 +218,12 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
         set_session(request.headers.get(SESSION_HEADER), body.user)
         return _reply(await serving.chat(body))
 
+    @api.post("/v1/responses", openapi_extra=_json_body(ResponsesRequest))
+    async def responses(request: Request):
+        body = await read_json(request, ResponsesRequest, limit)
+        set_session(request.headers.get(SESSION_HEADER), body.user)
+        return _reply(await serving.responses(body))
+
     @api.post("/tokenize", openapi_extra=_json_body(TokenizeRequest))
     async def tokenize(request: Request):
         return await serving.tokenize(await read_json(request, TokenizeRequest, limit))
@@ -231,7 +239,7 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     return app
 
 
-BODY_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+BODY_MODELS = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
 
 
 def _json_body(model: type[BaseModel]) -> dict:

@@ -33,6 +33,7 @@ from router.errors import OpenAIError, bad_request, from_invalid_request, intern
 from router.formatting import (SSE_DONE, Accumulator, PromptEcho, chat_logprobs, chat_response,
                                completion_logprobs, completion_response, sse, vllm_prompt_logprobs)
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.responses import ResponseReply, ResponsesRequest
 from router.settings import RouterSettings
 from router.structured import checked, from_response_format, from_structured_outputs
 from router.tools import ToolPlan, render, template_knows_tools
@@ -186,6 +187,24 @@ class OpenAIServing:
             response["prompt_logprobs"] = vllm_prompt_logprobs(acc.prompt_logprobs[0], req.prompt_logprobs,
                                                                token_str)
         return response
+
+    async def responses(self, req: ResponsesRequest) -> dict | AsyncIterator[str]:
+        """OpenAI's Responses API, run as the chat request it amounts to (router.responses)."""
+        self.check_model(req.model)
+        chat = req.chat_request()
+        spec, param = self._output_constraint(chat)
+        params = await self._constrained(self._params(chat), spec, "text.format" if spec is not None else param)
+        try:
+            ids = self._chat_ids(chat)
+        except OpenAIError as e:  # the template's complaint is about the input
+            raise OpenAIError(e.status, e.message, param="input", code=e.code) from None
+        reply = ResponseReply(req, self.settings.served_model_name, int(time.time()))
+        first, merged = await self._start(reply.id, [ids], params, "input", "max_output_tokens")
+        acc = Accumulator([len(ids)], 1)
+        if req.stream:
+            return _response_events(reply, acc, first, merged)
+        await _collect(acc, first, merged)
+        return reply.whole(acc)
 
     # -- shared steps ----------------------------------------------------------------------------
     @staticmethod
@@ -351,6 +370,12 @@ class OpenAIServing:
         yield SSE_DONE
 
 
+async def _response_events(reply: ResponseReply, acc: Accumulator, first, merged: AsyncIterator) -> AsyncIterator[str]:
+    async with contextlib.aclosing(merged):  # however the stream ends, the engine request ends
+        async for event in reply.events(_events(first, merged, acc, reply.error_event), acc):
+            yield event
+
+
 def _as_token_id(token_id: int) -> str:
     return f"token_id:{token_id}"
 
@@ -387,8 +412,10 @@ async def _collect(acc: Accumulator, first, merged: AsyncIterator) -> None:
             _check_failed(step)
 
 
-async def _events(first, merged: AsyncIterator, acc: Accumulator) -> AsyncIterator[tuple[int, StepOutput | str]]:
-    """The request's outputs (counted into `acc`); a failure ends them with an SSE error event."""
+async def _events(first, merged: AsyncIterator, acc: Accumulator,
+                  error: Callable[[dict], str] = sse) -> AsyncIterator[tuple[int, StepOutput | str]]:
+    """The request's outputs (counted into `acc`); a failure ends them with an error event,
+    `error(OpenAI error JSON)` (default: chat's SSE data line)."""
     try:
         acc.add(*first)
         _check_failed(first[1])
@@ -398,7 +425,7 @@ async def _events(first, merged: AsyncIterator, acc: Accumulator) -> AsyncIterat
             _check_failed(step)
             yield prompt, step
     except OpenAIError as e:
-        yield -1, sse(e.body())
+        yield -1, error(e.body())
     except Exception:
         logger.exception("stream failed")
-        yield -1, sse(internal_error().body())
+        yield -1, error(internal_error().body())

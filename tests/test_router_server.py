@@ -93,6 +93,17 @@ def test_chat_equals_offline_engine(client, oracle):
     assert r.usage.completion_tokens == oracle["chat_tokens"]
 
 
+def test_responses_api_equals_offline_engine(client, oracle):
+    """OpenAI's Responses API, whole and streamed: the chat reply, as the openai client reads it."""
+    r = client.responses.create(model=MODEL, input=CHAT[0]["content"], max_output_tokens=MAX_TOKENS, temperature=0)
+    assert r.output_text == oracle["chat"] and r.usage.output_tokens == oracle["chat_tokens"]
+    assert r.status == ("incomplete" if oracle["chat_finish"] == "length" else "completed")
+    events = list(client.responses.create(model=MODEL, input=CHAT, max_output_tokens=MAX_TOKENS, temperature=0,
+                                          stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == oracle["chat"]
+    assert events[-1].response.output_text == oracle["chat"]
+
+
 def test_streamed_chat_equals_offline_engine(client, oracle, http):
     stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=MAX_TOKENS,
                                             temperature=0, stream=True, stream_options={"include_usage": True})

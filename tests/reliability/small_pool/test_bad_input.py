@@ -28,8 +28,8 @@ pytestmark = pytest.mark.reliability
 
 FUZZ_EXAMPLES = count("fuzz_examples", 8, 150)
 RAW_EXAMPLES = count("raw_examples", 40, 400)
-POST_ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+POST_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"]
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 # -- schemathesis ------------------------------------------------------------------------------------
@@ -43,10 +43,14 @@ def _small(case):
     it may run to max_model_len; test_load.py has that case on its own)."""
     body = case.body
     if isinstance(body, dict) and case.path in GENERATION_ROUTES:
-        for key in ("max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens", "n", "best_of"):
             v = body.get(key)
             if isinstance(v, int) and not isinstance(v, bool) and v > SMALL:
                 body[key] = 1 + v % SMALL
+        if case.path == "/v1/responses":
+            if body.get("max_output_tokens") is None:
+                body["max_output_tokens"] = SMALL
+            return case
         unset = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
         if unset and ("max_tokens" in body or case.path == "/v1/chat/completions"):
             body["max_tokens"] = SMALL
