@@ -6,9 +6,14 @@ choice comes back as a response object, or as the Responses stream's typed event
     response.content_part.added, response.output_text.delta ..., response.output_text.done,
     response.content_part.done, response.output_item.done, response.completed (or .incomplete)
 
+Function tools run as chat's tools (router.tools): a call in the reply becomes a `function_call`
+output item (streamed as response.function_call_arguments.delta events), and the next request
+gives back `function_call` and `function_call_output` input items, which become the assistant's
+tool_calls and the tool turns of the chat.
+
 Nothing is stored (`store` comes back false, as vLLM answers without its store), so a request
 that needs a stored response or conversation is a 400, as are fields for features this server
-lacks (tools, reasoning, background runs), rather than a reply that looks fine without them.
+lacks (built-in tools, reasoning, background runs), rather than a reply that looks fine without them.
 """
 from __future__ import annotations
 
@@ -18,11 +23,12 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from router.errors import from_validation_error
 from router.formatting import Accumulator
 from router.protocol import ChatCompletionRequest, _Model, _schema_size_ok
+from router.tools import ToolPlan
 
 
 class InputText(_Model):
@@ -38,6 +44,62 @@ class InputMessage(_Model):
     def to_chat(self) -> dict:
         text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
         return {"role": self.role, "content": text}
+
+
+class FunctionCallItem(_Model):
+    """A call the model made in an earlier reply, given back as input."""
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Model):
+    """The result of a call, for the model to read."""
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionTool(_Model):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def to_chat(self) -> dict:
+        fn = {"name": self.name, "description": self.description, "parameters": self.parameters, "strict": self.strict}
+        return {"type": "function", "function": {k: v for k, v in fn.items() if v is not None}}
+
+
+class FunctionChoice(_Model):
+    type: Literal["function"]
+    name: str
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+
+
+def chat_messages(items: list[InputItem]) -> list[dict]:
+    """Input items as chat messages: consecutive function calls become one assistant turn's
+    tool_calls (joining the assistant's message just before them), each output a tool turn."""
+    out: list[dict] = []
+    for item in items:
+        if isinstance(item, InputMessage):
+            out.append(item.to_chat())
+        elif isinstance(item, FunctionCallOutputItem):
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        else:
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            if not (out and out[-1]["role"] == "assistant"):
+                out.append({"role": "assistant", "content": None})
+            out[-1].setdefault("tool_calls", []).append(call)
+    return out
 
 
 class TextFormat(_Model):
@@ -66,7 +128,7 @@ class TextConfig(_Model):
 
 class ResponsesRequest(_Model):
     model: str | None = None
-    input: str | list[InputMessage] = Field(min_length=1)
+    input: str | list[InputItem] = Field(min_length=1)
     instructions: str | None = None  # the system message before the input
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -76,10 +138,10 @@ class ResponsesRequest(_Model):
     store: bool = True  # OpenAI's default; nothing is stored here, and the reply says store: false
     metadata: dict[str, str] | None = None  # returned as given
     user: str | None = None
+    tools: list[FunctionTool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool = True
-    tool_choice: str | dict[str, Any] | None = None
     # Defined by OpenAI, not implemented here: a 400 when set.
-    tools: list[dict[str, Any]] | None = None
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
@@ -89,10 +151,19 @@ class ResponsesRequest(_Model):
     top_logprobs: int | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
 
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _functions_only(cls, tools):
+        """OpenAI's built-in tools (web search, file search, ...) run on its side, not here."""
+        for i, tool in enumerate(tools if isinstance(tools, list) else ()):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind is not None and kind != "function":
+                raise ValueError(f"only function tools are supported here, not {kind!r} (tool {i})")
+        return tools
+
     @model_validator(mode="after")
     def _check_unsupported(self):
-        for name, why in (("tools", "use /v1/chat/completions for tool calling"),
-                          ("previous_response_id", "this server stores no responses"),
+        for name, why in (("previous_response_id", "this server stores no responses"),
                           ("conversation", "this server stores no conversations"),
                           ("prompt", "this server stores no prompt templates"),
                           ("include", "no extra output is available"),
@@ -100,8 +171,6 @@ class ResponsesRequest(_Model):
                           ("top_logprobs", "use /v1/chat/completions for logprobs")):
             if getattr(self, name):
                 raise ValueError(f"{name} is not supported in /v1/responses: {why}")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice is not supported in /v1/responses: it has no tools")
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
             raise ValueError("reasoning is not supported in /v1/responses: the served model does not reason")
         if self.truncation == "auto":
@@ -114,66 +183,49 @@ class ResponsesRequest(_Model):
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
         else:
-            messages += [m.to_chat() for m in self.input]
+            messages += chat_messages(self.input)
         body = {"model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
-                "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "user": self.user}
+                "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "user": self.user,
+                "parallel_tool_calls": self.parallel_tool_calls}
+        if self.tools:
+            body["tools"] = [t.to_chat() for t in self.tools]
+        if isinstance(self.tool_choice, FunctionChoice):
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
         if self.text is not None and self.text.format is not None:
             body["response_format"] = self.text.format.response_format()
         try:
             return ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            raise from_validation_error(e) from None
+        except ValidationError as e:  # a rule of the chat path's; most name fields both requests have
+            raise from_validation_error(e, set(type(self).model_fields)) from None
 
 
 class ResponseReply:
-    """One request's response object and stream events: one message output item whose one
-    output_text part holds the reply."""
+    """One request's response object and stream events. Its output items, in the order they
+    form: the message (one output_text part) when the reply has text, and a function_call item
+    per call the reply made (chat's tool plan parses them out of the text)."""
 
-    def __init__(self, req: ResponsesRequest, model: str, created: int) -> None:
-        self.req, self.model, self.created = req, model, created
-        self.id, self.item_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+    def __init__(self, req: ResponsesRequest, model: str, created: int, plan: ToolPlan) -> None:
+        self.req, self.model, self.created, self.plan = req, model, created, plan
+        self.id = f"resp_{uuid.uuid4().hex}"
         self._seq = itertools.count()
 
+    # -- a whole reply ---------------------------------------------------------------------------
     def whole(self, acc: Accumulator) -> dict:
-        text, finish = self._result(acc)
-        return self._response(self._status(finish), [self._item(text, self._status(finish))], acc, finish)
-
-    def _result(self, acc: Accumulator) -> tuple[str, str | None]:
         (choice,) = acc.choices
-        return "".join(choice.text), choice.finish_reason
+        text, finish = "".join(choice.text), choice.finish_reason
+        content, calls = text, []
+        if self.plan.calls_tools:
+            reply = {"message": {"content": text}, "finish_reason": finish}
+            self.plan.apply(reply)
+            content, calls = reply["message"]["content"], reply["message"].get("tool_calls", [])
+        status = _status(finish)
+        output = [self._message(_new_id("msg"), content, status)] if content or not calls else []
+        output += [self._function_call(_new_id("fc"), c, "completed") for c in calls]
+        return self._response(status, output, acc, finish)
 
-    @staticmethod
-    def _status(finish_reason: str | None) -> str:
-        return "incomplete" if finish_reason == "length" else "completed"
-
-    def _item(self, text: str | None, status: str) -> dict:
-        content = [] if text is None else [self._part(text)]
-        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
-
-    @staticmethod
-    def _part(text: str) -> dict:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-    def _response(self, status: str, output: list[dict], acc: Accumulator | None = None,
-                  finish: str | None = None) -> dict:
-        r = self.req
-        text_format = r.text.format.model_dump(by_alias=True, exclude_none=True) \
-            if r.text is not None and r.text.format is not None else {"type": "text"}
-        out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-               "error": None, "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
-               "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
-               "output": output, "parallel_tool_calls": r.parallel_tool_calls,
-               "temperature": 1.0 if r.temperature is None else r.temperature,
-               "top_p": 1.0 if r.top_p is None else r.top_p, "tool_choice": r.tool_choice or "auto", "tools": [],
-               "text": {"format": text_format}, "truncation": r.truncation, "store": False,
-               "metadata": r.metadata or {}, "user": r.user, "usage": None}
-        if acc is not None:
-            u = acc.usage()
-            out["usage"] = {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
-                            "output_tokens": u["completion_tokens"],
-                            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": u["total_tokens"]}
-        return out
-
+    # -- the stream ------------------------------------------------------------------------------
     def event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": next(self._seq), **fields}
         return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
@@ -187,20 +239,138 @@ class ResponseReply:
         """The stream: `steps` are the chat path's outputs (an error ends them as one string)."""
         yield self.event("response.created", response=self._response("in_progress", []))
         yield self.event("response.in_progress", response=self._response("in_progress", []))
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        yield self.event("response.output_item.added", output_index=0, item=self._item(None, "in_progress"))
-        yield self.event("response.content_part.added", **where, part=self._part(""))
+        out = _StreamedOutput(self)
+        parser = self.plan.stream() if self.plan.calls_tools else None
+        finish = None
         async for _, step in steps:
             if isinstance(step, str):  # the error event: nothing follows it
                 yield step
                 return
             for c in step.choices:
-                if c.text:
-                    yield self.event("response.output_text.delta", **where, delta=c.text, logprobs=[])
-        text, finish = self._result(acc)
-        status = self._status(finish)
-        yield self.event("response.output_text.done", **where, text=text, logprobs=[])
-        yield self.event("response.content_part.done", **where, part=self._part(text))
-        item = self._item(text, status)
-        yield self.event("response.output_item.done", output_index=0, item=item)
-        yield self.event(f"response.{status}", response=self._response(status, [item], acc, finish))
+                finish = c.finish_reason or finish
+                delta = parser.step(c.text, c.finish_reason)[0] if parser is not None else {"content": c.text}
+                for event in out.add(delta):
+                    yield event
+        status = _status(finish)
+        for event in out.finish(status):
+            yield event
+        yield self.event(f"response.{status}", response=self._response(status, out.items, acc, finish))
+
+    # -- the objects -----------------------------------------------------------------------------
+    @staticmethod
+    def _message(item_id: str, text: str | None, status: str) -> dict:
+        content = [] if text is None else [_text_part(text)]
+        return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+    @staticmethod
+    def _function_call(item_id: str, call: dict, status: str) -> dict:
+        fn = call["function"]
+        return {"type": "function_call", "id": item_id, "call_id": call["id"], "name": fn["name"],
+                "arguments": fn["arguments"], "status": status}
+
+    def _response(self, status: str, output: list[dict], acc: Accumulator | None = None,
+                  finish: str | None = None) -> dict:
+        r = self.req
+        text_format = r.text.format.model_dump(by_alias=True, exclude_none=True) \
+            if r.text is not None and r.text.format is not None else {"type": "text"}
+        choice = r.tool_choice.model_dump() if isinstance(r.tool_choice, FunctionChoice) else r.tool_choice or "auto"
+        out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+               "error": None, "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
+               "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
+               "output": output, "parallel_tool_calls": r.parallel_tool_calls,
+               "temperature": 1.0 if r.temperature is None else r.temperature,
+               "top_p": 1.0 if r.top_p is None else r.top_p, "tool_choice": choice,
+               "tools": [t.model_dump(exclude_none=True) for t in r.tools or ()],
+               "text": {"format": text_format}, "truncation": r.truncation, "store": False,
+               "metadata": r.metadata or {}, "user": r.user, "usage": None}
+        if acc is not None:
+            u = acc.usage()
+            out["usage"] = {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
+                            "output_tokens": u["completion_tokens"],
+                            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": u["total_tokens"]}
+        return out
+
+
+class _StreamedOutput:
+    """The output items of a stream as chat deltas arrive: the message is added with its first
+    text, each function call with its first fragment; all are done at the end."""
+
+    def __init__(self, reply: ResponseReply) -> None:
+        self.reply = reply
+        self.items: list[dict] = []
+        self.message: dict | None = None
+        self.text: list[str] = []
+        self.calls: dict[int, dict] = {}  # chat's tool call index -> its item
+
+    def add(self, delta: dict) -> list[str]:
+        events = []
+        if delta.get("content"):
+            events += self._text(delta["content"])
+        for fragment in delta.get("tool_calls", ()):
+            events += self._call(fragment)
+        return events
+
+    def _text(self, text: str) -> list[str]:
+        event, events = self.reply.event, []
+        if self.message is None:
+            events += self._open_message()
+        self.text.append(text)
+        events.append(event("response.output_text.delta", **self._where(), delta=text, logprobs=[]))
+        return events
+
+    def _open_message(self) -> list[str]:
+        self.message = self.reply._message(_new_id("msg"), None, "in_progress")
+        self.items.append(self.message)
+        index = len(self.items) - 1
+        return [self.reply.event("response.output_item.added", output_index=index, item=self.message),
+                self.reply.event("response.content_part.added", **self._where(), part=_text_part(""))]
+
+    def _where(self) -> dict:
+        return {"item_id": self.message["id"], "output_index": self.items.index(self.message), "content_index": 0}
+
+    def _call(self, fragment: dict) -> list[str]:
+        event = self.reply.event
+        item = self.calls.get(fragment["index"])
+        if item is None:
+            first = {"id": fragment["id"], "function": {"name": fragment["function"]["name"], "arguments": ""}}
+            item = self.calls[fragment["index"]] = self.reply._function_call(_new_id("fc"), first, "in_progress")
+            self.items.append(item)
+            events = [event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item))]
+        else:
+            events = []
+        arguments = fragment.get("function", {}).get("arguments", "")
+        if arguments:
+            item["arguments"] += arguments
+            events.append(event("response.function_call_arguments.delta", item_id=item["id"],
+                                output_index=self.items.index(item), delta=arguments))
+        return events
+
+    def finish(self, status: str) -> list[str]:
+        event, events = self.reply.event, []
+        if self.message is None and not self.calls:  # an empty reply is still a message
+            events += self._open_message()
+        if self.message is not None:
+            text = "".join(self.text)
+            where = self._where()
+            events += [event("response.output_text.done", **where, text=text, logprobs=[]),
+                       event("response.content_part.done", **where, part=_text_part(text))]
+            self.message.update(status=status, content=[_text_part(text)])
+        for index, item in enumerate(self.items):
+            if item["type"] == "function_call":
+                item["status"] = "completed"
+                events.append(event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                    name=item["name"], arguments=item["arguments"]))
+            events.append(event("response.output_item.done", output_index=index, item=item))
+        return events
+
+
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"

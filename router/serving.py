@@ -192,13 +192,15 @@ class OpenAIServing:
         """OpenAI's Responses API, run as the chat request it amounts to (router.responses)."""
         self.check_model(req.model)
         chat = req.chat_request()
+        plan = ToolPlan.of(chat)
         spec, param = self._output_constraint(chat)
         params = await self._constrained(self._params(chat), spec, "text.format" if spec is not None else param)
+        params = await self._constrained(params, plan.spec(), "tools")
         try:
-            ids = self._chat_ids(chat)
+            ids = self._chat_ids(chat, plan)
         except OpenAIError as e:  # the template's complaint is about the input
             raise OpenAIError(e.status, e.message, param="input", code=e.code) from None
-        reply = ResponseReply(req, self.settings.served_model_name, int(time.time()))
+        reply = ResponseReply(req, self.settings.served_model_name, int(time.time()), plan)
         first, merged = await self._start(reply.id, [ids], params, "input", "max_output_tokens")
         acc = Accumulator([len(ids)], 1)
         if req.stream:

@@ -12,6 +12,9 @@ import pytest
 from tests.scripted_engine import run
 
 REPLY = "Yes, the sky is blue."
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"]}
 
 
@@ -103,7 +106,8 @@ def test_an_error_while_streaming_is_an_error_event(tokenizer):
 
 
 @pytest.mark.parametrize("extra, param, says", [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", "not supported in /v1/responses"),
+    ({"tools": [{"type": "web_search"}]}, "tools", "only function tools"),
+    ({"tools": [{"type": "function"}]}, "tools.0.name", "Field required"),
     ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
     ({"conversation": "conv_1"}, "conversation", "stores no conversations"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "does not reason"),
@@ -111,7 +115,8 @@ def test_an_error_while_streaming_is_an_error_event(tokenizer):
     ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
     ({"top_logprobs": 2}, "top_logprobs", "not supported"),
     ({"truncation": "auto"}, "truncation", "not supported"),
-    ({"tool_choice": "required"}, "tool_choice", "no tools"),
+    ({"tool_choice": "required"}, "tool_choice", "requires tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice", "not among"),
     ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
     ({"input": ""}, "input", "at least 1"),
     ({"text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "strin"}}}}, "text.format", ""),
@@ -126,3 +131,65 @@ def test_what_this_server_lacks_is_a_400_naming_it(tokenizer, extra, param, says
 def test_another_model_is_a_404(tokenizer):
     with pytest.raises(openai.NotFoundError):
         run(tokenizer, REPLY, lambda client: client.responses.create(model="other", input="hi"))
+
+
+def _chat_tool(tool: dict) -> dict:
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+
+
+def test_a_function_call_is_an_output_item(tokenizer):
+    r, engine = run(tokenizer, "Let me look. " + CALL, create(tools=[WEATHER]))
+    _, chat = run(tokenizer, CALL, lambda client: client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Is the sky blue?"}], tools=[_chat_tool(WEATHER)]))
+    assert engine.seen[0][0] == chat.seen[0][0]  # the prompt the chat path renders with these tools
+    message, call = r.output
+    assert message.type == "message" and message.content[0].text == "Let me look."  # as chat parses it
+    assert (call.type, call.name, call.status) == ("function_call", "get_weather", "completed")
+    assert json.loads(call.arguments) == {"city": "Paris"} and call.call_id.startswith("call_")
+    assert r.tools[0].name == "get_weather" and r.status == "completed"
+    only, _ = run(tokenizer, CALL, create(tools=[WEATHER]))
+    assert [item.type for item in only.output] == ["function_call"]
+
+
+def test_a_streamed_function_call_comes_as_argument_deltas(tokenizer):
+    events, _ = run(tokenizer, "Let me look. " + CALL, streamed(tools=[WEATHER]))
+    kinds = [e.type for e in events]
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [e.item.type for e in added] == ["message", "function_call"] and added[1].item.name == "get_weather"
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert "".join(deltas) == done.arguments and json.loads(done.arguments) == {"city": "Paris"}
+    assert done.output_index == 1 and done.item_id == added[1].item.id
+    assert kinds.index("response.function_call_arguments.done") < len(kinds) - 1
+    final = events[-1].response
+    assert final.status == "completed" and [i.type for i in final.output] == ["message", "function_call"]
+    assert final.output[0].content[0].text == "Let me look. " and final.output[1].arguments == done.arguments
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_calls_and_their_outputs_given_back_are_the_chats_tool_turns(tokenizer):
+    turns = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "18 C, sunny"}]
+    _, engine = run(tokenizer, "It is sunny.", create(input=turns, tools=[WEATHER]))
+    chat_turns = [{"role": "user", "content": "Weather in Paris?"},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": "call_1", "type": "function",
+                       "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    _, chat = run(tokenizer, "It is sunny.", lambda client: client.chat.completions.create(
+        model="m", messages=chat_turns, tools=[_chat_tool(WEATHER)]))
+    assert engine.seen[0][0] == chat.seen[0][0]
+    assert "18 C, sunny" in tokenizer.decode(engine.seen[0][0])
+
+
+def test_a_named_tool_choice_constrains_as_chats_does(tokenizer):
+    r, engine = run(tokenizer, '{"city": "Paris"}',
+                    create(tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"}))
+    _, chat = run(tokenizer, '{"city": "Paris"}', lambda client: client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Is the sky blue?"}], tools=[_chat_tool(WEATHER)],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    assert engine.seen[0][1].structured_outputs == chat.seen[0][1].structured_outputs is not None
+    (call,) = r.output
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert r.tool_choice.name == "get_weather"
