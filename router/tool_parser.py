@@ -177,12 +177,20 @@ class ToolCallStream(_Stream):
             self.num_calls += 1
 
     def finish(self) -> dict:
-        """The delta for what was held back when the text ends."""
-        rest = self.buffer
-        if self.in_call and self.args is None:  # a block cut short before its name: content
-            rest = OPEN + self.block + self.buffer
+        """The delta for what was held back when the text ends. A block whose close tag never
+        came ends here, as parse_tool_calls reads it: a call whose name went out stands (the
+        rest of its block is its own, not content), one that parses whole is sent whole, and
+        anything else is content."""
+        rest, calls = self.buffer, []
+        if self.in_call:
+            self.block, rest = self.block + self.buffer, ""
+            wanted = self.max_calls is None or self.num_calls < self.max_calls
+            content: list[str] = []
+            self._end_block(calls, content, wanted)
+            if content:  # not a call: the text as it came, without the close tag it never had
+                rest = content[0].removesuffix(CLOSE)
         self.buffer, self.block, self.in_call = "", "", False
-        return _delta(rest, [])
+        return _delta(rest, calls)
 
 
 def _delta(content: str, calls: list[dict]) -> dict:

@@ -255,7 +255,9 @@ def test_parse_tool_calls():
 
 TEXTS = [HERMES, HERMES + "\n<tool_call>\n" + '{"arguments": {"b": "}"}, "name": "x"}' + "\n</tool_call> end",
          'x <tool_call>{"name": "f", "arguments": {"s": "a\\"}]", "l": [1, {"m": []}]}}</tool_call>',
-         "no calls <tool_call> here", "<tool_call>\n{\"name\": \"f\", \"argu", "a <tool_call>broken</tool_call> b"]
+         "no calls <tool_call> here", "<tool_call>\n{\"name\": \"f\", \"argu", "a <tool_call>broken</tool_call> b",
+         # a whole call whose close tag never came (the model stopped after its JSON): it stands
+         '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n', 'ok <tool_call>{"arguments": {"a": 1}, "name": "g"}']
 
 
 @settings(max_examples=150, deadline=None)
@@ -264,7 +266,8 @@ def test_streamed_calls_add_up_to_the_parsed_whole_under_any_split(text, seed):
     rng, stream, deltas, i = random.Random(seed), ToolCallStream(), [], 0
     while i < len(text):
         n = rng.randint(1, 9)
-        deltas.append(stream.step(text[i:i + n], "stop" if i + n >= len(text) else None)[0])
+        delta, finish = stream.step(text[i:i + n], "stop" if i + n >= len(text) else None)
+        deltas.append(delta)
         i += n
     content = "".join(d.get("content", "") for d in deltas)
     calls: dict[int, list] = {}
@@ -276,6 +279,7 @@ def test_streamed_calls_add_up_to_the_parsed_whole_under_any_split(text, seed):
     assert [(n, json.loads(a)) for n, a in calls.values()] == [
         (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole]
     assert content.replace("\n", "").strip() == (whole_content or "").replace("\n", "").strip()
+    assert finish == ("tool_calls" if whole else "stop")  # as plan.apply ends the whole reply
 
 
 def test_named_stream():
