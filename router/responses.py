@@ -42,27 +42,30 @@ class InputMessage(_Model):
     content: str | list[InputText]
 
     def to_chat(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
+        """As a chat message, whose text parts the chat path joins (router.protocol.ChatMessage)."""
+        content = self.content if isinstance(self.content, str) else [
+            {"type": "text", "text": part.text} for part in self.content]
+        return {"role": self.role, "content": content}
 
 
-class FunctionCallItem(_Model):
+class _CallItem(_Model):
+    """An input item about one function call, named by its call_id."""
+    call_id: str = Field(min_length=1)
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(_CallItem):
     """A call the model made in an earlier reply, given back as input."""
     type: Literal["function_call"]
-    call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(_Model):
+class FunctionCallOutputItem(_CallItem):
     """The result of a call, for the model to read."""
     type: Literal["function_call_output"]
-    call_id: str = Field(min_length=1)
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
 class FunctionTool(_Model):
@@ -201,6 +204,14 @@ class ResponsesRequest(_Model):
             raise from_validation_error(e, set(type(self).model_fields)) from None
 
 
+# The chat request's fields that this request names otherwise, for the errors about them.
+_CHAT_FIELDS = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
+
+
+def responses_field(chat_field: str) -> str:
+    return _CHAT_FIELDS.get(chat_field, chat_field)
+
+
 class ResponseReply:
     """One request's response object and stream events. Its output items, in the order they
     form: the message (one output_text part) when the reply has text, and a function_call item
@@ -208,7 +219,7 @@ class ResponseReply:
 
     def __init__(self, req: ResponsesRequest, model: str, created: int, plan: ToolPlan) -> None:
         self.req, self.model, self.created, self.plan = req, model, created, plan
-        self.id = f"resp_{uuid.uuid4().hex}"
+        self.id = _new_id("resp")
         self._seq = itertools.count()
 
     # -- a whole reply ---------------------------------------------------------------------------

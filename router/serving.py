@@ -33,7 +33,7 @@ from router.errors import OpenAIError, bad_request, from_invalid_request, intern
 from router.formatting import (SSE_DONE, Accumulator, PromptEcho, chat_logprobs, chat_response,
                                completion_logprobs, completion_response, sse, vllm_prompt_logprobs)
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from router.responses import ResponseReply, ResponsesRequest
+from router.responses import ResponseReply, ResponsesRequest, responses_field
 from router.settings import RouterSettings
 from router.structured import checked, from_response_format, from_structured_outputs
 from router.tools import ToolPlan, render, template_knows_tools
@@ -160,11 +160,7 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
-        plan = ToolPlan.of(req)
-        params = self._params(req)
-        for spec, param in (self._output_constraint(req), (plan.spec(), "tools")):
-            params = await self._constrained(params, spec, param)
-        ids = self._chat_ids(req, plan)
+        plan, params, ids = await self._chat_prompt(req)
         if req.truncate_prompt_tokens is not None:
             ids = await self._truncated(ids, req.truncate_prompt_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -191,15 +187,7 @@ class OpenAIServing:
     async def responses(self, req: ResponsesRequest) -> dict | AsyncIterator[str]:
         """OpenAI's Responses API, run as the chat request it amounts to (router.responses)."""
         self.check_model(req.model)
-        chat = req.chat_request()
-        plan = ToolPlan.of(chat)
-        spec, param = self._output_constraint(chat)
-        params = await self._constrained(self._params(chat), spec, "text.format" if spec is not None else param)
-        params = await self._constrained(params, plan.spec(), "tools")
-        try:
-            ids = self._chat_ids(chat, plan)
-        except OpenAIError as e:  # the template's complaint is about the input
-            raise OpenAIError(e.status, e.message, param="input", code=e.code) from None
+        plan, params, ids = await self._chat_prompt(req.chat_request(), field=responses_field)
         reply = ResponseReply(req, self.settings.served_model_name, int(time.time()), plan)
         first, merged = await self._start(reply.id, [ids], params, "input", "max_output_tokens")
         acc = Accumulator([len(ids)], 1)
@@ -242,17 +230,29 @@ class OpenAIServing:
             keep = (await self.limits())["max_model_len"]
         return ids[-keep:]
 
-    def _chat_ids(self, req: ChatCompletionRequest | TokenizeRequest, plan: ToolPlan | None = None) -> list[int]:
+    async def _chat_prompt(self, req: ChatCompletionRequest, field: Callable[[str], str] = str,
+                           ) -> tuple[ToolPlan, SamplingParams, list[int]]:
+        """What the chat path runs for `req`: its tool plan, its sampling params with every
+        constraint on the output, and its rendered prompt. `field` names a chat field in the
+        errors as the caller's request names it."""
+        plan = ToolPlan.of(req)
+        params = self._params(req)
+        for spec, param in (self._output_constraint(req), (plan.spec(), "tools")):
+            params = await self._constrained(params, spec, field(param))
+        return plan, params, self._chat_ids(req, plan, field("messages"))
+
+    def _chat_ids(self, req: ChatCompletionRequest | TokenizeRequest, plan: ToolPlan | None = None,
+                  param: str = "messages") -> list[int]:
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
-            raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+            raise bad_request("this model has no chat template; use /v1/completions", param=param)
         msgs, tools = render(req.messages, plan or ToolPlan("none"), template_knows_tools(template))
         try:
             text = self.tokenizer.apply_chat_template(
                 msgs, tools=tools, tokenize=False, add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
         except Exception as e:  # jinja raises on conversations its template rejects
-            raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from None
+            raise bad_request(f"the chat template rejected these messages: {e}", param=param) from None
         return self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
 
     async def _check_prompts(self, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
