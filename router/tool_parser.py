@@ -8,7 +8,8 @@ Hermes-style blocks, as router.tools asks for them:
 A stream sends, per call, `{"index", "id", "type", "function": {"name", "arguments": ""}}` as soon
 as the name is known, then the arguments as fragments while they are generated, as OpenAI does.
 Text that might still become a `<tool_call>` tag is held back until it cannot. A block that is
-not a call (not JSON, no name) stays content.
+not a call (not JSON, no name) stays content. The content is the reply's without the whitespace
+around it, streamed or whole: a stream holds trailing whitespace back until more content follows.
 """
 from __future__ import annotations
 
@@ -125,6 +126,20 @@ class ToolCallStream(_Stream):
         self.block = ""  # the current block's text so far
         self.args: _JsonValueEnd | None = None  # set once the current call's name went out
         self.num_calls = 0
+        self.content_sent = False
+        self.spaces = ""  # trailing whitespace of the content sent, held back until content follows
+
+    def _trimmed(self, content: str) -> str:
+        """Content to send, as parse_tool_calls strips the whole: none of the whitespace before
+        the first content, and whitespace only once content follows it."""
+        if not self.content_sent:
+            content = content.lstrip()
+        body = content.rstrip()
+        if not body:
+            self.spaces += content
+            return ""
+        out, self.spaces, self.content_sent = self.spaces + body, content[len(body):], True
+        return out
 
     def feed(self, text: str) -> dict:
         """-> the delta for `text` ({} when nothing can be sent yet)."""
@@ -142,7 +157,7 @@ class ToolCallStream(_Stream):
                 self.buffer, self.in_call, self.block, self.args = self.buffer[start + len(OPEN):], True, "", None
             elif not self._advance_call(calls, content):
                 break
-        return _delta("".join(content), calls)
+        return _delta(self._trimmed("".join(content)), calls)
 
     def _advance_call(self, calls: list[dict], content: list[str]) -> bool:
         """Consume buffered text of the current block; -> whether the block ended."""
@@ -190,7 +205,7 @@ class ToolCallStream(_Stream):
             if content:  # not a call: the text as it came, without the close tag it never had
                 rest = content[0].removesuffix(CLOSE)
         self.buffer, self.block, self.in_call = "", "", False
-        return _delta(rest, calls)
+        return _delta(self._trimmed(rest), calls)  # whitespace still held back is the reply's end
 
 
 def _delta(content: str, calls: list[dict]) -> dict:

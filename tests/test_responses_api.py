@@ -163,7 +163,7 @@ def test_a_streamed_function_call_comes_as_argument_deltas(tokenizer):
     assert kinds.index("response.function_call_arguments.done") < len(kinds) - 1
     final = events[-1].response
     assert final.status == "completed" and [i.type for i in final.output] == ["message", "function_call"]
-    assert final.output[0].content[0].text == "Let me look. " and final.output[1].arguments == done.arguments
+    assert final.output[0].content[0].text == "Let me look." and final.output[1].arguments == done.arguments
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
