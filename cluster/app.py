@@ -331,7 +331,10 @@ def build_app(args: dict | None = None):
                                                               settings.served_model_name)
     scale = ({"autoscaling_config": options.ingress_autoscaling_config} if options.ingress_autoscaling_config
              else {"num_replicas": options.num_ingress_replicas})
+    from cluster.ingress_router import ingress_router_config
+
     ingress = IngressDeployment.options(**scale, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+                                        request_router_config=ingress_router_config(),
                                         ray_actor_options={"num_cpus": 0},
                                         graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s,
                                         max_surge_percent=100)  # 0 CPUs: a new ingress before the old one stops

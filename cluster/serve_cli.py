@@ -1,6 +1,6 @@
 """`kvserve serve`: start Ray + Serve and the OpenAI-compatible server, until Ctrl-C or SIGTERM.
 
-    kvserve serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--num-replicas R]
+    kvserve serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--num-replicas R] [--api-server-count N]
                   [--max-queued-requests N] [--routing kv|pow2|round_robin|prefix_affinity|cache_aware|session]
                   [--autoscale none|kv|requests --min-replicas N --max-replicas N ...]
                   [engine flags: --model, -tp, --max-model-len, ...]
@@ -21,7 +21,7 @@ import time
 from cluster.engine_args import add_engine_args, engine_config_from_args, parse_bytes
 from cluster.policy import ROUTERS
 
-_SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "max_ongoing_requests", "max_queued_requests",
+_SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_replicas", "max_ongoing_requests", "max_queued_requests",
                 "max_request_body_bytes", "max_sequences_per_request", "enable_log_requests", "routing",
                 "routing_stats_period_s", "autoscale", "min_replicas", "max_replicas", "upscale_delay_s",
                 "downscale_delay_s", "target_kv_usage", "target_ongoing_requests", "look_back_period_s",
@@ -50,6 +50,10 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     cluster.add_argument("--num-replicas", type=int, metavar="R",
                          help="engine replicas (default: 1); with --autoscale, the count to start from "
                               "(default: --min-replicas)")
+    cluster.add_argument("--api-server-count", type=int, dest="num_ingress_replicas", metavar="N",
+                         help="ingress replicas: the processes that parse requests, apply the chat template, "
+                              "tokenize and relay the engines' streams (default: 1; one relays ~3,000 "
+                              "streamed tokens/s, docs/benchmarks.md)")
     cluster.add_argument("--max-ongoing-requests", type=int, metavar="N",
                          help="requests in flight per engine replica (default: --max-num-seqs)")
     cluster.add_argument("--max-queued-requests", type=int, metavar="N",
@@ -191,16 +195,27 @@ def run_serve(ns: argparse.Namespace) -> int:
 
 
 def _drain(ingress, timeout_s: float, poll_s: float = 0.2) -> int:
-    """Have the ingress refuse new requests and wait until none is in flight or `timeout_s` has
-    passed; returns how many were left. Only then may the proxy and the replicas stop."""
+    """Have every ingress replica refuse new requests and wait until none has one in flight or
+    `timeout_s` has passed; returns how many were left. Only then may the proxy and the replicas
+    stop. Each round asks each replica once: a call names the replicas asked in this round, and
+    the ingress router (cluster.ingress_router) sends it to another, until none is left."""
     deadline = time.monotonic() + timeout_s
     while True:
+        in_flight: dict[str, int] = {}
         try:
-            left = ingress.drain.remote().result(timeout_s=max(1.0, deadline - time.monotonic()))
+            while True:
+                answer = ingress.drain.remote(exclude=list(in_flight)).result(
+                    timeout_s=max(1.0, deadline - time.monotonic()))
+                if answer["replica"] in in_flight:
+                    break
+                in_flight[answer["replica"]] = answer["in_flight"]
         except Exception as e:  # the ingress is gone or stuck: nothing more to wait for
             print(f"kvserve: could not drain the ingress: {e!r}", file=sys.stderr, flush=True)
             return -1
+        left = sum(in_flight.values())
         if left == 0 or time.monotonic() >= deadline:
+            print(f"kvserve: drained {len(in_flight)} ingress replica(s); {left} requests left", file=sys.stderr,
+                  flush=True)
             return left
         time.sleep(poll_s)
 

@@ -142,10 +142,13 @@ class OpenAIIngress:
     def __serve_build_asgi_app__(self):
         return build_api(self._serving, ready=self.ready, admission=self._admission)
 
-    async def drain(self) -> int:
-        """Stop taking requests (503 + Retry-After, /ready 503); returns how many are in flight.
-        `kvserve serve` calls it on SIGTERM / SIGINT and waits for 0 before stopping Serve."""
-        return self._admission.drain()
+    async def drain(self, exclude: list[str] = ()) -> dict:
+        """Stop taking requests (503 + Retry-After, /ready 503); -> this replica's id and how many
+        requests it has in flight. `kvserve serve` calls it on SIGTERM / SIGINT, on every ingress
+        replica (`exclude`: the ones it has asked, which cluster.ingress_router then skips), and
+        waits for 0 before stopping Serve."""
+        return {"replica": serve.get_replica_context().replica_id.to_full_id_str(),
+                "in_flight": self._admission.drain()}
 
     async def ready(self) -> tuple[bool, dict]:
         """True when every replica of the engine deployment is running (its engine loaded)."""

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -193,10 +194,37 @@ def test_the_port_check_ignores_time_wait_but_not_a_listener():
         listener.close()
 
 
-def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(smollm2_path):
+class _Ingress:
+    """A handle to ingress replicas as cluster.ingress_router routes `drain`: to one not excluded,
+    else to any. Each replica's requests end one per call it answers."""
+
+    def __init__(self, in_flight: dict[str, int]) -> None:
+        self.in_flight, self.calls = in_flight, []
+        self.drain = self
+
+    def remote(self, exclude=()):
+        self.calls.append(list(exclude))
+        rid = next((r for r in self.in_flight if r not in exclude), next(iter(self.in_flight)))
+        answer = {"replica": rid, "in_flight": self.in_flight[rid]}
+        self.in_flight[rid] = max(0, self.in_flight[rid] - 1)
+        return SimpleNamespace(result=lambda timeout_s: answer)
+
+
+def test_the_drain_asks_every_ingress_replica_each_round_until_none_has_requests():
+    from cluster.serve_cli import _drain
+
+    ingress = _Ingress({"a": 0, "b": 2})  # a router's pow2 would only ever pick the idle "a"
+    assert _drain(ingress, timeout_s=10, poll_s=0) == 0
+    rounds = [c for c in ingress.calls if not c]
+    assert len(rounds) == 3 and ingress.calls[:3] == [[], ["a"], ["a", "b"]]  # b: 2, then 1, then 0 left
+    assert _drain(_Ingress({"a": 5}), timeout_s=0, poll_s=0) == 5  # out of time: what is left
+
+
+def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(tmp_path, smollm2_path):
     """SIGTERM with streams in flight: /ready and new requests get 503 (with Retry-After) at once,
     every stream runs to its end ([DONE], finish_reason "length", all its tokens), then the
-    server exits 0 leaving no Ray process behind."""
+    server exits 0 leaving no Ray process behind. Two ingress replicas (--api-server-count): the
+    streams spread over both, and both are drained."""
     import json
     import signal
     import threading
@@ -208,11 +236,12 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(smollm2_path)
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.err"
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--max-model-len",
-                             "512", "--device", "cpu", "--graceful-shutdown-timeout-s", "120"], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    n, max_tokens = 4, 96
+                             "512", "--device", "cpu", "--graceful-shutdown-timeout-s", "120", "--api-server-count",
+                             "2"], cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=log.open("w"),
+                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    n, max_tokens = 4, 160  # long enough to outlast the refused requests below
     started = [threading.Event() for _ in range(n)]
     results: list[list] = [[] for _ in range(n)]
 
@@ -236,15 +265,17 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(smollm2_path)
             t.start()
         assert all(e.wait(60) for e in started)
         proc.send_signal(signal.SIGTERM)
-        refused = None
+        refused = []
         for _ in range(100):  # the drain starts within a moment of the signal
             ready = httpx.get(f"{url}/ready", timeout=10)
-            if ready.status_code == 503:
-                refused = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+            if ready.status_code == 503:  # one ingress replica drained; the next is asked a moment later
+                time.sleep(0.2)
+                refused = [httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+                           for _ in range(8)]
                 break
             time.sleep(0.1)
-        assert refused is not None and refused.status_code == 503, refused
-        assert refused.json()["error"]["code"] == "unavailable" and int(refused.headers["Retry-After"]) >= 1
+        assert refused and all(r.status_code == 503 for r in refused), [r.status_code for r in refused]
+        assert refused[0].json()["error"]["code"] == "unavailable" and int(refused[0].headers["Retry-After"]) >= 1
         for t in threads:
             t.join(120)
         for events in results:
@@ -253,6 +284,7 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(smollm2_path)
             assert chunks[-1]["choices"][0]["finish_reason"] == "length"
             assert len(chunks) == max_tokens  # one chunk per token: nothing was cut
         assert proc.wait(timeout=60) == 0
+        assert "kvserve: drained 2 ingress replica(s); 0 requests left" in log.read_text()
         gone, alive = psutil.wait_procs(ray_procs, timeout=30)
         assert not alive, [p.cmdline() for p in alive]
     finally:

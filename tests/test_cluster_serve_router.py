@@ -181,3 +181,21 @@ def test_kv_router_newcomers_yield_to_a_request_held_past_max_hold():
         assert await router.choose_replicas(roomy, old) == [roomy]  # which takes the room
         assert await router.choose_replicas(roomy, pending(3, [7] * 100)) == [roomy]  # nobody overdue now
     asyncio.run(main())
+
+
+def test_a_drain_call_goes_to_an_ingress_replica_not_asked_yet():
+    from cluster.ingress_router import IngressRequestRouter
+
+    async def main():
+        router = make(IngressRequestRouter)
+        a, b, c = replica("a"), replica("b"), replica("c")
+
+        def drain(*asked):
+            meta = RequestMetadata(request_id="d", internal_request_id="d", call_method="drain")
+            return PendingRequest(args=[], kwargs={"exclude": [r.replica_id.to_full_id_str() for r in asked]},
+                                  metadata=meta)
+
+        assert await router.choose_replicas([a, b, c], drain()) == [[a, b, c]]
+        assert await router.choose_replicas([a, b, c], drain(a, c)) == [[b]]
+        assert await router.choose_replicas([a, b, c], drain(a, b, c)) == [[a, b, c]]  # all asked: any, seen again
+    asyncio.run(main())

@@ -238,11 +238,11 @@ def test_api_key_can_come_from_the_ingress_environment(monkeypatch):
 def test_serve_flags_map_onto_app_args():
     ns = build_parser().parse_args(["serve", "--port", "9000", "--api-key", "k", "-tp", "2", "--num-replicas", "3",
                                     "--max-model-len", "1024", "--max-num-seqs", "8", "--max-queued-requests", "16",
-                                    "--served-model-name", "smol"])
+                                    "--served-model-name", "smol", "--api-server-count", "2"])
     assert (ns.host, ns.port) == ("127.0.0.1", 9000)
     assert app_args_from_cli(ns) == {"api_key": "k", "tensor_parallel_size": 2, "num_replicas": 3,
                                      "max_model_len": 1024, "max_num_seqs": 8, "max_queued_requests": 16,
-                                     "served_model_name": "smol"}
+                                     "served_model_name": "smol", "num_ingress_replicas": 2}
     split_args(app_args_from_cli(ns))
 
 
