@@ -110,8 +110,10 @@ class ServeOptions:
             raise ValueError("give num_replicas or an autoscaling_config (with its initial_replicas), not both")
         if self.autoscaling_config:
             _check_serve_autoscaling("autoscaling_config", self.autoscaling_config)
-        if (self.num_replicas is not None and self.num_replicas < 1) or self.num_ingress_replicas < 1:
-            raise ValueError("num_replicas and num_ingress_replicas must be >= 1")
+        if self.num_replicas is not None and self.num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
+        if self.num_ingress_replicas < 1:
+            raise ValueError(f"num_ingress_replicas (--api-server-count) must be >= 1, got {self.num_ingress_replicas}")
         if self.ingress_autoscaling_config is not None:
             if self.num_ingress_replicas != 1:
                 raise ValueError("give num_ingress_replicas or an ingress_autoscaling_config, not both")

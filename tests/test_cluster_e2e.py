@@ -371,6 +371,8 @@ def test_bad_flag_values_are_one_line_usage_errors(capsys, argv, message):
     (["--autoscale", "requests", "--max-replicas", "2", "--upscale-delay-s", "-1"],
      "kvserve: error: upscale_delay_s and downscale_delay_s must be >= 0"),
     (["--routing-stats-period-s", "0"], "kvserve: error: routing_stats_period_s must be > 0"),
+    (["--api-server-count", "0"], "kvserve: error: num_ingress_replicas (--api-server-count) must be >= 1, got 0"),
+    (["--num-replicas", "0"], "kvserve: error: num_replicas must be >= 1, got 0"),
     (["--autoscale", "kv", "--num-replicas", "2"], "kvserve: error: autoscale kv needs max_replicas"),
     (["--autoscale", "kv", "--max-replicas", "2", "--num-replicas", "3"],
      "kvserve: error: with autoscale, num_replicas (the initial count) must be within min_replicas..max_replicas"),
