@@ -21,9 +21,9 @@ import time
 from cluster.engine_args import add_engine_args, engine_config_from_args, parse_bytes
 from cluster.policy import ROUTERS
 
-_SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_replicas", "max_ongoing_requests", "max_queued_requests",
-                "max_request_body_bytes", "max_sequences_per_request", "enable_log_requests", "routing",
-                "routing_stats_period_s", "autoscale", "min_replicas", "max_replicas", "upscale_delay_s",
+_SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_replicas", "max_ongoing_requests",
+                "max_queued_requests", "max_request_body_bytes", "max_sequences_per_request", "enable_log_requests",
+                "routing", "routing_stats_period_s", "autoscale", "min_replicas", "max_replicas", "upscale_delay_s",
                 "downscale_delay_s", "target_kv_usage", "target_ongoing_requests", "look_back_period_s",
                 "graceful_shutdown_timeout_s", "engine_cls", "cpu_threads")
 
