@@ -318,6 +318,23 @@ def engine_deployment_options(engine: EngineConfig, options: ServeOptions) -> di
     return opts
 
 
+def ingress_deployment_options(options: ServeOptions) -> dict:
+    opts = {"max_ongoing_requests": INGRESS_MAX_ONGOING_REQUESTS,
+            "ray_actor_options": {"num_cpus": 0},  # 0 CPUs: a new ingress can start before the old one stops
+            "graceful_shutdown_timeout_s": options.graceful_shutdown_timeout_s, "max_surge_percent": 100}
+    if options.ingress_autoscaling_config:
+        opts["autoscaling_config"] = options.ingress_autoscaling_config
+        return opts
+    opts["num_replicas"] = options.num_ingress_replicas
+    if options.num_ingress_replicas > 1:
+        # So that `kvserve serve`'s drain reaches each (cluster.ingress_router). The proxies
+        # import it: only where there is more than one, one ingress is routed as Serve's default.
+        from cluster.ingress_router import ingress_router_config
+
+        opts["request_router_config"] = ingress_router_config()
+    return opts
+
+
 def build_app(args: dict | None = None):
     """The Serve application (a bound ingress deployment) for these arguments."""
     from router.ingress import IngressDeployment
@@ -331,13 +348,5 @@ def build_app(args: dict | None = None):
         cpu_threads = max(1, _usable_cores() // options.max_engine_replicas)
     engine_app = EngineDeployment.options(**engine_opts).bind(engine, options.engine_cls, cpu_threads,
                                                               settings.served_model_name)
-    scale = ({"autoscaling_config": options.ingress_autoscaling_config} if options.ingress_autoscaling_config
-             else {"num_replicas": options.num_ingress_replicas})
-    from cluster.ingress_router import ingress_router_config
-
-    ingress = IngressDeployment.options(**scale, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
-                                        request_router_config=ingress_router_config(),
-                                        ray_actor_options={"num_cpus": 0},
-                                        graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s,
-                                        max_surge_percent=100)  # 0 CPUs: a new ingress before the old one stops
+    ingress = IngressDeployment.options(**ingress_deployment_options(options))
     return ingress.bind(engine_app, settings, engine.model, engine.tokenizer)

@@ -4,7 +4,8 @@
 `kvserve serve` drains every ingress replica before it stops Serve (router.ingress.OpenAIIngress.drain).
 A handle reaches a deployment, not a replica, and power of two choices sends each call to the
 shorter of two queues, so a replica busy with streams would never be asked while an idle one
-was: it would go on taking requests, and the drain would wait out its whole timeout.
+was: it would go on taking requests, and the drain would wait out its whole timeout. Used where
+there is more than one fixed ingress replica (cluster.app.ingress_deployment_options).
 """
 from __future__ import annotations
 

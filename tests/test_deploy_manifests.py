@@ -157,6 +157,9 @@ def test_serve_config_deploys_our_app(item, monkeypatch):
             policy = AutoscalingConfig(**opts["autoscaling_config"]).policy
             assert callable(resolve(policy.policy_function))
         assert resolve(opts["request_router_config"].request_router_class)
+        ingress = cluster.app.ingress_deployment_options(options)
+        if "request_router_config" in ingress:  # the proxies import it: it must resolve
+            assert resolve(ingress["request_router_config"].request_router_class)
         assert isinstance(build_without_ray(monkeypatch, args), Application)
 
 

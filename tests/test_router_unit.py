@@ -246,6 +246,19 @@ def test_serve_flags_map_onto_app_args():
     split_args(app_args_from_cli(ns))
 
 
+def test_more_than_one_ingress_replica_routes_drain_calls_to_each():
+    from cluster.app import ingress_deployment_options
+    from cluster.ingress_router import IngressRequestRouter
+
+    def router(**args):
+        config = ingress_deployment_options(split_args(args)[1]).get("request_router_config")
+        return config and config.request_router_class
+
+    assert router() is None and router(num_ingress_replicas=1) is None  # Serve's default for one
+    assert router(num_ingress_replicas=2) == f"{IngressRequestRouter.__module__}:{IngressRequestRouter.__name__}"
+    assert router(ingress_autoscaling_config={"min_replicas": 1, "max_replicas": 4}) is None  # kvserve serve never
+
+
 def test_ready_message_has_a_working_curl_and_never_the_key():
     msg = ready_message("0.0.0.0", 8000, "smol", api_key=True)
     assert "http://127.0.0.1:8000/v1/chat/completions" in msg and "$KVSERVE_API_KEY" in msg
