@@ -223,8 +223,8 @@ def test_the_drain_asks_every_ingress_replica_each_round_until_none_has_requests
 def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(tmp_path, smollm2_path):
     """SIGTERM with streams in flight: /ready and new requests get 503 (with Retry-After) at once,
     every stream runs to its end ([DONE], finish_reason "length", all its tokens), then the
-    server exits 0 leaving no Ray process behind. Two ingress replicas (--api-server-count): the
-    streams spread over both, and both are drained."""
+    server exits 0 leaving no Ray process behind. Two ingress replicas (--api-server-count): both
+    are drained."""
     import json
     import signal
     import threading
