@@ -44,7 +44,7 @@ async def run(args) -> dict:
     engine = AsyncEngine(model=str(args.model_dir), max_num_seqs=args.streams, device="cpu",
                          num_gpu_blocks_override=args.streams * (args.prompt_len + args.output_len) // 16 + 64)
     rng = random.Random(0)
-    vocab = engine.engine.vocab_size if hasattr(engine.engine, "vocab_size") else 49152
+    vocab = engine.engine.executor.info.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.streams)]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     await _stream(engine, "warm", prompts[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), 0)
@@ -64,6 +64,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="local model dir (default: --random-weights)")
     p.add_argument("--random-weights", default="tiny", metavar="SHAPE", help="as benchmarks/offline.py (default: tiny)")
+    p.add_argument("--model-cache", default=None, metavar="DIR")
     p.add_argument("--streams", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
@@ -77,15 +78,11 @@ def main(argv=None) -> None:
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
 
-    torch.set_num_threads(args.threads)
-    if args.model:
-        args.model_dir = Path(args.model)
-    else:
-        from benchmarks.random_model import make_random_model
-        from engine.model_source import cache_dir
+    from benchmarks.offline import model_dir
 
-        args.model_dir = make_random_model(cache_dir() / "random-models" / f"{args.random_weights}-float32",
-                                           args.random_weights, "float32")
+    torch.set_num_threads(args.threads)
+    args.dtype, args.tokenizer = "float32", None
+    args.model_dir = model_dir(args)
     r = asyncio.run(run(args))
     print(f"{args.streams} streams x {args.output_len} tokens, relay {args.relay_us:g} us/output: "
           f"{r['tok_s']:.0f} tok/s, {r['tokens_per_output']:.2f} tokens/output, "
