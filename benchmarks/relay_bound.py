@@ -39,12 +39,14 @@ async def _stream(engine, rid: str, prompt: list[int], params, relay_us: float) 
 
 
 async def run(args) -> dict:
-    from engine import AsyncEngine, SamplingParams
+    import engine as engines
+    from engine import SamplingParams
 
-    engine = AsyncEngine(model=str(args.model_dir), max_num_seqs=args.streams, device="cpu",
-                         num_gpu_blocks_override=args.streams * (args.prompt_len + args.output_len) // 16 + 64)
+    make = engines.ProcessEngine if args.engine == "process" else engines.AsyncEngine
+    engine = make(model=str(args.model_dir), max_num_seqs=args.streams, device="cpu",
+                  num_gpu_blocks_override=args.streams * (args.prompt_len + args.output_len) // 16 + 64)
     rng = random.Random(0)
-    vocab = engine.engine.executor.info.vocab_size
+    vocab = engine.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.streams)]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     await _stream(engine, "warm", prompts[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), 0)
@@ -70,6 +72,9 @@ def main(argv=None) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--relay-us", type=float, default=150.0, help="CPU us on the event loop per output taken")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    p.add_argument("--engine", choices=("thread", "process"), default="thread",
+                   help="AsyncEngine (steps on a thread of the relay's process) or ProcessEngine (the "
+                        "engine core in a process of its own)")
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="sys.setswitchinterval for the run (default: Python's, 5 ms)")
     args = p.parse_args(argv)
@@ -84,7 +89,7 @@ def main(argv=None) -> None:
     args.dtype, args.tokenizer = "float32", None
     args.model_dir = model_dir(args)
     r = asyncio.run(run(args))
-    print(f"{args.streams} streams x {args.output_len} tokens, relay {args.relay_us:g} us/output: "
+    print(f"{args.engine}: {args.streams} streams x {args.output_len} tokens, relay {args.relay_us:g} us/output: "
           f"{r['tok_s']:.0f} tok/s, {r['tokens_per_output']:.2f} tokens/output, "
           f"decode step {r['decode_step_ms']:.2f} ms, {r['wall_s']:.1f} s")
 

@@ -3,7 +3,7 @@ from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "AsyncEngine", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput",
+__all__ = ["LLM", "AsyncEngine", "ProcessEngine", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput",
            "CompletionOutput", "EngineStats"]
 
 
@@ -15,6 +15,9 @@ def __getattr__(name: str):
     if name == "AsyncEngine":
         from engine.async_engine import AsyncEngine
         return AsyncEngine
+    if name == "ProcessEngine":
+        from engine.process_engine import ProcessEngine
+        return ProcessEngine
     if name == "LLMEngine":
         from engine.llm_engine import LLMEngine
         return LLMEngine

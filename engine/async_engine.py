@@ -55,6 +55,10 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self.engine.executor.info.vocab_size
+
+    @property
     def is_healthy(self) -> bool:
         return self._error is None
 

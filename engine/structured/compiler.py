@@ -115,10 +115,10 @@ class GrammarCompiler:
         return future
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        return _checked(self.submit(params).result())
+        return checked(self.submit(params).result())
 
     async def compile_async(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        return _checked(await asyncio.wrap_future(self.submit(params)))
+        return checked(await asyncio.wrap_future(self.submit(params)))
 
     def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         try:
@@ -137,7 +137,7 @@ class GrammarCompiler:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _checked(grammar: CompiledGrammar) -> CompiledGrammar:
+def checked(grammar: CompiledGrammar) -> CompiledGrammar:
     if grammar.error is not None:
         raise InvalidRequestError(PARAM, grammar.error)
     return grammar
