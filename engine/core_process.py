@@ -19,7 +19,9 @@ raises; then its last message is ("dead", repr of the error).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 from multiprocessing.connection import Connection
 
 from engine.outputs import RequestOutput
@@ -59,6 +61,8 @@ class EngineCore:
             busy = self.engine.has_unfinished()
             # Idle: block until a message comes; a grammar compiling: look again soon.
             changed = self._receive(0 if busy else (0.002 if self.compiling else None))
+            if not self.running:
+                break
             changed |= self._add_compiled()
             if self.running and self.engine.has_unfinished():
                 self._take(self.engine.step())
@@ -164,6 +168,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--in-fd", type=int, required=True)
     p.add_argument("--out-fd", type=int, required=True)
     args = p.parse_args(argv)
+    # A terminal's Ctrl-C reaches the whole process group: the parent drains its streams, and the
+    # core must go on stepping them until it is told to stop (or its parent is gone).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn_in, conn_out = Connection(args.in_fd, writable=False), Connection(args.out_fd, readable=False)
     config, threads = conn_in.recv()
     try:
@@ -175,7 +182,10 @@ def main(argv: list[str] | None = None) -> None:
 
         engine = LLMEngine(config)
     except BaseException as e:  # the parent raises it where the engine was asked for
-        conn_out.send(("failed", e))
+        try:
+            conn_out.send(("failed", e))
+        except Exception:  # an exception that does not pickle: its words, then
+            conn_out.send(("failed", RuntimeError(f"engine core failed to load: {e!r}")))
         raise
     conn_out.send(("ready", _info(engine)))
     core = EngineCore(engine, conn_in, conn_out)
@@ -183,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
         core.run()
     except BaseException as e:
         logger.exception("engine core failed")
-        conn_out.send(("dead", repr(e)))
+        with contextlib.suppress(OSError):  # a parent that went away has nobody to tell
+            conn_out.send(("dead", repr(e)))
         raise
     finally:
         engine.executor.shutdown()
