@@ -107,6 +107,8 @@ class ProcessEngine:
         kind, payload = _wait_ready(self._proc, self._conn_in)
         if kind != "ready":
             self._proc.wait()
+            self._conn_in.close()
+            self._conn_out.close()
             raise payload
         self.max_model_len: int = payload["max_model_len"]
         self.vocab_size: int = payload["vocab_size"]
