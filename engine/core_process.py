@@ -64,7 +64,7 @@ class EngineCore:
             if not self.running:
                 break
             changed |= self._add_compiled()
-            if self.running and self.engine.has_unfinished():
+            if self.engine.has_unfinished():
                 self._take(self.engine.step())
                 busy = True
             if busy or changed:

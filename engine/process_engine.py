@@ -43,8 +43,9 @@ _ABORTED = object()  # the request was aborted before it reached the engine
 class _Stream:
     """One request's outputs as they come from the core, merged until the stream reads them."""
 
-    def __init__(self, request_id: str, prompt: str | list[int]) -> None:
+    def __init__(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         self.request_id = request_id
+        self.with_logprobs = params.logprobs is not None  # as the engine's Request makes its completions
         self.prompt = prompt if isinstance(prompt, str) else None
         self.prompt_token_ids = None if isinstance(prompt, str) else list(prompt)
         self.completions: dict[int, CompletionOutput] = {}
@@ -64,12 +65,11 @@ class _Stream:
         for index, text, ids, logprobs, cumulative, finish, stop in comps:
             c = self.completions.get(index)
             if c is None:
-                c = self.completions[index] = CompletionOutput(index, logprobs=[] if logprobs is not None else None)
+                c = self.completions[index] = CompletionOutput(index, logprobs=[] if self.with_logprobs else None)
             c.delta_text += text
             c.delta_token_ids += ids
             if logprobs is not None:
                 c.delta_logprobs = (c.delta_logprobs or []) + logprobs
-                c.logprobs = (c.logprobs or []) + logprobs
             c.cumulative_logprob, c.finish_reason, c.stop_reason = cumulative, finish, stop
         self._wake()
 
@@ -89,7 +89,9 @@ class _Stream:
         for index in sorted(self.completions):
             c = self.completions[index]
             c.text += c.delta_text
-            c.token_ids = c.token_ids + c.delta_token_ids
+            c.token_ids = c.token_ids + c.delta_token_ids  # new lists: earlier snapshots keep theirs
+            if c.delta_logprobs is not None:
+                c.logprobs = c.logprobs + c.delta_logprobs
             outs.append(c.snapshot())
             c.delta_text, c.delta_token_ids, c.delta_logprobs = "", [], None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
@@ -157,7 +159,7 @@ class ProcessEngine:
         if request_id in self._keys:
             raise ValueError(f"request id {request_id!r} is already in use")
         key = next(self._next_key)
-        stream = self._streams[key] = _Stream(request_id, prompt)
+        stream = self._streams[key] = _Stream(request_id, prompt, params)
         self._keys[request_id] = key
         self._send(("add", key, request_id, prompt, params))
         finished = False
@@ -184,8 +186,7 @@ class ProcessEngine:
             self._send(("abort", key))
 
     async def shutdown(self) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._conn_in.fileno())
+        self._detach()
         self._send(("shutdown",))
         self._outbox.put(None)
         await asyncio.to_thread(self._stop_core)
@@ -216,10 +217,13 @@ class ProcessEngine:
         loop = asyncio.get_running_loop()
         if loop is self._loop:
             return
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._conn_in.fileno())
+        self._detach()
         self._loop = loop
         loop.add_reader(self._conn_in.fileno(), self._read)
+
+    def _detach(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._conn_in.fileno())
 
     def _read(self) -> None:
         try:
@@ -250,8 +254,7 @@ class ProcessEngine:
         if self._error is None:
             logger.error("engine core failed: %s", why)
             self._error = why
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._conn_in.fileno())
+        self._detach()
         for stream in list(self._streams.values()):
             stream.fail(EngineDeadError(f"engine loop failed: {why}"))
 
