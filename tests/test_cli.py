@@ -89,7 +89,11 @@ def test_generate_streams_paris(smollm2_path):
     assert "capital of France is Paris" in r.stdout, r.stdout
 
 
-def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_path):
+ENGINES = pytest.mark.parametrize("engine_cls", [None, "engine.process_engine:ProcessEngine"], ids=["thread", "process"])
+
+
+@ENGINES
+def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_path, engine_cls):
     """`kvserve serve` under a supervisor: SIGINT, then a burst of SIGTERMs (as `timeout` forwards or
     a pod stop repeats). A signal that lands inside the previous one's handler must not deadlock
     it: it drains, exits 0, and takes every Ray process it started with it."""
@@ -104,7 +108,7 @@ def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_
     model = make_tiny_llama(tmp_path / "tiny", tokenizer_dir=smollm2_path)
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--port", str(port),
-                             "--max-model-len", "256", "--device", "cpu"], cwd=ROOT, text=True,
+                             "--max-model-len", "256", "--device", "cpu", *engine_flag(engine_cls)], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
@@ -220,7 +224,8 @@ def test_the_drain_asks_every_ingress_replica_each_round_until_none_has_requests
     assert _drain(_Ingress({"a": 5}), timeout_s=0, poll_s=0) == 5  # out of time: what is left
 
 
-def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(tmp_path, smollm2_path):
+@ENGINES
+def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(tmp_path, smollm2_path, engine_cls):
     """SIGTERM with streams in flight: /ready and new requests get 503 (with Retry-After) at once,
     every stream runs to its end ([DONE], finish_reason "length", all its tokens), then the
     server exits 0 leaving no Ray process behind. Two ingress replicas (--api-server-count): both
@@ -239,7 +244,8 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(tmp_path, smo
     log = tmp_path / "serve.err"
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--max-model-len",
                              "512", "--device", "cpu", "--graceful-shutdown-timeout-s", "120", "--api-server-count",
-                             "2"], cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=log.open("w"),
+                             "2", *engine_flag(engine_cls)], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=log.open("w"),
                             start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     n, max_tokens = 4, 160  # long enough to outlast the refused requests below
     started = [threading.Event() for _ in range(n)]
@@ -291,3 +297,7 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(tmp_path, smo
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def engine_flag(engine_cls: str | None) -> list[str]:
+    return ["--engine-cls", engine_cls] if engine_cls else []
