@@ -16,9 +16,11 @@ The injected engine meets `engine.protocol.EngineClient` (tests inject a fake on
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 
 from ray import serve
@@ -98,6 +100,8 @@ class EngineServer:
                     yield step
         except Exception:  # not CancelledError / GeneratorExit: those are the caller leaving
             reason = "error"
+            if not self._engine_alive():
+                self._engine_died()
             raise
         finally:
             timer.finish(reason)
@@ -128,7 +132,21 @@ class EngineServer:
         return self._kv_metrics.record(self.engine.stats())
 
     async def check_health(self) -> None:
-        self.engine.check_health()  # raises when the engine loop has died; Serve then replaces us
+        try:
+            self.engine.check_health()  # raises when the engine loop has died; Serve then replaces us
+        except Exception:
+            self._engine_died()
+            raise
+
+    def _engine_alive(self) -> bool:
+        try:
+            self.engine.check_health()
+        except Exception:
+            return False
+        return True
+
+    def _engine_died(self) -> None:
+        """Called once the engine can no longer serve (the deployment's replica exits)."""
 
     async def shutdown(self) -> None:
         if self._metrics_task is not None:
@@ -137,8 +155,26 @@ class EngineServer:
 
 
 class _EngineReplica(EngineServer):
+    """A replica whose engine died exits, a moment after the error went out to its streams, as
+    vLLM's API server exits when its engine core dies. Serve and every router then see a dead
+    actor at once, as when the replica itself is killed: requests not yet started go to another
+    replica and Serve starts a new one. Alive, it would be sent requests it can only fail until
+    three health checks in a row had failed (3 s at the default period), and the KV router would
+    keep choosing it on its last report's free blocks."""
+
+    EXIT_AFTER_S = 0.2
+    _stopping = False
+
+    def _engine_died(self) -> None:
+        if self._stopping:  # a stopped engine reads as dead; Serve is stopping this replica anyway
+            return
+        self._stopping = True
+        logger.error("the engine can no longer serve; this replica exits so that Serve replaces it")
+        asyncio.get_running_loop().call_later(self.EXIT_AFTER_S, os._exit, 1)
+
     async def __del__(self) -> None:
         # Serve calls this after draining in-flight requests (graceful_shutdown_timeout_s).
+        self._stopping = True
         with contextlib.suppress(Exception):
             await self.shutdown()
 
