@@ -21,7 +21,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
+import pickle
 import signal
+import threading
 from multiprocessing.connection import Connection
 
 from engine.outputs import RequestOutput
@@ -95,12 +98,17 @@ class EngineCore:
         else:
             raise ValueError(f"unknown message {kind!r}")
 
+    def _refuse(self, key: int, e: Exception) -> None:
+        """The request's error goes to its stream, whatever its type: one bad request must not
+        end the core, which serves every other stream (AsyncEngine raises it in the caller's task)."""
+        self.events.append((key, sendable(e)))
+
     def _add(self, key: int, rid: str, prompt, params) -> None:
         try:
             _, ids = self.engine.tokenize(prompt)
             self.engine.validate(ids, params)
-        except ValueError as e:
-            self.events.append((key, e))
+        except Exception as e:
+            self._refuse(key, e)
             return
         if params.structured_outputs is not None:  # compiled on the grammar thread, never the step's
             future = self.engine.structured.compiler.submit(params.structured_outputs)
@@ -111,8 +119,8 @@ class EngineCore:
     def _admit(self, key: int, rid: str, prompt, params, grammar) -> None:
         try:
             self.engine.add_request(rid, prompt, params, grammar)
-        except ValueError as e:
-            self.events.append((key, e))
+        except Exception as e:
+            self._refuse(key, e)
             return
         self.keys[rid], self.rids[key] = key, rid
 
@@ -122,8 +130,8 @@ class EngineCore:
             future, rid, prompt, params = self.compiling.pop(key)
             try:
                 grammar = checked(future.result())
-            except ValueError as e:
-                self.events.append((key, e))
+            except Exception as e:
+                self._refuse(key, e)
                 continue
             self._admit(key, rid, prompt, params, grammar)
         return bool(done)
@@ -158,6 +166,28 @@ class EngineCore:
         self.conn_out.send(("tick", outputs, events, self.engine.stats(), routing))
 
 
+def sendable(e: BaseException) -> BaseException:
+    """`e` if it survives pickling (the parent raises it as it is), else its words in a RuntimeError."""
+    try:
+        pickle.loads(pickle.dumps(e))
+    except Exception:
+        return RuntimeError(repr(e))
+    return e
+
+
+def watch_parent(done: threading.Event, period_s: float = 0.5) -> None:
+    """Exits this process when its parent goes away before `done` is set. Loading a model reads
+    no pipe, so a core whose replica was killed while it loaded would load on (minutes on a GPU,
+    then the KV pool) beside the replica that replaces it; after loading, the closed pipe ends it."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while not done.wait(period_s):
+            if os.getppid() != parent:
+                os._exit(1)
+    threading.Thread(target=watch, name="kvserve-core-parent", daemon=True).start()
+
+
 def _info(engine) -> dict:
     return {"max_model_len": engine.max_model_len, "vocab_size": engine.executor.info.vocab_size,
             "stats": engine.stats(), "routing": engine.routing_snapshot()}
@@ -172,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     # core must go on stepping them until it is told to stop (or its parent is gone).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn_in, conn_out = Connection(args.in_fd, writable=False), Connection(args.out_fd, readable=False)
+    loaded = threading.Event()
+    watch_parent(loaded)
     config, threads = conn_in.recv()
     try:
         import torch
@@ -188,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
             conn_out.send(("failed", RuntimeError(f"engine core failed to load: {e!r}")))
         raise
     conn_out.send(("ready", _info(engine)))
+    loaded.set()
     core = EngineCore(engine, conn_in, conn_out)
     try:
         core.run()

@@ -26,6 +26,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
@@ -53,7 +54,7 @@ class _Stream:
         self.num_cached_tokens = 0
         self.prompt_logprobs = None
         self.end = None  # an exception to raise, or _ABORTED
-        self.unread = False
+        self.has_data = False  # outputs since the last take()
         self.ready = asyncio.Event()
 
     def add(self, wire: tuple) -> None:
@@ -69,21 +70,23 @@ class _Stream:
             c.delta_text += text
             c.delta_token_ids += ids
             if logprobs is not None:
-                c.delta_logprobs = (c.delta_logprobs or []) + logprobs
+                if c.delta_logprobs is None:
+                    c.delta_logprobs = []
+                c.delta_logprobs += logprobs
             c.cumulative_logprob, c.finish_reason, c.stop_reason = cumulative, finish, stop
-        self._wake()
+        self.has_data = True
+        self.ready.set()
 
     def fail(self, end) -> None:
-        self.end = end
-        self._wake()
-
-    def _wake(self) -> None:
-        self.unread = True
-        self.ready.set()
+        """Ends the stream, after the outputs it has already received (a request that finished
+        in the core's last tick before it died still gets its last output)."""
+        if self.end is None:  # the first cause stays
+            self.end = end
+            self.ready.set()
 
     def take(self) -> RequestOutput:
         """Everything since the last take, as one output (a snapshot; the deltas start over)."""
-        self.unread = False
+        self.has_data = False
         self.ready.clear()
         outs = []
         for index in sorted(self.completions):
@@ -108,7 +111,11 @@ class ProcessEngine:
         self._conn_out.send((config, _torch_threads()))
         kind, payload = _wait_ready(self._proc, self._conn_in)
         if kind != "ready":
-            self._proc.wait()
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
             self._conn_in.close()
             self._conn_out.close()
             raise payload
@@ -121,6 +128,7 @@ class ProcessEngine:
         self._keys: dict[str, int] = {}  # request id -> wire key
         self._next_key = itertools.count()
         self._error: str | None = None
+        self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         # Sends block while the core is inside a step with its pipe full; never on the loop.
@@ -165,15 +173,16 @@ class ProcessEngine:
         finished = False
         try:
             while not finished:
-                if not stream.unread:
+                if not stream.has_data and stream.end is None:
                     await stream.ready.wait()
-                if stream.end is _ABORTED:
+                if stream.has_data:
+                    out = stream.take()
+                    finished = out.finished
+                    yield out
+                elif stream.end is _ABORTED:
                     return
-                if stream.end is not None:
+                else:
                     raise stream.end
-                out = stream.take()
-                finished = out.finished
-                yield out
         finally:
             self._streams.pop(key, None)
             self._keys.pop(request_id, None)
@@ -186,15 +195,33 @@ class ProcessEngine:
             self._send(("abort", key))
 
     async def shutdown(self) -> None:
+        """Stops the core; streams still open end with EngineDeadError. Twice is once."""
+        if self._closed:
+            return
+        self._closed = True
         self._detach()
         self._send(("shutdown",))
         self._outbox.put(None)
         await asyncio.to_thread(self._stop_core)
+        self._die("the engine was shut down")
 
-    def _stop_core(self) -> None:
+    def _stop_core(self, timeout_s: float = 30.0) -> None:
         self._sender.join(timeout=5)
+        # Read on until the core closes its end: a core blocked sending a tick into a full pipe
+        # would never read the shutdown.
+        end = time.monotonic() + timeout_s
         try:
-            self._proc.wait(timeout=30)
+            while time.monotonic() < end:
+                if self._conn_in.poll(0.1):
+                    self._conn_in.recv()
+                elif self._proc.poll() is not None:
+                    break
+        except (EOFError, OSError):
+            pass
+        except Exception:  # a message that does not unpickle: nothing left to deliver it to
+            logger.exception("engine core: undecodable message at shutdown")
+        try:
+            self._proc.wait(timeout=max(0.0, end - time.monotonic()))
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
@@ -211,6 +238,22 @@ class ProcessEngine:
                 self._conn_out.send(msg)
             except OSError:  # the core is gone; the reader says why
                 return
+            except Exception as e:  # the message did not pickle; nothing of it was written
+                self._on_loop(self._unsent, msg, e)
+
+    def _on_loop(self, fn, *args) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(fn, *args)
+
+    def _unsent(self, msg: tuple, e: Exception) -> None:
+        """A request that could not be sent to the core fails alone; any other message lost
+        leaves the core and this side apart: the engine is dead."""
+        stream = self._streams.get(msg[1]) if msg[0] == "add" else None
+        if stream is not None:
+            stream.fail(RuntimeError(f"the request could not be sent to the engine core: {e!r}"))
+        elif msg[0] != "abort":  # an abort's stream has gone already
+            self._die(f"a {msg[0]!r} message could not be sent to the engine core: {e!r}")
 
     def _attach(self) -> None:
         """Read the core's pipe on the running loop (from the first request on)."""
@@ -222,15 +265,17 @@ class ProcessEngine:
         loop.add_reader(self._conn_in.fileno(), self._read)
 
     def _detach(self) -> None:
-        if self._loop is not None and not self._loop.is_closed():
+        if self._loop is not None and not self._loop.is_closed() and not self._conn_in.closed:
             self._loop.remove_reader(self._conn_in.fileno())
 
     def _read(self) -> None:
         try:
-            while self._conn_in.poll():
+            while self._error is None and self._conn_in.poll():
                 self._dispatch(self._conn_in.recv())
         except (EOFError, OSError) as e:
             self._die(f"engine core exited ({e!r}, code {self._proc.poll()})")
+        except Exception as e:  # a tick that does not unpickle: its outputs are lost
+            self._die(f"undecodable message from the engine core: {e!r}")
 
     def _dispatch(self, msg: tuple) -> None:
         kind = msg[0]
@@ -251,9 +296,13 @@ class ProcessEngine:
                 stream.fail(_ABORTED if end is None else end)
 
     def _die(self, why: str) -> None:
-        if self._error is None:
+        """Every stream ends with the first cause; later ones (the EOF after a core's last word)
+        change nothing."""
+        if self._error is not None:
+            return
+        if not self._closed:
             logger.error("engine core failed: %s", why)
-            self._error = why
+        self._error = why
         self._detach()
         for stream in list(self._streams.values()):
             stream.fail(EngineDeadError(f"engine loop failed: {why}"))
@@ -283,6 +332,8 @@ def _wait_ready(proc: subprocess.Popen, conn: Connection) -> tuple[str, object]:
         return conn.recv()
     except EOFError:
         return "failed", RuntimeError(f"engine core exited with code {proc.wait()} while loading")
+    except Exception as e:  # its message did not unpickle here
+        return "failed", RuntimeError(f"engine core sent an undecodable message while loading: {e!r}")
 
 
 def _torch_threads() -> int | None:

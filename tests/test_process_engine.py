@@ -320,3 +320,104 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_request_that_fails_oddly_fails_alone(engine):
+    """Any error a request raises in the core's admission (not only the ValueErrors of validation)
+    goes to that request's stream, as AsyncEngine raises it in the caller: the core and every
+    other stream go on."""
+    class Unpicklable(SamplingParams):
+        pass  # a local class: pickle cannot name it, so the request cannot be sent
+
+    async def main():
+        long = asyncio.create_task(_collect(engine, "long", PROMPTS[1], LONG))
+        await asyncio.sleep(0.2)
+        with pytest.raises(TypeError):
+            await _collect(engine, "bad-ids", [5, "x", 7])
+        with pytest.raises(RuntimeError, match="could not be sent"):
+            await _collect(engine, "bad-params", PROMPTS[0], Unpicklable(temperature=0, max_tokens=4))
+        outs = await asyncio.wait_for(long, 60)
+        after = await _collect(engine, "after", PROMPTS[0])
+        return outs, after, await _wait_free(engine)
+
+    outs, after, freed = asyncio.run(main())
+    assert len(outs[-1].outputs[0].token_ids) == LONG.max_tokens and after[-1].finished and freed
+    engine.check_health()
+
+
+def test_a_finished_output_that_came_before_the_core_died_is_delivered(tiny_dir):
+    async def main():
+        e = ProcessEngine(model=tiny_dir, num_gpu_blocks_override=64)
+        stream = e.generate("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        first = await stream.__anext__()
+        time.sleep(0.5)  # the loop is busy; the core finishes "a" and sends its last tick
+        e._send(("no such message",))  # then the core fails
+        time.sleep(0.5)
+        rest = [out async for out in stream]
+        with pytest.raises(EngineDeadError, match="no such message"):  # the cause, not the EOF after it
+            e.check_health()
+        await e.shutdown()
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert rest[-1].finished and len(rest[-1].outputs[0].token_ids) == 4, (first, rest)
+
+
+def test_shutdown_with_the_cores_pipe_full_is_prompt_and_ends_every_stream(tiny_dir):
+    """The loop held while 48 streams run: the core blocks sending into a full pipe, and would
+    never read the shutdown if nobody read on."""
+    async def main():
+        e = ProcessEngine(model=tiny_dir, num_gpu_blocks_override=256, max_num_seqs=64)
+        tasks = [asyncio.create_task(_collect(e, f"s{i}", PROMPTS[i % 4], LONG)) for i in range(48)]
+        while e.stats().num_running < 48:
+            await asyncio.sleep(0.01)
+        time.sleep(1.0)  # a burst of relay work holds the loop
+        t0 = time.monotonic()
+        await e.shutdown()
+        took = time.monotonic() - t0
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        await e.shutdown()  # twice is once
+        return e, took, results
+
+    e, took, results = asyncio.run(main())
+    assert took < 10 and e._proc.returncode == 0, (took, e._proc.returncode)
+    assert all(isinstance(r, EngineDeadError) and "shut down" in str(r) for r in results), results
+
+
+def test_a_core_whose_parent_dies_while_it_loads_exits(tiny_dir, tmp_path):
+    """Loading reads no pipe; the core watches its parent meanwhile (a load that takes minutes
+    on a GPU would otherwise go on beside the replica that replaces it)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent("""
+        import sys, time
+        if "engine.core_process" in sys.orig_argv:  # the core: a model that takes 60 s to load
+            import engine.llm_engine as m
+            load = m.LLMEngine.__init__
+            m.LLMEngine.__init__ = lambda self, *a, **k: (time.sleep(60), load(self, *a, **k))[1]
+    """))
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(os.getcwd())!r})
+        from engine.process_engine import ProcessEngine
+        ProcessEngine(model={tiny_dir!r}, num_gpu_blocks_override=64)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.getcwd()])}
+    parent = subprocess.Popen([sys.executable, "-c", script], env=env)
+    try:
+        core = None
+        end = time.monotonic() + 30
+        while core is None and time.monotonic() < end:
+            time.sleep(0.2)
+            found = subprocess.run(["pgrep", "-P", str(parent.pid), "-f", "engine.core_process"],
+                                   capture_output=True, text=True).stdout.split()
+            core = int(found[0]) if found else None
+        assert core is not None
+        time.sleep(1.0)  # inside the load
+    finally:
+        parent.kill()
+        parent.wait()
+    end = time.monotonic() + 10
+    while time.monotonic() < end and _alive(core):
+        time.sleep(0.1)
+    assert not _alive(core)
