@@ -4,7 +4,20 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from collections.abc import Iterator
+
+
+def wait_ready(url: str, want: int, timeout_s: float) -> float | None:
+    """Polls the server's /ready until it answers `want`: the time.monotonic() it did, else None."""
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if httpx.get(f"{url}/ready", timeout=5).status_code == want:
+            return time.monotonic()
+        time.sleep(0.05)
+    return None
 
 
 def free_port() -> int:

@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.sampling_params import SamplingParams
 from tests.fake_engine import FAIL_TOKEN_ID, FakeEngine
-from tests.local_serve import running_server
+from tests.local_serve import running_server, wait_ready
 from tests.tiny_llama import make_tiny_llama
 
 # Python calls a collected replica's __del__, Serve's async stop hook, and drops its coroutine.
@@ -70,17 +70,8 @@ def _stream(url: str, i: int, started: threading.Event, out: list) -> None:
         out[i] = e
 
 
-def _wait_ready(url: str, want: int, timeout_s: float) -> float | None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if httpx.get(f"{url}/ready", timeout=5).status_code == want:
-            return time.monotonic()
-        time.sleep(0.05)
-    return None
-
-
 def test_a_killed_engine_core_cuts_its_streams_and_its_replica_is_replaced(server):
-    assert _wait_ready(server, 200, 60) is not None
+    assert wait_ready(server, 200, 60) is not None
     cores = _cores()
     assert len(cores) == 2, cores
     n = 8
@@ -100,8 +91,8 @@ def test_a_killed_engine_core_cuts_its_streams_and_its_replica_is_replaced(serve
     with contextlib.suppress(psutil.TimeoutExpired):
         replica.wait(timeout=10)
     replica_gone_at = time.monotonic()
-    unready_at = _wait_ready(server, 503, 20)
-    recovered_at = _wait_ready(server, 200, 90)
+    unready_at = wait_ready(server, 503, 20)
+    recovered_at = wait_ready(server, 200, 90)
     for t in threads:
         t.join(120)
 

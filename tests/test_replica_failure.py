@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.local_serve import running_server
+from tests.local_serve import running_server, wait_ready
 
 FAKE = "tests.fake_engine:FakeEngine"
 
@@ -43,17 +43,8 @@ def _stream(url: str, i: int, out: list) -> None:
         out[i] = e
 
 
-def _wait_ready(url: str, want: int, timeout_s: float) -> float | None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if httpx.get(f"{url}/ready", timeout=5).status_code == want:
-            return time.monotonic()
-        time.sleep(0.05)
-    return None
-
-
 def test_a_killed_replica_is_reported_retried_around_and_replaced(server):
-    assert _wait_ready(server, 200, 60) is not None
+    assert wait_ready(server, 200, 60) is not None
     pids = _engine_replica_pids()
     assert len(pids) == 2, pids
     results: list = [None] * 8
@@ -66,8 +57,8 @@ def test_a_killed_replica_is_reported_retried_around_and_replaced(server):
     # Requests sent right after the kill, before anyone knows: none is lost.
     after = [httpx.post(f"{server}/v1/completions", json={"prompt": [20, 21, 30 + i], "max_tokens": 3}, timeout=60)
              for i in range(4)]
-    unready_at = _wait_ready(server, 503, 20)
-    recovered_at = _wait_ready(server, 200, 90)
+    unready_at = wait_ready(server, 503, 20)
+    recovered_at = wait_ready(server, 200, 90)
     for t in threads:
         t.join(60)
 
