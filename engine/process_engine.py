@@ -155,7 +155,10 @@ class ProcessEngine:
 
     def check_health(self) -> None:
         if self._error is None and self._proc.poll() is not None:
-            self._error = f"engine core exited with code {self._proc.returncode}"
+            if not self._conn_in.closed:
+                self._read()  # the core's last word, when it sent one, names the cause
+            if self._error is None:
+                self._error = f"engine core exited with code {self._proc.returncode}"
         if self._error is not None:
             raise EngineDeadError(f"engine loop failed: {self._error}")
 

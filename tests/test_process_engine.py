@@ -360,7 +360,8 @@ def test_a_finished_output_that_came_before_the_core_died_is_delivered(tiny_dir)
         return first, rest
 
     first, rest = asyncio.run(main())
-    assert rest[-1].finished and len(rest[-1].outputs[0].token_ids) == 4, (first, rest)
+    last = [first, *rest][-1]  # a slow start may take all four tokens in the first output
+    assert last.finished and len(last.outputs[0].token_ids) == 4, (first, rest)
 
 
 def test_shutdown_with_the_cores_pipe_full_is_prompt_and_ends_every_stream(tiny_dir):
