@@ -163,7 +163,7 @@ class AsyncEngine:
         for rid, (prompt, params, grammar) in adds.items():
             try:
                 self.engine.add_request(rid, prompt, params, grammar)
-            except ValueError as e:
+            except Exception as e:  # this request's fault or not, it fails alone
                 self._deliver(rid, e)
         self._take_stats()
 
@@ -188,7 +188,8 @@ class AsyncEngine:
             logger.exception("engine loop failed")
             self._error = e
             for rid in list(self._queues):
-                self._deliver(rid, EngineDeadError(f"engine loop failed: {e!r}"))
+                admitted = rid not in self._pending_adds
+                self._deliver(rid, EngineDeadError(f"engine loop failed: {e!r}", admitted=admitted))
 
     async def shutdown(self) -> None:
         if self._loop_task is not None:

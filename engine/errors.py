@@ -19,4 +19,16 @@ class InvalidRequestError(ValueError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop (or one of its workers) failed; in-flight and new requests end with this."""
+    """The engine loop (or one of its workers) failed; in-flight and new requests end with this.
+
+    `admitted`: the request was inside the engine when it died, so it may be what killed it (a
+    query of death); a caller that retries elsewhere should not do so without bound. False for a
+    request that reached an engine already dead, or that the engine had not taken in yet.
+    """
+
+    def __init__(self, message: str, admitted: bool = False) -> None:
+        super().__init__(message)
+        self.admitted = admitted
+
+    def __reduce__(self):  # crosses Ray process boundaries with its field
+        return type(self), (str(self), self.admitted)

@@ -307,8 +307,8 @@ class ProcessEngine:
             logger.error("engine core failed: %s", why)
         self._error = why
         self._detach()
-        for stream in list(self._streams.values()):
-            stream.fail(EngineDeadError(f"engine loop failed: {why}"))
+        for stream in list(self._streams.values()):  # each sent to the core, or on its way
+            stream.fail(EngineDeadError(f"engine loop failed: {why}", admitted=True))
 
 
 def _start_core() -> tuple[subprocess.Popen, Connection, Connection]:

@@ -35,6 +35,10 @@ from router.settings import RouterSettings
 logger = logging.getLogger(__name__)
 
 MAX_REPLICA_RETRIES = 2  # a request whose replica died before it started tries this many others
+# ... but after at most this many deaths it may have caused (it was inside the engine, or the
+# replica died with no word why): a request that crashes its engine (a query of death) would
+# otherwise take down one replica per try.
+MAX_SUSPECT_RETRIES = 1
 RETRY_BACKOFF_S = 0.2
 _NOT_READY_STATES = {"STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION"}
 
@@ -83,6 +87,7 @@ class HandleReplicaClient:
         """The replica's StepOutputs. A replica that dies before its first output is replaced by
         another (up to `MAX_REPLICA_RETRIES` times); one that dies mid-stream ends it with a 503
         `unavailable` error, as the tokens already sent cannot be taken back."""
+        suspect_deaths = 0
         for attempt in range(MAX_REPLICA_RETRIES + 1):
             started = False
             try:
@@ -91,7 +96,8 @@ class HandleReplicaClient:
                     yield step
                 return
             except (RayActorError, EngineDeadError) as e:
-                if started or attempt == MAX_REPLICA_RETRIES:
+                suspect_deaths += _may_have_caused(e)
+                if started or attempt == MAX_REPLICA_RETRIES or suspect_deaths > MAX_SUSPECT_RETRIES:
                     logger.warning("engine replica failed while serving %s: %r", request_id, e)
                     raise unavailable("The engine replica serving this request failed. Retry.") from None
                 logger.warning("engine replica failed before %s started; retrying on another: %r", request_id, e)
@@ -124,6 +130,13 @@ class HandleReplicaClient:
             if response is not None and not finished:
                 with contextlib.suppress(Exception):  # keep the exception that brought us here
                     response.cancel()  # the replica's generator is cancelled -> the engine aborts
+
+
+def _may_have_caused(e: BaseException) -> bool:
+    """Whether the request may be what killed its replica: it was inside the engine when the
+    engine died, or the replica's process died (nothing says what it was doing)."""
+    cause = getattr(e, "cause", None) or e  # an EngineDeadError arrives wrapped in a RayTaskError
+    return not isinstance(cause, EngineDeadError) or cause.admitted
 
 
 class OpenAIIngress:

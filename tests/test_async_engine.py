@@ -140,9 +140,13 @@ def test_engine_failure_ends_requests_with_error(tiny_dir, prompts):
         def boom(batch):
             raise RuntimeError("device lost")
         engine.engine.executor.execute = boom
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineDeadError) as inside:
             await asyncio.wait_for(_collect(engine, "c", prompts[0]), 5)
+        assert inside.value.admitted  # it was in the engine: it may be what killed it
         assert not engine.is_healthy
+        with pytest.raises(EngineDeadError) as after:
+            await _collect(engine, "d", prompts[0])
+        assert not after.value.admitted  # the engine was dead before it came
         with pytest.raises(EngineDeadError):
             engine.check_health()
         await engine.shutdown()

@@ -278,8 +278,12 @@ def test_a_killed_core_ends_every_stream(tiny_dir):
         task = asyncio.create_task(_collect(e, "a", PROMPTS[0], LONG))
         await asyncio.sleep(0.3)
         os.kill(e._proc.pid, signal.SIGKILL)
-        with pytest.raises(EngineDeadError, match="exited"):
+        with pytest.raises(EngineDeadError, match="exited") as inside:
             await asyncio.wait_for(task, 10)
+        assert inside.value.admitted
+        with pytest.raises(EngineDeadError) as after:
+            await _collect(e, "b", PROMPTS[0])
+        assert not after.value.admitted
         with pytest.raises(EngineDeadError):
             e.check_health()
         await e.shutdown()
