@@ -358,16 +358,18 @@ class OpenAIServing:
         def chunk(c: dict) -> str:
             return sse({**base, "choices": [c], "usage": acc.usage()} if continuous else {**base, "choices": [c]})
 
+        failed = False
         async with contextlib.aclosing(merged):  # however this generator ends, the engine requests end
             for c in preamble:
                 yield chunk(c)
             async for prompt, step in _events(first, merged, acc):
-                if isinstance(step, str):
+                if isinstance(step, str):  # the error event that ends a failed stream
+                    failed = True
                     yield step
                     continue
                 for c in step.choices:
                     yield chunk(choice(acc.index(prompt, c), c))
-        if include_usage:
+        if include_usage and not failed:  # as vLLM: a failed stream ends with its error, then [DONE]
             yield sse({**base, "choices": [], "usage": acc.usage()})
         yield SSE_DONE
 

@@ -125,9 +125,11 @@ def test_internal_error_is_a_bare_500(http):
     assert_internal_error(r.text)
 
 
-def test_internal_error_mid_stream_is_one_error_event_then_done(http):
+@pytest.mark.parametrize("options", [{}, {"stream_options": {"include_usage": True}}], ids=["plain", "usage"])
+def test_internal_error_mid_stream_is_one_error_event_then_done(http, options):
+    # With include_usage too: a failed stream has no usage chunk (as vLLM's).
     with http.stream("POST", "/v1/completions", json={"prompt": [1, FAIL_TOKEN_ID, 2], "max_tokens": 5,
-                                                      "stream": True}) as r:
+                                                      "stream": True, **options}) as r:
         assert r.status_code == 200
         data = sse_data(r.iter_lines())
     assert data[-1] == "[DONE]"
