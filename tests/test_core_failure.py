@@ -100,14 +100,15 @@ def test_a_killed_engine_core_cuts_its_streams_and_its_replica_is_replaced(serve
     cut = whole = 0
     for events in results:
         assert isinstance(events, list) and events[-1] == "[DONE]", events
-        *chunks, usage = [json.loads(e) for e in events[:-1]]
-        if "error" in chunks[-1]:
+        chunks = [json.loads(e) for e in events[:-1]]
+        if "error" in chunks[-1]:  # no usage chunk after an error (as vLLM)
             error = chunks[-1]["error"]
             assert error["code"] == "unavailable" and error["type"] == "server_error", error
             assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
-            assert usage["usage"]["completion_tokens"] < MAX_TOKENS  # cut short
+            assert 1 <= len(chunks) - 1 < MAX_TOKENS  # cut short
             cut += 1
         else:
+            *chunks, usage = chunks
             assert chunks[-1]["choices"][0]["finish_reason"] == "length"
             assert usage["usage"]["completion_tokens"] == MAX_TOKENS
             whole += 1
