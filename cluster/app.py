@@ -54,6 +54,7 @@ class ServeOptions:
     retry_after_s: float | None = None  # Retry-After of that reply
     max_request_body_bytes: int | None = None
     max_sequences_per_request: int | None = None  # prompts x n in one request
+    responses_store_max_bytes: int | None = None  # memory for stored /v1/responses (0: none)
     enable_log_requests: bool | None = None  # log prompt token ids and sampling params (never by default)
     engine_cls: str | Callable | None = None  # "module:Class" built as cls(EngineConfig); default AsyncEngine
     cpu_threads: int | None = None  # torch threads per engine replica on CPU; default: cores // replicas
@@ -349,4 +350,9 @@ def build_app(args: dict | None = None):
     engine_app = EngineDeployment.options(**engine_opts).bind(engine, options.engine_cls, cpu_threads,
                                                               settings.served_model_name)
     ingress = IngressDeployment.options(**ingress_deployment_options(options))
-    return ingress.bind(engine_app, settings, engine.model, engine.tokenizer)
+    store = None
+    if settings.responses_store_max_bytes and (options.num_ingress_replicas > 1 or options.ingress_autoscaling_config):
+        from router.ingress import ResponseStoreDeployment  # shared: a follow-up may reach another ingress
+
+        store = ResponseStoreDeployment.bind(settings.responses_store_max_bytes)
+    return ingress.bind(engine_app, settings, engine.model, engine.tokenizer, store)

@@ -22,7 +22,8 @@ from cluster.engine_args import add_engine_args, engine_config_from_args, parse_
 from cluster.policy import ROUTERS
 
 _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_replicas", "max_ongoing_requests",
-                "max_queued_requests", "max_request_body_bytes", "max_sequences_per_request", "enable_log_requests",
+                "max_queued_requests", "max_request_body_bytes", "max_sequences_per_request",
+                "responses_store_max_bytes", "enable_log_requests",
                 "routing", "routing_stats_period_s", "autoscale", "min_replicas", "max_replicas", "upscale_delay_s",
                 "downscale_delay_s", "target_kv_usage", "target_ongoing_requests", "look_back_period_s",
                 "graceful_shutdown_timeout_s", "engine_cls", "cpu_threads")
@@ -44,6 +45,9 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                       help="larger request bodies get a 413 (default: 8M)")
     http.add_argument("--max-sequences-per-request", type=int, metavar="N",
                       help="prompts x n one request may ask for; more get a 400 (default: 256)")
+    http.add_argument("--responses-store-max-bytes", type=parse_bytes, metavar="BYTES",
+                      help="memory for stored /v1/responses (previous_response_id, GET /v1/responses/{id}); "
+                           "the least recently used go beyond it; 0 stores none (default: 64M)")
     http.add_argument("--enable-log-requests", action="store_true", default=None,
                       help="log each request's prompt token ids and sampling params (off by default)")
     cluster = p.add_argument_group("serve")

@@ -7,6 +7,7 @@
     POST /v1/completions        stream: true -> SSE ending in `data: [DONE]`
     POST /v1/chat/completions
     POST /v1/responses          OpenAI's Responses API over the chat path; streams its typed events
+    GET, DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items   stored responses
     POST /tokenize, /detokenize
 
 Bodies are read here (at most `max_request_body_bytes`, else 413) and validated by the pydantic
@@ -23,6 +24,7 @@ import math
 from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -224,6 +226,20 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
         set_session(request.headers.get(SESSION_HEADER), body.user)
         return _reply(await serving.responses(body))
 
+    @api.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, stream: bool = False):
+        if stream:
+            raise OpenAIError(400, "a stored response is retrieved whole here, not streamed", param="stream")
+        return await serving.retrieve_response(response_id)
+
+    @api.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return await serving.delete_response(response_id)
+
+    @api.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, order: str = "desc", limit: int = 20, after: str | None = None):
+        return await serving.response_input_items(response_id, order, limit, after)
+
     @api.post("/tokenize", openapi_extra=_json_body(TokenizeRequest))
     async def tokenize(request: Request):
         return await serving.tokenize(await read_json(request, TokenizeRequest, limit))
@@ -288,6 +304,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(OpenAIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code,
                             headers=getattr(e, "headers", None))
 
+    async def on_bad_params(request: Request, e: RequestValidationError):  # a query or path parameter
+        error = e.errors()[0]
+        param = str(error["loc"][-1]) if error.get("loc") else None
+        return error_response(OpenAIError(400, f"{param}: {error['msg']}", param=param))
+
     async def on_unexpected(request: Request, e: Exception):
         # Log the cause for operators; send the client nothing about it. No body is logged.
         logger.error("internal error in %s %s", request.method, request.url.path, exc_info=e)
@@ -295,4 +316,5 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(OpenAIError, on_openai_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(RequestValidationError, on_bad_params)
     app.add_exception_handler(Exception, on_unexpected)

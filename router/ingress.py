@@ -27,6 +27,7 @@ from engine.errors import EngineDeadError, InvalidRequestError
 from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParams
 from router.api import Admission, build_api
+from router.response_store import ResponseStore
 from router.errors import from_invalid_request, overloaded, unavailable
 from router.serving import OpenAIServing
 from router.session import current_session
@@ -139,9 +140,28 @@ def _may_have_caused(e: BaseException) -> bool:
     return not isinstance(cause, EngineDeadError) or cause.admitted
 
 
+class HandleResponseStore:
+    """`router.response_store.ResponseStore` kept by the one replica of `ResponseStoreDeployment`,
+    so that every ingress replica finds every stored response."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._handle = handle
+
+    async def put(self, response_id: str, record: dict) -> bool:
+        return await self._handle.put.remote(response_id, record)
+
+    async def get(self, response_id: str) -> dict | None:
+        return await self._handle.get.remote(response_id)
+
+    async def delete(self, response_id: str) -> bool:
+        return await self._handle.delete.remote(response_id)
+
+
 class OpenAIIngress:
     def __init__(self, engine: DeploymentHandle, settings: RouterSettings, model: str | None = None,
-                 tokenizer: str | None = None) -> None:
+                 tokenizer: str | None = None, store: DeploymentHandle | None = None) -> None:
+        """`store`: the response store deployment when there may be more than one ingress
+        replica; else this replica keeps its own (settings.responses_store_max_bytes)."""
         from transformers import AutoTokenizer
 
         from engine.model_source import resolve_model
@@ -152,7 +172,8 @@ class OpenAIIngress:
         settings = settings.resolve_api_key()
         if settings.enable_log_requests:
             _log_through_serve("router")
-        self._serving = OpenAIServing(tokenizer, HandleReplicaClient(engine, settings), settings)
+        self._serving = OpenAIServing(tokenizer, HandleReplicaClient(engine, settings), settings,
+                                      HandleResponseStore(store) if store is not None else None)
 
         self._admission = Admission(settings.retry_after_s)
 
@@ -181,3 +202,7 @@ class OpenAIIngress:
 
 
 IngressDeployment = serve.deployment(name="OpenAIIngress")(serve.ingress()(OpenAIIngress))
+# One replica: the store is its memory. No CPU reserved (it only keeps JSON), and as many calls
+# at once as the ingress replicas send.
+ResponseStoreDeployment = serve.deployment(name="ResponseStore", num_replicas=1, max_ongoing_requests=1000,
+                                           ray_actor_options={"num_cpus": 0})(ResponseStore)

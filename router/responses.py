@@ -11,19 +11,22 @@ output item (streamed as response.function_call_arguments.delta events), and the
 gives back `function_call` and `function_call_output` input items, which become the assistant's
 tool_calls and the tool turns of the chat.
 
-Nothing is stored (`store` comes back false, as vLLM answers without its store), so a request
-that needs a stored response or conversation is a 400, as are fields for features this server
-lacks (built-in tools, reasoning, background runs), rather than a reply that looks fine without them.
+A response is stored (router.response_store) unless the request says `store: false` or the
+store is off: `previous_response_id` then continues its conversation (its input and output items
+come before the new input; its instructions do not carry over, as OpenAI's do not), and it can
+be fetched, listed (its input items) and deleted. A stored conversation (`conversation`) is a
+400, as are fields for features this server lacks (built-in tools, reasoning, background runs),
+rather than a reply that looks fine without them.
 """
 from __future__ import annotations
 
 import itertools
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from router.errors import from_validation_error
 from router.formatting import Accumulator
@@ -86,6 +89,28 @@ class FunctionChoice(_Model):
 
 
 InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+_ITEMS = TypeAdapter(list[InputItem])
+
+
+def parse_items(items: list[dict]) -> list[InputItem]:
+    """Stored item dicts (input items, or output items given back) as input items."""
+    return _ITEMS.validate_python(items)
+
+
+def item_dicts(items: str | list[InputItem]) -> list[dict]:
+    """A request's input as Responses items with ids (a string is one user message), as
+    `GET /v1/responses/{id}/input_items` lists them and a follow-up reads them back."""
+    if isinstance(items, str):
+        items = [InputMessage(role="user", content=items)]
+    out = []
+    for item in items:
+        d = item.model_dump(exclude_none=True)
+        if isinstance(item, InputMessage):
+            parts = [InputText(type="input_text", text=item.content)] if isinstance(item.content, str) else item.content
+            d.update(content=[p.model_dump() for p in parts], status="completed")
+        d["id"] = d.get("id") or _new_id("msg" if isinstance(item, InputMessage) else "fc")
+        out.append(d)
+    return out
 
 
 def chat_messages(items: list[InputItem]) -> list[dict]:
@@ -138,14 +163,14 @@ class ResponsesRequest(_Model):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
     text: TextConfig | None = None
-    store: bool = True  # OpenAI's default; nothing is stored here, and the reply says store: false
+    store: bool = True  # OpenAI's default; false, or the store off: the reply says store: false
     metadata: dict[str, str] | None = None  # returned as given
     user: str | None = None
     tools: list[FunctionTool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool = True
+    previous_response_id: str | None = Field(None, min_length=1, max_length=256)
     # Defined by OpenAI, not implemented here: a 400 when set.
-    previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     include: list[str] | None = None
@@ -166,8 +191,7 @@ class ResponsesRequest(_Model):
 
     @model_validator(mode="after")
     def _check_unsupported(self):
-        for name, why in (("previous_response_id", "this server stores no responses"),
-                          ("conversation", "this server stores no conversations"),
+        for name, why in (("conversation", "this server stores no conversations (use previous_response_id)"),
                           ("prompt", "this server stores no prompt templates"),
                           ("include", "no extra output is available"),
                           ("background", "responses run in the foreground only"),
@@ -180,9 +204,11 @@ class ResponsesRequest(_Model):
             raise ValueError("truncation auto is not supported: a prompt over the context length is a 400")
         return self
 
-    def chat_request(self) -> ChatCompletionRequest:
-        """The same request on the chat path (400 for what the chat path refuses)."""
+    def chat_request(self, history: list[InputItem] = ()) -> ChatCompletionRequest:
+        """The same request on the chat path (400 for what the chat path refuses); `history`: the
+        items of the conversation before this input (previous_response_id's)."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        messages += chat_messages(list(history))
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
         else:
@@ -217,13 +243,17 @@ class ResponseReply:
     form: the message (one output_text part) when the reply has text, and a function_call item
     per call the reply made (chat's tool plan parses them out of the text)."""
 
-    def __init__(self, req: ResponsesRequest, model: str, created: int, plan: ToolPlan) -> None:
+    def __init__(self, req: ResponsesRequest, model: str, created: int, plan: ToolPlan,
+                 store: Callable[[dict], Awaitable[bool]] | None = None) -> None:
+        """`store(response)`: keeps the finished response (before a stream's last event goes out,
+        so a follow-up sent on that event finds it) and says whether it did."""
         self.req, self.model, self.created, self.plan = req, model, created, plan
         self.id = _new_id("resp")
         self._seq = itertools.count()
+        self._store = store
 
     # -- a whole reply ---------------------------------------------------------------------------
-    def whole(self, acc: Accumulator) -> dict:
+    async def whole(self, acc: Accumulator) -> dict:
         (choice,) = acc.choices
         text, finish = "".join(choice.text), choice.finish_reason
         content, calls = text, []
@@ -234,7 +264,12 @@ class ResponseReply:
         status = _status(finish)
         output = [self._message(_new_id("msg"), content, status)] if content or not calls else []
         output += [self._function_call(_new_id("fc"), c, "completed") for c in calls]
-        return self._response(status, output, acc, finish)
+        return await self._finished(self._response(status, output, acc, finish))
+
+    async def _finished(self, response: dict) -> dict:
+        if self._store is not None:
+            response["store"] = await self._store(response)
+        return response
 
     # -- the stream ------------------------------------------------------------------------------
     def event(self, kind: str, **fields) -> str:
@@ -265,7 +300,8 @@ class ResponseReply:
         status = _status(finish)
         for event in out.finish(status):
             yield event
-        yield self.event(f"response.{status}", response=self._response(status, out.items, acc, finish))
+        response = await self._finished(self._response(status, out.items, acc, finish))
+        yield self.event(f"response.{status}", response=response)
 
     # -- the objects -----------------------------------------------------------------------------
     @staticmethod
@@ -292,8 +328,9 @@ class ResponseReply:
                "temperature": 1.0 if r.temperature is None else r.temperature,
                "top_p": 1.0 if r.top_p is None else r.top_p, "tool_choice": choice,
                "tools": [t.model_dump(exclude_none=True) for t in r.tools or ()],
-               "text": {"format": text_format}, "truncation": r.truncation, "store": False,
-               "metadata": r.metadata or {}, "user": r.user, "usage": None}
+               "text": {"format": text_format}, "truncation": r.truncation, "store": self._store is not None,
+               "previous_response_id": r.previous_response_id, "metadata": r.metadata or {}, "user": r.user,
+               "usage": None}
         if acc is not None:
             u = acc.usage()
             out["usage"] = {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],

@@ -19,6 +19,9 @@ class RouterSettings:
     enable_log_requests: bool = False  # log prompts and sampling params (off: prompts never logged)
     retry_after_s: float = 1.0  # the Retry-After of a 503/429 when the engine queue is full
     overload_status: int = 503  # 503, or 429 as some gateways prefer
+    # Memory for stored /v1/responses (previous_response_id, GET /v1/responses/{id}); the least
+    # recently used go beyond it. 0: nothing is stored.
+    responses_store_max_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -33,6 +36,8 @@ class RouterSettings:
             raise ValueError(f"max_sequences_per_request must be >= 1, got {self.max_sequences_per_request}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.responses_store_max_bytes < 0:
+            raise ValueError(f"responses_store_max_bytes must be >= 0, got {self.responses_store_max_bytes}")
         if self.overload_status not in (429, 503):
             raise ValueError(f"overload_status must be 429 or 503, got {self.overload_status}")
 

@@ -229,7 +229,7 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(tmp_path, smo
     """SIGTERM with streams in flight: /ready and new requests get 503 (with Retry-After) at once,
     every stream runs to its end ([DONE], finish_reason "length", all its tokens), then the
     server exits 0 leaving no Ray process behind. Two ingress replicas (--api-server-count): both
-    are drained."""
+    are drained, and both find a stored response."""
     import json
     import signal
     import threading
@@ -265,6 +265,14 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(tmp_path, smo
             if line.startswith("kvserve: ready"):
                 break
         assert proc.poll() is None, "kvserve serve exited before it was ready"
+        # A stored response is found by either ingress replica (they share the ResponseStore).
+        r = httpx.post(f"{url}/v1/responses", json={"input": "Hi", "max_output_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["store"] is True, r.text
+        got = [httpx.get(f"{url}/v1/responses/{r.json()['id']}", timeout=30) for _ in range(10)]
+        assert [g.status_code for g in got] == [200] * 10 and all(g.json() == r.json() for g in got)
+        follow = httpx.post(f"{url}/v1/responses", json={"input": "And?", "previous_response_id": r.json()["id"],
+                                                          "max_output_tokens": 4}, timeout=60)
+        assert follow.status_code == 200 and follow.json()["usage"]["input_tokens"] > r.json()["usage"]["input_tokens"]
         ray_procs = psutil.Process(proc.pid).children(recursive=True)
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
         for t in threads:

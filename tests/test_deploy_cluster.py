@@ -492,7 +492,11 @@ def test_profile_runs_on_a_multi_node_ray_as_kuberay_runs_it(profile, tiny_model
         # The dashboard's Serve page API lists the app and its deployments.
         status = app_status(cluster, token)
         report["dashboard_serve_api"] = {name: d["status"] for name, d in status["deployments"].items()}
-        assert report["dashboard_serve_api"] == {"OpenAIIngress": "HEALTHY", "EngineServer": "HEALTHY"}
+        expected = {"OpenAIIngress": "HEALTHY", "EngineServer": "HEALTHY"}
+        args = status["deployed_app_config"]["args"]
+        if args.get("num_ingress_replicas", 1) > 1 or args.get("ingress_autoscaling_config"):
+            expected["ResponseStore"] = "HEALTHY"  # stored /v1/responses, shared by the ingress replicas
+        assert report["dashboard_serve_api"] == expected
         assert status["deployed_app_config"]["args"]["max_num_seqs"] == new_seqs
     report["stopped_processes_needing_sigkill"] = cluster.killed_after_term
     report["total_s"] = round(time.monotonic() - t_start, 1)

@@ -1,7 +1,7 @@
 """POST /v1/responses (OpenAI's Responses API) through the official openai client, over a
 scripted engine: the request runs as the chat request it amounts to, and comes back as a
 response object or the Responses stream's typed events; what this server does not have is a 400
-naming the field."""
+naming the field. Stored responses: tests/test_response_store.py."""
 from __future__ import annotations
 
 import json
@@ -43,7 +43,7 @@ def test_a_response_is_the_chat_reply_to_instructions_then_input(tokenizer):
                                                                          "output_text")
     n_out = len(tokenizer.encode(REPLY, add_special_tokens=False))
     assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (len(ids), n_out, len(ids) + n_out)
-    assert r.store is False and r.metadata == {"team": "a"} and r.instructions == "Answer briefly."
+    assert r.store is True and r.metadata == {"team": "a"} and r.instructions == "Answer briefly."
 
 
 def test_input_messages_and_their_content_parts(tokenizer):
@@ -108,7 +108,6 @@ def test_an_error_while_streaming_is_an_error_event(tokenizer):
 @pytest.mark.parametrize("extra, param, says", [
     ({"tools": [{"type": "web_search"}]}, "tools", "only function tools"),
     ({"tools": [{"type": "function"}]}, "tools.0.name", "Field required"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
     ({"conversation": "conv_1"}, "conversation", "stores no conversations"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "does not reason"),
     ({"background": True}, "background", "foreground only"),
