@@ -20,6 +20,28 @@ def wait_ready(url: str, want: int, timeout_s: float) -> float | None:
     return None
 
 
+def stream_events(url: str, body: dict, started=None, timeout_s: float = 120.0) -> list[str] | tuple:
+    """POSTs `body` (streamed) to the server's /v1/completions -> the data of its SSE events
+    ("[DONE]" last when the stream ended whole); for a reply that is not a 200, (its status, its
+    body); for a stream an HTTP error cut, (the error's type, its words, the last two events).
+    `started` (a threading.Event) is set at the first event."""
+    import httpx
+
+    events: list[str] = []
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout_s) as r:
+            if r.status_code != 200:
+                return r.status_code, r.read().decode(errors="replace")
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if started is not None:
+                        started.set()
+    except httpx.HTTPError as e:
+        return type(e).__name__, str(e), events[-2:]
+    return events
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

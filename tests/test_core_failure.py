@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.sampling_params import SamplingParams
 from tests.fake_engine import FAIL_TOKEN_ID, FakeEngine
-from tests.local_serve import running_server, wait_ready
+from tests.local_serve import running_server, stream_events, wait_ready
 from tests.tiny_llama import make_tiny_llama
 
 # Python calls a collected replica's __del__, Serve's async stop hook, and drops its coroutine.
@@ -58,16 +58,7 @@ def server(tmp_path_factory, smollm2_path):
 def _stream(url: str, i: int, started: threading.Event, out: list) -> None:
     body = {"prompt": [40 + i, 6, 7, 8], "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    events = []
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    started.set()
-        out[i] = events
-    except httpx.HTTPError as e:
-        out[i] = e
+    out[i] = stream_events(url, body, started)
 
 
 def test_a_killed_engine_core_cuts_its_streams_and_its_replica_is_replaced(server):

@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.local_serve import running_server, wait_ready
+from tests.local_serve import running_server, stream_events, wait_ready
 
 FAKE = "tests.fake_engine:FakeEngine"
 
@@ -36,11 +36,7 @@ def _engine_replica_pids() -> list[int]:
 
 def _stream(url: str, i: int, out: list) -> None:
     body = {"prompt": [40 + i, 6, 7, 8], "max_tokens": 150, "stream": True}  # FAIL_TOKEN_ID (13) nowhere
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-            out[i] = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    except httpx.HTTPError as e:
-        out[i] = e
+    out[i] = stream_events(url, body, timeout_s=60)
 
 
 def test_a_killed_replica_is_reported_retried_around_and_replaced(server):

@@ -22,6 +22,7 @@ import uuid
 import httpx
 import pytest
 
+from tests.local_serve import stream_events
 from tests.reliability.harness import ServeProcess, count
 
 pytestmark = pytest.mark.reliability
@@ -62,19 +63,7 @@ def test_enable_log_requests_logs_prompt_ids(server, smollm2_path, figures):
 
 def _stream(url: str, i: int, results: list, started: threading.Event) -> None:
     body = {"prompt": [100 + i, 200, 300, 400, 500], "max_tokens": 400, "ignore_eos": True, "stream": True}
-    events: list[str] = []
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=httpx.Timeout(120.0)) as r:
-            if r.status_code != 200:
-                results[i] = (r.status_code, r.read().decode(errors="replace"))
-                return
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    started.set()
-        results[i] = events
-    except httpx.HTTPError as e:
-        results[i] = (type(e).__name__, str(e), events[-2:])
+    results[i] = stream_events(url, body, started)
 
 
 def test_a_killed_rank_ends_its_streams_unavailable_and_the_replica_is_replaced(server, figures):
