@@ -27,8 +27,8 @@ from engine.errors import EngineDeadError, InvalidRequestError
 from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParams
 from router.api import Admission, build_api
-from router.response_store import ResponseStore
 from router.errors import from_invalid_request, overloaded, unavailable
+from router.response_store import ResponseStore
 from router.serving import OpenAIServing
 from router.session import current_session
 from router.settings import RouterSettings
