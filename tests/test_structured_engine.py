@@ -177,6 +177,20 @@ def test_a_grammar_failing_at_run_time_ends_only_its_request(tiny, monkeypatch):
     eng.scheduler.check_integrity()
 
 
+def test_a_lexer_over_its_limit_fails_every_request_that_uses_it(tiny):
+    """llguidance builds a regex's lexer lazily and shares it between copies of a compiled
+    grammar: the first request fails it while consuming a token, and every later copy fails while
+    computing its mask, which then allows EOS alone. Each must end with the error (the second was
+    an empty reply that finished with "stop"), in a short message without llguidance's state."""
+    params = SamplingParams(temperature=0, max_tokens=10, structured_outputs=S(regex="b{999998}"))
+    for _ in range(2):
+        (out,) = tiny.generate([_prompts(1, seed=8)[0]], params)
+        c = out.outputs[0]
+        assert c.finish_reason == "error", (c.text, c.finish_reason)
+        assert c.stop_reason == "structured output failed: lexer error: too many expressions constructed"
+    assert not tiny.engine.structured.matchers
+
+
 def test_compiling_never_stalls_the_step_loop(tiny_dir, monkeypatch):
     """A slow compile runs on the grammar thread while another request keeps decoding; the
     constrained request waits for it, then runs."""

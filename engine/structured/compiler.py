@@ -129,12 +129,17 @@ class GrammarCompiler:
 
         matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            return CompiledGrammar(None, f"the {params.kind} cannot be compiled: {matcher.get_error()}")
+            return CompiledGrammar(None, f"the {params.kind} cannot be compiled: {short_error(matcher.get_error())}")
         return CompiledGrammar(matcher)
 
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def short_error(error: str) -> str:
+    """llguidance's error without the parser state and grammar it appends (for logs, not clients)."""
+    return error.split("\n<state>", 1)[0].strip()
 
 
 def checked(grammar: CompiledGrammar) -> CompiledGrammar:

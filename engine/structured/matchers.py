@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.structured.bitmask import GrammarMask
-from engine.structured.compiler import CompiledGrammar, GrammarCompiler
+from engine.structured.compiler import CompiledGrammar, GrammarCompiler, short_error
 
 if TYPE_CHECKING:
     from llguidance import LLExecutor, LLMatcher
@@ -73,8 +73,10 @@ class GrammarMatchers:
         matcher = self.matchers.get(seq.seq_id)
         if matcher is None:
             return None
-        if not matcher.consume_token(token_id):
-            return f"structured output failed: {matcher.get_error() or f'token {token_id} is not allowed here'}"
+        # A matcher can fail while computing its mask (a lexer over its size limit), leaving a
+        # mask of EOS alone; it then still takes that EOS as the grammar's end.
+        if matcher.is_error() or not matcher.consume_token(token_id) or matcher.is_error():
+            return f"structured output failed: {short_error(matcher.get_error()) or f'token {token_id} is not allowed here'}"
         return STOP if matcher.is_stopped() else None
 
     def _parallel(self) -> LLExecutor:
