@@ -10,6 +10,7 @@ from engine.structured.params import StructuredOutputsParams
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias
 MAX_BAD_WORDS = 100  # entries in one request's bad_words (each is checked per step)
+SAMPLING_EPS = 1e-5  # a temperature below it is greedy (vLLM's _SAMPLING_EPS)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -21,7 +22,7 @@ class RequestOutputKind(enum.IntEnum):
 @dataclass
 class SamplingParams:
     n: int = 1  # completions per prompt
-    temperature: float = 1.0  # 0 => greedy
+    temperature: float = 1.0  # 0 (or < SAMPLING_EPS) => greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 disables
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 disables
     min_p: float = 0.0  # drop tokens with prob < min_p * max prob; 0 disables
@@ -97,4 +98,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Argmax: temperature 0 (or below SAMPLING_EPS, where dividing the logits by it in
+        float32 would overflow, as vLLM rounds it), or top_k 1."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1

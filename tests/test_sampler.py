@@ -48,6 +48,15 @@ def test_greedy_rows_in_a_mixed_batch_are_exactly_argmax():
         assert tokens[i] == expected[i]
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324, 1e-6])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
+    # 1e-40 is subnormal in float32 and 1e-300 rounds to 0: the logits divided by it were inf /
+    # nan, and every draw was token 0 (vLLM rounds below 1e-5 to greedy too).
+    logits = random_logits(4, 3000, seed=4)
+    rows = [row(temperature=temperature, seed=1) for _ in range(4)]
+    assert [r.token_id for r in Sampler().sample(logits, rows)] == logits.argmax(dim=-1).tolist()
+
+
 def test_sample_does_not_modify_the_logits():
     logits = random_logits(4, 100, seed=2)
     before = logits.clone()
