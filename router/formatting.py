@@ -38,7 +38,9 @@ def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
 def completion_logprobs(token_ids: list[int], entries: list[dict[int, float] | None], k: int, token_str: TokenStr,
                         offset: int = 0) -> dict:
     """The legacy completions shape; `offset` is where this piece starts in the choice's text. An
-    entry of None (an echoed prompt's first token, which nothing conditions) has null logprobs."""
+    entry of None (an echoed prompt's first token, which nothing conditions) has null logprobs.
+    A token's top_logprobs are the k most likely and the token itself (k + 1 when it is not
+    among them), as OpenAI's and vLLM's are."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, entry in zip(token_ids, entries):
         s = token_str(tid)
@@ -49,7 +51,9 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, float] | N
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
             continue
-        top = _top(entry, k) if k > 0 else [(tid, entry[tid])]
+        top = _top(entry, k)
+        if all(t != tid for t, _ in top):
+            top.append((tid, entry[tid]))
         out["token_logprobs"].append(_lp(entry[tid]))
         out["top_logprobs"].append({token_str(t): _lp(lp) for t, lp in top})
     return out

@@ -158,6 +158,13 @@ def test_completion_logprobs(client):
     assert "".join(lp.tokens) == r.choices[0].text
     for sampled, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert len(top) <= 3 and sampled == pytest.approx(max(top.values()), abs=1e-4)  # greedy: top-1
+    # Sampled: each token's top_logprobs hold the most likely and the token itself when it is not
+    # that one (up to logprobs + 1 entries, as OpenAI's and vLLM's).
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.5, seed=3, logprobs=1)
+    lp = r.choices[0].logprobs
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == value and len(top) <= 2, (token, top)
+    assert any(len(top) == 2 for top in lp.top_logprobs)  # a draw other than the most likely
 
 
 def test_chat_logprobs(client):
