@@ -5,20 +5,20 @@ Hermes-style blocks, as router.tools asks for them:
     Let me check.<tool_call>\\n{"name": "f", "arguments": {"x": 1}}\\n</tool_call>
     `-- content --'`-- a call: name, then arguments as JSON text ----------------'
 
-A stream sends, per call, `{"index", "id", "type", "function": {"name", "arguments": ""}}` as soon
-as the name is known, then the arguments as fragments while they are generated, as OpenAI does.
-Text that might still become a `<tool_call>` tag is held back until it cannot. A block that is
-not a call (not JSON, no name) stays content. The content is the reply's without the whitespace
-around it, streamed or whole: a stream holds trailing whitespace back until more content follows.
+A whole reply is parsed by streaming it, so the two never differ. A stream sends each call
+whole, `{"index", "id", "type", "function": {"name", "arguments"}}`, once its block has closed
+and its JSON parsed: arguments that went out in fragments could not be taken back if the block
+then turned out not to be a call (unquoted strings, arguments that are not an object), and a
+client would get arguments that are not JSON. Text that might still become a `<tool_call>` tag is
+held back until it cannot. A block that is not a call stays content. The content is the reply's
+without the whitespace around it: a stream holds trailing whitespace back until more content follows.
 """
 from __future__ import annotations
 
 import json
-import re
 import uuid
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
 def new_call_id() -> str:
@@ -30,7 +30,9 @@ def call(name: str, arguments: str, call_id: str | None = None) -> dict:
 
 
 def _parse_block(body: str) -> tuple[str, str] | None:
-    """-> (name, arguments JSON text) of one block's body, or None if it is not a call."""
+    """-> (name, arguments JSON text) of one block's body, or None if it is not a call: a JSON
+    object with a string `name` and `arguments` (or `parameters`) that are an object, or a string
+    holding one."""
     try:
         obj = json.loads(body)
     except ValueError:
@@ -38,26 +40,22 @@ def _parse_block(body: str) -> tuple[str, str] | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    if isinstance(args, str):
+        try:
+            return (obj["name"], args) if isinstance(json.loads(args), dict) else None
+        except ValueError:
+            return None
+    return (obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
 
 
-def parse_tool_calls(text: str, max_calls: int | None = None) -> tuple[str | None, list[dict]]:
-    """-> (the content, None if empty; the calls). Calls past `max_calls` are dropped."""
-    content, calls, pos = [], [], 0
-    while (start := text.find(OPEN, pos)) != -1:
-        end = text.find(CLOSE, start)
-        body = text[start + len(OPEN):end if end != -1 else len(text)]
-        parsed = _parse_block(body)
-        stop = len(text) if end == -1 else end + len(CLOSE)
-        content.append(text[pos:start])
-        if parsed is None:
-            content.append(text[start:stop])
-        elif max_calls is None or len(calls) < max_calls:
-            calls.append(call(*parsed))
-        pos = stop
-    content.append(text[pos:])
-    joined = "".join(content).strip()
-    return joined or None, calls
+def parse_tool_calls(text: str, max_calls: int | None = None, cut: bool = False) -> tuple[str | None, list[dict]]:
+    """A finished reply's text -> (the content, None if empty; the calls), exactly as a stream of
+    it would give them. Calls past `max_calls` are dropped; `cut`: the reply ended at max_tokens."""
+    stream = ToolCallStream(max_calls)
+    deltas = [stream.feed(text), stream.finish(cut)]
+    content = "".join(d.get("content", "") for d in deltas)
+    calls = [{k: v for k, v in c.items() if k != "index"} for d in deltas for c in d.get("tool_calls", ())]
+    return content or None, calls
 
 
 def _held_back(text: str, tag: str) -> int:
@@ -68,47 +66,19 @@ def _held_back(text: str, tag: str) -> int:
     return 0
 
 
-class _JsonValueEnd:
-    """Feeds characters of one JSON object or array; says where it ends (depth back to 0)."""
-
-    def __init__(self) -> None:
-        self.depth, self.in_string, self.escaped, self.done = 0, False, False, False
-
-    def feed(self, text: str) -> int:
-        """-> how many characters of `text` belong to the value (all, until it is done)."""
-        for i, ch in enumerate(text):
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.done = True
-                    return i + 1
-        return len(text)
-
-
 class _Stream:
     num_calls = 0
 
     def feed(self, text: str) -> dict: ...
 
-    def finish(self) -> dict: ...
+    def finish(self, cut: bool = False) -> dict: ...
 
     def step(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """One engine delta of this choice -> (the chat delta, the finish_reason to send: a reply
         that called tools and stopped ends with "tool_calls")."""
         delta = self.feed(text)
         if finish_reason is not None:
-            end = self.finish()
+            end = self.finish(cut=finish_reason == "length")
             delta = _delta(delta.get("content", "") + end.get("content", ""),
                            delta.get("tool_calls", []) + end.get("tool_calls", []))
             if self.num_calls and finish_reason == "stop":
@@ -117,21 +87,26 @@ class _Stream:
 
 
 class ToolCallStream(_Stream):
-    """One choice's stream of text deltas -> OpenAI chat deltas with content and tool_calls."""
+    """One choice's stream of text deltas -> OpenAI chat deltas with content and tool_calls.
+
+    Content goes out as it comes (text that might still become a `<tool_call>` tag is held back
+    until it cannot); a block is held until its close tag, or the text's end, and then decided: a
+    call (sent whole), or content as written. A block the text ends inside is a call when its body
+    parses; else it is content, unless the reply was cut at max_tokens: then it is an unfinished
+    call and is dropped (the finish_reason "length" says so), not sent as markup."""
 
     def __init__(self, max_calls: int | None = None) -> None:
         self.max_calls = max_calls
-        self.buffer = ""  # text not yet sent
+        self.buffer = ""  # text not yet sent: the current block's body while in_call
         self.in_call = False
-        self.block = ""  # the current block's text so far
-        self.args: _JsonValueEnd | None = None  # set once the current call's name went out
+        self.scanned = 0  # of the block's body in buffer, how much holds no close tag
         self.num_calls = 0
         self.content_sent = False
         self.spaces = ""  # trailing whitespace of the content sent, held back until content follows
 
     def _trimmed(self, content: str) -> str:
-        """Content to send, as parse_tool_calls strips the whole: none of the whitespace before
-        the first content, and whitespace only once content follows it."""
+        """Content to send, as a whole reply's is stripped: none of the whitespace before the
+        first content, and whitespace only once content follows it."""
         if not self.content_sent:
             content = content.lstrip()
         body = content.rstrip()
@@ -154,58 +129,34 @@ class ToolCallStream(_Stream):
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     break
                 content.append(self.buffer[:start])
-                self.buffer, self.in_call, self.block, self.args = self.buffer[start + len(OPEN):], True, "", None
-            elif not self._advance_call(calls, content):
+                self.buffer, self.in_call, self.scanned = self.buffer[start + len(OPEN):], True, 0
+                continue
+            end = self.buffer.find(CLOSE, self.scanned)
+            if end == -1:
+                self.scanned = max(0, len(self.buffer) - len(CLOSE) + 1)
                 break
+            self._end_block(self.buffer[:end], calls, content, closed=True)
+            self.buffer, self.in_call = self.buffer[end + len(CLOSE):], False
         return _delta(self._trimmed("".join(content)), calls)
 
-    def _advance_call(self, calls: list[dict], content: list[str]) -> bool:
-        """Consume buffered text of the current block; -> whether the block ended."""
-        wanted = self.max_calls is None or self.num_calls < self.max_calls
-        if self.args is None:
-            head = _HEAD.match(self.buffer) if wanted else None
-            if head is not None and self.buffer[head.end():head.end() + 1] in ("{", "["):
-                calls.append({"index": self.num_calls, **call(json.loads(f'"{head.group(1)}"'), "")})
-                self.block, self.buffer, self.args = self.buffer[:head.end()], self.buffer[head.end():], _JsonValueEnd()
-        if self.args is not None and not self.args.done:
-            n = self.args.feed(self.buffer)
-            if n:
-                calls.append({"index": self.num_calls, "function": {"arguments": self.buffer[:n]}})
-            self.block, self.buffer = self.block + self.buffer[:n], self.buffer[n:]
-        end = self.buffer.find(CLOSE)
-        if end == -1:
-            return False
-        self.block, self.buffer = self.block + self.buffer[:end], self.buffer[end + len(CLOSE):]
-        self._end_block(calls, content, wanted)
-        return True
-
-    def _end_block(self, calls: list[dict], content: list[str], wanted: bool) -> None:
-        self.in_call = False
-        if self.args is not None:  # streamed as it came
-            self.num_calls += 1
-            return
-        parsed = _parse_block(self.block)
+    def _end_block(self, body: str, calls: list[dict], content: list[str], closed: bool, cut: bool = False) -> None:
+        parsed = _parse_block(body)
         if parsed is None:
-            content.append(OPEN + self.block + CLOSE)
-        elif wanted:  # a call whose head did not come first: sent whole
+            if closed or not cut:
+                content.append(OPEN + body + (CLOSE if closed else ""))
+        elif self.max_calls is None or self.num_calls < self.max_calls:
             calls.append({"index": self.num_calls, **call(*parsed)})
             self.num_calls += 1
 
-    def finish(self) -> dict:
-        """The delta for what was held back when the text ends. A block whose close tag never
-        came ends here, as parse_tool_calls reads it: a call whose name went out stands (the
-        rest of its block is its own, not content), one that parses whole is sent whole, and
-        anything else is content."""
-        rest, calls = self.buffer, []
+    def finish(self, cut: bool = False) -> dict:
+        """The delta for what was held back when the text ends (`cut`: at max_tokens)."""
+        content, calls = [], []
         if self.in_call:
-            self.block, rest = self.block + self.buffer, ""
-            wanted = self.max_calls is None or self.num_calls < self.max_calls
-            content: list[str] = []
-            self._end_block(calls, content, wanted)
-            if content:  # not a call: the text as it came, without the close tag it never had
-                rest = content[0].removesuffix(CLOSE)
-        self.buffer, self.block, self.in_call = "", "", False
-        return _delta(self._trimmed(rest), calls)  # whitespace still held back is the reply's end
+            self._end_block(self.buffer, calls, content, closed=False, cut=cut)
+        else:
+            content.append(self.buffer)
+        self.buffer, self.in_call = "", False
+        return _delta(self._trimmed("".join(content)), calls)  # whitespace still held back is the reply's end
 
 
 def _delta(content: str, calls: list[dict]) -> dict:
@@ -213,24 +164,13 @@ def _delta(content: str, calls: list[dict]) -> dict:
     if content:
         delta["content"] = content
     if calls:
-        delta["tool_calls"] = _merged(calls)
+        delta["tool_calls"] = calls
     return delta
 
 
-def _merged(calls: list[dict]) -> list[dict]:
-    """Fragments of the same call in one delta are joined into one entry."""
-    out: list[dict] = []
-    for c in calls:
-        if out and out[-1]["index"] == c["index"] and "id" not in c:
-            fn = out[-1].setdefault("function", {})
-            fn["arguments"] = fn.get("arguments", "") + c["function"]["arguments"]
-        else:
-            out.append(c)
-    return out
-
-
 class NamedCallStream(_Stream):
-    """tool_choice naming a function: the whole output is its arguments."""
+    """tool_choice naming a function: the whole output is its arguments, which its grammar holds
+    to the function's schema, so they stream as they come."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -241,5 +181,5 @@ class NamedCallStream(_Stream):
             return {"tool_calls": [{"index": 0, **call(self.name, text)}]}
         return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
 
-    def finish(self) -> dict:
+    def finish(self, cut: bool = False) -> dict:
         return self.feed("") if not self.num_calls else {}

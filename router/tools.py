@@ -74,7 +74,7 @@ class ToolPlan:
         if self.mode == "named":
             content, calls = None, [call(self.function, message["content"])]
         else:
-            content, calls = parse_tool_calls(message["content"], self.max_calls)
+            content, calls = parse_tool_calls(message["content"], self.max_calls, choice["finish_reason"] == "length")
         message["content"] = content
         if calls:
             message["tool_calls"] = calls

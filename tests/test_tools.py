@@ -67,13 +67,14 @@ def test_auto_turns_hermes_blocks_into_tool_calls(tokenizer):
     assert "<tools>" in tokenizer.decode(prompt) and "get_weather" in tokenizer.decode(prompt)
 
 
-def test_auto_streams_the_name_first_then_argument_fragments(tokenizer):
+def test_auto_streams_each_call_whole_once_its_block_closed(tokenizer):
     two = HERMES + "\n<tool_call>\n" + '{"name": "now", "arguments": {}}' + "\n</tool_call>"
     (chunks, calls, content), _ = run(tokenizer, two, streamed(tools=TOOLS))
     assert content == "Let me look."  # as the whole reply: no "\n" before the call
     assert [(name, json.loads(args)) for _, name, args in calls.values()] == [
         ("get_weather", {"city": "Paris", "unit": "celsius"}), ("now", {})]
-    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.tool_calls) > 4  # arguments came in pieces
+    # One chunk per call: arguments go out once the block is known to be a call (valid JSON).
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.tool_calls) == 2
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -251,22 +252,39 @@ def test_parse_tool_calls():
     assert parse_tool_calls("plain") == ("plain", [])
     assert parse_tool_calls(f"<tool_call>{CALL}")[1][0]["function"]["name"] == "get_weather"  # cut before its tag
     assert len(parse_tool_calls(HERMES + HERMES, max_calls=1)[1]) == 1
+    # Not calls: arguments that are not JSON, or not an object (a client's json.loads must work).
+    unquoted = '<tool_call>{"name": "f", "arguments": {"city": Paris}}</tool_call>'
+    assert parse_tool_calls(unquoted) == (unquoted, [])
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": "x"}</tool_call>')[1] == []
+    # A reply cut at max_tokens inside a call: the unfinished call is dropped, not sent as markup;
+    # a reply that stopped there keeps its text.
+    unfinished = HERMES + '\n<tool_call>\n{"name": "now", "arguments": {"tz": "Eur'
+    content, calls = parse_tool_calls(unfinished, cut=True)
+    assert content == "Let me look." and [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert parse_tool_calls(unfinished)[0].endswith('{"tz": "Eur')
 
 
 TEXTS = [HERMES, "\n " + HERMES + "\n<tool_call>\n" + '{"arguments": {"b": "}"}, "name": "x"}' + "\n</tool_call> end",
          'x <tool_call>{"name": "f", "arguments": {"s": "a\\"}]", "l": [1, {"m": []}]}}</tool_call>',
          "no calls <tool_call> here", "<tool_call>\n{\"name\": \"f\", \"argu", "a <tool_call>broken</tool_call> b",
          # a whole call whose close tag never came (the model stopped after its JSON): it stands
-         '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n', 'ok <tool_call>{"arguments": {"a": 1}, "name": "g"}']
+         '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n', 'ok <tool_call>{"arguments": {"a": 1}, "name": "g"}',
+         # not calls, though their heads are: arguments that are not JSON, or not an object
+         '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>',
+         '<tool_call>{"name": "f", "arguments": "x"}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+         # arguments given as a string holding an object: a call
+         '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>',
+         # a second call cut inside its arguments
+         HERMES + '\n<tool_call>\n{"name": "now", "arguments": {"tz": "Eur']
 
 
-@settings(max_examples=150, deadline=None)
-@given(text=st.sampled_from(TEXTS), seed=st.integers(0, 10**6))
-def test_streamed_calls_add_up_to_the_parsed_whole_under_any_split(text, seed):
+@settings(max_examples=300, deadline=None)
+@given(text=st.sampled_from(TEXTS), seed=st.integers(0, 10**6), end=st.sampled_from(["stop", "length"]))
+def test_streamed_calls_add_up_to_the_parsed_whole_under_any_split(text, seed, end):
     rng, stream, deltas, i = random.Random(seed), ToolCallStream(), [], 0
     while i < len(text):
         n = rng.randint(1, 9)
-        delta, finish = stream.step(text[i:i + n], "stop" if i + n >= len(text) else None)
+        delta, finish = stream.step(text[i:i + n], end if i + n >= len(text) else None)
         deltas.append(delta)
         i += n
     content = "".join(d.get("content", "") for d in deltas)
@@ -275,11 +293,12 @@ def test_streamed_calls_add_up_to_the_parsed_whole_under_any_split(text, seed):
         for c in d.get("tool_calls", []):
             entry = calls.setdefault(c["index"], [c.get("function", {}).get("name"), ""])
             entry[1] += c["function"].get("arguments", "")
-    whole_content, whole = parse_tool_calls(text)
+    whole_content, whole = parse_tool_calls(text, cut=end == "length")
     assert [(n, json.loads(a)) for n, a in calls.values()] == [
         (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole]
+    assert all(isinstance(json.loads(a), dict) for _, a in calls.values())  # arguments are always an object
     assert content == (whole_content or "")
-    assert finish == ("tool_calls" if whole else "stop")  # as plan.apply ends the whole reply
+    assert finish == ("tool_calls" if whole and end == "stop" else end)  # as plan.apply ends the whole reply
 
 
 def test_named_stream():
