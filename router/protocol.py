@@ -387,6 +387,7 @@ class TokenizeRequest(_Model):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False  # vLLM's: the tokens as the tokenizer's vocabulary writes them too
 
     @model_validator(mode="after")
     def _one_input(self):

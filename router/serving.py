@@ -128,7 +128,10 @@ class OpenAIServing:
         else:
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
         info = await self.limits()
-        return {"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids}
+        out = {"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return out
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
         self.check_model(req.model)

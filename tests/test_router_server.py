@@ -199,6 +199,9 @@ def test_tokenize_detokenize(http, oracle):
     assert r["tokens"] == oracle["tokenizer"].encode(PROMPT, add_special_tokens=False)
     assert r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_MODEL_LEN
     assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": PROMPT}
+    assert "token_strs" not in r
+    strs = http.post("/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()["token_strs"]
+    assert strs == oracle["tokenizer"].convert_ids_to_tokens(r["tokens"])  # vLLM's extra
 
 
 def test_health_and_ready_need_no_key(server):
