@@ -31,6 +31,7 @@ DEADLINE=${KVSERVE_GPU_DEADLINE_S:-470}  # seconds from the start by which the l
 PY=${PYTHON:-python3}
 WORK=${KVSERVE_GPU_WORK:-/tmp/kvserve-gpu-check}
 export PYTHONUNBUFFERED=1 KVSERVE_CACHE="$WORK/cache"
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$WORK/triton}  # one writable cache: each stage reuses the compiles before it
 export KVSERVE_KERNEL_EXAMPLES=${KVSERVE_KERNEL_EXAMPLES:-12}  # compiled, every new kernel shape costs a compile
 mkdir -p "$OUT" "$WORK"
 START=$SECONDS

@@ -109,7 +109,7 @@ def prefill_tok_s(llm, prompts: int, length: int, rng: random.Random) -> float:
     return prompts * length / (perf_counter() - start)
 
 
-def run_mode(args, model: Path, eager: bool) -> dict:
+def run_mode(args, model: Path, eager: bool, profile: bool) -> dict:
     from engine import LLM
 
     t0 = perf_counter()
@@ -122,9 +122,8 @@ def run_mode(args, model: Path, eager: bool) -> dict:
     out = {"mode": "eager" if eager else "cuda-graphs", "load_s": load_s,
            "prefill_tok_s": prefill_tok_s(llm, args.prefill_prompts, args.prefill_len, rng), "decode": {}}
     for b in args.batch_sizes:
-        profile = args.profile if b == max(args.batch_sizes) and not args.profiled else None
-        args.profiled = args.profiled or profile is not None
-        ms, host_ms = decode_step_ms(llm, b, args.context, args.steps, rng, profile)
+        path = args.profile if profile and b == max(args.batch_sizes) else None
+        ms, host_ms = decode_step_ms(llm, b, args.context, args.steps, rng, path)
         out["decode"][b] = {"step_ms": ms, "tok_s": b * 1000 / ms, "host_ms": host_ms}
         print(f"  {out['mode']}: batch {b}: {ms:.2f} ms/step = {b * 1000 / ms:.0f} tok/s (host {host_ms:.2f} ms)",
               flush=True)
@@ -150,12 +149,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-prompts", type=int, default=32)
     p.add_argument("--prefill-len", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--modes", default="graphs,eager", help="graphs, eager or both (comma list)")
+    p.add_argument("--modes", default="eager,graphs",
+                   help="graphs, eager or both (comma list); the last is profiled (--profile): the profiler "
+                        "stays attached to CUDA after it, and would slow a mode timed later")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--profile", default=None, metavar="PATH", help="torch.profiler tables of 5 decode steps")
     args = p.parse_args(argv)
-    args.profiled = False
     args.batch_sizes = [int(b) for b in args.batches.split(",")]
     args.enforce_eager = False
     return args
@@ -172,12 +172,18 @@ def main(argv=None) -> None:
     model = model_dir(args)
     print(f"model {model} ({args.dtype}, {args.device}); decode batches {args.batch_sizes} at ~{args.context} "
           f"tokens of context; prefill {args.prefill_prompts} x {args.prefill_len} tokens", flush=True)
-    results = [run_mode(args, model, mode == "eager") for mode in args.modes.split(",")]
+    modes, results = args.modes.split(","), []
+    for i, mode in enumerate(modes):
+        results.append(run_mode(args, model, mode == "eager", profile=i == len(modes) - 1))
+        report(args, results)  # after each mode: a run cut short keeps what it measured
+
+
+def report(args, results: list[dict]) -> None:
     rows = [[r["mode"]] + [f"{r['decode'][b]['step_ms']:.2f} ms ({r['decode'][b]['tok_s']:.0f} tok/s, "
                            f"host {r['decode'][b]['host_ms']:.2f})" for b in args.batch_sizes]
             + [f"{r['prefill_tok_s']:.0f}"] for r in results]
     print("\n" + markdown_table(["mode"] + [f"decode step, batch {b}" for b in args.batch_sizes] + ["prefill tok/s"],
-                                rows))
+                                rows), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine_info(), "args": vars(args), "results": results},
                                               indent=2) + "\n")
