@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from router.errors import from_validation_error
+from router.errors import bad_request, from_validation_error
 from router.formatting import Accumulator
 from router.protocol import ChatCompletionRequest, _Model, _schema_size_ok
 from router.tools import ToolPlan
@@ -130,6 +130,17 @@ def chat_messages(items: list[InputItem]) -> list[dict]:
     return out
 
 
+def _check_outputs_answer_calls(items: list[InputItem]) -> None:
+    """A function_call_output must answer a call made before it in the conversation (as OpenAI
+    requires): a tool turn answering no call would reach the model as a dangling message."""
+    calls = set()
+    for item in items:
+        if isinstance(item, FunctionCallItem):
+            calls.add(item.call_id)
+        elif isinstance(item, FunctionCallOutputItem) and item.call_id not in calls:
+            raise bad_request(f"No tool call found for function call output with call_id {item.call_id}.", "input")
+
+
 class TextFormat(_Model):
     """`text.format`: Responses' form of chat's response_format, with json_schema's fields inline."""
     type: Literal["text", "json_object", "json_schema"]
@@ -207,6 +218,7 @@ class ResponsesRequest(_Model):
     def chat_request(self, history: list[InputItem] = ()) -> ChatCompletionRequest:
         """The same request on the chat path (400 for what the chat path refuses); `history`: the
         items of the conversation before this input (previous_response_id's)."""
+        _check_outputs_answer_calls([*history, *([] if isinstance(self.input, str) else self.input)])
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         messages += chat_messages(list(history))
         if isinstance(self.input, str):

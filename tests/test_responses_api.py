@@ -109,6 +109,8 @@ def test_an_error_while_streaming_is_an_error_event(tokenizer):
     ({"tools": [{"type": "web_search"}]}, "tools", "only function tools"),
     ({"tools": [{"type": "function"}]}, "tools.0.name", "Field required"),
     ({"conversation": "conv_1"}, "conversation", "stores no conversations"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "18 C"}]}, "input",
+     "No tool call found for function call output with call_id call_9"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "does not reason"),
     ({"background": True}, "background", "foreground only"),
     ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
