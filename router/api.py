@@ -230,15 +230,15 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     async def retrieve_response(response_id: str, stream: bool = False):
         if stream:
             raise OpenAIError(400, "a stored response is retrieved whole here, not streamed", param="stream")
-        return await serving.retrieve_response(response_id)
+        return await serving.stored.retrieve(response_id)
 
     @api.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
-        return await serving.delete_response(response_id)
+        return await serving.stored.delete(response_id)
 
     @api.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(response_id: str, order: str = "desc", limit: int = 20, after: str | None = None):
-        return await serving.response_input_items(response_id, order, limit, after)
+        return await serving.stored.input_items(response_id, order, limit, after)
 
     @api.post("/tokenize", openapi_extra=_json_body(TokenizeRequest))
     async def tokenize(request: Request):

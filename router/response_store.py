@@ -1,7 +1,8 @@
 """Stored responses of the Responses API (`store: true`, OpenAI's default), for
 `previous_response_id`, `GET /v1/responses/{id}`, its `/input_items` and `DELETE`.
 
-A record is one response's JSON: the response object, its input items, and the conversation
+`ResponseStore` keeps them; `StoredResponses` is what the API does with them. A record is one
+response's JSON: the response object, its input items, and the conversation
 through it (every input and output item of the chain, instructions aside, as OpenAI carries
 them) so that a follow-up reads one record, however long the chain. Records live in memory,
 newest used last, and the least recently used go once their total size passes `max_bytes`; a
@@ -13,6 +14,10 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+from router.errors import OpenAIError, bad_request
+from router.responses import ResponsesRequest, item_dicts
 
 
 class ResponseStore:
@@ -53,3 +58,73 @@ class ResponseStore:
             return False
         self.num_bytes -= entry[1]
         return True
+
+
+class StoredResponses:
+    """The Responses API's use of a store (any object with ResponseStore's async put / get /
+    delete; None: the store is off, nothing is kept)."""
+
+    def __init__(self, store: ResponseStore | None) -> None:
+        self.store = store
+
+    def keeper(self, req: ResponsesRequest, history: list[dict]) -> Callable[[dict], Awaitable[bool]] | None:
+        """What stores the request's finished response, or None when it is not to be stored."""
+        if self.store is None or not req.store:
+            return None
+        inputs = item_dicts(req.input)
+
+        async def keep(response: dict) -> bool:
+            record = {"response": response, "input": inputs, "conversation": history + inputs + response["output"]}
+            return await self.store.put(response["id"], record)
+        return keep
+
+    async def conversation(self, previous_response_id: str | None) -> list[dict]:
+        """The items of the conversation through `previous_response_id` (none without one)."""
+        if previous_response_id is None:
+            return []
+        if self.store is None:
+            raise bad_request("previous_response_id needs the response store, which is off on this server "
+                              "(--responses-store-max-bytes 0)", "previous_response_id")
+        record = await self.store.get(previous_response_id)
+        if record is None:
+            raise OpenAIError(400, f"Previous response with id '{previous_response_id}' not found.",
+                              param="previous_response_id", code="previous_response_not_found")
+        return record["conversation"]
+
+    async def retrieve(self, response_id: str) -> dict:
+        """`GET /v1/responses/{id}`: a stored response as it was returned."""
+        return (await self._record(response_id))["response"]
+
+    async def delete(self, response_id: str) -> dict:
+        if self.store is None or not await self.store.delete(response_id):
+            raise _not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    async def input_items(self, response_id: str, order: str = "desc", limit: int = 20,
+                          after: str | None = None) -> dict:
+        """`GET /v1/responses/{id}/input_items`: the request's input items, a page of them
+        (`limit`, after the item `after`), newest first unless `order` is asc (as OpenAI's)."""
+        if order not in ("asc", "desc"):
+            raise bad_request("order must be 'asc' or 'desc'", "order")
+        if not 1 <= limit <= 100:
+            raise bad_request("limit must be between 1 and 100", "limit")
+        items = (await self._record(response_id))["input"]
+        items = items if order == "asc" else items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise bad_request(f"no input item with id '{after}' in this response", "after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+    async def _record(self, response_id: str) -> dict:
+        record = await self.store.get(response_id) if self.store is not None else None
+        if record is None:
+            raise _not_found(response_id)
+        return record
+
+
+def _not_found(response_id: str) -> OpenAIError:
+    return OpenAIError(404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found")

@@ -33,8 +33,8 @@ from router.errors import OpenAIError, bad_request, from_invalid_request, intern
 from router.formatting import (SSE_DONE, Accumulator, PromptEcho, chat_logprobs, chat_response,
                                completion_logprobs, completion_response, sse, vllm_prompt_logprobs)
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from router.response_store import ResponseStore
-from router.responses import ResponseReply, ResponsesRequest, item_dicts, parse_items, responses_field
+from router.response_store import ResponseStore, StoredResponses
+from router.responses import ResponseReply, ResponsesRequest, parse_items, responses_field
 from router.settings import RouterSettings
 from router.structured import checked, from_response_format, from_structured_outputs
 from router.tools import ToolPlan, render, template_knows_tools
@@ -97,7 +97,7 @@ class OpenAIServing:
         self.settings = settings
         if store is None and settings.responses_store_max_bytes:
             store = ResponseStore(settings.responses_store_max_bytes)
-        self.store = store
+        self.stored = StoredResponses(store)  # GET / DELETE /v1/responses/{id} and previous_response_id
         self._info: dict | None = None
         self.token_str = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
 
@@ -197,76 +197,16 @@ class OpenAIServing:
     async def responses(self, req: ResponsesRequest) -> dict | AsyncIterator[str]:
         """OpenAI's Responses API, run as the chat request it amounts to (router.responses)."""
         self.check_model(req.model)
-        history = await self._conversation(req.previous_response_id)
+        history = await self.stored.conversation(req.previous_response_id)
         plan, params, ids = await self._chat_prompt(req.chat_request(parse_items(history)), field=responses_field)
         reply = ResponseReply(req, self.settings.served_model_name, int(time.time()), plan,
-                              self._keeper(req, history))
+                              self.stored.keeper(req, history))
         first, merged = await self._start(reply.id, [ids], params, "input", "max_output_tokens")
         acc = Accumulator([len(ids)], 1)
         if req.stream:
             return _response_events(reply, acc, first, merged)
         await _collect(acc, first, merged)
         return await reply.whole(acc)
-
-    def _keeper(self, req: ResponsesRequest, history: list[dict]):
-        """What stores the request's finished response, or None when it is not to be stored."""
-        if self.store is None or not req.store:
-            return None
-        inputs = item_dicts(req.input)
-
-        async def keep(response: dict) -> bool:
-            record = {"response": response, "input": inputs, "conversation": history + inputs + response["output"]}
-            return await self.store.put(response["id"], record)
-        return keep
-
-    async def _conversation(self, previous_response_id: str | None) -> list[dict]:
-        """The items of the conversation through `previous_response_id` (none without one)."""
-        if previous_response_id is None:
-            return []
-        if self.store is None:
-            raise bad_request("previous_response_id needs the response store, which is off on this server "
-                              "(--responses-store-max-bytes 0)", "previous_response_id")
-        record = await self.store.get(previous_response_id)
-        if record is None:
-            raise OpenAIError(400, f"Previous response with id '{previous_response_id}' not found.",
-                              param="previous_response_id", code="previous_response_not_found")
-        return record["conversation"]
-
-    async def _stored(self, response_id: str) -> dict:
-        record = await self.store.get(response_id) if self.store is not None else None
-        if record is None:
-            raise OpenAIError(404, f"Response with id '{response_id}' not found.", param="response_id",
-                              code="not_found")
-        return record
-
-    async def retrieve_response(self, response_id: str) -> dict:
-        """`GET /v1/responses/{id}`: a stored response as it was returned."""
-        return (await self._stored(response_id))["response"]
-
-    async def delete_response(self, response_id: str) -> dict:
-        if self.store is None or not await self.store.delete(response_id):
-            raise OpenAIError(404, f"Response with id '{response_id}' not found.", param="response_id",
-                              code="not_found")
-        return {"id": response_id, "object": "response.deleted", "deleted": True}
-
-    async def response_input_items(self, response_id: str, order: str = "desc", limit: int = 20,
-                                   after: str | None = None) -> dict:
-        """`GET /v1/responses/{id}/input_items`: the request's input items, a page of them
-        (`limit`, after the item `after`), newest first unless `order` is asc (as OpenAI's)."""
-        if order not in ("asc", "desc"):
-            raise bad_request("order must be 'asc' or 'desc'", "order")
-        if not 1 <= limit <= 100:
-            raise bad_request("limit must be between 1 and 100", "limit")
-        items = (await self._stored(response_id))["input"]
-        items = items if order == "asc" else items[::-1]
-        if after is not None:
-            ids = [item["id"] for item in items]
-            if after not in ids:
-                raise bad_request(f"no input item with id '{after}' in this response", "after")
-            items = items[ids.index(after) + 1:]
-        page = items[:limit]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
     # -- shared steps ----------------------------------------------------------------------------
     @staticmethod
