@@ -198,6 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--in-fd", type=int, required=True)
     p.add_argument("--out-fd", type=int, required=True)
     args = p.parse_args(argv)
+    # The engine's own lines (the model loaded, its KV blocks, the attention backend, a request's
+    # grammar failing) on stderr, which the core shares with its replica, as they are in-process.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-core %(process)d %(name)s: %(message)s")
     # A terminal's Ctrl-C reaches the whole process group: the parent drains its streams, and the
     # core must go on stepping them until it is told to stop (or its parent is gone).
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -291,6 +291,14 @@ def test_a_killed_core_ends_every_stream(tiny_dir):
     asyncio.run(main())
 
 
+def test_the_core_logs_what_the_engine_logs(tiny_dir, capfd):
+    """The model loaded, its KV blocks, the attention backend: on the stderr the core shares with
+    its replica, as an in-process engine logs them (the core's logging was unconfigured: lost)."""
+    asyncio.run(ProcessEngine(model=tiny_dir, num_gpu_blocks_override=64).shutdown())
+    err = capfd.readouterr().err
+    assert "engine-core" in err and "KV cache 64 blocks" in err and "attention backend" in err, err[-2000:]
+
+
 def test_a_core_that_cannot_load_says_why(tmp_path):
     with pytest.raises(Exception, match="config.json|not a directory|No such file|does not"):
         ProcessEngine(model=str(tmp_path / "missing"))
