@@ -31,6 +31,7 @@ from pydantic import Field, TypeAdapter, ValidationError, field_validator, model
 from router.errors import bad_request, from_validation_error
 from router.formatting import Accumulator
 from router.protocol import ChatCompletionRequest, _Model, _schema_size_ok
+from router.tool_parser import CLOSE
 from router.tools import ToolPlan
 
 
@@ -266,17 +267,20 @@ class ResponseReply:
 
     # -- a whole reply ---------------------------------------------------------------------------
     async def whole(self, acc: Accumulator) -> dict:
+        """The reply's output items exactly as its stream would have them: its text goes through
+        the stream's parser in pieces cut after each tool call block, so the items come in the
+        order their text did (a message after a call it follows)."""
         (choice,) = acc.choices
         text, finish = "".join(choice.text), choice.finish_reason
-        content, calls = text, []
-        if self.plan.calls_tools:
-            reply = {"message": {"content": text}, "finish_reason": finish}
-            self.plan.apply(reply)
-            content, calls = reply["message"]["content"], reply["message"].get("tool_calls", [])
+        out, pieces = _StreamedOutput(self), text.split(CLOSE)
+        pieces = [p + CLOSE for p in pieces[:-1]] + pieces[-1:]
+        parser = self.plan.stream() if self.plan.calls_tools else None
+        for i, piece in enumerate(pieces):
+            end = finish if i == len(pieces) - 1 else None
+            out.add(parser.step(piece, end)[0] if parser is not None else {"content": piece})
         status = _status(finish)
-        output = [self._message(_new_id("msg"), content, status)] if content or not calls else []
-        output += [self._function_call(_new_id("fc"), c, "completed") for c in calls]
-        return await self._finished(self._response(status, output, acc, finish))
+        out.finish(status)
+        return await self._finished(self._response(status, out.items, acc, finish))
 
     async def _finished(self, response: dict) -> dict:
         if self._store is not None:

@@ -152,6 +152,16 @@ def test_a_function_call_is_an_output_item(tokenizer):
     assert [item.type for item in only.output] == ["function_call"]
 
 
+@pytest.mark.parametrize("text", ["Let me look. " + CALL, CALL + " Done.", CALL + CALL, "Just text."])
+def test_whole_and_streamed_replies_have_the_same_output_items_in_the_order_of_their_text(tokenizer, text):
+    whole, _ = run(tokenizer, text, create(tools=[WEATHER]))
+    events, _ = run(tokenizer, text, streamed(tools=[WEATHER]))
+    shape = [(i.type, i.content[0].text if i.type == "message" else i.name) for i in whole.output]
+    assert shape == [(i.type, i.content[0].text if i.type == "message" else i.name) for i in events[-1].response.output]
+    assert [t for t, _ in shape] == {CALL + " Done.": ["function_call", "message"], CALL + CALL: ["function_call"] * 2,
+                                     "Just text.": ["message"]}.get(text, ["message", "function_call"])
+
+
 def test_a_streamed_function_call_comes_as_argument_deltas(tokenizer):
     events, _ = run(tokenizer, "Let me look. " + CALL, streamed(tools=[WEATHER]))
     kinds = [e.type for e in events]
