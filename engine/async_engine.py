@@ -3,11 +3,15 @@
 One background task owns the LLMEngine. Model steps run in a single worker thread so the event
 loop stays responsive; requests and aborts are queued and applied between steps, so the engine
 itself is never touched by two threads at once.
+
+Each run of a request is known to the engine by a key of its own (its id and a count), so an id
+used again while outputs or an abort of its last run are still on their way gets none of them.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -33,7 +37,9 @@ class AsyncEngine:
         # threads than there are cores and stops spinning between parallel regions, which made
         # every decode step ~1.5x slower on CPU.
         self.engine = engine or self._thread.submit(LLMEngine, config or EngineConfig(**kwargs)).result()
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, asyncio.Queue] = {}  # engine key -> its stream's queue
+        self._keys: dict[str, str] = {}  # request id -> the engine key of its current run
+        self._runs = itertools.count()
         self._pending_adds: dict[str, tuple[str | list[int], SamplingParams, CompiledGrammar | None]] = {}
         self._pending_aborts: set[str] = set()
         self._wakeup: asyncio.Event | None = None
@@ -113,11 +119,12 @@ class AsyncEngine:
         grammar = None
         if params.structured_outputs is not None:  # compiled on the grammar thread, never the step's
             grammar = await self.engine.structured.compiler.compile_async(params.structured_outputs)
-        if request_id in self._queues:
+        if request_id in self._keys:
             raise ValueError(f"request id {request_id!r} is already in use")
+        key = f"{request_id}#{next(self._runs)}"
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._pending_adds[request_id] = (prompt, params, grammar)
+        self._queues[key], self._keys[request_id] = queue, key
+        self._pending_adds[key] = (prompt, params, grammar)
         self._kick()
         finished = False
         try:
@@ -128,20 +135,24 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                item.request_id = request_id  # the caller's id, not the engine's key
                 yield item
         finally:
-            self._queues.pop(request_id, None)
+            self._queues.pop(key, None)
+            self._keys.pop(request_id, None)
             if not finished:
-                self._abort_now(request_id)
+                self._abort_now(key)
 
     async def abort(self, request_id: str) -> None:
-        self._abort_now(request_id)
+        key = self._keys.get(request_id)
+        if key is not None:
+            self._abort_now(key)
 
-    def _abort_now(self, request_id: str) -> None:
-        if self._pending_adds.pop(request_id, None) is not None:
-            self._deliver(request_id, _ABORTED)  # never reached the engine
+    def _abort_now(self, key: str) -> None:
+        if self._pending_adds.pop(key, None) is not None:
+            self._deliver(key, _ABORTED)  # never reached the engine
         else:
-            self._pending_aborts.add(request_id)
+            self._pending_aborts.add(key)
             self._kick()
 
     def _kick(self) -> None:
@@ -155,20 +166,20 @@ class AsyncEngine:
             self._apply_pending_locked()
 
     def _apply_pending_locked(self) -> None:
-        for rid in self._pending_aborts:
-            out = self.engine.abort(rid)  # frees its KV blocks now
-            self._deliver(rid, out if out is not None else _ABORTED)
+        for key in self._pending_aborts:
+            out = self.engine.abort(key)  # frees its KV blocks now
+            self._deliver(key, out if out is not None else _ABORTED)
         self._pending_aborts.clear()
         adds, self._pending_adds = self._pending_adds, {}
-        for rid, (prompt, params, grammar) in adds.items():
+        for key, (prompt, params, grammar) in adds.items():
             try:
-                self.engine.add_request(rid, prompt, params, grammar)
+                self.engine.add_request(key, prompt, params, grammar)
             except Exception as e:  # this request's fault or not, it fails alone
-                self._deliver(rid, e)
+                self._deliver(key, e)
         self._take_stats()
 
-    def _deliver(self, request_id: str, item) -> None:
-        queue = self._queues.get(request_id)
+    def _deliver(self, key: str, item) -> None:
+        queue = self._queues.get(key)
         if queue is not None:
             queue.put_nowait(item)
 
@@ -187,9 +198,9 @@ class AsyncEngine:
         except Exception as e:  # the engine is unusable now: fail everyone, never hang
             logger.exception("engine loop failed")
             self._error = e
-            for rid in list(self._queues):
-                admitted = rid not in self._pending_adds
-                self._deliver(rid, EngineDeadError(f"engine loop failed: {e!r}", admitted=admitted))
+            for key in list(self._queues):
+                admitted = key not in self._pending_adds
+                self._deliver(key, EngineDeadError(f"engine loop failed: {e!r}", admitted=admitted))
 
     async def shutdown(self) -> None:
         if self._loop_task is not None:

@@ -115,6 +115,27 @@ def test_abort_by_id_ends_the_stream(tiny_dir, prompts):
     assert freed
 
 
+def test_an_id_used_again_at_once_gets_only_its_own_run(tiny_dir, prompts):
+    """An id reused right after its stream was left: the first run's abort output (and any of its
+    outputs still on their way) went to the second stream, which ended at once with the first
+    run's prompt and finish_reason "abort", while the second run went on unread."""
+    async def main():
+        engine = AsyncEngine(model=tiny_dir, num_gpu_blocks_override=64)
+        first = engine.generate("re", prompts[3], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        await first.__anext__()
+        await first.aclose()
+        deltas, last = await asyncio.wait_for(_collect(engine, "re", prompts[0]), 30)
+        alone = await _collect(engine, "fresh", prompts[0])
+        freed = await asyncio.to_thread(_wait_free, engine)
+        await engine.shutdown()
+        return deltas, last, alone, freed
+
+    deltas, last, (alone_deltas, alone), freed = asyncio.run(main())
+    assert last.request_id == "re" and last.prompt_token_ids == prompts[0]
+    assert last.outputs[0].finish_reason == "length" and sum(deltas, []) == sum(alone_deltas, [])
+    assert freed
+
+
 def test_invalid_requests_raise_at_once(tiny_dir):
     async def main():
         engine = AsyncEngine(model=tiny_dir, num_gpu_blocks_override=64, max_model_len=64)
