@@ -72,6 +72,8 @@ def _generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         sys.stdout.write("\n")
         sys.stdout.flush()
+    except ValueError as e:  # the engine refused the request (a prompt over max_model_len, ...)
+        return _fail(e)
     except BrokenPipeError:
         # The reader went away (`| head`); point stdout at devnull so the exit flush is quiet.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -86,6 +88,9 @@ def _prepare_generate(args: argparse.Namespace):
     engine_kwargs = engine_config_from_args(args)
     EngineConfig(**engine_kwargs)
     engine_kwargs["model"] = str(resolve_model(engine_kwargs.get("model")))
+    tokenizer = engine_kwargs.get("tokenizer")
+    if tokenizer is not None and not os.path.isdir(tokenizer):
+        raise ValueError(f"--tokenizer {tokenizer}: no such directory")
     optional = {k: getattr(args, k) for k in ("top_p", "top_k", "seed") if getattr(args, k, None) is not None}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, **optional)
 

@@ -1,6 +1,7 @@
 """Engine configuration: one frozen dataclass, validated on construction."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 
 
@@ -40,6 +41,10 @@ class EngineConfig:
         need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
              f"num_gpu_blocks_override must be >= 2, got {self.num_gpu_blocks_override}")
         need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be > 0 bytes")
+        need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
+             f"device must be auto|cpu|cuda|cuda:N, got {self.device!r}")
+        need(0.0 < self.cpu_kv_cache_fraction <= 1.0,
+             f"cpu_kv_cache_fraction must be in (0, 1], got {self.cpu_kv_cache_fraction}")
         need(0.0 < self.gpu_memory_utilization <= 1.0, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         need(self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")

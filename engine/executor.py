@@ -79,7 +79,9 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name}: no CUDA device is available here (torch {torch.__version__})")
+    if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
@@ -67,7 +68,9 @@ class SamplingParams:
         need(self.n >= 1, "n", ">= 1")
         need(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
              "structured_outputs", "a StructuredOutputsParams")
-        need(self.temperature >= 0, "temperature", ">= 0")
+        need(0 <= self.temperature < math.inf, "temperature", ">= 0 and finite")
+        need(self.seed is None or -(1 << 63) <= self.seed <= (1 << 63) - self.n, "seed",
+             "in [-2^63, 2^63 - n] (a 64-bit seed; sample i takes seed + i)")
         need(0 < self.top_p <= 1, "top_p", "in (0, 1]")
         need(self.top_k >= -1, "top_k", ">= 1, or 0 / -1 to disable")
         need(0 <= self.min_p <= 1, "min_p", "in [0, 1]")

@@ -72,6 +72,12 @@ def test_parse_bytes(text, n):
     (["--block-size", "3"], "block_size must be a power of two"),
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--kv-cache-memory", "lots"], "invalid size"),
+    (["--temperature", "inf"], "temperature must be >= 0 and finite"),
+    (["--seed", "99999999999999999999999"], "seed must be in [-2^63, 2^63 - n]"),
+    (["--device", "tpu"], "device must be auto|cpu|cuda|cuda:N"),
+    (["--cpu-kv-cache-fraction", "2"], "cpu_kv_cache_fraction must be in (0, 1]"),
+    (["--tokenizer", "/nonexistent"], "--tokenizer /nonexistent: no such directory"),
+    (["--max-model-len", "4"], "max_model_len is 4"),  # the engine refuses the prompt: no traceback
 ])
 def test_bad_input_is_one_error_line_and_exit_2(args, message):
     r = kvserve("generate", *args, "x")

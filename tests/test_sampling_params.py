@@ -51,6 +51,8 @@ def test_stop_list_is_copied():
     ("stop", ""),
     ("stop", ["ok", ""]),
     ("stop_token_ids", [5, -1]),
+    ("temperature", float("inf")),
+    ("seed", 1 << 63),  # beyond torch's 64-bit seeds
 ])
 def test_invalid_values_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field} must be"):
@@ -68,7 +70,7 @@ def test_min_tokens_above_max_tokens_is_rejected():
     dict(top_k=-1), dict(top_k=0), dict(top_k=50), dict(top_p=1.0), dict(top_p=1e-3),
     dict(min_p=0.0), dict(min_p=1.0), dict(temperature=0.0), dict(logprobs=0), dict(logprobs=20),
     dict(presence_penalty=-2.0, frequency_penalty=2.0), dict(max_tokens=None), dict(max_tokens=1),
-    dict(stop_token_ids=[0]), dict(seed=-5),
+    dict(stop_token_ids=[0]), dict(seed=-5), dict(seed=(1 << 63) - 1), dict(seed=-(1 << 63)),
 ])
 def test_boundary_values_are_accepted(kwargs):
     SamplingParams(**kwargs)
