@@ -274,6 +274,8 @@ class OpenAIServing:
         if params.n > info["max_num_seqs"]:
             raise bad_request(f"n={params.n} exceeds this server's max_num_seqs ({info['max_num_seqs']})",
                               param="n")
+        if info.get("vocab_size") is not None:
+            _check_token_ids(prompts, params, info["vocab_size"], prompt_param)
         for ids in prompts:
             if not ids:
                 raise bad_request("the prompt is empty", param=prompt_param)
@@ -407,6 +409,16 @@ async def _map_steps(merged: AsyncIterator, f: Callable[[StepOutput], StepOutput
     async with contextlib.aclosing(merged):
         async for prompt, step in merged:
             yield prompt, f(step)
+
+
+def _check_token_ids(prompts: list[list[int]], params: SamplingParams, vocab: int, prompt_param: str) -> None:
+    """Token ids the model does not have: a 400 here, without a trip to an engine replica (whose
+    refusal Serve logs as a failed request, with its traceback)."""
+    for field, ids in ((prompt_param, [t for p in prompts if p for t in (min(p), max(p))]),
+                       ("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or ())),
+                       ("allowed_token_ids", params.allowed_token_ids or ())):
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad_request(f"{field} token ids must be in [0, {vocab})", param=field)
 
 
 def _check_failed(step: StepOutput) -> None:

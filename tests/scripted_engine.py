@@ -23,6 +23,7 @@ class ScriptedEngine:
         self.tokenizer, self.script = tokenizer, script
         self.finish_reason, self.stop_reason = finish_reason, stop_reason
         self.max_model_len = 4096
+        self.vocab_size = len(tokenizer)
         self.seen: list[tuple[list[int], object]] = []
 
     async def generate(self, request_id: str, prompt: list[int], params):

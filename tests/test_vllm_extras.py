@@ -276,3 +276,20 @@ def test_chat_prompt_logprobs_come_with_the_reply(tokenizer):
     assert "prompt_logprobs" not in run(tokenizer, "yes", chat())[0].model_extra
     error = refused(tokenizer, chat(stream=True, extra_body={"prompt_logprobs": 1}))
     assert error["param"] == "prompt_logprobs" and "stream" in error["message"], error
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": [1, 10**6]}, "prompt"), ({"prompt": "hi", "logit_bias": {"999999": 5}}, "logit_bias"),
+    ({"prompt": "hi", "stop_token_ids": [999999]}, "stop_token_ids"),
+    ({"prompt": "hi", "allowed_token_ids": [5, 999999]}, "allowed_token_ids"),
+])
+def test_token_ids_the_model_lacks_are_refused_before_any_replica_sees_them(tokenizer, body, param):
+    async def go(client):
+        try:
+            await client.completions.create(model="m", max_tokens=2, prompt=body.pop("prompt"), extra_body=body)
+        except openai.BadRequestError as e:
+            return e.body
+
+    error, engine = run(tokenizer, "ok", go)
+    assert error["param"] == param and f"[0, {len(tokenizer)})" in error["message"], error
+    assert engine.seen == []  # an engine replica would log the refusal as a failed request

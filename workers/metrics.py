@@ -235,14 +235,16 @@ class RequestTimer:
         if now - self._flushed >= FLUSH_PERIOD_S:
             self._flush(now)
 
-    def finish(self, reason: str) -> None:
-        """The request ended: stop | length | abort | error. Later calls do nothing."""
+    def finish(self, reason: str | None) -> None:
+        """The request ended: stop | length | abort | error, or None: refused before it ran (not
+        counted). Later calls do nothing."""
         if self._done:
             return
         self._done = True
         now = self._metrics.clock()
         self._flush(now)
-        self._metrics.request_finished(reason, now - self._arrival)
+        if reason is not None:
+            self._metrics.request_finished(reason, now - self._arrival)
 
     def _flush(self, now: float) -> None:
         self._metrics.tokens_generated(self._gaps, self._tokens)

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from ray import serve
 
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
 from engine.outputs import EngineStats, StepOutput
 from engine.protocol import EngineClient
 from engine.sampling_params import SamplingParams
@@ -78,8 +79,11 @@ class EngineServer:
     async def info(self) -> dict:
         """Limits the ingress checks requests against before sending them here."""
         s = self.engine.stats()
+        # vocab_size: the token ids the model has (for the ingress to refuse others itself); None
+        # from an engine that does not say.
         return {"max_model_len": self.engine.max_model_len, "max_num_seqs": self.max_num_seqs,
-                "block_size": s.block_size, "num_total_blocks": s.num_total_blocks}
+                "block_size": s.block_size, "num_total_blocks": s.num_total_blocks,
+                "vocab_size": getattr(self.engine, "vocab_size", None)}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[StepOutput]:
@@ -98,6 +102,9 @@ class EngineServer:
                     if step.finished:
                         reason = step.finish_reason
                     yield step
+        except InvalidRequestError:  # refused before it ran: not a request the engine served
+            reason = None
+            raise
         except Exception:  # not CancelledError / GeneratorExit: those are the caller leaving
             reason = "error"
             if not self._engine_alive():
