@@ -319,10 +319,14 @@ def test_the_core_exits_when_its_parent_is_killed(tiny_dir):
     core = int(parent.stdout.readline())
     parent.kill()
     parent.wait()
-    end = time.monotonic() + 20
-    while time.monotonic() < end and _alive(core):
+    assert _gone_within(core, 20)
+
+
+def _gone_within(pid: int, timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and _alive(pid):
         time.sleep(0.1)
-    assert not _alive(core)
+    return not _alive(pid)
 
 
 def _alive(pid: int) -> bool:
@@ -430,7 +434,4 @@ def test_a_core_whose_parent_dies_while_it_loads_exits(tiny_dir, tmp_path):
     finally:
         parent.kill()
         parent.wait()
-    end = time.monotonic() + 10
-    while time.monotonic() < end and _alive(core):
-        time.sleep(0.1)
-    assert not _alive(core)
+    assert _gone_within(core, 10)
