@@ -58,12 +58,7 @@ class LLMEngine:
         vocab = self.executor.info.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError("prompt", f"prompt token ids must be in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be in [0, {vocab})")
-        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
-            raise InvalidRequestError("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
-        if params.allowed_token_ids and any(t >= vocab for t in params.allowed_token_ids):
-            raise InvalidRequestError("allowed_token_ids", f"allowed_token_ids must be in [0, {vocab})")
+        params.check_token_ids(vocab)
         if n >= self.max_model_len:
             raise InvalidRequestError("prompt", f"prompt has {n} tokens; max_model_len is {self.max_model_len} "
                                       "(the prompt must leave room for at least one generated token)",

@@ -99,6 +99,15 @@ class SamplingParams:
         need(len(self.bad_words or ()) <= MAX_BAD_WORDS, "bad_words", f"at most {MAX_BAD_WORDS} words")
         need(all(isinstance(w, str) and w.strip() for w in self.bad_words or ()), "bad_words", "non-blank strings")
 
+    def check_token_ids(self, vocab: int) -> None:
+        """InvalidRequestError naming the field that holds a token id the model lacks (>= vocab;
+        negative ids are refused at construction)."""
+        for field, ids, what in (("stop_token_ids", self.stop_token_ids, "stop_token_ids"),
+                                 ("logit_bias", self.logit_bias or (), "logit_bias token ids"),
+                                 ("allowed_token_ids", self.allowed_token_ids or (), "allowed_token_ids")):
+            if any(t >= vocab for t in ids):
+                raise InvalidRequestError(field, f"{what} must be in [0, {vocab})")
+
     @property
     def greedy(self) -> bool:
         """Argmax: temperature 0 (or below SAMPLING_EPS, where dividing the logits by it in

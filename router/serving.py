@@ -413,12 +413,13 @@ async def _map_steps(merged: AsyncIterator, f: Callable[[StepOutput], StepOutput
 
 def _check_token_ids(prompts: list[list[int]], params: SamplingParams, vocab: int, prompt_param: str) -> None:
     """Token ids the model does not have: a 400 here, without a trip to an engine replica (whose
-    refusal Serve logs as a failed request, with its traceback)."""
-    for field, ids in ((prompt_param, [t for p in prompts if p for t in (min(p), max(p))]),
-                       ("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or ())),
-                       ("allowed_token_ids", params.allowed_token_ids or ())):
-        if any(not 0 <= t < vocab for t in ids):
-            raise bad_request(f"{field} token ids must be in [0, {vocab})", param=field)
+    refusal Serve logs as a failed request, with its traceback). The engine checks the same."""
+    if any(p and not (0 <= min(p) and max(p) < vocab) for p in prompts):
+        raise bad_request(f"{prompt_param} token ids must be in [0, {vocab})", param=prompt_param)
+    try:
+        params.check_token_ids(vocab)
+    except InvalidRequestError as e:
+        raise from_invalid_request(e) from None
 
 
 def _check_failed(step: StepOutput) -> None:
