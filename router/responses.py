@@ -274,10 +274,8 @@ class ResponseReply:
         text, finish = "".join(choice.text), choice.finish_reason
         out, pieces = _StreamedOutput(self), text.split(CLOSE)
         pieces = [p + CLOSE for p in pieces[:-1]] + pieces[-1:]
-        parser = self.plan.stream() if self.plan.calls_tools else None
         for i, piece in enumerate(pieces):
-            end = finish if i == len(pieces) - 1 else None
-            out.add(parser.step(piece, end)[0] if parser is not None else {"content": piece})
+            out.feed(piece, finish if i == len(pieces) - 1 else None)
         status = _status(finish)
         out.finish(status)
         return await self._finished(self._response(status, out.items, acc, finish))
@@ -302,7 +300,6 @@ class ResponseReply:
         yield self.event("response.created", response=self._response("in_progress", []))
         yield self.event("response.in_progress", response=self._response("in_progress", []))
         out = _StreamedOutput(self)
-        parser = self.plan.stream() if self.plan.calls_tools else None
         finish = None
         async for _, step in steps:
             if isinstance(step, str):  # the error event: nothing follows it
@@ -310,8 +307,7 @@ class ResponseReply:
                 return
             for c in step.choices:
                 finish = c.finish_reason or finish
-                delta = parser.step(c.text, c.finish_reason)[0] if parser is not None else {"content": c.text}
-                for event in out.add(delta):
+                for event in out.feed(c.text, c.finish_reason):
                     yield event
         status = _status(finish)
         for event in out.finish(status):
@@ -356,15 +352,21 @@ class ResponseReply:
 
 
 class _StreamedOutput:
-    """The output items of a stream as chat deltas arrive: the message is added with its first
-    text, each function call with its first fragment; all are done at the end."""
+    """The output items of a stream as its text arrives (through the chat path's tool call parser
+    when the request has tools): the message is added with its first text, each function call
+    with its first fragment; all are done at the end."""
 
     def __init__(self, reply: ResponseReply) -> None:
         self.reply = reply
+        self.parser = reply.plan.stream() if reply.plan.calls_tools else None
         self.items: list[dict] = []
         self.message: dict | None = None
         self.text: list[str] = []
         self.calls: dict[int, dict] = {}  # chat's tool call index -> its item
+
+    def feed(self, text: str, finish_reason: str | None) -> list[str]:
+        """One piece of the reply's text -> its events."""
+        return self.add(self.parser.step(text, finish_reason)[0] if self.parser is not None else {"content": text})
 
     def add(self, delta: dict) -> list[str]:
         events = []
