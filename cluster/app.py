@@ -213,6 +213,7 @@ def check_args(args: dict) -> tuple[EngineConfig, ServeOptions]:
     engine, options = split_args(args)
     model_dir = resolve_model(engine.model)
     arch = load_arch(model_dir)[0]
+    engine.model_len(arch.max_position_embeddings)  # max_model_len within the model's positions
     if engine.tensor_parallel_size > 1:
         arch.check_tp(engine.tensor_parallel_size)
     router_settings(engine, options)  # the ingress's limits are valid

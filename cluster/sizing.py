@@ -101,7 +101,7 @@ def replica_needs(engine: EngineConfig, arch: ModelArch, ckpt_bytes: int, use_gp
     shard = params * nbytes // tp
     kv_heads = arch.local_kv_heads(tp)
     kv_per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * nbytes  # one rank's K and V
-    max_len = engine.max_model_len or arch.max_position_embeddings
+    max_len = engine.model_len(arch.max_position_embeddings)
     tokens = engine.max_num_batched_tokens
     per_token = 4 * arch.hidden_size + (2 * arch.intermediate_size + (arch.num_heads + 2 * kv_heads) * arch.head_dim) // tp
     activations = tokens * per_token * nbytes + min(engine.max_num_seqs, tokens) * arch.vocab_size * 4  # fp32 logits

@@ -59,6 +59,10 @@ class EngineConfig:
         return {f.name for f in fields(cls)}
 
     def model_len(self, max_position_embeddings: int) -> int:
-        """Tokens one sequence may hold: max_model_len, at most (and by default) the model's
-        positions. The engine, the runners and the step profile all use this one figure."""
-        return min(self.max_model_len or max_position_embeddings, max_position_embeddings)
+        """Tokens one sequence may hold: max_model_len, by default the model's positions. The
+        engine, the runners and the step profile all use this one figure. More than the model's
+        positions is refused, as vLLM does: the rotary tables and the model stop there."""
+        if self.max_model_len is not None and self.max_model_len > max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} is more than the model's "
+                             f"{max_position_embeddings} positions (max_position_embeddings)")
+        return self.max_model_len or max_position_embeddings

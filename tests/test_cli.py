@@ -78,6 +78,7 @@ def test_parse_bytes(text, n):
     (["--cpu-kv-cache-fraction", "2"], "cpu_kv_cache_fraction must be in (0, 1]"),
     (["--tokenizer", "/nonexistent"], "--tokenizer /nonexistent: no such directory"),
     (["--max-model-len", "4"], "max_model_len is 4"),  # the engine refuses the prompt: no traceback
+    (["--max-model-len", "100000"], "max_model_len 100000 is more than the model's 8192 positions"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(args, message):
     r = kvserve("generate", *args, "x")

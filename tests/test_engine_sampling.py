@@ -70,12 +70,13 @@ def test_max_tokens_none_runs_to_max_model_len(tiny):
     assert len(prompt) + len(out.token_ids) == 256 and out.finish_reason == "length"
 
 
-def test_model_len_is_max_model_len_at_most_the_models_positions():
+def test_model_len_is_max_model_len_and_never_past_the_models_positions():
     from engine.config import EngineConfig
 
     assert EngineConfig(max_model_len=256).model_len(1024) == 256
-    assert EngineConfig(max_model_len=4096).model_len(1024) == 1024  # the runners' step profile uses this too
-    assert EngineConfig().model_len(1024) == 1024
+    assert EngineConfig().model_len(1024) == 1024  # the runners' step profile uses this too
+    with pytest.raises(ValueError, match="max_model_len 4096 is more than the model's 1024 positions"):
+        EngineConfig(max_model_len=4096).model_len(1024)  # refused, as vLLM does, not clamped
 
 
 def test_logprobs(tiny):

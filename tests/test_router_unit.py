@@ -278,6 +278,8 @@ def test_serve_rejects_bad_flags_in_one_line_before_starting_ray():
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
     r = kvserve("serve", "-tp", "2")  # SmolLM2's 9 attention heads do not split in two
     assert r.returncode == 2 and "cannot split this model across tensor_parallel_size=2" in r.stderr
+    r = kvserve("serve", "--max-model-len", "100000")  # refused, as vLLM does, not clamped to 8192
+    assert r.returncode == 2 and "max_model_len 100000 is more than the model's 8192 positions" in r.stderr
 
 
 def test_serve_reports_a_busy_port():
