@@ -287,6 +287,7 @@ class OpenAIServing:
                 raise bad_request(f"This model's maximum context length is {limit} tokens, but {len(ids)} prompt "
                                   f"tokens + {params.max_tokens} {max_param} were requested. Shorten the prompt "
                                   f"or lower {max_param}.", param=max_param, code="context_length_exceeded")
+            _check_fits_kv_cache(len(ids), params.max_tokens, info, max_param)
 
     async def _start(self, rid: str, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
                      max_param: str) -> tuple[tuple[int, StepOutput], AsyncIterator]:
@@ -409,6 +410,20 @@ async def _map_steps(merged: AsyncIterator, f: Callable[[StepOutput], StepOutput
     async with contextlib.aclosing(merged):
         async for prompt, step in merged:
             yield prompt, f(step)
+
+
+def _check_fits_kv_cache(prompt_len: int, max_tokens: int | None, info: dict, max_param: str) -> None:
+    """A sequence needing more KV blocks than the whole cache holds could never be scheduled: a 400
+    here rather than from an engine replica (whose refusal Serve logs as a failed request). The
+    engine checks the same; max_tokens None runs to max_model_len there."""
+    blocks, size = info.get("num_total_blocks"), info.get("block_size")
+    if not blocks or not size:
+        return
+    total = prompt_len + (max_tokens if max_tokens is not None else info["max_model_len"] - prompt_len)
+    if -(-total // size) > blocks:
+        raise bad_request(f"The KV cache holds {blocks * size} tokens, but {prompt_len} prompt tokens + "
+                          f"{total - prompt_len} {max_param} need {total}: this request could never be "
+                          f"scheduled. Lower {max_param}.", param=max_param)
 
 
 def _check_token_ids(prompts: list[list[int]], params: SamplingParams, vocab: int, prompt_param: str) -> None:

@@ -19,8 +19,9 @@ from workers.server import EngineServer
 class ScriptedEngine:
     """Replies to every request with `script`, a few tokens a step; records what it was sent."""
 
-    def __init__(self, tokenizer, script: str, finish_reason: str = "stop", stop_reason=None) -> None:
-        self.tokenizer, self.script = tokenizer, script
+    def __init__(self, tokenizer, script: str, finish_reason: str = "stop", stop_reason=None,
+                 num_blocks: int = 256) -> None:
+        self.tokenizer, self.script, self.num_blocks = tokenizer, script, num_blocks
         self.finish_reason, self.stop_reason = finish_reason, stop_reason
         self.max_model_len = 4096
         self.vocab_size = len(tokenizer)
@@ -49,7 +50,7 @@ class ScriptedEngine:
         pass
 
     def stats(self) -> EngineStats:
-        return EngineStats(num_total_blocks=64, num_free_blocks=64, block_size=16, num_running=0, num_waiting=0,
+        return EngineStats(num_total_blocks=self.num_blocks, num_free_blocks=self.num_blocks, block_size=16, num_running=0, num_waiting=0,
                            num_preemptions=0, prefix_query_tokens=0, prefix_hit_tokens=0, waiting_prefill_tokens=0)
 
     def routing_snapshot(self) -> EngineStats:

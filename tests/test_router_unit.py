@@ -170,10 +170,23 @@ def test_streamed_completion_logprobs_offsets_continue_across_chunks(tokenizer):
     assert offsets == [0, len(tokens[0]), len(tokens[0]) + len(tokens[1])]
 
 
-def test_engine_invalid_request_error_is_a_400(tokenizer):
-    # What only the engine knows: this request can never fit its 2-block KV cache.
-    r = call(tokenizer, "POST", "/v1/completions", num_blocks=2, json={"prompt": [1] * 10, "max_tokens": 40})
-    assert r.status_code == 400 and "KV blocks" in r.json()["error"]["message"]
+class SilentServer(EngineServer):
+    """A replica whose info() does not give its KV cache's size: only its engine can refuse."""
+
+    async def info(self) -> dict:
+        info = await super().info()
+        return {k: v for k, v in info.items() if k not in ("num_total_blocks", "block_size")}
+
+
+@pytest.mark.parametrize("server", [EngineServer, SilentServer])
+def test_a_request_the_kv_cache_can_never_fit_is_a_400(tokenizer, server):
+    # The ingress refuses it from the replica's info(); the engine's own InvalidRequestError is
+    # a 400 too, for a replica that does not say.
+    config = EngineConfig(max_model_len=64, max_num_seqs=4, num_gpu_blocks_override=2)
+    r = call(tokenizer, "POST", "/v1/completions", engine=server(config, "tests.fake_engine:FakeEngine"),
+             json={"prompt": [1] * 10, "max_tokens": 40})
+    said = "The KV cache holds 32 tokens" if server is EngineServer else "more KV blocks than the cache has"
+    assert r.status_code == 400 and said in r.json()["error"]["message"], r.json()
 
 
 def test_open_paths_need_no_key(tokenizer):

@@ -293,3 +293,18 @@ def test_token_ids_the_model_lacks_are_refused_before_any_replica_sees_them(toke
     error, engine = run(tokenizer, "ok", go)
     assert error["param"] == param and f"[0, {len(tokenizer)})" in error["message"], error
     assert engine.seen == []  # an engine replica would log the refusal as a failed request
+
+
+@pytest.mark.parametrize("max_tokens", [200, None])  # None runs to max_model_len (4096)
+def test_a_request_the_kv_cache_could_never_hold_is_refused_before_any_replica_sees_it(tokenizer, max_tokens):
+    async def go(client):
+        try:
+            await client.completions.create(model="m", prompt="hi", max_tokens=max_tokens)
+        except openai.BadRequestError as e:
+            return e.body
+
+    error, engine = run(tokenizer, "ok", go, num_blocks=8)  # 8 blocks of 16: 128 tokens
+    assert error["param"] == "max_tokens" and "The KV cache holds 128 tokens" in error["message"], error
+    assert engine.seen == []  # an engine replica would log the refusal as a failed request
+    ok, _ = run(tokenizer, "ok", lambda c: c.completions.create(model="m", prompt="hi", max_tokens=100), num_blocks=8)
+    assert ok.choices[0].text == "ok"  # one that fits still runs
