@@ -193,6 +193,10 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     async def health():
         return {"status": "ok"}
 
+    @app.get("/version")  # vLLM's: the server's version, no key needed
+    async def server_version():
+        return {"version": _version()}
+
     @app.get("/ready")
     async def is_ready():
         if admission.draining:

@@ -1,6 +1,7 @@
 """The router without Ray: the HTTP app over an in-process EngineServer + FakeEngine, the app
 builder's argument handling and the `kvserve serve` command line."""
 import asyncio
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -192,6 +193,7 @@ def test_a_request_the_kv_cache_can_never_fit_is_a_400(tokenizer, server):
 def test_open_paths_need_no_key(tokenizer):
     assert call(tokenizer, "GET", "/health", api_key="k").status_code == 200
     assert call(tokenizer, "GET", "/ready", api_key="k").json() == {"ready": True}
+    assert call(tokenizer, "GET", "/version", api_key="k").json() == {"version": importlib.metadata.version("kvserve")}
     assert call(tokenizer, "GET", "/v1/models", api_key="k").status_code == 401
     ok = call(tokenizer, "GET", "/v1/models", api_key="k", headers={"Authorization": "Bearer k"})
     assert ok.json()["data"][0]["id"] == "m"
