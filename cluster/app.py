@@ -40,7 +40,9 @@ INGRESS_MAX_ONGOING_REQUESTS = 4096  # the ingress only parses and relays; the e
 
 @dataclass(frozen=True)
 class ServeOptions:
-    served_model_name: str | None = None  # default: --model as given, or the embedded model's name
+    # The `model` names requests may send; replies name the first. Default: --model as given, or
+    # the embedded model's name.
+    served_model_name: str | list[str] | None = None
     api_key: str | None = None  # require `Authorization: Bearer <key>` (all routes but /health, /ready)
     api_key_env: str | None = None  # or: the environment variable holding that key where the ingress runs
     # Engine replicas (each one engine, or one tensor-parallel group): the fixed count (default 1);
@@ -236,12 +238,20 @@ def check_sizing(engine: EngineConfig, options: ServeOptions, arch, model_dir=No
     return needs
 
 
-def served_model_name(engine: EngineConfig, options: ServeOptions) -> str:
+def served_model_names(engine: EngineConfig, options: ServeOptions) -> list[str]:
+    """The names requests may send as `model`; replies name the first (vLLM's rule)."""
     from engine.model_source import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 
-    if options.served_model_name:
-        return options.served_model_name
-    return DEFAULT_MODEL_NAME if engine.model in DEFAULT_MODEL_ALIASES else engine.model
+    names = options.served_model_name
+    if isinstance(names, str) or names is None:
+        names = [names] if names else []
+    if names:
+        return list(names)
+    return [DEFAULT_MODEL_NAME if engine.model in DEFAULT_MODEL_ALIASES else engine.model]
+
+
+def served_model_name(engine: EngineConfig, options: ServeOptions) -> str:
+    return served_model_names(engine, options)[0]
 
 
 def router_settings(engine: EngineConfig, options: ServeOptions):
@@ -250,7 +260,8 @@ def router_settings(engine: EngineConfig, options: ServeOptions):
 
     given = {f.name: getattr(options, f.name) for f in dataclasses.fields(RouterSettings)
              if f.name in ServeOptions.field_names() and getattr(options, f.name) is not None}
-    return RouterSettings(**{**given, "served_model_name": served_model_name(engine, options)})
+    first, *others = served_model_names(engine, options)
+    return RouterSettings(**{**given, "served_model_name": first, "served_model_aliases": tuple(others)})
 
 
 def engine_bundles(tensor_parallel_size: int, use_gpu: bool) -> list[dict[str, float]]:

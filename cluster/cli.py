@@ -25,6 +25,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvserve", description="kvserve: a paged-KV LLM serving system.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     gen = commands.add_parser(
@@ -41,13 +42,25 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass in (0, 1]")
     sampling.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens")
     add_engine_args(gen)  # its --seed also seeds this request's sampler
-    gen.set_defaults(func=_generate)
+    gen.set_defaults(func=_generate, parser=gen)
     add_serve_parser(commands)
     return parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvserve")
+    except PackageNotFoundError:  # run from a checkout that was not installed
+        return "(not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's own parser, so that its hint names `kvserve serve --help`
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -8,7 +8,7 @@ dataclass defaults stay the single source of truth. Nothing heavy is imported he
 from __future__ import annotations
 
 import argparse
-import functools
+import dataclasses
 import re
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -22,16 +22,50 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def parse_tokens(text: str) -> int:
+    """vLLM's human-readable token counts: '2048', '2k' (2,000), '2K' (2,048), '25.6k', '1m'/'1M'.
+    Lower-case suffixes are decimal, upper-case binary (whole numbers only)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)([kmgtKMGT]?)\s*", text)
+    if not m or (m.group(2).isupper() and "." in m.group(1)):
+        raise argparse.ArgumentTypeError(f"invalid token count {text!r} (e.g. 2048, 2k = 2,000, 2K = 2,048)")
+    power = "kmgt".find(m.group(2).lower()) + 1
+    n = float(m.group(1)) * ((1024 if m.group(2).isupper() else 1000) ** power if m.group(2) else 1)
+    if n != int(n):
+        raise argparse.ArgumentTypeError(f"invalid token count {text!r}: not a whole number of tokens")
+    return int(n)
+
+
+def _shown_default(dest: str) -> str | None:
+    """EngineConfig's default for a flag's help, as the flag takes it; None where it has none."""
+    from engine.config import EngineConfig  # a dataclass module: no torch
+
+    value = next((f.default for f in dataclasses.fields(EngineConfig) if f.name == dest), None)
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value >> 30}G" if dest.endswith("_bytes") else str(value)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("engine")
-    add = functools.partial(g.add_argument, default=argparse.SUPPRESS)
+
+    def add(*flags: str, **kwargs):
+        # The help says the dataclass default where it does not already say one.
+        dest = kwargs.get("dest") or next(f for f in flags if f.startswith("--"))[2:].replace("-", "_")
+        shown = _shown_default(dest)
+        if shown is not None and "default" not in kwargs.get("help", ""):
+            kwargs["help"] = f"{kwargs['help']} (default: {shown})"
+        return g.add_argument(*flags, default=argparse.SUPPRESS, **kwargs)
+
     add("--model", metavar="PATH",
         help="local Llama-family model directory with config.json and *.safetensors "
              "(default: the embedded SmolLM2-135M-Instruct)")
     add("--tokenizer", metavar="PATH", help="tokenizer directory (default: the model directory)")
-    add("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-        help="weight and activation dtype (auto: float32 on CPU, bfloat16 on CUDA)")
-    add("--device", help="auto, cpu or cuda (auto: cuda when available)")
+    add("--dtype", choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+        help="weight and activation dtype: auto is float32 on CPU and bfloat16 on CUDA; half is "
+             "float16 and float is float32, as in vLLM")
+    add("--device", help="auto, cpu or cuda; auto is cuda when available")
     add("--seed", type=int, help="random seed")
     add("-tp", "--tensor-parallel-size", type=int, metavar="N", help="ranks that shard the model")
     add("--distributed-executor-backend", metavar="BACKEND",
@@ -39,14 +73,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--block-size", type=int, metavar="TOKENS", help="tokens per KV cache block")
     add("--num-gpu-blocks-override", type=int, metavar="N",
         help="exact number of KV cache blocks (wins over the memory settings)")
-    add("--kv-cache-memory", type=parse_bytes, metavar="BYTES",
+    add("--kv-cache-memory", "--kv-cache-memory-bytes", type=parse_bytes, metavar="BYTES",
         help="memory for the KV cache, e.g. 2G (default: derived from device memory)")
     add("--gpu-memory-utilization", type=float, metavar="FRACTION",
         help="CUDA: fraction of device memory for weights + KV cache")
     add("--cpu-kv-cache-fraction", type=float, metavar="FRACTION",
         help="CPU: fraction of available RAM for the KV cache")
     add("--max-cpu-kv-cache-bytes", type=parse_bytes, metavar="BYTES", help="CPU: cap on the KV cache")
-    add("--max-model-len", type=int, metavar="TOKENS",
+    add("--max-model-len", type=parse_tokens, metavar="TOKENS",
         help="longest prompt + completion (default: the model's max_position_embeddings)")
     add("--max-num-seqs", type=int, metavar="N", help="running sequences per engine step")
     add("--max-num-batched-tokens", type=int, metavar="N",

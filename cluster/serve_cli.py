@@ -33,14 +33,16 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     p = commands.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API (Ray Serve)",
         description="Start Ray Serve with kvserve's OpenAI-compatible API (/v1/completions, "
-                    "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /ready).")
+                    "/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /health, "
+                    "/version, /ready).")
     http = p.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    http.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    http.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"), metavar="KEY",
+    http.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
+    http.add_argument("--api-key", type=_api_key, default=os.environ.get("KVSERVE_API_KEY") or None, metavar="KEY",
                       help="require `Authorization: Bearer KEY` (default: $KVSERVE_API_KEY; none if unset)")
-    http.add_argument("--served-model-name", metavar="NAME",
-                      help="the model name clients send (default: --model as given, or the embedded model's)")
+    http.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                      help="the model names clients may send; replies name the first (default: --model as "
+                           "given, or the embedded model's)")
     http.add_argument("--max-request-body-bytes", type=parse_bytes, metavar="BYTES",
                       help="larger request bodies get a 413 (default: 8M)")
     http.add_argument("--max-sequences-per-request", type=int, metavar="N",
@@ -102,23 +104,44 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                          help="a local Ray's Prometheus endpoint (http://HOST:PORT/metrics: Serve's and the "
                               "engines' kvserve_* metrics; default: a random free port)")
     add_engine_args(p)
-    p.set_defaults(func=run_serve)
+    p.set_defaults(func=run_serve, parser=p)
     return p
+
+
+def _port(text: str) -> int:
+    port = int(text) if text.strip().isdigit() else -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r} (1-65535)")
+    return port
+
+
+def _api_key(text: str) -> str:
+    if not text:  # `--api-key "$KVSERVE_API_KEY"` with the variable unset: refused, not served open
+        raise argparse.ArgumentTypeError("empty key (is the variable it came from unset?); leave the flag out "
+                                         "to serve without a key")
+    return text
 
 
 def app_args_from_cli(ns: argparse.Namespace) -> dict:
     """The `cluster.app.build_app` argument dict for these flags (only the ones given)."""
     args = engine_config_from_args(ns)
     args.update({k: getattr(ns, k) for k in _SERVE_FLAGS if getattr(ns, k, None) is not None})
+    if len(args.get("served_model_name", ())) == 1:  # one name: the plain string a config file holds
+        args["served_model_name"] = args["served_model_name"][0]
     return args
 
 
-def ready_message(host: str, port: int, model: str, api_key: bool) -> str:
+def ready_message(host: str, port: int, model: str, api_key: str | None) -> str:
+    """The ready line and a curl to paste, which never shows the key: it reads $KVSERVE_API_KEY
+    where the key came from there, else it holds a placeholder for the --api-key given."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     url = f"http://{shown}:{port}"
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 32, "temperature": 0})
-    auth = ' -H "Authorization: Bearer $KVSERVE_API_KEY"' if api_key else ""
+    auth = ""
+    if api_key:
+        key = "$KVSERVE_API_KEY" if api_key == os.environ.get("KVSERVE_API_KEY") else "<the --api-key>"
+        auth = f' -H "Authorization: Bearer {key}"'
     return (f"kvserve: ready: {model} at {url} (OpenAI API under {url}/v1; Ctrl-C stops)\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
 
@@ -179,7 +202,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         except RuntimeError as e:
             print(f"kvserve: error: the application failed to start: {e}", file=sys.stderr)
             return 1
-        print(ready_message(ns.host, ns.port, served_model_name(engine, options), bool(options.api_key)), flush=True)
+        print(ready_message(ns.host, ns.port, served_model_name(engine, options), options.api_key), flush=True)
         _wait_for_stop_signal()
         timeout_s = options.graceful_shutdown_timeout_s
         print(f"kvserve: stopping: new requests get 503, in-flight ones may finish for up to {timeout_s:g}s "

@@ -5,6 +5,9 @@ import re
 from dataclasses import dataclass, fields
 
 
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # local HF-style dir with safetensors; None = embedded SmolLM2
@@ -31,6 +34,9 @@ class EngineConfig:
     stream_interval: int = 1  # a running request's output every N tokens (the first and the last at once)
 
     def __post_init__(self) -> None:
+        if self.dtype in DTYPE_ALIASES:  # vLLM's names
+            object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
+
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ValueError(msg)
@@ -47,7 +53,8 @@ class EngineConfig:
              f"cpu_kv_cache_fraction must be in (0, 1], got {self.cpu_kv_cache_fraction}")
         need(0.0 < self.gpu_memory_utilization <= 1.0, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         need(self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
-        need(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+             f"dtype must be auto|float32|bfloat16|float16 (or half|float), got {self.dtype!r}")
         need(self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(self.distributed_executor_backend == "ray" or ":" in self.distributed_executor_backend,

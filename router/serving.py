@@ -101,18 +101,22 @@ class OpenAIServing:
         self._info: dict | None = None
         self.token_str = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
 
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return (self.settings.served_model_name, *self.settings.served_model_aliases)
+
     async def limits(self) -> dict:
         if self._info is None:  # from the engine, once: its max_model_len is the resolved one
             self._info = await self.engine.info()
         return self._info
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.served_model_name:
+        if model is not None and model not in self.served_names:
             raise OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
     # -- endpoints -------------------------------------------------------------------------------
     async def models(self) -> dict:
-        return {"object": "list", "data": [await self.model(self.settings.served_model_name)]}
+        return {"object": "list", "data": [await self.model(name) for name in self.served_names]}
 
     async def model(self, name: str) -> dict:
         """OpenAI's model object (`client.models.retrieve`); 404 for a name not served here."""

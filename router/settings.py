@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True)
 class RouterSettings:
-    served_model_name: str  # the only `model` requests may name (404 otherwise)
+    served_model_name: str  # the `model` replies name; requests may send it or an alias (404 otherwise)
+    served_model_aliases: tuple[str, ...] = ()  # other names requests may send (vLLM's extra --served-model-name)
     api_key: str | None = None  # when set, every route but /health and /ready needs `Bearer <key>`
     # Or the name of an environment variable holding the key, read where the ingress runs (so a
     # Kubernetes Secret can feed it without the key appearing in the Serve config).
@@ -24,8 +25,8 @@ class RouterSettings:
     responses_store_max_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
-        if not self.served_model_name:
-            raise ValueError("served_model_name must be a non-empty string")
+        if not all(isinstance(n, str) and n for n in (self.served_model_name, *self.served_model_aliases)):
+            raise ValueError("served_model_name must be a non-empty string, or a list of them")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when given")
         if self.api_key is not None and self.api_key_env is not None:

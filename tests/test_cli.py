@@ -1,4 +1,6 @@
+import argparse
 import contextlib
+import importlib.metadata
 import os
 import signal
 import subprocess
@@ -10,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.cli import build_parser
-from cluster.engine_args import engine_config_from_args, parse_bytes
+from cluster.engine_args import engine_config_from_args, parse_bytes, parse_tokens
+from engine.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,6 +68,32 @@ def test_flags_not_given_leave_engine_config_defaults():
 @pytest.mark.parametrize("text, n", [("1024", 1024), ("512M", 512 << 20), ("4GiB", 4 << 30), ("2g", 2 << 30)])
 def test_parse_bytes(text, n):
     assert parse_bytes(text) == n
+
+
+@pytest.mark.parametrize("text, n", [("2048", 2048), ("2k", 2000), ("2K", 2048), ("25.6k", 25600), ("1M", 1 << 20)])
+def test_parse_tokens_reads_vllms_human_readable_counts(text, n):
+    assert parse_tokens(text) == n
+
+
+@pytest.mark.parametrize("text", ["2.5K", "1.0001k", "k", "-1", "2kb"])
+def test_parse_tokens_refuses_what_is_not_a_whole_count(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_tokens(text)
+
+
+def test_vllm_spellings_of_engine_flags():
+    ns = build_parser().parse_args(["generate", "p", "--dtype", "half", "--kv-cache-memory-bytes", "1G",
+                                    "--max-model-len", "2K"])
+    config = EngineConfig(**engine_config_from_args(ns))
+    assert (config.dtype, config.kv_cache_memory, config.max_model_len) == ("float16", 1 << 30, 2048)
+    assert EngineConfig(dtype="float").dtype == "float32"
+
+
+def test_version_and_help_defaults():
+    r = kvserve("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"kvserve {importlib.metadata.version('kvserve')}"
+    r = kvserve("serve", "--help")
+    assert "/v1/responses" in r.stdout and "tokens per KV cache block (default: 16)" in " ".join(r.stdout.split())
 
 
 @pytest.mark.parametrize("args, message", [

@@ -199,6 +199,31 @@ def test_open_paths_need_no_key(tokenizer):
     assert ok.json()["data"][0]["id"] == "m"
 
 
+def test_every_served_model_name_is_answered_and_replies_name_the_first(tokenizer):
+    from cluster.app import router_settings
+
+    engine, options = split_args({"served_model_name": ["first", "org/second"]})
+    settings = router_settings(engine, options)
+    assert (settings.served_model_name, settings.served_model_aliases) == ("first", ("org/second",))
+    config = EngineConfig(max_model_len=64, max_num_seqs=4, num_gpu_blocks_override=64)
+    app = build_api(OpenAIServing(tokenizer, EngineServer(config, "tests.fake_engine:FakeEngine"), settings))
+
+    async def go():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            listed = (await c.get("/v1/models")).json()
+            reply = await c.post("/v1/completions", json={"model": "org/second", "prompt": "hi", "max_tokens": 2})
+            other = await c.post("/v1/completions", json={"model": "third", "prompt": "hi", "max_tokens": 2})
+            return listed, reply, other
+
+    listed, reply, other = asyncio.run(go())
+    assert [m["id"] for m in listed["data"]] == ["first", "org/second"]
+    assert reply.status_code == 200 and reply.json()["model"] == "first"  # vLLM's rule
+    assert other.status_code == 404
+    ns = build_parser().parse_args(["serve", "--served-model-name", "first", "org/second"])
+    assert app_args_from_cli(ns)["served_model_name"] == ["first", "org/second"]
+
+
 # -- the app builder -------------------------------------------------------------------------------
 
 def test_split_args_routes_keys_and_rejects_unknown_ones():
@@ -274,11 +299,14 @@ def test_more_than_one_ingress_replica_routes_drain_calls_to_each():
     assert router(ingress_autoscaling_config={"min_replicas": 1, "max_replicas": 4}) is None  # kvserve serve never
 
 
-def test_ready_message_has_a_working_curl_and_never_the_key():
-    msg = ready_message("0.0.0.0", 8000, "smol", api_key=True)
+def test_ready_message_has_a_working_curl_and_never_the_key(monkeypatch):
+    monkeypatch.setenv("KVSERVE_API_KEY", "k3y")
+    msg = ready_message("0.0.0.0", 8000, "smol", api_key="k3y")
     assert "http://127.0.0.1:8000/v1/chat/completions" in msg and "$KVSERVE_API_KEY" in msg
     body = msg.split("-d '", 1)[1].rstrip("'")
     assert json.loads(body)["model"] == "smol"
+    msg = ready_message("0.0.0.0", 8000, "smol", api_key="given-on-the-command-line")
+    assert "given-on-the-command-line" not in msg and "Bearer <the --api-key>" in msg  # not $KVSERVE_API_KEY: a 401
 
 
 def kvserve(*args: str) -> subprocess.CompletedProcess:
@@ -293,6 +321,11 @@ def test_serve_rejects_bad_flags_in_one_line_before_starting_ray():
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
     r = kvserve("serve", "-tp", "2")  # SmolLM2's 9 attention heads do not split in two
     assert r.returncode == 2 and "cannot split this model across tensor_parallel_size=2" in r.stderr
+    for flags, says in [(["--port", "99999"], "invalid port '99999' (1-65535)"), (["--port", "0"], "invalid port"),
+                        (["--api-key", ""], "argument --api-key: empty key"),
+                        (["--bogus"], "unrecognized arguments: --bogus (see 'kvserve serve --help')")]:
+        r = kvserve("serve", *flags)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr)
     r = kvserve("serve", "--max-model-len", "100000")  # refused, as vLLM does, not clamped to 8192
     assert r.returncode == 2 and "max_model_len 100000 is more than the model's 8192 positions" in r.stderr
 
