@@ -1,5 +1,5 @@
 """The ingress deployment's request router: Serve's default (power of two choices), except that a
-`drain` call names the ingress replicas it has drained already and goes to another one.
+`drain` (or `cut`) call names the ingress replicas it has asked already and goes to another one.
 
 `kvserve serve` drains every ingress replica before it stops Serve (router.ingress.OpenAIIngress.drain).
 A handle reaches a deployment, not a replica, and power of two choices sends each call to the
@@ -12,13 +12,15 @@ from __future__ import annotations
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-DRAIN_METHOD = "drain"  # router.ingress.OpenAIIngress.drain(exclude=[replica key, ...])
+# router.ingress.OpenAIIngress.drain(exclude=[replica key, ...]), and .cut, which a drain out of
+# time calls the same way
+EACH_REPLICA_METHODS = frozenset({"drain", "cut"})
 
 
 class IngressRequestRouter(PowerOfTwoChoicesRequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        if pending_request is not None and pending_request.metadata.call_method == DRAIN_METHOD:
+        if pending_request is not None and pending_request.metadata.call_method in EACH_REPLICA_METHODS:
             done = set(pending_request.kwargs.get("exclude", ()))
             rest = [r for r in candidate_replicas if r.replica_id.to_full_id_str() not in done]
             return [rest or candidate_replicas]  # every one drained: any (the caller sees it again)

@@ -207,9 +207,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         timeout_s = options.graceful_shutdown_timeout_s
         print(f"kvserve: stopping: new requests get 503, in-flight ones may finish for up to {timeout_s:g}s "
               "(Ctrl-C again stops at once)", file=sys.stderr, flush=True)
-        left = _drain(serve.get_app_handle(APP_NAME), timeout_s)
-        if left:
-            print(f"kvserve: drain timed out with {left} requests in flight", file=sys.stderr, flush=True)
+        _drain(serve.get_app_handle(APP_NAME), timeout_s)  # says what it left
         return 0
     finally:
         if local:
@@ -221,30 +219,43 @@ def run_serve(ns: argparse.Namespace) -> int:
             serve.delete(APP_NAME)
 
 
-def _drain(ingress, timeout_s: float, poll_s: float = 0.2) -> int:
-    """Have every ingress replica refuse new requests and wait until none has one in flight or
-    `timeout_s` has passed; returns how many were left. Only then may the proxy and the replicas
-    stop. Each round asks each replica once: a call names the replicas asked in this round, and
-    the ingress router (cluster.ingress_router) sends it to another, until none is left."""
+def _ask_each(method, timeout_s: float) -> dict[str, int]:
+    """Call `method` (an ingress handle method taking `exclude`) once on every ingress replica:
+    a call names the replicas asked so far, and the ingress router (cluster.ingress_router) sends
+    it to another, until none is left. -> replica id: its answer's in_flight."""
     deadline = time.monotonic() + timeout_s
+    answers: dict[str, int] = {}
     while True:
-        in_flight: dict[str, int] = {}
-        try:
-            while True:
-                answer = ingress.drain.remote(exclude=list(in_flight)).result(
-                    timeout_s=max(1.0, deadline - time.monotonic()))
-                if answer["replica"] in in_flight:
-                    break
-                in_flight[answer["replica"]] = answer["in_flight"]
-        except Exception as e:  # the ingress is gone or stuck: nothing more to wait for
-            print(f"kvserve: could not drain the ingress: {e!r}", file=sys.stderr, flush=True)
-            return -1
-        left = sum(in_flight.values())
-        if left == 0 or time.monotonic() >= deadline:
-            print(f"kvserve: drained {len(in_flight)} ingress replica(s); {left} requests left", file=sys.stderr,
-                  flush=True)
-            return left
-        time.sleep(poll_s)
+        answer = method.remote(exclude=list(answers)).result(timeout_s=max(1.0, deadline - time.monotonic()))
+        if answer["replica"] in answers:
+            return answers
+        answers[answer["replica"]] = answer["in_flight"]
+
+
+def _drain(ingress, timeout_s: float, poll_s: float = 0.2, flush_s: float = 1.0) -> int:
+    """Have every ingress replica refuse new requests and wait until none has one in flight or
+    `timeout_s` has passed; returns how many were left. Those are then cut: each ends with a 503
+    `unavailable` error (an error event in a stream), and `flush_s` lets it reach its client.
+    Only then may the proxy and the replicas stop."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            in_flight = _ask_each(ingress.drain, deadline - time.monotonic())
+            left = sum(in_flight.values())
+            if left == 0 or time.monotonic() >= deadline:
+                break
+            time.sleep(poll_s)
+        print(f"kvserve: drained {len(in_flight)} ingress replica(s); {left} requests left", file=sys.stderr,
+              flush=True)
+        if left:
+            cut = sum(_ask_each(ingress.cut, 10.0).values())
+            print(f"kvserve: drain timed out: {cut} engine calls still running end with a 503 'unavailable' "
+                  "error", file=sys.stderr, flush=True)
+            time.sleep(flush_s)
+    except Exception as e:  # the ingress is gone or stuck: nothing more to wait for
+        print(f"kvserve: could not drain the ingress: {e!r}", file=sys.stderr, flush=True)
+        return -1
+    return left
 
 
 def _wait_for_stop_signal() -> None:

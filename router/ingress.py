@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 from ray.serve.context import _set_request_context
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
@@ -67,6 +67,19 @@ class HandleReplicaClient:
         # Serve applies it on its gRPC transport (cluster.serve_env).
         self._stream = handle.options(stream=True, request_serialization="pickle", response_serialization="pickle")
         self._settings = settings
+        self._live: set = set()  # the engine calls in flight
+        self._cutting = False
+
+    def cut_all(self) -> int:
+        """Shutdown, out of time: cancel every engine call in flight (the engines abort them and
+        free their KV blocks); each ends its request with a 503 `unavailable` error, an error
+        event in a stream, rather than a connection cut mid-stream. -> how many were cut."""
+        self._cutting = True
+        live = list(self._live)
+        for response in live:
+            with contextlib.suppress(Exception):
+                response.cancel()
+        return len(live)
 
     async def info(self) -> dict:
         return await self._handle.info.remote()
@@ -107,13 +120,24 @@ class HandleReplicaClient:
     async def _generate_once(self, request_id: str, prompt_token_ids: list[int],
                              params: SamplingParams) -> AsyncIterator[StepOutput]:
         response, finished = None, False
+        if self._cutting:  # shutting down: a request that had not reached an engine yet ends too
+            raise _cut_error()
         try:
             # By name: the request router reads the call's arguments (cluster.serve_router).
             response = contextvars.copy_context().run(self._call_generate, request_id=request_id,
                                                       prompt_token_ids=prompt_token_ids, params=params)
+            self._live.add(response)
             async for step in response:
                 finished = step.finished
                 yield step
+            if self._cutting and not finished:  # cancelled by cut_all, and the replica's stream just ended
+                finished = True
+                raise _cut_error()
+        except TaskCancelledError:  # cancelled by cut_all (Serve's RequestCancelledError is one)
+            if not self._cutting:
+                raise
+            finished = True
+            raise _cut_error() from None
         except BackPressureError as e:  # the queue in front of the replicas is full
             finished = True  # nothing to cancel (and cancelling a rejected request raises again)
             raise overloaded(e.retry_after_s or self._settings.retry_after_s,
@@ -128,9 +152,15 @@ class HandleReplicaClient:
             finished = True  # the replica is gone: nothing left to cancel
             raise
         finally:
+            self._live.discard(response)
             if response is not None and not finished:
                 with contextlib.suppress(Exception):  # keep the exception that brought us here
                     response.cancel()  # the replica's generator is cancelled -> the engine aborts
+
+
+def _cut_error():
+    return unavailable("The server is shutting down, and this request did not finish within its graceful "
+                       "shutdown timeout. Retry.")
 
 
 def _may_have_caused(e: BaseException) -> bool:
@@ -172,7 +202,8 @@ class OpenAIIngress:
         settings = settings.resolve_api_key()
         if settings.enable_log_requests:
             _log_through_serve("router")
-        self._serving = OpenAIServing(tokenizer, HandleReplicaClient(engine, settings), settings,
+        self._client = HandleReplicaClient(engine, settings)
+        self._serving = OpenAIServing(tokenizer, self._client, settings,
                                       HandleResponseStore(store) if store is not None else None)
 
         self._admission = Admission(settings.retry_after_s)
@@ -187,6 +218,13 @@ class OpenAIIngress:
         waits for 0 before stopping Serve."""
         return {"replica": serve.get_replica_context().replica_id.to_full_id_str(),
                 "in_flight": self._admission.drain()}
+
+    async def cut(self, exclude: list[str] = ()) -> dict:
+        """`kvserve serve`, when the drain runs out of time: end every request still in flight
+        here with a 503 `unavailable` error (HandleReplicaClient.cut_all). -> this replica's id
+        and how many were cut; `exclude` as in `drain`."""
+        return {"replica": serve.get_replica_context().replica_id.to_full_id_str(),
+                "in_flight": self._client.cut_all()}
 
     async def ready(self) -> tuple[bool, dict]:
         """True when every replica of the engine deployment is running (its engine loaded)."""

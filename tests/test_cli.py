@@ -239,15 +239,26 @@ class _Ingress:
     else to any. Each replica's requests end one per call it answers."""
 
     def __init__(self, in_flight: dict[str, int]) -> None:
-        self.in_flight, self.calls = in_flight, []
-        self.drain = self
+        self.in_flight, self.calls, self.cut_calls = in_flight, [], []
+        self.drain = SimpleNamespace(remote=self._drain)
+        self.cut = SimpleNamespace(remote=self._cut)
 
-    def remote(self, exclude=()):
-        self.calls.append(list(exclude))
+    def _answer(self, exclude) -> tuple[str, object]:
         rid = next((r for r in self.in_flight if r not in exclude), next(iter(self.in_flight)))
         answer = {"replica": rid, "in_flight": self.in_flight[rid]}
+        return rid, SimpleNamespace(result=lambda timeout_s: answer)
+
+    def _drain(self, exclude=()):
+        self.calls.append(list(exclude))
+        rid, result = self._answer(exclude)
         self.in_flight[rid] = max(0, self.in_flight[rid] - 1)
-        return SimpleNamespace(result=lambda timeout_s: answer)
+        return result
+
+    def _cut(self, exclude=()):
+        self.cut_calls.append(list(exclude))
+        rid, result = self._answer(exclude)
+        self.in_flight[rid] = 0
+        return result
 
 
 def test_the_drain_asks_every_ingress_replica_each_round_until_none_has_requests():
@@ -257,7 +268,10 @@ def test_the_drain_asks_every_ingress_replica_each_round_until_none_has_requests
     assert _drain(ingress, timeout_s=10, poll_s=0) == 0
     rounds = [c for c in ingress.calls if not c]
     assert len(rounds) == 3 and ingress.calls[:3] == [[], ["a"], ["a", "b"]]  # b: 2, then 1, then 0 left
-    assert _drain(_Ingress({"a": 5}), timeout_s=0, poll_s=0) == 5  # out of time: what is left
+    assert not ingress.cut_calls  # nothing was left to cut
+    late = _Ingress({"a": 5, "b": 0})
+    assert _drain(late, timeout_s=0, poll_s=0, flush_s=0) == 5  # out of time: what is left ...
+    assert late.cut_calls == [[], ["a"], ["a", "b"]]  # ... is cut, on every replica
 
 
 @ENGINES

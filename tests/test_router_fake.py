@@ -194,6 +194,60 @@ def test_ready_only_once_every_engine_replica_has_loaded(server):
         serve.delete("slow")
 
 
+def test_requests_still_running_when_the_drain_runs_out_are_ended_with_an_error_not_cut(server):
+    """What `kvserve serve` does at --graceful-shutdown-timeout-s: the ingress's `cut` ends every
+    request in flight with a 503 `unavailable` error (an error event in a stream, then [DONE];
+    Responses' typed error event), rather than a connection dropped mid-stream, and the engine
+    frees the requests' KV blocks."""
+    from ray import serve
+
+    from cluster.app import build_app
+
+    serve.run(build_app(dict(engine_cls=FAKE, max_model_len=1024, cpu_threads=1, num_gpu_blocks_override=256)),
+              name="cut", route_prefix="/cut")
+    url = f"{server}/cut/v1"
+    long = {"prompt": [1, 2, 3], "max_tokens": 900}  # ~18 s at the fake's 20 ms a token
+    got: dict[str, object] = {}
+
+    def stream(name: str, path: str, body: dict) -> None:
+        with httpx.stream("POST", f"{url}/{path}", json=body, timeout=60) as r:
+            got[name] = [line for line in r.iter_lines() if line]
+
+    def whole() -> None:
+        got["whole"] = httpx.post(f"{url}/completions", json=long, timeout=60)
+
+    threads = [threading.Thread(target=stream, args=("completions", "completions", {**long, "stream": True})),
+               threading.Thread(target=stream, args=("responses", "responses", {
+                   "input": "hi", "max_output_tokens": 900, "stream": True})),
+               threading.Thread(target=whole)]
+    for t in threads:
+        t.start()
+    app = serve.get_app_handle("cut")
+    engine = serve.get_deployment_handle("EngineServer", app_name="cut")
+    try:
+        deadline = time.monotonic() + 30
+        while engine.stats.remote().result().num_running < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # every request has streamed some tokens
+        assert app.drain.remote(exclude=[]).result()["in_flight"] == 3  # as `kvserve serve`: drain first
+        assert app.cut.remote(exclude=[]).result()["in_flight"] == 3
+        for t in threads:
+            t.join(30)
+        data = sse_data(got["completions"])
+        assert data[-1] == "[DONE]" and json.loads(data[-2])["error"]["code"] == "unavailable", data[-3:]
+        assert "graceful shutdown timeout" in json.loads(data[-2])["error"]["message"]
+        assert len(data) > 3 and "choices" in json.loads(data[0])  # tokens came before the error
+        error = json.loads(got["responses"][-1].removeprefix("data: "))
+        assert got["responses"][-2] == "event: error" and error["code"] == "unavailable", got["responses"][-3:]
+        assert got["whole"].status_code == 503 and got["whole"].json()["error"]["code"] == "unavailable"
+        deadline = time.monotonic() + 10
+        while (info := engine.stats.remote().result()).num_running and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert info.num_running == 0 and info.num_free_blocks == info.num_total_blocks  # nothing leaked
+    finally:
+        serve.delete("cut")
+
+
 def test_graceful_shutdown_drains_in_flight_streams(server):
     from ray import serve
 
