@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from engine.outputs import ChoiceDelta, PromptLogprobs
 
 TokenStr = Callable[[int], str]
+TokenBytes = Callable[[int], list[int]]
 _MIN_LOGPROB = -9999.0  # -inf is not JSON
 
 
@@ -96,10 +97,12 @@ class PromptEcho:
         return self.texts[p], self.token_ids[p], entries, extra
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], k: int, token_str: TokenStr) -> dict:
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], k: int, token_str: TokenStr,
+                  token_bytes: TokenBytes) -> dict:
+    """`bytes` are the token's own (part of a UTF-8 character, for some), as OpenAI gives them:
+    joined, they rebuild the text, where the text of such a token is only U+FFFD."""
     def item(tid: int, lp: float) -> dict:
-        s = token_str(tid)
-        return {"token": s, "logprob": _lp(lp), "bytes": list(s.encode("utf-8"))}
+        return {"token": token_str(tid), "logprob": _lp(lp), "bytes": token_bytes(tid)}
 
     content = [{**item(tid, entry[tid]), "top_logprobs": [item(t, lp) for t, lp in _top(entry, k)]}
                for tid, entry in zip(token_ids, entries)]
@@ -159,10 +162,10 @@ def completion_response(rid: str, created: int, model: str, acc: Accumulator, k:
 
 
 def chat_response(rid: str, created: int, model: str, acc: Accumulator, k: int | None,
-                  token_str: TokenStr, role: str = "assistant") -> dict:
+                  token_str: TokenStr, token_bytes: TokenBytes, role: str = "assistant") -> dict:
     choices = []
     for i, c in enumerate(acc.choices):
-        lps = chat_logprobs(c.token_ids, c.logprobs, k, token_str) if k is not None else None
+        lps = chat_logprobs(c.token_ids, c.logprobs, k, token_str, token_bytes) if k is not None else None
         choices.append({"index": i, "message": {"role": role, "content": "".join(c.text)},
                         "logprobs": lps, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,

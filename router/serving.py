@@ -100,6 +100,24 @@ class OpenAIServing:
         self.stored = StoredResponses(store)  # GET / DELETE /v1/responses/{id} and previous_response_id
         self._info: dict | None = None
         self.token_str = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
+        self.token_bytes = functools.lru_cache(maxsize=1 << 16)(self._token_bytes)
+
+    @functools.cached_property
+    def _byte_tokenizer(self):
+        """llguidance's view of the tokenizer, which knows each token's bytes (built on first use,
+        ~0.4 s); None for a tokenizer it cannot read."""
+        try:
+            from llguidance.hf import from_tokenizer
+
+            return from_tokenizer(self.tokenizer)
+        except Exception:
+            logger.warning("logprobs give each token's bytes as its decoded text's", exc_info=True)
+            return None
+
+    def _token_bytes(self, token_id: int) -> list[int]:
+        if self._byte_tokenizer is None:
+            return list(self.token_str(token_id).encode("utf-8"))
+        return list(self._byte_tokenizer.decode_bytes([token_id]))
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -187,7 +205,7 @@ class OpenAIServing:
         k = (req.top_logprobs or 0) if req.logprobs else None
         token_str = self._token_str(req)
         response = chat_response(rid, int(time.time()), self.settings.served_model_name, acc, k, token_str,
-                                 req.reply_role)
+                                 self.token_bytes, req.reply_role)
         for choice in response["choices"]:
             if plan.calls_tools:
                 plan.apply(choice)
@@ -349,7 +367,7 @@ class OpenAIServing:
         calls = [plan.stream() for _ in acc.choices] if plan.calls_tools else None
 
         def choice(i: int, c: ChoiceDelta) -> dict:
-            lps = chat_logprobs(c.token_ids, c.logprobs or [], k, token_str) if k is not None else None
+            lps = None if k is None else chat_logprobs(c.token_ids, c.logprobs or [], k, token_str, self.token_bytes)
             delta = {"content": c.text} if c.text or c.token_ids else {}
             finish_reason = c.finish_reason
             if calls is not None:  # tool calls: name first, then argument fragments

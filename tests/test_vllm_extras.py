@@ -212,7 +212,7 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(tokenizer):
     named = [f"token_id:{t}" for t in ids]
     r, _ = run(tokenizer, "yes", chat(logprobs=True, top_logprobs=1, extra_body={"return_tokens_as_token_ids": True}))
     assert [c.token for c in r.choices[0].logprobs.content] == named
-    assert r.choices[0].logprobs.content[0].bytes == list(named[0].encode())
+    assert b"".join(bytes(c.bytes) for c in r.choices[0].logprobs.content) == b"yes"  # the tokens' own bytes
     r, _ = run(tokenizer, "yes", completion(prompt="Is the sky blue?", max_tokens=2, logprobs=2,
                                             extra_body={"return_tokens_as_token_ids": True}))
     assert r.choices[0].logprobs.tokens == named and "token_id:7" in r.choices[0].logprobs.top_logprobs[0]
@@ -308,3 +308,24 @@ def test_a_request_the_kv_cache_could_never_hold_is_refused_before_any_replica_s
     assert engine.seen == []  # an engine replica would log the refusal as a failed request
     ok, _ = run(tokenizer, "ok", lambda c: c.completions.create(model="m", prompt="hi", max_tokens=100), num_blocks=8)
     assert ok.choices[0].text == "ok"  # one that fits still runs
+
+
+def test_chat_logprob_bytes_are_each_tokens_own_and_rebuild_characters_split_across_tokens(tokenizer):
+    script = "😀你好 ok"
+    ids = tokenizer.encode(script, add_special_tokens=False)
+    assert any(tokenizer.decode([t]) == "\ufffd" for t in ids)  # some tokens hold part of a character
+
+    def joined(content) -> bytes:
+        return b"".join(bytes(c.bytes) for c in content)
+
+    r, _ = run(tokenizer, script, chat(logprobs=True, top_logprobs=2))
+    content = r.choices[0].logprobs.content
+    assert joined(content) == script.encode()
+    runner_up = content[0].top_logprobs[1]  # token 7, as the scripted engine ranks it
+    assert bytes(runner_up.bytes).decode() == tokenizer.decode([7])
+
+    async def streamed(client):
+        stream = await chat(logprobs=True, top_logprobs=2, stream=True)(client)
+        return [t async for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+
+    assert joined(run(tokenizer, script, streamed)[0]) == script.encode()
