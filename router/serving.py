@@ -396,6 +396,7 @@ class OpenAIServing:
             return sse({**base, "choices": [c], "usage": acc.usage()} if continuous else {**base, "choices": [c]})
 
         failed = False
+        acc.cached[first[0]] = first[1].num_cached_tokens  # the preamble's usage counts the cache hit too
         async with contextlib.aclosing(merged):  # however this generator ends, the engine requests end
             for c in preamble:
                 yield chunk(c)

@@ -20,8 +20,8 @@ class ScriptedEngine:
     """Replies to every request with `script`, a few tokens a step; records what it was sent."""
 
     def __init__(self, tokenizer, script: str, finish_reason: str = "stop", stop_reason=None,
-                 num_blocks: int = 256) -> None:
-        self.tokenizer, self.script, self.num_blocks = tokenizer, script, num_blocks
+                 num_blocks: int = 256, cached: int = 0) -> None:
+        self.tokenizer, self.script, self.num_blocks, self.cached = tokenizer, script, num_blocks, cached
         self.finish_reason, self.stop_reason = finish_reason, stop_reason
         self.max_model_len = 4096
         self.vocab_size = len(tokenizer)
@@ -44,7 +44,8 @@ class ScriptedEngine:
             # asked for prompt logprobs: each prompt token after the first at -1.0, ranked first
             scored = ([None] + [PromptLogprob(t, -1.0, 1, ((t, -1.0),)) for t in prompt[1:]]
                       if params.prompt_logprobs is not None and k == 0 else None)
-            yield RequestOutput(request_id, None, prompt, outs, finished=last, prompt_logprobs=scored)
+            yield RequestOutput(request_id, None, prompt, outs, finished=last, prompt_logprobs=scored,
+                                num_cached_tokens=self.cached)
 
     async def abort(self, request_id: str) -> None:
         pass

@@ -187,11 +187,12 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(tokenizer, e
     def stream(**options):
         async def go(client):
             return [c async for c in await endpoint(stream=True, max_tokens=50, stream_options=options)(client)]
-        return run(tokenizer, script, go)[0]
+        return run(tokenizer, script, go, cached=2)[0]  # 2 prompt tokens from the prefix cache
 
     chunks = stream(include_usage=True, continuous_usage_stats=True)
     usages = [c.usage for c in chunks]
     assert all(u is not None for u in usages)
+    assert all(u.prompt_tokens_details.cached_tokens == 2 for u in usages)  # the first chunk's too
     done = [u.completion_tokens for u in usages]
     assert done == sorted(done) and done[-1] == len(tokenizer.encode(script)) and done[0] < done[-1]
     assert len({u.prompt_tokens for u in usages}) == 1
