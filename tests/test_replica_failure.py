@@ -2,6 +2,7 @@
 turns 503 within seconds, streams it was serving end with a 503-style `unavailable` error event,
 requests it had not started go to the other replica, and the deployment recovers by itself.
 The times are printed for docs/reliability.md."""
+import contextlib
 import json
 import os
 import signal
@@ -26,11 +27,14 @@ def server():
 
 
 def _engine_replica_pids() -> list[int]:
+    """This test's engine replicas: among the processes of the Ray it started (its descendants),
+    not another server's on the same machine."""
     found = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "ServeReplica" in cmd and "EngineServer" in cmd:
-            found.append(p.pid)
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            cmd = " ".join(p.cmdline())
+            if "ServeReplica" in cmd and "EngineServer" in cmd:
+                found.append(p.pid)
     return found
 
 
