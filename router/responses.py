@@ -152,6 +152,9 @@ class TextFormat(_Model):
 
     @model_validator(mode="after")
     def _size(self):
+        if self.type == "json_schema" and self.schema_ is None:  # OpenAI's rule: never an unconstrained reply
+            raise ValueError("text.format of type json_schema needs its schema in text.format.schema (Responses "
+                             "puts json_schema's fields in text.format itself)")
         _schema_size_ok(self.schema_, "text.format.schema")
         return self
 

@@ -121,6 +121,9 @@ def test_an_error_while_streaming_is_an_error_event(tokenizer):
     ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
     ({"input": ""}, "input", "at least 1"),
     ({"text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "strin"}}}}, "text.format", ""),
+    ({"text": {"format": {"type": "json_schema", "name": "a"}}}, "text.format", "needs its schema"),
+    ({"text": {"format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}}}, "text.format",
+     "puts json_schema's fields in text.format itself"),  # chat's shape, whose schema was ignored
 ])
 def test_what_this_server_lacks_is_a_400_naming_it(tokenizer, extra, param, says):
     with pytest.raises(openai.BadRequestError) as e:
