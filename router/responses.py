@@ -251,6 +251,8 @@ _CHAT_FIELDS = {"messages": "input", "response_format": "text.format", "max_comp
 
 
 def responses_field(chat_field: str) -> str:
+    if chat_field.startswith("tools.") and ".function." in chat_field:  # Responses' tools hold no `function`
+        return chat_field.replace(".function.", ".", 1)
     return _CHAT_FIELDS.get(chat_field, chat_field)
 
 

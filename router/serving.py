@@ -271,6 +271,8 @@ class OpenAIServing:
         errors as the caller's request names it."""
         plan = ToolPlan.of(req)
         params = self._params(req)
+        for spec, param in plan.tool_specs():
+            await checked(spec, field(param))
         for spec, param in (self._output_constraint(req), (plan.spec(), "tools")):
             params = await self._constrained(params, spec, field(param))
         return plan, params, self._chat_ids(req, plan, field("messages"))

@@ -87,12 +87,24 @@ class ToolPlan:
     def spec(self) -> StructuredOutputsParams | None:
         """The constraint on the output: required and named calls are enforced."""
         if self.mode == "named":
-            tool = next(t for t in self.tools if t.function.name == self.function)
-            return StructuredOutputsParams(json=_arguments_schema(tool), lenient=not tool.function.strict)
+            return _arguments_spec(next(t for t in self.tools if t.function.name == self.function))
         if self.mode == "required":
-            return StructuredOutputsParams(grammar=required_grammar(self.tools, self.parallel),
-                                           lenient=False)
+            return StructuredOutputsParams(grammar=required_grammar(self.tools, self.parallel))
         return None
+
+    def tool_specs(self) -> list[tuple[StructuredOutputsParams, str]]:
+        """Each offered tool's arguments schema as a constraint, with the field that holds it: all
+        must compile (a strict tool's strictly), whatever the mode, so that a bad schema is a 400
+        naming its tool rather than one that passes in auto mode and fails in required."""
+        if not self.calls_tools:
+            return []
+        return [(_arguments_spec(t), f"tools.{i}.function.parameters") for i, t in enumerate(self.tools)]
+
+
+def _arguments_spec(tool: ToolDefinition) -> StructuredOutputsParams:
+    # Not strict: JSON schema keywords llguidance lacks are ignored (as OpenAI's non-strict mode
+    # does not enforce the schema at all), not refused.
+    return StructuredOutputsParams(json=_arguments_schema(tool), lenient=not tool.function.strict)
 
 
 def _arguments_schema(tool: ToolDefinition) -> dict:
@@ -105,7 +117,7 @@ def required_grammar(tools: tuple[ToolDefinition, ...], parallel: bool) -> str:
     rules, names = [], []
     for i, tool in enumerate(tools):
         schema = dict(_arguments_schema(tool))
-        schema.setdefault("x-guidance", JSON_DEFAULTS)
+        schema.setdefault("x-guidance", {**JSON_DEFAULTS, "lenient": not tool.function.strict})
         head = json.dumps(f'{{"name": {json.dumps(tool.function.name)}, "arguments": ')
         rules.append(f"call_{i}: {head} args_{i} \"}}\"\nargs_{i}: %json {json.dumps(schema)}")
         names.append(f"call_{i}")

@@ -122,6 +122,7 @@ def test_an_error_while_streaming_is_an_error_event(tokenizer):
     ({"input": ""}, "input", "at least 1"),
     ({"text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "strin"}}}}, "text.format", ""),
     ({"text": {"format": {"type": "json_schema", "name": "a"}}}, "text.format", "needs its schema"),
+    ({"tools": [{"type": "function", "name": "g", "parameters": {"type": "foo"}}]}, "tools.0.parameters", "foo"),
     ({"text": {"format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}}}, "text.format",
      "puts json_schema's fields in text.format itself"),  # chat's shape, whose schema was ignored
 ])

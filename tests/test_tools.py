@@ -186,6 +186,28 @@ BAD = [
 ]
 
 
+UNIQUE = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "required", {"type": "function", "function": {"name": "g"}}])
+def test_every_tool_schema_is_checked_in_every_mode_a_strict_one_strictly(tokenizer, choice):
+    """A schema llguidance cannot compile is a 400 naming its tool in any mode (it passed in auto
+    mode); a keyword it lacks is refused in a strict tool only (a non-strict tool's was refused
+    in required mode). pydantic writes uniqueItems for any set[...] field."""
+    def tools(second: dict) -> list[dict]:
+        return [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": second}]
+
+    with_choice = {} if choice is None else {"tool_choice": choice}
+    for second, says in [({"name": "g", "parameters": {"type": "foo"}}, "foo"),
+                         ({"name": "g", "parameters": UNIQUE, "strict": True}, "Unimplemented keys")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            run(tokenizer, "x", create(tools=tools(second), **with_choice))
+        assert e.value.body["param"] == "tools.1.function.parameters" and says in e.value.body["message"]
+        assert "<tool_call>" not in e.value.body["message"]  # not the grammar the tools make
+    reply, engine = run(tokenizer, "x", create(tools=tools({"name": "g", "parameters": UNIQUE}), **with_choice))
+    assert reply.choices[0].finish_reason  # served: the keyword is not enforced, as OpenAI's non-strict mode
+
+
 @pytest.mark.parametrize("kwargs,param,says", BAD, ids=[b[2] for b in BAD])
 def test_what_cannot_be_enforced_is_a_400_naming_it(tokenizer, kwargs, param, says):
     with pytest.raises(openai.BadRequestError) as e:
