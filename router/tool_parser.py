@@ -10,13 +10,15 @@ whole, `{"index", "id", "type", "function": {"name", "arguments"}}`, once its bl
 and its JSON parsed: arguments that went out in fragments could not be taken back if the block
 then turned out not to be a call (unquoted strings, arguments that are not an object), and a
 client would get arguments that are not JSON. Text that might still become a `<tool_call>` tag is
-held back until it cannot. A block that is not a call stays content. The content is the reply's
+held back until it cannot. A block that is not a call stays content, as does one that calls a
+function not offered or gives a strict function arguments off its schema (OpenAI's guarantee). The content is the reply's
 without the whitespace around it: a stream holds trailing whitespace back until more content follows.
 """
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -48,10 +50,14 @@ def _parse_block(body: str) -> tuple[str, str] | None:
     return (obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
 
 
-def parse_tool_calls(text: str, max_calls: int | None = None, cut: bool = False) -> tuple[str | None, list[dict]]:
+Accepts = Callable[[str, str], bool]  # (name, arguments JSON text) -> whether it calls an offered tool
+
+
+def parse_tool_calls(text: str, max_calls: int | None = None, cut: bool = False,
+                     accepts: Accepts | None = None) -> tuple[str | None, list[dict]]:
     """A finished reply's text -> (the content, None if empty; the calls), exactly as a stream of
     it would give them. Calls past `max_calls` are dropped; `cut`: the reply ended at max_tokens."""
-    stream = ToolCallStream(max_calls)
+    stream = ToolCallStream(max_calls, accepts)
     deltas = [stream.feed(text), stream.finish(cut)]
     content = "".join(d.get("content", "") for d in deltas)
     calls = [{k: v for k, v in c.items() if k != "index"} for d in deltas for c in d.get("tool_calls", ())]
@@ -95,8 +101,8 @@ class ToolCallStream(_Stream):
     parses; else it is content, unless the reply was cut at max_tokens: then it is an unfinished
     call and is dropped (the finish_reason "length" says so), not sent as markup."""
 
-    def __init__(self, max_calls: int | None = None) -> None:
-        self.max_calls = max_calls
+    def __init__(self, max_calls: int | None = None, accepts: Accepts | None = None) -> None:
+        self.max_calls, self.accepts = max_calls, accepts
         self.buffer = ""  # text not yet sent: the current block's body while in_call
         self.in_call = False
         self.scanned = 0  # of the block's body in buffer, how much holds no close tag
@@ -141,6 +147,8 @@ class ToolCallStream(_Stream):
 
     def _end_block(self, body: str, calls: list[dict], content: list[str], closed: bool, cut: bool = False) -> None:
         parsed = _parse_block(body)
+        if parsed is not None and self.accepts is not None and not self.accepts(*parsed):
+            parsed = None  # a function not offered, or a strict one's arguments off its schema
         if parsed is None:
             if closed or not cut:
                 content.append(OPEN + body + (CLOSE if closed else ""))

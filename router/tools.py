@@ -21,6 +21,7 @@ instructions, calls into the assistant turn as blocks, and results into `<tool_r
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -74,7 +75,8 @@ class ToolPlan:
         if self.mode == "named":
             content, calls = None, [call(self.function, message["content"])]
         else:
-            content, calls = parse_tool_calls(message["content"], self.max_calls, choice["finish_reason"] == "length")
+            content, calls = parse_tool_calls(message["content"], self.max_calls, choice["finish_reason"] == "length",
+                                              self.accepts)
         message["content"] = content
         if calls:
             message["tool_calls"] = calls
@@ -82,7 +84,17 @@ class ToolPlan:
                 choice["finish_reason"] = "tool_calls"
 
     def stream(self) -> NamedCallStream | ToolCallStream:
-        return NamedCallStream(self.function) if self.mode == "named" else ToolCallStream(self.max_calls)
+        return NamedCallStream(self.function) if self.mode == "named" else ToolCallStream(self.max_calls, self.accepts)
+
+    def accepts(self, name: str, arguments: str) -> bool:
+        """Whether a parsed block calls one of the tools, with arguments that match its schema
+        when it is strict (required mode's grammar ensures both; auto mode's output is free)."""
+        tool = next((t for t in self.tools if t.function.name == name), None)
+        if tool is None:
+            return False
+        if not tool.function.strict:
+            return True
+        return _validator(json.dumps(_arguments_schema(tool))).is_valid(json.loads(arguments))
 
     def spec(self) -> StructuredOutputsParams | None:
         """The constraint on the output: required and named calls are enforced."""
@@ -105,6 +117,14 @@ def _arguments_spec(tool: ToolDefinition) -> StructuredOutputsParams:
     # Not strict: JSON schema keywords llguidance lacks are ignored (as OpenAI's non-strict mode
     # does not enforce the schema at all), not refused.
     return StructuredOutputsParams(json=_arguments_schema(tool), lenient=not tool.function.strict)
+
+
+@functools.lru_cache(maxsize=256)
+def _validator(schema: str):
+    import jsonschema
+
+    cls = jsonschema.validators.validator_for(json.loads(schema))
+    return cls(json.loads(schema), format_checker=cls.FORMAT_CHECKER)
 
 
 def _arguments_schema(tool: ToolDefinition) -> dict:

@@ -94,6 +94,29 @@ def test_auto_without_a_call_is_content(tokenizer):
     assert content == "It is sunny. <b>ok</b> <tool_c" and not calls
 
 
+STRICT = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_ARGS, "strict": True}}]
+
+
+@pytest.mark.parametrize("tools, block, is_call", [
+    (TOOLS, '{"name": "rm_rf", "arguments": {}}', False),  # not offered
+    (STRICT, '{"name": "get_weather", "arguments": {"city": 5, "extra": true}}', False),  # off a strict schema
+    (STRICT, '{"name": "get_weather", "arguments": {}}', False),  # required keys missing
+    (STRICT, CALL, True),
+    (TOOLS, '{"name": "get_weather", "arguments": {"city": 5}}', True),  # not strict: OpenAI does not check
+])
+def test_auto_calls_only_offered_tools_and_holds_strict_ones_to_their_schema(tokenizer, tools, block, is_call):
+    text = f"<tool_call>\n{block}\n</tool_call>"
+    r, _ = run(tokenizer, text, create(tools=tools))
+    (_, calls, content), _ = run(tokenizer, text, streamed(tools=tools))
+    if is_call:
+        expected = [json.dumps(json.loads(block)["arguments"])]
+        assert [tc.function.arguments for tc in r.choices[0].message.tool_calls] == expected
+        assert [args for _, _, args in calls.values()] == expected
+    else:  # as any block that is not a call: content, whole and streamed alike
+        assert r.choices[0].message.content == text and not r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "stop" and content == text and not calls
+
+
 def test_named_choice_constrains_to_the_arguments_schema(tokenizer):
     args = '{"city": "Paris", "unit": "celsius"}'
     choice = {"type": "function", "function": {"name": "get_weather"}}
