@@ -368,12 +368,14 @@ class OpenAIServing:
         token_str = self._token_str(req)
         calls = [plan.stream() for _ in acc.choices] if plan.calls_tools else None
 
-        def choice(i: int, c: ChoiceDelta) -> dict:
+        def choice(i: int, c: ChoiceDelta) -> dict | None:
             lps = None if k is None else chat_logprobs(c.token_ids, c.logprobs or [], k, token_str, self.token_bytes)
             delta = {"content": c.text} if c.text or c.token_ids else {}
             finish_reason = c.finish_reason
             if calls is not None:  # tool calls: name first, then argument fragments
                 delta, finish_reason = calls[i].step(c.text, c.finish_reason)
+                if not delta and finish_reason is None and lps is None:
+                    return None  # text held back (it may be a call): no empty chunk, as vLLM
             return {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish_reason,
                     "stop_reason": c.stop_reason}
 
@@ -387,10 +389,10 @@ class OpenAIServing:
 
     async def _sse(self, rid: str, obj: str, usage: tuple[bool, bool], acc: Accumulator, first,
                    merged: AsyncIterator, preamble: list[dict],
-                   choice: Callable[[int, ChoiceDelta], dict]) -> AsyncIterator[str]:
+                   choice: Callable[[int, ChoiceDelta], dict | None]) -> AsyncIterator[str]:
         """The SSE body of a stream: `preamble` chunks, then one chunk per sample delta of every
-        engine output that made tokens, text or not (see module doc), the usage chunk if asked
-        for, and [DONE]. `usage`: (include_usage, continuous_usage_stats)."""
+        engine output that made tokens, text or not (see module doc; `choice` may skip one: None),
+        the usage chunk if asked for, and [DONE]. `usage`: (include_usage, continuous_usage_stats)."""
         include_usage, continuous = usage
         base = self._chunk_base(rid, obj, include_usage)
 
@@ -408,7 +410,8 @@ class OpenAIServing:
                     yield step
                     continue
                 for c in step.choices:
-                    yield chunk(choice(acc.index(prompt, c), c))
+                    if (out := choice(acc.index(prompt, c), c)) is not None:
+                        yield chunk(out)
         if include_usage and not failed:  # as vLLM: a failed stream ends with its error, then [DONE]
             yield sse({**base, "choices": [], "usage": acc.usage()})
         yield SSE_DONE

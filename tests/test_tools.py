@@ -76,6 +76,8 @@ def test_auto_streams_each_call_whole_once_its_block_closed(tokenizer):
     # One chunk per call: arguments go out once the block is known to be a call (valid JSON).
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.tool_calls) == 2
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].finish_reason is None]
+    assert all(d.role or d.content or d.tool_calls for d in deltas)  # no empty chunk while a block is held
 
 
 def test_parallel_tool_calls_false_keeps_one_call(tokenizer):
