@@ -269,6 +269,7 @@ class ResponseReply:
         self.id = _new_id("resp")
         self._seq = itertools.count()
         self._store = store
+        self._error: dict | None = None
 
     # -- a whole reply ---------------------------------------------------------------------------
     async def whole(self, acc: Accumulator) -> dict:
@@ -298,6 +299,7 @@ class ResponseReply:
     def error_event(self, body: dict) -> str:
         """An error while streaming: Responses' `error` event (OpenAI error JSON's fields)."""
         e = body["error"]
+        self._error = {"code": e.get("code"), "message": e["message"]}  # for the response.failed that follows
         return self.event("error", code=e.get("code"), message=e["message"], param=e.get("param"))
 
     async def events(self, steps: AsyncIterator[tuple[int, object]], acc: Accumulator) -> AsyncIterator[str]:
@@ -307,8 +309,10 @@ class ResponseReply:
         out = _StreamedOutput(self)
         finish = None
         async for _, step in steps:
-            if isinstance(step, str):  # the error event: nothing follows it
+            if isinstance(step, str):  # the error event, then the response failed (OpenAI's two)
                 yield step
+                yield self.event("response.failed", response={**self._response("failed", out.items, acc),
+                                                              "error": self._error})
                 return
             for c in step.choices:
                 finish = c.finish_reason or finish

@@ -97,11 +97,13 @@ def test_text_format_constrains_the_output_as_response_format_does(tokenizer):
     assert engine.seen[0][1].structured_outputs.json_object
 
 
-def test_an_error_while_streaming_is_an_error_event(tokenizer):
+def test_an_error_while_streaming_is_an_error_event_then_response_failed(tokenizer):
     events, _ = run(tokenizer, "Yes, the sky is blue today.", streamed(), finish_reason="error",
                     stop_reason="the grammar failed")
-    assert events[-1].type == "error" and "the grammar failed" in events[-1].message
-    assert events[-1].code == "invalid_grammar"
+    error, failed = events[-2:]
+    assert error.type == "error" and "the grammar failed" in error.message and error.code == "invalid_grammar"
+    assert failed.type == "response.failed" and failed.response.status == "failed"  # as OpenAI ends a failed stream
+    assert failed.response.error.code == "invalid_grammar" and "the grammar failed" in failed.response.error.message
     assert "response.completed" not in [e.type for e in events]
 
 

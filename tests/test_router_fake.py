@@ -237,8 +237,9 @@ def test_requests_still_running_when_the_drain_runs_out_are_ended_with_an_error_
         assert data[-1] == "[DONE]" and json.loads(data[-2])["error"]["code"] == "unavailable", data[-3:]
         assert "graceful shutdown timeout" in json.loads(data[-2])["error"]["message"]
         assert len(data) > 3 and "choices" in json.loads(data[0])  # tokens came before the error
-        error = json.loads(got["responses"][-1].removeprefix("data: "))
-        assert got["responses"][-2] == "event: error" and error["code"] == "unavailable", got["responses"][-3:]
+        error = json.loads(got["responses"][-3].removeprefix("data: "))
+        assert got["responses"][-4] == "event: error" and error["code"] == "unavailable", got["responses"][-4:]
+        assert got["responses"][-2] == "event: response.failed"
         assert got["whole"].status_code == 503 and got["whole"].json()["error"]["code"] == "unavailable"
         deadline = time.monotonic() + 10
         while (info := engine.stats.remote().result()).num_running and time.monotonic() < deadline:
