@@ -243,8 +243,8 @@ def served_model_names(engine: EngineConfig, options: ServeOptions) -> list[str]
     from engine.model_source import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 
     names = options.served_model_name
-    if isinstance(names, str) or names is None:
-        names = [names] if names else []
+    if isinstance(names, str):
+        names = [names]
     if names:
         return list(names)
     return [DEFAULT_MODEL_NAME if engine.model in DEFAULT_MODEL_ALIASES else engine.model]
