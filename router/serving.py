@@ -36,7 +36,7 @@ from router.protocol import ChatCompletionRequest, CompletionRequest, Detokenize
 from router.response_store import ResponseStore, StoredResponses
 from router.responses import ResponseReply, ResponsesRequest, parse_items, responses_field
 from router.settings import RouterSettings
-from router.structured import checked, from_response_format, from_structured_outputs
+from router.structured import check_all, checked, from_response_format, from_structured_outputs
 from router.tools import ToolPlan, render, template_knows_tools
 
 logger = logging.getLogger(__name__)
@@ -271,8 +271,7 @@ class OpenAIServing:
         errors as the caller's request names it."""
         plan = ToolPlan.of(req)
         params = self._params(req)
-        for spec, param in plan.tool_specs():
-            await checked(spec, field(param))
+        await check_all([(spec, field(param)) for spec, param in plan.tool_specs()])
         for spec, param in (self._output_constraint(req), (plan.spec(), "tools")):
             params = await self._constrained(params, spec, field(param))
         return plan, params, self._chat_ids(req, plan, field("messages"))

@@ -49,7 +49,16 @@ def _problem(spec: StructuredOutputsParams) -> str | None:
 
 async def checked(spec: StructuredOutputsParams, param: str) -> StructuredOutputsParams:
     """`spec`, or a 400 saying why it cannot be enforced."""
-    problem = await asyncio.to_thread(_problem, spec)
-    if problem is not None:
-        raise bad_request(f"{param}: {problem}", param=param, code="invalid_grammar")
+    await check_all([(spec, param)])
     return spec
+
+
+async def check_all(specs: list[tuple[StructuredOutputsParams, str]]) -> None:
+    """A 400 for the first (spec, param) that cannot be enforced; all checked in one trip to a
+    worker thread (a request may offer 128 tools)."""
+    if not specs:
+        return
+    problems = await asyncio.to_thread(lambda: [(_problem(spec), param) for spec, param in specs])
+    for problem, param in problems:
+        if problem is not None:
+            raise bad_request(f"{param}: {problem}", param=param, code="invalid_grammar")
