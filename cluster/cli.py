@@ -15,6 +15,7 @@ import sys
 
 from cluster.engine_args import add_engine_args, engine_config_from_args
 from cluster.serve_cli import add_serve_parser
+from engine.version import kvserve_version
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvserve", description="kvserve: a paged-KV LLM serving system.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {kvserve_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     gen = commands.add_parser(
@@ -45,15 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate, parser=gen)
     add_serve_parser(commands)
     return parser
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("kvserve")
-    except PackageNotFoundError:  # run from a checkout that was not installed
-        return "(not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

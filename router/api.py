@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.version import kvserve_version
 from router.errors import OpenAIError, from_validation_error, internal_error
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.responses import ResponsesRequest
@@ -195,7 +196,7 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
 
     @app.get("/version")  # vLLM's: the server's version, no key needed
     async def server_version():
-        return {"version": _version()}
+        return {"version": kvserve_version()}
 
     @app.get("/ready")
     async def is_ready():
@@ -273,7 +274,7 @@ def _openapi(app: FastAPI) -> dict:
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
 
-        doc = get_openapi(title=app.title, version=_version(), routes=app.routes)
+        doc = get_openapi(title=app.title, version=kvserve_version(), routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         for model in BODY_MODELS:
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -282,15 +283,6 @@ def _openapi(app: FastAPI) -> dict:
         doc.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         app.openapi_schema = doc
     return app.openapi_schema
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("kvserve")
-    except PackageNotFoundError:
-        return "0"
 
 
 def _reply(result):

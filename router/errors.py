@@ -68,8 +68,10 @@ def from_validation_error(e: ValidationError, fields: set[str] = frozenset()) ->
     candidates = [x for x in errors if x["loc"][:1] == field]
     per_member = Counter(x["loc"][:2] for x in candidates)
     err = max(candidates, key=lambda x: (len(x["loc"]), -per_member[x["loc"][:2]]))
-    # loc mixes field names and indices with pydantic's union tags ('str', 'list[int]'): drop those
-    path = [p for p in err["loc"] if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS)]
+    # loc mixes field names and indices with pydantic's union tags ('str', 'list[int]', a member
+    # model's class name 'NamedToolChoice'): drop those (OpenAI's field names are snake_case)
+    path = [p for p in err["loc"] if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS
+                                                            and not p[0].isupper())]
     param = ".".join(str(p) for p in path) or None
     msg = err["msg"].removeprefix("Value error, ")
     first = msg.split(" ", 1)[0].removesuffix(":")

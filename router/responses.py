@@ -69,7 +69,10 @@ class FunctionCallItem(_CallItem):
 class FunctionCallOutputItem(_CallItem):
     """The result of a call, for the model to read."""
     type: Literal["function_call_output"]
-    output: str
+    output: str | list[InputText]  # text, or text parts (joined for the model)
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
 
 
 class FunctionTool(_Model):
@@ -122,7 +125,7 @@ def chat_messages(items: list[InputItem]) -> list[dict]:
         if isinstance(item, InputMessage):
             out.append(item.to_chat())
         elif isinstance(item, FunctionCallOutputItem):
-            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
         else:
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             if not (out and out[-1]["role"] == "assistant"):

@@ -198,6 +198,10 @@ def test_calls_and_their_outputs_given_back_are_the_chats_tool_turns(tokenizer):
         model="m", messages=chat_turns, tools=[_chat_tool(WEATHER)]))
     assert engine.seen[0][0] == chat.seen[0][0]
     assert "18 C, sunny" in tokenizer.decode(engine.seen[0][0])
+    # the output may come as text parts too (OpenAI's other form), read as their joined text
+    turns[-1]["output"] = [{"type": "input_text", "text": "18 C, "}, {"type": "input_text", "text": "sunny"}]
+    _, parts = run(tokenizer, "It is sunny.", create(input=turns, tools=[WEATHER]))
+    assert parts.seen[0][0] == chat.seen[0][0]
 
 
 def test_a_named_tool_choice_constrains_as_chats_does(tokenizer):

@@ -378,6 +378,12 @@ def test_a_negative_token_id_is_named_as_such(tokenizer):
     assert "greater than or equal to 0" in r.json()["error"]["message"]
 
 
+def test_a_union_members_error_is_named_by_its_fields_only(tokenizer):
+    r = call(tokenizer, "POST", "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function", "function": {}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.function.name", r.text
+
+
 def test_prompts_times_n_per_request_is_capped(tokenizer):
     r = call(tokenizer, "POST", "/v1/completions", json={"prompt": ["hi"] * 300, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
