@@ -11,16 +11,21 @@ graphs and with --enforce-eager, on one model.
 
     python benchmarks/step_times.py --random-weights smollm2-135m --batches 1,64,256 --json out.json
 
---profile PATH also records 5 decode steps at the largest batch with torch.profiler (first mode
-only) and writes the top kernels and host functions there: where a step's time goes.
+--profile PATH also records 5 decode steps at the largest batch with torch.profiler (last mode
+only) and writes the top kernels and host functions there: where a step's time goes. With more
+than one mode, each runs in a process of its own: it starts with the whole device, whatever the
+mode before it left behind (a KV pool still referenced, the profiler's hooks), and one that fails
+leaves the others' figures.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import cProfile
 import gc
 import io
 import json
+import multiprocessing
 import pstats
 import random
 import statistics
@@ -45,7 +50,11 @@ def decode_step_ms(llm, batch: int, context: int, steps: int, rng: random.Random
     from engine import SamplingParams
 
     eng, vocab = llm.engine, llm.engine.executor.info.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
+    # Enough tokens that every request still decodes in the last timed (and profiled) step: the
+    # first ones start decoding while the last are still prefilling.
+    prefill_steps = -(-batch * context // eng.config.max_num_batched_tokens)
+    max_tokens = steps + prefill_steps + (2 * PROFILE_STEPS if profile else 0) + 16
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = [f"decode-{batch}-{i}" for i in range(batch)]
     for rid in ids:
         eng.add_request(rid, _prompt(rng, context, vocab), params)
@@ -79,7 +88,10 @@ def decode_step_ms(llm, batch: int, context: int, steps: int, rng: random.Random
     return 1000 * statistics.median(times), 1000 * statistics.median(t - i for t, i in zip(times, inside))
 
 
-def write_profile(eng, path: str, batch: int, steps: int = 5) -> None:
+PROFILE_STEPS = 5
+
+
+def write_profile(eng, path: str, batch: int, steps: int = PROFILE_STEPS) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -150,8 +162,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-len", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--modes", default="eager,graphs",
-                   help="graphs, eager or both (comma list); the last is profiled (--profile): the profiler "
-                        "stays attached to CUDA after it, and would slow a mode timed later")
+                   help="graphs, eager or both (comma list), each in its own process; the last is profiled "
+                        "(--profile)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--profile", default=None, metavar="PATH", help="torch.profiler tables of 5 decode steps")
@@ -174,8 +186,22 @@ def main(argv=None) -> None:
           f"tokens of context; prefill {args.prefill_prompts} x {args.prefill_len} tokens", flush=True)
     modes, results = args.modes.split(","), []
     for i, mode in enumerate(modes):
-        results.append(run_mode(args, model, mode == "eager", profile=i == len(modes) - 1))
-        report(args, results)  # after each mode: a run cut short keeps what it measured
+        run = run_mode if len(modes) == 1 else run_mode_apart
+        result = run(args, model, mode == "eager", profile=i == len(modes) - 1)
+        if result is not None:
+            results.append(result)
+            report(args, results)  # after each mode: a run cut short keeps what it measured
+
+
+def run_mode_apart(args, model: Path, eager: bool, profile: bool) -> dict | None:
+    """run_mode in a fresh process; None (and why, printed) if it failed."""
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        try:
+            return pool.submit(run_mode, args, model, eager, profile).result()
+        except Exception as e:  # BrokenProcessPool too: the child died
+            print(f"  {'eager' if eager else 'cuda-graphs'}: failed: {e!r}", flush=True)
+            return None
 
 
 def report(args, results: list[dict]) -> None:

@@ -155,11 +155,12 @@ class StepInputs:
         if self.uploaded is not None:
             self.uploaded.synchronize()
 
-    def fill_profile(self, num_tokens: int) -> StepLayout:
+    def fill_profile(self, num_tokens: int, max_len: int) -> StepLayout:
         """The largest step there can be, to measure its memory: num_tokens prompt tokens in as few
-        sequences as the block tables allow, every block id 0, nothing written to the pool."""
+        sequences of at most max_len tokens (positions the model has) as there can be, every block
+        id 0, nothing written to the pool."""
         self._wait_upload()
-        per_seq = min(num_tokens, self.width * self.block_size)
+        per_seq = min(num_tokens, self.width * self.block_size, max_len)
         n = min(-(-num_tokens // per_seq), self.max_seqs)
         num_tokens = min(num_tokens, n * per_seq)
         self.ids[:num_tokens] = 0

@@ -24,7 +24,7 @@ class TritonModelRunner(ModelRunner):
         super().__init__(model, kv_caches, block_size, device)
         self.inputs = StepInputs(max(max_num_batched_tokens, max_num_seqs), max_num_seqs,
                                  -(-max_model_len // block_size), block_size, device)
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()  # as execute() replays them
@@ -38,7 +38,7 @@ class TritonModelRunner(ModelRunner):
     def profile_run(self) -> None:
         """The largest step (the token budget, as long sequences) and its logits, on whatever the
         pool holds: run once so that the peak memory of a step can be measured."""
-        layout = self.inputs.fill_profile(self.inputs.max_tokens)
+        layout = self.inputs.fill_profile(self.inputs.max_tokens, self.max_model_len)
         self.inputs.upload(layout)
         hidden = self._forward(layout)
         self.model.compute_logits(hidden.index_select(0, self.inputs.logit_rows(0, layout.sample_rows)))

@@ -53,10 +53,14 @@ def test_fill_lays_out_prefill_then_decodes_and_pads_for_a_graph():
 
 def test_profile_step_fills_the_token_budget_in_sequences_the_tables_can_hold():
     inputs = StepInputs(max_tokens=40, max_seqs=8, max_blocks_per_seq=4, block_size=4, device=torch.device("cpu"))
-    layout = inputs.fill_profile(40)  # sequences of at most 16 tokens: 16 + 16 + 8
+    layout = inputs.fill_profile(40, max_len=16)  # sequences of at most 16 tokens: 16 + 16 + 8
     assert (layout.num_tokens, layout.num_seqs) == (40, 3)
     assert inputs.query_start[:4].tolist() == [0, 16, 32, 40] and inputs.seq_lens[:3].tolist() == [16, 16, 8]
     assert set(inputs.slots[:40].tolist()) == {-1}
+    # a max_model_len short of the tables' last block: no position past it (RoPE has none there)
+    layout = inputs.fill_profile(40, max_len=14)
+    assert (layout.num_tokens, layout.num_seqs) == (40, 3) and inputs.seq_lens[:3].tolist() == [14, 14, 12]
+    assert inputs.positions[:40].max() == 13
 
 
 def test_block_tables_stay_right_as_they_grow_change_and_move_between_rows():

@@ -143,13 +143,13 @@ def test_split_decode_matches_reference(device, lens, block_size, heads, d, num_
             torch.testing.assert_close(out[i].double().cpu(), expected[i], rtol=1e-4, atol=1e-5)
 
 
-def test_decode_splits_fill_two_waves_of_the_sms(monkeypatch):
+def test_decode_splits_fill_four_waves_of_the_sms(monkeypatch):
     """The split count a CUDA graph fixes per batch size: H200 (132 SMs), SmolLM2's 3 KV heads."""
     from engine.kernels import paged_attention
 
     monkeypatch.setattr(paged_attention, "_num_sms", lambda index: 132)
     cuda = torch.device("cuda", 0)
-    assert [paged_attention.decode_splits(n, 3, cuda) for n in (1, 2, 8, 44, 45, 64, 256)] == [16, 16, 11, 2, 1, 1, 1]
+    assert [paged_attention.decode_splits(n, 3, cuda) for n in (1, 2, 8, 44, 64, 88, 89, 256)] == [16, 16, 16, 4, 2, 2, 1, 1]
     assert paged_attention.decode_splits(1, 3, torch.device("cpu")) == 1
 
 

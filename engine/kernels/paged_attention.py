@@ -168,14 +168,16 @@ def tile_rows(num_heads: int, num_kv_heads: int, decode_only: bool) -> tuple[int
 
 
 MAX_SPLITS = 16
+WAVES = 4  # programs per SM a decode launch aims for (not yet tuned on a GPU)
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Context splits per decode program: enough programs for two waves over the GPU's SMs, from
-    the batch size alone (a CUDA graph fixes it per batch size). 1 off CUDA."""
+    """Context splits per decode program: enough programs for four per SM (a memory-bound loop
+    wants several resident programs to hide its loads), from the batch size alone (a CUDA graph
+    fixes it per batch size). 1 off CUDA."""
     if device.type != "cuda":
         return 1
-    programs = 2 * _num_sms(torch.cuda.current_device() if device.index is None else device.index)
+    programs = WAVES * _num_sms(torch.cuda.current_device() if device.index is None else device.index)
     return max(1, min(MAX_SPLITS, programs // (num_seqs * num_kv_heads)))
 
 
