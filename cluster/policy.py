@@ -89,17 +89,19 @@ PendingView = Mapping[str, Pending]
 class RouteRequest:
     """A request as the router sees it: prompt token ids (or precomputed hashes) and max_tokens;
     for the peers also its prompt text (`detokenize`, else one character per token) and session."""
-    __slots__ = ("token_ids", "num_prompt_tokens", "max_tokens", "session", "_hashes", "_detokenize", "_text", "_key")
+    __slots__ = ("token_ids", "num_prompt_tokens", "max_tokens", "session", "root", "_hashes", "_detokenize", "_text",
+                 "_key")
 
     def __init__(self, token_ids: Sequence[int] | None, max_tokens: int, *, num_prompt_tokens: int | None = None,
                  prefix_hashes: Mapping[int, list[int]] | None = None, session: str | None = None,
-                 detokenize: Callable[[Sequence[int]], str] | None = None) -> None:
+                 detokenize: Callable[[Sequence[int]], str] | None = None, root: int = NONE_HASH) -> None:
         if token_ids is None and (num_prompt_tokens is None or prefix_hashes is None):
             raise ValueError("a RouteRequest needs token_ids, or num_prompt_tokens and prefix_hashes")
         self.token_ids = token_ids
         self.num_prompt_tokens = len(token_ids) if token_ids is not None else num_prompt_tokens
         self.max_tokens = max_tokens
         self.session = session
+        self.root = root  # its first block's parent hash: a cache_salt's (engine.hashing.root_hash)
         self._hashes: dict[int, list[int]] = dict(prefix_hashes or {})  # block_size -> hashes
         self._detokenize = detokenize
         self._text: str | None = None
@@ -126,7 +128,7 @@ class RouteRequest:
             if self.token_ids is None:
                 return []  # precomputed for other block sizes only: no prefix credit here
             self._hashes[block_size] = hash_prefix_blocks(self.token_ids, block_size,
-                                                          (self.num_prompt_tokens - 1) // block_size)
+                                                          (self.num_prompt_tokens - 1) // block_size, self.root)
         return self._hashes[block_size]
 
     def footprint_blocks(self, block_size: int) -> int:
@@ -208,7 +210,7 @@ def tail_hit(request: RouteRequest, block_size: int, n: int, pending: Pending) -
     hashes = request.hashes(block_size)
     if not pending.tail_parents or n >= len(hashes) or request.token_ids is None:
         return 0
-    parent = hashes[n - 1] if n else NONE_HASH
+    parent = hashes[n - 1] if n else request.root
     if parent not in pending.tail_parents:
         return 0
     block = tuple(request.token_ids[n * block_size:(n + 1) * block_size])
@@ -226,7 +228,7 @@ def prompt_tail(request: RouteRequest, block_size: int) -> Tail | None:
     if request.token_ids is None or full * block_size == request.num_prompt_tokens:
         return None
     hashes = request.hashes(block_size)
-    parent = hashes[full - 1] if full else NONE_HASH
+    parent = hashes[full - 1] if full else request.root
     return parent, tuple(request.token_ids[full * block_size:])
 
 

@@ -43,6 +43,7 @@ from cluster.policy import (ROUTERS, CacheAwareRouter, KVPolicyConfig, PrefixAff
                             SeenSessions, choose_kv, rank_key, record_dispatch)
 from cluster.stats import ReplicaStats
 from engine.config import EngineConfig
+from engine.hashing import root_hash
 
 ROUTER_CLASSES = {name: policy.serve_router for name, policy in ROUTERS.items()}
 GENERATE_METHOD = "generate"  # workers.server.EngineServer.generate, called with keyword arguments
@@ -59,7 +60,8 @@ def route_request_from(pending: PendingRequest | None, default_max_tokens: int,
         return None
     # Unset: what the engine resolves it to, the rest of the context window.
     max_tokens = getattr(params, "max_tokens", None) or max(1, default_max_tokens - len(token_ids))
-    return RouteRequest(token_ids, max_tokens, session=pending.metadata.session_id or None, detokenize=detokenize)
+    return RouteRequest(token_ids, max_tokens, session=pending.metadata.session_id or None, detokenize=detokenize,
+                        root=root_hash(getattr(params, "cache_salt", None)))
 
 
 def replica_key(replica_id) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine.hashing import NONE_HASH, hash_block
+from engine.hashing import hash_block
 from engine.sequence import Sequence
 
 
@@ -73,7 +73,7 @@ class BlockManager:
         bs, hashes = self.block_size, seq.block_hashes
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else NONE_HASH
+            parent = hashes[-1] if hashes else seq.root_hash
             hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
         return hashes[:num_blocks]
 
@@ -82,7 +82,7 @@ class BlockManager:
         last token is always left to compute)."""
         if not self.enable_prefix_caching:
             return []
-        bs, hits, parent = self.block_size, [], NONE_HASH
+        bs, hits, parent = self.block_size, [], seq.root_hash
         for i, h in enumerate(self._block_hashes(seq, seq.max_cached_tokens // bs)):
             block_id = self.hash_to_block.get(h)
             if block_id is None:
@@ -105,7 +105,7 @@ class BlockManager:
             h, block = hashes[i], self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.hash_to_block:
                 block.hash, block.token_ids = h, tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                block.parent_hash = hashes[i - 1] if i else NONE_HASH
+                block.parent_hash = hashes[i - 1] if i else seq.root_hash
                 self.hash_to_block[h] = block.block_id
         self.num_registered[seq.seq_id] = end
 

@@ -7,21 +7,32 @@ not depend on PYTHONHASHSEED), so replicas and the router compute the same value
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 NONE_HASH = 0  # parent hash of a sequence's first block
+
+
+def root_hash(cache_salt: str | None) -> int:
+    """The parent hash of a sequence's first block: NONE_HASH, or one of the request's cache_salt
+    (vLLM's field), so that only requests with the same salt share cached blocks. sha256, not
+    hash(): a string's hash differs between processes."""
+    if cache_salt is None:
+        return NONE_HASH
+    return int.from_bytes(hashlib.sha256(cache_salt.encode()).digest()[:8], "little", signed=True) or 1
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
     return hash((parent_hash, tuple(token_ids), extra_keys))
 
 
-def hash_prefix_blocks(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
-    """Chained hashes of every full block of `token_ids` (at most `max_blocks`)."""
+def hash_prefix_blocks(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None,
+                       root: int = NONE_HASH) -> list[int]:
+    """Chained hashes of every full block of `token_ids` (at most `max_blocks`), from `root`."""
     n = len(token_ids) // block_size
     if max_blocks is not None:
         n = min(n, max_blocks)
-    hashes, parent = [], NONE_HASH
+    hashes, parent = [], root
     for i in range(n):
         parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
         hashes.append(parent)

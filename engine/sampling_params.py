@@ -46,6 +46,7 @@ class SamplingParams:
     bad_words: list[str] | None = None  # words the output may not complete (engine.token_bans)
     bad_words_token_ids: list[list[int]] | None = None  # bad_words as token ids: the engine fills it
     output_kind: RequestOutputKind = RequestOutputKind.DELTA  # FINAL_ONLY: a caller that does not stream
+    cache_salt: str | None = None  # prefix-cache blocks are shared only between requests with the same salt
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -98,6 +99,8 @@ class SamplingParams:
              "a non-empty list of token ids")
         need(len(self.bad_words or ()) <= MAX_BAD_WORDS, "bad_words", f"at most {MAX_BAD_WORDS} words")
         need(all(isinstance(w, str) and w.strip() for w in self.bad_words or ()), "bad_words", "non-blank strings")
+        need(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt), "cache_salt",
+             "a non-empty string or None")
 
     def check_token_ids(self, vocab: int) -> None:
         """InvalidRequestError naming the field that holds a token id the model lacks (>= vocab;

@@ -21,6 +21,7 @@ import hmac
 import json
 import logging
 import math
+import re
 from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -31,7 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.version import kvserve_version
 from router.errors import OpenAIError, from_validation_error, internal_error
-from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.protocol import (REQUEST_ID_PATTERN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                             TokenizeRequest)
 from router.responses import ResponsesRequest
 from router.serving import OpenAIServing
 from router.session import SESSION_HEADER, set_session
@@ -215,13 +217,13 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
 
     @api.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request):
-        body = await read_json(request, CompletionRequest, limit)
+        body = _with_request_id(request, await read_json(request, CompletionRequest, limit))
         set_session(request.headers.get(SESSION_HEADER), body.user)
         return _reply(await serving.completions(body))
 
     @api.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        body = await read_json(request, ChatCompletionRequest, limit)
+        body = _with_request_id(request, await read_json(request, ChatCompletionRequest, limit))
         set_session(request.headers.get(SESSION_HEADER), body.user)
         return _reply(await serving.chat(body))
 
@@ -283,6 +285,16 @@ def _openapi(app: FastAPI) -> dict:
         doc.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         app.openapi_schema = doc
     return app.openapi_schema
+
+
+def _with_request_id(request: Request, body: CompletionRequest | ChatCompletionRequest):
+    """vLLM's order: an X-Request-Id header names the reply before the body's request_id (Serve's
+    proxy sets one for every request, the id its logs and the response's X-Request-ID carry). A
+    header unfit for an id is left out, not refused: proxies set it, not clients."""
+    given = request.headers.get("x-request-id")
+    if given and re.fullmatch(REQUEST_ID_PATTERN, given):
+        body.request_id = given
+    return body
 
 
 def _reply(result):

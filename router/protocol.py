@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 MAX_N = 128
+REQUEST_ID_PATTERN = r"^[\x21-\x7e]{1,256}$"  # printable ASCII, no spaces: it goes into ids and log lines
 MAX_SEED = (1 << 63) - 1 - MAX_N  # the engine seeds sample i with seed + i
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
@@ -69,6 +70,17 @@ class _SamplingFields(_Model):
     bad_words: list[str] | None = None  # vLLM extra: words the output may not complete
     allowed_token_ids: list[TokenId] | None = None  # vLLM extra: the only tokens that may be sampled
     use_beam_search: bool = False  # vLLM extra this server does not implement: a 400 when true
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM extra: share cached prefix blocks only with this salt
+    return_token_ids: bool = False  # vLLM extra: prompt_token_ids and each choice's token_ids in the reply
+    # vLLM extra: names the reply (`cmpl-{request_id}`); an X-Request-Id header comes first, as in vLLM
+    request_id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
+    # vLLM extras this server does not implement: a 400 when set (priority: when not 0, as vLLM
+    # without --scheduling-policy priority; length_penalty: beam search's, when not 1)
+    priority: int = 0
+    length_penalty: float | None = None
+    logits_processors: list[Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -78,7 +90,13 @@ class _SamplingFields(_Model):
             _check_logit_bias(self.logit_bias)
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens must be positive, or -1 for the model's max_model_len")
-        _refuse(self, "use_beam_search", "guided_whitespace_pattern")
+        _refuse(self, "use_beam_search", "guided_whitespace_pattern", "logits_processors", "vllm_xargs",
+                "mm_processor_kwargs")
+        if self.priority != 0:
+            raise ValueError(f"priority is not supported by this server (it schedules first come, first served), "
+                             f"got {self.priority}")
+        if self.length_penalty not in (None, 1.0):
+            raise ValueError("length_penalty is not supported by this server (it applies to beam search only)")
         self._fold_guided()
         if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:
             raise ValueError("response_format cannot be combined with structured_outputs: give one of them")
@@ -126,7 +144,7 @@ class _SamplingFields(_Model):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=prompt_logprobs,
             logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
-            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, cache_salt=self.cache_salt,
             # a reply sent whole needs no output per token from the engine (nor one per token over Ray)
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
@@ -334,6 +352,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None  # a template of the request's own is code the server would run
     echo: bool = False  # vLLM extra: the reply begins with the last message's text when it has the reply's role
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM extra: the reply's prompt_logprobs
+    documents: list[dict[str, Any]] | None = None  # vLLM extra: passed to the chat template (RAG templates)
+    reasoning_effort: str | None = None  # OpenAI's, for reasoning models: a 400 here (no template reads it)
 
     @model_validator(mode="after")
     def _check_unsupported(self):
@@ -343,6 +363,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError(f"{'functions' if self.functions else 'function_call'} (OpenAI's deprecated function "
                              "calling) is not supported: send tools and tool_choice")
         _refuse(self, "chat_template", where="in chat completions")
+        _refuse(self, "reasoning_effort", where="for this model")
         if self.stream and self.prompt_logprobs is not None:  # vLLM's rule: the field is on the whole reply
             raise ValueError("prompt_logprobs is not available when stream is true")
         _check_template_options(self)
@@ -387,6 +408,7 @@ class TokenizeRequest(_Model):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)  # rendered as a chat request's are
     return_token_strs: bool = False  # vLLM's: the tokens as the tokenizer's vocabulary writes them too
 
     @model_validator(mode="after")

@@ -146,7 +146,7 @@ class OpenAIServing:
     async def tokenize(self, req: TokenizeRequest) -> dict:
         self.check_model(req.model)
         if req.messages is not None:
-            ids = self._chat_ids(req)
+            ids = self._chat_ids(req, ToolPlan("auto", tuple(req.tools)) if req.tools else None)
         else:
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
         info = await self.limits()
@@ -175,8 +175,8 @@ class OpenAIServing:
             kept = [await self._truncated(p, req.truncate_prompt_tokens) for p in prompts]
             texts = [t if len(k) == len(p) else k for t, p, k in zip(texts, prompts, kept)]  # echo: what was kept
             prompts = kept
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        first, merged = await self._start(rid, prompts, params, "prompt", "max_tokens")
+        rid, engine_rid = _request_ids("cmpl", req.request_id)
+        first, merged = await self._start(engine_rid, prompts, params, "prompt", "max_tokens")
         if req.max_tokens == 0:
             first, merged = (first[0], _prompt_only(first[1])), _map_steps(merged, _prompt_only)
         acc = Accumulator([len(p) for p in prompts], req.n)
@@ -185,22 +185,26 @@ class OpenAIServing:
             texts = [t if isinstance(t, str) else self.tokenizer.decode(t) for t in texts] if req.echo else None
             echo = PromptEcho(texts, prompts, req.prompt_logprobs)
         if req.stream:
-            return self._completion_events(rid, req, acc, first, merged, echo)
+            return self._completion_events(rid, req, acc, first, merged, echo, prompts)
         await _collect(acc, first, merged)
-        return completion_response(rid, int(time.time()), self.settings.served_model_name, acc, req.logprobs,
-                                   self._token_str(req), echo)
+        response = completion_response(rid, int(time.time()), self.settings.served_model_name, acc, req.logprobs,
+                                       self._token_str(req), echo)
+        if req.return_token_ids:
+            for i, choice in enumerate(response["choices"]):
+                choice.update(prompt_token_ids=prompts[i // req.n], token_ids=acc.choices[i].token_ids)
+        return response
 
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
         plan, params, ids = await self._chat_prompt(req)
         if req.truncate_prompt_tokens is not None:
             ids = await self._truncated(ids, req.truncate_prompt_tokens)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid, engine_rid = _request_ids("chatcmpl", req.request_id)
         max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        first, merged = await self._start(rid, [ids], params, "messages", max_param)
+        first, merged = await self._start(engine_rid, [ids], params, "messages", max_param)
         acc = Accumulator([len(ids)], req.n)
         if req.stream:
-            return self._chat_events(rid, req, acc, first, merged, plan)
+            return self._chat_events(rid, req, acc, first, merged, plan, ids)
         await _collect(acc, first, merged)
         k = (req.top_logprobs or 0) if req.logprobs else None
         token_str = self._token_str(req)
@@ -214,6 +218,10 @@ class OpenAIServing:
         if req.prompt_logprobs is not None:
             response["prompt_logprobs"] = vllm_prompt_logprobs(acc.prompt_logprobs[0], req.prompt_logprobs,
                                                                token_str)
+        if req.return_token_ids:
+            response["prompt_token_ids"] = ids
+            for choice, state in zip(response["choices"], acc.choices):
+                choice["token_ids"] = state.token_ids
         return response
 
     async def responses(self, req: ResponsesRequest) -> dict | AsyncIterator[str]:
@@ -260,9 +268,11 @@ class OpenAIServing:
 
     async def _truncated(self, ids: list[int], keep: int) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len)."""
-        if keep == -1:
-            keep = (await self.limits())["max_model_len"]
-        return ids[-keep:]
+        limit = (await self.limits())["max_model_len"]
+        if keep > limit:  # vLLM's rule
+            raise bad_request(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({limit}). "
+                              "Please request a smaller truncation size.", param="truncate_prompt_tokens")
+        return ids[-(limit if keep == -1 else keep):]
 
     async def _chat_prompt(self, req: ChatCompletionRequest, field: Callable[[str], str] = str,
                            ) -> tuple[ToolPlan, SamplingParams, list[int]]:
@@ -285,7 +295,8 @@ class OpenAIServing:
         try:
             text = self.tokenizer.apply_chat_template(
                 msgs, tools=tools, tokenize=False, add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+                continue_final_message=req.continue_final_message, documents=getattr(req, "documents", None),
+                **(req.chat_template_kwargs or {}))
         except Exception as e:  # jinja raises on conversations its template rejects
             raise bad_request(f"the chat template rejected these messages: {e}", param=param) from None
         return self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
@@ -341,7 +352,8 @@ class OpenAIServing:
         return base
 
     def _completion_events(self, rid: str, req: CompletionRequest, acc: Accumulator, first,
-                           merged: AsyncIterator, echo: PromptEcho | None) -> AsyncIterator[str]:
+                           merged: AsyncIterator, echo: PromptEcho | None,
+                           prompts: list[list[int]]) -> AsyncIterator[str]:
         offsets = [0] * len(acc.choices)  # per choice: text offset of its next logprobs token
         token_str = self._token_str(req)
         started = [False] * len(acc.choices)  # the prompt's part goes with each choice's first chunk
@@ -350,6 +362,10 @@ class OpenAIServing:
             text, ids, entries, extra = "", [], [], {}
             if echo is not None and not started[i]:
                 text, ids, entries, extra = echo.head(acc, i, req.logprobs is not None, token_str)
+            if req.return_token_ids:  # vLLM's: the prompt's ids with a choice's first chunk, then its new ids
+                extra = {**extra, "token_ids": c.token_ids}
+                if not started[i]:
+                    extra["prompt_token_ids"] = prompts[i // req.n]
             started[i] = True
             lps = None
             if req.logprobs is not None:
@@ -362,7 +378,7 @@ class OpenAIServing:
         return self._sse(rid, "text_completion", req.stream_usage, acc, first, merged, [], choice)
 
     def _chat_events(self, rid: str, req: ChatCompletionRequest, acc: Accumulator, first,
-                     merged: AsyncIterator, plan: ToolPlan) -> AsyncIterator[str]:
+                     merged: AsyncIterator, plan: ToolPlan, prompt_ids: list[int]) -> AsyncIterator[str]:
         k = (req.top_logprobs or 0) if req.logprobs else None
         token_str = self._token_str(req)
         calls = [plan.stream() for _ in acc.choices] if plan.calls_tools else None
@@ -373,10 +389,13 @@ class OpenAIServing:
             finish_reason = c.finish_reason
             if calls is not None:  # tool calls: name first, then argument fragments
                 delta, finish_reason = calls[i].step(c.text, c.finish_reason)
-                if not delta and finish_reason is None and lps is None:
+                if not delta and finish_reason is None and lps is None and not req.return_token_ids:
                     return None  # text held back (it may be a call): no empty chunk, as vLLM
-            return {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish_reason,
-                    "stop_reason": c.stop_reason}
+            out = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish_reason,
+                   "stop_reason": c.stop_reason}
+            if req.return_token_ids:  # every token's id, held-back text's too
+                out["token_ids"] = c.token_ids
+            return out
 
         n = len(acc.choices)
         preamble = [{"index": i, "delta": {"role": req.reply_role, "content": ""}, "logprobs": None,
@@ -384,19 +403,25 @@ class OpenAIServing:
         if req.echoed_text:  # as vLLM streams it: one chunk per choice after the roles
             preamble += [{"index": i, "delta": {"content": req.echoed_text}, "logprobs": None, "finish_reason": None}
                          for i in range(n)]
-        return self._sse(rid, "chat.completion.chunk", req.stream_usage, acc, first, merged, preamble, choice)
+        head = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}  # vLLM's: on the first chunk
+        return self._sse(rid, "chat.completion.chunk", req.stream_usage, acc, first, merged, preamble, choice, head)
 
     async def _sse(self, rid: str, obj: str, usage: tuple[bool, bool], acc: Accumulator, first,
                    merged: AsyncIterator, preamble: list[dict],
-                   choice: Callable[[int, ChoiceDelta], dict | None]) -> AsyncIterator[str]:
+                   choice: Callable[[int, ChoiceDelta], dict | None], head: dict | None = None) -> AsyncIterator[str]:
         """The SSE body of a stream: `preamble` chunks, then one chunk per sample delta of every
         engine output that made tokens, text or not (see module doc; `choice` may skip one: None),
-        the usage chunk if asked for, and [DONE]. `usage`: (include_usage, continuous_usage_stats)."""
+        the usage chunk if asked for, and [DONE]. `usage`: (include_usage, continuous_usage_stats);
+        `head`: fields of the first chunk only."""
         include_usage, continuous = usage
         base = self._chunk_base(rid, obj, include_usage)
+        first_fields = dict(head or {})
 
         def chunk(c: dict) -> str:
-            return sse({**base, "choices": [c], "usage": acc.usage()} if continuous else {**base, "choices": [c]})
+            extra = first_fields.copy()
+            first_fields.clear()
+            return sse({**base, **extra, "choices": [c], "usage": acc.usage()} if continuous
+                       else {**base, **extra, "choices": [c]})
 
         failed = False
         acc.cached[first[0]] = first[1].num_cached_tokens  # the preamble's usage counts the cache hit too
@@ -420,6 +445,15 @@ async def _response_events(reply: ResponseReply, acc: Accumulator, first, merged
     async with contextlib.aclosing(merged):  # however the stream ends, the engine request ends
         async for event in reply.events(_events(first, merged, acc, reply.error_event), acc):
             yield event
+
+
+def _request_ids(prefix: str, client_id: str | None) -> tuple[str, str]:
+    """-> (the reply's id, the engine's base request id). A client's id names the reply, as in
+    vLLM (`chatcmpl-{id}`); the engine's id stays unique whatever ids clients send."""
+    own = uuid.uuid4().hex
+    if client_id is None:
+        return f"{prefix}-{own}", f"{prefix}-{own}"
+    return f"{prefix}-{client_id}", f"{prefix}-{client_id}-{own[:16]}"
 
 
 def _as_token_id(token_id: int) -> str:

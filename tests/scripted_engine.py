@@ -26,9 +26,11 @@ class ScriptedEngine:
         self.max_model_len = 4096
         self.vocab_size = len(tokenizer)
         self.seen: list[tuple[list[int], object]] = []
+        self.request_ids: list[str] = []
 
     async def generate(self, request_id: str, prompt: list[int], params):
         self.seen.append((prompt, params))
+        self.request_ids.append(request_id)
         ids = self.tokenizer.encode(self.script, add_special_tokens=False)
         sent, steps = "", [ids[i:i + 3] for i in range(0, len(ids), 3)]
         for k, step in enumerate(steps):

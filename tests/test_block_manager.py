@@ -118,6 +118,22 @@ def test_prefix_hit_shares_the_first_sequences_full_blocks():
     bm.check_integrity([b])
 
 
+def test_a_cache_salt_shares_blocks_only_with_the_same_salt():
+    """vLLM's cache_salt: a salted request neither hits another salt's (or no salt's) blocks nor
+    leaves its own to them; requests with the same salt share as any others do."""
+    bm = BlockManager(num_blocks=20, block_size=4)
+
+    def salted(salt):
+        return Sequence("r", list(range(10)), SamplingParams(cache_salt=salt), 16)
+
+    prefill(bm, make_seq(range(10)))
+    a = salted("tenant-a")
+    assert prefill(bm, a) == []
+    assert bm.get_computed_blocks(salted("tenant-b")) == []
+    assert bm.get_computed_blocks(salted("tenant-a")) == a.block_table[:2]
+    assert bm.get_computed_blocks(make_seq(range(10))) != a.block_table[:2]
+
+
 def test_a_divergent_block_stops_the_hit_chain():
     bm = BlockManager(num_blocks=10, block_size=4)
     a = make_seq(range(13))

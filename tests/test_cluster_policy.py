@@ -176,6 +176,18 @@ def test_precomputed_hashes_route_like_token_ids():
     assert choose_kv(by_hash, view, {}, NOW) == choose_kv(RouteRequest(tokens, 64), view, {}, NOW) == "b"
 
 
+def test_a_salted_request_sees_only_its_salts_cached_prefix():
+    """cache_salt (engine.hashing.root_hash): the router credits a salted request only with blocks
+    cached under the same salt, as the engine would hit them."""
+    from engine.hashing import root_hash
+
+    salted = hash_prefix_blocks(PREFIX, BS, root=root_hash("t1"))
+    view = {"a": stats("a", hashes=cached(PREFIX)), "b": stats("b", hashes=salted)}
+    tokens = PREFIX + prompt(5, 40)
+    assert choose_kv(RouteRequest(tokens, 64, root=root_hash("t1")), view, {}, NOW) == "b"
+    assert choose_kv(RouteRequest(tokens, 64), view, {}, NOW) == "a"
+
+
 @st.composite
 def cluster_views(draw):
     n = draw(st.integers(1, 6))

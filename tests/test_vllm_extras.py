@@ -63,6 +63,15 @@ def test_a_guided_field_constrains_as_structured_outputs_does(tokenizer, endpoin
     ({"chat_template": "{{ messages }}"}, "chat_template", "not supported in chat"),
     ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt false"),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "may not set tokenize"),
+    ({"priority": 10}, "priority", "not supported"),
+    ({"length_penalty": 0.5}, "length_penalty", "beam search"),
+    ({"logits_processors": ["m.Processor"]}, "logits_processors", "not supported"),
+    ({"vllm_xargs": {"k": 1}}, "vllm_xargs", "not supported"),
+    ({"mm_processor_kwargs": {"k": 1}}, "mm_processor_kwargs", "not supported"),
+    ({"reasoning_effort": "low"}, "reasoning_effort", "not supported"),
+    ({"truncate_prompt_tokens": 5000}, "truncate_prompt_tokens", "greater than max_model_len (4096)"),
+    ({"request_id": "has space"}, "request_id", "should match pattern"),
+    ({"cache_salt": ""}, "cache_salt", "at least 1 character"),
 ])
 def test_a_field_the_server_cannot_honour_is_a_400_naming_it(tokenizer, extra, param, says):
     error = refused(tokenizer, chat(extra_body=extra))
@@ -71,7 +80,7 @@ def test_a_field_the_server_cannot_honour_is_a_400_naming_it(tokenizer, extra, p
 
 def test_the_same_fields_at_their_defaults_are_accepted(tokenizer):
     defaults = {"use_beam_search": False, "bad_words": [], "functions": [], "function_call": "auto", "echo": False,
-                "guided_decoding_backend": "x"}
+                "guided_decoding_backend": "x", "priority": 0, "length_penalty": 1.0}
     _, params = sent(tokenizer, chat(extra_body=defaults))
     assert params.structured_outputs is None
 
@@ -330,3 +339,71 @@ def test_chat_logprob_bytes_are_each_tokens_own_and_rebuild_characters_split_acr
         return [t async for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
 
     assert joined(run(tokenizer, script, streamed)[0]) == script.encode()
+
+
+@pytest.mark.parametrize("endpoint", [chat, lambda **kw: completion(prompt="Is the sky blue?", **kw)])
+def test_cache_salt_reaches_the_engine(tokenizer, endpoint):
+    _, params = sent(tokenizer, endpoint(extra_body={"cache_salt": "tenant-a"}))
+    assert params.cache_salt == "tenant-a"
+    assert sent(tokenizer, endpoint())[1].cache_salt is None
+
+
+def test_a_client_request_id_names_the_reply_and_the_engine_ids_stay_unique(tokenizer):
+    async def go(client):
+        by_header = await chat(extra_headers={"X-Request-Id": "abc-1"}, extra_body={"request_id": "body-1"})(client)
+        by_body = await completion(prompt="hi", extra_body={"request_id": "body-1"})(client)
+        again = await completion(prompt="hi", extra_body={"request_id": "body-1"})(client)
+        unfit = await chat(extra_headers={"X-Request-Id": "a b"})(client)  # not an id: the server makes one
+        return by_header.id, by_body.id, again.id, unfit.id
+
+    (by_header, by_body, again, unfit), engine = run(tokenizer, "yes", go)
+    assert (by_header, by_body, again) == ("chatcmpl-abc-1", "cmpl-body-1", "cmpl-body-1")  # vLLM's: header first
+    assert unfit.startswith("chatcmpl-") and " " not in unfit
+    assert len(set(engine.request_ids)) == 4  # two replies named alike are two engine requests all the same
+
+
+def test_return_token_ids_gives_the_prompt_and_each_choices_ids_as_vllm_does(tokenizer):
+    reply = tokenizer.encode("Yes, the sky is blue.", add_special_tokens=False)
+
+    async def go(client):
+        whole = await completion(prompt=[5, 6, 7], n=2, extra_body={"return_token_ids": True})(client)
+        stream = await completion(prompt=[5, 6, 7], stream=True, extra_body={"return_token_ids": True})(client)
+        chunks = [c async for c in stream]
+        chat_whole = await chat(extra_body={"return_token_ids": True})(client)
+        chat_stream = [c async for c in await chat(stream=True, extra_body={"return_token_ids": True})(client)]
+        plain = await chat()(client)
+        return whole, chunks, chat_whole, chat_stream, plain
+
+    (whole, chunks, chat_whole, chat_stream, plain), engine = run(tokenizer, "Yes, the sky is blue.", go)
+    for c in whole.choices:
+        assert c.prompt_token_ids == [5, 6, 7] and c.token_ids == reply
+    assert chunks[0].choices[0].prompt_token_ids == [5, 6, 7]
+    assert all(getattr(c.choices[0], "prompt_token_ids", None) is None for c in chunks[1:])
+    assert sum((c.choices[0].token_ids for c in chunks), []) == reply
+    chat_prompt = engine.seen[2][0]
+    assert chat_whole.prompt_token_ids == chat_prompt and chat_whole.choices[0].token_ids == reply
+    assert chat_stream[0].prompt_token_ids == chat_prompt
+    assert all(getattr(c, "prompt_token_ids", None) is None for c in chat_stream[1:])
+    assert sum((getattr(c.choices[0], "token_ids", None) or [] for c in chat_stream if c.choices), []) == reply
+    assert getattr(plain, "prompt_token_ids", None) is None and getattr(plain.choices[0], "token_ids", None) is None
+
+
+def test_documents_reach_the_chat_template(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for d in documents or [] %}[{{ d['title'] }}] {% endfor %}"
+                         "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    ids, _ = sent(tok, chat(extra_body={"documents": [{"title": "Sky", "text": "It is blue."}]}))
+    assert tok.decode(ids) == "[Sky] Is the sky blue?"
+
+
+def test_tokenize_renders_tools_as_chat_does(tokenizer):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    ids, _ = sent(tokenizer, chat(tools=tools))
+
+    async def tokenize(client):
+        r = await client._client.post("http://t/tokenize", json={"messages": USER, "tools": tools})
+        return r.json()
+
+    out = run(tokenizer, "yes", tokenize)[0]
+    assert out["tokens"] == ids and out["count"] == len(ids) > len(sent(tokenizer, chat())[0])
