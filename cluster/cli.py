@@ -19,6 +19,11 @@ from engine.version import kvserve_version
 
 
 class _Parser(argparse.ArgumentParser):
+    # No abbreviations: a vLLM flag this CLI lacks must not be read as another flag it prefixes
+    # (`--max-num-seq`), and a flag added later must not change what an abbreviation meant.
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
     # Usage errors in the same one-line shape as every other error of the CLI.
     def error(self, message: str):
         self.exit(2, f"kvserve: error: {message} (see '{self.prog} --help')\n")

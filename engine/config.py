@@ -68,8 +68,13 @@ class EngineConfig:
     def model_len(self, max_position_embeddings: int) -> int:
         """Tokens one sequence may hold: max_model_len, by default the model's positions. The
         engine, the runners and the step profile all use this one figure. More than the model's
-        positions is refused, as vLLM does: the rotary tables and the model stop there."""
+        positions is refused, as vLLM does: the rotary tables and the model stop there; so is a step
+        budget that could never hold a whole prompt when prompts are not chunked."""
         if self.max_model_len is not None and self.max_model_len > max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} is more than the model's "
                              f"{max_position_embeddings} positions (max_position_embeddings)")
-        return self.max_model_len or max_position_embeddings
+        model_len = self.max_model_len or max_position_embeddings
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < model_len:
+            raise ValueError(f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                             f"must be >= max_model_len ({model_len})")
+        return model_len

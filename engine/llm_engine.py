@@ -31,9 +31,6 @@ class LLMEngine:
         self.tokenizer = info.tokenizer
         self.eos_token_ids = set(info.eos_token_ids)
         self.max_model_len = config.model_len(info.max_position_embeddings)
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"without chunked prefill max_num_batched_tokens ({config.max_num_batched_tokens}) "
-                             f"must be >= max_model_len ({self.max_model_len})")
         self.block_manager = BlockManager(info.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.enable_chunked_prefill), self.block_manager)

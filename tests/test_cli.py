@@ -96,6 +96,9 @@ def test_version_and_help_defaults():
     assert "/v1/responses" in r.stdout and "tokens per KV cache block (default: 16)" in " ".join(r.stdout.split())
 
 
+NO_CHUNKS = ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "256", "--max-model-len", "1024"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "/nonexistent"], "/nonexistent' does not exist"),
     (["--block-size", "3"], "block_size must be a power of two"),
@@ -108,6 +111,7 @@ def test_version_and_help_defaults():
     (["--tokenizer", "/nonexistent"], "--tokenizer /nonexistent: no such directory"),
     (["--max-model-len", "4"], "max_model_len is 4"),  # the engine refuses the prompt: no traceback
     (["--max-model-len", "100000"], "max_model_len 100000 is more than the model's 8192 positions"),
+    (NO_CHUNKS, "without chunked prefill max_num_batched_tokens (256) must be >= max_model_len (1024)"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(args, message):
     r = kvserve("generate", *args, "x")

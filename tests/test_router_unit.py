@@ -323,7 +323,10 @@ def test_serve_rejects_bad_flags_in_one_line_before_starting_ray():
     assert r.returncode == 2 and "cannot split this model across tensor_parallel_size=2" in r.stderr
     for flags, says in [(["--port", "99999"], "invalid port '99999' (1-65535)"), (["--port", "0"], "invalid port"),
                         (["--api-key", ""], "argument --api-key: empty key"),
-                        (["--bogus"], "unrecognized arguments: --bogus (see 'kvserve serve --help')")]:
+                        (["--bogus"], "unrecognized arguments: --bogus (see 'kvserve serve --help')"),
+                        (["--max-num-seq", "8"], "unrecognized arguments: --max-num-seq 8"),  # no abbreviations
+                        (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "256", "--max-model-len", "1024"],
+                         "without chunked prefill max_num_batched_tokens (256) must be >= max_model_len (1024)")]:
         r = kvserve("serve", *flags)
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr)
     r = kvserve("serve", "--max-model-len", "100000")  # refused, as vLLM does, not clamped to 8192
