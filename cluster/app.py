@@ -25,7 +25,9 @@ before the old ones stop (max_surge_percent), so serving goes on through it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -179,12 +181,31 @@ class ServeOptions:
 def split_args(args: dict) -> tuple[EngineConfig, ServeOptions]:
     """Validate the flat argument dict into the engine's config and the serving options."""
     args = {k: v for k, v in (args or {}).items() if v is not None}
-    unknown = set(args) - EngineConfig.field_names() - ServeOptions.field_names()
+    known = EngineConfig.field_names() | ServeOptions.field_names()
+    unknown = sorted(set(args) - known)
     if unknown:
-        raise ValueError(f"unknown kvserve app argument(s): {', '.join(sorted(unknown))}")
-    engine = EngineConfig(**{k: v for k, v in args.items() if k in EngineConfig.field_names()})
-    options = ServeOptions(**{k: v for k, v in args.items() if k in ServeOptions.field_names()})
+        hints = [f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, known, 1)) else k
+                 for k in unknown]
+        raise ValueError(f"unknown kvserve app argument(s): {', '.join(hints)}")
+    engine = EngineConfig(**_typed(EngineConfig, args))
+    options = ServeOptions(**_typed(ServeOptions, args))
     return engine, options
+
+
+def _typed(cls, args: dict) -> dict:
+    """The arguments that are `cls`'s fields, checked against their declared types (pydantic's lax
+    mode: a templated config's "512" or "false" is read as the number or the flag it spells); a
+    value of another type is an error naming its argument."""
+    from pydantic import TypeAdapter, ValidationError
+
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for name in cls.field_names() & set(args):
+        try:
+            out[name] = TypeAdapter(hints[name]).validate_python(args[name])
+        except ValidationError as e:
+            raise ValueError(f"{name}={args[name]!r}: {e.errors()[0]['msg']}") from None
+    return out
 
 
 def _check_serve_autoscaling(name: str, config: dict) -> None:

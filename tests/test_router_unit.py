@@ -229,12 +229,27 @@ def test_every_served_model_name_is_answered_and_replies_name_the_first(tokenize
 def test_split_args_routes_keys_and_rejects_unknown_ones():
     engine, options = split_args({"model": None, "max_model_len": 512, "num_replicas": 2, "api_key": "k"})
     assert engine.max_model_len == 512 and options.num_replicas == 2 and options.api_key == "k"
-    with pytest.raises(ValueError, match="max_model_length"):
+    with pytest.raises(ValueError, match=r"max_model_length \(did you mean max_model_len\?\)"):
         split_args({"max_model_length": 512})
     with pytest.raises(ValueError, match="max_num_seqs"):
         split_args({"max_num_seqs": 0})
     with pytest.raises(ValueError, match="max_queued_requests"):
         split_args({"max_queued_requests": 0})
+
+
+def test_split_args_reads_templated_strings_and_names_an_argument_of_the_wrong_type():
+    """serveConfigV2 from Helm or kustomize often quotes every value."""
+    engine, options = split_args({"max_model_len": "512", "enable_prefix_caching": "false", "num_replicas": "2",
+                                  "graceful_shutdown_timeout_s": "300"})
+    assert (engine.max_model_len, engine.enable_prefix_caching) == (512, False)
+    assert (options.num_replicas, options.graceful_shutdown_timeout_s) == (2, 300.0)
+    for args, says in [({"max_model_len": "abc"}, "max_model_len='abc': Input should be a valid integer"),
+                       ({"max_num_seqs": 8.5}, "max_num_seqs=8.5: Input should be a valid integer"),
+                       ({"api_key": 12345678}, "api_key=12345678: Input should be a valid string"),
+                       ({"check_nodes": "maybe"}, "check_nodes='maybe': Input should be a valid boolean")]:
+        with pytest.raises(ValueError) as e:
+            split_args(args)
+        assert str(e.value).startswith(says), e.value
 
 
 def test_served_model_name():
