@@ -38,6 +38,10 @@ from engine.config import EngineConfig
 APP_NAME = "kvserve"
 AUTOSCALE_POLICIES = ("none", "kv", "requests")
 INGRESS_MAX_ONGOING_REQUESTS = 4096  # the ingress only parses and relays; the engine bounds the work
+# A stopping ingress (an upgrade replaces it with the engine replicas) waits this much longer than
+# an engine replica for its streams: a stream then ends the engine's way, whole or with its
+# engine's error event and [DONE], not cut by the ingress's own stop at the same deadline.
+INGRESS_EXTRA_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -355,7 +359,8 @@ def engine_deployment_options(engine: EngineConfig, options: ServeOptions) -> di
 def ingress_deployment_options(options: ServeOptions) -> dict:
     opts = {"max_ongoing_requests": INGRESS_MAX_ONGOING_REQUESTS,
             "ray_actor_options": {"num_cpus": 0},  # 0 CPUs: a new ingress can start before the old one stops
-            "graceful_shutdown_timeout_s": options.graceful_shutdown_timeout_s, "max_surge_percent": 100}
+            "graceful_shutdown_timeout_s": options.graceful_shutdown_timeout_s + INGRESS_EXTRA_GRACE_S,
+            "max_surge_percent": 100}
     if options.ingress_autoscaling_config:
         opts["autoscaling_config"] = options.ingress_autoscaling_config
         return opts

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -40,6 +41,8 @@ from router.structured import check_all, checked, from_response_format, from_str
 from router.tools import ToolPlan, render, template_knows_tools
 
 logger = logging.getLogger(__name__)
+
+LIMITS_TTL_S = 10.0  # how long the ingress trusts the engine's limits (OpenAIServing.limits)
 
 
 class ReplicaClient(Protocol):
@@ -99,6 +102,7 @@ class OpenAIServing:
             store = ResponseStore(settings.responses_store_max_bytes)
         self.stored = StoredResponses(store)  # GET / DELETE /v1/responses/{id} and previous_response_id
         self._info: dict | None = None
+        self._info_at = -math.inf  # time.monotonic() of the engine info in _info
         self.token_str = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
         self.token_bytes = functools.lru_cache(maxsize=1 << 16)(self._token_bytes)
 
@@ -124,8 +128,17 @@ class OpenAIServing:
         return (self.settings.served_model_name, *self.settings.served_model_aliases)
 
     async def limits(self) -> dict:
-        if self._info is None:  # from the engine, once: its max_model_len is the resolved one
-            self._info = await self.engine.info()
+        """The engine's limits (its max_model_len is the resolved one), asked again every
+        LIMITS_TTL_S: a config change replaces the engine replicas after this ingress may have
+        asked an old one, and the limits must follow them."""
+        if time.monotonic() - self._info_at > LIMITS_TTL_S:
+            try:
+                self._info = await self.engine.info()
+                self._info_at = time.monotonic()
+            except Exception:
+                if self._info is None:
+                    raise
+                logger.warning("engine info not refreshed; keeping the last", exc_info=True)
         return self._info
 
     def check_model(self, model: str | None) -> None:

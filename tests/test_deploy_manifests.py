@@ -158,6 +158,8 @@ def test_serve_config_deploys_our_app(item, monkeypatch):
             assert callable(resolve(policy.policy_function))
         assert resolve(opts["request_router_config"].request_router_class)
         ingress = cluster.app.ingress_deployment_options(options)
+        # a stopping ingress outlives its engine replicas' drain: their streams end cleanly through it
+        assert ingress["graceful_shutdown_timeout_s"] > opts["graceful_shutdown_timeout_s"]
         if "request_router_config" in ingress:  # the proxies import it: it must resolve
             assert resolve(ingress["request_router_config"].request_router_class)
         assert isinstance(build_without_ray(monkeypatch, args), Application)

@@ -115,6 +115,32 @@ class FirstAndLastEngine:
         yield StepOutput([ChoiceDelta(0, "lo there", [2, 3, 4], None, "length")], n, 0, True)
 
 
+def test_the_engines_limits_are_asked_again_after_a_while(tokenizer, monkeypatch):
+    """A config change replaces the engine replicas (a new max_model_len) while the ingress may
+    have asked an old one: the ingress asks again every LIMITS_TTL_S, and keeps the last answer
+    while no engine answers."""
+    import router.serving
+
+    class Changing:
+        def __init__(self):
+            self.info_now: dict | Exception = {"max_model_len": 512, "max_num_seqs": 4}
+
+        async def info(self):
+            if isinstance(self.info_now, Exception):
+                raise self.info_now
+            return dict(self.info_now)
+
+    engine = Changing()
+    serving = OpenAIServing(tokenizer, engine, RouterSettings(served_model_name="m"))
+    assert asyncio.run(serving.limits())["max_model_len"] == 512
+    engine.info_now = {"max_model_len": 1024, "max_num_seqs": 4}
+    assert asyncio.run(serving.limits())["max_model_len"] == 512  # within the TTL: no new trip
+    monkeypatch.setattr(router.serving, "LIMITS_TTL_S", 0.0)
+    assert asyncio.run(serving.limits())["max_model_len"] == 1024
+    engine.info_now = RuntimeError("no replica")
+    assert asyncio.run(serving.limits())["max_model_len"] == 1024
+
+
 @pytest.mark.parametrize("path, body, text_of", [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4}, lambda r: r["choices"][0]["text"]),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
