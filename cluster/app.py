@@ -64,6 +64,10 @@ class ServeOptions:
     max_sequences_per_request: int | None = None  # prompts x n in one request
     responses_store_max_bytes: int | None = None  # memory for stored /v1/responses (0: none)
     enable_log_requests: bool | None = None  # log prompt token ids and sampling params (never by default)
+    # vLLM's: where requests' sampling defaults come from (router.generation_config): auto (the
+    # model's generation_config.json) | vllm (none) | a directory; then these fields on top
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
     engine_cls: str | Callable | None = None  # "module:Class" built as cls(EngineConfig); default AsyncEngine
     cpu_threads: int | None = None  # torch threads per engine replica on CPU; default: cores // replicas
     num_ingress_replicas: int = 1
@@ -243,7 +247,7 @@ def check_args(args: dict) -> tuple[EngineConfig, ServeOptions]:
     engine.model_len(arch.max_position_embeddings)  # max_model_len within the model's positions
     if engine.tensor_parallel_size > 1:
         arch.check_tp(engine.tensor_parallel_size)
-    router_settings(engine, options)  # the ingress's limits are valid
+    router_settings(engine, options).with_sampling_defaults(model_dir)  # the ingress's limits and defaults are valid
     check_sizing(engine, options, arch, model_dir)
     return engine, options
 

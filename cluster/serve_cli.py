@@ -26,7 +26,8 @@ _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_rep
                 "responses_store_max_bytes", "enable_log_requests",
                 "routing", "routing_stats_period_s", "autoscale", "min_replicas", "max_replicas", "upscale_delay_s",
                 "downscale_delay_s", "target_kv_usage", "target_ongoing_requests", "look_back_period_s",
-                "graceful_shutdown_timeout_s", "engine_cls", "cpu_threads")
+                "graceful_shutdown_timeout_s", "engine_cls", "cpu_threads", "generation_config",
+                "override_generation_config")
 
 
 def add_serve_parser(commands) -> argparse.ArgumentParser:
@@ -52,6 +53,12 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                            "the least recently used go beyond it; 0 stores none (default: 64M)")
     http.add_argument("--enable-log-requests", action="store_true", default=None,
                       help="log each request's prompt token ids and sampling params (off by default)")
+    http.add_argument("--generation-config", metavar="auto|vllm|DIR",
+                      help="sampling defaults of requests that leave them unset: auto (the model's "
+                           "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "
+                           "max_new_tokens), vllm (none: OpenAI's), or DIR's generation_config.json (default: auto)")
+    http.add_argument("--override-generation-config", type=_json_object, metavar="JSON",
+                      help='those fields on top, e.g. \'{"temperature": 0.5}\'')
     cluster = p.add_argument_group("serve")
     cluster.add_argument("--num-replicas", type=int, metavar="R",
                          help="engine replicas (default: 1); with --autoscale, the count to start from "
@@ -120,6 +127,16 @@ def _api_key(text: str) -> str:
         raise argparse.ArgumentTypeError("empty key (is the variable it came from unset?); leave the flag out "
                                          "to serve without a key")
     return text
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("not a JSON object")
+    return value
 
 
 def app_args_from_cli(ns: argparse.Namespace) -> dict:

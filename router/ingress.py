@@ -197,9 +197,10 @@ class OpenAIIngress:
         from engine.model_source import resolve_model
 
         # The tokenizer the engine loads: the one named, else the model directory's.
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer or str(resolve_model(model)))
+        model_dir = resolve_model(model)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer or str(model_dir))
         self._engine_name = engine.deployment_name
-        settings = settings.resolve_api_key()
+        settings = settings.resolve_api_key().with_sampling_defaults(model_dir)
         if settings.enable_log_requests:
             _log_through_serve("router")
         self._client = HandleReplicaClient(engine, settings)

@@ -8,6 +8,7 @@ vLLM does, so that clients sending newer OpenAI fields keep working.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -130,14 +131,18 @@ class _SamplingFields(_Model):
         final = self.stream_options is not None and self.stream_options.include_usage
         return final, final and self.stream_options.continuous_usage_stats
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
-        """Raises ValueError whose message starts with the offending field's name."""
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                         defaults: Mapping[str, float | int]) -> SamplingParams:
+        """Raises ValueError whose message starts with the offending field's name. `defaults`:
+        the server's for the sampling fields left unset (RouterSettings.sampling_defaults; its
+        max_tokens is applied once the prompt is known, OpenAIServing._start)."""
+        def given(name: str, fallback):
+            value = getattr(self, name)
+            return defaults.get(name, fallback) if value is None else value
+
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            n=self.n, temperature=given("temperature", 1.0), top_p=given("top_p", 1.0), top_k=given("top_k", 0),
+            min_p=given("min_p", 0.0), repetition_penalty=given("repetition_penalty", 1.0),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, max_tokens=max_tokens,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
@@ -147,6 +152,15 @@ class _SamplingFields(_Model):
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, cache_salt=self.cache_salt,
             # a reply sent whole needs no output per token from the engine (nor one per token over Ray)
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+
+
+def check_sampling_values(values: dict) -> None:
+    """ValueError naming the first of these sampling fields whose value no request could send."""
+    try:
+        _SamplingFields.model_validate(values)
+    except ValidationError as e:
+        error = e.errors(include_url=False)[0]
+        raise ValueError(f"{'.'.join(map(str, error['loc']))}: {error['msg']}, got {values}") from None
 
 
 def _refuse(request: BaseModel, *names: str, where: str = "by this server") -> None:
@@ -204,11 +218,11 @@ class CompletionRequest(_SamplingFields):
         ks = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
         return max(ks) if ks else None
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
         # max_tokens 0 (vLLM, OpenAI): the reply is the prompt alone. The engine still draws one
         # token from the prefill's last row (no extra step), which the reply leaves out.
         max_tokens = 1 if self.max_tokens == 0 else self.max_tokens
-        return self._sampling_params(max_tokens, self.logprobs, self.engine_prompt_logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, self.engine_prompt_logprobs, defaults or {})
 
 
 # Limits on what a request may ask the grammar compiler to build (400 beyond them).
@@ -394,10 +408,10 @@ class ChatCompletionRequest(_SamplingFields):
         last = self.messages[-1]
         return last.text() if self.echo and last.role == self.reply_role else ""
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, defaults or {})
 
 
 class TokenizeRequest(_Model):

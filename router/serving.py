@@ -252,10 +252,9 @@ class OpenAIServing:
         return await reply.whole(acc)
 
     # -- shared steps ----------------------------------------------------------------------------
-    @staticmethod
-    def _params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    def _params(self, req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
         try:
-            return req.sampling_params()
+            return req.sampling_params(self.settings.sampling_defaults)
         except InvalidRequestError as e:
             raise from_invalid_request(e) from None
 
@@ -339,6 +338,10 @@ class OpenAIServing:
     async def _start(self, rid: str, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
                      max_param: str) -> tuple[tuple[int, StepOutput], AsyncIterator]:
         """Send every prompt to the engine; returns its first output and the rest of the merged stream."""
+        default = self.settings.sampling_defaults.get("max_tokens")
+        if params.max_tokens is None and default is not None:  # vLLM's: the room left, at most the default
+            room = (await self.limits())["max_model_len"] - max(map(len, prompts))
+            params = dataclasses.replace(params, max_tokens=max(1, min(default, room)))
         await self._check_prompts(prompts, params, prompt_param, max_param)
         if self.settings.enable_log_requests:
             logger.info("%s: prompt token ids %s, %s", rid, prompts, params)

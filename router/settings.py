@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,14 @@ class RouterSettings:
     # Memory for stored /v1/responses (previous_response_id, GET /v1/responses/{id}); the least
     # recently used go beyond it. 0: nothing is stored.
     responses_store_max_bytes: int = 64 << 20
+    # Where the defaults of the sampling fields a request leaves unset come from (vLLM's
+    # --generation-config, router.generation_config): auto (the model's generation_config.json) |
+    # vllm (none: OpenAI's) | a directory; then override_generation_config's fields on top.
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
+    # ... as read where the ingress runs (with_sampling_defaults): temperature, top_p, top_k,
+    # min_p, repetition_penalty, max_tokens. Empty until then: OpenAI's defaults.
+    sampling_defaults: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not all(isinstance(n, str) and n for n in (self.served_model_name, *self.served_model_aliases)):
@@ -41,6 +49,14 @@ class RouterSettings:
             raise ValueError(f"responses_store_max_bytes must be >= 0, got {self.responses_store_max_bytes}")
         if self.overload_status not in (429, 503):
             raise ValueError(f"overload_status must be 429 or 503, got {self.overload_status}")
+
+    def with_sampling_defaults(self, model_dir) -> "RouterSettings":
+        """These settings with sampling_defaults read from generation_config (the model's
+        directory is `model_dir`); a bad file or override is an error naming it."""
+        from router.generation_config import sampling_defaults
+
+        return replace(self, sampling_defaults=sampling_defaults(self.generation_config, model_dir,
+                                                                 self.override_generation_config))
 
     def resolve_api_key(self) -> "RouterSettings":
         """These settings with api_key_env replaced by the key it names; an unset or empty

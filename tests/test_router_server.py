@@ -40,8 +40,10 @@ def oracle(smollm2_path):
 
 @pytest.fixture(scope="module")
 def server(oracle):
+    # Requests that set no temperature are greedy here: a sampling default, as a model's
+    # generation_config.json would give one (test_a_generation_config_default_reaches_the_server)
     args = dict(max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=256, max_num_seqs=32, api_key=API_KEY,
-                max_request_body_bytes=BODY_LIMIT)
+                max_request_body_bytes=BODY_LIMIT, override_generation_config={"temperature": 0})
     with running_server(args) as url:
         yield url
 
@@ -91,6 +93,13 @@ def test_chat_equals_offline_engine(client, oracle):
     assert r.choices[0].message.content == oracle["chat"]
     assert r.choices[0].finish_reason == oracle["chat_finish"]
     assert r.usage.completion_tokens == oracle["chat_tokens"]
+
+
+def test_a_generation_config_default_reaches_the_server(client, oracle):
+    """The ingress reads its sampling defaults where it runs (RouterSettings.with_sampling_defaults):
+    no temperature here is the override's 0, greedy, not OpenAI's 1."""
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS)
+    assert r.choices[0].message.content == oracle["chat"]
 
 
 def test_responses_api_equals_offline_engine(client, oracle):

@@ -366,6 +366,8 @@ def test_serve_rejects_bad_flags_in_one_line_before_starting_ray():
                         (["--api-key", ""], "argument --api-key: empty key"),
                         (["--bogus"], "unrecognized arguments: --bogus (see 'kvserve serve --help')"),
                         (["--max-num-seq", "8"], "unrecognized arguments: --max-num-seq 8"),  # no abbreviations
+                        (["--override-generation-config", '{"temperature": 9}'],
+                         "temperature: Input should be less than or equal to 2"),
                         (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "256", "--max-model-len", "1024"],
                          "without chunked prefill max_num_batched_tokens (256) must be >= max_model_len (1024)")]:
         r = kvserve("serve", *flags)
