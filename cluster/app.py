@@ -68,6 +68,7 @@ class ServeOptions:
     # model's generation_config.json) | vllm (none) | a directory; then these fields on top
     generation_config: str = "auto"
     override_generation_config: dict | None = None
+    chat_template: str | None = None  # a Jinja file, or the template itself, instead of the tokenizer's
     engine_cls: str | Callable | None = None  # "module:Class" built as cls(EngineConfig); default AsyncEngine
     cpu_threads: int | None = None  # torch threads per engine replica on CPU; default: cores // replicas
     num_ingress_replicas: int = 1
@@ -285,11 +286,13 @@ def served_model_name(engine: EngineConfig, options: ServeOptions) -> str:
 
 def router_settings(engine: EngineConfig, options: ServeOptions):
     """The ingress's settings: the options named like RouterSettings fields, where given."""
-    from router.settings import RouterSettings
+    from router.settings import RouterSettings, load_chat_template
 
     given = {f.name: getattr(options, f.name) for f in dataclasses.fields(RouterSettings)
              if f.name in ServeOptions.field_names() and getattr(options, f.name) is not None}
     first, *others = served_model_names(engine, options)
+    if options.chat_template is not None:  # read here: its text travels to the ingress with the settings
+        given["chat_template"] = load_chat_template(options.chat_template)
     return RouterSettings(**{**given, "served_model_name": first, "served_model_aliases": tuple(others)})
 
 

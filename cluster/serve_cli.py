@@ -27,7 +27,7 @@ _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_rep
                 "routing", "routing_stats_period_s", "autoscale", "min_replicas", "max_replicas", "upscale_delay_s",
                 "downscale_delay_s", "target_kv_usage", "target_ongoing_requests", "look_back_period_s",
                 "graceful_shutdown_timeout_s", "engine_cls", "cpu_threads", "generation_config",
-                "override_generation_config")
+                "override_generation_config", "chat_template")
 
 
 def add_serve_parser(commands) -> argparse.ArgumentParser:
@@ -36,6 +36,8 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
         description="Start Ray Serve with kvserve's OpenAI-compatible API (/v1/completions, "
                     "/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /health, "
                     "/version, /ready).")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="the model directory, as `vllm serve MODEL` takes it (the same as --model)")
     http = p.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     http.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
@@ -51,8 +53,15 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     http.add_argument("--responses-store-max-bytes", type=parse_bytes, metavar="BYTES",
                       help="memory for stored /v1/responses (previous_response_id, GET /v1/responses/{id}); "
                            "the least recently used go beyond it; 0 stores none (default: 64M)")
-    http.add_argument("--enable-log-requests", action="store_true", default=None,
+    http.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=None,
                       help="log each request's prompt token ids and sampling params (off by default)")
+    http.add_argument("--chat-template", metavar="FILE|TEMPLATE",
+                      help="the chat template (a Jinja file, or the template itself) instead of the tokenizer's")
+    http.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="accepted for vLLM's command lines: tool_choice auto is always served here")
+    http.add_argument("--tool-call-parser", choices=["hermes"],
+                      help="accepted for vLLM's command lines: tool calls are parsed as Hermes' "
+                           "<tool_call> blocks, the one format here")
     http.add_argument("--generation-config", metavar="auto|vllm|DIR",
                       help="sampling defaults of requests that leave them unset: auto (the model's "
                            "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "
@@ -141,6 +150,11 @@ def _json_object(text: str) -> dict:
 
 def app_args_from_cli(ns: argparse.Namespace) -> dict:
     """The `cluster.app.build_app` argument dict for these flags (only the ones given)."""
+    if ns.model_tag is not None:
+        given = getattr(ns, "model", None)  # engine flags not given are absent (argparse.SUPPRESS)
+        if given is not None and given != ns.model_tag:
+            raise ValueError(f"the model is given twice: {ns.model_tag} and --model {given}")
+        ns.model = ns.model_tag
     args = engine_config_from_args(ns)
     args.update({k: getattr(ns, k) for k in _SERVE_FLAGS if getattr(ns, k, None) is not None})
     if len(args.get("served_model_name", ())) == 1:  # one name: the plain string a config file holds
@@ -181,8 +195,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     from cluster.app import APP_NAME, build_app, check_args, served_model_name
     from engine.model_source import ModelError
 
-    args = app_args_from_cli(ns)
     try:  # the cheap checks first, so a typo fails in a second rather than after Ray starts
+        args = app_args_from_cli(ns)
         engine, options = check_args(args)
         if ns.ray_address is None:
             _check_port(ns.host, ns.port)

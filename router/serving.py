@@ -300,15 +300,15 @@ class OpenAIServing:
 
     def _chat_ids(self, req: ChatCompletionRequest | TokenizeRequest, plan: ToolPlan | None = None,
                   param: str = "messages") -> list[int]:
-        template = getattr(self.tokenizer, "chat_template", None)
+        template = self.settings.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise bad_request("this model has no chat template; use /v1/completions", param=param)
         msgs, tools = render(req.messages, plan or ToolPlan("none"), template_knows_tools(template))
         try:
             text = self.tokenizer.apply_chat_template(
-                msgs, tools=tools, tokenize=False, add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message, documents=getattr(req, "documents", None),
-                **(req.chat_template_kwargs or {}))
+                msgs, tools=tools, chat_template=self.settings.chat_template, tokenize=False,
+                add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+                documents=getattr(req, "documents", None), **(req.chat_template_kwargs or {}))
         except Exception as e:  # jinja raises on conversations its template rejects
             raise bad_request(f"the chat template rejected these messages: {e}", param=param) from None
         return self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))

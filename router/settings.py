@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from dataclasses import dataclass, field, replace
 
 
@@ -31,6 +32,7 @@ class RouterSettings:
     # ... as read where the ingress runs (with_sampling_defaults): temperature, top_p, top_k,
     # min_p, repetition_penalty, max_tokens. Empty until then: OpenAI's defaults.
     sampling_defaults: dict = field(default_factory=dict)
+    chat_template: str | None = None  # the Jinja template chat requests are rendered with, instead of the tokenizer's
 
     def __post_init__(self) -> None:
         if not all(isinstance(n, str) and n for n in (self.served_model_name, *self.served_model_aliases)):
@@ -47,6 +49,8 @@ class RouterSettings:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.responses_store_max_bytes < 0:
             raise ValueError(f"responses_store_max_bytes must be >= 0, got {self.responses_store_max_bytes}")
+        if self.chat_template is not None:
+            _check_template(self.chat_template)
         if self.overload_status not in (429, 503):
             raise ValueError(f"overload_status must be 429 or 503, got {self.overload_status}")
 
@@ -67,3 +71,23 @@ class RouterSettings:
         if not key:
             raise ValueError(f"api_key_env names ${self.api_key_env}, which is unset or empty here")
         return replace(self, api_key=key, api_key_env=None)
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's --chat-template: the text of the file `value` names, else `value` itself when it
+    looks like a template (a missing file is an error, not a one-line template)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if not any(c in value for c in "{}\n"):
+        raise ValueError(f"chat_template {value!r}: no such file, nor a Jinja template")
+    return value
+
+
+def _check_template(text: str) -> None:
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template: not a valid Jinja template: {e.message} (line {e.lineno})") from None

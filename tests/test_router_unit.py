@@ -365,7 +365,12 @@ def test_serve_rejects_bad_flags_in_one_line_before_starting_ray():
     for flags, says in [(["--port", "99999"], "invalid port '99999' (1-65535)"), (["--port", "0"], "invalid port"),
                         (["--api-key", ""], "argument --api-key: empty key"),
                         (["--bogus"], "unrecognized arguments: --bogus (see 'kvserve serve --help')"),
-                        (["--max-num-seq", "8"], "unrecognized arguments: --max-num-seq 8"),  # no abbreviations
+                        (["--max-num-seq", "8"], "unrecognized arguments: --max-num-seq"),  # no abbreviations
+                        (["--chat-template", "/nonexistent.jinja"], "no such file, nor a Jinja template"),
+                        (["--chat-template", "{% for m in messages %"], "not a valid Jinja template"),
+                        (["/nonexistent/model"], "model path '/nonexistent/model' does not exist"),  # vLLM's MODEL
+                        (["/m", "--model", "/n"], "the model is given twice: /m and --model /n"),
+                        (["--tool-call-parser", "mistral"], "invalid choice: 'mistral' (choose from 'hermes')"),
                         (["--override-generation-config", '{"temperature": 9}'],
                          "temperature: Input should be less than or equal to 2"),
                         (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "256", "--max-model-len", "1024"],

@@ -407,3 +407,17 @@ def test_tokenize_renders_tools_as_chat_does(tokenizer):
 
     out = run(tokenizer, "yes", tokenize)[0]
     assert out["tokens"] == ids and out["count"] == len(ids) > len(sent(tokenizer, chat())[0])
+
+
+def test_the_servers_chat_template_replaces_the_tokenizers(tokenizer):
+    """--chat-template (RouterSettings.chat_template): chat and /tokenize render with it."""
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    settings = {"chat_template": template}
+
+    async def go(client):
+        await chat()(client)
+        return (await client._client.post("http://t/tokenize", json={"messages": USER})).json()["tokens"]
+
+    tokens, engine = run(tokenizer, "yes", go, settings=settings)
+    assert tokenizer.decode(engine.seen[0][0]) == "<user>Is the sky blue?" and tokens == engine.seen[0][0]
+    assert tokenizer.chat_template != template  # the shared tokenizer is left as it was
