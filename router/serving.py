@@ -103,6 +103,7 @@ class OpenAIServing:
         self.stored = StoredResponses(store)  # GET / DELETE /v1/responses/{id} and previous_response_id
         self._info: dict | None = None
         self._info_at = -math.inf  # time.monotonic() of the engine info in _info
+        self._created = int(time.time())  # the model objects' `created`: when this server started serving it
         self.token_str = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
         self.token_bytes = functools.lru_cache(maxsize=1 << 16)(self._token_bytes)
 
@@ -153,7 +154,7 @@ class OpenAIServing:
         """OpenAI's model object (`client.models.retrieve`); 404 for a name not served here."""
         self.check_model(name)
         info = await self.limits()
-        return {"id": name, "object": "model", "created": 0, "owned_by": "kvserve",
+        return {"id": name, "object": "model", "created": self._created, "owned_by": "kvserve", "parent": None,
                 "max_model_len": info["max_model_len"]}
 
     async def tokenize(self, req: TokenizeRequest) -> dict:

@@ -199,6 +199,7 @@ def test_models(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+    assert time.time() - 3600 < models[0].created <= time.time()  # when it began serving, as vLLM's
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4o")
 
@@ -263,7 +264,7 @@ ERROR_ROWS = [
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 8}, 400, "min_tokens", None),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop.0", "invalid_value"),
-    ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "seed": 1 << 64}, 400, "seed", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
      "invalid_value"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", "invalid_value"),  # echo is supported now
