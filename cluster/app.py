@@ -69,6 +69,10 @@ class ServeOptions:
     generation_config: str = "auto"
     override_generation_config: dict | None = None
     chat_template: str | None = None  # a Jinja file, or the template itself, instead of the tokenizer's
+    allowed_origins: list[str] | None = None  # CORS (router.settings.RouterSettings); none by default
+    allowed_methods: list[str] | None = None
+    allowed_headers: list[str] | None = None
+    allow_credentials: bool | None = None
     engine_cls: str | Callable | None = None  # "module:Class" built as cls(EngineConfig); default AsyncEngine
     cpu_threads: int | None = None  # torch threads per engine replica on CPU; default: cores // replicas
     num_ingress_replicas: int = 1
@@ -291,6 +295,7 @@ def router_settings(engine: EngineConfig, options: ServeOptions):
     given = {f.name: getattr(options, f.name) for f in dataclasses.fields(RouterSettings)
              if f.name in ServeOptions.field_names() and getattr(options, f.name) is not None}
     first, *others = served_model_names(engine, options)
+    given.update({k: tuple(v) for k, v in given.items() if k.startswith("allowed_")})  # JSON lists
     if options.chat_template is not None:  # read here: its text travels to the ingress with the settings
         given["chat_template"] = load_chat_template(options.chat_template)
     return RouterSettings(**{**given, "served_model_name": first, "served_model_aliases": tuple(others)})

@@ -27,7 +27,8 @@ _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_rep
                 "routing", "routing_stats_period_s", "autoscale", "min_replicas", "max_replicas", "upscale_delay_s",
                 "downscale_delay_s", "target_kv_usage", "target_ongoing_requests", "look_back_period_s",
                 "graceful_shutdown_timeout_s", "engine_cls", "cpu_threads", "generation_config",
-                "override_generation_config", "chat_template")
+                "override_generation_config", "chat_template", "allowed_origins", "allowed_methods",
+                "allowed_headers", "allow_credentials")
 
 
 def add_serve_parser(commands) -> argparse.ArgumentParser:
@@ -57,6 +58,12 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                       help="log each request's prompt token ids and sampling params (off by default)")
     http.add_argument("--chat-template", metavar="FILE|TEMPLATE",
                       help="the chat template (a Jinja file, or the template itself) instead of the tokenizer's")
+    http.add_argument("--allowed-origins", type=_json_strings, metavar="JSON",
+                      help='CORS: origins browsers may call from, e.g. \'["https://app.example"]\' or \'["*"]\' '
+                           "(default: none; vLLM allows all)")
+    http.add_argument("--allowed-methods", type=_json_strings, metavar="JSON", help='CORS (default: ["*"])')
+    http.add_argument("--allowed-headers", type=_json_strings, metavar="JSON", help='CORS (default: ["*"])')
+    http.add_argument("--allow-credentials", action="store_true", default=None, help="CORS (default: off)")
     http.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="accepted for vLLM's command lines: tool_choice auto is always served here")
     http.add_argument("--tool-call-parser", choices=["hermes"],
@@ -145,6 +152,16 @@ def _json_object(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("not a JSON object")
+    return value
+
+
+def _json_strings(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise argparse.ArgumentTypeError('not a JSON list of strings, e.g. \'["*"]\'')
     return value
 
 

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -258,6 +259,10 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     app.include_router(api)
     _add_error_handlers(app)
     app.add_middleware(AdmissionGate, admission=admission)
+    if settings.allowed_origins:  # outermost: it answers preflights before any route or key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=list(settings.allowed_methods), allow_headers=list(settings.allowed_headers),
+                           allow_credentials=settings.allow_credentials)
     app.openapi = lambda: _openapi(app)
     return app
 

@@ -33,6 +33,12 @@ class RouterSettings:
     # min_p, repetition_penalty, max_tokens. Empty until then: OpenAI's defaults.
     sampling_defaults: dict = field(default_factory=dict)
     chat_template: str | None = None  # the Jinja template chat requests are rendered with, instead of the tokenizer's
+    # CORS, with vLLM's flag names; no origin by default (vLLM allows all): a page on any site
+    # could otherwise read the replies of a server on the user's own machine.
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         if not all(isinstance(n, str) and n for n in (self.served_model_name, *self.served_model_aliases)):

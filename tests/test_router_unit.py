@@ -259,6 +259,11 @@ def test_split_args_routes_keys_and_rejects_unknown_ones():
         split_args({"max_model_length": 512})
     with pytest.raises(ValueError, match="max_num_seqs"):
         split_args({"max_num_seqs": 0})
+    from cluster.app import router_settings
+
+    cors = router_settings(*split_args(app_args_from_cli(build_parser().parse_args(
+        ["serve", "--allowed-origins", '["https://a.example"]', "--allow-credentials"]))))
+    assert (cors.allowed_origins, cors.allowed_methods, cors.allow_credentials) == (("https://a.example",), ("*",), True)
     with pytest.raises(ValueError, match="max_queued_requests"):
         split_args({"max_queued_requests": 0})
 
@@ -433,6 +438,32 @@ def test_a_union_members_error_is_named_by_its_fields_only(tokenizer):
     r = call(tokenizer, "POST", "/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function", "function": {}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.function.name", r.text
+
+
+@pytest.mark.parametrize("origins", [(), ("https://app.example",)])
+def test_cors_answers_browsers_only_from_the_allowed_origins(tokenizer, origins):
+    """vLLM's --allowed-origins (none by default here): a preflight from an allowed origin is
+    answered without the API key; the reply then names the origin."""
+    settings = RouterSettings(served_model_name="m", api_key="k", allowed_origins=origins)
+    engine = EngineServer(EngineConfig(max_model_len=64, max_num_seqs=4), "tests.fake_engine:FakeEngine")
+    app = build_api(OpenAIServing(tokenizer, engine, settings))
+    origin = {"Origin": "https://app.example"}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            preflight = await c.options("/v1/chat/completions", headers={
+                **origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"})
+            models = await c.get("/v1/models", headers={**origin, "Authorization": "Bearer k"})
+            return preflight, models
+
+    preflight, models = asyncio.run(go())
+    assert models.status_code == 200
+    if origins:
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == models.headers["access-control-allow-origin"] \
+            == "https://app.example"
+    else:
+        assert preflight.status_code != 200 and "access-control-allow-origin" not in models.headers
 
 
 def test_prompts_times_n_per_request_is_capped(tokenizer):
