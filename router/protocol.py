@@ -246,9 +246,12 @@ class StructuredOutputs(_Model):
     choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
     grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)  # Lark (llguidance's dialect) or GBNF
     json_object: bool | None = None
+    structural_tag: Any = None  # vLLM's, not implemented here: a 400 naming it
 
     @model_validator(mode="after")
     def _one(self):
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs.structural_tag is not supported by this server")
         given = [k for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
                                 ("grammar", self.grammar), ("json_object", self.json_object)) if v]
         if len(given) != 1:

@@ -64,6 +64,7 @@ def test_a_guided_field_constrains_as_structured_outputs_does(tokenizer, endpoin
     ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt false"),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "may not set tokenize"),
     ({"priority": 10}, "priority", "not supported"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "structural_tag is not supported"),
     ({"length_penalty": 0.5}, "length_penalty", "beam search"),
     ({"logits_processors": ["m.Processor"]}, "logits_processors", "not supported"),
     ({"vllm_xargs": {"k": 1}}, "vllm_xargs", "not supported"),
