@@ -175,16 +175,16 @@ def sendable(e: BaseException) -> BaseException:
     return e
 
 
-def watch_parent(done: threading.Event, period_s: float = 0.5) -> None:
-    """Exits this process when its parent goes away before `done` is set. Loading a model reads
-    no pipe, so a core whose replica was killed while it loaded would load on (minutes on a GPU,
-    then the KV pool) beside the replica that replaces it; after loading, the closed pipe ends it."""
-    parent = os.getppid()
-
+def watch_parent(done: threading.Event, parent: int, period_s: float = 0.5) -> None:
+    """Exits this process when its parent (pid `parent`, as the parent said: one that died while
+    this interpreter started is already gone) goes away before `done` is set. Loading a model
+    reads no pipe, so a core whose replica was killed while it loaded would load on (minutes on a
+    GPU, then the KV pool) beside the replica that replaces it; after loading, the closed pipe ends it."""
     def watch() -> None:
-        while not done.wait(period_s):
-            if os.getppid() != parent:
-                os._exit(1)
+        while os.getppid() == parent:
+            if done.wait(period_s):
+                return
+        os._exit(1)
     threading.Thread(target=watch, name="kvserve-core-parent", daemon=True).start()
 
 
@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="kvserve engine core (started by engine.process_engine)")
     p.add_argument("--in-fd", type=int, required=True)
     p.add_argument("--out-fd", type=int, required=True)
+    p.add_argument("--parent-pid", type=int, default=None, help="the process that started this one (default: ours)")
     args = p.parse_args(argv)
     # The engine's own lines (the model loaded, its KV blocks, the attention backend, a request's
     # grammar failing) on stderr, which the core shares with its replica, as they are in-process.
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn_in, conn_out = Connection(args.in_fd, writable=False), Connection(args.out_fd, readable=False)
     loaded = threading.Event()
-    watch_parent(loaded)
+    watch_parent(loaded, os.getppid() if args.parent_pid is None else args.parent_pid)
     config, threads = conn_in.recv()
     try:
         import torch

@@ -320,7 +320,7 @@ def _start_core() -> tuple[subprocess.Popen, Connection, Connection]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
     fds = (to_core_r.fileno(), from_core_w.fileno())
     proc = subprocess.Popen([sys.executable, "-m", "engine.core_process", "--in-fd", str(fds[0]),
-                             "--out-fd", str(fds[1])], pass_fds=fds, env=env)
+                             "--out-fd", str(fds[1]), "--parent-pid", str(os.getpid())], pass_fds=fds, env=env)
     to_core_r.close()
     from_core_w.close()
     return proc, from_core_r, to_core_w

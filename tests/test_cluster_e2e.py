@@ -389,7 +389,7 @@ def test_bad_flag_combinations_fail_in_one_line_before_ray(capsys, tiny_model, a
      "ingress_autoscaling_config: max_replicas (2) must be greater than or equal to min_replicas (3)"),
     ({"ingress_autoscaling_config": {"target_ongoing_requests": "many"}},
      "ingress_autoscaling_config.target_ongoing_requests: Input should be a valid number"),
-    ({"ingress_autoscaling_config": [2]}, "ingress_autoscaling_config must be a mapping"),
+    ({"ingress_autoscaling_config": [2]}, "ingress_autoscaling_config=[2]: Input should be a valid dictionary"),
     ({"ingress_autoscaling_config": {"max_replicas": 4}, "num_ingress_replicas": 2},
      "give num_ingress_replicas or an ingress_autoscaling_config, not both"),
     ({"autoscaling_config": {"max_replica": 4}}, "autoscaling_config: unknown field(s) max_replica"),

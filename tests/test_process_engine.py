@@ -253,11 +253,28 @@ def test_routing_snapshot_is_refreshed_by_the_core(engine):
     assert snap.num_running == 0 and snap.num_free_blocks == snap.num_total_blocks
 
 
+async def _streaming(engine, rid: str, prompt, params) -> asyncio.Task:
+    """_collect as a task, once its first output has come: a fault then lands mid-stream (a fixed
+    wait did not: 400 tokens of the tiny model can take less than 0.2 s)."""
+    first = asyncio.Event()
+
+    async def run():
+        outs = []
+        async for out in engine.generate(rid, prompt, params):
+            outs.append(out)
+            first.set()
+        return outs
+
+    task = asyncio.create_task(run())
+    await asyncio.wait_for(first.wait(), 30)
+    assert not task.done()
+    return task
+
+
 def test_a_core_that_fails_ends_every_stream(tiny_dir):
     async def main():
         e = ProcessEngine(model=tiny_dir, num_gpu_blocks_override=64)
-        task = asyncio.create_task(_collect(e, "a", PROMPTS[0], LONG))
-        await asyncio.sleep(0.3)
+        task = await _streaming(e, "a", PROMPTS[0], LONG)
         e._send(("no such message",))  # the core's loop raises on it
         with pytest.raises(EngineDeadError, match="no such message"):
             await asyncio.wait_for(task, 10)
@@ -275,8 +292,7 @@ def test_a_core_that_fails_ends_every_stream(tiny_dir):
 def test_a_killed_core_ends_every_stream(tiny_dir):
     async def main():
         e = ProcessEngine(model=tiny_dir, num_gpu_blocks_override=64)
-        task = asyncio.create_task(_collect(e, "a", PROMPTS[0], LONG))
-        await asyncio.sleep(0.3)
+        task = await _streaming(e, "a", PROMPTS[0], LONG)
         os.kill(e._proc.pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError, match="exited") as inside:
             await asyncio.wait_for(task, 10)

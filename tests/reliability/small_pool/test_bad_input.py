@@ -206,7 +206,7 @@ HOSTILE = [
     ("5,000-digit max_tokens", "POST", CMPL, b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", {}, 400),
     ("2**64 max_tokens", "POST", CMPL, _j({"prompt": "a", "max_tokens": 2**64}), {}, 400),
     ("2**64 seed", "POST", CMPL, _j({"prompt": "a", "max_tokens": 1, "seed": 2**64}), {}, 400),
-    ("negative seed", "POST", CMPL, _j({"prompt": "a", "max_tokens": 1, "seed": -1}), {}, 400),
+    ("seed below -2**63", "POST", CMPL, _j({"prompt": "a", "max_tokens": 1, "seed": -(2**63) - 1}), {}, 400),
     ("empty body", "POST", CMPL, b"", {}, 400),
     ("body null", "POST", CMPL, b"null", {}, 400),
     ("body a list", "POST", CHAT, b"[]", {}, 400),
