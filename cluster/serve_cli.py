@@ -145,22 +145,21 @@ def _api_key(text: str) -> str:
     return text
 
 
-def _json_object(text: str) -> dict:
+def _json(text: str):
     try:
-        value = json.loads(text)
+        return json.loads(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
+
+
+def _json_object(text: str) -> dict:
+    if not isinstance(value := _json(text), dict):
         raise argparse.ArgumentTypeError("not a JSON object")
     return value
 
 
 def _json_strings(text: str) -> list[str]:
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+    if not (isinstance(value := _json(text), list) and all(isinstance(v, str) for v in value)):
         raise argparse.ArgumentTypeError('not a JSON list of strings, e.g. \'["*"]\'')
     return value
 

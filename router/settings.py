@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 
 @dataclass(frozen=True)
