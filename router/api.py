@@ -193,6 +193,7 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     api = APIRouter(dependencies=[Depends(require_key)])
     limit = settings.max_request_body_bytes
 
+    @app.head("/health", include_in_schema=False)  # load balancers that probe with HEAD
     @app.get("/health")
     async def health():
         return {"status": "ok"}

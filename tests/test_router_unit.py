@@ -218,6 +218,7 @@ def test_a_request_the_kv_cache_can_never_fit_is_a_400(tokenizer, server):
 
 def test_open_paths_need_no_key(tokenizer):
     assert call(tokenizer, "GET", "/health", api_key="k").status_code == 200
+    assert call(tokenizer, "HEAD", "/health", api_key="k").status_code == 200  # load balancers probe with HEAD
     assert call(tokenizer, "GET", "/ready", api_key="k").json() == {"ready": True}
     assert call(tokenizer, "GET", "/version", api_key="k").json() == {"version": importlib.metadata.version("kvserve")}
     assert call(tokenizer, "GET", "/v1/models", api_key="k").status_code == 401
