@@ -301,7 +301,7 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(tmp_path, smo
                              "2", *engine_flag(engine_cls)], cwd=ROOT, text=True, stdout=subprocess.PIPE,
                             stderr=log.open("w"),
                             start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    n, max_tokens = 4, 160  # long enough to outlast the refused requests below
+    n, max_tokens = 4, 400  # long enough to outlast the refused requests below, on a quiet machine too
     started = [threading.Event() for _ in range(n)]
     results: list[list] = [[] for _ in range(n)]
 
