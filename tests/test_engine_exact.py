@@ -6,6 +6,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError
 from tests.tiny_llama import hf_greedy, make_tiny_llama
 
 MAX_NEW = 24
@@ -24,7 +25,7 @@ def kernels(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(scope="module", params=["gqa", "tied", "tied-gguf"])
+@pytest.fixture(scope="module", params=["gqa", "tied", "tied-gguf", "qwen3"])
 def tiny(request, tmp_path_factory, smollm2_path):
     d = make_tiny_llama(tmp_path_factory.mktemp(request.param), smollm2_path, request.param)
     prompts = _prompts()
@@ -193,3 +194,18 @@ def test_smollm2_exact_n2(smollm2_path, smol_case):
     outs = llm.generate(prompts[:2], SamplingParams(n=2, temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[r, r] for r in ref[:2]]
     _assert_clean(llm)
+
+
+def test_sliding_window_checkpoint_is_served_within_its_window(tmp_path, smollm2_path, kernels):
+    """A Mistral checkpoint with a 128-token attention window (its positions go to 1,024): kvserve
+    attends to whole contexts, so it serves contexts up to the window, where both agree with HF."""
+    d = make_tiny_llama(tmp_path / "swa", smollm2_path, "mistral-swa")
+    prompts = _prompts(lens=(5, 40, 100))  # + 24 new tokens: at most 124 of the 128
+    llm = LLM(model=str(d), num_gpu_blocks_override=64)
+    assert llm.engine.max_model_len == 128
+    assert _tokens(llm.generate(prompts, GREEDY)) == hf_greedy(d, prompts, MAX_NEW)
+    with pytest.raises(InvalidRequestError, match=r"exceeds max_model_len \(128\)"):
+        llm.generate([_prompts(lens=(120,))[0]], GREEDY)
+    _assert_clean(llm)
+    with pytest.raises(ValueError, match="max_model_len 256 is more than the model's 128 positions"):
+        LLM(model=str(d), max_model_len=256)

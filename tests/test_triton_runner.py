@@ -26,11 +26,12 @@ def device():
 
 @pytest.fixture(scope="module")
 def tiny(request, tmp_path_factory):
-    """kind -> model dir: "gqa" (4 heads / 2 KV), "tied" (6 / 3, tied embeddings, llama3 rope). The
+    """kind -> model dir: "gqa" (4 heads / 2 KV), "tied" (6 / 3, tied embeddings, llama3 rope), "qwen3"
+    (q/k norms, head_dim 32). The
     tokenizer comes from $KVSERVE_TEST_TOKENIZER_DIR where set (a GPU host without the embedded
     model), else from the embedded SmolLM2."""
     tokenizer_dir = os.environ.get("KVSERVE_TEST_TOKENIZER_DIR") or request.getfixturevalue("smollm2_path")
-    return {kind: make_tiny_llama(tmp_path_factory.mktemp(kind), tokenizer_dir, kind) for kind in ("gqa", "tied")}
+    return {kind: make_tiny_llama(tmp_path_factory.mktemp(kind), tokenizer_dir, kind) for kind in ("gqa", "tied", "qwen3")}
 
 
 class Twin:
@@ -72,8 +73,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 @pytest.mark.parametrize("kind, engine_kwargs", [
     ("gqa", dict(num_gpu_blocks_override=64)),
     ("tied", dict(num_gpu_blocks_override=64)),
+    ("qwen3", dict(num_gpu_blocks_override=64)),
     ("gqa", dict(num_gpu_blocks_override=64, max_num_batched_tokens=24, block_size=4)),  # chunks, small blocks
-], ids=["gqa", "tied", "gqa-chunked-bs4"])
+], ids=["gqa", "tied", "qwen3", "gqa-chunked-bs4"])
 def test_triton_runner_logits_match_torch_runner(tiny, device, kind, engine_kwargs):
     llm, twin = _twin_llm(tiny[kind], device, **engine_kwargs)
     prompts = _prompts(lens=(5, 17, 33, 40))

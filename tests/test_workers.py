@@ -21,8 +21,10 @@ MAX_NEW = 24
 PROMPT_LENS = (5, 16, 17, 40, 33, 100, 64)  # cross block boundaries (block_size 16)
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 # 4 heads over 1 KV head: with tp=2 the KV head is replicated; a vocab (509) that does not split evenly
-MQA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=1, tie_word_embeddings=True)
+# One KV head (replicated on every rank), as a Qwen3: per-head q/k norms (replicated too) and a
+# head_dim of 32 where hidden / heads is 16.
+MQA = dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)
 
 
 def _prompts(seed: int = 0, lens=PROMPT_LENS, vocab: int = 509) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""Tiny random Llama checkpoints written to safetensors, plus the HF greedy oracle."""
+"""Tiny random Llama-family checkpoints written to safetensors, plus the HF greedy oracle."""
 from __future__ import annotations
 
 import shutil
@@ -15,25 +15,34 @@ TINY_CONFIGS = {
                  num_key_value_heads=3, tie_word_embeddings=True,
                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    # Qwen3: q/k RMSNorms per head, head_dim 32 where hidden / heads is 16, tied embeddings
+    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
+    # Mistral over a sliding window of 128 tokens (served with contexts capped at the window)
+    "mistral-swa": dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=1, sliding_window=128, tie_word_embeddings=False),
 }
 
 
 def make_tiny_llama(out_dir: Path, tokenizer_dir: str, kind: str = "gqa", vocab_size: int = 512, seed: int = 0) -> Path:
     """kind: a TINY_CONFIGS key, or one with "-gguf" appended: the same model with its weights as
     a GGUF Q4_1 file dequantizes them (Q8_0 for the embedding), as the embedded SmolLM2's are."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config, gguf_weights = kind.removesuffix("-gguf"), kind.endswith("-gguf")
-    cfg = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=1024, rms_norm_eps=1e-5,
-                      bos_token_id=1, eos_token_id=2, **TINY_CONFIGS[config])
-    model = LlamaForCausalLM(cfg).eval()
+    params = dict(TINY_CONFIGS[config])
+    cfg = AutoConfig.for_model(params.pop("model_type", "llama"), vocab_size=vocab_size, max_position_embeddings=1024,
+                               rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **params)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # larger weights than the default init give peaky, tie-free logits
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
                 if gguf_weights:
                     p.copy_(gguf_roundtrip(p, "Q8_0" if "embed" in name else "Q4_1"))
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):  # not all ones: a weight read wrongly shows
+                p.uniform_(0.5, 1.5)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

@@ -8,6 +8,7 @@
  *
  * Per layer, for B sequences with one new token each (h: (B, hidden), updated in place):
  *   n   = rms_norm(h)                      qkv = linear(n) [+ bias]
+ *   [each head of q and of k rms-normed over head_dim: Qwen3]
  *   rope on q and k in qkv, k and v into their cache slots
  *   a   = decode_attention(q)              h  += linear(a) [+ bias]
  *   n   = rms_norm(h)                      gu  = linear(n) [+ bias]
@@ -45,6 +46,7 @@ typedef struct {
     const float *post_norm;
     kvserve_linear qkv, o, gate_up, down;
     float *k_cache, *v_cache;  /* (num_blocks, block_size, KVH, D) */
+    const float *q_norm, *k_norm;  /* (D,) per-head norm weights (Qwen3), or NULL */
 } kvserve_layer;
 
 typedef struct {
@@ -84,6 +86,12 @@ int kvserve_decode_step_f32(const kvserve_decoder *m, float *h, long B, const in
         const kvserve_layer *l = &m->layers[i];
         kvserve_rms_norm_f32(h, l->input_norm, normed, B, hid, m->eps, threads);
         if ((rc = linear(&l->qkv, normed, qkv, B, threads))) break;
+        if (l->q_norm)  /* in place: the kernel reads a row whole before writing it */
+            for (long b = 0; b < B; b++) {
+                float *row = qkv + b * qkv_width;
+                kvserve_rms_norm_f32(row, l->q_norm, row, H, D, m->eps, 1);
+                kvserve_rms_norm_f32(row + q_width, l->k_norm, row + q_width, KVH, D, m->eps, 1);
+            }
         kvserve_rope_write_kv_f32(qkv, m->cos, m->sin, positions, slots, l->k_cache, l->v_cache, B, H, KVH, D, threads);
         for (long b = 0; b < B; b++) memcpy(q + b * q_width, qkv + b * qkv_width, q_width * sizeof(float));
         if ((rc = kvserve_decode_attention_f32(q, l->k_cache, l->v_cache, tables, max_blocks, ctx_lens, attn, B, H, KVH,

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, SmolLM, Mistral-style, Qwen2-style bias) over a paged KV cache.
+"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2's qkv bias, Qwen3's q/k norms) over a paged KV cache.
 
 Input is a flat, unpadded batch of T tokens from many sequences; the step's attention metadata
 (engine.attention.StepAttention: the torch backend's, or the Triton one's on CUDA) tells each layer
@@ -6,6 +6,8 @@ where every token's keys/values go and which context each query reads.
 """
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,8 @@ from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, QKVParall
                                  RowParallelLinear, TPContext, VocabParallelEmbedding)
 from engine.model.rope import RopeStep, RotaryEmbedding, apply_rope
 from engine.model_source import SUPPORTED_MODEL_TYPES
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,9 @@ class ModelArch:
     tie_word_embeddings: bool
     attention_bias: bool
     mlp_bias: bool
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k before RoPE
+    sliding_window: int | None = None  # the checkpoint's attention window, where one applies
+
 
     @classmethod
     def from_hf(cls, cfg) -> "ModelArch":
@@ -48,16 +55,22 @@ class ModelArch:
         # have `rope_theta` plus an optional `rope_scaling` dict.
         rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
         theta = rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", None) or 10000.0
+        window = _sliding_window(cfg)
+        positions = cfg.max_position_embeddings
+        if window is not None and window < positions:
+            _warn_window_cap(cfg.model_type, window, positions)
+            positions = window
         return cls(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
             num_layers=cfg.num_hidden_layers, num_heads=heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             rms_norm_eps=cfg.rms_norm_eps, rope_theta=float(theta), rope_scaling=rope or None,
-            max_position_embeddings=cfg.max_position_embeddings,
+            max_position_embeddings=positions,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(cfg, "attention_bias", cfg.model_type == "qwen2")),
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=cfg.model_type == "qwen3", sliding_window=window,
         )
 
     def check_tp(self, tp_size: int) -> None:
@@ -78,6 +91,24 @@ class ModelArch:
         return max(1, self.num_kv_heads // tp_size)
 
 
+def _sliding_window(cfg) -> int | None:
+    """The window of a checkpoint whose layers (any of them) attend over one: Mistral's
+    `sliding_window`; Qwen2/3's where `layer_types` names sliding layers (their configs keep
+    `sliding_window` only with `use_sliding_window`)."""
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return int(window)
+
+
+@functools.cache  # once per process, however often a config is read
+def _warn_window_cap(model_type: str, window: int, positions: int) -> None:
+    logger.warning("%s attends over a sliding window of %d tokens, which kvserve does not implement: contexts are "
+                   "capped at %d tokens (max_position_embeddings %d), where the window and full attention agree",
+                   model_type, window, window, positions)
+
+
 class Attention(nn.Module):
     def __init__(self, a: ModelArch, tp: TPContext, dtype: torch.dtype) -> None:
         super().__init__()
@@ -87,12 +118,19 @@ class Attention(nn.Module):
         self.scale = a.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, a.attention_bias, tp, dtype)
         self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, False, tp, dtype)
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, rope: RopeStep, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: StepAttention) -> torch.Tensor:
         T = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
+        if self.q_norm is not None:
+            qkv = self._norm_qk(qkv, q_size, kv_size)
         if rope.fused:
             q = meta.rope_write_kv(qkv, rope.cos, rope.sin, rope.positions, *kv_cache, self.num_heads,
                                    self.num_kv_heads, self.head_dim)
@@ -105,6 +143,15 @@ class Attention(nn.Module):
             meta.write_kv(kv_cache[0], kv_cache[1], k, v)
         o = meta.attend(q, kv_cache[0], kv_cache[1], self.scale)  # (T, H, D)
         return self.o_proj(o.reshape(T, q_size))
+
+    def _norm_qk(self, qkv: torch.Tensor, q_size: int, kv_size: int) -> torch.Tensor:
+        """qkv with every head of q and of k RMS-normalised over its head_dim (Qwen3), as rows of
+        (T * heads, head_dim) so that the norm takes its fused kernels; v as it was."""
+        T, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = self.q_norm(q.reshape(T * self.num_heads, d)).view(T, q_size)
+        k = self.k_norm(k.reshape(T * self.num_kv_heads, d)).view(T, kv_size)
+        return torch.cat([q, k, v], dim=-1)
 
 
 class MLP(nn.Module):
