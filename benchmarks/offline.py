@@ -290,7 +290,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a workload's defaults (see above)")
     p.add_argument("--model", default=None, help="local model dir (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--random-weights", default=None, metavar="SHAPE",
-                   help="instead of --model: random weights of this shape (smollm2-135m), made once in --model-cache")
+                   help="instead of --model: random weights of this shape (smollm2-135m, qwen3-0.6b, tiny), made once in --model-cache")
     p.add_argument("--model-cache", default=None, metavar="DIR",
                    help="where --random-weights models are made (default: $KVSERVE_CACHE/random-models)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",

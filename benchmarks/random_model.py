@@ -19,6 +19,12 @@ SHAPES = {
                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
                          rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
                          bos_token_id=1, eos_token_id=2, pad_token_id=2),
+    # Qwen3-0.6B, nano-vllm's and mini-sglang's model for this workload: 28 layers, hidden 1024,
+    # 16 heads / 8 KV heads of 128, per-head q/k norms, tied embeddings (its tokenizer is synthesized)
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2),
     # SmolLM2's vocabulary around a forward that costs next to nothing: the engine's own host work
     "tiny": dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
@@ -31,16 +37,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def make_random_model(out_dir: Path, shape: str = "smollm2-135m", dtype: str = "bfloat16",
                       tokenizer_dir: str | None = None, seed: int = 0) -> Path:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     out_dir = Path(out_dir)
     if (out_dir / "model.safetensors").exists() and (out_dir / "tokenizer.json").exists():
         return out_dir  # made before (same arguments assumed)
     torch.manual_seed(seed)
-    config = LlamaConfig(**SHAPES[shape])
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()  # HF's init: normal(0, 0.02)
+    params = dict(SHAPES[shape])
+    config = AutoConfig.for_model(params.pop("model_type", "llama"), **params)
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype)).eval()  # HF's init: normal(0, 0.02)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer_dir and not _vocab_fits(tokenizer_dir, config.vocab_size):
+        print(f"{tokenizer_dir}'s tokenizer does not cover {config.vocab_size} ids: synthesizing one")
+        tokenizer_dir = None
     if tokenizer_dir:
         for name in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / name).exists():
@@ -48,6 +58,12 @@ def make_random_model(out_dir: Path, shape: str = "smollm2-135m", dtype: str = "
     else:
         synthetic_tokenizer(config.vocab_size).save_pretrained(out_dir)
     return out_dir
+
+
+def _vocab_fits(tokenizer_dir: str, vocab_size: int) -> bool:
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(tokenizer_dir)) >= vocab_size
 
 
 def synthetic_tokenizer(vocab_size: int):
