@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -247,7 +248,8 @@ def run_serve(ns: argparse.Namespace) -> int:
         try:
             serve.run(app, name=APP_NAME, route_prefix="/")
         except RuntimeError as e:
-            print(f"kvserve: error: the application failed to start: {e}", file=sys.stderr)
+            print(f"kvserve: error: the application failed to start: {_startup_failure(serve.status(), APP_NAME) or e}",
+                  file=sys.stderr)
             return 1
         print(ready_message(ns.host, ns.port, served_model_name(engine, options), options.api_key), flush=True)
         _wait_for_stop_signal()
@@ -264,6 +266,23 @@ def run_serve(ns: argparse.Namespace) -> int:
                 ray.shutdown()
         else:
             serve.delete(APP_NAME)
+
+
+def _startup_failure(status, app_name: str) -> str:
+    """The reason a deployment of the app failed, from Serve's status: its message ends with the
+    replica constructor's traceback, whose last line names the error ("ValueError: KV cache budget
+    ..."). '' when no deployment says why."""
+    app = status.applications.get(app_name)
+    reasons = []
+    for name, deployment in (app.deployments.items() if app else ()):
+        if str(deployment.status).rsplit(".", 1)[-1] in ("DEPLOY_FAILED", "UNHEALTHY") and deployment.message:
+            lines = [line for line in deployment.message.strip().splitlines() if line.strip()]
+            errors = [line for line in lines if not line[0].isspace() and _ERROR_LINE.match(line)]
+            reasons.append(f"{name}: {(errors or lines)[-1].strip()}")
+    return "; ".join(reasons)
+
+
+_ERROR_LINE = re.compile(r"^[\w.]+(Error|Exception|Exit|Interrupt)\b")
 
 
 def _ask_each(method, timeout_s: float) -> dict[str, int]:

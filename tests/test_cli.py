@@ -202,6 +202,48 @@ def test_a_replica_no_ray_node_can_hold_is_one_error_line_after_ray_starts(tmp_p
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def test_a_replica_that_fails_to_start_is_named_with_its_error(tmp_path, smollm2_path):
+    """The engine replica's constructor raises (a KV budget that holds no block): Serve retries it
+    and gives up with "Failed to update the deployments"; the error line gives the replica's own
+    error, not only Serve's, and exits 1."""
+    from tests.local_serve import free_port
+    from tests.tiny_llama import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "tiny", tokenizer_dir=smollm2_path)
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--port",
+                             str(free_port()), "--max-model-len", "256", "--device", "cpu", "--kv-cache-memory", "1000"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        stderr = proc.communicate(timeout=300)[1]
+        assert proc.returncode == 1, stderr
+        errors = [line for line in stderr.splitlines() if line.startswith("kvserve: error: ")]
+        assert errors == ["kvserve: error: the application failed to start: EngineServer: ValueError: KV cache "
+                          "budget of 1000 bytes holds 0 blocks of 8192 bytes; raise --kv-cache-memory / "
+                          "--gpu-memory-utilization or lower --block-size"], stderr
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_startup_failure_reads_each_failed_deployments_last_error_line():
+    from types import SimpleNamespace as NS
+
+    from cluster.serve_cli import _startup_failure
+
+    traceback = ("The deployment failed to start 3 times in a row. See controller logs for details. Error:\n"
+                 "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n    raise OSError('x')\n"
+                 "engine.model_source.ModelError: no config.json\n")
+    status = NS(applications={"kvserve": NS(deployments={
+        "OpenAIIngress": NS(status="DeploymentStatus.HEALTHY", message=""),
+        "EngineServer": NS(status="DeploymentStatus.DEPLOY_FAILED", message=traceback),
+        "Other": NS(status="DeploymentStatus.UNHEALTHY", message="health check timed out\n"),
+    })})
+    assert _startup_failure(status, "kvserve") == ("EngineServer: engine.model_source.ModelError: no config.json; "
+                                                   "Other: health check timed out")
+    assert _startup_failure(status, "missing") == ""
+
+
 def _sid(pid: int) -> int | None:
     try:
         return os.getsid(pid)
