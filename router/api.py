@@ -27,11 +27,12 @@ from collections.abc import Awaitable, Callable
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.version import kvserve_version
+from router.cluster_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.errors import OpenAIError, from_validation_error, internal_error
 from router.protocol import (REQUEST_ID_PATTERN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              TokenizeRequest)
@@ -173,7 +174,8 @@ def _digest(key: str) -> bytes:
 
 
 def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
-              admission: Admission | None = None) -> FastAPI:
+              admission: Admission | None = None, metrics: Callable[[], Awaitable[str]] | None = None) -> FastAPI:
+    """`metrics`: the Prometheus page GET /metrics serves (router.cluster_metrics); empty without."""
     settings = serving.settings
     admission = admission or Admission(settings.retry_after_s)
     expected = _digest(settings.api_key) if settings.api_key else None
@@ -201,6 +203,10 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     @app.get("/version")  # vLLM's: the server's version, no key needed
     async def server_version():
         return {"version": kvserve_version()}
+
+    @app.get("/metrics", include_in_schema=False)  # vLLM's place for them; no key needed, as vLLM's
+    async def prometheus_metrics():
+        return Response(await metrics() if metrics is not None else "", media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/ready")
     async def is_ready():

@@ -27,6 +27,7 @@ from engine.errors import EngineDeadError, InvalidRequestError
 from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParams
 from router.api import Admission, build_api
+from router.cluster_metrics import ClusterMetrics
 from router.errors import from_invalid_request, overloaded, unavailable
 from router.response_store import ResponseStore
 from router.serving import OpenAIServing
@@ -208,9 +209,10 @@ class OpenAIIngress:
                                       HandleResponseStore(store) if store is not None else None)
 
         self._admission = Admission(settings.retry_after_s)
+        self._metrics = ClusterMetrics()
 
     def __serve_build_asgi_app__(self):
-        return build_api(self._serving, ready=self.ready, admission=self._admission)
+        return build_api(self._serving, ready=self.ready, admission=self._admission, metrics=self._metrics.page)
 
     async def drain(self, exclude: list[str] = ()) -> dict:
         """Stop taking requests (503 + Retry-After, /ready 503); -> this replica's id and how many

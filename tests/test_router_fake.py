@@ -117,6 +117,32 @@ def test_engine_metrics_reach_rays_prometheus_export(http):
         assert labels["replica"], labels
 
 
+def test_api_ports_metrics_page_has_the_same_engine_series(http):
+    """GET /metrics on the API port (where vLLM users scrape) serves the ray_kvserve_* series of
+    the nodes' exports, names, labels and values unchanged."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def page_samples() -> dict:
+        r = http.get("/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+        out = {}
+        for family in text_string_to_metric_families(r.text):
+            assert family.name.startswith("ray_kvserve_"), family.name
+            for sample in family.samples:
+                out.setdefault(sample.name, []).append((sample.labels, sample.value))
+        return out
+
+    assert http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}).status_code == 200
+    deadline = time.monotonic() + 30
+    while True:  # the two reads agree once the export is settled (the page is at most 1 s old)
+        exported = settled_samples()
+        time.sleep(1.1)
+        if page_samples() == exported or time.monotonic() > deadline:
+            break
+    assert page_samples() == exported
+    assert value(exported, "ray_kvserve_request_success_total", application="kvserve") >= 1
+
+
 def test_internal_error_is_a_bare_500(http):
     r = http.post("/v1/completions", json={"prompt": [FAIL_TOKEN_ID, 1, 2], "max_tokens": 5})
     assert r.status_code == 500
