@@ -21,6 +21,7 @@ import time
 
 from cluster.engine_args import add_engine_args, engine_config_from_args, parse_bytes
 from cluster.policy import ROUTERS
+from router.reasoning import PARSERS as REASONING_PARSERS
 
 _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_replicas", "max_ongoing_requests",
                 "max_queued_requests", "max_request_body_bytes", "max_sequences_per_request",
@@ -29,7 +30,7 @@ _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_rep
                 "downscale_delay_s", "target_kv_usage", "target_ongoing_requests", "look_back_period_s",
                 "graceful_shutdown_timeout_s", "engine_cls", "cpu_threads", "generation_config",
                 "override_generation_config", "chat_template", "allowed_origins", "allowed_methods",
-                "allowed_headers", "allow_credentials")
+                "allowed_headers", "allow_credentials", "reasoning_parser")
 
 
 def add_serve_parser(commands) -> argparse.ArgumentParser:
@@ -70,6 +71,9 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     http.add_argument("--tool-call-parser", choices=["hermes"],
                       help="accepted for vLLM's command lines: tool calls are parsed as Hermes' "
                            "<tool_call> blocks, the one format here")
+    http.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS),
+                      help="chat replies' <think>...</think> reasoning goes to message.reasoning (and "
+                           "reasoning_content), the rest to content; both names read the same tags (default: none)")
     http.add_argument("--generation-config", metavar="auto|vllm|DIR",
                       help="sampling defaults of requests that leave them unset: auto (the model's "
                            "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "

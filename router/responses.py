@@ -6,6 +6,10 @@ choice comes back as a response object, or as the Responses stream's typed event
     response.content_part.added, response.output_text.delta ..., response.output_text.done,
     response.content_part.done, response.output_item.done, response.completed (or .incomplete)
 
+With a reasoning parser (router.reasoning) the reply's reasoning comes first, as a `reasoning`
+item with one `reasoning_text` part (response.reasoning_text.delta events); given back as input,
+such items are accepted and left out of the prompt.
+
 Function tools run as chat's tools (router.tools): a call in the reply becomes a `function_call`
 output item (streamed as response.function_call_arguments.delta events), and the next request
 gives back `function_call` and `function_call_output` input items, which become the assistant's
@@ -31,6 +35,7 @@ from pydantic import Field, TypeAdapter, ValidationError, field_validator, model
 from router.errors import bad_request, from_validation_error
 from router.formatting import Accumulator
 from router.protocol import ChatCompletionRequest, _Model, _schema_size_ok
+from router.reasoning import ReasoningStream
 from router.tool_parser import CLOSE
 from router.tools import ToolPlan
 
@@ -75,6 +80,16 @@ class FunctionCallOutputItem(_CallItem):
         return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
 
 
+class ReasoningItem(_Model):
+    """An earlier reply's reasoning given back as input (as clients replay output items): accepted
+    and left out of the prompt, as chat templates leave earlier turns' reasoning out."""
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] | None = None
+    status: str | None = None
+
+
 class FunctionTool(_Model):
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=64)
@@ -92,7 +107,7 @@ class FunctionChoice(_Model):
     name: str
 
 
-InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 _ITEMS = TypeAdapter(list[InputItem])
 
 
@@ -112,7 +127,7 @@ def item_dicts(items: str | list[InputItem]) -> list[dict]:
         if isinstance(item, InputMessage):
             parts = [InputText(type="input_text", text=item.content)] if isinstance(item.content, str) else item.content
             d.update(content=[p.model_dump() for p in parts], status="completed")
-        d["id"] = d.get("id") or _new_id("msg" if isinstance(item, InputMessage) else "fc")
+        d["id"] = d.get("id") or _new_id({InputMessage: "msg", ReasoningItem: "rs"}.get(type(item), "fc"))
         out.append(d)
     return out
 
@@ -126,6 +141,8 @@ def chat_messages(items: list[InputItem]) -> list[dict]:
             out.append(item.to_chat())
         elif isinstance(item, FunctionCallOutputItem):
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+        elif isinstance(item, ReasoningItem):
+            continue
         else:
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             if not (out and out[-1]["role"] == "assistant"):
@@ -217,7 +234,8 @@ class ResponsesRequest(_Model):
             if getattr(self, name):
                 raise ValueError(f"{name} is not supported in /v1/responses: {why}")
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            raise ValueError("reasoning is not supported in /v1/responses: the served model does not reason")
+            raise ValueError("reasoning is not supported in /v1/responses: its effort and summaries cannot be set "
+                             "here (--reasoning-parser returns a thinking model's reasoning as it is)")
         if self.truncation == "auto":
             raise ValueError("truncation auto is not supported: a prompt over the context length is a 400")
         return self
@@ -261,14 +279,17 @@ def responses_field(chat_field: str) -> str:
 
 class ResponseReply:
     """One request's response object and stream events. Its output items, in the order they
-    form: the message (one output_text part) when the reply has text, and a function_call item
-    per call the reply made (chat's tool plan parses them out of the text)."""
+    form: a reasoning item (one reasoning_text part) when a reasoning parser found reasoning, the
+    message (one output_text part) when the reply has text, and a function_call item per call
+    the reply made (chat's tool plan parses them out of the text)."""
 
     def __init__(self, req: ResponsesRequest, model: str, created: int, plan: ToolPlan,
-                 store: Callable[[dict], Awaitable[bool]] | None = None) -> None:
+                 store: Callable[[dict], Awaitable[bool]] | None = None, thinking: bool | None = None) -> None:
         """`store(response)`: keeps the finished response (before a stream's last event goes out,
-        so a follow-up sent on that event finds it) and says whether it did."""
-        self.req, self.model, self.created, self.plan = req, model, created, plan
+        so a follow-up sent on that event finds it) and says whether it did. `thinking`: as the
+        chat path's (router.reasoning): None, the reply is not split; else whether it opens
+        inside its reasoning."""
+        self.req, self.model, self.created, self.plan, self.thinking = req, model, created, plan, thinking
         self.id = _new_id("resp")
         self._seq = itertools.count()
         self._store = store
@@ -371,6 +392,9 @@ class _StreamedOutput:
     def __init__(self, reply: ResponseReply) -> None:
         self.reply = reply
         self.parser = reply.plan.stream() if reply.plan.calls_tools else None
+        self.splitter = ReasoningStream(reply.thinking) if reply.thinking is not None else None
+        self.reasoning: dict | None = None  # its item, once reasoning came
+        self.reasoning_text: list[str] = []
         self.items: list[dict] = []
         self.message: dict | None = None
         self.text: list[str] = []
@@ -378,7 +402,25 @@ class _StreamedOutput:
 
     def feed(self, text: str, finish_reason: str | None) -> list[str]:
         """One piece of the reply's text -> its events."""
-        return self.add(self.parser.step(text, finish_reason)[0] if self.parser is not None else {"content": text})
+        events = []
+        if self.splitter is not None:
+            reasoning, text = self.splitter.step(text, final=finish_reason is not None)
+            if reasoning:
+                events += self._reason(reasoning)
+        return events + self.add(self.parser.step(text, finish_reason)[0] if self.parser is not None
+                                 else {"content": text})
+
+    def _reason(self, text: str) -> list[str]:
+        event, events = self.reply.event, []
+        if self.reasoning is None:
+            self.reasoning = {"type": "reasoning", "id": _new_id("rs"), "summary": [], "content": [],
+                              "status": "in_progress"}
+            self.items.append(self.reasoning)
+            events += [event("response.output_item.added", output_index=len(self.items) - 1, item=dict(self.reasoning)),
+                       event("response.content_part.added", **self._at(self.reasoning), part=_reasoning_part(""))]
+        self.reasoning_text.append(text)
+        events.append(event("response.reasoning_text.delta", **self._at(self.reasoning), delta=text))
+        return events
 
     def add(self, delta: dict) -> list[str]:
         events = []
@@ -404,7 +446,10 @@ class _StreamedOutput:
                 self.reply.event("response.content_part.added", **self._where(), part=_text_part(""))]
 
     def _where(self) -> dict:
-        return {"item_id": self.message["id"], "output_index": self.items.index(self.message), "content_index": 0}
+        return self._at(self.message)
+
+    def _at(self, item: dict) -> dict:
+        return {"item_id": item["id"], "output_index": self.items.index(item), "content_index": 0}
 
     def _call(self, fragment: dict) -> list[str]:
         event = self.reply.event
@@ -425,6 +470,12 @@ class _StreamedOutput:
 
     def finish(self, status: str) -> list[str]:
         event, events = self.reply.event, []
+        if self.reasoning is not None:
+            text = "".join(self.reasoning_text)
+            where = self._at(self.reasoning)
+            events += [event("response.reasoning_text.done", **where, text=text),
+                       event("response.content_part.done", **where, part=_reasoning_part(text))]
+            self.reasoning.update(status="completed", content=[_reasoning_part(text)])
         if self.message is None and not self.calls:  # an empty reply is still a message
             events += self._open_message()
         if self.message is not None:
@@ -448,6 +499,10 @@ def _status(finish_reason: str | None) -> str:
 
 def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
 
 
 def _new_id(prefix: str) -> str:

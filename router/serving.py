@@ -34,6 +34,7 @@ from router.errors import OpenAIError, bad_request, from_invalid_request, intern
 from router.formatting import (SSE_DONE, Accumulator, PromptEcho, chat_logprobs, chat_response,
                                completion_logprobs, completion_response, sse, vllm_prompt_logprobs)
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.reasoning import ReasoningStream, opens_in_reasoning, reasoning_fields, split_reasoning
 from router.response_store import ResponseStore, StoredResponses
 from router.responses import ResponseReply, ResponsesRequest, parse_items, responses_field
 from router.settings import RouterSettings
@@ -217,14 +218,20 @@ class OpenAIServing:
         max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         first, merged = await self._start(engine_rid, [ids], params, "messages", max_param)
         acc = Accumulator([len(ids)], req.n)
+        thinking = self._reasoning_start(params, ids)
         if req.stream:
-            return self._chat_events(rid, req, acc, first, merged, plan, ids)
+            return self._chat_events(rid, req, acc, first, merged, plan, ids, thinking)
         await _collect(acc, first, merged)
         k = (req.top_logprobs or 0) if req.logprobs else None
         token_str = self._token_str(req)
         response = chat_response(rid, int(time.time()), self.settings.served_model_name, acc, k, token_str,
                                  self.token_bytes, req.reply_role)
         for choice in response["choices"]:
+            if self.settings.reasoning_parser is not None:  # the answer, not the reasoning, may hold tool calls
+                message, reasoning = choice["message"], None
+                if thinking is not None:
+                    reasoning, message["content"] = split_reasoning(message["content"], thinking)
+                message.update(reasoning_fields(reasoning))
             if plan.calls_tools:
                 plan.apply(choice)
             if req.echoed_text:  # vLLM's order: after the tool calls took theirs out of the content
@@ -244,7 +251,7 @@ class OpenAIServing:
         history = await self.stored.conversation(req.previous_response_id)
         plan, params, ids = await self._chat_prompt(req.chat_request(parse_items(history)), field=responses_field)
         reply = ResponseReply(req, self.settings.served_model_name, int(time.time()), plan,
-                              self.stored.keeper(req, history))
+                              self.stored.keeper(req, history), self._reasoning_start(params, ids))
         first, merged = await self._start(reply.id, [ids], params, "input", "max_output_tokens")
         acc = Accumulator([len(ids)], 1)
         if req.stream:
@@ -394,20 +401,33 @@ class OpenAIServing:
 
         return self._sse(rid, "text_completion", req.stream_usage, acc, first, merged, [], choice)
 
-    def _chat_events(self, rid: str, req: ChatCompletionRequest, acc: Accumulator, first,
-                     merged: AsyncIterator, plan: ToolPlan, prompt_ids: list[int]) -> AsyncIterator[str]:
+    def _reasoning_start(self, params: SamplingParams, prompt_ids: list[int]) -> bool | None:
+        """With a reasoning parser: whether a reply opens inside its reasoning (router.reasoning);
+        None when replies are not split: no parser, or a grammar that governs the whole reply."""
+        if self.settings.reasoning_parser is None or params.structured_outputs is not None:
+            return None
+        return opens_in_reasoning(self.tokenizer.decode(prompt_ids[-4:]))
+
+    def _chat_events(self, rid: str, req: ChatCompletionRequest, acc: Accumulator, first, merged: AsyncIterator,
+                     plan: ToolPlan, prompt_ids: list[int], thinking: bool | None) -> AsyncIterator[str]:
         k = (req.top_logprobs or 0) if req.logprobs else None
         token_str = self._token_str(req)
         calls = [plan.stream() for _ in acc.choices] if plan.calls_tools else None
+        splits = [ReasoningStream(thinking) for _ in acc.choices] if thinking is not None else None
 
         def choice(i: int, c: ChoiceDelta) -> dict | None:
             lps = None if k is None else chat_logprobs(c.token_ids, c.logprobs or [], k, token_str, self.token_bytes)
-            delta = {"content": c.text} if c.text or c.token_ids else {}
-            finish_reason = c.finish_reason
+            text, finish_reason, head = c.text, c.finish_reason, {}
+            if splits is not None:  # reasoning first; what follows it is the answer
+                reasoning, text = splits[i].step(c.text, final=finish_reason is not None)
+                head = reasoning_fields(reasoning) if reasoning else {}
+            delta = {"content": text} if text or (c.token_ids and splits is None) else {}
             if calls is not None:  # tool calls: name first, then argument fragments
-                delta, finish_reason = calls[i].step(c.text, c.finish_reason)
-                if not delta and finish_reason is None and lps is None and not req.return_token_ids:
-                    return None  # text held back (it may be a call): no empty chunk, as vLLM
+                delta, finish_reason = calls[i].step(text, c.finish_reason)
+            delta = {**head, **delta}
+            if (calls is not None or splits is not None) and not delta and finish_reason is None \
+                    and lps is None and not req.return_token_ids:
+                return None  # text held back (it may be a call or a tag): no empty chunk, as vLLM
             out = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish_reason,
                    "stop_reason": c.stop_reason}
             if req.return_token_ids:  # every token's id, held-back text's too

@@ -5,6 +5,8 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from router.reasoning import PARSERS as REASONING_PARSERS
+
 
 @dataclass(frozen=True)
 class RouterSettings:
@@ -39,6 +41,8 @@ class RouterSettings:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    # vLLM's --reasoning-parser: chat replies' <think> block goes to `reasoning` (router.reasoning)
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not all(isinstance(n, str) and n for n in (self.served_model_name, *self.served_model_aliases)):
@@ -57,6 +61,9 @@ class RouterSettings:
             raise ValueError(f"responses_store_max_bytes must be >= 0, got {self.responses_store_max_bytes}")
         if self.chat_template is not None:
             _check_template(self.chat_template)
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
         if self.overload_status not in (429, 503):
             raise ValueError(f"overload_status must be 429 or 503, got {self.overload_status}")
 

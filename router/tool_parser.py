@@ -64,7 +64,7 @@ def parse_tool_calls(text: str, max_calls: int | None = None, cut: bool = False,
     return content or None, calls
 
 
-def _held_back(text: str, tag: str) -> int:
+def held_back(text: str, tag: str) -> int:
     """How many trailing characters of `text` could be the start of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
@@ -130,7 +130,7 @@ class ToolCallStream(_Stream):
             if not self.in_call:
                 start = self.buffer.find(OPEN)
                 if start == -1:
-                    keep = _held_back(self.buffer, OPEN)
+                    keep = held_back(self.buffer, OPEN)
                     content.append(self.buffer[:len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     break

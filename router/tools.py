@@ -75,8 +75,8 @@ class ToolPlan:
         if self.mode == "named":
             content, calls = None, [call(self.function, message["content"])]
         else:
-            content, calls = parse_tool_calls(message["content"], self.max_calls, choice["finish_reason"] == "length",
-                                              self.accepts)
+            content, calls = parse_tool_calls(message["content"] or "", self.max_calls,
+                                              choice["finish_reason"] == "length", self.accepts)
         message["content"] = content
         if calls:
             message["tool_calls"] = calls

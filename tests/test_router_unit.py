@@ -265,6 +265,9 @@ def test_split_args_routes_keys_and_rejects_unknown_ones():
     cors = router_settings(*split_args(app_args_from_cli(build_parser().parse_args(
         ["serve", "--allowed-origins", '["https://a.example"]', "--allow-credentials"]))))
     assert (cors.allowed_origins, cors.allowed_methods, cors.allow_credentials) == (("https://a.example",), ("*",), True)
+    parsed = router_settings(*split_args(app_args_from_cli(build_parser().parse_args(
+        ["serve", "--reasoning-parser", "deepseek_r1"]))))
+    assert parsed.reasoning_parser == "deepseek_r1"
     with pytest.raises(ValueError, match="max_queued_requests"):
         split_args({"max_queued_requests": 0})
 
@@ -377,6 +380,8 @@ def test_serve_rejects_bad_flags_in_one_line_before_starting_ray():
                         (["/nonexistent/model"], "model path '/nonexistent/model' does not exist"),  # vLLM's MODEL
                         (["/m", "--model", "/n"], "the model is given twice: /m and --model /n"),
                         (["--tool-call-parser", "mistral"], "invalid choice: 'mistral' (choose from 'hermes')"),
+                        (["--reasoning-parser", "granite"], "invalid choice: 'granite' (choose from 'deepseek_r1', "
+                                                            "'qwen3')"),
                         (["--override-generation-config", '{"temperature": 9}'],
                          "temperature: Input should be less than or equal to 2"),
                         (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "256", "--max-model-len", "1024"],

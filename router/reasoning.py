@@ -1,0 +1,73 @@
+"""Reasoning split from the answer, as vLLM's `--reasoning-parser` does for chat replies.
+
+Thinking models (Qwen3, DeepSeek-R1 and its distills, QwQ) write their reasoning between
+`<think>` and `</think>`, then the answer. A reply begins inside the reasoning when the chat
+template opened the block itself (DeepSeek-R1's and Qwen3.5's end the prompt with `<think>`), or
+when the reply's own text begins with `<think>`:
+
+    prompt ... <think>\n | reasoning ... </think> | answer       (the template opened it)
+    prompt ...           | <think> reasoning ... </think> | answer
+    prompt ...           | answer                               (thinking off: all content)
+
+The reasoning goes to the message's `reasoning` (vLLM's current name) and `reasoning_content`
+(its earlier one, which clients such as LangChain still read); the tags are dropped, the answer
+is `content`, where tool calls are then looked for. A reply cut before `</think>` is all
+reasoning. `deepseek_r1` and `qwen3` name the same rule: both models use these tags.
+"""
+from __future__ import annotations
+
+from router.tool_parser import held_back
+
+PARSERS = ("deepseek_r1", "qwen3")
+START, END = "<think>", "</think>"
+
+
+def opens_in_reasoning(prompt_tail: str) -> bool:
+    """Whether the prompt's last text (a few tokens decoded) leaves the reply inside the block."""
+    return prompt_tail.rstrip().endswith(START)
+
+
+def split_reasoning(text: str, in_reasoning: bool) -> tuple[str | None, str | None]:
+    """A whole reply -> (reasoning, content), each None where empty."""
+    if not in_reasoning:
+        stripped = text.lstrip()
+        if not stripped.startswith(START):
+            return None, text or None
+        text = stripped[len(START):]
+    reasoning, closed, content = text.partition(END)
+    return reasoning or None, (content if closed else "") or None
+
+
+def reasoning_fields(reasoning: str | None) -> dict:
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+
+class ReasoningStream:
+    """The same split over a stream's text deltas: step(text) -> (reasoning delta, content delta).
+    Text that may be the start of a tag is held back until the next delta tells (or the end)."""
+
+    def __init__(self, in_reasoning: bool) -> None:
+        self.state = "reasoning" if in_reasoning else "start"  # start: not yet known whether <think> opens it
+        self.held = ""
+
+    def step(self, text: str, final: bool = False) -> tuple[str, str]:
+        buf, self.held = self.held + text, ""
+        if self.state == "start":
+            stripped = buf.lstrip()
+            if stripped.startswith(START):
+                self.state, buf = "reasoning", stripped[len(START):]
+            elif START.startswith(stripped) and not final:  # "", "<", "<th", ...: wait and see
+                self.held = buf
+                return "", ""
+            else:
+                self.state = "content"
+        if self.state == "content":
+            return "", buf
+        reasoning, closed, content = buf.partition(END)
+        if closed:
+            self.state = "content"
+            return reasoning, content
+        keep = 0 if final else held_back(buf, END)
+        self.held = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep], ""
+

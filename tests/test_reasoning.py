@@ -1,0 +1,149 @@
+"""--reasoning-parser: a chat reply's <think> block to `reasoning`, whole and streamed, through the
+real HTTP app and the official openai client over a scripted engine (router.reasoning)."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.reasoning import ReasoningStream, opens_in_reasoning, split_reasoning
+from tests.scripted_engine import run
+from tests.test_tools import CALL, TOOLS, USER, create
+
+THINKING = {"reasoning_parser": "qwen3"}
+REPLY = "<think>\nThe user asks about Paris.\n</think>\n\nParis is in France."
+
+
+def _whole(tokenizer, script, settings=THINKING, **kwargs):
+    r, engine = run(tokenizer, script, create(**kwargs), settings=settings)
+    return r.choices[0], engine
+
+
+def _streamed(tokenizer, script, settings=THINKING, **kwargs):
+    async def go(client):
+        stream = await create(stream=True, **kwargs)(client)
+        return [c async for c in stream]
+    chunks, _ = run(tokenizer, script, go, settings=settings)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    reasoning = "".join(getattr(d, "reasoning", None) or "" for d in deltas)
+    assert reasoning == "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    return reasoning, "".join(d.content or "" for d in deltas), chunks
+
+
+def test_reasoning_and_answer_come_apart_whole_and_streamed(tokenizer):
+    choice, _ = _whole(tokenizer, REPLY)
+    msg = choice.message.model_dump()
+    assert msg["reasoning"] == msg["reasoning_content"] == "\nThe user asks about Paris.\n"
+    assert msg["content"] == "\n\nParis is in France." and choice.finish_reason == "stop"
+    reasoning, content, chunks = _streamed(tokenizer, REPLY)
+    assert (reasoning, content) == (msg["reasoning"], msg["content"])
+    assert all("<think>" not in (c.choices[0].delta.content or "") for c in chunks if c.choices)
+
+
+def test_without_a_parser_the_tags_stay_in_the_content(tokenizer):
+    choice, _ = _whole(tokenizer, REPLY, settings={})
+    assert choice.message.content == REPLY and "reasoning" not in choice.message.model_dump()
+
+
+def test_thinking_off_is_all_content_and_a_cut_reply_all_reasoning(tokenizer):
+    choice, _ = _whole(tokenizer, "Paris is in France.")
+    assert (choice.message.reasoning, choice.message.content) == (None, "Paris is in France.")
+    cut, _ = _whole(tokenizer, "<think>Let me think about this for a wh")
+    assert (cut.message.reasoning, cut.message.content) == ("Let me think about this for a wh", None)
+    assert _streamed(tokenizer, "<think>Let me think about this for a wh")[:2] == ("Let me think about this for a wh", "")
+
+
+def test_a_template_that_opens_the_block_starts_the_reply_inside_it(tokenizer):
+    """DeepSeek-R1's (and Qwen3.5's) template ends the prompt with <think>: no opening tag comes."""
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant: <think>\n{% endif %}")
+    settings = {"reasoning_parser": "deepseek_r1", "chat_template": template}
+    choice, _ = _whole(tokenizer, "Paris, surely.</think>The capital is Paris.", settings=settings)
+    assert (choice.message.reasoning, choice.message.content) == ("Paris, surely.", "The capital is Paris.")
+    assert _streamed(tokenizer, "Paris, surely.</think>The capital is Paris.", settings=settings)[:2] == \
+        ("Paris, surely.", "The capital is Paris.")
+
+
+def test_tool_calls_are_read_from_the_answer_only(tokenizer):
+    script = f"<think>I should call get_weather.</think>\n<tool_call>\n{CALL}\n</tool_call>"
+    choice, _ = _whole(tokenizer, script, tools=TOOLS)
+    assert choice.message.reasoning == "I should call get_weather." and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Paris"
+    assert choice.finish_reason == "tool_calls"
+    reasoning, content, chunks = _streamed(tokenizer, script, tools=TOOLS)
+    assert (reasoning, content) == ("I should call get_weather.", "")
+    assert [tc.function.name for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []] == \
+        ["get_weather"]
+
+
+def test_a_grammar_governs_the_whole_reply_so_nothing_is_split(tokenizer):
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    choice, engine = _whole(tokenizer, '{"a": "<think>"}', response_format=fmt)
+    assert choice.message.content == '{"a": "<think>"}' and choice.message.reasoning is None
+    assert engine.seen[0][1].structured_outputs is not None
+
+
+def test_unknown_parser_is_refused():
+    from router.settings import RouterSettings
+
+    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3"):
+        RouterSettings(served_model_name="m", reasoning_parser="granite")
+
+
+def test_opens_in_reasoning():
+    assert opens_in_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not opens_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # Qwen3, thinking off
+    assert not opens_in_reasoning("<|im_start|>assistant\n")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["<think>a</think>b", " <think>\nx</thi", "no tags </think> here", "<thin", "",
+                        "<think></think>", "a</think></think>b", "<<think>>x</think>"]),
+       st.booleans(), st.integers(0, 2 ** 32 - 1))
+def test_the_stream_adds_up_to_the_whole_split_under_any_chunking(text, opened, seed):
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 6))))
+    pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    stream, reasoning, content = ReasoningStream(opened), "", ""
+    for k, piece in enumerate(pieces):
+        r, c = stream.step(piece, final=k == len(pieces) - 1)
+        reasoning, content = reasoning + r, content + c
+    assert (reasoning or None, content or None) == split_reasoning(text, opened)
+
+
+# -- /v1/responses: a reasoning item before the message ----------------------------------------------
+
+def test_responses_give_the_reasoning_its_own_item_whole_and_streamed(tokenizer):
+    async def go(client):
+        whole = await client.responses.create(model="m", input="Where is Paris?")
+        stream = await client.responses.create(model="m", input="Where is Paris?", stream=True)
+        events = [e async for e in stream]
+        # Given back as input, as clients replay output items: accepted, kept out of the prompt.
+        replayed = [item.model_dump(exclude_none=True) for item in whole.output]
+        again = await client.responses.create(model="m", input=[*replayed, {"role": "user", "content": "And Rome?"}])
+        follow = await client.responses.create(model="m", input="And Rome?", previous_response_id=whole.id)
+        return whole, events, again, follow
+
+    (whole, events, again, follow), engine = run(tokenizer, REPLY, go, settings=THINKING)
+    reasoning, message = whole.output
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_") and reasoning.summary == []
+    assert [(c.type, c.text) for c in reasoning.content] == [("reasoning_text", "\nThe user asks about Paris.\n")]
+    assert message.type == "message" and whole.output_text == "\n\nParis is in France."
+
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning.content[0].text
+    (done,) = [e for e in events if e.type == "response.reasoning_text.done"]
+    assert done.text == reasoning.content[0].text and done.output_index == 0
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+
+    assert again.output_text == follow.output_text == whole.output_text
+    for prompt, _ in engine.seen[2:]:  # the earlier reply's answer is in the prompt, its reasoning is not
+        text = tokenizer.decode(prompt)
+        assert "Paris is in France." in text and "asks about Paris" not in text
