@@ -29,7 +29,7 @@ def tokenizer_dir(request):
     return os.environ.get("KVSERVE_TEST_TOKENIZER_DIR") or request.getfixturevalue("smollm2_path")
 
 
-@pytest.fixture(scope="module", params=["gqa-float32", "tied-float32", "gqa-bfloat16"])
+@pytest.fixture(scope="module", params=["gqa-float32", "tied-float32", "gqa-bfloat16", "qwen3-float32"])
 def case(request, tmp_path_factory, tokenizer_dir):
     kind, dtype = request.param.split("-")
     d = make_tiny_llama(tmp_path_factory.mktemp(kind), tokenizer_dir, kind)
