@@ -174,9 +174,9 @@ def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_
             proc.wait()
 
 
-def test_a_replica_no_ray_node_can_hold_is_one_error_line_after_ray_starts(tmp_path, smollm2_path):
-    """The node check needs Ray up, so it fails after Ray started: still one error line, exit 2,
-    no traceback, and no Ray process left behind."""
+def _serve_tiny_until_it_fails(tmp_path, smollm2_path, *flags: str) -> tuple[int, str, list[str]]:
+    """`kvserve serve` on a tiny model with `flags`, which must make it exit; -> (exit code,
+    stderr, the processes of its session still alive a moment after: Ray's stay in it)."""
     import psutil
 
     from tests.local_serve import free_port
@@ -184,46 +184,43 @@ def test_a_replica_no_ray_node_can_hold_is_one_error_line_after_ray_starts(tmp_p
 
     model = make_tiny_llama(tmp_path / "tiny", tokenizer_dir=smollm2_path)
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--port",
-                             str(free_port()), "--max-model-len", "256", "--device", "cpu", "--kv-cache-memory", "64T"],
+                             str(free_port()), "--max-model-len", "256", "--device", "cpu", *flags],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         stderr = proc.communicate(timeout=300)[1]
-        assert proc.returncode == 2, stderr
-        assert "Traceback" not in stderr
-        errors = [line for line in stderr.splitlines() if line.startswith("kvserve: error: ")]
-        assert len(errors) == 1 and "needs" in errors[0] and "memory" in errors[0], stderr
-        # Ray's processes stay in the session the CLI started in.
         time.sleep(2)
-        left = [p for p in psutil.process_iter(["pid"]) if _sid(p.pid) == proc.pid]
-        assert not left, [p.cmdline() for p in left]
+        left = [" ".join(p.cmdline()) for p in psutil.process_iter(["pid"]) if _sid(p.pid) == proc.pid]
+        return proc.returncode, stderr, left
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("kvserve: error: ")]
+
+
+def test_a_replica_no_ray_node_can_hold_is_one_error_line_after_ray_starts(tmp_path, smollm2_path):
+    """The node check needs Ray up, so it fails after Ray started: still one error line, exit 2,
+    no traceback, and no Ray process left behind."""
+    code, stderr, left = _serve_tiny_until_it_fails(tmp_path, smollm2_path, "--kv-cache-memory", "64T")
+    assert code == 2 and "Traceback" not in stderr, stderr
+    errors = _error_lines(stderr)
+    assert len(errors) == 1 and "needs" in errors[0] and "memory" in errors[0], stderr
+    assert not left, left
 
 
 def test_a_replica_that_fails_to_start_is_named_with_its_error(tmp_path, smollm2_path):
     """The engine replica's constructor raises (a KV budget that holds no block): Serve retries it
     and gives up with "Failed to update the deployments"; the error line gives the replica's own
-    error, not only Serve's, and exits 1."""
-    from tests.local_serve import free_port
-    from tests.tiny_llama import make_tiny_llama
-
-    model = make_tiny_llama(tmp_path / "tiny", tokenizer_dir=smollm2_path)
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--port",
-                             str(free_port()), "--max-model-len", "256", "--device", "cpu", "--kv-cache-memory", "1000"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    try:
-        stderr = proc.communicate(timeout=300)[1]
-        assert proc.returncode == 1, stderr
-        errors = [line for line in stderr.splitlines() if line.startswith("kvserve: error: ")]
-        assert errors == ["kvserve: error: the application failed to start: EngineServer: ValueError: KV cache "
-                          "budget of 1000 bytes holds 0 blocks of 8192 bytes; raise --kv-cache-memory / "
-                          "--gpu-memory-utilization or lower --block-size"], stderr
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    error, not only Serve's, exits 1 and leaves no Ray process behind."""
+    code, stderr, left = _serve_tiny_until_it_fails(tmp_path, smollm2_path, "--kv-cache-memory", "1000")
+    assert code == 1, stderr
+    assert _error_lines(stderr) == [
+        "kvserve: error: the application failed to start: EngineServer: ValueError: KV cache budget of 1000 bytes "
+        "holds 0 blocks of 8192 bytes; raise --kv-cache-memory / --gpu-memory-utilization or lower --block-size"], stderr
+    assert not left, left
 
 
 def test_startup_failure_reads_each_failed_deployments_last_error_line():
