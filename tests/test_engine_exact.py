@@ -209,3 +209,20 @@ def test_sliding_window_checkpoint_is_served_within_its_window(tmp_path, smollm2
     _assert_clean(llm)
     with pytest.raises(ValueError, match="max_model_len 256 is more than the model's 128 positions"):
         LLM(model=str(d), max_model_len=256)
+
+
+@pytest.mark.parametrize("field, value, tensor", [
+    ("num_key_value_heads", 1, "model.layers.0.self_attn.k_proj.weight"),  # would be cut to one head
+    ("intermediate_size", 256, "model.layers.0.mlp.down_proj.weight"),  # would be zero-padded
+    ("vocab_size", 600, "model.embed_tokens.weight"),  # would sample rows of zeros
+])
+def test_a_config_that_does_not_match_its_weights_is_refused_naming_the_tensor(tmp_path, smollm2_path, field,
+                                                                               value, tensor):
+    import json
+
+    d = make_tiny_llama(tmp_path / "m", smollm2_path, "qwen3")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=rf"checkpoint tensor '{tensor}' has shape \(\d+, \d+\), but the model's "
+                                         r"config.json makes it \(\d+, \d+\)"):
+        LLM(model=str(d))

@@ -539,3 +539,19 @@ def test_a_rank_measures_its_step_before_sizing_its_pool(tiny_dirs, monkeypatch)
     finally:
         dist.destroy_process_group()
     assert measured == [False] and sized == [1]
+
+
+def test_a_config_that_does_not_match_its_weights_fails_every_rank_naming_the_tensor(ray_cluster, tiny_dirs,
+                                                                                     tmp_path):
+    import json
+    import shutil
+
+    from engine.config import EngineConfig
+    from workers.executor import WorkerGroupError, WorkerGroupExecutor
+
+    d = shutil.copytree(tiny_dirs["gqa"], tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    with pytest.raises(WorkerGroupError, match=r"checkpoint tensor 'model.layers.0.mlp.down_proj.weight' has shape "
+                                               r"\(64, 128\), but the model's config.json makes it \(64, 96\)"):
+        WorkerGroupExecutor(EngineConfig(model=str(d), tensor_parallel_size=2, num_gpu_blocks_override=8))

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.model.layers import Shard, TPContext
+from engine.model.layers import Shard, TPContext, check_checkpoint_shape
 from engine.model.llama import LlamaModel
 from engine.model.loader import check_complete, safetensors_files
 
@@ -66,6 +66,7 @@ def load_sharded(model: LlamaModel, model_dir: str | Path | None, tp: TPContext)
         if target is None:
             continue
         param, shard_id = target
+        check_checkpoint_shape(name, param, shard_id, shape)  # every rank alike: all raise, none waits
         mod_name, _, attr = names[id(param)].rpartition(".")
         layer = modules[mod_name]
         shards = [layer.shard(attr, shard_id, rank=r) for r in range(tp.size)]

@@ -90,6 +90,15 @@ class Shard:
         dst.copy_(piece)
 
 
+def check_checkpoint_shape(name: str, param: nn.Parameter, shard_id, shape) -> None:
+    """Raise unless checkpoint tensor `name` has the shape the config gives it: a mismatch would
+    otherwise be zero-padded or cut to the parameter's shape and served (HF refuses it too)."""
+    expected = tuple(param.full_shape(shard_id))
+    if tuple(shape) != expected:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(shape)}, but the model's config.json "
+                         f"makes it {expected}")
+
+
 class ShardedModule(nn.Module):
     """A layer whose parameters each hold one rank's piece of a checkpoint tensor. Each parameter
     carries `weight_loader(param, full_tensor, shard_id)`, which loads this rank's piece."""
@@ -103,9 +112,15 @@ class ShardedModule(nn.Module):
         part `shard_id`) rank `rank` (default: this layer's) holds. Replicated unless overridden."""
         return Shard()
 
+    def full_shape(self, attr: str, shard_id=None) -> tuple[int, ...]:
+        """The shape the checkpoint tensor of `attr` (part `shard_id`) has, by the model's config:
+        the parameter's own where it is replicated."""
+        return tuple(getattr(self, attr).shape)
+
     def _param(self, attr: str, *shape: int, dtype: torch.dtype) -> nn.Parameter:
         param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
         param.weight_loader = functools.partial(self._load, attr)
+        param.full_shape = functools.partial(self.full_shape, attr)
         setattr(self, attr, param)
         return param
 
@@ -152,6 +167,8 @@ class ColumnParallelLinear(ShardedModule):
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPContext,
                  dtype: torch.dtype, shard_ids: list | None = None) -> None:
         super().__init__(tp)
+        self.in_features = in_features
+        self.full_sizes = list(output_sizes)  # each part's rows in the checkpoint
         self.shard_sizes = [s // tp.size for s in output_sizes]
         self.shard_ids = shard_ids or list(range(len(output_sizes)))
         self._param("weight", sum(self.shard_sizes), in_features, dtype=dtype)
@@ -167,6 +184,10 @@ class ColumnParallelLinear(ShardedModule):
         size = self.shard_sizes[idx]
         rank = self.tp.rank if rank is None else rank
         return Shard(dim=0, start=self._part_index(idx, rank) * size, size=size, offset=sum(self.shard_sizes[:idx]))
+
+    def full_shape(self, attr: str, shard_id=None) -> tuple[int, ...]:
+        rows = self.full_sizes[self.shard_ids.index(shard_id if shard_id is not None else 0)]
+        return (rows, self.in_features) if attr == "weight" else (rows,)
 
     def _part_index(self, idx: int, rank: int) -> int:
         """Which of the equal pieces of packed part `idx` rank holds."""
@@ -185,6 +206,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         local_kv = max(1, num_kv_heads // tp.size)
         super().__init__(hidden, [num_heads * head_dim, local_kv * head_dim * tp.size, local_kv * head_dim * tp.size],
                          bias, tp, dtype, shard_ids=["q", "k", "v"])
+        self.full_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         self.head_dim = head_dim
 
     def _part_index(self, idx: int, rank: int) -> int:
@@ -196,6 +218,7 @@ class RowParallelLinear(ShardedModule):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, dtype: torch.dtype) -> None:
         super().__init__(tp)
+        self.in_features = in_features
         self.in_shard = in_features // tp.size
         self._param("weight", out_features, self.in_shard, dtype=dtype)
         self.weight_codes = None
@@ -211,6 +234,10 @@ class RowParallelLinear(ShardedModule):
             return Shard()
         rank = self.tp.rank if rank is None else rank
         return Shard(dim=1, start=rank * self.in_shard, size=self.in_shard)
+
+    def full_shape(self, attr: str, shard_id=None) -> tuple[int, ...]:
+        out = self.weight.shape[0]
+        return (out, self.in_features) if attr == "weight" else (out,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, codes=self.weight_codes, prepacked=self.weight_prepacked)
@@ -232,6 +259,9 @@ class VocabParallelEmbedding(ShardedModule):
         """Vocabulary rows [rank * rows, (rank+1) * rows), zero past the end of the vocabulary."""
         rank = self.tp.rank if rank is None else rank
         return Shard(dim=0, start=rank * self.rows, size=self.rows)
+
+    def full_shape(self, attr: str, shard_id=None) -> tuple[int, ...]:
+        return self.vocab_size, self.weight.shape[1]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

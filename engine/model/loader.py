@@ -10,7 +10,7 @@ from torch import nn
 
 from engine import cpu_kernels
 from engine.model.codes import encode_for_cpu_decode
-from engine.model.layers import TPContext
+from engine.model.layers import TPContext, check_checkpoint_shape
 from engine.model.llama import LlamaModel, ModelArch
 
 
@@ -38,9 +38,10 @@ def load_weights(model: LlamaModel, model_dir: str | Path) -> int:
                 target = model.param_for(name, params)
                 if target is None:
                     continue
+                param, shard = target
+                check_checkpoint_shape(name, param, shard, f.get_slice(name).get_shape())
                 tensor = f.get_tensor(name)
                 nbytes += tensor.numel() * tensor.element_size()
-                param, shard = target
                 param.weight_loader(param, tensor.to(param.dtype), shard)
                 loaded.add(id(param))
     check_complete(params, loaded)
