@@ -196,6 +196,18 @@ def test_smollm2_exact_n2(smollm2_path, smol_case):
     _assert_clean(llm)
 
 
+@pytest.mark.parametrize("kind, biased", [("bias", ("qkv_proj", "o_proj", "down_proj")), ("qwen2", ("qkv_proj",))])
+def test_every_bias_the_checkpoint_has_is_read(tmp_path, smollm2_path, kernels, kind, biased):
+    """Llama's attention_bias gives q/k/v and o_proj biases, mlp_bias the MLP's; Qwen2 has only q/k/v's."""
+    d = make_tiny_llama(tmp_path / kind, smollm2_path, kind)
+    llm = LLM(model=str(d), num_gpu_blocks_override=64)
+    assert _tokens(llm.generate(_prompts(), GREEDY)) == hf_greedy(d, _prompts(), MAX_NEW)
+    layer = llm.engine.executor.model.layers[0]
+    linears = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj, "down_proj": layer.mlp.down_proj}
+    assert {name for name, m in linears.items() if m.bias is not None} == set(biased)
+    _assert_clean(llm)
+
+
 def test_sliding_window_checkpoint_is_served_within_its_window(tmp_path, smollm2_path, kernels):
     """A Mistral checkpoint with a 128-token attention window (its positions go to 1,024): kvserve
     attends to whole contexts, so it serves contexts up to the window, where both agree with HF."""

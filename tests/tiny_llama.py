@@ -18,6 +18,12 @@ TINY_CONFIGS = {
     # Qwen3: q/k RMSNorms per head, head_dim 32 where hidden / heads is 16, tied embeddings
     "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
+    # Llama with attention_bias (q/k/v and o_proj) and mlp_bias: every linear has a bias
+    "bias": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
+    # Qwen2: q/k/v biases always, o_proj's never (whatever attention_bias says)
+    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     # Mistral over a sliding window of 128 tokens (served with contexts capped at the window)
     "mistral-swa": dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=1, sliding_window=128, tie_word_embeddings=False),
@@ -43,6 +49,8 @@ def make_tiny_llama(out_dir: Path, tokenizer_dir: str, kind: str = "gqa", vocab_
                     p.copy_(gguf_roundtrip(p, "Q8_0" if "embed" in name else "Q4_1"))
             elif name.endswith(("q_norm.weight", "k_norm.weight")):  # not all ones: a weight read wrongly shows
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):  # not HF's zeros, for the same reason
+                p.normal_(0, 0.1)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

@@ -38,8 +38,9 @@ class ModelArch:
     rope_scaling: dict | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # on q/k/v
     mlp_bias: bool
+    o_proj_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k before RoPE
     sliding_window: int | None = None  # the checkpoint's attention window, where one applies
 
@@ -55,7 +56,7 @@ class ModelArch:
         # have `rope_theta` plus an optional `rope_scaling` dict.
         rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
         theta = rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", None) or 10000.0
-        window = _sliding_window(cfg)
+        window, bias = _sliding_window(cfg), bool(getattr(cfg, "attention_bias", False))
         positions = cfg.max_position_embeddings
         if window is not None and window < positions:
             _warn_window_cap(cfg.model_type, window, positions)
@@ -68,7 +69,10 @@ class ModelArch:
             rms_norm_eps=cfg.rms_norm_eps, rope_theta=float(theta), rope_scaling=rope or None,
             max_position_embeddings=positions,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(cfg, "attention_bias", cfg.model_type == "qwen2")),
+            # As HF builds them: Qwen2 biases q/k/v always and o_proj never, Mistral none of them,
+            # Llama and Qwen3 all four where attention_bias says so.
+            attention_bias=cfg.model_type == "qwen2" or (cfg.model_type != "mistral" and bias),
+            o_proj_bias=cfg.model_type not in ("qwen2", "mistral") and bias,
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             qk_norm=cfg.model_type == "qwen3", sliding_window=window,
         )
@@ -117,7 +121,7 @@ class Attention(nn.Module):
         self.head_dim = a.head_dim
         self.scale = a.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, a.attention_bias, tp, dtype)
-        self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, False, tp, dtype)
+        self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, a.o_proj_bias, tp, dtype)
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype)
