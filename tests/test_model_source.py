@@ -132,7 +132,7 @@ def _model_dir(path: Path, config: dict | str | None = None, weights: bool = Tru
     return path
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
 def test_local_llama_family_dir_is_accepted(tmp_path, model_type):
     d = _model_dir(tmp_path / "m", {"model_type": model_type})
     assert resolve_model(str(d)) == d.resolve()
@@ -157,3 +157,21 @@ def test_hub_id_is_not_downloaded(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelError, match="never downloads"):
         resolve_model("meta-llama/Llama-3.2-1B-Instruct")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_attention_heads", "4", "Field 'num_attention_heads' expected int, got str"),
+    ("rms_norm_eps", "x", "Field 'rms_norm_eps' expected float, got str"),
+    ("dtype", "float8_weird", "AttributeError: module 'torch' has no attribute 'float8_weird'"),
+])
+def test_a_config_field_transformers_cannot_read_is_a_one_line_error(tmp_path, smollm2_path, field, value, message):
+    import shutil
+
+    from engine.model.loader import load_arch
+
+    d = shutil.copytree(smollm2_path, tmp_path / "m", ignore=shutil.ignore_patterns("*.safetensors"))  # config only
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ModelError, match=rf"cannot read '.*config.json': .*{message}") as e:
+        load_arch(d)
+    assert "\n" not in str(e.value)

@@ -12,13 +12,23 @@ from engine import cpu_kernels
 from engine.model.codes import encode_for_cpu_decode
 from engine.model.layers import TPContext, check_checkpoint_shape
 from engine.model.llama import LlamaModel, ModelArch
+from engine.model_source import ModelError
 
 
 def load_arch(model_dir: str | Path) -> tuple[ModelArch, object]:
+    """-> (the architecture, transformers' config). ValueError for what the engine does not
+    support; ModelError for a config.json that transformers cannot read (a field of the wrong
+    type, say), which it reports with its own exception types."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(str(model_dir))
-    return ModelArch.from_hf(cfg), cfg
+    try:
+        cfg = AutoConfig.from_pretrained(str(model_dir))
+        return ModelArch.from_hf(cfg), cfg
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ModelError(f"cannot read {str(Path(model_dir) / 'config.json')!r}: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:300]}") from None
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
