@@ -175,3 +175,22 @@ def test_a_config_field_transformers_cannot_read_is_a_one_line_error(tmp_path, s
     with pytest.raises(ModelError, match=rf"cannot read '.*config.json': .*{message}") as e:
         load_arch(d)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("scaling, message", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048},
+     "unsupported rope_scaling type 'yarn'"),
+    ({"rope_type": "llama3", "factor": 8.0}, "low_freq_factor"),  # transformers' own check names it
+])
+def test_rope_scaling_the_engine_lacks_is_refused_with_the_config(tmp_path, smollm2_path, scaling, message):
+    """Where `kvserve serve` reads the config, before Ray starts: not in each replica after it."""
+    import shutil
+
+    from engine.model.loader import load_arch
+
+    d = shutil.copytree(smollm2_path, tmp_path / "m", ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((d / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    (d / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_theta": 100000.0, **scaling}}))
+    with pytest.raises((ValueError, ModelError), match=message):
+        load_arch(d)

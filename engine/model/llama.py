@@ -18,7 +18,7 @@ from engine import cpu_kernels
 from engine.attention import StepAttention
 from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                                  RowParallelLinear, TPContext, VocabParallelEmbedding)
-from engine.model.rope import RopeStep, RotaryEmbedding, apply_rope
+from engine.model.rope import RopeStep, RotaryEmbedding, apply_rope, rope_inv_freq
 from engine.model_source import SUPPORTED_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class ModelArch:
         if window is not None and window < positions:
             _warn_window_cap(cfg.model_type, window, positions)
             positions = window
-        return cls(
+        arch = cls(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
             num_layers=cfg.num_hidden_layers, num_heads=heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
@@ -76,6 +76,11 @@ class ModelArch:
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             qk_norm=cfg.model_type == "qwen3", sliding_window=window,
         )
+        try:  # here, where `kvserve serve` reads the config before Ray starts, not in each replica
+            rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        except KeyError as e:
+            raise ValueError(f"rope scaling {arch.rope_scaling} lacks {e}") from None
+        return arch
 
     def check_tp(self, tp_size: int) -> None:
         """Raise before any weight is loaded when the model cannot be split tp_size ways."""
