@@ -11,6 +11,7 @@ deploys onto that cluster and removes only its own application on exit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -201,7 +202,7 @@ def ready_message(host: str, port: int, model: str, api_key: str | None) -> str:
 METRICS_REPORT_INTERVAL_MS = 1000
 
 
-def _check_port(host: str, port: int) -> None:
+def _check_port(host: str, port: int, flag: str = "") -> None:
     """Fails when something listens on host:port. SO_REUSEADDR, as the HTTP server itself binds:
     connections of a server stopped a moment ago linger in TIME_WAIT and must not count."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
@@ -209,7 +210,7 @@ def _check_port(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as e:
-            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+            raise ValueError(f"cannot listen on {host}:{port}{f' ({flag})' if flag else ''}: {e.strerror}") from None
 
 
 def run_serve(ns: argparse.Namespace) -> int:
@@ -221,6 +222,8 @@ def run_serve(ns: argparse.Namespace) -> int:
         engine, options = check_args(args)
         if ns.ray_address is None:
             _check_port(ns.host, ns.port)
+            if ns.metrics_export_port is not None:  # Ray's agent would fail on it after 30 s, in its own log
+                _check_port("0.0.0.0", ns.metrics_export_port, "--metrics-export-port")
     except (ModelError, ValueError) as e:
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2
@@ -241,7 +244,15 @@ def run_serve(ns: argparse.Namespace) -> int:
                   "_system_config": {"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS}}
     if ns.metrics_export_port is not None:
         local_only["_metrics_export_port"] = ns.metrics_export_port
-    ray.init(address=ns.ray_address, **(local_only if local else {}))
+    try:
+        ray.init(address=ns.ray_address, **(local_only if local else {}))
+    except Exception as e:  # a cluster that is not there, a local one that did not come up
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        where = f"at {ns.ray_address}" if ns.ray_address else "here (its logs: $RAY_TMPDIR, default /tmp/ray)"
+        print(f"kvserve: error: Ray did not start {where}: {type(e).__name__}: {' '.join(str(e).split())[:300]}",
+              file=sys.stderr)
+        return 1
     try:
         try:  # with Ray up, the replica is checked again against the nodes it sees
             app = build_app(args)

@@ -19,6 +19,7 @@ from engine.outputs import ChoiceDelta, StepOutput
 from router.api import build_api
 from router.serving import OpenAIServing
 from router.settings import RouterSettings
+from tests.local_serve import free_port
 from workers.server import EngineServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -398,8 +399,11 @@ def test_serve_reports_a_busy_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        r = kvserve("serve", "--port", str(s.getsockname()[1]))
-    assert r.returncode == 2 and "cannot listen on 127.0.0.1" in r.stderr
+        busy = str(s.getsockname()[1])
+        r = kvserve("serve", "--port", busy)
+        assert r.returncode == 2 and "cannot listen on 127.0.0.1" in r.stderr
+        r = kvserve("serve", "--port", str(free_port()), "--metrics-export-port", busy)  # Ray's agent would hang on it
+        assert r.returncode == 2 and f"cannot listen on 0.0.0.0:{busy} (--metrics-export-port)" in r.stderr
 
 
 def test_the_fake_engine_meets_the_engine_contract():
