@@ -285,19 +285,31 @@ def run_serve(ns: argparse.Namespace) -> int:
 
 def _startup_failure(status, app_name: str) -> str:
     """The reason a deployment of the app failed, from Serve's status: its message ends with the
-    replica constructor's traceback, whose last line names the error ("ValueError: KV cache budget
-    ..."). '' when no deployment says why."""
+    replica constructor's traceback, whose exception line names the error ("ValueError: KV cache
+    budget ..."). '' when no deployment says why."""
     app = status.applications.get(app_name)
     reasons = []
     for name, deployment in (app.deployments.items() if app else ()):
         if str(deployment.status).rsplit(".", 1)[-1] in ("DEPLOY_FAILED", "UNHEALTHY") and deployment.message:
-            lines = [line for line in deployment.message.strip().splitlines() if line.strip()]
-            errors = [line for line in lines if not line[0].isspace() and _ERROR_LINE.match(line)]
-            reasons.append(f"{name}: {(errors or lines)[-1].strip()}")
+            reasons.append(f"{name}: {_exception_line(deployment.message)}")
     return "; ".join(reasons)
 
 
-_ERROR_LINE = re.compile(r"^[\w.]+(Error|Exception|Exit|Interrupt)\b")
+def _exception_line(message: str) -> str:
+    """The innermost traceback's exception line ("module.Name: what"), else the last line; a
+    replica process that died while starting gets a hint at why."""
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    starts = [i for i, line in enumerate(lines) if line.endswith("Traceback (most recent call last):")]
+    tail = lines[starts[-1] + 1:] if starts else lines
+    found = [line for line in tail if not line[0].isspace() and _EXCEPTION_LINE.match(line)]
+    line = (found[-1] if found else lines[-1]).strip()
+    if line.startswith("ActorDiedError"):
+        line += (" (the replica's process died while starting: killed, out of memory, or it exited; "
+                 "Ray's logs say which)")
+    return line
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(: |$)")
 
 
 def _ask_each(method, timeout_s: float) -> dict[str, int]:

@@ -231,13 +231,22 @@ def test_startup_failure_reads_each_failed_deployments_last_error_line():
     traceback = ("The deployment failed to start 3 times in a row. See controller logs for details. Error:\n"
                  "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n    raise OSError('x')\n"
                  "engine.model_source.ModelError: no config.json\n")
+    # Serve's own wrapping: a RuntimeError whose message is the replica's traceback, custom exception last
+    wrapped = ("...Error:\nTraceback (most recent call last):\n  File \"replica.py\", line 9, in f\n"
+               "    raise RuntimeError(traceback.format_exc()) from None\nRuntimeError: Traceback (most recent call "
+               "last):\n  File \"x.py\", line 9, in __init__\n    raise Boom('why')\nmods.Boom: the custom reason\n"
+               "second line: of its message\n")
     status = NS(applications={"kvserve": NS(deployments={
         "OpenAIIngress": NS(status="DeploymentStatus.HEALTHY", message=""),
         "EngineServer": NS(status="DeploymentStatus.DEPLOY_FAILED", message=traceback),
         "Other": NS(status="DeploymentStatus.UNHEALTHY", message="health check timed out\n"),
+        "Custom": NS(status="DeploymentStatus.DEPLOY_FAILED", message=wrapped),
+        "Died": NS(status="DeploymentStatus.DEPLOY_FAILED", message="...See controller logs. Error:\nActorDiedError()"),
     })})
-    assert _startup_failure(status, "kvserve") == ("EngineServer: engine.model_source.ModelError: no config.json; "
-                                                   "Other: health check timed out")
+    reasons = _startup_failure(status, "kvserve").split("; ")
+    assert reasons[:3] == ["EngineServer: engine.model_source.ModelError: no config.json",
+                           "Other: health check timed out", "Custom: mods.Boom: the custom reason"]
+    assert reasons[3].startswith("Died: ActorDiedError() (the replica's process died while starting")
     assert _startup_failure(status, "missing") == ""
 
 
