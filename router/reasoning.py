@@ -1,18 +1,21 @@
 """Reasoning split from the answer, as vLLM's `--reasoning-parser` does for chat replies.
 
 Thinking models (Qwen3, DeepSeek-R1 and its distills, QwQ) write their reasoning between
-`<think>` and `</think>`, then the answer. A reply begins inside the reasoning when the chat
-template opened the block itself (DeepSeek-R1's and Qwen3.5's end the prompt with `<think>`), or
-when the reply's own text begins with `<think>`:
+`<think>` and `</think>`, then the answer. With `qwen3`, a reply begins inside the reasoning when
+the prompt left a block open (a template that opens it, as Qwen3.5's; an assistant message
+continued from inside one), or when the reply's own text begins with `<think>`:
 
-    prompt ... <think>\n | reasoning ... </think> | answer       (the template opened it)
+    prompt ... <think>\n | reasoning ... </think> | answer       (the prompt opened it)
     prompt ...           | <think> reasoning ... </think> | answer
     prompt ...           | answer                               (thinking off: all content)
+
+With `deepseek_r1` every reply begins inside it (R1 always thinks, and its template opens the
+block), as vLLM's parser of that name reads it: the text before `</think>` is reasoning.
 
 The reasoning goes to the message's `reasoning` (vLLM's current name) and `reasoning_content`
 (its earlier one, which clients such as LangChain still read); the tags are dropped, the answer
 is `content`, where tool calls are then looked for. A reply cut before `</think>` is all
-reasoning. `deepseek_r1` and `qwen3` name the same rule: both models use these tags.
+reasoning.
 """
 from __future__ import annotations
 
@@ -22,9 +25,10 @@ PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
 
 
-def opens_in_reasoning(prompt_tail: str) -> bool:
-    """Whether the prompt's last text (a few tokens decoded) leaves the reply inside the block."""
-    return prompt_tail.rstrip().endswith(START)
+def opens_in_reasoning(parser: str, prompt_tail: str) -> bool:
+    """Whether a reply begins inside the block: always with deepseek_r1; with qwen3, when the
+    prompt's last text (its last tokens decoded) opened a block it did not close."""
+    return parser == "deepseek_r1" or prompt_tail.rfind(START) > prompt_tail.rfind(END)
 
 
 def split_reasoning(text: str, in_reasoning: bool) -> tuple[str | None, str | None]:

@@ -406,7 +406,7 @@ class OpenAIServing:
         None when replies are not split: no parser, or a grammar that governs the whole reply."""
         if self.settings.reasoning_parser is None or params.structured_outputs is not None:
             return None
-        return opens_in_reasoning(self.tokenizer.decode(prompt_ids[-4:]))
+        return opens_in_reasoning(self.settings.reasoning_parser, self.tokenizer.decode(prompt_ids[-REASONING_TAIL:]))
 
     def _chat_events(self, rid: str, req: ChatCompletionRequest, acc: Accumulator, first, merged: AsyncIterator,
                      plan: ToolPlan, prompt_ids: list[int], thinking: bool | None) -> AsyncIterator[str]:
@@ -482,6 +482,9 @@ async def _response_events(reply: ResponseReply, acc: Accumulator, first, merged
     async with contextlib.aclosing(merged):  # however the stream ends, the engine request ends
         async for event in reply.events(_events(first, merged, acc, reply.error_event), acc):
             yield event
+
+
+REASONING_TAIL = 256  # prompt tokens a reply's start in or out of reasoning is read from
 
 
 def _request_ids(prefix: str, client_id: str | None) -> tuple[str, str]:

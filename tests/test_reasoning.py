@@ -57,10 +57,10 @@ def test_thinking_off_is_all_content_and_a_cut_reply_all_reasoning(tokenizer):
 
 
 def test_a_template_that_opens_the_block_starts_the_reply_inside_it(tokenizer):
-    """DeepSeek-R1's (and Qwen3.5's) template ends the prompt with <think>: no opening tag comes."""
+    """Qwen3.5's (and DeepSeek-R1's) template ends the prompt with <think>: no opening tag comes."""
     template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}assistant: <think>\n{% endif %}")
-    settings = {"reasoning_parser": "deepseek_r1", "chat_template": template}
+    settings = {"reasoning_parser": "qwen3", "chat_template": template}
     choice, _ = _whole(tokenizer, "Paris, surely.</think>The capital is Paris.", settings=settings)
     assert (choice.message.reasoning, choice.message.content) == ("Paris, surely.", "The capital is Paris.")
     assert _streamed(tokenizer, "Paris, surely.</think>The capital is Paris.", settings=settings)[:2] == \
@@ -96,9 +96,28 @@ def test_unknown_parser_is_refused():
 
 
 def test_opens_in_reasoning():
-    assert opens_in_reasoning("<|im_start|>assistant\n<think>\n")
-    assert not opens_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # Qwen3, thinking off
-    assert not opens_in_reasoning("<|im_start|>assistant\n")
+    assert opens_in_reasoning("qwen3", "<|im_start|>assistant\n<think>\n")
+    assert opens_in_reasoning("qwen3", "<|im_start|>assistant\n<think>\nThe user")  # continued from inside
+    assert not opens_in_reasoning("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking off
+    assert not opens_in_reasoning("qwen3", "<|im_start|>assistant\n")
+    assert opens_in_reasoning("deepseek_r1", "<|im_start|>assistant\n")  # R1 always thinks
+
+
+def test_an_assistant_message_continued_from_inside_its_reasoning(tokenizer):
+    prefill = [*USER, {"role": "assistant", "content": "<think>\nThe user"}]
+    script = " wants the place.</think>Paris."
+    kwargs = dict(messages=prefill, extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    choice, _ = _whole(tokenizer, script, **kwargs)
+    assert (choice.message.reasoning, choice.message.content) == (" wants the place.", "Paris.")
+    assert _streamed(tokenizer, script, **kwargs)[:2] == (" wants the place.", "Paris.")
+
+
+def test_deepseek_r1_reads_text_before_a_bare_end_tag_as_reasoning(tokenizer):
+    r1 = {"reasoning_parser": "deepseek_r1"}
+    choice, _ = _whole(tokenizer, "abc</think>xyz", settings=r1)
+    assert (choice.message.reasoning, choice.message.content) == ("abc", "xyz")
+    choice, _ = _whole(tokenizer, "no end tag", settings=r1)
+    assert (choice.message.reasoning, choice.message.content) == ("no end tag", None)
 
 
 @settings(max_examples=300, deadline=None)
