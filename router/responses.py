@@ -395,6 +395,7 @@ class _StreamedOutput:
         self.splitter = ReasoningStream(reply.thinking) if reply.thinking is not None else None
         self.reasoning: dict | None = None  # its item, once reasoning came
         self.reasoning_text: list[str] = []
+        self.reasoning_done = False  # closed when the answer's first item opens, as OpenAI's
         self.items: list[dict] = []
         self.message: dict | None = None
         self.text: list[str] = []
@@ -438,12 +439,23 @@ class _StreamedOutput:
         events.append(event("response.output_text.delta", **self._where(), delta=text, logprobs=[]))
         return events
 
+    def _close_reasoning(self) -> list[str]:
+        if self.reasoning is None or self.reasoning_done:
+            return []
+        self.reasoning_done = True
+        event, text, where = self.reply.event, "".join(self.reasoning_text), self._at(self.reasoning)
+        self.reasoning.update(status="completed", content=[_reasoning_part(text)])
+        return [event("response.reasoning_text.done", **where, text=text),
+                event("response.content_part.done", **where, part=_reasoning_part(text)),
+                event("response.output_item.done", output_index=where["output_index"], item=self.reasoning)]
+
     def _open_message(self) -> list[str]:
+        events = self._close_reasoning()
         self.message = self.reply._message(_new_id("msg"), None, "in_progress")
         self.items.append(self.message)
         index = len(self.items) - 1
-        return [self.reply.event("response.output_item.added", output_index=index, item=self.message),
-                self.reply.event("response.content_part.added", **self._where(), part=_text_part(""))]
+        return events + [self.reply.event("response.output_item.added", output_index=index, item=self.message),
+                         self.reply.event("response.content_part.added", **self._where(), part=_text_part(""))]
 
     def _where(self) -> dict:
         return self._at(self.message)
@@ -455,10 +467,11 @@ class _StreamedOutput:
         event = self.reply.event
         item = self.calls.get(fragment["index"])
         if item is None:
+            events = self._close_reasoning()
             first = {"id": fragment["id"], "function": {"name": fragment["function"]["name"], "arguments": ""}}
             item = self.calls[fragment["index"]] = self.reply._function_call(_new_id("fc"), first, "in_progress")
             self.items.append(item)
-            events = [event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item))]
+            events.append(event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item)))
         else:
             events = []
         arguments = fragment.get("function", {}).get("arguments", "")
@@ -470,12 +483,6 @@ class _StreamedOutput:
 
     def finish(self, status: str) -> list[str]:
         event, events = self.reply.event, []
-        if self.reasoning is not None:
-            text = "".join(self.reasoning_text)
-            where = self._at(self.reasoning)
-            events += [event("response.reasoning_text.done", **where, text=text),
-                       event("response.content_part.done", **where, part=_reasoning_part(text))]
-            self.reasoning.update(status="completed", content=[_reasoning_part(text)])
         if self.message is None and not self.calls:  # an empty reply is still a message
             events += self._open_message()
         if self.message is not None:
@@ -485,6 +492,8 @@ class _StreamedOutput:
                        event("response.content_part.done", **where, part=_text_part(text))]
             self.message.update(status=status, content=[_text_part(text)])
         for index, item in enumerate(self.items):
+            if item is self.reasoning:  # done when the message or a call opened
+                continue
             if item["type"] == "function_call":
                 item["status"] = "completed"
                 events.append(event("response.function_call_arguments.done", item_id=item["id"], output_index=index,

@@ -161,8 +161,27 @@ def test_responses_give_the_reasoning_its_own_item_whole_and_streamed(tokenizer)
     assert done.text == reasoning.content[0].text and done.output_index == 0
     final = events[-1].response
     assert [item.type for item in final.output] == ["reasoning", "message"]
+    added = [(e.type, e.output_index) for e in events if e.type.startswith("response.output_item.")]
+    assert added == [("response.output_item.added", 0), ("response.output_item.done", 0),  # one item at a time
+                     ("response.output_item.added", 1), ("response.output_item.done", 1)]
+    assert events[-1].response.output[0].status == "completed"
 
     assert again.output_text == follow.output_text == whole.output_text
     for prompt, _ in engine.seen[2:]:  # the earlier reply's answer is in the prompt, its reasoning is not
         text = tokenizer.decode(prompt)
         assert "Paris is in France." in text and "asks about Paris" not in text
+
+
+def test_responses_close_the_reasoning_before_a_call_opens(tokenizer):
+    tool = {"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}
+    script = f"<think>I should call it.</think>\n<tool_call>\n{CALL}\n</tool_call>"
+
+    async def go(client):
+        stream = await client.responses.create(model="m", input="Weather?", tools=[tool], stream=True)
+        return [e async for e in stream]
+
+    events, _ = run(tokenizer, script, go, settings=THINKING)
+    items = [(e.type, e.output_index) for e in events if e.type.startswith("response.output_item.")]
+    assert items == [("response.output_item.added", 0), ("response.output_item.done", 0),
+                     ("response.output_item.added", 1), ("response.output_item.done", 1)]
+    assert [item.type for item in events[-1].response.output] == ["reasoning", "function_call"]
