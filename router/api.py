@@ -75,9 +75,10 @@ class Admission:
 
 
 class AdmissionGate:
-    """ASGI middleware that applies an `Admission` to every HTTP request but the probes and docs."""
+    """ASGI middleware that applies an `Admission` to every HTTP request but the probes, docs and
+    metrics (a drain is when a scraper most wants them)."""
 
-    OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json", "/docs"})
+    OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json", "/docs", "/metrics", "/version"})
 
     def __init__(self, app, admission: Admission) -> None:
         self.app = app
@@ -204,6 +205,7 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     async def server_version():
         return {"version": kvserve_version()}
 
+    @app.head("/metrics", include_in_schema=False)
     @app.get("/metrics", include_in_schema=False)  # vLLM's place for them; no key needed, as vLLM's
     async def prometheus_metrics():
         return Response(await metrics() if metrics is not None else "", media_type=METRICS_CONTENT_TYPE)

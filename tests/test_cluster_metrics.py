@@ -89,14 +89,21 @@ def test_metrics_route_needs_no_key_and_serves_the_page(key):
     async def page():
         return "ray_kvserve_x 1.0\n"
 
-    app = build_api(SimpleNamespace(settings=RouterSettings(served_model_name="m", api_key=key)), metrics=page)
+    from router.api import Admission
 
-    async def get(path):
+    admission = Admission(1.0)
+    app = build_api(SimpleNamespace(settings=RouterSettings(served_model_name="m", api_key=key)), metrics=page,
+                    admission=admission)
+
+    async def get(path, method="GET"):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            return await c.get(path)
+            return await c.request(method, path)
 
     r = asyncio.run(get("/metrics"))
     assert r.status_code == 200 and r.text == "ray_kvserve_x 1.0\n"
     assert r.headers["content-type"] == cluster_metrics.CONTENT_TYPE
+    assert asyncio.run(get("/metrics", "HEAD")).status_code == 200
     if key:
         assert asyncio.run(get("/v1/models")).status_code == 401  # while the key guards the API
+    admission.drain()  # while draining too: a scraper wants it most then
+    assert asyncio.run(get("/metrics")).status_code == 200 and admission.in_flight == 0
