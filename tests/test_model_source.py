@@ -194,3 +194,13 @@ def test_rope_scaling_the_engine_lacks_is_refused_with_the_config(tmp_path, smol
     (d / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_theta": 100000.0, **scaling}}))
     with pytest.raises((ValueError, ModelError), match=message):
         load_arch(d)
+
+
+def test_a_corrupt_weights_file_is_named(tmp_path, smollm2_path):
+    from engine import LLM
+    from tests.tiny_llama import make_tiny_llama
+
+    d = make_tiny_llama(tmp_path / "m", smollm2_path)
+    (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:1000])  # a cut download
+    with pytest.raises(ModelError, match=r"cannot read '.*model.safetensors': SafetensorError: "):
+        LLM(model=str(d))

@@ -20,7 +20,7 @@ from torch import nn
 
 from engine.model.layers import Shard, TPContext, check_checkpoint_shape
 from engine.model.llama import LlamaModel
-from engine.model.loader import check_complete, safetensors_files
+from engine.model.loader import check_complete, open_safetensors, safetensors_files
 
 
 @dataclass
@@ -35,12 +35,10 @@ class _Checkpoint:
     """Rank 0's view of the safetensors files: the tensor list, then each tensor once."""
 
     def __init__(self, model_dir: str | Path, stats: LoadStats) -> None:
-        from safetensors import safe_open
-
         self.handles = {}
         for path in safetensors_files(model_dir):
             stats.files_opened.append(str(path))
-            self.handles[str(path)] = safe_open(str(path), framework="pt")
+            self.handles[str(path)] = open_safetensors(path)
         self.specs = [(path, name, list(h.get_slice(name).get_shape()))
                       for path, h in self.handles.items() for name in h.keys()]
         self.stats = stats

@@ -31,6 +31,14 @@ def load_arch(model_dir: str | Path) -> tuple[ModelArch, object]:
                          f"{' '.join(str(e).split())[:300]}") from None
 
 
+def open_safetensors(path: Path):
+    """safe_open, its errors naming the file (a truncated or corrupt one says only what broke)."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:
+        raise ModelError(f"cannot read {str(path)!r}: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+
+
 def safetensors_files(model_dir: str | Path) -> list[Path]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -43,7 +51,7 @@ def load_weights(model: LlamaModel, model_dir: str | Path) -> int:
     params = dict(model.named_parameters())
     loaded, nbytes = set(), 0
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for name in f.keys():
                 target = model.param_for(name, params)
                 if target is None:
