@@ -32,12 +32,13 @@ def opens_in_reasoning(parser: str, prompt_tail: str) -> bool:
 
 
 def split_reasoning(text: str, in_reasoning: bool) -> tuple[str | None, str | None]:
-    """A whole reply -> (reasoning, content), each None where empty."""
-    if not in_reasoning:
-        stripped = text.lstrip()
-        if not stripped.startswith(START):
-            return None, text or None
+    """A whole reply -> (reasoning, content), each None where empty. A `<think>` opening the
+    reply is dropped even where the reply began inside the block (R1's distills write one)."""
+    stripped = text.lstrip()
+    if stripped.startswith(START):
         text = stripped[len(START):]
+    elif not in_reasoning:
+        return None, text or None
     reasoning, closed, content = text.partition(END)
     return reasoning or None, (content if closed else "") or None
 
@@ -51,7 +52,8 @@ class ReasoningStream:
     Text that may be the start of a tag is held back until the next delta tells (or the end)."""
 
     def __init__(self, in_reasoning: bool) -> None:
-        self.state = "reasoning" if in_reasoning else "start"  # start: not yet known whether <think> opens it
+        self.in_reasoning = in_reasoning
+        self.state = "start"  # not yet known whether a <think> opens the reply
         self.held = ""
 
     def step(self, text: str, final: bool = False) -> tuple[str, str]:
@@ -64,7 +66,7 @@ class ReasoningStream:
                 self.held = buf
                 return "", ""
             else:
-                self.state = "content"
+                self.state = "reasoning" if self.in_reasoning else "content"
         if self.state == "content":
             return "", buf
         reasoning, closed, content = buf.partition(END)

@@ -118,6 +118,9 @@ def test_deepseek_r1_reads_text_before_a_bare_end_tag_as_reasoning(tokenizer):
     assert (choice.message.reasoning, choice.message.content) == ("abc", "xyz")
     choice, _ = _whole(tokenizer, "no end tag", settings=r1)
     assert (choice.message.reasoning, choice.message.content) == ("no end tag", None)
+    choice, _ = _whole(tokenizer, "<think>\nabc</think>xyz", settings=r1)  # a distill that writes the tag
+    assert (choice.message.reasoning, choice.message.content) == ("\nabc", "xyz")
+    assert _streamed(tokenizer, "<think>\nabc</think>xyz", settings=r1)[:2] == ("\nabc", "xyz")
 
 
 @settings(max_examples=300, deadline=None)
