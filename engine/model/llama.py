@@ -44,7 +44,6 @@ class ModelArch:
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k before RoPE
     sliding_window: int | None = None  # the checkpoint's attention window, where one applies
 
-
     @classmethod
     def from_hf(cls, cfg) -> "ModelArch":
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
