@@ -27,8 +27,7 @@ def load_arch(model_dir: str | Path) -> tuple[ModelArch, object]:
     except ValueError:
         raise
     except Exception as e:
-        raise ModelError(f"cannot read {str(Path(model_dir) / 'config.json')!r}: {type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:300]}") from None
+        raise _unreadable(Path(model_dir) / "config.json", e) from None
 
 
 def open_safetensors(path: Path):
@@ -36,7 +35,12 @@ def open_safetensors(path: Path):
     try:
         return safetensors.safe_open(str(path), framework="pt")  # looked up per call: tests spy on it
     except Exception as e:
-        raise ModelError(f"cannot read {str(path)!r}: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+        raise _unreadable(path, e) from None
+
+
+def _unreadable(path: Path, e: Exception) -> ModelError:
+    """One line: the file, and the error its reader raised."""
+    return ModelError(f"cannot read {str(path)!r}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
