@@ -180,14 +180,18 @@ class ColumnParallelLinear(ShardedModule):
 
     def shard(self, attr: str, shard_id=None, rank: int | None = None) -> Shard:
         """Weight and bias alike: rank's rows of the packed part `shard_id`."""
-        idx = self.shard_ids.index(shard_id if shard_id is not None else 0)
+        idx = self._part(shard_id)
         size = self.shard_sizes[idx]
         rank = self.tp.rank if rank is None else rank
         return Shard(dim=0, start=self._part_index(idx, rank) * size, size=size, offset=sum(self.shard_sizes[:idx]))
 
     def full_shape(self, attr: str, shard_id=None) -> tuple[int, ...]:
-        rows = self.full_sizes[self.shard_ids.index(shard_id if shard_id is not None else 0)]
+        rows = self.full_sizes[self._part(shard_id)]
         return (rows, self.in_features) if attr == "weight" else (rows,)
+
+    def _part(self, shard_id) -> int:
+        """The index of packed part `shard_id` (None: the only one)."""
+        return self.shard_ids.index(shard_id if shard_id is not None else 0)
 
     def _part_index(self, idx: int, rank: int) -> int:
         """Which of the equal pieces of packed part `idx` rank holds."""
