@@ -394,8 +394,7 @@ class _StreamedOutput:
         self.parser = reply.plan.stream() if reply.plan.calls_tools else None
         self.splitter = ReasoningStream(reply.thinking) if reply.thinking is not None else None
         self.reasoning: dict | None = None  # its item, once reasoning came
-        self.reasoning_text: list[str] = []
-        self.reasoning_done = False  # closed when the answer's first item opens, as OpenAI's
+        self.reasoning_text: list[str] = []  # closed when the answer's first item opens, as OpenAI's
         self.items: list[dict] = []
         self.message: dict | None = None
         self.text: list[str] = []
@@ -440,9 +439,8 @@ class _StreamedOutput:
         return events
 
     def _close_reasoning(self) -> list[str]:
-        if self.reasoning is None or self.reasoning_done:
+        if self.reasoning is None or self.reasoning["status"] == "completed":
             return []
-        self.reasoning_done = True
         event, text, where = self.reply.event, "".join(self.reasoning_text), self._at(self.reasoning)
         self.reasoning.update(status="completed", content=[_reasoning_part(text)])
         return [event("response.reasoning_text.done", **where, text=text),
