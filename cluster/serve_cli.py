@@ -74,7 +74,8 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                            "<tool_call> blocks, the one format here")
     http.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS),
                       help="chat replies' <think>...</think> reasoning goes to message.reasoning (and "
-                           "reasoning_content), the rest to content; both names read the same tags (default: none)")
+                           "reasoning_content), the rest to content; qwen3: a reply without the tags is all "
+                           "content, deepseek_r1: it begins inside its reasoning (default: none)")
     http.add_argument("--generation-config", metavar="auto|vllm|DIR",
                       help="sampling defaults of requests that leave them unset: auto (the model's "
                            "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "
