@@ -88,7 +88,7 @@ class LLMEngine:
         req = Request(request_id, text, ids, params, max_tokens, self.tokenizer)
         self.requests[request_id] = req
         if grammar is not None:
-            self.structured.add(req.seqs[0], grammar)
+            self.structured.add(req.seqs[0], grammar, params.structured_outputs)
         self.scheduler.add(req.seqs[0])
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -12,6 +12,11 @@ continued from inside one), or when the reply's own text begins with `<think>`:
 With `deepseek_r1` every reply begins inside it (R1 always thinks, and its template opens the
 block), as vLLM's parser of that name reads it: the text before `</think>` is reasoning.
 
+A constrained reply (response_format, structured_outputs, a required tool call) reasons freely
+too: its grammar applies to the answer only, from the token after `</think>` (grammar_gate), as
+vLLM applies structured outputs under a reasoning parser. Where the prompt closed a block
+(thinking turned off by the template) the grammar applies at once.
+
 The reasoning goes to the message's `reasoning` (vLLM's current name) and `reasoning_content`
 (its earlier one, which clients such as LangChain still read); the tags are dropped, the answer
 is `content`, where tool calls are then looked for. A reply cut before `</think>` is all
@@ -29,6 +34,17 @@ def opens_in_reasoning(parser: str, prompt_tail: str) -> bool:
     """Whether a reply begins inside the block: always with deepseek_r1; with qwen3, when the
     prompt's last text (its last tokens decoded) opened a block it did not close."""
     return parser == "deepseek_r1" or prompt_tail.rfind(START) > prompt_tail.rfind(END)
+
+
+def grammar_gate(parser: str, prompt_tail: str) -> dict:
+    """engine.structured.params' fields that hold a reply's grammar back until its reasoning
+    ends: from the start where it opens inside it; none where the prompt closed a block; else
+    (qwen3) the reply's first token may open one, any other begins the answer."""
+    if opens_in_reasoning(parser, prompt_tail):
+        return {"reasoning_end": END}
+    if END in prompt_tail:
+        return {}
+    return {"reasoning_end": END, "reasoning_start": START}
 
 
 def split_reasoning(text: str, in_reasoning: bool) -> tuple[str | None, str | None]:

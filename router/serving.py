@@ -34,7 +34,7 @@ from router.errors import OpenAIError, bad_request, from_invalid_request, intern
 from router.formatting import (SSE_DONE, Accumulator, PromptEcho, chat_logprobs, chat_response,
                                completion_logprobs, completion_response, sse, vllm_prompt_logprobs)
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from router.reasoning import ReasoningStream, opens_in_reasoning, reasoning_fields, split_reasoning
+from router.reasoning import ReasoningStream, grammar_gate, opens_in_reasoning, reasoning_fields, split_reasoning
 from router.response_store import ResponseStore, StoredResponses
 from router.responses import ResponseReply, ResponsesRequest, parse_items, responses_field
 from router.settings import RouterSettings
@@ -218,7 +218,7 @@ class OpenAIServing:
         max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         first, merged = await self._start(engine_rid, [ids], params, "messages", max_param)
         acc = Accumulator([len(ids)], req.n)
-        thinking = self._reasoning_start(params, ids)
+        thinking = self._reasoning_start(ids)
         if req.stream:
             return self._chat_events(rid, req, acc, first, merged, plan, ids, thinking)
         await _collect(acc, first, merged)
@@ -251,7 +251,7 @@ class OpenAIServing:
         history = await self.stored.conversation(req.previous_response_id)
         plan, params, ids = await self._chat_prompt(req.chat_request(parse_items(history)), field=responses_field)
         reply = ResponseReply(req, self.settings.served_model_name, int(time.time()), plan,
-                              self.stored.keeper(req, history), self._reasoning_start(params, ids))
+                              self.stored.keeper(req, history), self._reasoning_start(ids))
         first, merged = await self._start(reply.id, [ids], params, "input", "max_output_tokens")
         acc = Accumulator([len(ids)], 1)
         if req.stream:
@@ -304,7 +304,11 @@ class OpenAIServing:
         await check_all([(spec, field(param)) for spec, param in plan.tool_specs()])
         for spec, param in (self._output_constraint(req), (plan.spec(), "tools")):
             params = await self._constrained(params, spec, field(param))
-        return plan, params, self._chat_ids(req, plan, field("messages"))
+        ids = self._chat_ids(req, plan, field("messages"))
+        if self.settings.reasoning_parser is not None and params.structured_outputs is not None:
+            gate = grammar_gate(self.settings.reasoning_parser, self._prompt_tail(ids))
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(params.structured_outputs, **gate))
+        return plan, params, ids
 
     def _chat_ids(self, req: ChatCompletionRequest | TokenizeRequest, plan: ToolPlan | None = None,
                   param: str = "messages") -> list[int]:
@@ -401,12 +405,16 @@ class OpenAIServing:
 
         return self._sse(rid, "text_completion", req.stream_usage, acc, first, merged, [], choice)
 
-    def _reasoning_start(self, params: SamplingParams, prompt_ids: list[int]) -> bool | None:
+    def _reasoning_start(self, prompt_ids: list[int]) -> bool | None:
         """With a reasoning parser: whether a reply opens inside its reasoning (router.reasoning);
-        None when replies are not split: no parser, or a grammar that governs the whole reply."""
-        if self.settings.reasoning_parser is None or params.structured_outputs is not None:
+        None without one (replies are not split)."""
+        if self.settings.reasoning_parser is None:
             return None
-        return opens_in_reasoning(self.settings.reasoning_parser, self.tokenizer.decode(prompt_ids[-REASONING_TAIL:]))
+        return opens_in_reasoning(self.settings.reasoning_parser, self._prompt_tail(prompt_ids))
+
+    def _prompt_tail(self, prompt_ids: list[int]) -> str:
+        """The prompt's last text, where a reply's start in or out of reasoning is read from."""
+        return self.tokenizer.decode(prompt_ids[-REASONING_TAIL:])
 
     def _chat_events(self, rid: str, req: ChatCompletionRequest, acc: Accumulator, first, merged: AsyncIterator,
                      plan: ToolPlan, prompt_ids: list[int], thinking: bool | None) -> AsyncIterator[str]:

@@ -80,12 +80,41 @@ def test_tool_calls_are_read_from_the_answer_only(tokenizer):
         ["get_weather"]
 
 
-def test_a_grammar_governs_the_whole_reply_so_nothing_is_split(tokenizer):
+def test_a_grammar_waits_for_the_reasoning_to_end(tokenizer):
+    """A constrained reply reasons first; the engine is told to hold the grammar back until
+    `</think>` (engine.structured.params), and the reply is split like any other."""
     schema = {"type": "object", "properties": {"a": {"type": "string"}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
-    choice, engine = _whole(tokenizer, '{"a": "<think>"}', response_format=fmt)
-    assert choice.message.content == '{"a": "<think>"}' and choice.message.reasoning is None
-    assert engine.seen[0][1].structured_outputs is not None
+    choice, engine = _whole(tokenizer, '<think>It wants JSON.</think>{"a": "<think>"}', response_format=fmt)
+    assert (choice.message.reasoning, choice.message.content) == ("It wants JSON.", '{"a": "<think>"}')
+    spec = engine.seen[0][1].structured_outputs
+    assert (spec.json, spec.reasoning_start, spec.reasoning_end) == (json.dumps(schema, separators=(",", ":")),
+                                                                     "<think>", "</think>")
+    assert _streamed(tokenizer, '{"a": "b"}', response_format=fmt)[:2] == ("", '{"a": "b"}')  # no reasoning
+    _, engine = _whole(tokenizer, "x</think>[1]", settings={"reasoning_parser": "deepseek_r1"},
+                       extra_body={"structured_outputs": {"regex": r"\[\d\]"}})
+    spec = engine.seen[0][1].structured_outputs
+    assert (spec.regex, spec.reasoning_start, spec.reasoning_end) == (r"\[\d\]", None, "</think>")
+    _, engine = _whole(tokenizer, "{}", settings={}, response_format=fmt)  # no parser: no gate
+    assert engine.seen[0][1].structured_outputs.reasoning_end is None
+
+
+def test_a_required_tool_call_comes_after_the_reasoning(tokenizer):
+    script = f"<think>Weather needs a call.</think><tool_call>\n{CALL}\n</tool_call>"
+    choice, engine = _whole(tokenizer, script, tools=TOOLS, tool_choice="required")
+    assert choice.message.reasoning == "Weather needs a call." and choice.message.content is None
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    assert engine.seen[0][1].structured_outputs.reasoning_end == "</think>"
+
+
+def test_a_template_that_closed_the_block_lets_the_grammar_apply_at_once(tokenizer):
+    """Qwen3 with thinking off: its template writes an empty block into the prompt."""
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant: <think>\n\n</think>\n\n{% endif %}")
+    _, engine = _whole(tokenizer, '{"a": 1}', settings={"reasoning_parser": "qwen3", "chat_template": template},
+                       response_format={"type": "json_object"})
+    spec = engine.seen[0][1].structured_outputs
+    assert spec.json_object and (spec.reasoning_start, spec.reasoning_end) == (None, None)
 
 
 def test_unknown_parser_is_refused():

@@ -12,6 +12,7 @@ import threading
 import time
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -110,6 +111,59 @@ def test_compiled_grammars_are_cached_by_spec_failures_too(tiny):
     bad = S(regex="(")
     assert compiler.submit(bad) is compiler.submit(S(regex="("))
     assert compiler.submit(S(regex="a")) is not compiler.submit(S(regex="a", lenient=True))
+
+
+PARIS, HELLO = 38634, 28120  # single tokens of SmolLM2's vocabulary: "Paris", "hello"
+
+
+def test_a_grammar_gated_behind_reasoning_applies_from_the_token_after_it_ends(tiny):
+    """A reasoning model's reply: free text until `reasoning_end` is written, then the grammar.
+    The logit bias pushes "Paris" first: it opens the reasoning (reasoning_start), then closes it;
+    the grammar then masks it away and the rest is the schema's."""
+    gated = S(json=PERSON, reasoning_end="Paris", reasoning_start="Paris")
+    params = [SamplingParams(temperature=0, max_tokens=120, logit_bias={PARIS: 100}, structured_outputs=gated),
+              SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=120, logit_bias={PARIS: 100},
+                             structured_outputs=gated)]
+    for text, reason in _texts(tiny.generate(_prompts(2, seed=11), params)):
+        assert text.startswith("ParisParis") and reason == "stop", text
+        jsonschema.validate(json.loads(text[len("ParisParis"):]), PERSON)
+    # Until the end is written nothing is masked: a reply that never writes it is never constrained
+    held = SamplingParams(temperature=0, max_tokens=6, logit_bias={HELLO: 100},
+                          structured_outputs=S(json=PERSON, reasoning_end="Paris"))
+    (out,) = tiny.generate(_prompts(1, seed=12), held)[0].outputs
+    assert (out.text, out.finish_reason) == ("hello" * 6, "length")
+    ungated = dataclasses.replace(held, structured_outputs=S(json=PERSON))
+    assert tiny.generate(_prompts(1, seed=12), ungated)[0].outputs[0].text.startswith("{")
+    assert not tiny.engine.structured.matchers and not tiny.engine.structured.gates
+
+
+def test_the_gate_reads_a_multi_token_end_and_opens_only_on_a_single_token(tiny):
+    from types import SimpleNamespace
+
+    from engine.structured.matchers import GrammarMatchers
+
+    compiler = tiny.engine.structured.compiler
+    grammar, tok = compiler.compile(S(json=PERSON)), compiler.tokenizer
+    m = GrammarMatchers(compiler)
+    reasoning, opening, plain = (SimpleNamespace(seq_id=i) for i in range(3))
+    m.add(reasoning, grammar, S(json=PERSON, reasoning_end="</think>"))
+    m.add(opening, grammar, S(json=PERSON, reasoning_end="</think>", reasoning_start="Paris"))
+    m.add(plain, grammar, S(json=PERSON, reasoning_end="</think>", reasoning_start="<think>"))  # 3 tokens: no gate
+    mask = m.mask([reasoning, opening, plain])
+    assert mask.rows == [1, 2]  # the reasoning sequence has no row
+    allowed = mask.bits.numpy().view(np.uint32)
+    bit = lambda row, t: bool(allowed[row, t // 32] >> (t % 32) & 1)  # noqa: E731
+    assert bit(0, PARIS) and not bit(1, PARIS)  # the grammar's row, and the opener beside it
+    allowed[0, PARIS // 32] &= ~np.uint32(1 << PARIS % 32)
+    assert (allowed[0] == allowed[1]).all() and allowed[1].any()
+    assert m.accept(opening, PARIS) is None and m.mask([opening]) is None  # opened: now it reasons
+    end = tok.encode("</think>", add_special_tokens=False)
+    assert len(end) > 1
+    for t in tok.encode(" The user asks for a person.\n", add_special_tokens=False) + end:
+        assert m.mask([reasoning]) is None and m.accept(reasoning, t) is None
+    assert m.mask([reasoning]).rows == [0] and reasoning.seq_id not in m.gates
+    assert "satisfy the grammar" in m.accept(reasoning, PARIS)  # the grammar's now
+    assert "satisfy the grammar" in m.accept(plain, HELLO)
 
 
 def test_a_mask_that_allows_everything_changes_nothing():

@@ -6,6 +6,10 @@
     choice       exactly one of these strings
     grammar      a context-free grammar: Lark (llguidance's dialect) or GBNF
 
+With a reasoning model the grammar may govern the answer only, as vLLM's structured outputs do
+under a reasoning parser: `reasoning_end` set, the reply's text is free until it has written that
+(`</think>`) and the grammar applies from the next token on (engine.structured.matchers).
+
 Frozen and hashable: `key` is what compiled grammars are cached by. No llguidance here; the
 compiler (engine.structured.compiler) turns a spec into a grammar.
 """
@@ -27,6 +31,11 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     lenient: bool = False  # JSON schema keywords llguidance does not implement are ignored, not refused
+    # Reasoning before the grammar (not part of `key`): free text until `reasoning_end` is written.
+    # `reasoning_start` set: the reply does not open inside its reasoning but its first token may
+    # open it (where that text is one token); any other first token is the grammar's.
+    reasoning_end: str | None = None
+    reasoning_start: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -40,6 +49,8 @@ class StructuredOutputsParams:
             if not choice or not all(isinstance(c, str) for c in choice):
                 raise InvalidRequestError("structured_outputs", "choice must be a non-empty list of strings")
             object.__setattr__(self, "choice", choice)
+        if self.reasoning_start is not None and not self.reasoning_end:
+            raise InvalidRequestError("structured_outputs", "reasoning_start needs reasoning_end")
 
     @property
     def kind(self) -> str:
