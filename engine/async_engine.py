@@ -65,6 +65,10 @@ class AsyncEngine:
         return self.engine.executor.info.vocab_size
 
     @property
+    def eos_token_ids(self) -> list[int]:
+        return sorted(self.engine.eos_token_ids)
+
+    @property
     def is_healthy(self) -> bool:
         return self._error is None
 

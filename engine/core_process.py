@@ -190,6 +190,7 @@ def watch_parent(done: threading.Event, parent: int, period_s: float = 0.5) -> N
 
 def _info(engine) -> dict:
     return {"max_model_len": engine.max_model_len, "vocab_size": engine.executor.info.vocab_size,
+            "eos_token_ids": sorted(engine.eos_token_ids),
             "stats": engine.stats(), "routing": engine.routing_snapshot()}
 
 

@@ -121,6 +121,7 @@ class ProcessEngine:
             raise payload
         self.max_model_len: int = payload["max_model_len"]
         self.vocab_size: int = payload["vocab_size"]
+        self.eos_token_ids: list[int] = payload["eos_token_ids"]
         self._stats: EngineStats = payload["stats"]
         self._routing: EngineStats = payload["routing"]
         self._routing_asked = False

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from router.beam_search import MAX_BEAM_WIDTH, BeamSearch
 
 MAX_N = 128
 REQUEST_ID_PATTERN = r"^[\x21-\x7e]{1,256}$"  # printable ASCII, no spaces: it goes into ids and log lines
@@ -70,15 +71,15 @@ class _SamplingFields(_Model):
     guided_whitespace_pattern: str | None = None
     bad_words: list[str] | None = None  # vLLM extra: words the output may not complete
     allowed_token_ids: list[TokenId] | None = None  # vLLM extra: the only tokens that may be sampled
-    use_beam_search: bool = False  # vLLM extra this server does not implement: a 400 when true
+    use_beam_search: bool = False  # vLLM extra: beam search of width n (router.beam_search)
     cache_salt: str | None = Field(None, min_length=1)  # vLLM extra: share cached prefix blocks only with this salt
     return_token_ids: bool = False  # vLLM extra: prompt_token_ids and each choice's token_ids in the reply
     # vLLM extra: names the reply (`cmpl-{request_id}`); an X-Request-Id header comes first, as in vLLM
     request_id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
+    length_penalty: float | None = None  # vLLM extra, beam search's: a score is divided by length ** this
     # vLLM extras this server does not implement: a 400 when set (priority: when not 0, as vLLM
-    # without --scheduling-policy priority; length_penalty: beam search's, when not 1)
+    # without --scheduling-policy priority)
     priority: int = 0
-    length_penalty: float | None = None
     logits_processors: list[Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
@@ -91,17 +92,44 @@ class _SamplingFields(_Model):
             _check_logit_bias(self.logit_bias)
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens must be positive, or -1 for the model's max_model_len")
-        _refuse(self, "use_beam_search", "guided_whitespace_pattern", "logits_processors", "vllm_xargs",
-                "mm_processor_kwargs")
+        _refuse(self, "guided_whitespace_pattern", "logits_processors", "vllm_xargs", "mm_processor_kwargs")
         if self.priority != 0:
             raise ValueError(f"priority is not supported by this server (it schedules first come, first served), "
                              f"got {self.priority}")
-        if self.length_penalty not in (None, 1.0):
-            raise ValueError("length_penalty is not supported by this server (it applies to beam search only)")
         self._fold_guided()
         if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:
             raise ValueError("response_format cannot be combined with structured_outputs: give one of them")
+        self._check_beam_search()
         return self
+
+    def _check_beam_search(self) -> None:
+        """Beam search ranks beams by the model's own logprobs: a field that would reshape the
+        distribution, or stop a beam on text, is refused with it rather than ignored."""
+        if not self.use_beam_search:
+            if self.length_penalty not in (None, 1.0):
+                raise ValueError("length_penalty applies to beam search only (use_beam_search true)")
+            return
+        if self.n > MAX_BEAM_WIDTH:
+            raise ValueError(f"n (the beam width) must be at most {MAX_BEAM_WIDTH} with use_beam_search, got {self.n}")
+        formatted = self.response_format is not None and self.response_format.type != "text"
+        for name, unset in (("top_p", self.top_p in (None, 1.0)), ("top_k", self.top_k in (None, 0, -1)),
+                            ("min_p", not self.min_p), ("presence_penalty", not self.presence_penalty),
+                            ("frequency_penalty", not self.frequency_penalty),
+                            ("repetition_penalty", self.repetition_penalty in (None, 1.0)),
+                            ("logit_bias", not self.logit_bias), ("min_tokens", not self.min_tokens),
+                            ("stop", not self.stop), ("bad_words", not self.bad_words),
+                            ("allowed_token_ids", self.allowed_token_ids is None),
+                            ("structured_outputs", self.structured_outputs is None),
+                            ("response_format", not formatted)):
+            if not unset:
+                raise ValueError(f"{name} cannot be combined with use_beam_search")
+
+    def beam_search(self) -> BeamSearch | None:
+        """The request's beam search, when it asks for one."""
+        if not self.use_beam_search:
+            return None
+        return BeamSearch(self.n, 1.0 if self.length_penalty is None else self.length_penalty,
+                          self.include_stop_str_in_output)
 
     def _guided(self) -> dict[str, Any]:
         """The guided_* fields given, by their structured_outputs names."""
@@ -200,6 +228,8 @@ class CompletionRequest(_SamplingFields):
         _refuse(self, "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is only supported equal to n")
+        if self.use_beam_search and self.max_tokens == 0:
+            raise ValueError("max_tokens 0 cannot be combined with use_beam_search")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -398,6 +428,8 @@ class ChatCompletionRequest(_SamplingFields):
         if forced and (formatted or self.structured_outputs is not None):
             raise ValueError("tool_choice required or a named function cannot be combined with response_format "
                              "or structured_outputs: each decides the output's form")
+        if forced and self.use_beam_search:
+            raise ValueError("tool_choice required or a named function cannot be combined with use_beam_search")
 
     @property
     def reply_role(self) -> str:

@@ -30,6 +30,7 @@ from engine.errors import InvalidRequestError
 from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
+from router.beam_search import BeamSearch, beam_search
 from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error
 from router.formatting import (SSE_DONE, Accumulator, PromptEcho, chat_logprobs, chat_response,
                                completion_logprobs, completion_response, sse, vllm_prompt_logprobs)
@@ -191,7 +192,7 @@ class OpenAIServing:
             texts = [t if len(k) == len(p) else k for t, p, k in zip(texts, prompts, kept)]  # echo: what was kept
             prompts = kept
         rid, engine_rid = _request_ids("cmpl", req.request_id)
-        first, merged = await self._start(engine_rid, prompts, params, "prompt", "max_tokens")
+        first, merged = await self._start(engine_rid, prompts, params, "prompt", "max_tokens", req.beam_search())
         if req.max_tokens == 0:
             first, merged = (first[0], _prompt_only(first[1])), _map_steps(merged, _prompt_only)
         acc = Accumulator([len(p) for p in prompts], req.n)
@@ -216,7 +217,7 @@ class OpenAIServing:
             ids = await self._truncated(ids, req.truncate_prompt_tokens)
         rid, engine_rid = _request_ids("chatcmpl", req.request_id)
         max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        first, merged = await self._start(engine_rid, [ids], params, "messages", max_param)
+        first, merged = await self._start(engine_rid, [ids], params, "messages", max_param, req.beam_search())
         acc = Accumulator([len(ids)], req.n)
         thinking = self._reasoning_start(ids)
         if req.stream:
@@ -348,8 +349,9 @@ class OpenAIServing:
             _check_fits_kv_cache(len(ids), params.max_tokens, info, max_param)
 
     async def _start(self, rid: str, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
-                     max_param: str) -> tuple[tuple[int, StepOutput], AsyncIterator]:
-        """Send every prompt to the engine; returns its first output and the rest of the merged stream."""
+                     max_param: str, beam: BeamSearch | None = None) -> tuple[tuple[int, StepOutput], AsyncIterator]:
+        """Send every prompt to the engine (or to a beam search over it); returns its first output
+        and the rest of the merged stream."""
         default = self.settings.sampling_defaults.get("max_tokens")
         if params.max_tokens is None and default is not None:  # vLLM's: the room left, at most the default
             room = (await self.limits())["max_model_len"] - max(map(len, prompts))
@@ -357,7 +359,11 @@ class OpenAIServing:
         await self._check_prompts(prompts, params, prompt_param, max_param)
         if self.settings.enable_log_requests:
             logger.info("%s: prompt token ids %s, %s", rid, prompts, params)
-        merged = merge_streams([self.engine.generate(f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)])
+        if beam is None:
+            streams = [self.engine.generate(f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)]
+        else:
+            streams = [await self._beam_search(f"{rid}-{i}", ids, params, beam) for i, ids in enumerate(prompts)]
+        merged = merge_streams(streams)
         try:
             first = await anext(merged)
         except StopAsyncIteration:
@@ -369,6 +375,16 @@ class OpenAIServing:
             await merged.aclose()
             raise
         return first, merged
+
+    async def _beam_search(self, rid: str, ids: list[int], params: SamplingParams,
+                           beam: BeamSearch) -> AsyncIterator[StepOutput]:
+        info = await self.limits()
+        if params.max_tokens is None:  # as the engine would: up to max_model_len
+            params = dataclasses.replace(params, max_tokens=info["max_model_len"] - len(ids))
+        eos = info.get("eos_token_ids")
+        eos = set(eos) if eos is not None else {self.tokenizer.eos_token_id} - {None}
+        return beam_search(self.engine.generate, rid, ids, params, beam, eos,
+                           lambda tokens, skip: self.tokenizer.decode(tokens, skip_special_tokens=skip))
 
     # -- streaming -------------------------------------------------------------------------------
     def _chunk_base(self, rid: str, obj: str, include_usage: bool) -> dict:

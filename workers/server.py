@@ -79,11 +79,13 @@ class EngineServer:
     async def info(self) -> dict:
         """Limits the ingress checks requests against before sending them here."""
         s = self.engine.stats()
-        # vocab_size: the token ids the model has (for the ingress to refuse others itself); None
-        # from an engine that does not say.
+        # vocab_size: the token ids the model has (for the ingress to refuse others itself);
+        # eos_token_ids: those that end a reply (beam search, run at the ingress, needs them);
+        # None from an engine that does not say.
         return {"max_model_len": self.engine.max_model_len, "max_num_seqs": self.max_num_seqs,
                 "block_size": s.block_size, "num_total_blocks": s.num_total_blocks,
-                "vocab_size": getattr(self.engine, "vocab_size", None)}
+                "vocab_size": getattr(self.engine, "vocab_size", None),
+                "eos_token_ids": getattr(self.engine, "eos_token_ids", None)}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[StepOutput]:

@@ -1,0 +1,105 @@
+"""Beam search (vLLM's `use_beam_search`), run at the ingress on the engine's logprobs.
+
+As vLLM's OpenAI server does it: each round asks the engine for one token of every live beam,
+with the 2k most likely next tokens' logprobs (k = the beam width, the request's `n`), and keeps
+the k best of the candidates by cumulative logprob. A candidate ending in an end-of-sequence token
+is set aside as complete. After `max_tokens` rounds the complete and live beams are ranked by
+vLLM's score, cumulative logprob / (sequence length, prompt included, the end token not) **
+length_penalty, and the k best are the reply's choices, best first. The prefix cache keeps the
+rounds cheap: a beam's tokens before its last block are already in the KV cache.
+
+Only the model's distribution decides: temperature and seed do not change the beams (vLLM's rule
+too); the fields that reshape the distribution are refused with beam search (router.protocol).
+The reply comes whole, also to a stream: one chunk per choice once the search ends.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from engine.outputs import ChoiceDelta, StepOutput
+from engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each round asks for 2k logprobs per beam
+
+Generate = Callable[[str, list[int], SamplingParams], AsyncIterator[StepOutput]]
+
+
+@dataclass(frozen=True)
+class BeamSearch:
+    width: int
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # the end token's text in the reply's text
+
+
+@dataclass(frozen=True)
+class _Beam:
+    tokens: tuple[int, ...]  # generated so far (an end token last where it ended)
+    cum_logprob: float = 0.0
+    entries: tuple[dict[int, float], ...] = ()  # per token: the round's logprobs (top ones + it)
+    ended: bool = False
+
+
+def _score(beam: _Beam, prompt_len: int, length_penalty: float) -> float:
+    length = prompt_len + len(beam.tokens) - beam.ended
+    return beam.cum_logprob / max(length, 1) ** length_penalty
+
+
+async def _one_token(generate: Generate, request_id: str, ids: list[int], params: SamplingParams) -> StepOutput:
+    """The engine's one-token reply to `ids`, its outputs folded into one."""
+    choices, first = [], None
+    async with contextlib.aclosing(generate(request_id, ids, params)) as stream:
+        async for step in stream:
+            first = first or step
+            choices += step.choices
+    return dataclasses.replace(first, choices=choices)
+
+
+async def beam_search(generate: Generate, request_id: str, prompt: list[int], params: SamplingParams,
+                      beam: BeamSearch, eos_token_ids: set[int], decode: Callable[[list[int], bool], str],
+                      ) -> AsyncIterator[StepOutput]:
+    """One StepOutput: the `beam.width` best beams as choices 0..k-1. `params` gives max_tokens,
+    ignore_eos, stop_token_ids (which end a beam too), logprobs and prompt_logprobs, cache_salt
+    and skip_special_tokens; `decode(token ids, skip_special_tokens)` writes a beam's text."""
+    k, enders = beam.width, set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
+    round_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=2 * k,
+                                  cache_salt=params.cache_salt, output_kind=RequestOutputKind.FINAL_ONLY)
+    live, done, head = [_Beam(())], [], None
+
+    def rank(beams: list[_Beam]) -> list[_Beam]:
+        return sorted(beams, key=lambda b: _score(b, len(prompt), beam.length_penalty), reverse=True)
+
+    for r in range(params.max_tokens):
+        first = dataclasses.replace(round_params, prompt_logprobs=params.prompt_logprobs) if r == 0 else round_params
+        outs = await asyncio.gather(*(_one_token(generate, f"{request_id}-{r}-{i}", prompt + list(b.tokens), first)
+                                      for i, b in enumerate(live)))
+        head = head or outs[0]
+        candidates = []
+        for b, out in zip(live, outs):
+            (entry,) = out.choices[0].logprobs
+            top = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:2 * k]
+            for token, logprob in top:
+                nxt = _Beam(b.tokens + (token,), b.cum_logprob + logprob, b.entries + (entry,), token in enders)
+                (done if nxt.ended else candidates).append(nxt)
+        live = rank(candidates)[:k]
+        if not live:
+            break
+    best = rank(done + live)[:k]
+    choices = [_choice(i, b, params, beam, decode) for i, b in enumerate(best)]
+    yield StepOutput(choices, len(prompt), head.num_cached_tokens, True, head.prompt_logprobs)
+
+
+def _choice(index: int, b: _Beam, params: SamplingParams, beam: BeamSearch,
+            decode: Callable[[list[int], bool], str]) -> ChoiceDelta:
+    tokens = list(b.tokens)
+    shown = tokens if not b.ended or beam.include_stop_str_in_output else tokens[:-1]
+    logprobs = None
+    if params.logprobs is not None:  # each token's: the asked-for top ones, and the token itself
+        logprobs = [{**dict(sorted(e.items(), key=lambda kv: kv[1], reverse=True)[:params.logprobs]), t: e[t]}
+                    for t, e in zip(tokens, b.entries)]
+    stop_reason = tokens[-1] if b.ended and tokens[-1] in params.stop_token_ids else None
+    return ChoiceDelta(index, decode(shown, params.skip_special_tokens), tokens, logprobs,
+                       "stop" if b.ended else "length", stop_reason)

@@ -1,0 +1,162 @@
+"""use_beam_search (router.beam_search): the beams HF transformers' beam search finds, through the
+real HTTP app, the official openai client and a real engine; the ranking, end tokens and length
+penalty on a scripted distribution; the fields beam search refuses."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.outputs import ChoiceDelta, StepOutput
+from engine.sampling_params import SamplingParams
+from router.api import build_api
+from router.beam_search import BeamSearch, beam_search
+from router.serving import OpenAIServing
+from router.settings import RouterSettings
+from tests.tiny_llama import make_tiny_llama
+from workers.server import EngineServer
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_path):
+    return str(make_tiny_llama(tmp_path_factory.mktemp("beam"), smollm2_path, "gqa", vocab_size=49152))
+
+
+def _serve(tiny_dir, go):
+    """go(openai client, engine server) against the app over a real engine on the tiny model."""
+    from transformers import AutoTokenizer
+
+    async def main():
+        server = EngineServer(EngineConfig(model=tiny_dir, max_model_len=256, num_gpu_blocks_override=64,
+                                           max_num_seqs=16, block_size=16))
+        app = build_api(OpenAIServing(AutoTokenizer.from_pretrained(tiny_dir), server,
+                                      RouterSettings(served_model_name="m")))
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+                client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="k", http_client=http, max_retries=0)
+                return await go(client, server)
+        finally:
+            await server.shutdown()
+
+    return asyncio.run(main())
+
+
+PROMPTS = [[1, 17, 99, 250, 3, 42], [1, 400, 401, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+
+
+def test_beams_are_hf_transformers_beams(tiny_dir):
+    """ignore_eos: every beam runs max_tokens, so vLLM's ranking and HF's agree exactly."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float32).eval()
+    k, steps = 3, 10
+    hf = []
+    for p in PROMPTS:
+        out = model.generate(torch.tensor([p]), num_beams=k, num_return_sequences=k, max_new_tokens=steps,
+                             do_sample=False, early_stopping=False, eos_token_id=None, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True)
+        hf.append([seq[len(p):].tolist() for seq in out.sequences])
+        assert out.sequences_scores.tolist() == sorted(out.sequences_scores.tolist(), reverse=True)
+
+    async def go(client, server):
+        whole = await client.completions.create(model="m", prompt=PROMPTS, n=k, max_tokens=steps, logprobs=2,
+                                                extra_body={"use_beam_search": True, "ignore_eos": True,
+                                                            "return_token_ids": True})
+        stream = await client.completions.create(model="m", prompt=PROMPTS[0], n=k, max_tokens=steps, stream=True,
+                                                 extra_body={"use_beam_search": True, "ignore_eos": True})
+        streamed = [c async for c in stream]
+        await asyncio.sleep(0.05)
+        return whole, streamed, await server.stats()
+
+    whole, streamed, stats = _serve(tiny_dir, go)
+    got = [c.token_ids for c in whole.choices]
+    assert got == hf[0] + hf[1]
+    assert all(c.finish_reason == "length" and len(c.logprobs.tokens) == steps for c in whole.choices)
+    cum = [sum(c.logprobs.token_logprobs) for c in whole.choices[:k]]
+    assert cum == sorted(cum, reverse=True)  # best first
+    assert whole.usage.completion_tokens == 2 * k * steps
+    texts = {c.index: c.text for c in streamed if c.choices for c in c.choices}
+    assert [texts[i] for i in range(k)] == [c.text for c in whole.choices[:k]]
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == stats.num_waiting == 0
+
+
+def test_chat_beam_search_and_refusals(tiny_dir):
+    async def go(client, server):
+        msgs = [{"role": "user", "content": "Say something"}]
+        chat = await client.chat.completions.create(model="m", messages=msgs, n=2, max_tokens=5,
+                                                    extra_body={"use_beam_search": True, "ignore_eos": True})
+        errors = []
+        for extra in ({"n": 11}, {"top_p": 0.5}, {"stop": ["x"]}, {"logit_bias": {"5": 1}},
+                      {"response_format": {"type": "json_object"}}):
+            body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 3, "use_beam_search": True, **extra}
+            r = await client._client.post("http://t/v1/completions", json=body)
+            errors.append((r.status_code, r.json()["error"]["message"]))
+        r = await client._client.post("http://t/v1/completions",
+                                      json={"model": "m", "prompt": [1, 2], "length_penalty": 2.0})
+        errors.append((r.status_code, r.json()["error"]["message"]))
+        return chat, errors
+
+    chat, errors = _serve(tiny_dir, go)
+    assert len(chat.choices) == 2 and all(c.message.content is not None for c in chat.choices)
+    assert chat.usage.completion_tokens == 10
+    assert [s for s, _ in errors] == [400] * 6
+    assert "at most 10" in errors[0][1] and "top_p cannot be combined" in errors[1][1]
+    assert "stop cannot" in errors[2][1] and "logit_bias cannot" in errors[3][1]
+    assert "response_format cannot" in errors[4][1] and "beam search only" in errors[5][1]
+
+
+# -- the search itself, on a scripted distribution ------------------------------------------------
+EOS = 2
+TABLE = {  # context after the prompt [1] -> the next token's logprobs
+    (): {EOS: -0.3, 5: -0.5, 6: -1.0, 7: -3.0},
+    (5,): {5: -2.0, 6: -2.5, 7: -3.0, EOS: -4.0},
+    (6,): {7: -0.1, 5: -3.0, 6: -3.5, EOS: -5.0},
+}
+
+
+def _scripted(seen: list):
+    async def generate(request_id: str, ids: list[int], params: SamplingParams):
+        seen.append((ids, params))
+        entry = TABLE.get(tuple(ids[1:]), {5: -1.0, 6: -2.0, 7: -3.0, EOS: -4.0})
+        token = max(entry, key=entry.get)
+        yield StepOutput([ChoiceDelta(0, "", [token], [dict(entry)], "length")], len(ids), 0, True)
+    return generate
+
+
+def _search(beam: BeamSearch, **params) -> tuple[list[ChoiceDelta], list]:
+    seen = []
+
+    async def main():
+        stream = beam_search(_scripted(seen), "r", [1], SamplingParams(**params), beam, {EOS},
+                             lambda ids, skip: " ".join(map(str, ids)))
+        return [s async for s in stream]
+
+    (out,) = asyncio.run(main())
+    return out.choices, seen
+
+
+def test_an_ended_beam_competes_by_its_length_normalized_score():
+    choices, seen = _search(BeamSearch(2), max_tokens=2, logprobs=1)
+    # EOS first: -0.3 over length 1 (the prompt's; the end token does not count) beats 6 7: -1.1 / 3
+    assert [(c.token_ids, c.text, c.finish_reason) for c in choices] == [([EOS], "", "stop"), ([6, 7], "6 7", "length")]
+    assert choices[1].logprobs == [{EOS: -0.3, 6: -1.0}, {7: -0.1}]  # the top 1 and the token itself
+    assert [ids for ids, _ in seen] == [[1], [1, 5], [1, 6]]  # 2 rounds; the ended beam is not extended
+    assert all(p.logprobs == 4 and p.max_tokens == 1 and p.temperature == 0 for _, p in seen)
+    # a length penalty of 2 favours the longer beams: 6 7 at -1.1 / 9 and 5 5 at -2.5 / 9 beat -0.3 / 1
+    choices, _ = _search(BeamSearch(2, length_penalty=2.0), max_tokens=2)
+    assert [c.token_ids for c in choices] == [[6, 7], [5, 5]]
+
+
+def test_end_tokens_ignore_eos_stop_token_ids_and_include_stop_str():
+    choices, _ = _search(BeamSearch(2, include_stop_str_in_output=True), max_tokens=2)
+    assert choices[0].text == "2" and choices[0].stop_reason is None
+    choices, _ = _search(BeamSearch(2), max_tokens=2, ignore_eos=True)  # EOS is a token like any other
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 2 for c in choices)
+    choices, _ = _search(BeamSearch(2), max_tokens=2, ignore_eos=True, stop_token_ids=[EOS])  # ends it again
+    assert [(c.token_ids, c.finish_reason, c.stop_reason) for c in choices] == [([EOS], "stop", EOS),
+                                                                               ([6, 7], "length", None)]
