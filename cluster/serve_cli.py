@@ -214,6 +214,25 @@ def _check_port(host: str, port: int, flag: str = "") -> None:
             raise ValueError(f"cannot listen on {host}:{port}{f' ({flag})' if flag else ''}: {e.strerror}") from None
 
 
+RAY_DEFAULT_PORT = 6379  # the GCS port of an address given without one
+
+
+def _ray_unreachable(address: str, timeout_s: float = 5.0) -> str | None:
+    """Why nothing answers at a Ray address (host:port, or ray://host:port for Ray Client), or
+    None; "auto" and the like are left to Ray. Ray itself retries an absent cluster for over a
+    minute before it gives up."""
+    host, colon, port = address.removeprefix("ray://").rpartition(":")
+    if not colon:
+        host, port = port, str(RAY_DEFAULT_PORT)
+    if address == "auto" or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        return f"no Ray cluster answers at {address}: {e.strerror or type(e).__name__}"
+    return None
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     from cluster.app import APP_NAME, build_app, check_args, served_model_name
     from engine.model_source import ModelError
@@ -228,6 +247,9 @@ def run_serve(ns: argparse.Namespace) -> int:
     except (ModelError, ValueError) as e:
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2
+    if ns.ray_address is not None and (why := _ray_unreachable(ns.ray_address)):
+        print(f"kvserve: error: {why}", file=sys.stderr)
+        return 1
 
     from cluster.serve_env import apply_serve_env
 

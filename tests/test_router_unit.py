@@ -3,8 +3,10 @@ builder's argument handling and the `kvserve serve` command line."""
 import asyncio
 import importlib.metadata
 import json
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -394,8 +396,6 @@ def test_serve_rejects_bad_flags_in_one_line_before_starting_ray():
 
 
 def test_serve_reports_a_busy_port():
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -404,6 +404,23 @@ def test_serve_reports_a_busy_port():
         assert r.returncode == 2 and "cannot listen on 127.0.0.1" in r.stderr
         r = kvserve("serve", "--port", str(free_port()), "--metrics-export-port", busy)  # Ray's agent would hang on it
         assert r.returncode == 2 and f"cannot listen on 0.0.0.0:{busy} (--metrics-export-port)" in r.stderr
+
+
+def test_serve_says_at_once_that_no_ray_cluster_answers():
+    """Ray itself retries an absent cluster for over a minute before its own error."""
+    from cluster.serve_cli import _ray_unreachable
+
+    port = free_port()
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        start = time.monotonic()
+        r = kvserve("serve", "--ray-address", address)
+        assert r.returncode == 1 and f"no Ray cluster answers at {address}: Connection refused" in r.stderr
+        assert time.monotonic() - start < 30 and "Traceback" not in r.stderr
+    assert _ray_unreachable("auto") is None and _ray_unreachable("nohost.invalid").startswith("no Ray cluster")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        assert _ray_unreachable(f"127.0.0.1:{listener.getsockname()[1]}") is None
 
 
 def test_the_fake_engine_meets_the_engine_contract():
