@@ -24,6 +24,8 @@ reasoning.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from router.tool_parser import held_back
 
 PARSERS = ("deepseek_r1", "qwen3")
@@ -57,6 +59,22 @@ def split_reasoning(text: str, in_reasoning: bool) -> tuple[str | None, str | No
         return None, text or None
     reasoning, closed, content = text.partition(END)
     return reasoning or None, (content if closed else "") or None
+
+
+def count_reasoning_tokens(token_ids: list[int], decode: Callable[[list[int]], str], in_reasoning: bool) -> int:
+    """How many of a reply's tokens are its reasoning, up to and including the one that closes
+    it (split_reasoning's reading of the same reply): the closing tag is found in log2(n) decodes
+    of the reply's prefixes."""
+    text = decode(token_ids)
+    if not (in_reasoning or text.lstrip().startswith(START)):
+        return 0
+    if END not in text:
+        return len(token_ids)
+    lo, hi = 1, len(token_ids)  # the shortest prefix whose text holds the tag
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if END in decode(token_ids[:mid]) else (mid + 1, hi)
+    return lo
 
 
 def reasoning_fields(reasoning: str | None) -> dict:

@@ -284,12 +284,14 @@ class ResponseReply:
     the reply made (chat's tool plan parses them out of the text)."""
 
     def __init__(self, req: ResponsesRequest, model: str, created: int, plan: ToolPlan,
-                 store: Callable[[dict], Awaitable[bool]] | None = None, thinking: bool | None = None) -> None:
+                 store: Callable[[dict], Awaitable[bool]] | None = None, thinking: bool | None = None,
+                 reasoning_tokens: Callable[[list[int]], int] | None = None) -> None:
         """`store(response)`: keeps the finished response (before a stream's last event goes out,
         so a follow-up sent on that event finds it) and says whether it did. `thinking`: as the
         chat path's (router.reasoning): None, the reply is not split; else whether it opens
-        inside its reasoning."""
+        inside its reasoning. `reasoning_tokens(output token ids)`: how many are reasoning."""
         self.req, self.model, self.created, self.plan, self.thinking = req, model, created, plan, thinking
+        self.reasoning_tokens = reasoning_tokens
         self.id = _new_id("resp")
         self._seq = itertools.count()
         self._store = store
@@ -377,10 +379,11 @@ class ResponseReply:
                "previous_response_id": r.previous_response_id, "metadata": r.metadata or {}, "user": r.user,
                "usage": None}
         if acc is not None:
-            u = acc.usage()
+            u, (choice,) = acc.usage(), acc.choices
+            thought = self.reasoning_tokens(choice.token_ids) if self.reasoning_tokens and choice.token_ids else 0
             out["usage"] = {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
                             "output_tokens": u["completion_tokens"],
-                            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": u["total_tokens"]}
+                            "output_tokens_details": {"reasoning_tokens": thought}, "total_tokens": u["total_tokens"]}
         return out
 
 

@@ -35,7 +35,8 @@ from router.errors import OpenAIError, bad_request, from_invalid_request, intern
 from router.formatting import (SSE_DONE, Accumulator, PromptEcho, chat_logprobs, chat_response,
                                completion_logprobs, completion_response, sse, vllm_prompt_logprobs)
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from router.reasoning import ReasoningStream, grammar_gate, opens_in_reasoning, reasoning_fields, split_reasoning
+from router.reasoning import (ReasoningStream, count_reasoning_tokens, grammar_gate, opens_in_reasoning,
+                              reasoning_fields, split_reasoning)
 from router.response_store import ResponseStore, StoredResponses
 from router.responses import ResponseReply, ResponsesRequest, parse_items, responses_field
 from router.settings import RouterSettings
@@ -251,8 +252,11 @@ class OpenAIServing:
         self.check_model(req.model)
         history = await self.stored.conversation(req.previous_response_id)
         plan, params, ids = await self._chat_prompt(req.chat_request(parse_items(history)), field=responses_field)
+        thinking = self._reasoning_start(ids)
+        counter = None if thinking is None else functools.partial(count_reasoning_tokens, decode=self.tokenizer.decode,
+                                                                  in_reasoning=thinking)
         reply = ResponseReply(req, self.settings.served_model_name, int(time.time()), plan,
-                              self.stored.keeper(req, history), self._reasoning_start(ids))
+                              self.stored.keeper(req, history), thinking, counter)
         first, merged = await self._start(reply.id, [ids], params, "input", "max_output_tokens")
         acc = Accumulator([len(ids)], 1)
         if req.stream:

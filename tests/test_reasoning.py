@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.reasoning import ReasoningStream, opens_in_reasoning, split_reasoning
+from router.reasoning import ReasoningStream, count_reasoning_tokens, opens_in_reasoning, split_reasoning
 from tests.scripted_engine import run
 from tests.test_tools import CALL, TOOLS, USER, create
 
@@ -124,6 +124,21 @@ def test_unknown_parser_is_refused():
         RouterSettings(served_model_name="m", reasoning_parser="granite")
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["<think>", "</think>", "<", "/", "think", ">", "a", " ", "\n"]), max_size=12),
+       st.booleans())
+def test_reasoning_tokens_end_with_the_one_that_closes_the_block(tokenizer, pieces, opened):
+    ids = tokenizer.encode("".join(pieces), add_special_tokens=False)
+    n = count_reasoning_tokens(ids, tokenizer.decode, opened)
+    reasoning, content = split_reasoning(tokenizer.decode(ids), opened)
+    if reasoning is None and not opened and not tokenizer.decode(ids).lstrip().startswith("<think>"):
+        assert n == 0
+    elif content is None and "</think>" not in tokenizer.decode(ids):
+        assert n == len(ids)
+    else:  # the tag is whole in the first n tokens' text and not in the first n - 1's
+        assert "</think>" in tokenizer.decode(ids[:n]) and "</think>" not in tokenizer.decode(ids[:n - 1])
+
+
 def test_opens_in_reasoning():
     assert opens_in_reasoning("qwen3", "<|im_start|>assistant\n<think>\n")
     assert opens_in_reasoning("qwen3", "<|im_start|>assistant\n<think>\nThe user")  # continued from inside
@@ -185,6 +200,11 @@ def test_responses_give_the_reasoning_its_own_item_whole_and_streamed(tokenizer)
     assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_") and reasoning.summary == []
     assert [(c.type, c.text) for c in reasoning.content] == [("reasoning_text", "\nThe user asks about Paris.\n")]
     assert message.type == "message" and whole.output_text == "\n\nParis is in France."
+    # the reasoning's tokens: up to and including the one that completes </think>
+    ids = tokenizer.encode(REPLY, add_special_tokens=False)
+    thought = next(i for i in range(1, len(ids) + 1) if "</think>" in tokenizer.decode(ids[:i]))
+    assert 0 < thought < len(ids) and whole.usage.output_tokens_details.reasoning_tokens == thought
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == thought
 
     kinds = [e.type for e in events]
     assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
