@@ -214,17 +214,20 @@ def _check_port(host: str, port: int, flag: str = "") -> None:
             raise ValueError(f"cannot listen on {host}:{port}{f' ({flag})' if flag else ''}: {e.strerror}") from None
 
 
-RAY_DEFAULT_PORT = 6379  # the GCS port of an address given without one
+RAY_GCS_PORT, RAY_CLIENT_PORT = 6379, 10001  # the ports of an address given without one
 
 
 def _ray_unreachable(address: str, timeout_s: float = 5.0) -> str | None:
-    """Why nothing answers at a Ray address (host:port, or ray://host:port for Ray Client), or
-    None; "auto" and the like are left to Ray. Ray itself retries an absent cluster for over a
+    """Why nothing answers at a Ray address (host[:port], or ray://host[:port] for Ray Client),
+    or None; "auto" and "local" are left to Ray. Ray itself retries an absent cluster for over a
     minute before it gives up."""
+    if address in ("auto", "local"):
+        return None
+    client = address.startswith("ray://")
     host, colon, port = address.removeprefix("ray://").rpartition(":")
     if not colon:
-        host, port = port, str(RAY_DEFAULT_PORT)
-    if address == "auto" or not port.isdigit():
+        host, port = port, str(RAY_CLIENT_PORT if client else RAY_GCS_PORT)
+    if not port.isdigit():
         return None
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()

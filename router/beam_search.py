@@ -8,6 +8,9 @@ vLLM's score, cumulative logprob / (sequence length, prompt included, the end to
 length_penalty, and the k best are the reply's choices, best first. The prefix cache keeps the
 rounds cheap: a beam's tokens before its last block are already in the KV cache.
 
+A beam that ended is given as vLLM gives it: finish_reason "stop", stop_reason its end token's
+id, which is in its token ids (and text) only with include_stop_str_in_output.
+
 Only the model's distribution decides: temperature and seed do not change the beams (vLLM's rule
 too); the fields that reshape the distribution are refused with beam search (router.protocol).
 The reply comes whole, also to a stream: one chunk per choice once the search ends.
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from router.errors import internal_error, unavailable
 
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each round asks for 2k logprobs per beam
 
@@ -49,13 +53,34 @@ def _score(beam: _Beam, prompt_len: int, length_penalty: float) -> float:
 
 
 async def _one_token(generate: Generate, request_id: str, ids: list[int], params: SamplingParams) -> StepOutput:
-    """The engine's one-token reply to `ids`, its outputs folded into one."""
+    """The engine's one-token reply to `ids`, its outputs folded into one; an error when the
+    engine cut the request (a drain) or gave no logprobs."""
     choices, first = [], None
     async with contextlib.aclosing(generate(request_id, ids, params)) as stream:
         async for step in stream:
             first = first or step
             choices += step.choices
+    if first is None or not choices or choices[-1].finish_reason == "abort":
+        raise unavailable("the engine stopped this beam search's request before it finished")
+    if len(choices[0].logprobs or ()) != 1:
+        raise internal_error()
     return dataclasses.replace(first, choices=choices)
+
+
+async def _round(generate: Generate, request_id: str, prompts: list[list[int]],
+                 params: SamplingParams) -> list[StepOutput]:
+    """One token for each prompt, asked together; one failing cancels the others."""
+    tasks = [asyncio.create_task(_one_token(generate, f"{request_id}-{i}", p, params)) for i, p in enumerate(prompts)]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:  # the ones still running: after a failure, or when the search itself is cancelled
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for t in done:
+        if t.exception() is not None:
+            raise t.exception()
+    return [t.result() for t in tasks]
 
 
 async def beam_search(generate: Generate, request_id: str, prompt: list[int], params: SamplingParams,
@@ -65,8 +90,9 @@ async def beam_search(generate: Generate, request_id: str, prompt: list[int], pa
     ignore_eos, stop_token_ids (which end a beam too), logprobs and prompt_logprobs, cache_salt
     and skip_special_tokens; `decode(token ids, skip_special_tokens)` writes a beam's text."""
     k, enders = beam.width, set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
-    round_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=2 * k,
-                                  cache_salt=params.cache_salt, output_kind=RequestOutputKind.FINAL_ONLY)
+    round_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+                                  logprobs=max(2 * k, params.logprobs or 0), cache_salt=params.cache_salt,
+                                  output_kind=RequestOutputKind.FINAL_ONLY)
     live, done, head = [_Beam(())], [], None
 
     def rank(beams: list[_Beam]) -> list[_Beam]:
@@ -74,8 +100,7 @@ async def beam_search(generate: Generate, request_id: str, prompt: list[int], pa
 
     for r in range(params.max_tokens):
         first = dataclasses.replace(round_params, prompt_logprobs=params.prompt_logprobs) if r == 0 else round_params
-        outs = await asyncio.gather(*(_one_token(generate, f"{request_id}-{r}-{i}", prompt + list(b.tokens), first)
-                                      for i, b in enumerate(live)))
+        outs = await _round(generate, f"{request_id}-{r}", [prompt + list(b.tokens) for b in live], first)
         head = head or outs[0]
         candidates = []
         for b, out in zip(live, outs):
@@ -94,12 +119,11 @@ async def beam_search(generate: Generate, request_id: str, prompt: list[int], pa
 
 def _choice(index: int, b: _Beam, params: SamplingParams, beam: BeamSearch,
             decode: Callable[[list[int], bool], str]) -> ChoiceDelta:
-    tokens = list(b.tokens)
-    shown = tokens if not b.ended or beam.include_stop_str_in_output else tokens[:-1]
+    shown = len(b.tokens) - (b.ended and not beam.include_stop_str_in_output)
+    tokens = list(b.tokens[:shown])
     logprobs = None
     if params.logprobs is not None:  # each token's: the asked-for top ones, and the token itself
         logprobs = [{**dict(sorted(e.items(), key=lambda kv: kv[1], reverse=True)[:params.logprobs]), t: e[t]}
                     for t, e in zip(tokens, b.entries)]
-    stop_reason = tokens[-1] if b.ended and tokens[-1] in params.stop_token_ids else None
-    return ChoiceDelta(index, decode(shown, params.skip_special_tokens), tokens, logprobs,
-                       "stop" if b.ended else "length", stop_reason)
+    return ChoiceDelta(index, decode(tokens, params.skip_special_tokens), tokens, logprobs,
+                       "stop" if b.ended else "length", b.tokens[-1] if b.ended else None)

@@ -10,7 +10,9 @@ continued from inside one), or when the reply's own text begins with `<think>`:
     prompt ...           | answer                               (thinking off: all content)
 
 With `deepseek_r1` every reply begins inside it (R1 always thinks, and its template opens the
-block), as vLLM's parser of that name reads it: the text before `</think>` is reasoning.
+block), as vLLM's parser of that name reads it: the text before `</think>` is reasoning. With
+either, a prompt that ends with a closed block (a template that turned thinking off) starts the
+reply in its answer.
 
 A constrained reply (response_format, structured_outputs, a required tool call) reasons freely
 too: its grammar applies to the answer only, from the token after `</think>` (grammar_gate), as
@@ -32,20 +34,30 @@ PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
 
 
+def thinking_off(prompt_tail: str) -> bool:
+    """Whether the prompt ends with a closed block: a template that turns thinking off writes an
+    empty one where the reply would begin (Qwen3's `enable_thinking: false`, R1 distills' too)."""
+    return prompt_tail.rstrip().endswith(END)
+
+
 def opens_in_reasoning(parser: str, prompt_tail: str) -> bool:
-    """Whether a reply begins inside the block: always with deepseek_r1; with qwen3, when the
-    prompt's last text (its last tokens decoded) opened a block it did not close."""
+    """Whether a reply begins inside the block, read from the prompt's last text (its last tokens
+    decoded): never after a closed block; else always with deepseek_r1; with qwen3, when the
+    prompt opened a block it did not close."""
+    if thinking_off(prompt_tail):
+        return False
     return parser == "deepseek_r1" or prompt_tail.rfind(START) > prompt_tail.rfind(END)
 
 
 def grammar_gate(parser: str, prompt_tail: str) -> dict:
     """engine.structured.params' fields that hold a reply's grammar back until its reasoning
-    ends: from the start where it opens inside it; none where the prompt closed a block; else
-    (qwen3) the reply's first token may open one, any other begins the answer."""
+    ends: none where thinking is off; from the start where the reply opens inside the block;
+    else (qwen3) the reply's first token may open one, any other begins the answer. A block an
+    earlier turn closed (Qwen3's template keeps the last one in a tool loop) changes nothing."""
+    if thinking_off(prompt_tail):
+        return {}
     if opens_in_reasoning(parser, prompt_tail):
         return {"reasoning_end": END}
-    if END in prompt_tail:
-        return {}
     return {"reasoning_end": END, "reasoning_start": START}
 
 

@@ -143,7 +143,9 @@ def _search(beam: BeamSearch, **params) -> tuple[list[ChoiceDelta], list]:
 def test_an_ended_beam_competes_by_its_length_normalized_score():
     choices, seen = _search(BeamSearch(2), max_tokens=2, logprobs=1)
     # EOS first: -0.3 over length 1 (the prompt's; the end token does not count) beats 6 7: -1.1 / 3
-    assert [(c.token_ids, c.text, c.finish_reason) for c in choices] == [([EOS], "", "stop"), ([6, 7], "6 7", "length")]
+    # as vLLM gives an ended beam: its end token is the stop_reason, not in the tokens
+    assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in choices] == \
+        [([], "", "stop", EOS), ([6, 7], "6 7", "length", None)]
     assert choices[1].logprobs == [{EOS: -0.3, 6: -1.0}, {7: -0.1}]  # the top 1 and the token itself
     assert [ids for ids, _ in seen] == [[1], [1, 5], [1, 6]]  # 2 rounds; the ended beam is not extended
     assert all(p.logprobs == 4 and p.max_tokens == 1 and p.temperature == 0 for _, p in seen)
@@ -153,10 +155,45 @@ def test_an_ended_beam_competes_by_its_length_normalized_score():
 
 
 def test_end_tokens_ignore_eos_stop_token_ids_and_include_stop_str():
-    choices, _ = _search(BeamSearch(2, include_stop_str_in_output=True), max_tokens=2)
-    assert choices[0].text == "2" and choices[0].stop_reason is None
+    choices, _ = _search(BeamSearch(2, include_stop_str_in_output=True), max_tokens=2, logprobs=0)
+    assert (choices[0].token_ids, choices[0].text, choices[0].stop_reason) == ([EOS], "2", EOS)
+    assert choices[0].logprobs == [{EOS: -0.3}]
     choices, _ = _search(BeamSearch(2), max_tokens=2, ignore_eos=True)  # EOS is a token like any other
     assert all(c.finish_reason == "length" and len(c.token_ids) == 2 for c in choices)
     choices, _ = _search(BeamSearch(2), max_tokens=2, ignore_eos=True, stop_token_ids=[EOS])  # ends it again
-    assert [(c.token_ids, c.finish_reason, c.stop_reason) for c in choices] == [([EOS], "stop", EOS),
+    assert [(c.token_ids, c.finish_reason, c.stop_reason) for c in choices] == [([], "stop", EOS),
                                                                                ([6, 7], "length", None)]
+
+
+def test_more_logprobs_than_the_search_needs_are_asked_for_and_given():
+    choices, seen = _search(BeamSearch(1), max_tokens=1, logprobs=3)
+    assert {p.logprobs for _, p in seen} == {3}
+    assert choices[0].logprobs == [{5: -0.5, 6: -1.0, EOS: -0.3}]  # 5 leads once EOS ended its own beam
+
+
+def test_a_request_the_engine_cut_fails_the_search_and_cancels_the_rest_of_its_round():
+    from router.errors import OpenAIError
+
+    closed = []
+
+    async def generate(request_id, ids, params):
+        try:
+            if ids[1:] == [6]:  # the second beam of round 2: the engine drained it
+                yield StepOutput([ChoiceDelta(0, "", [], None, "abort")], len(ids), 0, True)
+                return
+            if ids[1:] == [5]:  # the first: still running when the other fails
+                await asyncio.sleep(30)
+            async for step in _scripted([])(request_id, ids, params):
+                yield step
+        finally:
+            closed.append(tuple(ids[1:]))
+
+    async def main():
+        stream = beam_search(generate, "r", [1], SamplingParams(max_tokens=3), BeamSearch(2), {EOS}, str)
+        with pytest.raises(OpenAIError) as e:
+            await asyncio.wait_for(anext(stream), 10)
+        return e.value
+
+    error = asyncio.run(main())
+    assert error.status == 503 and "stopped this beam search" in error.body()["error"]["message"]
+    assert sorted(closed) == [(), (5,), (6,)]  # the waiting request was closed too (its engine request aborted)

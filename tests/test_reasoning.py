@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.reasoning import ReasoningStream, count_reasoning_tokens, opens_in_reasoning, split_reasoning
+from router.reasoning import (ReasoningStream, count_reasoning_tokens, grammar_gate, opens_in_reasoning,
+                              split_reasoning)
 from tests.scripted_engine import run
 from tests.test_tools import CALL, TOOLS, USER, create
 
@@ -145,6 +146,18 @@ def test_opens_in_reasoning():
     assert not opens_in_reasoning("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking off
     assert not opens_in_reasoning("qwen3", "<|im_start|>assistant\n")
     assert opens_in_reasoning("deepseek_r1", "<|im_start|>assistant\n")  # R1 always thinks
+    assert not opens_in_reasoning("deepseek_r1", "<｜Assistant｜><think>\n\n</think>\n\n")  # unless turned off
+
+
+def test_the_grammar_gate_reads_the_prompts_end_not_an_earlier_turn():
+    # Qwen3's template keeps the last assistant turn's block in a tool loop: the new reply may still think
+    loop = ("<|im_start|>assistant\n<think>\nCall it.\n</think>\n\n<tool_call>{}</tool_call><|im_end|>\n"
+            "<|im_start|>user\n<tool_response>\n12C\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert grammar_gate("qwen3", loop) == {"reasoning_end": "</think>", "reasoning_start": "<think>"}
+    assert grammar_gate("deepseek_r1", loop) == {"reasoning_end": "</think>"}
+    off = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert grammar_gate("qwen3", off) == grammar_gate("deepseek_r1", off) == {}  # thinking off: at once
+    assert grammar_gate("qwen3", "<|im_start|>assistant\n<think>\n") == {"reasoning_end": "</think>"}
 
 
 def test_an_assistant_message_continued_from_inside_its_reasoning(tokenizer):

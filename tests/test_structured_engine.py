@@ -137,6 +137,21 @@ def test_a_grammar_gated_behind_reasoning_applies_from_the_token_after_it_ends(t
     assert not tiny.engine.structured.matchers and not tiny.engine.structured.gates
 
 
+def test_gated_grammars_are_unchanged_by_preemption(tiny_dir, tiny):
+    """A recomputed sequence feeds its matcher and gate nothing again: on a cache so small that the
+    four requests preempt each other, reasoning and answers are a roomy engine's."""
+    gated = S(json=PERSON, reasoning_end="hello" * 12)
+    params = SamplingParams(temperature=0, max_tokens=90, logit_bias={HELLO: 100}, structured_outputs=gated)
+    prompts = _prompts(4, seed=13)
+    tight = LLM(model=tiny_dir, num_gpu_blocks_override=10, max_model_len=512, max_num_batched_tokens=64)
+    got, want = tight.generate(prompts, params), tiny.generate(prompts, params)
+    assert tight.engine.stats().num_preemptions > 0
+    assert _texts(got) == _texts(want)
+    for text, reason in _texts(got):
+        assert text.startswith("hello" * 12) and reason == "stop"
+        jsonschema.validate(json.loads(text[len("hello" * 12):]), PERSON)
+
+
 def test_the_gate_reads_a_multi_token_end_and_opens_only_on_a_single_token(tiny):
     from types import SimpleNamespace
 
@@ -335,10 +350,12 @@ def test_tp2_constrained_sampling_matches_tp1(tiny_dir):
     try:
         config = dict(num_gpu_blocks_override=64, max_model_len=512, max_num_batched_tokens=48)
         spec = S(json=PERSON)
+        gated = S(json=PERSON, reasoning_end="Paris", reasoning_start="Paris")  # the gate stays in the engine too
         params = [SamplingParams(temperature=0, max_tokens=100, structured_outputs=spec),
                   SamplingParams(n=2, temperature=1.0, seed=8, max_tokens=100, structured_outputs=spec, logprobs=1),
-                  SamplingParams(temperature=0.9, seed=2, max_tokens=20, ignore_eos=True)]
-        prompts = _prompts(3, seed=11)
+                  SamplingParams(temperature=0.9, seed=2, max_tokens=20, ignore_eos=True),
+                  SamplingParams(temperature=0, max_tokens=100, logit_bias={PARIS: 100}, structured_outputs=gated)]
+        prompts = _prompts(4, seed=11)
         want = LLM(model=tiny_dir, **config).generate(prompts, params)
         tp2 = LLM(model=tiny_dir, tensor_parallel_size=2, **config)
         got = tp2.generate(prompts, params)
@@ -346,7 +363,7 @@ def test_tp2_constrained_sampling_matches_tp1(tiny_dir):
     finally:
         ray.shutdown()
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
-    for text, _ in _texts(got[:2]):
+    for text, _ in _texts(got[:2]) + [(t.removeprefix("ParisParis"), r) for t, r in _texts(got[3:])]:
         jsonschema.validate(json.loads(text), PERSON)
 
 

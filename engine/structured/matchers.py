@@ -10,16 +10,13 @@ After the draw, for each sequence:  accept(seq, token)         -> None | "stop" 
 A request's forks (n > 1) start from a copy of the parent's matcher, taken before the parent's
 first token is consumed: the parent's mask row is theirs too.
 
-A spec with `reasoning_end` holds its grammar back behind a gate while the reply reasons: no mask
-row, no token fed, until a sampled token's text completes `reasoning_end` (the tag may take
-several tokens); the grammar takes the token after it. With `reasoning_start` the gate is first
-"opening": the first token's row is the grammar's mask plus that one token, which, drawn, opens
-the reasoning; any other first token shuts the gate and goes to the grammar.
+A spec with `reasoning_end` holds its grammar back behind a gate (engine.structured.gate) while
+the reply reasons: such a sequence has no mask row and feeds no token to its matcher until the
+gate opens; while the reply's first token may open the reasoning, its row also allows that token.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,28 +24,20 @@ import torch
 
 from engine.structured.bitmask import GrammarMask
 from engine.structured.compiler import CompiledGrammar, GrammarCompiler, short_error
+from engine.structured.gate import Gate
 from engine.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from llguidance import LLExecutor, LLMatcher
 
 STOP = "stop"
-_SHUT = -1  # _opener's word for a gate with no opening token left: the sequence reasons
-
-
-@dataclass
-class _Gate:
-    """A grammar held back while its sequence reasons."""
-    end: str  # the text that ends the reasoning
-    opener: int | None = None  # the first token still to come: this one opens the reasoning, any other is the grammar's
-    tail: str = ""  # the reasoning's last characters, where `end` is looked for
 
 
 class GrammarMatchers:
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self.matchers: dict[int, LLMatcher] = {}  # seq id -> its matcher
-        self.gates: dict[int, _Gate] = {}  # seq id -> the gate its grammar waits behind
+        self.gates: dict[int, Gate] = {}  # seq id -> the gate its grammar waits behind
         self._executor: LLExecutor | None = None
 
     def __bool__(self) -> bool:
@@ -56,10 +45,8 @@ class GrammarMatchers:
 
     def add(self, seq, grammar: CompiledGrammar, spec: StructuredOutputsParams | None = None) -> None:
         self.matchers[seq.seq_id] = grammar.matcher()
-        if spec is not None and spec.reasoning_end:
-            opener = self._single_token(spec.reasoning_start) if spec.reasoning_start else None
-            if spec.reasoning_start is None or opener is not None:  # an opener the model cannot write: no gate
-                self.gates[seq.seq_id] = _Gate(spec.reasoning_end, opener)
+        if spec is not None and (gate := Gate.of(spec, self._single_token)) is not None:
+            self.gates[seq.seq_id] = gate
 
     def fork(self, parent, child) -> None:
         matcher = self.matchers.get(parent.seq_id)
@@ -82,7 +69,7 @@ class GrammarMatchers:
         if not self.matchers:
             return None
         rows = [(i, m) for i, s in enumerate(seqs) if (m := self.matchers.get(s.seq_id)) is not None
-                and self._opener(s) != _SHUT]
+                and not ((gate := self.gates.get(s.seq_id)) and gate.reasoning)]
         if not rows:
             return None
         bits = torch.zeros((len(rows), self.words), dtype=torch.int32)  # (k, W)
@@ -96,8 +83,8 @@ class GrammarMatchers:
                                                      row_bytes, len(rows))
         words = bits.numpy().view(np.uint32)  # the same memory; uint32, so that bit 31 can be set
         for j, (i, _) in enumerate(rows):
-            if (opener := self._opener(seqs[i])) is not None:
-                words[j, opener // 32] |= np.uint32(1 << opener % 32)
+            if (gate := self.gates.get(seqs[i].seq_id)) is not None:  # opening: its token is allowed too
+                words[j, gate.opener // 32] |= np.uint32(1 << gate.opener % 32)
         return GrammarMask([i for i, _ in rows], bits)
 
     def accept(self, seq, token_id: int) -> str | None:
@@ -112,29 +99,15 @@ class GrammarMatchers:
             return f"structured output failed: {short_error(matcher.get_error()) or f'token {token_id} is not allowed here'}"
         return STOP if matcher.is_stopped() else None
 
-    def _opener(self, seq) -> int | None:
-        """_SHUT while `seq` reasons (no mask row), its opening token while that may come next, else None."""
-        gate = self.gates.get(seq.seq_id)
-        if gate is None:
-            return None
-        return _SHUT if gate.opener is None else gate.opener
-
     def _through_gate(self, seq_id: int, token_id: int) -> bool:
-        """Whether `token_id` is the reasoning's (the grammar does not see it); a token that ends
-        the reasoning is, and lifts the gate for the next one."""
+        """Whether `token_id` is the reasoning's (the grammar does not see it)."""
         gate = self.gates.get(seq_id)
         if gate is None:
             return False
-        if gate.opener is not None:  # the reply's first token: it opens the reasoning, or the answer begins
-            if token_id != gate.opener:
-                del self.gates[seq_id]
-                return False
-            gate.opener = None
-            return True
-        gate.tail = (gate.tail + self.compiler.tokenizer.decode([token_id]))[-4 * len(gate.end):]
-        if gate.end in gate.tail:
+        reasoning, opened = gate.step(token_id, lambda t: self.compiler.tokenizer.decode([t]))
+        if opened:
             del self.gates[seq_id]
-        return True
+        return reasoning
 
     def _single_token(self, text: str) -> int | None:
         """The id of the one token that is `text`, if there is one and the mask can carry it."""
