@@ -79,6 +79,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
         max_tokens = self.validate(ids, params)
+        gate = self.structured.gate(params.structured_outputs) if params.structured_outputs is not None else None
         if params.structured_outputs is not None and grammar is None:
             grammar = self.structured.compiler.compile(params.structured_outputs)
         if params.bad_words and params.bad_words_token_ids is None:
@@ -88,7 +89,7 @@ class LLMEngine:
         req = Request(request_id, text, ids, params, max_tokens, self.tokenizer)
         self.requests[request_id] = req
         if grammar is not None:
-            self.structured.add(req.seqs[0], grammar, params.structured_outputs)
+            self.structured.add(req.seqs[0], grammar, gate)
         self.scheduler.add(req.seqs[0])
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -47,9 +48,13 @@ class _Beam:
     ended: bool = False
 
 
-def _score(beam: _Beam, prompt_len: int, length_penalty: float) -> float:
-    length = prompt_len + len(beam.tokens) - beam.ended
-    return beam.cum_logprob / max(length, 1) ** length_penalty
+def _rank(beam: _Beam, prompt_len: int, length_penalty: float) -> float:
+    """vLLM's score, cum_logprob / length ** length_penalty, as an order: log(-1 / score), which
+    no length_penalty overflows (a sure beam, logprob 0, ranks first)."""
+    if beam.cum_logprob >= 0:
+        return math.inf
+    length = max(prompt_len + len(beam.tokens) - beam.ended, 1)
+    return length_penalty * math.log(length) - math.log(-beam.cum_logprob)
 
 
 async def _one_token(generate: Generate, request_id: str, ids: list[int], params: SamplingParams) -> StepOutput:
@@ -96,7 +101,7 @@ async def beam_search(generate: Generate, request_id: str, prompt: list[int], pa
     live, done, head = [_Beam(())], [], None
 
     def rank(beams: list[_Beam]) -> list[_Beam]:
-        return sorted(beams, key=lambda b: _score(b, len(prompt), beam.length_penalty), reverse=True)
+        return sorted(beams, key=lambda b: _rank(b, len(prompt), beam.length_penalty), reverse=True)
 
     for r in range(params.max_tokens):
         first = dataclasses.replace(round_params, prompt_logprobs=params.prompt_logprobs) if r == 0 else round_params

@@ -12,12 +12,16 @@ continued from inside one), or when the reply's own text begins with `<think>`:
 With `deepseek_r1` every reply begins inside it (R1 always thinks, and its template opens the
 block), as vLLM's parser of that name reads it: the text before `</think>` is reasoning. With
 either, a prompt that ends with a closed block (a template that turned thinking off) starts the
-reply in its answer.
+reply in its answer. Tags are read from the text the template wrote after the last message
+(reply_start), and from that message only where the reply continues it: never from what a user
+typed.
 
 A constrained reply (response_format, structured_outputs, a required tool call) reasons freely
 too: its grammar applies to the answer only, from the token after `</think>` (grammar_gate), as
 vLLM applies structured outputs under a reasoning parser. Where the prompt closed a block
-(thinking turned off by the template) the grammar applies at once.
+(thinking turned off by the template) the grammar applies at once. This needs `</think>` to be
+one token, as thinking models' vocabularies have it (engine.structured.gate); with another
+tokenizer the grammar governs the whole reply, which is then not split.
 
 The reasoning goes to the message's `reasoning` (vLLM's current name) and `reasoning_content`
 (its earlier one, which clients such as LangChain still read); the tags are dropped, the answer
@@ -34,29 +38,41 @@ PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
 
 
-def thinking_off(prompt_tail: str) -> bool:
-    """Whether the prompt ends with a closed block: a template that turns thinking off writes an
-    empty one where the reply would begin (Qwen3's `enable_thinking: false`, R1 distills' too)."""
-    return prompt_tail.rstrip().endswith(END)
+def reply_start(prompt_tail: str, last_message: str, continued: bool) -> str:
+    """The text a reply follows, where its start in or out of reasoning is read: what the chat
+    template wrote after the last message (its generation prompt), and the message itself where
+    the reply continues it. A tag in a user's text is not the template's. The prompt's last text
+    (`prompt_tail`, its last tokens decoded) where the message's end is not found in it."""
+    probe = last_message.strip()[-128:]
+    at = prompt_tail.rfind(probe) if probe else -1
+    if at < 0:
+        return prompt_tail
+    after = prompt_tail[at + len(probe):]
+    return last_message + after if continued else after
 
 
-def opens_in_reasoning(parser: str, prompt_tail: str) -> bool:
-    """Whether a reply begins inside the block, read from the prompt's last text (its last tokens
-    decoded): never after a closed block; else always with deepseek_r1; with qwen3, when the
-    prompt opened a block it did not close."""
-    if thinking_off(prompt_tail):
+def thinking_off(start: str) -> bool:
+    """Whether the text before the reply (reply_start) ends with a closed block: a template that
+    turns thinking off writes an empty one there (Qwen3's `enable_thinking: false`)."""
+    return start.rstrip().endswith(END)
+
+
+def opens_in_reasoning(parser: str, start: str) -> bool:
+    """Whether a reply begins inside the block, read from the text before it (reply_start): never
+    after a closed block; else always with deepseek_r1; with qwen3, when that text opened a block
+    it did not close."""
+    if thinking_off(start):
         return False
-    return parser == "deepseek_r1" or prompt_tail.rfind(START) > prompt_tail.rfind(END)
+    return parser == "deepseek_r1" or start.rfind(START) > start.rfind(END)
 
 
-def grammar_gate(parser: str, prompt_tail: str) -> dict:
+def grammar_gate(parser: str, start: str) -> dict:
     """engine.structured.params' fields that hold a reply's grammar back until its reasoning
     ends: none where thinking is off; from the start where the reply opens inside the block;
-    else (qwen3) the reply's first token may open one, any other begins the answer. A block an
-    earlier turn closed (Qwen3's template keeps the last one in a tool loop) changes nothing."""
-    if thinking_off(prompt_tail):
+    else (qwen3) the reply's first token may open one, any other begins the answer."""
+    if thinking_off(start):
         return {}
-    if opens_in_reasoning(parser, prompt_tail):
+    if opens_in_reasoning(parser, start):
         return {"reasoning_end": END}
     return {"reasoning_end": END, "reasoning_start": START}
 

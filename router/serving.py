@@ -35,8 +35,8 @@ from router.errors import OpenAIError, bad_request, from_invalid_request, intern
 from router.formatting import (SSE_DONE, Accumulator, PromptEcho, chat_logprobs, chat_response,
                                completion_logprobs, completion_response, sse, vllm_prompt_logprobs)
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from router.reasoning import (ReasoningStream, count_reasoning_tokens, grammar_gate, opens_in_reasoning,
-                              reasoning_fields, split_reasoning)
+from router.reasoning import (END, ReasoningStream, count_reasoning_tokens, grammar_gate, opens_in_reasoning,
+                              reasoning_fields, reply_start, split_reasoning)
 from router.response_store import ResponseStore, StoredResponses
 from router.responses import ResponseReply, ResponsesRequest, parse_items, responses_field
 from router.settings import RouterSettings
@@ -213,14 +213,13 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
-        plan, params, ids = await self._chat_prompt(req)
+        plan, params, ids, thinking = await self._chat_prompt(req)
         if req.truncate_prompt_tokens is not None:
             ids = await self._truncated(ids, req.truncate_prompt_tokens)
         rid, engine_rid = _request_ids("chatcmpl", req.request_id)
         max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         first, merged = await self._start(engine_rid, [ids], params, "messages", max_param, req.beam_search())
         acc = Accumulator([len(ids)], req.n)
-        thinking = self._reasoning_start(ids)
         if req.stream:
             return self._chat_events(rid, req, acc, first, merged, plan, ids, thinking)
         await _collect(acc, first, merged)
@@ -251,8 +250,8 @@ class OpenAIServing:
         """OpenAI's Responses API, run as the chat request it amounts to (router.responses)."""
         self.check_model(req.model)
         history = await self.stored.conversation(req.previous_response_id)
-        plan, params, ids = await self._chat_prompt(req.chat_request(parse_items(history)), field=responses_field)
-        thinking = self._reasoning_start(ids)
+        plan, params, ids, thinking = await self._chat_prompt(req.chat_request(parse_items(history)),
+                                                              field=responses_field)
         counter = None if thinking is None else functools.partial(count_reasoning_tokens, decode=self.tokenizer.decode,
                                                                   in_reasoning=thinking)
         reply = ResponseReply(req, self.settings.served_model_name, int(time.time()), plan,
@@ -300,20 +299,34 @@ class OpenAIServing:
         return ids[-(limit if keep == -1 else keep):]
 
     async def _chat_prompt(self, req: ChatCompletionRequest, field: Callable[[str], str] = str,
-                           ) -> tuple[ToolPlan, SamplingParams, list[int]]:
+                           ) -> tuple[ToolPlan, SamplingParams, list[int], bool | None]:
         """What the chat path runs for `req`: its tool plan, its sampling params with every
-        constraint on the output, and its rendered prompt. `field` names a chat field in the
-        errors as the caller's request names it."""
+        constraint on the output, its rendered prompt, and whether the reply opens inside its
+        reasoning (None: the reply is not split; router.reasoning). `field` names a chat field
+        in the errors as the caller's request names it."""
         plan = ToolPlan.of(req)
         params = self._params(req)
         await check_all([(spec, field(param)) for spec, param in plan.tool_specs()])
         for spec, param in (self._output_constraint(req), (plan.spec(), "tools")):
             params = await self._constrained(params, spec, field(param))
         ids = self._chat_ids(req, plan, field("messages"))
-        if self.settings.reasoning_parser is not None and params.structured_outputs is not None:
-            gate = grammar_gate(self.settings.reasoning_parser, self._prompt_tail(ids))
-            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(params.structured_outputs, **gate))
-        return plan, params, ids
+        parser = self.settings.reasoning_parser
+        if parser is None:
+            return plan, params, ids, None
+        start = reply_start(self.tokenizer.decode(ids[-REASONING_TAIL:]), req.messages[-1].text(),
+                            req.continue_final_message)
+        spec = params.structured_outputs
+        if spec is None:
+            return plan, params, ids, opens_in_reasoning(parser, start)
+        if not self._end_tag_is_a_token:  # nothing can hold the grammar back: it governs the whole reply
+            return plan, params, ids, None
+        params = dataclasses.replace(params, structured_outputs=dataclasses.replace(spec, **grammar_gate(parser, start)))
+        return plan, params, ids, opens_in_reasoning(parser, start)
+
+    @functools.cached_property
+    def _end_tag_is_a_token(self) -> bool:
+        """Whether `</think>` is one token here, as the engine's grammar gate needs (engine.structured.gate)."""
+        return len(self.tokenizer.encode(END, add_special_tokens=False)) == 1
 
     def _chat_ids(self, req: ChatCompletionRequest | TokenizeRequest, plan: ToolPlan | None = None,
                   param: str = "messages") -> list[int]:
@@ -424,17 +437,6 @@ class OpenAIServing:
                     "stop_reason": c.stop_reason, **extra}
 
         return self._sse(rid, "text_completion", req.stream_usage, acc, first, merged, [], choice)
-
-    def _reasoning_start(self, prompt_ids: list[int]) -> bool | None:
-        """With a reasoning parser: whether a reply opens inside its reasoning (router.reasoning);
-        None without one (replies are not split)."""
-        if self.settings.reasoning_parser is None:
-            return None
-        return opens_in_reasoning(self.settings.reasoning_parser, self._prompt_tail(prompt_ids))
-
-    def _prompt_tail(self, prompt_ids: list[int]) -> str:
-        """The prompt's last text, where a reply's start in or out of reasoning is read from."""
-        return self.tokenizer.decode(prompt_ids[-REASONING_TAIL:])
 
     def _chat_events(self, rid: str, req: ChatCompletionRequest, acc: Accumulator, first, merged: AsyncIterator,
                      plan: ToolPlan, prompt_ids: list[int], thinking: bool | None) -> AsyncIterator[str]:

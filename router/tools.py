@@ -73,7 +73,7 @@ class ToolPlan:
         """A finished reply's choice: its text -> content and message.tool_calls."""
         message = choice["message"]
         if self.mode == "named":
-            content, calls = None, [call(self.function, message["content"])]
+            content, calls = None, [call(self.function, message["content"] or "")]  # cut before any argument
         else:
             content, calls = parse_tool_calls(message["content"] or "", self.max_calls,
                                               choice["finish_reason"] == "length", self.accepts)

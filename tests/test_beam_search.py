@@ -197,3 +197,10 @@ def test_a_request_the_engine_cut_fails_the_search_and_cancels_the_rest_of_its_r
     error = asyncio.run(main())
     assert error.status == 503 and "stopped this beam search" in error.body()["error"]["message"]
     assert sorted(closed) == [(), (5,), (6,)]  # the waiting request was closed too (its engine request aborted)
+
+
+def test_any_length_penalty_ranks_without_overflow():
+    """vLLM's score divides by length ** length_penalty; ranked in log space, 1e308 is no 500."""
+    for penalty, lengths in ((1e308, [2, 2]), (-1e308, [0, 1]), (0.0, [0, 2])):  # longest first / shortest / by cum
+        choices, _ = _search(BeamSearch(2, length_penalty=penalty), max_tokens=2)
+        assert [len(c.token_ids) for c in choices] == lengths, penalty

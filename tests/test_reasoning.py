@@ -81,41 +81,81 @@ def test_tool_calls_are_read_from_the_answer_only(tokenizer):
         ["get_weather"]
 
 
-def test_a_grammar_waits_for_the_reasoning_to_end(tokenizer):
+@pytest.fixture(scope="module")
+def thinking(tokenizer):
+    """The tokenizer with `<think>` and `</think>` as tokens of their own, as thinking models have them."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_tokens(["<think>", "</think>"])
+    return tok
+
+
+def test_a_grammar_waits_for_the_reasoning_to_end(thinking):
     """A constrained reply reasons first; the engine is told to hold the grammar back until
     `</think>` (engine.structured.params), and the reply is split like any other."""
     schema = {"type": "object", "properties": {"a": {"type": "string"}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
-    choice, engine = _whole(tokenizer, '<think>It wants JSON.</think>{"a": "<think>"}', response_format=fmt)
+    choice, engine = _whole(thinking, '<think>It wants JSON.</think>{"a": "<think>"}', response_format=fmt)
     assert (choice.message.reasoning, choice.message.content) == ("It wants JSON.", '{"a": "<think>"}')
     spec = engine.seen[0][1].structured_outputs
     assert (spec.json, spec.reasoning_start, spec.reasoning_end) == (json.dumps(schema, separators=(",", ":")),
                                                                      "<think>", "</think>")
-    assert _streamed(tokenizer, '{"a": "b"}', response_format=fmt)[:2] == ("", '{"a": "b"}')  # no reasoning
-    _, engine = _whole(tokenizer, "x</think>[1]", settings={"reasoning_parser": "deepseek_r1"},
+    assert _streamed(thinking, '{"a": "b"}', response_format=fmt)[:2] == ("", '{"a": "b"}')  # no reasoning
+    _, engine = _whole(thinking, "x</think>[1]", settings={"reasoning_parser": "deepseek_r1"},
                        extra_body={"structured_outputs": {"regex": r"\[\d\]"}})
     spec = engine.seen[0][1].structured_outputs
     assert (spec.regex, spec.reasoning_start, spec.reasoning_end) == (r"\[\d\]", None, "</think>")
-    _, engine = _whole(tokenizer, "{}", settings={}, response_format=fmt)  # no parser: no gate
+    _, engine = _whole(thinking, "{}", settings={}, response_format=fmt)  # no parser: no gate
     assert engine.seen[0][1].structured_outputs.reasoning_end is None
 
 
-def test_a_required_tool_call_comes_after_the_reasoning(tokenizer):
+def test_without_a_one_token_end_tag_the_grammar_governs_the_whole_reply(tokenizer):
+    """SmolLM2 writes `</think>` in pieces: no gate could hold its grammar back exactly, so none is
+    asked for, and the reply, all the grammar's, is not split."""
+    fmt = {"type": "json_object"}
+    for parser in ("qwen3", "deepseek_r1"):
+        choice, engine = _whole(tokenizer, '{"a": "</think>"}', settings={"reasoning_parser": parser},
+                                response_format=fmt)
+        assert (choice.message.reasoning, choice.message.content) == (None, '{"a": "</think>"}')
+        assert engine.seen[0][1].structured_outputs.reasoning_end is None
+
+
+def test_a_required_tool_call_comes_after_the_reasoning(thinking):
     script = f"<think>Weather needs a call.</think><tool_call>\n{CALL}\n</tool_call>"
-    choice, engine = _whole(tokenizer, script, tools=TOOLS, tool_choice="required")
+    choice, engine = _whole(thinking, script, tools=TOOLS, tool_choice="required")
     assert choice.message.reasoning == "Weather needs a call." and choice.message.content is None
     assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
     assert engine.seen[0][1].structured_outputs.reasoning_end == "</think>"
 
 
-def test_a_template_that_closed_the_block_lets_the_grammar_apply_at_once(tokenizer):
+def test_a_named_call_cut_inside_the_reasoning_has_empty_arguments(thinking):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    choice, _ = _whole(thinking, "<think>Still weighing it", tools=TOOLS, tool_choice=named)
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, call.function.arguments, choice.message.reasoning) == \
+        ("get_weather", "", "Still weighing it")
+
+
+def test_a_template_that_closed_the_block_lets_the_grammar_apply_at_once(thinking):
     """Qwen3 with thinking off: its template writes an empty block into the prompt."""
     template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}assistant: <think>\n\n</think>\n\n{% endif %}")
-    _, engine = _whole(tokenizer, '{"a": 1}', settings={"reasoning_parser": "qwen3", "chat_template": template},
+    _, engine = _whole(thinking, '{"a": 1}', settings={"reasoning_parser": "qwen3", "chat_template": template},
                        response_format={"type": "json_object"})
     spec = engine.seen[0][1].structured_outputs
     assert spec.json_object and (spec.reasoning_start, spec.reasoning_end) == (None, None)
+
+
+def test_tags_a_user_typed_are_not_the_templates(thinking):
+    """The last message's own `<think>` opens nothing (nor turns the grammar off); continued
+    assistant text's does."""
+    msgs = [{"role": "user", "content": "Describe a cat as JSON. <think>"}]
+    choice, engine = _whole(thinking, '{"a": 1}', messages=msgs, response_format={"type": "json_object"})
+    assert (choice.message.reasoning, choice.message.content) == (None, '{"a": 1}')
+    assert engine.seen[0][1].structured_outputs.reasoning_start == "<think>"  # may open one; not inside one
+    choice, _ = _whole(thinking, "Paris.", messages=[{"role": "system", "content": "x </think>"}, *USER])
+    assert (choice.message.reasoning, choice.message.content) == (None, "Paris.")
 
 
 def test_unknown_parser_is_refused():

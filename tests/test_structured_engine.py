@@ -139,44 +139,59 @@ def test_a_grammar_gated_behind_reasoning_applies_from_the_token_after_it_ends(t
 
 def test_gated_grammars_are_unchanged_by_preemption(tiny_dir, tiny):
     """A recomputed sequence feeds its matcher and gate nothing again: on a cache so small that the
-    four requests preempt each other, reasoning and answers are a roomy engine's."""
-    gated = S(json=PERSON, reasoning_end="hello" * 12)
-    params = SamplingParams(temperature=0, max_tokens=90, logit_bias={HELLO: 100}, structured_outputs=gated)
-    prompts = _prompts(4, seed=13)
+    four requests preempt each other, reasoning and answers are a roomy engine's. Each reasoning
+    ends on a token its greedy reply draws anyway, a dozen tokens in."""
+    prompts, tok = _prompts(4, seed=13), tiny.engine.tokenizer
+    free = tiny.generate(prompts, SamplingParams(temperature=0, max_tokens=40))
+    params, thoughts = [], []
+    for out in free:
+        ids = out.outputs[0].token_ids
+        at = next(i for i in range(12, 40) if ids[i] not in ids[:i]
+                  and tok.encode(tok.decode([ids[i]]), add_special_tokens=False) == [ids[i]])
+        thoughts.append(tok.decode(ids[:at + 1]))
+        params.append(SamplingParams(temperature=0, max_tokens=90, structured_outputs=S(
+            json=PERSON, reasoning_end=tok.decode([ids[at]]))))
     tight = LLM(model=tiny_dir, num_gpu_blocks_override=10, max_model_len=512, max_num_batched_tokens=64)
     got, want = tight.generate(prompts, params), tiny.generate(prompts, params)
     assert tight.engine.stats().num_preemptions > 0
     assert _texts(got) == _texts(want)
-    for text, reason in _texts(got):
-        assert text.startswith("hello" * 12) and reason == "stop"
-        jsonschema.validate(json.loads(text[len("hello" * 12):]), PERSON)
+    for (text, reason), thought in zip(_texts(got), thoughts):
+        assert text.startswith(thought) and reason == "stop"
+        jsonschema.validate(json.loads(text[len(thought):]), PERSON)
 
 
-def test_the_gate_reads_a_multi_token_end_and_opens_only_on_a_single_token(tiny):
+def test_the_gate_needs_one_token_tags(tiny):
+    """A tag in pieces could end inside a token that carries the answer's first characters."""
+    with pytest.raises(InvalidRequestError, match="'</think>' is not one token"):
+        tiny.generate(_prompts(1), SamplingParams(max_tokens=4, structured_outputs=S(json=PERSON,
+                                                                                     reasoning_end="</think>")))
+    assert not tiny.engine.requests and not tiny.engine.structured.gates
+
+
+def test_the_gate_opens_on_its_tokens_only(tiny):
     from types import SimpleNamespace
 
     from engine.structured.matchers import GrammarMatchers
 
     compiler = tiny.engine.structured.compiler
-    grammar, tok = compiler.compile(S(json=PERSON)), compiler.tokenizer
+    grammar = compiler.compile(S(json=PERSON))
     m = GrammarMatchers(compiler)
     reasoning, opening, plain = (SimpleNamespace(seq_id=i) for i in range(3))
-    m.add(reasoning, grammar, S(json=PERSON, reasoning_end="</think>"))
-    m.add(opening, grammar, S(json=PERSON, reasoning_end="</think>", reasoning_start="Paris"))
-    m.add(plain, grammar, S(json=PERSON, reasoning_end="</think>", reasoning_start="<think>"))  # 3 tokens: no gate
+    for seq, spec in ((reasoning, S(json=PERSON, reasoning_end="Paris")),
+                      (opening, S(json=PERSON, reasoning_end="Paris", reasoning_start="hello")),
+                      (plain, S(json=PERSON, reasoning_end="Paris", reasoning_start="<think>"))):  # 3 tokens: no gate
+        m.add(seq, grammar, m.gate(spec))
     mask = m.mask([reasoning, opening, plain])
     assert mask.rows == [1, 2]  # the reasoning sequence has no row
     allowed = mask.bits.numpy().view(np.uint32)
     bit = lambda row, t: bool(allowed[row, t // 32] >> (t % 32) & 1)  # noqa: E731
-    assert bit(0, PARIS) and not bit(1, PARIS)  # the grammar's row, and the opener beside it
-    allowed[0, PARIS // 32] &= ~np.uint32(1 << PARIS % 32)
+    assert bit(0, HELLO) and not bit(1, HELLO)  # the grammar's row, and the opener beside it
+    allowed[0, HELLO // 32] &= ~np.uint32(1 << HELLO % 32)
     assert (allowed[0] == allowed[1]).all() and allowed[1].any()
-    assert m.accept(opening, PARIS) is None and m.mask([opening]) is None  # opened: now it reasons
-    end = tok.encode("</think>", add_special_tokens=False)
-    assert len(end) > 1
-    for t in tok.encode(" The user asks for a person.\n", add_special_tokens=False) + end:
-        assert m.mask([reasoning]) is None and m.accept(reasoning, t) is None
-    assert m.mask([reasoning]).rows == [0] and reasoning.seq_id not in m.gates
+    assert m.accept(opening, HELLO) is None and m.mask([opening]) is None  # opened: now it reasons
+    for t in tiny.engine.tokenizer.encode(" The user asks for a person.</think>\n", add_special_tokens=False):
+        assert m.mask([reasoning]) is None and m.accept(reasoning, t) is None  # its end is no other token
+    assert m.accept(reasoning, PARIS) is None and m.mask([reasoning]).rows == [0] and not m.gates.get(0)
     assert "satisfy the grammar" in m.accept(reasoning, PARIS)  # the grammar's now
     assert "satisfy the grammar" in m.accept(plain, HELLO)
 

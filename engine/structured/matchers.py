@@ -43,9 +43,14 @@ class GrammarMatchers:
     def __bool__(self) -> bool:
         return bool(self.matchers)
 
-    def add(self, seq, grammar: CompiledGrammar, spec: StructuredOutputsParams | None = None) -> None:
+    def gate(self, spec: StructuredOutputsParams) -> Gate | None:
+        """The gate `spec` asks for (engine.structured.gate); InvalidRequestError for one it cannot
+        keep. Asked before the request is taken, so that a refusal leaves nothing behind."""
+        return Gate.of(spec, self._single_token)
+
+    def add(self, seq, grammar: CompiledGrammar, gate: Gate | None = None) -> None:
         self.matchers[seq.seq_id] = grammar.matcher()
-        if spec is not None and (gate := Gate.of(spec, self._single_token)) is not None:
+        if gate is not None:
             self.gates[seq.seq_id] = gate
 
     def fork(self, parent, child) -> None:
@@ -104,7 +109,7 @@ class GrammarMatchers:
         gate = self.gates.get(seq_id)
         if gate is None:
             return False
-        reasoning, opened = gate.step(token_id, lambda t: self.compiler.tokenizer.decode([t]))
+        reasoning, opened = gate.step(token_id)
         if opened:
             del self.gates[seq_id]
         return reasoning

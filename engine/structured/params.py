@@ -7,8 +7,9 @@
     grammar      a context-free grammar: Lark (llguidance's dialect) or GBNF
 
 With a reasoning model the grammar may govern the answer only, as vLLM's structured outputs do
-under a reasoning parser: `reasoning_end` set, the reply's text is free until it has written that
-(`</think>`) and the grammar applies from the next token on (engine.structured.matchers).
+under a reasoning parser: `reasoning_end` set, the reply's text is free until it has drawn that
+token (`</think>`, one token of the vocabulary) and the grammar applies from the next token on
+(engine.structured.gate).
 
 Frozen and hashable: `key` is what compiled grammars are cached by. No llguidance here; the
 compiler (engine.structured.compiler) turns a spec into a grammar.
@@ -31,9 +32,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     lenient: bool = False  # JSON schema keywords llguidance does not implement are ignored, not refused
-    # Reasoning before the grammar (not part of `key`): free text until `reasoning_end` is written.
-    # `reasoning_start` set: the reply does not open inside its reasoning but its first token may
-    # open it (where that text is one token); any other first token is the grammar's.
+    # Reasoning before the grammar (not part of `key`): free text until the token `reasoning_end`
+    # is drawn. `reasoning_start` set: the reply does not open inside its reasoning but its first
+    # token may open it (where that text is one token); any other first token is the grammar's.
     reasoning_end: str | None = None
     reasoning_start: str | None = None
 
