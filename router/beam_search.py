@@ -9,7 +9,8 @@ length_penalty, and the k best are the reply's choices, best first. The prefix c
 rounds cheap: a beam's tokens before its last block are already in the KV cache.
 
 A beam that ended is given as vLLM gives it: finish_reason "stop", stop_reason its end token's
-id, which is in its token ids (and text) only with include_stop_str_in_output.
+id; an end-of-sequence token is in its token ids (and text) only with include_stop_str_in_output,
+one of `stop_token_ids` always (sampling's rule for them; vLLM's beam search has none).
 
 Only the model's distribution decides: temperature and seed do not change the beams (vLLM's rule
 too); the fields that reshape the distribution are refused with beam search (router.protocol).
@@ -124,7 +125,8 @@ async def beam_search(generate: Generate, request_id: str, prompt: list[int], pa
 
 def _choice(index: int, b: _Beam, params: SamplingParams, beam: BeamSearch,
             decode: Callable[[list[int], bool], str]) -> ChoiceDelta:
-    shown = len(b.tokens) - (b.ended and not beam.include_stop_str_in_output)
+    hidden = b.ended and not beam.include_stop_str_in_output and b.tokens[-1] not in params.stop_token_ids
+    shown = len(b.tokens) - hidden
     tokens = list(b.tokens[:shown])
     logprobs = None
     if params.logprobs is not None:  # each token's: the asked-for top ones, and the token itself

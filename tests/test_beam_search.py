@@ -160,9 +160,9 @@ def test_end_tokens_ignore_eos_stop_token_ids_and_include_stop_str():
     assert choices[0].logprobs == [{EOS: -0.3}]
     choices, _ = _search(BeamSearch(2), max_tokens=2, ignore_eos=True)  # EOS is a token like any other
     assert all(c.finish_reason == "length" and len(c.token_ids) == 2 for c in choices)
-    choices, _ = _search(BeamSearch(2), max_tokens=2, ignore_eos=True, stop_token_ids=[EOS])  # ends it again
-    assert [(c.token_ids, c.finish_reason, c.stop_reason) for c in choices] == [([], "stop", EOS),
-                                                                               ([6, 7], "length", None)]
+    choices, _ = _search(BeamSearch(2), max_tokens=2, ignore_eos=True, stop_token_ids=[EOS])  # ends it again,
+    assert [(c.token_ids, c.finish_reason, c.stop_reason) for c in choices] == [([EOS], "stop", EOS),  # kept as
+                                                                               ([6, 7], "length", None)]  # sampling
 
 
 def test_more_logprobs_than_the_search_needs_are_asked_for_and_given():
