@@ -15,7 +15,6 @@ clients see progress, and the first chunk marks the first token.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -31,6 +30,7 @@ from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
 from router.beam_search import BeamSearch, beam_search
+from router.engine_streams import collect, events, map_steps, merge_streams
 from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error
 from router.formatting import (SSE_DONE, Accumulator, PromptEcho, chat_logprobs, chat_response,
                                completion_logprobs, completion_response, sse, vllm_prompt_logprobs)
@@ -55,42 +55,6 @@ class ReplicaClient(Protocol):
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams) -> AsyncIterator[StepOutput]: ...
-
-
-async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
-    """(stream index, item) as items arrive; closing this closes (cancels) every stream."""
-    if len(streams) == 1:
-        async with contextlib.aclosing(streams[0]) as s:
-            async for item in s:
-                yield 0, item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, stream: AsyncIterator) -> None:
-        try:
-            async with contextlib.aclosing(stream) as s:
-                async for item in s:
-                    queue.put_nowait((i, item, None))
-            queue.put_nowait((i, done, None))
-        except Exception as e:
-            queue.put_nowait((i, None, e))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item, error = await queue.get()
-            if error is not None:
-                raise error
-            if item is done:
-                remaining -= 1
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class OpenAIServing:
@@ -195,7 +159,7 @@ class OpenAIServing:
         rid, engine_rid = _request_ids("cmpl", req.request_id)
         first, merged = await self._start(engine_rid, prompts, params, "prompt", "max_tokens", req.beam_search())
         if req.max_tokens == 0:
-            first, merged = (first[0], _prompt_only(first[1])), _map_steps(merged, _prompt_only)
+            first, merged = (first[0], _prompt_only(first[1])), map_steps(merged, _prompt_only)
         acc = Accumulator([len(p) for p in prompts], req.n)
         echo = None
         if req.echo or req.prompt_logprobs is not None:
@@ -203,7 +167,7 @@ class OpenAIServing:
             echo = PromptEcho(texts, prompts, req.prompt_logprobs)
         if req.stream:
             return self._completion_events(rid, req, acc, first, merged, echo, prompts)
-        await _collect(acc, first, merged)
+        await collect(acc, first, merged)
         response = completion_response(rid, int(time.time()), self.settings.served_model_name, acc, req.logprobs,
                                        self._token_str(req), echo)
         if req.return_token_ids:
@@ -222,7 +186,7 @@ class OpenAIServing:
         acc = Accumulator([len(ids)], req.n)
         if req.stream:
             return self._chat_events(rid, req, acc, first, merged, plan, ids, thinking)
-        await _collect(acc, first, merged)
+        await collect(acc, first, merged)
         k = (req.top_logprobs or 0) if req.logprobs else None
         token_str = self._token_str(req)
         response = chat_response(rid, int(time.time()), self.settings.served_model_name, acc, k, token_str,
@@ -260,7 +224,7 @@ class OpenAIServing:
         acc = Accumulator([len(ids)], 1)
         if req.stream:
             return _response_events(reply, acc, first, merged)
-        await _collect(acc, first, merged)
+        await collect(acc, first, merged)
         return await reply.whole(acc)
 
     # -- shared steps ----------------------------------------------------------------------------
@@ -495,7 +459,7 @@ class OpenAIServing:
         async with contextlib.aclosing(merged):  # however this generator ends, the engine requests end
             for c in preamble:
                 yield chunk(c)
-            async for prompt, step in _events(first, merged, acc):
+            async for prompt, step in events(first, merged, acc):
                 if isinstance(step, str):  # the error event that ends a failed stream
                     failed = True
                     yield step
@@ -510,7 +474,7 @@ class OpenAIServing:
 
 async def _response_events(reply: ResponseReply, acc: Accumulator, first, merged: AsyncIterator) -> AsyncIterator[str]:
     async with contextlib.aclosing(merged):  # however the stream ends, the engine request ends
-        async for event in reply.events(_events(first, merged, acc, reply.error_event), acc):
+        async for event in reply.events(events(first, merged, acc, reply.error_event), acc):
             yield event
 
 
@@ -537,12 +501,6 @@ def _prompt_only(step: StepOutput) -> StepOutput:
     return dataclasses.replace(step, choices=choices)
 
 
-async def _map_steps(merged: AsyncIterator, f: Callable[[StepOutput], StepOutput]) -> AsyncIterator:
-    async with contextlib.aclosing(merged):
-        async for prompt, step in merged:
-            yield prompt, f(step)
-
-
 def _check_fits_kv_cache(prompt_len: int, max_tokens: int | None, info: dict, max_param: str) -> None:
     """A sequence needing more KV blocks than the whole cache holds could never be scheduled: a 400
     here rather than from an engine replica (whose refusal Serve logs as a failed request). The
@@ -566,41 +524,3 @@ def _check_token_ids(prompts: list[list[int]], params: SamplingParams, vocab: in
         params.check_token_ids(vocab)
     except InvalidRequestError as e:
         raise from_invalid_request(e) from None
-
-
-def _check_failed(step: StepOutput) -> None:
-    """A sample the engine ended with an error fails its request, saying why. Only a request's own
-    output constraint ends a sample so (one the model's tokens cannot follow: a regex forcing a
-    control byte its tokenizer has no token for), so it is the request's error, a 400, as a
-    constraint refused before it ran is; the engine goes on."""
-    for c in step.choices:
-        if c.finish_reason == "error":
-            raise OpenAIError(400, f"generation failed: {c.stop_reason}", code="invalid_grammar")
-
-
-async def _collect(acc: Accumulator, first, merged: AsyncIterator) -> None:
-    acc.add(*first)
-    _check_failed(first[1])
-    async with contextlib.aclosing(merged):
-        async for prompt, step in merged:
-            acc.add(prompt, step)
-            _check_failed(step)
-
-
-async def _events(first, merged: AsyncIterator, acc: Accumulator,
-                  error: Callable[[dict], str] = sse) -> AsyncIterator[tuple[int, StepOutput | str]]:
-    """The request's outputs (counted into `acc`); a failure ends them with an error event,
-    `error(OpenAI error JSON)` (default: chat's SSE data line)."""
-    try:
-        acc.add(*first)
-        _check_failed(first[1])
-        yield first
-        async for prompt, step in merged:
-            acc.add(prompt, step)
-            _check_failed(step)
-            yield prompt, step
-    except OpenAIError as e:
-        yield -1, error(e.body())
-    except Exception:
-        logger.exception("stream failed")
-        yield -1, error(internal_error().body())

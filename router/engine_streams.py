@@ -1,0 +1,94 @@
+"""The engine's outputs for one HTTP request: several engine streams merged into one, and read
+into a reply's Accumulator, a sample the engine ended with an error failing the request."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from engine.outputs import StepOutput
+from router.errors import OpenAIError, internal_error
+from router.formatting import Accumulator, sse
+
+logger = logging.getLogger(__name__)
+
+
+async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """(stream index, item) as items arrive; closing this closes (cancels) every stream."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as s:
+            async for item in s:
+                yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator) -> None:
+        try:
+            async with contextlib.aclosing(stream) as s:
+                async for item in s:
+                    queue.put_nowait((i, item, None))
+            queue.put_nowait((i, done, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is done:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def map_steps(merged: AsyncIterator, f: Callable[[StepOutput], StepOutput]) -> AsyncIterator:
+    async with contextlib.aclosing(merged):
+        async for prompt, step in merged:
+            yield prompt, f(step)
+
+
+def check_failed(step: StepOutput) -> None:
+    """A sample the engine ended with an error fails its request, saying why. Only a request's own
+    output constraint ends a sample so (one the model's tokens cannot follow: a regex forcing a
+    control byte its tokenizer has no token for), so it is the request's error, a 400, as a
+    constraint refused before it ran is; the engine goes on."""
+    for c in step.choices:
+        if c.finish_reason == "error":
+            raise OpenAIError(400, f"generation failed: {c.stop_reason}", code="invalid_grammar")
+
+
+async def collect(acc: Accumulator, first, merged: AsyncIterator) -> None:
+    acc.add(*first)
+    check_failed(first[1])
+    async with contextlib.aclosing(merged):
+        async for prompt, step in merged:
+            acc.add(prompt, step)
+            check_failed(step)
+
+
+async def events(first, merged: AsyncIterator, acc: Accumulator,
+                  error: Callable[[dict], str] = sse) -> AsyncIterator[tuple[int, StepOutput | str]]:
+    """The request's outputs (counted into `acc`); a failure ends them with an error event,
+    `error(OpenAI error JSON)` (default: chat's SSE data line)."""
+    try:
+        acc.add(*first)
+        check_failed(first[1])
+        yield first
+        async for prompt, step in merged:
+            acc.add(prompt, step)
+            check_failed(step)
+            yield prompt, step
+    except OpenAIError as e:
+        yield -1, error(e.body())
+    except Exception:
+        logger.exception("stream failed")
+        yield -1, error(internal_error().body())
