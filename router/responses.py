@@ -441,11 +441,12 @@ class _StreamedOutput:
         events.append(event("response.output_text.delta", **self._where(), delta=text, logprobs=[]))
         return events
 
-    def _close_reasoning(self) -> list[str]:
-        if self.reasoning is None or self.reasoning["status"] == "completed":
+    def _close_reasoning(self, status: str = "completed") -> list[str]:
+        """`status`: the reply's, where it ended inside its reasoning."""
+        if self.reasoning is None or self.reasoning["status"] != "in_progress":
             return []
         event, text, where = self.reply.event, "".join(self.reasoning_text), self._at(self.reasoning)
-        self.reasoning.update(status="completed", content=[_reasoning_part(text)])
+        self.reasoning.update(status=status, content=[_reasoning_part(text)])
         return [event("response.reasoning_text.done", **where, text=text),
                 event("response.content_part.done", **where, part=_reasoning_part(text)),
                 event("response.output_item.done", output_index=where["output_index"], item=self.reasoning)]
@@ -484,8 +485,9 @@ class _StreamedOutput:
 
     def finish(self, status: str) -> list[str]:
         event, events = self.reply.event, []
-        if self.message is None and not self.calls:  # an empty reply is still a message
+        if self.message is None and not self.calls and self.reasoning is None:  # an empty reply is still a message
             events += self._open_message()
+        events += self._close_reasoning(status)  # still open: the reply ended inside it, with no answer
         if self.message is not None:
             text = "".join(self.text)
             where = self._where()
@@ -493,7 +495,7 @@ class _StreamedOutput:
                        event("response.content_part.done", **where, part=_text_part(text))]
             self.message.update(status=status, content=[_text_part(text)])
         for index, item in enumerate(self.items):
-            if item is self.reasoning:  # done when the message or a call opened
+            if item is self.reasoning:  # done when the answer began, or just above
                 continue
             if item["type"] == "function_call":
                 item["status"] = "completed"

@@ -290,3 +290,26 @@ def test_responses_close_the_reasoning_before_a_call_opens(tokenizer):
     assert items == [("response.output_item.added", 0), ("response.output_item.done", 0),
                      ("response.output_item.added", 1), ("response.output_item.done", 1)]
     assert [item.type for item in events[-1].response.output] == ["reasoning", "function_call"]
+
+
+def test_responses_cut_inside_the_reasoning_have_no_message_and_an_incomplete_reasoning(tokenizer):
+    # As OpenAI's reasoning models cut at max_output_tokens: the reasoning so far, no answer.
+    async def go(client):
+        whole = await client.responses.create(model="m", input="Where is Paris?", max_output_tokens=8)
+        stream = await client.responses.create(model="m", input="Where is Paris?", max_output_tokens=8, stream=True)
+        return whole, [e async for e in stream]
+
+    (whole, events), _ = run(tokenizer, "<think>\nThe user asks about", go, settings=THINKING, finish_reason="length")
+    for response in whole, events[-1].response:
+        assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+        (reasoning,) = response.output
+        assert reasoning.type == "reasoning" and reasoning.status == "incomplete"
+        assert [(c.type, c.text) for c in reasoning.content] == [("reasoning_text", "\nThe user asks about")]
+        assert response.output_text == ""
+    assert events[-1].type == "response.incomplete"
+    kinds = [e.type for e in events]
+    assert "response.output_text.delta" not in kinds and "response.content_part.added" in kinds
+    added = [(e.type, e.output_index) for e in events if e.type.startswith("response.output_item.")]
+    assert added == [("response.output_item.added", 0), ("response.output_item.done", 0)]
+    (done,) = [e for e in events if e.type == "response.output_item.done"]
+    assert done.item.status == "incomplete"
