@@ -42,6 +42,9 @@ MAX_REPLICA_RETRIES = 2  # a request whose replica died before it started tries 
 # otherwise take down one replica per try.
 MAX_SUSPECT_RETRIES = 1
 RETRY_BACKOFF_S = 0.2
+# An admitted call that finds the queue full asks again after 20 ms, doubling up to Serve's own
+# longest backoff.
+ROOM_BACKOFF_S, MAX_ROOM_BACKOFF_S = 0.02, 0.5
 _NOT_READY_STATES = {"STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION"}
 
 
@@ -97,26 +100,38 @@ class HandleReplicaClient:
         stream = self._stream if session is None else self._stream.options(session_id=session)
         return stream.generate.remote(**kwargs)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[StepOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       admitted: bool = False) -> AsyncIterator[StepOutput]:
         """The replica's StepOutputs. A replica that dies before its first output is replaced by
         another (up to `MAX_REPLICA_RETRIES` times); one that dies mid-stream ends it with a 503
-        `unavailable` error, as the tokens already sent cannot be taken back."""
-        suspect_deaths = 0
-        for attempt in range(MAX_REPLICA_RETRIES + 1):
+        `unavailable` error, as the tokens already sent cannot be taken back.
+
+        A full queue (Serve's max_queued_requests, which counts engine calls) refuses the call
+        with a 503 `queue_full`, unless it is `admitted`: a later call of a request its first
+        call already let in (another prompt, a beam search round). That one waits for room, so
+        a request's own fan-out never has it refused."""
+        suspect_deaths, attempt, waits = 0, 0, 0
+        while True:
             started = False
             try:
                 async for step in self._generate_once(request_id, prompt_token_ids, params):
                     started = True
                     yield step
                 return
+            except BackPressureError as e:  # the queue in front of the replicas is full
+                if not admitted:
+                    raise overloaded(e.retry_after_s or self._settings.retry_after_s,
+                                     self._settings.overload_status) from None
+                await asyncio.sleep(min(MAX_ROOM_BACKOFF_S, ROOM_BACKOFF_S * 2 ** waits))
+                waits += 1
             except (RayActorError, EngineDeadError) as e:
                 suspect_deaths += _may_have_caused(e)
                 if started or attempt == MAX_REPLICA_RETRIES or suspect_deaths > MAX_SUSPECT_RETRIES:
                     logger.warning("engine replica failed while serving %s: %r", request_id, e)
                     raise unavailable("The engine replica serving this request failed. Retry.") from None
                 logger.warning("engine replica failed before %s started; retrying on another: %r", request_id, e)
-                await asyncio.sleep(RETRY_BACKOFF_S * (attempt + 1))  # for the routers to hear of the death
+                attempt += 1
+                await asyncio.sleep(RETRY_BACKOFF_S * attempt)  # for the routers to hear of the death
 
     async def _generate_once(self, request_id: str, prompt_token_ids: list[int],
                              params: SamplingParams) -> AsyncIterator[StepOutput]:
@@ -139,10 +154,9 @@ class HandleReplicaClient:
                 raise
             finished = True
             raise _cut_error() from None
-        except BackPressureError as e:  # the queue in front of the replicas is full
+        except BackPressureError:  # refused by a full queue (generate)
             finished = True  # nothing to cancel (and cancelling a rejected request raises again)
-            raise overloaded(e.retry_after_s or self._settings.retry_after_s,
-                             self._settings.overload_status) from None
+            raise
         except DeploymentUnavailableError:
             finished = True
             raise unavailable("The model is not available right now. Retry later.") from None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import time
@@ -29,7 +30,7 @@ from engine.errors import InvalidRequestError
 from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
-from router.beam_search import BeamSearch, beam_search
+from router.beam_search import BeamSearch, Generate, beam_search
 from router.engine_streams import collect, events, map_steps, merge_streams
 from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error
 from router.formatting import (SSE_DONE, Accumulator, PromptEcho, chat_logprobs, chat_response,
@@ -53,8 +54,10 @@ class ReplicaClient(Protocol):
 
     async def info(self) -> dict: ...  # max_model_len, max_num_seqs, ...
 
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[StepOutput]: ...
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 admitted: bool = False) -> AsyncIterator[StepOutput]: ...
+    # admitted: a later call of a request whose first call was let in, which a full queue makes
+    # wait rather than refuse (router.ingress)
 
 
 class OpenAIServing:
@@ -340,10 +343,18 @@ class OpenAIServing:
         await self._check_prompts(prompts, params, prompt_param, max_param)
         if self.settings.enable_log_requests:
             logger.info("%s: prompt token ids %s, %s", rid, prompts, params)
+        # The first engine call lets the request in or refuses it (a full queue); the rest, more
+        # prompts or beam rounds, are part of a request already running.
+        calls = itertools.count()
+
+        def generate(request_id: str, ids: list[int], p: SamplingParams) -> AsyncIterator[StepOutput]:
+            return self.engine.generate(request_id, ids, p, admitted=next(calls) > 0)
+
         if beam is None:
-            streams = [self.engine.generate(f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)]
+            streams = [generate(f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)]
         else:
-            streams = [await self._beam_search(f"{rid}-{i}", ids, params, beam) for i, ids in enumerate(prompts)]
+            streams = [await self._beam_search(generate, f"{rid}-{i}", ids, params, beam)
+                       for i, ids in enumerate(prompts)]
         merged = merge_streams(streams)
         try:
             first = await anext(merged)
@@ -357,14 +368,14 @@ class OpenAIServing:
             raise
         return first, merged
 
-    async def _beam_search(self, rid: str, ids: list[int], params: SamplingParams,
+    async def _beam_search(self, generate: Generate, rid: str, ids: list[int], params: SamplingParams,
                            beam: BeamSearch) -> AsyncIterator[StepOutput]:
         info = await self.limits()
         if params.max_tokens is None:  # as the engine would: up to max_model_len
             params = dataclasses.replace(params, max_tokens=info["max_model_len"] - len(ids))
         eos = info.get("eos_token_ids")
         eos = set(eos) if eos is not None else {self.tokenizer.eos_token_id} - {None}
-        return beam_search(self.engine.generate, rid, ids, params, beam, eos,
+        return beam_search(generate, rid, ids, params, beam, eos,
                            lambda tokens, skip: self.tokenizer.decode(tokens, skip_special_tokens=skip))
 
     # -- streaming -------------------------------------------------------------------------------

@@ -26,12 +26,12 @@ def tiny_dir(tmp_path_factory, smollm2_path):
     return str(make_tiny_llama(tmp_path_factory.mktemp("beam"), smollm2_path, "gqa", vocab_size=49152))
 
 
-def _serve(tiny_dir, go):
+def _serve(tiny_dir, go, server_cls=EngineServer):
     """go(openai client, engine server) against the app over a real engine on the tiny model."""
     from transformers import AutoTokenizer
 
     async def main():
-        server = EngineServer(EngineConfig(model=tiny_dir, max_model_len=256, num_gpu_blocks_override=64,
+        server = server_cls(EngineConfig(model=tiny_dir, max_model_len=256, num_gpu_blocks_override=64,
                                            max_num_seqs=16, block_size=16))
         app = build_api(OpenAIServing(AutoTokenizer.from_pretrained(tiny_dir), server,
                                       RouterSettings(served_model_name="m")))
@@ -83,6 +83,33 @@ def test_beams_are_hf_transformers_beams(tiny_dir):
     texts = {c.index: c.text for c in streamed if c.choices for c in c.choices}
     assert [texts[i] for i in range(k)] == [c.text for c in whole.choices[:k]]
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == stats.num_waiting == 0
+
+
+class _Recording(EngineServer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []  # (request id, admitted)
+
+    def generate(self, request_id, prompt_token_ids, params, admitted=False):
+        self.calls.append((request_id, admitted))
+        return super().generate(request_id, prompt_token_ids, params, admitted)
+
+
+def test_only_the_first_engine_call_of_a_request_may_be_refused_by_a_full_queue(tiny_dir):
+    """Its other calls, the rounds after the first and the other prompts', are `admitted`: the
+    ingress has them wait for room in a full queue (router.ingress) rather than refuse a request
+    already running."""
+    async def go(client, server):
+        await client.completions.create(model="m", prompt=PROMPTS, n=2, max_tokens=3,
+                                        extra_body={"use_beam_search": True, "ignore_eos": True})
+        beam, server.calls = server.calls, []
+        await client.completions.create(model="m", prompt=PROMPTS, max_tokens=3)
+        return beam, server.calls
+
+    beam, plain = _serve(tiny_dir, go, _Recording)
+    assert len(beam) == 2 * (1 + 2 + 2)  # per prompt: one beam, then two, for three rounds
+    assert [admitted for _, admitted in beam].count(False) == 1
+    assert [admitted for _, admitted in plain] == [False, True]
 
 
 def test_chat_beam_search_and_refusals(tiny_dir):

@@ -189,6 +189,18 @@ def test_full_queue_is_503_with_retry_after(server, http):
     assert queued["r"].status_code == 200  # the queued one ran once a slot freed
 
 
+def test_a_request_is_let_in_by_its_first_engine_call_not_refused_by_its_own_fan_out(http):
+    # Four prompts are four engine calls, more than the replica runs at once (2) plus the queue
+    # (1): Serve's queue counts calls, so the request used to refuse itself on an idle server.
+    # Its later calls wait for room instead.
+    prompts = [[1, 2], [3], [4, 5, 6], [7]]
+    r = http.post("/v1/completions", json={"prompt": prompts, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3] and all(c["finish_reason"] == "length" for c in choices)
+    assert r.json()["usage"]["completion_tokens"] == 12
+
+
 def test_no_api_key_configured_means_no_auth(http):
     assert http.get("/v1/models").status_code == 200
 

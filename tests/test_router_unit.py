@@ -67,7 +67,7 @@ class HalfCharEngine:
     async def info(self) -> dict:
         return {"max_model_len": 64, "max_num_seqs": 4}
 
-    async def generate(self, request_id, prompt_token_ids, params):
+    async def generate(self, request_id, prompt_token_ids, params, admitted=False):
         n = len(prompt_token_ids)
         yield StepOutput([ChoiceDelta(0, "", [1], None)], n, 0, False)
         yield StepOutput([ChoiceDelta(0, "", [2], None)], n, 0, False)
@@ -83,7 +83,7 @@ class RaisingEngine:
     async def info(self) -> dict:
         return {"max_model_len": 64, "max_num_seqs": 4}
 
-    async def generate(self, request_id, prompt_token_ids, params):
+    async def generate(self, request_id, prompt_token_ids, params, admitted=False):
         raise self.error
         yield  # an async generator
 
@@ -111,7 +111,7 @@ class FirstAndLastEngine:
     async def info(self) -> dict:
         return {"max_model_len": 64, "max_num_seqs": 4}
 
-    async def generate(self, request_id, prompt_token_ids, params):
+    async def generate(self, request_id, prompt_token_ids, params, admitted=False):
         self.params.append(params)
         n = len(prompt_token_ids)
         yield StepOutput([ChoiceDelta(0, "Hel", [1], None)], n, 0, False)

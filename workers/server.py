@@ -87,8 +87,10 @@ class EngineServer:
                 "vocab_size": getattr(self.engine, "vocab_size", None),
                 "eos_token_ids": getattr(self.engine, "eos_token_ids", None)}
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[StepOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       admitted: bool = False) -> AsyncIterator[StepOutput]:
+        """`admitted`: router.serving.ReplicaClient's, for a server used in process (tests): no
+        queue stands in front of it, so there is nothing to wait for."""
         finished_samples: set[int] = set()
         timer = self.metrics.start_request(len(prompt_token_ids))
         reason = "abort"  # unless the engine says otherwise: a caller that went away aborted it
