@@ -218,9 +218,9 @@ RAY_GCS_PORT, RAY_CLIENT_PORT = 6379, 10001  # the ports of an address given wit
 
 
 def _ray_unreachable(address: str, timeout_s: float = 5.0) -> str | None:
-    """Why nothing answers at a Ray address (host[:port], or ray://host[:port] for Ray Client),
-    or None; "auto" and "local" are left to Ray. Ray itself retries an absent cluster for over a
-    minute before it gives up."""
+    """Why no Ray cluster answers at an address (host[:port], or ray://host[:port] for Ray
+    Client): nothing listens, or what does is not gRPC; else None. "auto" and "local" are left to
+    Ray. Ray itself retries an absent cluster for over a minute before it gives up."""
     if address in ("auto", "local"):
         return None
     client = address.startswith("ray://")
@@ -229,10 +229,19 @@ def _ray_unreachable(address: str, timeout_s: float = 5.0) -> str | None:
         host, port = port, str(RAY_CLIENT_PORT if client else RAY_GCS_PORT)
     if not port.isdigit():
         return None
+    host = host.strip("[]")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as e:
         return f"no Ray cluster answers at {address}: {e.strerror or type(e).__name__}"
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("0", "false", ""):  # TLS: a handshake this does not make
+        import grpc  # Ray's own dependency: its GCS and its client server speak gRPC
+
+        with grpc.insecure_channel(f"[{host}]:{port}" if ":" in host else f"{host}:{port}") as channel:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=timeout_s)
+            except grpc.FutureTimeoutError:
+                return f"something listens at {address}, but it is not a Ray cluster (it does not speak gRPC)"
     return None
 
 

@@ -1,6 +1,7 @@
 """The router without Ray: the HTTP app over an in-process EngineServer + FakeEngine, the app
 builder's argument handling and the `kvserve serve` command line."""
 import asyncio
+import concurrent.futures
 import importlib.metadata
 import json
 import socket
@@ -408,6 +409,8 @@ def test_serve_reports_a_busy_port():
 
 def test_serve_says_at_once_that_no_ray_cluster_answers():
     """Ray itself retries an absent cluster for over a minute before its own error."""
+    import grpc
+
     from cluster.serve_cli import _ray_unreachable
 
     port = free_port()
@@ -418,10 +421,18 @@ def test_serve_says_at_once_that_no_ray_cluster_answers():
         assert time.monotonic() - start < 30 and "Traceback" not in r.stderr
     assert _ray_unreachable("auto") is None and _ray_unreachable("local") is None
     assert _ray_unreachable("nohost.invalid").startswith("no Ray cluster")
-    with socket.socket() as listener:
+    with socket.socket() as listener:  # something that listens and never answers (an HTTP server is the same)
         listener.bind(("127.0.0.1", 0))
         listener.listen()
-        assert _ray_unreachable(f"127.0.0.1:{listener.getsockname()[1]}") is None
+        why = _ray_unreachable(f"127.0.0.1:{listener.getsockname()[1]}", timeout_s=1.0)
+        assert why.endswith("it is not a Ray cluster (it does not speak gRPC)")
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(1))  # Ray's GCS and client server are gRPC servers
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        assert _ray_unreachable(f"127.0.0.1:{port}") is None and _ray_unreachable(f"ray://127.0.0.1:{port}") is None
+    finally:
+        server.stop(None)
 
 
 def test_the_fake_engine_meets_the_engine_contract():
