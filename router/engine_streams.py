@@ -1,25 +1,54 @@
-"""The engine's outputs for one HTTP request: several engine streams merged into one, and read
-into a reply's Accumulator, a sample the engine ended with an error failing the request."""
+"""The engine's outputs for one HTTP request: the engine calls it is sent as, their streams merged
+into one, and read into a reply's Accumulator, a sample the engine ended with an error failing the
+request."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 
 from engine.outputs import StepOutput
+from engine.sampling_params import SamplingParams
 from router.errors import OpenAIError, internal_error
 from router.formatting import Accumulator, sse
 
 logger = logging.getLogger(__name__)
 
 
-async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
-    """(stream index, item) as items arrive; closing this closes (cancels) every stream."""
+def sample_calls(num_prompts: int, params: SamplingParams, max_num_seqs: int) -> list[tuple[int, int, SamplingParams]]:
+    """The engine calls that ask for `params.n` samples of each prompt: (prompt, its first sample's
+    index, params). The engine forks one call's samples together after the prompt's prefill, so
+    they must fit in its max_num_seqs at once; a larger n is cut into calls of at most that many
+    (about equal), each seeded where its samples would be in one call (sample i takes seed + i),
+    their prompt's blocks shared through the prefix cache."""
+    parts = -(-params.n // max_num_seqs)
+    sizes = [params.n // parts + (k < params.n % parts) for k in range(parts)]
+    firsts = [sum(sizes[:k]) for k in range(parts)]
+    calls = [(first, params if parts == 1 else
+              dataclasses.replace(params, n=size, seed=None if params.seed is None else params.seed + first))
+             for first, size in zip(firsts, sizes)]
+    return [(i, first, p) for i in range(num_prompts) for first, p in calls]
+
+
+async def renumbered(stream: AsyncIterator[StepOutput], first: int) -> AsyncIterator[StepOutput]:
+    """A call's outputs with its samples numbered from `first` (sample_calls): as the request's."""
+    async with contextlib.aclosing(stream) as s:
+        async for step in s:
+            yield dataclasses.replace(step, choices=[dataclasses.replace(c, index=first + c.index)
+                                                     for c in step.choices])
+
+
+async def merge_streams(streams: list[AsyncIterator], owners: list[int] | None = None,
+                        ) -> AsyncIterator[tuple[int, object]]:
+    """(stream index, or owners[stream index], item) as items arrive; closing this closes
+    (cancels) every stream."""
+    owners = owners or range(len(streams))
     if len(streams) == 1:
         async with contextlib.aclosing(streams[0]) as s:
             async for item in s:
-                yield 0, item
+                yield owners[0], item
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -28,10 +57,10 @@ async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int
         try:
             async with contextlib.aclosing(stream) as s:
                 async for item in s:
-                    queue.put_nowait((i, item, None))
-            queue.put_nowait((i, done, None))
+                    queue.put_nowait((owners[i], item, None))
+            queue.put_nowait((owners[i], done, None))
         except Exception as e:
-            queue.put_nowait((i, None, e))
+            queue.put_nowait((owners[i], None, e))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:

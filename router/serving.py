@@ -31,7 +31,7 @@ from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
 from router.beam_search import BeamSearch, Generate, beam_search
-from router.engine_streams import collect, events, map_steps, merge_streams
+from router.engine_streams import collect, events, map_steps, merge_streams, renumbered, sample_calls
 from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error
 from router.formatting import (SSE_DONE, Accumulator, PromptEcho, chat_logprobs, chat_response,
                                completion_logprobs, completion_response, sse, vllm_prompt_logprobs)
@@ -314,9 +314,6 @@ class OpenAIServing:
                              max_param: str) -> None:
         info = await self.limits()
         limit = info["max_model_len"]
-        if params.n > info["max_num_seqs"]:
-            raise bad_request(f"n={params.n} exceeds this server's max_num_seqs ({info['max_num_seqs']})",
-                              param="n")
         if info.get("vocab_size") is not None:
             _check_token_ids(prompts, params, info["vocab_size"], prompt_param)
         for ids in prompts:
@@ -345,17 +342,21 @@ class OpenAIServing:
             logger.info("%s: prompt token ids %s, %s", rid, prompts, params)
         # The first engine call lets the request in or refuses it (a full queue); the rest, more
         # prompts or beam rounds, are part of a request already running.
-        calls = itertools.count()
+        sent = itertools.count()
 
         def generate(request_id: str, ids: list[int], p: SamplingParams) -> AsyncIterator[StepOutput]:
-            return self.engine.generate(request_id, ids, p, admitted=next(calls) > 0)
+            return self.engine.generate(request_id, ids, p, admitted=next(sent) > 0)
 
         if beam is None:
-            streams = [generate(f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)]
+            calls = sample_calls(len(prompts), params, (await self.limits())["max_num_seqs"])
+            streams = []
+            for i, first, p in calls:
+                stream = generate(f"{rid}-{i}" + (f"-{first}" if first else ""), prompts[i], p)
+                streams.append(renumbered(stream, first) if first else stream)
+            merged = merge_streams(streams, owners=[i for i, _, _ in calls])
         else:
-            streams = [await self._beam_search(generate, f"{rid}-{i}", ids, params, beam)
-                       for i, ids in enumerate(prompts)]
-        merged = merge_streams(streams)
+            merged = merge_streams([await self._beam_search(generate, f"{rid}-{i}", ids, params, beam)
+                                    for i, ids in enumerate(prompts)])
         try:
             first = await anext(merged)
         except StopAsyncIteration:

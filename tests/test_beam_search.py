@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
-import openai
 import pytest
 import torch
 
-from engine.config import EngineConfig
 from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import SamplingParams
-from router.api import build_api
 from router.beam_search import BeamSearch, beam_search
-from router.serving import OpenAIServing
-from router.settings import RouterSettings
+from tests.tiny_app import serve_tiny
 from tests.tiny_llama import make_tiny_llama
 from workers.server import EngineServer
 
@@ -26,31 +21,13 @@ def tiny_dir(tmp_path_factory, smollm2_path):
     return str(make_tiny_llama(tmp_path_factory.mktemp("beam"), smollm2_path, "gqa", vocab_size=49152))
 
 
-def _serve(tiny_dir, go, server_cls=EngineServer):
-    """go(openai client, engine server) against the app over a real engine on the tiny model."""
-    from transformers import AutoTokenizer
-
-    async def main():
-        server = server_cls(EngineConfig(model=tiny_dir, max_model_len=256, num_gpu_blocks_override=64,
-                                           max_num_seqs=16, block_size=16))
-        app = build_api(OpenAIServing(AutoTokenizer.from_pretrained(tiny_dir), server,
-                                      RouterSettings(served_model_name="m")))
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
-                client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="k", http_client=http, max_retries=0)
-                return await go(client, server)
-        finally:
-            await server.shutdown()
-
-    return asyncio.run(main())
-
-
 PROMPTS = [[1, 17, 99, 250, 3, 42], [1, 400, 401, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 
 
-def test_beams_are_hf_transformers_beams(tiny_dir):
-    """ignore_eos: every beam runs max_tokens, so vLLM's ranking and HF's agree exactly."""
+@pytest.mark.parametrize("max_num_seqs", [16, 2], ids=["seats", "fewer-seats-than-beams"])
+def test_beams_are_hf_transformers_beams(tiny_dir, max_num_seqs):
+    """ignore_eos: every beam runs max_tokens, so vLLM's ranking and HF's agree exactly. Each beam
+    of a round is an engine call of its own: a width past the engine's max_num_seqs is served."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float32).eval()
@@ -73,7 +50,7 @@ def test_beams_are_hf_transformers_beams(tiny_dir):
         await asyncio.sleep(0.05)
         return whole, streamed, await server.stats()
 
-    whole, streamed, stats = _serve(tiny_dir, go)
+    whole, streamed, stats = serve_tiny(tiny_dir, go, max_num_seqs=max_num_seqs)
     got = [c.token_ids for c in whole.choices]
     assert got == hf[0] + hf[1]
     assert all(c.finish_reason == "length" and len(c.logprobs.tokens) == steps for c in whole.choices)
@@ -106,7 +83,7 @@ def test_only_the_first_engine_call_of_a_request_may_be_refused_by_a_full_queue(
         await client.completions.create(model="m", prompt=PROMPTS, max_tokens=3)
         return beam, server.calls
 
-    beam, plain = _serve(tiny_dir, go, _Recording)
+    beam, plain = serve_tiny(tiny_dir, go, _Recording)
     assert len(beam) == 2 * (1 + 2 + 2)  # per prompt: one beam, then two, for three rounds
     assert [admitted for _, admitted in beam].count(False) == 1
     assert [admitted for _, admitted in plain] == [False, True]
@@ -128,7 +105,7 @@ def test_chat_beam_search_and_refusals(tiny_dir):
         errors.append((r.status_code, r.json()["error"]["message"]))
         return chat, errors
 
-    chat, errors = _serve(tiny_dir, go)
+    chat, errors = serve_tiny(tiny_dir, go)
     assert len(chat.choices) == 2 and all(c.message.content is not None for c in chat.choices)
     assert chat.usage.completion_tokens == 10
     assert [s for s, _ in errors] == [400] * 6

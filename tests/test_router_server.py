@@ -255,7 +255,7 @@ ERROR_ROWS = [
     ("/v1/completions", {"prompt": "x", "temperature": 2.5}, 400, "temperature", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "invalid_value"),
-    ("/v1/completions", {"prompt": "x", "n": 64}, 400, "n", None),  # > max_num_seqs
+    ("/v1/completions", {"prompt": "x", "n": 129}, 400, "n", "invalid_value"),  # more than 128 (> max_num_seqs is served)
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "frequency_penalty": -2.5}, 400, "frequency_penalty", "invalid_value"),
