@@ -42,9 +42,13 @@ MAX_REPLICA_RETRIES = 2  # a request whose replica died before it started tries 
 # otherwise take down one replica per try.
 MAX_SUSPECT_RETRIES = 1
 RETRY_BACKOFF_S = 0.2
-# An admitted call that finds the queue full asks again after 20 ms, doubling up to Serve's own
-# longest backoff.
-ROOM_BACKOFF_S, MAX_ROOM_BACKOFF_S = 0.02, 0.5
+# An admitted call that finds the queue full asks again after 20 ms, doubling up to 100 ms.
+ROOM_BACKOFF_S, MAX_ROOM_BACKOFF_S = 0.02, 0.1
+# A new request's call asks once more before its 503: Serve counts a call as queued until its
+# router has assigned it a replica, which takes a few ms even when one is free, so of two requests
+# arriving together at a queue of one, the second would be refused on an idle server.
+NEWCOMER_RETRIES = 1
+_NOT_AVAILABLE = "The model is not available right now. Retry later."
 _NOT_READY_STATES = {"STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION"}
 
 
@@ -65,6 +69,10 @@ class HandleReplicaClient:
 
     def __init__(self, handle: DeploymentHandle, settings: RouterSettings) -> None:
         self._handle = handle
+        # `info` through a handle of its own: Serve's max_queued_requests counts the calls waiting
+        # in one handle's router, and an info call waiting for a busy replica's seat would hold
+        # a place in the queue that generate calls share (or be refused by it).
+        self._info_handle = DeploymentHandle(handle.deployment_name, handle.app_name)
         # Plain pickle rather than Serve's cloudpickle for the calls that carry the traffic: the
         # request and every streamed StepOutput are classes both sides import, and cloudpickle's
         # per-object checks cost 2.4x (request) to 6x (StepOutput) of pickle's time to pickle them.
@@ -73,6 +81,8 @@ class HandleReplicaClient:
         self._settings = settings
         self._live: set = set()  # the engine calls in flight
         self._cutting = False
+        self.room_waiters = 0  # admitted calls waiting for room in a full queue
+        logging.getLogger("ray.serve").addFilter(_QuietRoomWaits(self))
 
     def cut_all(self) -> int:
         """Shutdown, out of time: cancel every engine call in flight (the engines abort them and
@@ -86,7 +96,12 @@ class HandleReplicaClient:
         return len(live)
 
     async def info(self) -> dict:
-        return await self._handle.info.remote()
+        try:
+            return await self._info_handle.info.remote()
+        except BackPressureError as e:
+            raise overloaded(e.retry_after_s or self._settings.retry_after_s, self._settings.overload_status) from None
+        except (DeploymentUnavailableError, RayActorError):
+            raise unavailable(_NOT_AVAILABLE) from None
 
     def _call_generate(self, **kwargs):
         # Serve gives every handle call made while serving one HTTP request that request's
@@ -109,29 +124,42 @@ class HandleReplicaClient:
         A full queue (Serve's max_queued_requests, which counts engine calls) refuses the call
         with a 503 `queue_full`, unless it is `admitted`: a later call of a request its first
         call already let in (another prompt, a beam search round). That one waits for room, so
-        a request's own fan-out never has it refused."""
-        suspect_deaths, attempt, waits = 0, 0, 0
-        while True:
-            started = False
-            try:
-                async for step in self._generate_once(request_id, prompt_token_ids, params):
-                    started = True
-                    yield step
-                return
-            except BackPressureError as e:  # the queue in front of the replicas is full
-                if not admitted:
-                    raise overloaded(e.retry_after_s or self._settings.retry_after_s,
-                                     self._settings.overload_status) from None
-                await asyncio.sleep(min(MAX_ROOM_BACKOFF_S, ROOM_BACKOFF_S * 2 ** waits))
-                waits += 1
-            except (RayActorError, EngineDeadError) as e:
-                suspect_deaths += _may_have_caused(e)
-                if started or attempt == MAX_REPLICA_RETRIES or suspect_deaths > MAX_SUSPECT_RETRIES:
-                    logger.warning("engine replica failed while serving %s: %r", request_id, e)
-                    raise unavailable("The engine replica serving this request failed. Retry.") from None
-                logger.warning("engine replica failed before %s started; retrying on another: %r", request_id, e)
-                attempt += 1
-                await asyncio.sleep(RETRY_BACKOFF_S * attempt)  # for the routers to hear of the death
+        a request's own fan-out never has it refused; and while one waits, new requests are
+        refused here, so that clients retrying fast cannot take every place it waits for. A new
+        request's call is refused on its second try (NEWCOMER_RETRIES)."""
+        if not admitted and self.room_waiters:
+            raise overloaded(self._settings.retry_after_s, self._settings.overload_status)
+        suspect_deaths, attempt, refusals = 0, 0, 0
+        waiting = False  # an admitted call counted in room_waiters
+        try:
+            while True:
+                started = False
+                try:
+                    async for step in self._generate_once(request_id, prompt_token_ids, params):
+                        if waiting:  # past the queue
+                            self.room_waiters, waiting = self.room_waiters - 1, False
+                        started = True
+                        yield step
+                    return
+                except BackPressureError as e:  # the queue in front of the replicas is full
+                    if not admitted and (refusals == NEWCOMER_RETRIES or self.room_waiters):
+                        raise overloaded(e.retry_after_s or self._settings.retry_after_s,
+                                         self._settings.overload_status) from None
+                    if admitted and not waiting:
+                        self.room_waiters, waiting = self.room_waiters + 1, True
+                    await asyncio.sleep(min(MAX_ROOM_BACKOFF_S, ROOM_BACKOFF_S * 2 ** refusals))
+                    refusals += 1
+                except (RayActorError, EngineDeadError) as e:
+                    suspect_deaths += _may_have_caused(e)
+                    if started or attempt == MAX_REPLICA_RETRIES or suspect_deaths > MAX_SUSPECT_RETRIES:
+                        logger.warning("engine replica failed while serving %s: %r", request_id, e)
+                        raise unavailable("The engine replica serving this request failed. Retry.") from None
+                    logger.warning("engine replica failed before %s started; retrying on another: %r",
+                                   request_id, e)
+                    attempt += 1
+                    await asyncio.sleep(RETRY_BACKOFF_S * attempt)  # for the routers to hear of the death
+        finally:
+            self.room_waiters -= waiting
 
     async def _generate_once(self, request_id: str, prompt_token_ids: list[int],
                              params: SamplingParams) -> AsyncIterator[StepOutput]:
@@ -159,7 +187,7 @@ class HandleReplicaClient:
             raise
         except DeploymentUnavailableError:
             finished = True
-            raise unavailable("The model is not available right now. Retry later.") from None
+            raise unavailable(_NOT_AVAILABLE) from None
         except InvalidRequestError as e:  # the engine's validate(); arrives wrapped in a RayTaskError
             finished = True
             raise from_invalid_request(getattr(e, "cause", None) or e) from None
@@ -171,6 +199,18 @@ class HandleReplicaClient:
             if response is not None and not finished:
                 with contextlib.suppress(Exception):  # keep the exception that brought us here
                     response.cancel()  # the replica's generator is cancelled -> the engine aborts
+
+
+class _QuietRoomWaits(logging.Filter):
+    """Serve logs a warning for each call a full queue refuses; while admitted calls wait for room
+    (`HandleReplicaClient.generate`), those are their retries, several a second, and not news."""
+
+    def __init__(self, client: HandleReplicaClient) -> None:
+        super().__init__()
+        self._client = client
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (self._client.room_waiters and str(record.msg).startswith("Request dropped due to backpressure"))
 
 
 def _cut_error():

@@ -15,12 +15,12 @@ clients see progress, and the first chunk marks the first token.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
 import itertools
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -72,7 +72,9 @@ class OpenAIServing:
             store = ResponseStore(settings.responses_store_max_bytes)
         self.stored = StoredResponses(store)  # GET / DELETE /v1/responses/{id} and previous_response_id
         self._info: dict | None = None
-        self._info_at = -math.inf  # time.monotonic() of the engine info in _info
+        self._info_at = 0.0  # time.monotonic() of the engine info in _info
+        self._info_lock = asyncio.Lock()
+        self._refresh: asyncio.Task | None = None  # asking the engine's limits again
         self._created = int(time.time())  # the model objects' `created`: when this server started serving it
         self.token_str = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
         self.token_bytes = functools.lru_cache(maxsize=1 << 16)(self._token_bytes)
@@ -99,18 +101,26 @@ class OpenAIServing:
         return (self.settings.served_model_name, *self.settings.served_model_aliases)
 
     async def limits(self) -> dict:
-        """The engine's limits (its max_model_len is the resolved one), asked again every
-        LIMITS_TTL_S: a config change replaces the engine replicas after this ingress may have
-        asked an old one, and the limits must follow them."""
-        if time.monotonic() - self._info_at > LIMITS_TTL_S:
-            try:
-                self._info = await self.engine.info()
-                self._info_at = time.monotonic()
-            except Exception:
+        """The engine's limits (its max_model_len is the resolved one). The first request waits
+        for them; later ones use the last answer while it is asked again, in the background,
+        once it is LIMITS_TTL_S old: a config change replaces the engine replicas after this
+        ingress may have asked an old one, and the limits must follow them, but the asking
+        waits for a seat on a replica, which a loaded server may not free for a while."""
+        if self._info is None:
+            async with self._info_lock:  # one asks; the others wait for its answer
                 if self._info is None:
-                    raise
-                logger.warning("engine info not refreshed; keeping the last", exc_info=True)
+                    self._info = await self.engine.info()
+                    self._info_at = time.monotonic()
+        elif time.monotonic() - self._info_at > LIMITS_TTL_S and (self._refresh is None or self._refresh.done()):
+            self._refresh = asyncio.create_task(self._refresh_limits())
         return self._info
+
+    async def _refresh_limits(self) -> None:
+        try:
+            self._info = await self.engine.info()
+        except Exception as e:
+            logger.warning("engine limits not refreshed (%r); keeping the last", e)
+        self._info_at = time.monotonic()  # a failure waits a TTL too, rather than asking every request
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_names:

@@ -1,14 +1,18 @@
-"""The ingress's retry of a request whose engine replica died before it started
-(router.ingress.HandleReplicaClient.generate), without Serve: each try is scripted."""
+"""The ingress's engine calls (router.ingress.HandleReplicaClient.generate), without Serve, each
+try scripted: the retry of a request whose engine replica died before it started, and the wait of
+an admitted call for room in a full queue."""
 import asyncio
+import logging
 
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
+from ray.serve.exceptions import BackPressureError
 
 import router.ingress as ingress
 from engine.errors import EngineDeadError
 from engine.outputs import StepOutput
 from router.errors import OpenAIError
+from router.settings import RouterSettings
 
 OUT = StepOutput("r", [], finished=True, num_cached_tokens=0)
 
@@ -21,11 +25,17 @@ def _wrapped(e: BaseException) -> BaseException:
         return RayTaskError("generate", "traceback", raised).as_instanceof_cause()
 
 
+def _client() -> ingress.HandleReplicaClient:
+    client = object.__new__(ingress.HandleReplicaClient)
+    client._settings, client.room_waiters = RouterSettings("m", retry_after_s=3), 0
+    return client
+
+
 def _run(tries: list, monkeypatch) -> tuple[int, object]:
     """Serves one request whose n-th replica call raises tries[n] before its first output (or
     succeeds when tries[n] is None) -> (calls made, the output or the HTTP error's status)."""
     monkeypatch.setattr(ingress, "RETRY_BACKOFF_S", 0.0)
-    client = object.__new__(ingress.HandleReplicaClient)
+    client = _client()
     calls = []
 
     async def once(request_id, prompt_token_ids, params):
@@ -72,3 +82,99 @@ def test_engine_dead_error_keeps_admitted_across_pickling():
     e = pickle.loads(pickle.dumps(EngineDeadError("gone", admitted=True)))
     assert (str(e), e.admitted) == ("gone", True)
     assert pickle.loads(pickle.dumps(EngineDeadError("gone"))).admitted is False
+
+
+FULL = BackPressureError(num_queued_requests=1, max_queued_requests=1)
+
+
+def test_an_admitted_call_waits_for_room_and_new_requests_are_refused_meanwhile():
+    """Clients retrying a refused request fast could otherwise take every place in the queue
+    that a request already running waits for (one of its prompts, a beam round)."""
+    client, tries = _client(), []
+    room = asyncio.Event()
+
+    async def once(request_id, prompt_token_ids, params):
+        tries.append(request_id)
+        if request_id == "sibling" and not room.is_set():
+            raise FULL
+        yield OUT
+
+    client._generate_once = once
+
+    async def newcomer():
+        try:
+            return [s async for s in client.generate("new", [1], None)][-1]
+        except OpenAIError as e:
+            return e.status, e.body()["error"]["code"], e.headers["Retry-After"]
+
+    async def go():
+        sibling = asyncio.create_task(anext(aiter(client.generate("sibling", [1], None, admitted=True))))
+        await asyncio.sleep(0.1)
+        waiting = client.room_waiters
+        refused = await newcomer()
+        room.set()
+        served = await sibling
+        return waiting, refused, served, client.room_waiters, await newcomer()
+
+    waiting, refused, served, after, later = asyncio.run(go())
+    assert waiting == 1 and tries.count("sibling") >= 3  # asked again, backing off
+    assert refused == (503, "queue_full", "3") and "new" not in tries[:tries.index("sibling") + 3]
+    assert served is OUT and after == 0 and later is OUT
+
+
+def test_a_refused_newcomer_is_503_and_a_cancelled_wait_leaves_no_waiter():
+    """A newcomer asks twice (Serve counts a call being assigned a free replica as queued, for a
+    few ms) before its 503."""
+    client, tries = _client(), []
+
+    async def once(request_id, prompt_token_ids, params):
+        tries.append(request_id)
+        raise FULL
+        yield
+
+    client._generate_once = once
+
+    async def go():
+        try:
+            await anext(aiter(client.generate("new", [1], None)))
+        except OpenAIError as e:
+            refused = e.status, e.body()["error"]["code"]
+        waiter = asyncio.create_task(anext(aiter(client.generate("sibling", [1], None, admitted=True))))
+        await asyncio.sleep(0.05)
+        waiting = client.room_waiters
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        return refused, waiting, client.room_waiters
+
+    assert asyncio.run(go()) == ((503, "queue_full"), 1, 0)
+    assert tries.count("new") == 1 + ingress.NEWCOMER_RETRIES == 2
+
+
+def test_serves_backpressure_warnings_are_dropped_only_while_admitted_calls_wait():
+    client = _client()
+    quiet = ingress._QuietRoomWaits(client)
+    record = logging.LogRecord("ray.serve", logging.WARNING, "router.py", 1, FULL.message, None, None)
+    other = logging.LogRecord("ray.serve", logging.WARNING, "router.py", 1, "replica died", None, None)
+    assert quiet.filter(record) and quiet.filter(other)
+    client.room_waiters = 1
+    assert not quiet.filter(record) and quiet.filter(other)
+
+
+@pytest.mark.parametrize("error, status, code", [
+    (FULL, 503, "queue_full"),
+    (ActorDiedError(), 503, "unavailable"),
+], ids=["queue-full", "replica-died"])
+def test_a_failed_ask_for_the_engines_limits_is_an_openai_error(error, status, code):
+    """A fresh ingress asks the engine's limits before its first request: a refusal is an error
+    reply (with Retry-After), not Serve's plain-text 503."""
+    class Handle:
+        class info:
+            @staticmethod
+            async def remote():
+                raise error
+
+    client = _client()
+    client._info_handle = Handle()
+    with pytest.raises(OpenAIError) as e:
+        asyncio.run(client.info())
+    assert (e.value.status, e.value.body()["error"]["code"]) == (status, code) and "Retry-After" in e.value.headers

@@ -121,28 +121,41 @@ class FirstAndLastEngine:
 
 def test_the_engines_limits_are_asked_again_after_a_while(tokenizer, monkeypatch):
     """A config change replaces the engine replicas (a new max_model_len) while the ingress may
-    have asked an old one: the ingress asks again every LIMITS_TTL_S, and keeps the last answer
-    while no engine answers."""
+    have asked an old one: the ingress asks again once its answer is LIMITS_TTL_S old, in the
+    background (asking waits for a seat on a busy replica), and keeps the last answer while no
+    engine answers. Only the first request waits for them, and concurrent first requests ask once."""
     import router.serving
 
     class Changing:
         def __init__(self):
             self.info_now: dict | Exception = {"max_model_len": 512, "max_num_seqs": 4}
+            self.asked = 0
 
         async def info(self):
+            self.asked += 1
+            await asyncio.sleep(0.05)
             if isinstance(self.info_now, Exception):
                 raise self.info_now
             return dict(self.info_now)
 
     engine = Changing()
     serving = OpenAIServing(tokenizer, engine, RouterSettings(served_model_name="m"))
-    assert asyncio.run(serving.limits())["max_model_len"] == 512
-    engine.info_now = {"max_model_len": 1024, "max_num_seqs": 4}
-    assert asyncio.run(serving.limits())["max_model_len"] == 512  # within the TTL: no new trip
-    monkeypatch.setattr(router.serving, "LIMITS_TTL_S", 0.0)
-    assert asyncio.run(serving.limits())["max_model_len"] == 1024
-    engine.info_now = RuntimeError("no replica")
-    assert asyncio.run(serving.limits())["max_model_len"] == 1024
+
+    async def go():
+        firsts = await asyncio.gather(*[serving.limits() for _ in range(5)])
+        seen = [[f["max_model_len"] for f in firsts], engine.asked]
+        engine.info_now = {"max_model_len": 1024, "max_num_seqs": 4}
+        seen.append((await serving.limits())["max_model_len"])  # within the TTL: no new trip
+        monkeypatch.setattr(router.serving, "LIMITS_TTL_S", 0.0)
+        seen.append((await serving.limits())["max_model_len"])  # stale: the last, while asking again
+        await asyncio.sleep(0.1)
+        seen += [(await serving.limits())["max_model_len"], engine.asked]
+        engine.info_now = RuntimeError("no replica")
+        await asyncio.sleep(0.1)
+        seen.append((await serving.limits())["max_model_len"])
+        return seen
+
+    assert asyncio.run(go()) == [[512] * 5, 1, 512, 512, 1024, 2, 1024]
 
 
 @pytest.mark.parametrize("path, body, text_of", [
