@@ -132,21 +132,25 @@ class Accumulator:
     def __init__(self, prompt_lens: list[int], n: int) -> None:
         self.prompt_lens, self.n = prompt_lens, n
         self.choices = [ChoiceState() for _ in range(len(prompt_lens) * n)]
-        self.cached = [0] * len(prompt_lens)
+        # Per prompt, its tokens the prefix cache served: the least any of its engine calls had
+        # (an n cut into calls: the later ones find what the first computed), None before any.
+        self.cached: list[int | None] = [None] * len(prompt_lens)
         self.prompt_logprobs: list[PromptLogprobs | None] = [None] * len(prompt_lens)  # when asked
 
     def index(self, prompt: int, c: ChoiceDelta) -> int:
         return prompt * self.n + c.index
 
     def add(self, prompt: int, step) -> None:
-        self.cached[prompt] = step.num_cached_tokens
+        cached = self.cached[prompt]
+        self.cached[prompt] = step.num_cached_tokens if cached is None else min(cached, step.num_cached_tokens)
         if step.prompt_logprobs is not None:
             self.prompt_logprobs[prompt] = step.prompt_logprobs
         for c in step.choices:
             self.choices[self.index(prompt, c)].add(c)
 
     def usage(self) -> dict:
-        return usage(sum(self.prompt_lens), sum(len(c.token_ids) for c in self.choices), sum(self.cached))
+        return usage(sum(self.prompt_lens), sum(len(c.token_ids) for c in self.choices),
+                     sum(c or 0 for c in self.cached))
 
 
 def completion_response(rid: str, created: int, model: str, acc: Accumulator, k: int | None,

@@ -147,7 +147,7 @@ class HandleReplicaClient:
                                          self._settings.overload_status) from None
                     if admitted and not waiting:
                         self.room_waiters, waiting = self.room_waiters + 1, True
-                    await asyncio.sleep(min(MAX_ROOM_BACKOFF_S, ROOM_BACKOFF_S * 2 ** refusals))
+                    await asyncio.sleep(room_backoff(refusals))
                     refusals += 1
                 except (RayActorError, EngineDeadError) as e:
                     suspect_deaths += _may_have_caused(e)
@@ -199,6 +199,13 @@ class HandleReplicaClient:
             if response is not None and not finished:
                 with contextlib.suppress(Exception):  # keep the exception that brought us here
                     response.cancel()  # the replica's generator is cancelled -> the engine aborts
+
+
+def room_backoff(refusals: int) -> float:
+    """Seconds an admitted call waits after its refusal number `refusals` (from 0): 20 ms doubling
+    to MAX_ROOM_BACKOFF_S, however many came before (2 ** 1024 overflows a float: ~100 s of
+    refusals once failed the request with a 500)."""
+    return min(MAX_ROOM_BACKOFF_S, ROOM_BACKOFF_S * 2 ** min(refusals, 16))
 
 
 class _QuietRoomWaits(logging.Filter):

@@ -122,6 +122,13 @@ def test_an_admitted_call_waits_for_room_and_new_requests_are_refused_meanwhile(
     assert served is OUT and after == 0 and later is OUT
 
 
+def test_an_admitted_call_waits_as_long_as_it_takes():
+    """Every wait is a short one, the first ones shorter, however many refusals came before (the
+    1024th once overflowed the backoff and failed its request with a 500)."""
+    waits = [ingress.room_backoff(k) for k in (0, 1, 2, 3, 1023, 1024, 10**6)]
+    assert waits == [0.02, 0.04, 0.08, ingress.MAX_ROOM_BACKOFF_S, *[ingress.MAX_ROOM_BACKOFF_S] * 3]
+
+
 def test_a_refused_newcomer_is_503_and_a_cancelled_wait_leaves_no_waiter():
     """A newcomer asks twice (Serve counts a call being assigned a free replica as queued, for a
     few ms) before its 503."""

@@ -31,8 +31,9 @@ def test_samples_are_cut_into_calls_that_fit_and_keep_their_seeds():
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_more_samples_than_the_engine_runs_at_once_are_the_samples_one_call_gives(tiny_dir, stream):
     """Sample i of a seeded request is the only sample of the same request seeded seed + i (the
-    engine's rule), on an engine of two seats asked for five."""
-    prompt = [1, 17, 99, 250, 3, 42]
+    engine's rule), on an engine of two seats asked for five. The prompt's cached tokens are the
+    first call's (none: it is new), not those of the later calls, which find what it computed."""
+    prompt = [1, 17, 99, 250, 3, 42] + list(range(500, 534))  # 40 tokens: two whole KV blocks
     body = dict(model="m", prompt=prompt, max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
 
     async def go(client, server):
@@ -45,6 +46,7 @@ def test_more_samples_than_the_engine_runs_at_once_are_the_samples_one_call_give
         else:
             reply = await client.completions.create(n=5, seed=7, **body)
             assert [c.index for c in reply.choices] == list(range(5)) and reply.usage.completion_tokens == 40
+            assert reply.usage.prompt_tokens == 40 and reply.usage.prompt_tokens_details.cached_tokens == 0
             many = [c.text for c in reply.choices]
         ones = [(await client.completions.create(n=1, seed=7 + i, **body)).choices[0].text for i in range(5)]
         await asyncio.sleep(0.05)
