@@ -403,6 +403,9 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(tmp_path, smo
         assert "kvserve: drained 2 ingress replica(s); 0 requests left" in log.read_text()
         gone, alive = psutil.wait_procs(ray_procs, timeout=30)
         assert not alive, [p.cmdline() for p in alive]
+    except BaseException:
+        print(log.read_text()[-12000:])  # the server's side, for a failure on a CI machine
+        raise
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
