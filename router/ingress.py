@@ -72,7 +72,7 @@ class HandleReplicaClient:
         # `info` through a handle of its own: Serve's max_queued_requests counts the calls waiting
         # in one handle's router, and an info call waiting for a busy replica's seat would hold
         # a place in the queue that generate calls share (or be refused by it).
-        self._info_handle = DeploymentHandle(handle.deployment_name, handle.app_name)
+        self._info_handle = started(DeploymentHandle(handle.deployment_name, handle.app_name))
         # Plain pickle rather than Serve's cloudpickle for the calls that carry the traffic: the
         # request and every streamed StepOutput are classes both sides import, and cloudpickle's
         # per-object checks cost 2.4x (request) to 6x (StepOutput) of pickle's time to pickle them.
@@ -201,6 +201,17 @@ class HandleReplicaClient:
                     response.cancel()  # the replica's generator is cancelled -> the engine aborts
 
 
+def started(handle: DeploymentHandle) -> DeploymentHandle:
+    """`handle` with its request router started now, in the replica's constructor, rather than at
+    its first call. Ray Serve (2.60) fills a new router's replica list and config from a long poll
+    of its own, and stops that poll as soon as the process's shared one brings any news of the
+    deployment; news of the replicas alone (the engine's replicas changing, as just after start)
+    leaves the router without its config, and its calls wait for a change that may never come.
+    Seen: an ingress replica's first request, the first call of a router made the moment the
+    engine became ready, hung for good. Started here, it has both long before."""
+    return handle.options()  # .options() starts the router (the handle's own is lazy)
+
+
 def room_backoff(refusals: int) -> float:
     """Seconds an admitted call waits after its refusal number `refusals` (from 0): 20 ms doubling
     to MAX_ROOM_BACKOFF_S, however many came before (2 ** 1024 overflows a float: ~100 s of
@@ -237,7 +248,7 @@ class HandleResponseStore:
     so that every ingress replica finds every stored response."""
 
     def __init__(self, handle: DeploymentHandle) -> None:
-        self._handle = handle
+        self._handle = started(handle)
 
     async def put(self, response_id: str, record: dict) -> bool:
         return await self._handle.put.remote(response_id, record)

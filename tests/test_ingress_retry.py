@@ -185,3 +185,27 @@ def test_a_failed_ask_for_the_engines_limits_is_an_openai_error(error, status, c
     with pytest.raises(OpenAIError) as e:
         asyncio.run(client.info())
     assert (e.value.status, e.value.body()["error"]["code"]) == (status, code) and "Retry-After" in e.value.headers
+
+
+class _Handle:
+    """A Serve handle that says whether its request router was started (`.options()` starts it)."""
+
+    def __init__(self, deployment_name: str = "EngineServer", app_name: str = "kvserve") -> None:
+        self.deployment_name, self.app_name, self.started = deployment_name, app_name, False
+
+    def options(self, **kwargs) -> "_Handle":
+        self.started = True
+        return self
+
+
+def test_every_handle_the_ingress_calls_has_its_router_started_when_the_replica_is_built(monkeypatch):
+    """A router started at its first call can miss its config for good (router.ingress.started):
+    on CI an ingress replica's first request hung past 60 s in the engine-limits call."""
+    made = []
+    monkeypatch.setattr(ingress, "DeploymentHandle", lambda *a: made.append(_Handle(*a)) or made[-1])
+    engine, store = _Handle(), _Handle("ResponseStore")
+    client = ingress.HandleReplicaClient(engine, RouterSettings("m"))
+    ingress.HandleResponseStore(store)
+    assert engine.started and store.started
+    assert [(h.deployment_name, h.app_name, h.started) for h in made] == [("EngineServer", "kvserve", True)]
+    assert client._info_handle is made[0]
