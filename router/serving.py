@@ -32,7 +32,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
 from router.beam_search import BeamSearch, Generate, beam_search
 from router.engine_streams import collect, events, map_steps, merge_streams, renumbered, sample_calls
-from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error
+from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error, unavailable
 from router.formatting import (SSE_DONE, Accumulator, PromptEcho, chat_logprobs, chat_response,
                                completion_logprobs, completion_response, sse, vllm_prompt_logprobs)
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -47,6 +47,7 @@ from router.tools import ToolPlan, render, template_knows_tools
 logger = logging.getLogger(__name__)
 
 LIMITS_TTL_S = 10.0  # how long the ingress trusts the engine's limits (OpenAIServing.limits)
+LIMITS_TIMEOUT_S = 30.0  # how long asking them may take: a seat on a busy replica, not forever
 
 
 class ReplicaClient(Protocol):
@@ -102,22 +103,29 @@ class OpenAIServing:
 
     async def limits(self) -> dict:
         """The engine's limits (its max_model_len is the resolved one). The first request waits
-        for them; later ones use the last answer while it is asked again, in the background,
-        once it is LIMITS_TTL_S old: a config change replaces the engine replicas after this
-        ingress may have asked an old one, and the limits must follow them, but the asking
-        waits for a seat on a replica, which a loaded server may not free for a while."""
+        for them (LIMITS_TIMEOUT_S at most, then a 503 `unavailable`); later ones use the last
+        answer while it is asked again, in the background, once it is LIMITS_TTL_S old: a config
+        change replaces the engine replicas after this ingress may have asked an old one, and the
+        limits must follow them, but the asking waits for a seat on a replica, which a loaded
+        server may not free for a while."""
         if self._info is None:
             async with self._info_lock:  # one asks; the others wait for its answer
                 if self._info is None:
-                    self._info = await self.engine.info()
+                    self._info = await self._ask_limits()
                     self._info_at = time.monotonic()
         elif time.monotonic() - self._info_at > LIMITS_TTL_S and (self._refresh is None or self._refresh.done()):
             self._refresh = asyncio.create_task(self._refresh_limits())
         return self._info
 
+    async def _ask_limits(self) -> dict:
+        try:
+            return await asyncio.wait_for(self.engine.info(), LIMITS_TIMEOUT_S)
+        except TimeoutError:
+            raise unavailable(f"The engine did not say its limits within {LIMITS_TIMEOUT_S:g}s. Retry.") from None
+
     async def _refresh_limits(self) -> None:
         try:
-            self._info = await self.engine.info()
+            self._info = await self._ask_limits()
         except Exception as e:
             logger.warning("engine limits not refreshed (%r); keeping the last", e)
         self._info_at = time.monotonic()  # a failure waits a TTL too, rather than asking every request

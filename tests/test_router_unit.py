@@ -158,6 +158,43 @@ def test_the_engines_limits_are_asked_again_after_a_while(tokenizer, monkeypatch
     assert asyncio.run(go()) == [[512] * 5, 1, 512, 512, 1024, 2, 1024]
 
 
+def test_an_engine_that_never_says_its_limits_is_a_503_not_a_hung_request(tokenizer, monkeypatch):
+    """The first request waits LIMITS_TIMEOUT_S for the engine's limits, then gets OpenAI error
+    JSON; a later one asks again. A refresh that never returns gives up too, and one is asked
+    again a TTL later (a hung refresh would have kept the limits stale for good)."""
+    import router.serving
+
+    monkeypatch.setattr(router.serving, "LIMITS_TIMEOUT_S", 0.05)
+
+    class Mute:
+        def __init__(self):
+            self.asked, self.answer = 0, False
+
+        async def info(self):
+            self.asked += 1
+            if not self.answer:
+                await asyncio.sleep(3600)
+            return {"max_model_len": 64, "max_num_seqs": 4}
+
+    engine = Mute()
+    r = call(tokenizer, "POST", "/v1/completions", engine=engine, json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable" and "limits" in r.text
+    assert int(r.headers["Retry-After"]) >= 1 and engine.asked == 1
+
+    serving = OpenAIServing(tokenizer, engine, RouterSettings(served_model_name="m"))
+
+    async def go():
+        engine.answer = True
+        first = await serving.limits()
+        engine.answer = False
+        monkeypatch.setattr(router.serving, "LIMITS_TTL_S", 0.0)
+        await serving.limits()  # stale: asks in the background, which never answers
+        await asyncio.sleep(0.2)
+        return first, serving._refresh.done(), engine.asked
+
+    assert asyncio.run(go()) == ({"max_model_len": 64, "max_num_seqs": 4}, True, 3)
+
+
 @pytest.mark.parametrize("path, body, text_of", [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4}, lambda r: r["choices"][0]["text"]),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
