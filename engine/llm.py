@@ -24,7 +24,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion under continuous batching; outputs in prompt order."""
+        """Run every prompt to completion under continuous batching; outputs in prompt order. An n
+        above max_num_seqs is served in several engine calls, the samples those one call gives."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -32,19 +33,33 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        for rid, prompt, p in zip(ids, prompts, params):  # only the finished outputs are kept
-            self.engine.add_request(rid, prompt, dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY))
+        # A prompt's n samples in calls that fit max_num_seqs (SamplingParams.split): parts[rid]
+        # holds (the part's request id, its first sample's index) for each.
+        parts: dict[str, list[tuple[str, int]]] = {}
+        left: dict[str, str] = {}  # part id -> its prompt's id, until it finishes
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):  # only the finished outputs are kept
+                calls = p.split(self.engine.config.max_num_seqs)
+                parts[rid] = [(rid if len(calls) == 1 else f"{rid}.{k}", first) for k, (first, _) in enumerate(calls)]
+                for (part_id, _), (_, q) in zip(parts[rid], calls):
+                    self.engine.add_request(part_id, prompt, dataclasses.replace(q, output_kind=RequestOutputKind.FINAL_ONLY))
+                    left[part_id] = rid
+        except Exception:  # a bad prompt or params: none of the batch runs (as vLLM's LLM)
+            for part_id in left:
+                self.engine.abort(part_id)
+            raise
         done: dict[str, RequestOutput] = {}
         bar = _progress(len(prompts)) if use_tqdm else None
-        while len(done) < len(ids):
+        while left:
             for out in self.engine.step():
                 if out.finished:
                     done[out.request_id] = out
-                    if bar:
+                    rid = left.pop(out.request_id)
+                    if bar and all(part_id in done for part_id, _ in parts[rid]):
                         bar.update(1)
         if bar:
             bar.close()
-        return [done[rid] for rid in ids]
+        return [_joined(rid, [(done[part_id], first) for part_id, first in parts[rid]]) for rid in ids]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Text deltas of one prompt's first completion as they are generated."""
@@ -60,6 +75,18 @@ class LLM:
                             return
         finally:
             self.engine.abort(rid)
+
+
+def _joined(request_id: str, parts: list[tuple[RequestOutput, int]]) -> RequestOutput:
+    """One prompt's output from those of its calls (each with its first sample's index)."""
+    if len(parts) == 1:
+        return parts[0][0]
+    first = parts[0][0]
+    outputs = [dataclasses.replace(c, index=start + c.index) for out, start in parts for c in out.outputs]
+    # The prompt's cached tokens are those of the call that found the least: the later calls
+    # find what the first computed.
+    return dataclasses.replace(first, request_id=request_id, outputs=outputs,
+                               num_cached_tokens=min(out.num_cached_tokens for out, _ in parts))
 
 
 def _progress(total: int):

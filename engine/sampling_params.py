@@ -1,6 +1,7 @@
 """Per-request sampling parameters (vLLM names and defaults), validated on construction."""
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -116,3 +117,17 @@ class SamplingParams:
         """Argmax: temperature 0 (or below SAMPLING_EPS, where dividing the logits by it in
         float32 would overflow, as vLLM rounds it), or top_k 1."""
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    def split(self, max_num_seqs: int) -> list[tuple[int, SamplingParams]]:
+        """The engine calls that give these params' n samples: (the first sample's index, params).
+        The engine forks one call's samples together after the prompt's prefill, so they must fit
+        in its max_num_seqs at once; a larger n is cut into calls of at most that many (about
+        equal), each seeded where its samples sit in one call (sample i takes seed + i), so the
+        samples are those one call would give; the prompt's blocks are shared by prefix caching."""
+        parts = -(-self.n // max_num_seqs)
+        if parts == 1:
+            return [(0, self)]
+        sizes = [self.n // parts + (k < self.n % parts) for k in range(parts)]
+        firsts = [sum(sizes[:k]) for k in range(parts)]
+        return [(first, dataclasses.replace(self, n=size, seed=None if self.seed is None else self.seed + first))
+                for first, size in zip(firsts, sizes)]

@@ -19,16 +19,8 @@ logger = logging.getLogger(__name__)
 
 def sample_calls(num_prompts: int, params: SamplingParams, max_num_seqs: int) -> list[tuple[int, int, SamplingParams]]:
     """The engine calls that ask for `params.n` samples of each prompt: (prompt, its first sample's
-    index, params). The engine forks one call's samples together after the prompt's prefill, so
-    they must fit in its max_num_seqs at once; a larger n is cut into calls of at most that many
-    (about equal), each seeded where its samples would be in one call (sample i takes seed + i),
-    their prompt's blocks shared through the prefix cache."""
-    parts = -(-params.n // max_num_seqs)
-    sizes = [params.n // parts + (k < params.n % parts) for k in range(parts)]
-    firsts = [sum(sizes[:k]) for k in range(parts)]
-    calls = [(first, params if parts == 1 else
-              dataclasses.replace(params, n=size, seed=None if params.seed is None else params.seed + first))
-             for first, size in zip(firsts, sizes)]
+    index, params), n cut to fit the engine's max_num_seqs (SamplingParams.split)."""
+    calls = params.split(max_num_seqs)
     return [(i, first, p) for i in range(num_prompts) for first, p in calls]
 
 

@@ -1,12 +1,14 @@
-"""A request for more samples than the engine runs at once (n > max_num_seqs): the ingress asks
-for them in several engine calls (router.engine_streams.sample_calls), each seeded where its
-samples sit, so the reply is the one a single call would give."""
+"""A request for more samples than the engine runs at once (n > max_num_seqs): the ingress, and
+the offline LLM, ask for them in several engine calls (SamplingParams.split), each seeded where
+its samples sit, so the reply is the one a single call would give."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
+from engine import LLM
+from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from router.engine_streams import sample_calls
 from tests.tiny_app import serve_tiny
@@ -55,3 +57,29 @@ def test_more_samples_than_the_engine_runs_at_once_are_the_samples_one_call_give
     many, ones, stats = serve_tiny(tiny_dir, go, max_num_seqs=2)
     assert many == ones and len(set(many)) > 1
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == stats.num_waiting == 0
+
+
+def test_offline_generate_gives_more_samples_than_max_num_seqs_as_one_call_does(tiny_dir):
+    """LLM.generate on an engine of two seats asked for five samples of each of two prompts: the
+    samples an engine of eight seats gives in one call, numbered 0-4, the new prompt's cached
+    tokens 0, and the KV cache all free after."""
+    prompts = [[1, 17, 99, 250, 3, 42] + list(range(500, 534)), [5, 6, 7, 8]]
+    params = SamplingParams(n=5, seed=7, temperature=1.0, max_tokens=8, ignore_eos=True)
+    small = LLM(model=tiny_dir, max_num_seqs=2, num_gpu_blocks_override=64)
+    outs = small.generate(prompts, params)
+    wide = LLM(model=tiny_dir, max_num_seqs=8, num_gpu_blocks_override=64).generate(prompts, params)
+    samples = [[(c.index, c.token_ids) for c in o.outputs] for o in outs]
+    assert samples == [[(c.index, c.token_ids) for c in o.outputs] for o in wide]
+    assert [len({tuple(t) for _, t in s}) > 1 for s in samples] == [True, True]
+    assert [o.request_id for o in outs] == ["offline-0", "offline-1"] and outs[0].num_cached_tokens == 0
+    bm = small.engine.block_manager
+    assert not small.engine.has_unfinished() and bm.num_free_blocks == bm.num_blocks
+
+
+def test_an_offline_batch_with_a_bad_prompt_runs_none_of_it(tiny_dir):
+    llm = LLM(model=tiny_dir, max_num_seqs=2, num_gpu_blocks_override=64)
+    with pytest.raises(InvalidRequestError, match="prompt token ids"):
+        llm.generate([[1, 2, 3], [4, 5], [10 ** 6]], SamplingParams(n=3, max_tokens=4))
+    assert not llm.engine.has_unfinished()
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4  # the engine was left empty and serves on
