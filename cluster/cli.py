@@ -108,13 +108,17 @@ def _prepare_generate(args: argparse.Namespace):
     return llm, _format_prompt(llm.tokenizer, args.prompt, args.chat), params
 
 
-def _format_prompt(tokenizer, prompt: str, chat: bool) -> str:
+def _format_prompt(tokenizer, prompt: str, chat: bool) -> str | list[int]:
+    """The text as given (the engine adds the tokenizer's special tokens), or the chat template's
+    tokens: tokenized without them, as the template writes its own (a BOS added again would make
+    two, as with Llama 3's)."""
     if not chat:
         return prompt
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use --no-chat for raw text")
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                         add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 if __name__ == "__main__":

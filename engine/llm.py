@@ -1,4 +1,4 @@
-"""Offline batch generation: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+"""Offline batch generation: `LLM(model=...).generate(prompts, SamplingParams(...))`, and `.chat(messages)`."""
 from __future__ import annotations
 
 import dataclasses
@@ -60,6 +60,26 @@ class LLM:
         if bar:
             bar.close()
         return [_joined(rid, [(done[part_id], first) for part_id, first in parts[rid]]) for rid in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """`generate` for one conversation or a list of them (OpenAI-style messages), each rendered
+        by the model's chat template (or `chat_template`) as vLLM's `LLM.chat` and the server's
+        /v1/chat/completions render it: the template's text, tokenized without adding special
+        tokens (the template writes its own). `prompt` in each output is that text."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
+        if not (chat_template or getattr(self.tokenizer, "chat_template", None)):
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a text prompt")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        texts = [self.tokenizer.apply_chat_template(
+            conversation, tools=tools, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **(chat_template_kwargs or {})) for conversation in conversations]
+        prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return [dataclasses.replace(out, prompt=text) for out, text in zip(outs, texts)]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Text deltas of one prompt's first completion as they are generated."""

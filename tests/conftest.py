@@ -51,3 +51,16 @@ def tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def bos_tokenizer(tokenizer):
+    """SmolLM2's tokenizer made to begin every encoding with a BOS (<|endoftext|>, id 0), as
+    Llama's does; SmolLM2's own adds nothing, so the default model never shows the difference."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    tok = copy.deepcopy(tokenizer)
+    tok._tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    return tok

@@ -131,17 +131,6 @@ def test_an_echoed_truncated_prompt_is_the_text_that_was_kept(tokenizer):
     assert r.choices[0].text == tokenizer.decode(kept) + "yes"
 
 
-@pytest.fixture(scope="module")
-def bos_tokenizer(tokenizer):
-    """SmolLM2's tokenizer made to begin every encoding with a BOS (<|endoftext|>, id 0), as
-    Llama's does; SmolLM2's own adds nothing, so the default model never shows the difference."""
-    from tokenizers.processors import TemplateProcessing
-
-    tok = copy.deepcopy(tokenizer)
-    tok._tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
-    return tok
-
-
 def test_a_text_prompt_gets_the_tokenizers_bos_as_vllm_gives_it(bos_tokenizer):
     """Completions add special tokens unless told not to (vLLM's default); chat does not, since
     the template writes them; /tokenize does as the endpoint it mirrors."""

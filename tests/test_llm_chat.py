@@ -1,0 +1,64 @@
+"""Offline `LLM.chat` (vLLM's): conversations rendered by the model's chat template, as the server
+renders /v1/chat/completions, then generated as `LLM.generate` does."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    return LLM(model=smollm2_path, max_model_len=512, num_gpu_blocks_override=64)
+
+
+def _hf_ids(tokenizer, messages, **kwargs) -> list[int]:
+    """The chat template's tokens as transformers itself tokenizes them."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_a_conversation_is_answered_from_the_template_s_own_tokens(llm):
+    out, = llm.chat(QUESTION, GREEDY)
+    assert out.prompt_token_ids == _hf_ids(llm.tokenizer, QUESTION, add_generation_prompt=True)
+    # system, user, and the assistant turn it opens: no BOS (also <|im_start|> here) added before them
+    assert out.prompt_token_ids.count(llm.tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3
+    assert out.prompt.endswith("<|im_start|>assistant\n") and "Paris" in out.outputs[0].text
+    assert out.outputs[0].token_ids == llm.generate([out.prompt_token_ids], GREEDY)[0].outputs[0].token_ids
+
+
+def test_several_conversations_keep_their_order_and_a_final_message_is_continued(llm):
+    started = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    outs = llm.chat([started, QUESTION], SamplingParams(temperature=0, max_tokens=4),
+                    add_generation_prompt=False, continue_final_message=True)
+    assert outs[0].prompt.endswith("The capital of France is")  # left open: no end of turn
+    assert outs[0].prompt_token_ids == _hf_ids(llm.tokenizer, started, continue_final_message=True)
+    assert "Paris" in outs[0].outputs[0].text
+    assert outs[1].prompt_token_ids == _hf_ids(llm.tokenizer, QUESTION, continue_final_message=True)
+    assert not llm.engine.has_unfinished()
+
+
+def test_what_chat_cannot_render_is_a_value_error(llm, monkeypatch):
+    with pytest.raises(ValueError, match="cannot both be set"):
+        llm.chat(QUESTION, continue_final_message=True)
+    monkeypatch.setattr(llm.tokenizer, "chat_template", None)
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.chat(QUESTION)
+
+
+def test_a_chat_prompt_holds_the_template_s_tokens_only(llm, bos_tokenizer, monkeypatch):
+    """With a tokenizer that begins every encoding with a BOS (as Llama's), the chat prompt gets no
+    BOS the template did not write (Llama 3's writes its own: one more made two), in LLM.chat and
+    in `kvserve generate`: as vLLM sends chat."""
+    from cluster.cli import _format_prompt
+
+    template = bos_tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    want = bos_tokenizer.encode(template, add_special_tokens=False)
+    assert bos_tokenizer.encode(template)[0] == 0 and want[0] != 0
+    monkeypatch.setattr(llm.engine, "tokenizer", bos_tokenizer)
+    assert llm.chat(QUESTION, SamplingParams(max_tokens=1))[0].prompt_token_ids == want
+    assert _format_prompt(bos_tokenizer, QUESTION[0]["content"], chat=True) == want
+    assert _format_prompt(bos_tokenizer, "Once upon", chat=False) == "Once upon"  # the engine adds the BOS
