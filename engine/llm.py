@@ -10,7 +10,8 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
-Prompt = str | list[int]
+# Text, token ids, or vLLM's TextPrompt / TokensPrompt dicts: {"prompt": text}, {"prompt_token_ids": ids}.
+Prompt = str | list[int] | dict
 
 
 class LLM:
@@ -22,16 +23,24 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """vLLM's name for `tokenizer`."""
+        return self.engine.tokenizer
+
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion under continuous batching; outputs in prompt order. An n
-        above max_num_seqs is served in several engine calls, the samples those one call gives."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Run every prompt (text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
+        dicts, with an optional cache_salt) to completion under continuous batching; outputs in
+        prompt order. An n above max_num_seqs is served in several engine calls, the samples those
+        one call gives."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        prompts, salts = zip(*map(_unwrapped, prompts)) if prompts else ((), ())
+        params = [p if salt is None else dataclasses.replace(p, cache_salt=salt) for p, salt in zip(params, salts)]
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         # A prompt's n samples in calls that fit max_num_seqs (SamplingParams.split): parts[rid]
         # holds (the part's request id, its first sample's index) for each.
@@ -84,7 +93,9 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Text deltas of one prompt's first completion as they are generated."""
         rid = f"stream-{next(self._ids)}"
-        self.engine.add_request(rid, prompt, sampling_params or SamplingParams())
+        prompt, salt = _unwrapped(prompt)
+        params = sampling_params or SamplingParams()
+        self.engine.add_request(rid, prompt, params if salt is None else dataclasses.replace(params, cache_salt=salt))
         try:
             while True:
                 for out in self.engine.step():
@@ -95,6 +106,23 @@ class LLM:
                             return
         finally:
             self.engine.abort(rid)
+
+
+def _unwrapped(prompt: Prompt) -> tuple[str | list[int], str | None]:
+    """A prompt as the engine takes it (text or token ids), and a dict's cache_salt."""
+    if isinstance(prompt, dict):
+        if prompt.get("multi_modal_data") or prompt.get("mm_processor_kwargs"):
+            raise ValueError("multi-modal prompts are not supported: the engine serves text models")
+        keys = {k for k, v in prompt.items() if v is not None} - {"multi_modal_data", "mm_processor_kwargs",
+                                                                    "cache_salt"}
+        if keys == {"prompt_token_ids"}:
+            return _unwrapped(list(prompt["prompt_token_ids"]))[0], prompt.get("cache_salt")
+        if keys == {"prompt"}:
+            return _unwrapped(prompt["prompt"])[0], prompt.get("cache_salt")
+        raise ValueError(f"a prompt dict holds `prompt` (text) or `prompt_token_ids`, got {sorted(prompt)}")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+        return prompt, None
+    raise TypeError(f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__}")
 
 
 def _joined(request_id: str, parts: list[tuple[RequestOutput, int]]) -> RequestOutput:

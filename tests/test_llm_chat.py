@@ -62,3 +62,33 @@ def test_a_chat_prompt_holds_the_template_s_tokens_only(llm, bos_tokenizer, monk
     assert llm.chat(QUESTION, SamplingParams(max_tokens=1))[0].prompt_token_ids == want
     assert _format_prompt(bos_tokenizer, QUESTION[0]["content"], chat=True) == want
     assert _format_prompt(bos_tokenizer, "Once upon", chat=False) == "Once upon"  # the engine adds the BOS
+
+
+def test_generate_takes_vllm_s_prompt_dicts(llm):
+    """{"prompt": text} and {"prompt_token_ids": ids} (vLLM's TextPrompt and TokensPrompt) are the
+    text and the ids; a dict's cache_salt keeps its prompt out of other salts' cached blocks."""
+    text = "The capital of France is"
+    ids = llm.tokenizer.encode(text)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    plain = llm.generate([text, ids], greedy)
+    dicts = llm.generate([{"prompt": text}, {"prompt_token_ids": ids, "multi_modal_data": None}], greedy)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert dicts[0].prompt == text and dicts[1].prompt_token_ids == ids
+    long = list(range(100, 140))  # two whole KV blocks: cached once computed
+    llm.generate([long], greedy)
+    salted, again = llm.generate([{"prompt_token_ids": long, "cache_salt": "a"}], greedy) + llm.generate([long], greedy)
+    assert salted.num_cached_tokens == 0 and again.num_cached_tokens == 32
+    assert llm.get_tokenizer() is llm.tokenizer
+
+
+@pytest.mark.parametrize("prompt, error, says", [
+    ({"text": "hi"}, ValueError, "holds `prompt`"),
+    ({"prompt": "hi", "prompt_token_ids": [1]}, ValueError, "holds `prompt`"),
+    ({"prompt": "hi", "multi_modal_data": {"image": 1}}, ValueError, "multi-modal"),
+    ({"prompt_token_ids": [1, "x"]}, TypeError, "a prompt is"),
+    ([1.5], TypeError, "a prompt is"),
+])
+def test_a_prompt_generate_cannot_take_is_an_error_naming_what_it_takes(llm, prompt, error, says):
+    with pytest.raises(error, match=says):
+        llm.generate([prompt], GREEDY)
+    assert not llm.engine.has_unfinished()
