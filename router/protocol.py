@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, RequestOutputKind, SamplingParams
-from router.beam_search import MAX_BEAM_WIDTH, BeamSearch
+from engine.beam_search import MAX_BEAM_WIDTH, BeamSearch
 
 MAX_N = 128
 REQUEST_ID_PATTERN = r"^[\x21-\x7e]{1,256}$"  # printable ASCII, no spaces: it goes into ids and log lines
@@ -71,7 +71,7 @@ class _SamplingFields(_Model):
     guided_whitespace_pattern: str | None = None
     bad_words: list[str] | None = None  # vLLM extra: words the output may not complete
     allowed_token_ids: list[TokenId] | None = None  # vLLM extra: the only tokens that may be sampled
-    use_beam_search: bool = False  # vLLM extra: beam search of width n (router.beam_search)
+    use_beam_search: bool = False  # vLLM extra: beam search of width n (engine.beam_search)
     cache_salt: str | None = Field(None, min_length=1)  # vLLM extra: share cached prefix blocks only with this salt
     return_token_ids: bool = False  # vLLM extra: prompt_token_ids and each choice's token_ids in the reply
     # vLLM extra: names the reply (`cmpl-{request_id}`); an X-Request-Id header comes first, as in vLLM

@@ -30,7 +30,7 @@ from engine.errors import InvalidRequestError
 from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
-from router.beam_search import BeamSearch, Generate, beam_search
+from engine.beam_search import BeamSearch, BeamSearchAborted, Generate, beam_search
 from router.engine_streams import collect, events, map_steps, merge_streams, renumbered, sample_calls
 from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error, unavailable
 from router.formatting import (SSE_DONE, Accumulator, PromptEcho, chat_logprobs, chat_response,
@@ -48,6 +48,15 @@ logger = logging.getLogger(__name__)
 
 LIMITS_TTL_S = 10.0  # how long the ingress trusts the engine's limits (OpenAIServing.limits)
 LIMITS_TIMEOUT_S = 30.0  # how long asking them may take: a seat on a busy replica, not forever
+
+
+async def beam_replies(search: AsyncIterator[StepOutput]) -> AsyncIterator[StepOutput]:
+    """A beam search's output, an engine that stopped one of its requests a 503 `unavailable`."""
+    try:
+        async for step in search:
+            yield step
+    except BeamSearchAborted as e:
+        raise unavailable(f"{e}. Retry.") from None
 
 
 class ReplicaClient(Protocol):
@@ -394,8 +403,8 @@ class OpenAIServing:
             params = dataclasses.replace(params, max_tokens=info["max_model_len"] - len(ids))
         eos = info.get("eos_token_ids")
         eos = set(eos) if eos is not None else {self.tokenizer.eos_token_id} - {None}
-        return beam_search(generate, rid, ids, params, beam, eos,
-                           lambda tokens, skip: self.tokenizer.decode(tokens, skip_special_tokens=skip))
+        return beam_replies(beam_search(generate, rid, ids, params, beam, eos,
+                                        lambda tokens, skip: self.tokenizer.decode(tokens, skip_special_tokens=skip)))
 
     # -- streaming -------------------------------------------------------------------------------
     def _chunk_base(self, rid: str, obj: str, include_usage: bool) -> dict:

@@ -1,4 +1,4 @@
-"""use_beam_search (router.beam_search): the beams HF transformers' beam search finds, through the
+"""use_beam_search (engine.beam_search): the beams HF transformers' beam search finds, through the
 real HTTP app, the official openai client and a real engine; the ranking, end tokens and length
 penalty on a scripted distribution; the fields beam search refuses."""
 from __future__ import annotations
@@ -8,9 +8,10 @@ import asyncio
 import pytest
 import torch
 
+from engine.beam_search import BeamSearch, beam_search
 from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import SamplingParams
-from router.beam_search import BeamSearch, beam_search
+from router.serving import beam_replies
 from tests.tiny_app import serve_tiny
 from tests.tiny_llama import make_tiny_llama
 from workers.server import EngineServer
@@ -193,7 +194,7 @@ def test_a_request_the_engine_cut_fails_the_search_and_cancels_the_rest_of_its_r
             closed.append(tuple(ids[1:]))
 
     async def main():
-        stream = beam_search(generate, "r", [1], SamplingParams(max_tokens=3), BeamSearch(2), {EOS}, str)
+        stream = beam_replies(beam_search(generate, "r", [1], SamplingParams(max_tokens=3), BeamSearch(2), {EOS}, str))
         with pytest.raises(OpenAIError) as e:
             await asyncio.wait_for(anext(stream), 10)
         return e.value

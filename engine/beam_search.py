@@ -1,4 +1,5 @@
-"""Beam search (vLLM's `use_beam_search`), run at the ingress on the engine's logprobs.
+"""Beam search (vLLM's `use_beam_search`, and its offline `LLM.beam_search`), run over the
+engine's logprobs: at the ingress on its engine calls, offline on the LLM's engine.
 
 As vLLM's OpenAI server does it: each round asks the engine for one token of every live beam,
 with the 2k most likely next tokens' logprobs (k = the beam width, the request's `n`), and keeps
@@ -27,11 +28,14 @@ from dataclasses import dataclass
 
 from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
-from router.errors import internal_error, unavailable
 
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each round asks for 2k logprobs per beam
 
 Generate = Callable[[str, list[int], SamplingParams], AsyncIterator[StepOutput]]
+
+
+class BeamSearchAborted(RuntimeError):
+    """The engine stopped one of the search's requests before it finished (a drain, a shutdown)."""
 
 
 @dataclass(frozen=True)
@@ -67,9 +71,9 @@ async def _one_token(generate: Generate, request_id: str, ids: list[int], params
             first = first or step
             choices += step.choices
     if first is None or not choices or choices[-1].finish_reason == "abort":
-        raise unavailable("the engine stopped this beam search's request before it finished")
+        raise BeamSearchAborted("the engine stopped this beam search's request before it finished")
     if len(choices[0].logprobs or ()) != 1:
-        raise internal_error()
+        raise RuntimeError(f"the engine gave {len(choices[0].logprobs or ())} tokens' logprobs for one token")
     return dataclasses.replace(first, choices=choices)
 
 
@@ -89,12 +93,11 @@ async def _round(generate: Generate, request_id: str, prompts: list[list[int]],
     return [t.result() for t in tasks]
 
 
-async def beam_search(generate: Generate, request_id: str, prompt: list[int], params: SamplingParams,
-                      beam: BeamSearch, eos_token_ids: set[int], decode: Callable[[list[int], bool], str],
-                      ) -> AsyncIterator[StepOutput]:
-    """One StepOutput: the `beam.width` best beams as choices 0..k-1. `params` gives max_tokens,
-    ignore_eos, stop_token_ids (which end a beam too), logprobs and prompt_logprobs, cache_salt
-    and skip_special_tokens; `decode(token ids, skip_special_tokens)` writes a beam's text."""
+async def search(generate: Generate, request_id: str, prompt: list[int], params: SamplingParams,
+                 beam: BeamSearch, eos_token_ids: set[int]) -> tuple[StepOutput, list[_Beam]]:
+    """-> the first round's first output (cached tokens, prompt logprobs) and the `beam.width`
+    best beams, best first. `params` gives max_tokens, ignore_eos, stop_token_ids (which end a
+    beam too), logprobs and prompt_logprobs, and cache_salt."""
     k, enders = beam.width, set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
     round_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
                                   logprobs=max(2 * k, params.logprobs or 0), cache_salt=params.cache_salt,
@@ -118,7 +121,15 @@ async def beam_search(generate: Generate, request_id: str, prompt: list[int], pa
         live = rank(candidates)[:k]
         if not live:
             break
-    best = rank(done + live)[:k]
+    return head, rank(done + live)[:k]
+
+
+async def beam_search(generate: Generate, request_id: str, prompt: list[int], params: SamplingParams,
+                      beam: BeamSearch, eos_token_ids: set[int], decode: Callable[[list[int], bool], str],
+                      ) -> AsyncIterator[StepOutput]:
+    """One StepOutput: the `beam.width` best beams as choices 0..k-1 (`search`, whose `params`
+    skip_special_tokens also reads); `decode(token ids, skip_special_tokens)` writes a beam's text."""
+    head, best = await search(generate, request_id, prompt, params, beam, eos_token_ids)
     choices = [_choice(i, b, params, beam, decode) for i, b in enumerate(best)]
     yield StepOutput(choices, len(prompt), head.num_cached_tokens, True, head.prompt_logprobs)
 
