@@ -1,10 +1,11 @@
 """kvserve's paged-KV continuous-batching inference engine (no Ray, no HTTP)."""
+from engine.beam_search import BeamSearchParams
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "AsyncEngine", "ProcessEngine", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput",
-           "CompletionOutput", "EngineStats"]
+           "CompletionOutput", "EngineStats", "BeamSearchParams"]
 
 
 def __getattr__(name: str):

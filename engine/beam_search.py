@@ -45,6 +45,41 @@ class BeamSearch:
     include_stop_str_in_output: bool = False  # the end token's text in the reply's text
 
 
+@dataclass
+class BeamSearchParams:
+    """vLLM's offline `LLM.beam_search` params. `temperature` is taken and not used: the beams
+    follow the model's own logprobs, as vLLM's do."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam of `LLM.beam_search`, as vLLM's: its tokens with the prompt's, each generated
+    token's round logprobs (the 2k best and it), and the text of them all."""
+    tokens: list[int]
+    logprobs: list[dict[int, float]]
+    cum_logprob: float
+    text: str
+    finish_reason: str  # "stop" (an end token) or "length"
+    stop_reason: int | None = None  # the end token
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first
+
+
 @dataclass(frozen=True)
 class _Beam:
     tokens: tuple[int, ...]  # generated so far (an end token last where it ended)
@@ -145,3 +180,16 @@ def _choice(index: int, b: _Beam, params: SamplingParams, beam: BeamSearch,
                     for t, e in zip(tokens, b.entries)]
     return ChoiceDelta(index, decode(tokens, params.skip_special_tokens), tokens, logprobs,
                        "stop" if b.ended else "length", b.tokens[-1] if b.ended else None)
+
+
+def sequences(prompt: list[int], best: list[_Beam], beam: BeamSearch,
+              decode: Callable[[list[int]], str]) -> BeamSearchOutput:
+    """`search`'s best beams as `LLM.beam_search` gives them: an end token kept only with
+    include_stop_str_in_output, its logprob counted in cum_logprob either way (vLLM's)."""
+    out = []
+    for b in best:
+        shown = len(b.tokens) - (b.ended and not beam.include_stop_str_in_output)
+        tokens = prompt + list(b.tokens[:shown])
+        out.append(BeamSearchSequence(tokens, list(b.entries[:shown]), b.cum_logprob, decode(tokens),
+                                      "stop" if b.ended else "length", b.tokens[-1] if b.ended else None))
+    return BeamSearchOutput(out)

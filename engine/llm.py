@@ -1,13 +1,16 @@
-"""Offline batch generation: `LLM(model=...).generate(prompts, SamplingParams(...))`, and `.chat(messages)`."""
+"""Offline batch generation: `LLM(model=...).generate(prompts, SamplingParams(...))`, `.chat(messages)`
+and `.beam_search(prompts, BeamSearchParams(...))`."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
+from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, search, sequences
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import ChoiceDelta, RequestOutput, StepOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 # Text, token ids, or vLLM's TextPrompt / TokensPrompt dicts: {"prompt": text}, {"prompt_token_ids": ids}.
@@ -90,6 +93,44 @@ class LLM:
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         return [dataclasses.replace(out, prompt=text) for out, text in zip(outs, texts)]
 
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search: each prompt's `beam_width` best beams, best first, by the
+        search the server's `use_beam_search` runs (engine.beam_search). The prompts' searches
+        run together, each round's beams batched by the engine."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        sampling = SamplingParams(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
+        asked = []
+        for prompt in prompts:
+            prompt, salt = _unwrapped(prompt)
+            ids = self.engine.tokenize(prompt)[1]
+            self.engine.validate(ids, sampling)  # the longest beam must fit, before any round runs
+            asked.append((ids, sampling if salt is None else dataclasses.replace(sampling, cache_salt=salt)))
+        beam = BeamSearch(params.beam_width, params.length_penalty, params.include_stop_str_in_output)
+        eos = set(self.engine.eos_token_ids)
+        bar = _progress(len(asked)) if use_tqdm else None
+
+        async def one(calls: _EngineCalls, ids: list[int], p: SamplingParams) -> BeamSearchOutput:
+            _, best = await search(calls.generate, f"beam-{next(self._ids)}", ids, p, beam, eos)
+            if bar:
+                bar.update(1)
+            return sequences(ids, best, beam, self.tokenizer.decode)
+
+        async def run() -> list[BeamSearchOutput]:
+            calls = _EngineCalls(self.engine)
+            stepping = asyncio.create_task(calls.run())
+            try:
+                return await asyncio.gather(*[one(calls, ids, p) for ids, p in asked])
+            finally:
+                stepping.cancel()
+
+        try:
+            return asyncio.run(run())
+        finally:
+            if bar:
+                bar.close()
+
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Text deltas of one prompt's first completion as they are generated."""
         rid = f"stream-{next(self._ids)}"
@@ -106,6 +147,44 @@ class LLM:
                             return
         finally:
             self.engine.abort(rid)
+
+
+class _EngineCalls:
+    """engine.beam_search's `generate` over the LLM's own engine: each call a request whose one
+    finished output is its reply, every call in flight stepped together by `run`."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.waiting: dict[str, asyncio.Future] = {}
+        self.wake = asyncio.Event()
+
+    async def generate(self, request_id: str, ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
+        self.engine.add_request(request_id, ids, params)
+        self.waiting[request_id] = done = asyncio.get_running_loop().create_future()
+        self.wake.set()
+        try:
+            out: RequestOutput = await done
+        finally:
+            if self.waiting.pop(request_id, None) is not None:  # cancelled: another call failed
+                self.engine.abort(request_id)
+        yield StepOutput([ChoiceDelta(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
+                          for c in out.outputs], len(out.prompt_token_ids), out.num_cached_tokens, True,
+                         out.prompt_logprobs)
+
+    async def run(self) -> None:
+        try:
+            while True:
+                if not self.waiting:
+                    self.wake.clear()
+                    await self.wake.wait()
+                for out in self.engine.step():
+                    if out.finished and (done := self.waiting.pop(out.request_id, None)) is not None:
+                        done.set_result(out)
+                await asyncio.sleep(0)  # the calls answered send their next round
+        except Exception as e:  # the engine failed: so does every call waiting on it
+            for done in self.waiting.values():
+                done.set_exception(e)
+            raise
 
 
 def _unwrapped(prompt: Prompt) -> tuple[str | list[int], str | None]:

@@ -25,21 +25,30 @@ def tiny_dir(tmp_path_factory, smollm2_path):
 PROMPTS = [[1, 17, 99, 250, 3, 42], [1, 400, 401, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 
 
-@pytest.mark.parametrize("max_num_seqs", [16, 2], ids=["seats", "fewer-seats-than-beams"])
-def test_beams_are_hf_transformers_beams(tiny_dir, max_num_seqs):
-    """ignore_eos: every beam runs max_tokens, so vLLM's ranking and HF's agree exactly. Each beam
-    of a round is an engine call of its own: a width past the engine's max_num_seqs is served."""
+K, STEPS = 3, 10
+
+
+@pytest.fixture(scope="module")
+def hf_beams(tiny_dir) -> list[list[list[int]]]:
+    """Per prompt, HF transformers' K beams of STEPS tokens (no end token), best first."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float32).eval()
-    k, steps = 3, 10
     hf = []
     for p in PROMPTS:
-        out = model.generate(torch.tensor([p]), num_beams=k, num_return_sequences=k, max_new_tokens=steps,
+        out = model.generate(torch.tensor([p]), num_beams=K, num_return_sequences=K, max_new_tokens=STEPS,
                              do_sample=False, early_stopping=False, eos_token_id=None, pad_token_id=0,
                              output_scores=True, return_dict_in_generate=True)
         hf.append([seq[len(p):].tolist() for seq in out.sequences])
         assert out.sequences_scores.tolist() == sorted(out.sequences_scores.tolist(), reverse=True)
+    return hf
+
+
+@pytest.mark.parametrize("max_num_seqs", [16, 2], ids=["seats", "fewer-seats-than-beams"])
+def test_beams_are_hf_transformers_beams(tiny_dir, hf_beams, max_num_seqs):
+    """ignore_eos: every beam runs max_tokens, so vLLM's ranking and HF's agree exactly. Each beam
+    of a round is an engine call of its own: a width past the engine's max_num_seqs is served."""
+    k, steps, hf = K, STEPS, hf_beams
 
     async def go(client, server):
         whole = await client.completions.create(model="m", prompt=PROMPTS, n=k, max_tokens=steps, logprobs=2,
@@ -61,6 +70,55 @@ def test_beams_are_hf_transformers_beams(tiny_dir, max_num_seqs):
     texts = {c.index: c.text for c in streamed if c.choices for c in c.choices}
     assert [texts[i] for i in range(k)] == [c.text for c in whole.choices[:k]]
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == stats.num_waiting == 0
+
+
+@pytest.mark.parametrize("max_num_seqs", [16, 2], ids=["seats", "fewer-seats-than-beams"])
+def test_offline_beam_search_finds_hf_transformers_beams(tiny_dir, hf_beams, max_num_seqs):
+    """LLM.beam_search (vLLM's offline API): the same beams, with the prompt's tokens, their text,
+    each token's round logprobs summing to cum_logprob, best first; the KV cache all free after."""
+    from engine import LLM, BeamSearchParams
+
+    llm = LLM(model=tiny_dir, max_num_seqs=max_num_seqs, num_gpu_blocks_override=128)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS],
+                           BeamSearchParams(beam_width=K, max_tokens=STEPS, ignore_eos=True))
+    assert [[q.tokens[len(p):] for q in o.sequences] for o, p in zip(outs, PROMPTS)] == hf_beams
+    for o, p in zip(outs, PROMPTS):
+        assert all(q.tokens[:len(p)] == p and q.finish_reason == "length" for q in o.sequences)
+        assert [q.text for q in o.sequences] == [llm.tokenizer.decode(q.tokens) for q in o.sequences]
+        cums = [sum(e[t] for t, e in zip(q.tokens[len(p):], q.logprobs)) for q in o.sequences]
+        assert cums == pytest.approx([q.cum_logprob for q in o.sequences]) and cums == sorted(cums, reverse=True)
+    bm = llm.engine.block_manager
+    assert not llm.engine.has_unfinished() and bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_offline_beam_ending_in_eos_keeps_its_logprob_and_shows_it_when_asked(smollm2_path, include):
+    """A beam that ends is "stop" with its end token as stop_reason; the token is in its tokens and
+    text only with include_stop_str_in_output, its logprob in cum_logprob either way (vLLM's)."""
+    from engine import LLM, BeamSearchParams
+
+    llm = LLM(model=smollm2_path, max_model_len=256, num_gpu_blocks_override=64)
+    out, = llm.beam_search("The capital of France is", BeamSearchParams(beam_width=2, max_tokens=6,
+                                                                         include_stop_str_in_output=include))
+    best = out.sequences[0]
+    generated = best.tokens[len(llm.tokenizer.encode("The capital of France is")):]
+    assert best.finish_reason == "stop" and best.stop_reason in llm.engine.eos_token_ids
+    assert (generated[-1] == best.stop_reason) is include and " Paris" in best.text
+    assert len(best.logprobs) == len(generated)
+    shown = sum(e[t] for t, e in zip(generated, best.logprobs))
+    assert shown == pytest.approx(best.cum_logprob) if include else best.cum_logprob < shown
+
+
+def test_offline_beam_search_refuses_what_cannot_run(tiny_dir):
+    from engine import LLM, BeamSearchParams
+    from engine.errors import InvalidRequestError
+
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
+    llm = LLM(model=tiny_dir, max_model_len=64, num_gpu_blocks_override=64)
+    with pytest.raises(InvalidRequestError, match="max_model_len"):  # the longest beam could not fit
+        llm.beam_search([PROMPTS[0], list(range(3, 60))], BeamSearchParams(beam_width=2, max_tokens=16))
+    assert not llm.engine.has_unfinished()
 
 
 class _Recording(EngineServer):
