@@ -36,8 +36,7 @@ class LLM:
         dicts, with an optional cache_salt) to completion under continuous batching; outputs in
         prompt order. An n above max_num_seqs is served in several engine calls, the samples those
         one call gives."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _listed(prompts)
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
@@ -98,8 +97,7 @@ class LLM:
         """vLLM's offline beam search: each prompt's `beam_width` best beams, best first, by the
         search the server's `use_beam_search` runs (engine.beam_search). The prompts' searches
         run together, each round's beams batched by the engine."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _listed(prompts)
         sampling = SamplingParams(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
         asked = []
         for prompt in prompts:
@@ -183,8 +181,14 @@ class _EngineCalls:
                 await asyncio.sleep(0)  # the calls answered send their next round
         except Exception as e:  # the engine failed: so does every call waiting on it
             for done in self.waiting.values():
-                done.set_exception(e)
+                if not done.done():
+                    done.set_exception(e)
             raise
+
+
+def _listed(prompts: Prompt | list[Prompt]) -> list[Prompt]:
+    """One prompt or a list of them -> a list."""
+    return [prompts] if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)) else prompts
 
 
 def _unwrapped(prompt: Prompt) -> tuple[str | list[int], str | None]:

@@ -121,6 +121,36 @@ def test_offline_beam_search_refuses_what_cannot_run(tiny_dir):
     assert not llm.engine.has_unfinished()
 
 
+def test_offline_beam_search_fails_rather_than_hangs_when_the_engine_fails(tiny_dir, monkeypatch):
+    import threading
+
+    from engine import LLM, BeamSearchParams
+
+    llm = LLM(model=tiny_dir, num_gpu_blocks_override=64)
+    steps = []
+    real_step = llm.engine.step
+
+    def failing_step():
+        steps.append(1)
+        if len(steps) == 3:
+            raise RuntimeError("engine step failed")
+        return real_step()
+
+    monkeypatch.setattr(llm.engine, "step", failing_step)
+    raised = []
+
+    def search():
+        try:
+            llm.beam_search(PROMPTS, BeamSearchParams(beam_width=2, max_tokens=8, ignore_eos=True))
+        except RuntimeError as e:
+            raised.append(str(e))
+
+    worker = threading.Thread(target=search, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive() and raised == ["engine step failed"]
+
+
 class _Recording(EngineServer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
