@@ -14,8 +14,10 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import math
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from ray import serve
 from ray.serve.context import _set_request_context
@@ -48,6 +50,7 @@ ROOM_BACKOFF_S, MAX_ROOM_BACKOFF_S = 0.02, 0.1
 # router has assigned it a replica, which takes a few ms even when one is free, so of two requests
 # arriving together at a queue of one, the second would be refused on an idle server.
 NEWCOMER_RETRIES = 1
+BACKPRESSURE_LOG_INTERVAL_S = 1.0  # Serve's warnings of refused calls: one a second at most (_QuietBackpressure)
 _NOT_AVAILABLE = "The model is not available right now. Retry later."
 _NOT_READY_STATES = {"STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION"}
 
@@ -82,7 +85,7 @@ class HandleReplicaClient:
         self._live: set = set()  # the engine calls in flight
         self._cutting = False
         self.room_waiters = 0  # admitted calls waiting for room in a full queue
-        logging.getLogger("ray.serve").addFilter(_QuietRoomWaits(self))
+        logging.getLogger("ray.serve").addFilter(_QuietBackpressure(self))
 
     def cut_all(self) -> int:
         """Shutdown, out of time: cancel every engine call in flight (the engines abort them and
@@ -219,16 +222,31 @@ def room_backoff(refusals: int) -> float:
     return min(MAX_ROOM_BACKOFF_S, ROOM_BACKOFF_S * 2 ** min(refusals, 16))
 
 
-class _QuietRoomWaits(logging.Filter):
-    """Serve logs a warning for each call a full queue refuses; while admitted calls wait for room
-    (`HandleReplicaClient.generate`), those are their retries, several a second, and not news."""
+class _QuietBackpressure(logging.Filter):
+    """Serve logs a warning for each call a full queue refuses. While admitted calls wait for room
+    (`HandleReplicaClient.generate`) those are their retries, several a second, and not news: they
+    are dropped. The others, a flood's refused requests (two tries each), are logged at most once
+    every BACKPRESSURE_LOG_INTERVAL_S, the next line saying how many were left out; the access log
+    still has each request's 503."""
 
-    def __init__(self, client: HandleReplicaClient) -> None:
+    def __init__(self, client: HandleReplicaClient, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
-        self._client = client
+        self._client, self._clock = client, clock
+        self._logged_at, self._left_out = -math.inf, 0
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (self._client.room_waiters and str(record.msg).startswith("Request dropped due to backpressure"))
+        if not str(record.msg).startswith("Request dropped due to backpressure"):
+            return True
+        if self._client.room_waiters:
+            return False
+        now = self._clock()
+        if now - self._logged_at < BACKPRESSURE_LOG_INTERVAL_S:
+            self._left_out += 1
+            return False
+        if self._left_out:
+            record.msg = f"{record.msg} ({self._left_out} more since the last such line, not logged)"
+        self._logged_at, self._left_out = now, 0
+        return True
 
 
 def _cut_error():

@@ -157,14 +157,24 @@ def test_a_refused_newcomer_is_503_and_a_cancelled_wait_leaves_no_waiter():
     assert tries.count("new") == 1 + ingress.NEWCOMER_RETRIES == 2
 
 
-def test_serves_backpressure_warnings_are_dropped_only_while_admitted_calls_wait():
-    client = _client()
-    quiet = ingress._QuietRoomWaits(client)
-    record = logging.LogRecord("ray.serve", logging.WARNING, "router.py", 1, FULL.message, None, None)
-    other = logging.LogRecord("ray.serve", logging.WARNING, "router.py", 1, "replica died", None, None)
-    assert quiet.filter(record) and quiet.filter(other)
+def test_serves_backpressure_warnings_are_dropped_while_admitted_calls_wait_and_else_one_a_second():
+    client, now = _client(), [100.0]
+    quiet = ingress._QuietBackpressure(client, clock=lambda: now[0])
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("ray.serve", logging.WARNING, "router.py", 1, msg, None, None)
+
+    assert [quiet.filter(record(FULL.message)) for _ in range(3)] == [True, False, False]  # a flood's
+    assert all(quiet.filter(record("replica died")) for _ in range(3))  # other lines: all of them
+    now[0] += ingress.BACKPRESSURE_LOG_INTERVAL_S
+    later = record(FULL.message)
+    assert quiet.filter(later) and later.getMessage().endswith("(2 more since the last such line, not logged)")
+    now[0] += 10
     client.room_waiters = 1
-    assert not quiet.filter(record) and quiet.filter(other)
+    assert not quiet.filter(record(FULL.message)) and quiet.filter(record("replica died"))
+    client.room_waiters = 0
+    plain = record(FULL.message)
+    assert quiet.filter(plain) and plain.getMessage() == FULL.message  # the waits' lines are not counted
 
 
 @pytest.mark.parametrize("error, status, code", [
