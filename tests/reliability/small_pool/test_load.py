@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from router.ingress import BACKPRESSURE_LOG_INTERVAL_S
 from tests.reliability.harness import (COMPLETED, FAILED, REFUSED, Metrics, StreamResult, async_client, count,
                                        stream_request)
 from tests.reliability.small_pool.common import (LOAD_STREAMS, MAX_NUM_SEQS, MAX_QUEUED, assert_pool_whole, prompt,
@@ -47,9 +48,10 @@ def test_load_burst_over_a_small_pool_completes_or_refuses_every_stream(server, 
     failures = [r for r in results if r.outcome == FAILED]
     delta = wait_counters(server, before, {"length": outcomes[COMPLETED], "abort": 0, "error": 0})
     pool = assert_pool_whole(server)
+    warned = backpressure_lines(server)
     figures(streams=LOAD_STREAMS, max_tokens=LOAD_MAX_TOKENS, max_queued=MAX_QUEUED, completed=outcomes[COMPLETED],
             refused=outcomes[REFUSED], failed=len(failures), preemptions=delta["preemptions"],
-            leaked_blocks=pool["leaked_blocks"], seconds=round(elapsed, 1))
+            leaked_blocks=pool["leaked_blocks"], backpressure_log_lines=warned, seconds=round(elapsed, 1))
     assert not failures, [(r.status, r.detail) for r in failures[:5]]
     assert outcomes[COMPLETED] + outcomes[REFUSED] == LOAD_STREAMS
     assert outcomes[COMPLETED] >= MAX_NUM_SEQS
@@ -57,6 +59,14 @@ def test_load_burst_over_a_small_pool_completes_or_refuses_every_stream(server, 
                for r in results if r.outcome == COMPLETED)
     assert (delta["length"], delta["stop"], delta["abort"], delta["error"]) == (outcomes[COMPLETED], 0, 0, 0), delta
     assert delta["preemptions"] > 0, "the burst never outgrew the KV pool: no preemption was exercised"
+    # Serve's warning per refused call (two per refused request) is logged once a second at most.
+    assert outcomes[REFUSED] == 0 or 1 <= warned <= elapsed / BACKPRESSURE_LOG_INTERVAL_S + 2, (warned, elapsed)
+
+
+def backpressure_lines(server) -> int:
+    """Serve's "Request dropped due to backpressure" warnings in the ingress replicas' own logs."""
+    return sum(path.read_text(errors="replace").count("Request dropped due to backpressure")
+               for path in server.ray_tmp.rglob("replica_*OpenAIIngress*.log"))
 
 
 def test_a_chat_request_without_max_tokens_is_served_not_held(server, figures):
