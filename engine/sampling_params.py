@@ -48,6 +48,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None  # bad_words as token ids: the engine fills it
     output_kind: RequestOutputKind = RequestOutputKind.DELTA  # FINAL_ONLY: a caller that does not stream
     cache_salt: str | None = None  # prefix-cache blocks are shared only between requests with the same salt
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len (vLLM's)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -102,6 +103,8 @@ class SamplingParams:
         need(all(isinstance(w, str) and w.strip() for w in self.bad_words or ()), "bad_words", "non-blank strings")
         need(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt), "cache_salt",
              "a non-empty string or None")
+        need(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1,
+             "truncate_prompt_tokens", ">= 1, or -1 for max_model_len")
 
     def check_token_ids(self, vocab: int) -> None:
         """InvalidRequestError naming the field that holds a token id the model lacks (>= vocab;
