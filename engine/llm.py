@@ -86,7 +86,7 @@ class LLM:
             raise ValueError("this model's tokenizer has no chat template; use generate() with a text prompt")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         texts = [self.tokenizer.apply_chat_template(
-            conversation, tools=tools, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt,
+            [_flat(m) for m in conversation], tools=tools, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, **(chat_template_kwargs or {})) for conversation in conversations]
         prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -184,6 +184,17 @@ class _EngineCalls:
                 if not done.done():
                     done.set_exception(e)
             raise
+
+
+def _flat(message: dict) -> dict:
+    """An OpenAI message whose content is a list of parts, with its text parts joined by newlines
+    (as the server's chat joins them, and vLLM's for string templates)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+        raise ValueError("only text content parts are supported: the engine serves text models")
+    return {**message, "content": "\n".join(p["text"] for p in content)}
 
 
 def _listed(prompts: Prompt | list[Prompt]) -> list[Prompt]:

@@ -41,6 +41,16 @@ def test_several_conversations_keep_their_order_and_a_final_message_is_continued
     assert not llm.engine.has_unfinished()
 
 
+def test_content_parts_are_the_text_they_hold(llm):
+    """OpenAI's content parts, as the openai client sends them: their text, joined by newlines."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                          {"type": "text", "text": "of France?"}]}]
+    plain = [{"role": "user", "content": "What is the capital\nof France?"}]
+    assert llm.chat(parts, GREEDY)[0].prompt_token_ids == llm.chat(plain, GREEDY)[0].prompt_token_ids
+    with pytest.raises(ValueError, match="only text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
 def test_what_chat_cannot_render_is_a_value_error(llm, monkeypatch):
     with pytest.raises(ValueError, match="cannot both be set"):
         llm.chat(QUESTION, continue_final_message=True)
