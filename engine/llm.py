@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, search, sequences
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import ChoiceDelta, RequestOutput, StepOutput
+from engine.outputs import RequestOutput, StepOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 # Text, token ids, or vLLM's TextPrompt / TokensPrompt dicts: {"prompt": text}, {"prompt_token_ids": ids}.
@@ -165,9 +165,7 @@ class _EngineCalls:
         finally:
             if self.waiting.pop(request_id, None) is not None:  # cancelled: another call failed
                 self.engine.abort(request_id)
-        yield StepOutput([ChoiceDelta(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
-                          for c in out.outputs], len(out.prompt_token_ids), out.num_cached_tokens, True,
-                         out.prompt_logprobs)
+        yield StepOutput.from_request_output(out, set(), first=True)
 
     async def run(self) -> None:
         try:

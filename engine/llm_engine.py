@@ -12,7 +12,7 @@ from engine.executor import Executor, make_executor
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request
 from engine.sampler import SampleResult
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, truncated
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import Sequence
 from engine.snapshot import DEFAULT_PREFIX_LIMIT, snapshot
@@ -47,13 +47,6 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         return None, list(prompt)
 
-    def truncated(self, prompt_token_ids: list[int], keep: int) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len)."""
-        if keep > self.max_model_len:  # vLLM's rule
-            raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens value ({keep}) is greater "
-                                      f"than max_model_len ({self.max_model_len})")
-        return prompt_token_ids[-(self.max_model_len if keep == -1 else keep):]
-
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise InvalidRequestError for a request that can never run; returns its resolved max_tokens."""
         n = len(prompt_token_ids)
@@ -86,7 +79,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
-            ids = self.truncated(ids, params.truncate_prompt_tokens)
+            ids = truncated(ids, params.truncate_prompt_tokens, self.max_model_len)
         max_tokens = self.validate(ids, params)
         gate = self.structured.gate(params.structured_outputs) if params.structured_outputs is not None else None
         if params.structured_outputs is not None and grammar is None:

@@ -134,3 +134,11 @@ class SamplingParams:
         firsts = [sum(sizes[:k]) for k in range(parts)]
         return [(first, dataclasses.replace(self, n=size, seed=None if self.seed is None else self.seed + first))
                 for first, size in zip(firsts, sizes)]
+
+
+def truncated(prompt_token_ids: list[int], keep: int, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len)."""
+    if keep > max_model_len:  # vLLM's rule
+        raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens value ({keep}) is greater than "
+                                  f"max_model_len ({max_model_len}). Please request a smaller truncation size.")
+    return prompt_token_ids[-(max_model_len if keep == -1 else keep):]

@@ -28,7 +28,7 @@ from typing import Protocol
 
 from engine.errors import InvalidRequestError
 from engine.outputs import ChoiceDelta, StepOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, truncated
 from engine.structured.params import StructuredOutputsParams
 from engine.beam_search import BeamSearch, BeamSearchAborted, Generate, beam_search
 from router.engine_streams import collect, events, map_steps, merge_streams, renumbered, sample_calls
@@ -285,12 +285,10 @@ class OpenAIServing:
         return dataclasses.replace(params, structured_outputs=await checked(spec, param))
 
     async def _truncated(self, ids: list[int], keep: int) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len)."""
-        limit = (await self.limits())["max_model_len"]
-        if keep > limit:  # vLLM's rule
-            raise bad_request(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({limit}). "
-                              "Please request a smaller truncation size.", param="truncate_prompt_tokens")
-        return ids[-(limit if keep == -1 else keep):]
+        try:
+            return truncated(ids, keep, (await self.limits())["max_model_len"])
+        except InvalidRequestError as e:
+            raise from_invalid_request(e) from None
 
     async def _chat_prompt(self, req: ChatCompletionRequest, field: Callable[[str], str] = str,
                            ) -> tuple[ToolPlan, SamplingParams, list[int], bool | None]:
