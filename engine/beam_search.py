@@ -169,11 +169,16 @@ async def beam_search(generate: Generate, request_id: str, prompt: list[int], pa
     yield StepOutput(choices, len(prompt), head.num_cached_tokens, True, head.prompt_logprobs)
 
 
+def _shown(b: _Beam, beam: BeamSearch, stop_token_ids) -> int:
+    """How many of a beam's tokens its reply shows: an end token only with
+    include_stop_str_in_output, one of `stop_token_ids` always."""
+    hidden = b.ended and not beam.include_stop_str_in_output and b.tokens[-1] not in stop_token_ids
+    return len(b.tokens) - hidden
+
+
 def _choice(index: int, b: _Beam, params: SamplingParams, beam: BeamSearch,
             decode: Callable[[list[int], bool], str]) -> ChoiceDelta:
-    hidden = b.ended and not beam.include_stop_str_in_output and b.tokens[-1] not in params.stop_token_ids
-    shown = len(b.tokens) - hidden
-    tokens = list(b.tokens[:shown])
+    tokens = list(b.tokens[:_shown(b, beam, params.stop_token_ids)])
     logprobs = None
     if params.logprobs is not None:  # each token's: the asked-for top ones, and the token itself
         logprobs = [{**dict(sorted(e.items(), key=lambda kv: kv[1], reverse=True)[:params.logprobs]), t: e[t]}
@@ -188,7 +193,7 @@ def sequences(prompt: list[int], best: list[_Beam], beam: BeamSearch,
     include_stop_str_in_output, its logprob counted in cum_logprob either way (vLLM's)."""
     out = []
     for b in best:
-        shown = len(b.tokens) - (b.ended and not beam.include_stop_str_in_output)
+        shown = _shown(b, beam, ())
         tokens = prompt + list(b.tokens[:shown])
         out.append(BeamSearchSequence(tokens, list(b.entries[:shown]), b.cum_logprob, decode(tokens),
                                       "stop" if b.ended else "length", b.tokens[-1] if b.ended else None))
