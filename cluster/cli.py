@@ -53,9 +53,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def dashed_flags(argv: list[str]) -> list[str]:
+    """vLLM's spelling freedom: `--max_num_seqs=8` is `--max-num-seqs=8` (its scripts and
+    manifests use both). Only a flag's name changes, never a value, and nothing after a bare `--`."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            arg = "--" + name[2:].replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
+    args, unknown = parser.parse_known_args(dashed_flags(sys.argv[1:] if argv is None else argv))
     if unknown:  # said by the command's own parser, so that its hint names `kvserve serve --help`
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:

@@ -89,6 +89,17 @@ def test_vllm_spellings_of_engine_flags():
     assert EngineConfig(dtype="float").dtype == "float32"
 
 
+def test_flags_spelled_with_underscores_as_vllm_takes_them():
+    from cluster.cli import dashed_flags
+
+    argv = ["serve", "--max_num_seqs", "8", "--max_model_len=2K", "--enable_prefix-caching", "-tp", "2",
+            "--served-model-name", "a_b", "--", "--not_a_flag"]
+    assert dashed_flags(argv) == ["serve", "--max-num-seqs", "8", "--max-model-len=2K", "--enable-prefix-caching",
+                                  "-tp", "2", "--served-model-name", "a_b", "--", "--not_a_flag"]
+    r = kvserve("generate", "--max_model_len=4", "--no_chat", "x")  # parsed: the engine refuses the prompt
+    assert r.returncode == 2 and "exceeds max_model_len (4)" in r.stderr and "unrecognized" not in r.stderr
+
+
 def test_version_and_help_defaults():
     r = kvserve("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"kvserve {importlib.metadata.version('kvserve')}"
