@@ -64,6 +64,7 @@ class ServeOptions:
     max_sequences_per_request: int | None = None  # prompts x n in one request
     responses_store_max_bytes: int | None = None  # memory for stored /v1/responses (0: none)
     enable_log_requests: bool | None = None  # log prompt token ids and sampling params (never by default)
+    disable_log_stats: bool = False  # vLLM's: no periodic stats line in the engine replicas' logs
     # vLLM's: where requests' sampling defaults come from (router.generation_config): auto (the
     # model's generation_config.json) | vllm (none) | a directory; then these fields on top
     generation_config: str = "auto"
@@ -399,7 +400,8 @@ def build_app(args: dict | None = None):
     if cpu_threads is None and engine_opts["ray_actor_options"].get("num_gpus", 0) == 0 and engine.tensor_parallel_size == 1:
         cpu_threads = max(1, _usable_cores() // options.max_engine_replicas)
     engine_app = EngineDeployment.options(**engine_opts).bind(engine, options.engine_cls, cpu_threads,
-                                                              settings.served_model_name)
+                                                              settings.served_model_name,
+                                                              log_stats=not options.disable_log_stats)
     ingress = IngressDeployment.options(**ingress_deployment_options(options))
     store = None
     if settings.responses_store_max_bytes and (options.num_ingress_replicas > 1 or options.ingress_autoscaling_config):

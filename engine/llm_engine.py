@@ -114,10 +114,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        prompt_tokens = batch.num_prompt_tokens  # before the step advances the sequences
         try:
             return self._run(batch)
         finally:  # a step that raised took its time too
-            self.scheduler.stats.record_step(batch.has_prefill, time.perf_counter() - start)
+            self.scheduler.stats.record_step(batch.has_prefill, time.perf_counter() - start, prompt_tokens)
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         mask = self.structured.mask([batch.seqs[i] for i in batch.sampled(self.config.block_size)]) \
@@ -129,6 +130,7 @@ class LLMEngine:
         touched: dict[str, Request] = {}
 
         def append(seq: Sequence, result: SampleResult) -> bool:
+            self.scheduler.stats.generation_tokens += 1
             req = touched.setdefault(seq.request_id, self.requests[seq.request_id])
             verdict = self.structured.accept(seq, result.token_id) if self.structured else None
             done = req.append_token(seq, result, self.eos_token_ids, self.max_model_len)

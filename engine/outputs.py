@@ -82,6 +82,8 @@ class EngineStats:
     prefill_step_seconds: float = 0.0
     decode_steps: int = 0
     decode_step_seconds: float = 0.0
+    prompt_tokens: int = 0  # cumulative prompt tokens the steps computed (prefix-cache hits are not)
+    generation_tokens: int = 0  # cumulative tokens the steps sampled, all sequences together
     prefix_hashes: frozenset[int] = frozenset()  # bounded summary of cached prefix-block hashes
     timestamp: float = 0.0  # when the snapshot was taken (time.time() of the engine's host)
 

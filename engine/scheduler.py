@@ -41,6 +41,12 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
     @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens this step computes (an output token recomputed after a preemption is none)."""
+        return sum(max(0, min(s.num_computed_tokens + n, s.num_prompt_tokens) - s.num_computed_tokens)
+                   for s, n in zip(self.seqs, self.num_new_tokens))
+
+    @property
     def has_prefill(self) -> bool:
         """Whether the step computes prompt tokens (a prefill chunk), not only decodes."""
         return self.num_tokens > len(self.seqs)
@@ -79,8 +85,11 @@ class SchedulerStats:
     prefill_step_seconds: float = 0.0
     decode_steps: int = 0
     decode_step_seconds: float = 0.0
+    prompt_tokens: int = 0  # computed by the steps (cached ones are not)
+    generation_tokens: int = 0  # sampled by the steps, every sequence's
 
-    def record_step(self, prefill: bool, seconds: float) -> None:
+    def record_step(self, prefill: bool, seconds: float, prompt_tokens: int = 0) -> None:
+        self.prompt_tokens += prompt_tokens
         if prefill:
             self.prefill_steps += 1
             self.prefill_step_seconds += seconds

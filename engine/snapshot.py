@@ -74,5 +74,6 @@ def snapshot(scheduler: Scheduler, prefix_limit: int = 0, now: float | None = No
         running_prefill_tokens=running_prefill_tokens(scheduler),
         prefill_steps=st.prefill_steps, prefill_step_seconds=st.prefill_step_seconds,
         decode_steps=st.decode_steps, decode_step_seconds=st.decode_step_seconds,
+        prompt_tokens=st.prompt_tokens, generation_tokens=st.generation_tokens,
         prefix_hashes=summarize_prefix_hashes(bm, prefix_limit) if prefix_limit > 0 else frozenset(),
         timestamp=time.time() if now is None else now)

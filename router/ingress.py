@@ -35,6 +35,7 @@ from router.response_store import ResponseStore
 from router.serving import OpenAIServing
 from router.session import current_session
 from router.settings import RouterSettings
+from workers.serve_logging import log_through_serve
 
 logger = logging.getLogger(__name__)
 
@@ -53,18 +54,6 @@ NEWCOMER_RETRIES = 1
 BACKPRESSURE_LOG_INTERVAL_S = 1.0  # Serve's warnings of refused calls: one a second at most (_QuietBackpressure)
 _NOT_AVAILABLE = "The model is not available right now. Retry later."
 _NOT_READY_STATES = {"STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION"}
-
-
-def _log_through_serve(name: str) -> None:
-    """Send logger `name`'s INFO lines (--enable-log-requests: prompts and params) to the
-    replica's log through Serve's own handlers; in a replica only Serve's logger has any."""
-    serve_logger = logging.getLogger("ray.serve")
-    ours = logging.getLogger(name)
-    ours.setLevel(logging.INFO)
-    for handler in serve_logger.handlers:
-        if handler not in ours.handlers:
-            ours.addHandler(handler)
-    ours.propagate = False
 
 
 class HandleReplicaClient:
@@ -293,7 +282,7 @@ class OpenAIIngress:
         self._engine_name = engine.deployment_name
         settings = settings.resolve_api_key().with_sampling_defaults(model_dir)
         if settings.enable_log_requests:
-            _log_through_serve("router")
+            log_through_serve("router")  # prompts and params, at INFO
         self._client = HandleReplicaClient(engine, settings)
         self._serving = OpenAIServing(tokenizer, self._client, settings,
                                       HandleResponseStore(store) if store is not None else None)

@@ -61,6 +61,14 @@ def test_stats_count_the_steps_and_their_time_by_kind(tiny_dir, prompts):
     assert (s.prefill_steps, s.decode_steps) == (2, 19)
     assert 0 < s.prefill_step_seconds and 0 < s.decode_step_seconds
     assert s.prefill_step_seconds + s.decode_step_seconds <= wall
+    assert (s.prompt_tokens, s.generation_tokens) == (110, 4 * 20)  # the stats line's throughputs
+    # Again: the cached prefix blocks are not computed; each of n samples counts its tokens.
+    llm.generate(prompts + [[5, 6, 7]], [GREEDY] * 4 + [SamplingParams(n=3, max_tokens=5, ignore_eos=True, seed=1)])
+    again = llm.engine.stats()
+    hits = again.prefix_hit_tokens - s.prefix_hit_tokens
+    assert hits == 16 + 16 + 48  # the full blocks of the 30-, 18- and 55-token prompts
+    assert again.prompt_tokens - s.prompt_tokens == 110 + 3 - hits
+    assert again.generation_tokens - s.generation_tokens == 4 * 20 + 3 * 5
 
 
 def _wait_free(engine: AsyncEngine, timeout: float = 2.0) -> bool:

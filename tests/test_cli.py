@@ -147,7 +147,10 @@ ENGINES = pytest.mark.parametrize("engine_cls", [None, "engine.process_engine:Pr
 def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_path, engine_cls):
     """`kvserve serve` under a supervisor: SIGINT, then a burst of SIGTERMs (as `timeout` forwards or
     a pod stop repeats). A signal that lands inside the previous one's handler must not deadlock
-    it: it drains, exits 0, and takes every Ray process it started with it."""
+    it: it drains, exits 0, and takes every Ray process it started with it.
+
+    On the way, the engine replica's log lines reach the console: the model it loaded, and vLLM's
+    stats line each interval it works (none with --disable-log-stats, given to the process engine)."""
     import signal
 
     import httpx
@@ -158,18 +161,36 @@ def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_
 
     model = make_tiny_llama(tmp_path / "tiny", tokenizer_dir=smollm2_path)
     port = free_port()
+    log = tmp_path / "serve.err"
+    quiet = engine_cls is not None
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--port", str(port),
-                             "--max-model-len", "256", "--device", "cpu", *engine_flag(engine_cls)], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                             "--max-model-len", "256", "--device", "cpu", *engine_flag(engine_cls),
+                             *(["--disable-log-stats"] if quiet else [])], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=log.open("w"), start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "KVSERVE_LOG_STATS_INTERVAL": "0.5"})
     try:
         for line in proc.stdout:  # the ready line comes once the application is up
             if line.startswith("kvserve: ready"):
                 break
         assert proc.poll() is None, "kvserve serve exited before it was ready"
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                       json={"model": str(model), "prompt": [5, 6, 7], "max_tokens": 4})
+                       json={"model": str(model), "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200, r.text
+        def generating(text: str) -> bool:  # a stats line of an interval in which tokens were sampled
+            return any("Avg generation throughput: " in line and "Avg generation throughput: 0.0 " not in line
+                       for line in text.splitlines())
+
+        for _ in range(40):  # Ray forwards a replica's lines to the console about once a second
+            text = log.read_text()
+            if "loaded tiny" in text and (quiet or generating(text)):
+                break
+            time.sleep(0.25)
+        assert "loaded tiny" in text and "KV cache" in text, text[-4000:]
+        if quiet:
+            time.sleep(2)  # four intervals of 0.5 s
+            assert "Avg prompt throughput: " not in log.read_text()
+        else:
+            assert generating(text), text[-4000:]
         started = psutil.Process(proc.pid).children(recursive=True)
         assert any("raylet" in p.name() for p in started)
 

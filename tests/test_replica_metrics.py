@@ -2,6 +2,7 @@
 EngineServer's request stream over tests.fake_engine.FakeEngine. (Ray's own export of these metrics
 is checked end to end in tests/test_router_fake.py.)"""
 import asyncio
+import dataclasses
 import re
 
 import pytest
@@ -11,6 +12,7 @@ from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
 from workers import metrics as M
 from workers.server import EngineServer
+from workers.stat_logger import StatLogger, interval_from_env
 from tests.fake_engine import FAIL_TOKEN_ID
 
 
@@ -172,6 +174,57 @@ def test_refresh_loop_keeps_going_after_a_failed_read():
     asyncio.run(go())
     assert values(sinks, M.RUNNING)[:2] == [2, 3]
     assert m.start_refresh(stats_fn) is None  # no running event loop: nothing started
+
+
+# -- the periodic stats line ---------------------------------------------------------------------------
+def test_stats_line_gives_the_intervals_throughput_and_is_quiet_while_idle():
+    clock = Clock(0.0)
+    log = StatLogger(interval_s=10.0, clock=clock)
+    assert log.line(stats(prompt_tokens=5000, generation_tokens=700)) is None  # counts before it started are not its
+    clock.t = 10.0
+    rest = stats(prompt_tokens=5000, generation_tokens=700)
+    assert log.line(rest) is None  # idle, and idle before: quiet
+    clock.t = 15.0
+    busy = stats(num_free_blocks=75, num_running=3, num_waiting=1, num_preemptions=2, prefix_query_tokens=400,
+                 prefix_hit_tokens=100, prompt_tokens=5900, generation_tokens=750)
+    assert log.line(busy) is None
+    clock.t = 20.0  # 10 s after the last line: 1,000 prompt tokens computed and 250 sampled in it
+    busy = dataclasses.replace(busy, prompt_tokens=6000, generation_tokens=950)
+    assert log.line(busy) == (
+        "Avg prompt throughput: 100.0 tokens/s, Avg generation throughput: 25.0 tokens/s, Running: 3 reqs, "
+        "Waiting: 1 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 25.0%, Preemptions: 2")
+    rest = dataclasses.replace(busy, num_free_blocks=100, num_running=0, num_waiting=0)
+    clock.t = 30.0  # back at rest: one more line, then quiet
+    assert log.line(rest).startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s, "
+                                     "Running: 0 reqs, Waiting: 0 reqs, KV cache usage: 0.0%")
+    clock.t = 40.0
+    assert log.line(rest) is None
+    clock.t = 50.0  # a preemption alone makes an interval busy; it counts those of the interval
+    assert log.line(dataclasses.replace(rest, num_preemptions=5)).endswith("Preemptions: 3")
+
+
+def test_stats_line_interval_from_the_environment():
+    assert interval_from_env({}) == 10.0
+    assert interval_from_env({"KVSERVE_LOG_STATS_INTERVAL": "0.5"}) == 0.5
+    for bad in ("0", "-1", "soon", "inf", "nan"):
+        with pytest.raises(ValueError, match="KVSERVE_LOG_STATS_INTERVAL"):
+            interval_from_env({"KVSERVE_LOG_STATS_INTERVAL": bad})
+
+
+def test_refresh_logs_the_stats_line_when_its_interval_ends(caplog):
+    clock = Clock(0.0)
+    m = M.EngineMetrics({spec.name: Sink() for spec in M.METRICS}, clock,
+                        stat_logger=StatLogger(interval_s=2.0, clock=clock))
+    caplog.set_level("INFO", logger="workers.metrics")
+    m.refresh(stats())
+    clock.t = 1.0
+    m.refresh(stats(num_running=1, prompt_tokens=30, generation_tokens=1))
+    assert not caplog.records  # the interval is not over
+    clock.t = 2.0
+    m.refresh(stats(num_running=1, prompt_tokens=30, generation_tokens=6))
+    assert [r.getMessage().split(", Running")[0] for r in caplog.records] == [
+        "Avg prompt throughput: 15.0 tokens/s, Avg generation throughput: 3.0 tokens/s"]
+    assert M.EngineMetrics({}).stat_logger is None  # none unless given
 
 
 def test_specs_and_ray_metric_objects():

@@ -25,6 +25,9 @@ carries `model_name` and, from Serve, `deployment`, `replica` and `application`.
 A request's `RequestTimer` lives in its own generator frame, so nothing outlives the request.
 Per engine step it reads the clock and appends one gap; Ray sees the gaps and the token count
 only when they are flushed.
+
+Each refresh also hands the snapshot to the replica's `stat_logger` (workers.stat_logger), which
+logs vLLM's periodic stats line when its interval ends.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from engine.outputs import EngineStats
+from workers.stat_logger import StatLogger
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +147,12 @@ class EngineMetrics:
     """Turns a replica's observations into metric updates. `sinks` maps each METRICS name to an
     object with Ray's interface: gauges `set(v)`, counters `inc(v, tags)`, histograms `observe(v)`."""
 
-    def __init__(self, sinks: Mapping[str, object], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, sinks: Mapping[str, object], clock: Callable[[], float] = time.monotonic,
+                 stat_logger: StatLogger | None = None) -> None:
+        """`stat_logger`: the periodic log line (workers.stat_logger), written at each refresh it ends."""
         self.sinks = sinks
         self.clock = clock
+        self.stat_logger = stat_logger
         self._totals: dict[tuple[str, str | None], float] = {}  # (counter, step kind) -> engine total seen so far
 
     def start_request(self, num_prompt_tokens: int) -> RequestTimer:
@@ -166,11 +173,17 @@ class EngineMetrics:
             self._inc(name, total - self._totals.get((name, kind), 0), {STEP_KIND: kind} if kind else None)
             self._totals[name, kind] = total
 
+    def refresh(self, stats: EngineStats) -> None:
+        """The gauges and engine counters from one snapshot, and the stats line if one is due."""
+        self.record_stats(stats)
+        if self.stat_logger is not None and (line := self.stat_logger.line(stats)) is not None:
+            logger.info(line)
+
     async def refresh_forever(self, stats_fn: Callable[[], EngineStats],
                               period_s: float = REFRESH_PERIOD_S) -> None:
         while True:
             try:
-                self.record_stats(stats_fn())
+                self.refresh(stats_fn())
             except Exception:  # a metrics hiccup must not end the loop
                 logger.warning("engine metrics: reading the engine's stats failed", exc_info=True)
             await asyncio.sleep(period_s)

@@ -10,7 +10,8 @@ caller goes away, Serve cancels this generator; closing the engine's stream abor
 which frees its KV blocks at once.
 
 Each replica also records the engine's Prometheus metrics (workers.metrics): gauges from the
-engine's stats every second, and per request its TTFT, inter-token gaps, latency and end.
+engine's stats every second, and per request its TTFT, inter-token gaps, latency and end; and
+every 10 s while it works it logs vLLM's stats line (workers.stat_logger).
 
 The injected engine meets `engine.protocol.EngineClient` (tests inject a fake one).
 """
@@ -32,6 +33,8 @@ from engine.protocol import EngineClient
 from engine.sampling_params import SamplingParams
 from workers.autoscale_stats import KVMetricsRecorder
 from workers.metrics import EngineMetrics, ray_metrics
+from workers.serve_logging import log_through_serve
+from workers.stat_logger import StatLogger, interval_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +66,8 @@ def replica_threads(requested: int, quota: float | None) -> int:
 class EngineServer:
     def __init__(self, engine_config: EngineConfig, engine_cls: str | EngineFactory | None = None,
                  cpu_threads: int | None = None, model_name: str | None = None,
-                 metrics: EngineMetrics | None = None) -> None:
+                 metrics: EngineMetrics | None = None, log_stats: bool = True) -> None:
+        """`log_stats`: log the engine's throughput and queue every interval (workers.stat_logger)."""
         if cpu_threads:
             import torch
 
@@ -73,7 +77,8 @@ class EngineServer:
         self.max_num_seqs = engine_config.max_num_seqs
         self._kv_metrics = KVMetricsRecorder()
         self._replica_id: str | None = None
-        self.metrics = metrics or EngineMetrics(ray_metrics(model_name or engine_config.model or "default"))
+        self.metrics = metrics or EngineMetrics(ray_metrics(model_name or engine_config.model or "default"),
+                                                stat_logger=StatLogger(interval_from_env()) if log_stats else None)
         self._metrics_task = self.metrics.start_refresh(self.engine.stats)
 
     async def info(self) -> dict:
@@ -175,6 +180,10 @@ class _EngineReplica(EngineServer):
 
     EXIT_AFTER_S = 0.2
     _stopping = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        log_through_serve("engine", "workers")  # the model loading, the KV pool's size, the stats line
+        super().__init__(*args, **kwargs)
 
     def _engine_died(self) -> None:
         if self._stopping:  # a stopped engine reads as dead; Serve is stopping this replica anyway
