@@ -1,10 +1,10 @@
 """kvserve's paged-KV continuous-batching inference engine (no Ray, no HTTP)."""
 from engine.beam_search import BeamSearchParams
 from engine.config import EngineConfig
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "AsyncEngine", "ProcessEngine", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput",
+__all__ = ["LLM", "AsyncEngine", "ProcessEngine", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput", "Logprob",
            "CompletionOutput", "EngineStats", "BeamSearchParams"]
 
 

@@ -171,7 +171,7 @@ async def beam_search(generate: Generate, request_id: str, prompt: list[int], pa
 
 def _shown(b: _Beam, beam: BeamSearch, stop_token_ids) -> int:
     """How many of a beam's tokens its reply shows: an end token only with
-    include_stop_str_in_output, one of `stop_token_ids` always."""
+    include_stop_str_in_output, one of `stop_token_ids` always (its text only with that flag)."""
     hidden = b.ended and not beam.include_stop_str_in_output and b.tokens[-1] not in stop_token_ids
     return len(b.tokens) - hidden
 
@@ -183,7 +183,10 @@ def _choice(index: int, b: _Beam, params: SamplingParams, beam: BeamSearch,
     if params.logprobs is not None:  # each token's: the asked-for top ones, and the token itself
         logprobs = [{**dict(sorted(e.items(), key=lambda kv: kv[1], reverse=True)[:params.logprobs]), t: e[t]}
                     for t, e in zip(tokens, b.entries)]
-    return ChoiceDelta(index, decode(tokens, params.skip_special_tokens), tokens, logprobs,
+    # A stop token's text is left out as sampling leaves it out (engine.request.Request.append_token).
+    stop_token = b.ended and not beam.include_stop_str_in_output and b.tokens[-1] in params.stop_token_ids
+    text_tokens = tokens[:-1] if stop_token else tokens
+    return ChoiceDelta(index, decode(text_tokens, params.skip_special_tokens), tokens, logprobs,
                        "stop" if b.ended else "length", b.tokens[-1] if b.ended else None)
 
 

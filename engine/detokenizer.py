@@ -49,6 +49,10 @@ class IncrementalDetokenizer:
         """decode: `decoder(tokenizer)`, when the caller keeps one for many requests."""
         self.tokenizer = tokenizer
         self._decode_ids = decode or decoder(tokenizer)
+        self._decode_kwargs = {"skip_special_tokens": params.skip_special_tokens}
+        if not params.spaces_between_special_tokens:  # an option of slow tokenizers' decode only
+            self._decode_ids = tokenizer.decode
+            self._decode_kwargs["spaces_between_special_tokens"] = False
         self.params = params
         self._text = ""  # committed text, truncated at a matched stop string
         self.stop_string: str | None = None  # the stop string that ended the output, if any
@@ -63,10 +67,11 @@ class IncrementalDetokenizer:
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
         self._lazy = not params.stop  # decode when read: no stop string waits on each token's text
         self._unread = 0  # tokens appended but not yet decoded (lazy only)
+        self._off = not params.detokenize  # token ids only: never decoded, the text stays ""
 
     @property
     def output_text(self) -> str:
-        if self._unread:
+        if self._unread and not self._off:
             self._catch_up()
         return self._text
 
@@ -83,6 +88,8 @@ class IncrementalDetokenizer:
 
     def get_delta(self, finished: bool) -> str:
         """Text not yet returned. While unfinished, the tail that could start a stop string is held."""
+        if self._off:
+            return ""
         if self._unread:
             self._catch_up()
         if finished and self.stop_string is None and self._read_offset < len(self._ids):
@@ -110,7 +117,7 @@ class IncrementalDetokenizer:
             self._append(self._decode_new(flush=False))
 
     def _decode(self, ids: list[int]) -> str:
-        return self._decode_ids(ids, skip_special_tokens=self.params.skip_special_tokens)
+        return self._decode_ids(ids, **self._decode_kwargs)
 
     def _decode_new(self, flush: bool) -> str:
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])

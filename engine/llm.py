@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, search, sequences
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput, StepOutput
+from engine.outputs import Logprob, RequestOutput, StepOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 # Text, token ids, or vLLM's TextPrompt / TokensPrompt dicts: {"prompt": text}, {"prompt_token_ids": ids}.
@@ -70,7 +70,8 @@ class LLM:
                         bar.update(1)
         if bar:
             bar.close()
-        return [_joined(rid, [(done[part_id], first) for part_id, first in parts[rid]]) for rid in ids]
+        return [_vllm_logprobs(_joined(rid, [(done[part_id], first) for part_id, first in parts[rid]]), p, self.tokenizer)
+                for rid, p in zip(ids, params)]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -227,6 +228,36 @@ def _joined(request_id: str, parts: list[tuple[RequestOutput, int]]) -> RequestO
     # find what the first computed.
     return dataclasses.replace(first, request_id=request_id, outputs=outputs,
                                num_cached_tokens=min(out.num_cached_tokens for out, _ in parts))
+
+
+def _vllm_logprobs(out: RequestOutput, params: SamplingParams, tokenizer) -> RequestOutput:
+    """`out` with its logprobs as vLLM's `LLM` gives them: per token `{token id: Logprob}`, the
+    sampled (or prompt) token first, then the asked-for top ones ranked 1, 2, ...; the prompt's
+    list starts with None. The engine's own outputs keep plain floats (the server formats those)."""
+    if params.logprobs is None and params.prompt_logprobs is None:
+        return out
+    texts: dict[int, str | None] = {}
+
+    def text(token_id: int) -> str | None:
+        if token_id not in texts:
+            texts[token_id] = tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(token_id)]) \
+                if params.detokenize else None
+        return texts[token_id]
+
+    def ranked(token_id: int, logprob: float, rank: int | None, top) -> dict[int, Logprob]:
+        entry = {token_id: Logprob(logprob, rank, text(token_id))}
+        entry.update((t, Logprob(lp, r, text(t))) for r, (t, lp) in enumerate(top, 1))
+        return entry
+
+    outputs = out.outputs
+    if params.logprobs is not None:
+        outputs = [dataclasses.replace(c, logprobs=[
+            ranked(t, e[t], rank, list(e.items())[:params.logprobs])
+            for t, e, rank in zip(c.token_ids, c.logprobs, c.ranks or itertools.repeat(None))]) for c in outputs]
+    prompt_logprobs = out.prompt_logprobs
+    if prompt_logprobs is not None:
+        prompt_logprobs = [None if p is None else ranked(p.token_id, p.logprob, p.rank, p.top) for p in prompt_logprobs]
+    return dataclasses.replace(out, outputs=outputs, prompt_logprobs=prompt_logprobs)
 
 
 def _progress(total: int):

@@ -22,18 +22,29 @@ class PromptLogprob:
 PromptLogprobs = list[PromptLogprob | None]  # one per prompt token; the first has no context: None
 
 
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """vLLM's, as the offline `LLM` hands logprobs out (`{token id: Logprob}` per token): the
+    logprob, the token's rank in the vocabulary (1: the most likely) and its text (None with
+    detokenize=False)."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass
 class CompletionOutput:
     index: int  # which of the request's n samples
     text: str = ""  # full text so far (stop strings cut)
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None  # per token: top-k (+ sampled) token -> logprob
+    logprobs: list[dict[int, float]] | None = None  # per token: top-k (+ sampled) token -> logprob (LLM: a Logprob)
     cumulative_logprob: float | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (its grammar failed)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it; for "error", why
     delta_text: str = ""  # new since the previous output of this request
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[dict[int, float]] | None = None
+    ranks: list[int | None] | None = None  # with logprobs: each sampled token's rank (in process only)
 
     @property
     def finished(self) -> bool:
@@ -55,7 +66,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    prompt_logprobs: PromptLogprobs | None = None  # when params.prompt_logprobs is set
+    prompt_logprobs: PromptLogprobs | None = None  # when params.prompt_logprobs is set (LLM: vLLM's dicts of Logprob)
 
 
 @dataclass(frozen=True)

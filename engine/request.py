@@ -40,8 +40,9 @@ class Request:
                 or any(n and c.finish_reason for n, c in zip(pending, self.completions)))
 
     def _completion(self, index: int) -> CompletionOutput:
-        return CompletionOutput(index=index, logprobs=[] if self.params.logprobs is not None else None,
-                                cumulative_logprob=0.0 if self.params.logprobs is not None else None)
+        asked = self.params.logprobs is not None
+        return CompletionOutput(index=index, logprobs=[] if asked else None, cumulative_logprob=0.0 if asked else None,
+                                ranks=[] if asked else None)
 
     def _detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids, self.params, self._decode)
@@ -67,13 +68,19 @@ class Request:
             comp.logprobs.append(entry)
             comp.delta_logprobs = (comp.delta_logprobs or []) + [entry]
             comp.cumulative_logprob += result.logprob
-        stop_str = self.detoks[seq.index].update([result.token_id])
+            comp.ranks.append(result.rank)
         tok, n_out = result.token_id, seq.num_output_tokens
+        eos = n_out >= p.min_tokens and not p.ignore_eos and tok in eos_ids
+        stop_token = n_out >= p.min_tokens and tok in p.stop_token_ids
+        # A token that ends the sequence stays in its token ids but not in its text, unless
+        # include_stop_str_in_output (vLLM's rule: `<|im_end|>` with skip_special_tokens=False).
+        shown = [] if (eos or stop_token) and not p.include_stop_str_in_output else [tok]
+        stop_str = self.detoks[seq.index].update(shown)
         if stop_str is not None:
             comp.finish_reason, comp.stop_reason = "stop", stop_str
-        elif n_out >= p.min_tokens and not p.ignore_eos and tok in eos_ids:
+        elif eos:
             comp.finish_reason = "stop"
-        elif n_out >= p.min_tokens and tok in p.stop_token_ids:
+        elif stop_token:
             comp.finish_reason, comp.stop_reason = "stop", tok
         elif n_out >= seq.max_tokens or seq.num_tokens >= max_model_len:
             comp.finish_reason = "length"

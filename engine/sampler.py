@@ -42,6 +42,7 @@ class SampleResult:
     token_id: int
     logprob: float | None  # of the sampled token, when params.logprobs is not None
     top_logprobs: list[tuple[int, float]] | None  # params.logprobs (token_id, logprob), highest first
+    rank: int | None = None  # of the sampled token, with logprobs: how many tokens are at least as likely (vLLM's)
 
 
 def _has_penalties(p: SamplingParams) -> bool:
@@ -280,9 +281,10 @@ class Sampler:
             want_index = to_device(want, torch.long, logits.device)
             logprobs = logits[want_index].float().log_softmax(dim=-1)  # (R, V) of the raw logits
             sampled = logprobs.gather(1, token_ids[want_index].unsqueeze(1)).squeeze(1)  # (R,)
+            ranks = (logprobs >= sampled.unsqueeze(1)).sum(dim=1)  # (R,)
             num_top = max(rows[i].params.logprobs for i in want)
             top_values, top_ids = logprobs.topk(num_top, dim=-1)  # (R, num_top), highest first
-            parts += [sampled, top_values.flatten(), top_ids.flatten()]
+            parts += [sampled, ranks, top_values.flatten(), top_ids.flatten()]
         if short is not None:
             parts.append(short.any().unsqueeze(0))
         packed = token_ids.tolist() if len(parts) == 1 else torch.cat([p.double() for p in parts]).tolist()
@@ -292,11 +294,12 @@ class Sampler:
         results = [SampleResult(int(t), None, None) for t in packed[:b]]
         if not want:
             return results
-        values, ids = packed[b + r:b + r + r * num_top], packed[b + r + r * num_top:]
+        values, ids = packed[b + 2 * r:b + 2 * r + r * num_top], packed[b + 2 * r + r * num_top:]
         for j, i in enumerate(want):
             n = rows[i].params.logprobs
             top = slice(j * num_top, j * num_top + n)
             results[i].logprob = packed[b + j]
+            results[i].rank = int(packed[b + r + j])
             results[i].top_logprobs = [(int(t), v) for t, v in zip(ids[top], values[top])]
         return results
 

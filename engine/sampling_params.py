@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import numbers
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
@@ -19,6 +20,11 @@ class RequestOutputKind(enum.IntEnum):
     """Which outputs the engine hands out for a request (vLLM's names and values)."""
     DELTA = 1  # as tokens come (every stream_interval tokens): deltas, and the text so far
     FINAL_ONLY = 2  # the first (its time to first token) and the finished one: no per-token work
+
+
+_INT_FIELDS = ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
+_OPTIONAL = {"max_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"}
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 @dataclass
@@ -40,7 +46,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output to a schema / grammar
     logprobs: int | None = None  # top logprobs per token; 0 = only the sampled token's
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # False: a slow tokenizer's decode joins them (fast ones have no such option)
     include_stop_str_in_output: bool = False
+    detokenize: bool = True  # False: token ids only, no text (nor stop strings)
     prompt_logprobs: int | None = None  # top logprobs per prompt token (from the prefill); 0 = only its own
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
@@ -55,8 +63,13 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
+        else:
+            raise InvalidRequestError("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be a list of token ids, "
+                                                        f"got {self.stop_token_ids!r}")
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self.allowed_token_ids = None if self.allowed_token_ids is None else list(self.allowed_token_ids)
@@ -68,6 +81,13 @@ class SamplingParams:
             if not cond:
                 raise InvalidRequestError(field, f"{field} must be {rule}, got {getattr(self, field)!r}")
 
+        for field in _INT_FIELDS:
+            value = getattr(self, field)
+            need(value is None and field in _OPTIONAL or isinstance(value, numbers.Integral) and not isinstance(value, bool),
+                 field, "an int" + (" or None" if field in _OPTIONAL else ""))
+        for field in _FLOAT_FIELDS:
+            value = getattr(self, field)
+            need(isinstance(value, numbers.Real) and not isinstance(value, bool), field, "a number")
         need(self.n >= 1, "n", ">= 1")
         need(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
              "structured_outputs", "a StructuredOutputsParams")
@@ -87,7 +107,8 @@ class SamplingParams:
         need(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              "logprobs", f"in [0, {MAX_LOGPROBS}] or None")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
-        need(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "non-negative token ids")
+        need(self.detokenize or not self.stop, "stop", "empty with detokenize=False (stop strings are matched on text)")
+        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "non-negative token ids")
         need(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              "prompt_logprobs", f"in [0, {MAX_LOGPROBS}] or None")
         bias = self.logit_bias or {}

@@ -74,6 +74,7 @@ def held_back(text: str, tag: str) -> int:
 
 class _Stream:
     num_calls = 0
+    ends_as_tool_calls = True  # a reply that called tools and stopped says "tool_calls"
 
     def feed(self, text: str) -> dict: ...
 
@@ -81,13 +82,13 @@ class _Stream:
 
     def step(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """One engine delta of this choice -> (the chat delta, the finish_reason to send: a reply
-        that called tools and stopped ends with "tool_calls")."""
+        that called tools and stopped ends with "tool_calls", unless the request named the function)."""
         delta = self.feed(text)
         if finish_reason is not None:
             end = self.finish(cut=finish_reason == "length")
             delta = _delta(delta.get("content", "") + end.get("content", ""),
                            delta.get("tool_calls", []) + end.get("tool_calls", []))
-            if self.num_calls and finish_reason == "stop":
+            if self.num_calls and finish_reason == "stop" and self.ends_as_tool_calls:
                 finish_reason = "tool_calls"
         return delta, finish_reason
 
@@ -178,7 +179,10 @@ def _delta(content: str, calls: list[dict]) -> dict:
 
 class NamedCallStream(_Stream):
     """tool_choice naming a function: the whole output is its arguments, which its grammar holds
-    to the function's schema, so they stream as they come."""
+    to the function's schema, so they stream as they come. The reply ends "stop", as OpenAI's and
+    vLLM's do when the request forced the function."""
+
+    ends_as_tool_calls = False
 
     def __init__(self, name: str) -> None:
         self.name = name

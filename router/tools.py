@@ -80,7 +80,7 @@ class ToolPlan:
         message["content"] = content
         if calls:
             message["tool_calls"] = calls
-            if choice["finish_reason"] == "stop":
+            if choice["finish_reason"] == "stop" and self.mode != "named":  # a forced call ends "stop" (OpenAI's)
                 choice["finish_reason"] = "tool_calls"
 
     def stream(self) -> NamedCallStream | ToolCallStream:

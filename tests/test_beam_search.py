@@ -254,8 +254,11 @@ def test_end_tokens_ignore_eos_stop_token_ids_and_include_stop_str():
     choices, _ = _search(BeamSearch(2), max_tokens=2, ignore_eos=True)  # EOS is a token like any other
     assert all(c.finish_reason == "length" and len(c.token_ids) == 2 for c in choices)
     choices, _ = _search(BeamSearch(2), max_tokens=2, ignore_eos=True, stop_token_ids=[EOS])  # ends it again,
-    assert [(c.token_ids, c.finish_reason, c.stop_reason) for c in choices] == [([EOS], "stop", EOS),  # kept as
-                                                                               ([6, 7], "length", None)]  # sampling
+    assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in choices] == [
+        ([EOS], "", "stop", EOS), ([6, 7], "6 7", "length", None)]  # as sampling: in the tokens, not the text
+    choices, _ = _search(BeamSearch(2, include_stop_str_in_output=True), max_tokens=2, ignore_eos=True,
+                         stop_token_ids=[EOS])
+    assert (choices[0].token_ids, choices[0].text) == ([EOS], "2")
 
 
 def test_more_logprobs_than_the_search_needs_are_asked_for_and_given():

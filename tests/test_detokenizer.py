@@ -197,3 +197,24 @@ def test_decoding_when_read_gives_what_decoding_each_token_gives(tokenizer, prom
             assert read == lazy.output_text == eager.output_text
     assert read + lazy.get_delta(True) == eager.get_delta(True)  # the flush of a trailing partial character too
     assert lazy.output_text == eager.output_text
+
+
+def test_detokenize_off_gives_no_text(tokenizer, prompt_ids):
+    ids = tokenizer.encode("Some words the model wrote.")
+    det, deltas, _, stop = stream(tokenizer, prompt_ids, ids, SamplingParams(detokenize=False))
+    assert stop is None and set(deltas) == {""} and det.output_text == "" and det.num_output_tokens == len(ids)
+
+
+def test_spaces_between_special_tokens_reaches_a_slow_tokenizers_decode(tokenizer, prompt_ids):
+    calls = []
+
+    class Slow:  # what the option means to a sentencepiece tokenizer: whether special tokens get spaces around them
+        def decode(self, ids, **kwargs):
+            calls.append(kwargs)
+            return tokenizer.decode(ids, skip_special_tokens=kwargs["skip_special_tokens"])
+
+    ids = tokenizer.encode("Hello<|im_end|>")
+    params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False)
+    det, *_ = stream(Slow(), prompt_ids, ids, params)
+    assert det.output_text == "Hello<|im_end|>"
+    assert calls and all(c == {"skip_special_tokens": False, "spaces_between_special_tokens": False} for c in calls)

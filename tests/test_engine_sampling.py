@@ -84,11 +84,28 @@ def test_logprobs(tiny):
     out = tiny.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=3,
                                                  ignore_eos=True))[0].outputs[0]
     assert len(out.logprobs) == 6
+    for tok, entry in zip(out.token_ids, out.logprobs):  # vLLM's: {token id: Logprob}, the sampled token first
+        assert len(entry) == 3 and next(iter(entry)) == tok
+        assert entry[tok].rank == 1 and entry[tok].logprob == max(e.logprob for e in entry.values())  # greedy
+        assert sorted(e.rank for e in entry.values()) == [1, 2, 3] and all(e.logprob <= 0 for e in entry.values())
+        assert entry[tok].decoded_token == tiny.tokenizer.convert_tokens_to_string(
+            [tiny.tokenizer.convert_ids_to_tokens(tok)])
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_a_sampled_token_outside_the_top_logprobs_has_its_vocabulary_rank(tiny):
+    """Sampled at temperature 2 with one top logprob asked: most tokens are not the top one, and
+    each carries its rank as vLLM's does, the top one at rank 1; without text when detokenize=False."""
+    prompt = _prompts(1, seed=6)[0]
+    p = SamplingParams(temperature=2.0, seed=3, max_tokens=24, logprobs=1, ignore_eos=True, detokenize=False)
+    out = tiny.generate([prompt], p)[0].outputs[0]
+    ranks = [entry[tok].rank for tok, entry in zip(out.token_ids, out.logprobs)]
+    assert any(r > 2 for r in ranks)
     for tok, entry in zip(out.token_ids, out.logprobs):
-        assert len(entry) == 3 and tok in entry
-        assert entry[tok] == max(entry.values())  # greedy picks the top token
-        assert all(v <= 0 for v in entry.values())
-    assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)))
+        (top,) = [e for t, e in entry.items() if t != tok] or [entry[tok]]
+        assert top.rank == 1 and top.logprob >= entry[tok].logprob
+        assert entry[tok].rank == 1 or entry[tok].logprob < top.logprob
+        assert top.decoded_token is None and entry[tok].decoded_token is None
 
 
 def _outputs_by_request(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
@@ -198,6 +215,38 @@ def test_stop_string_cuts_text(smol):
     kept = smol.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop=["Paris"],
                                                 include_stop_str_in_output=True))[0].outputs[0]
     assert kept.text == full.text[:full.text.index("Paris") + len("Paris")]
+
+
+def test_the_token_that_ends_a_reply_is_not_in_its_text_unless_asked_for(smol):
+    """vLLM's rule for a stop-terminated reply: EOS (shown with skip_special_tokens=False) and a
+    stop_token_ids token stay in token_ids; their text only with include_stop_str_in_output, in
+    the final text and in the streamed deltas alike."""
+    prompt = _chat(smol, "What is the capital of France?")
+    eos = smol.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for stop, include, text in [
+            ({}, False, "The capital of France is Paris."),
+            ({}, True, "The capital of France is Paris.<|im_end|>"),
+            ({"stop_token_ids": [smol.tokenizer.convert_tokens_to_ids(".")]}, False, "The capital of France is Paris"),
+            ({"stop_token_ids": [smol.tokenizer.convert_tokens_to_ids(".")]}, True, "The capital of France is Paris.")]:
+        p = SamplingParams(temperature=0, max_tokens=30, skip_special_tokens=False, include_stop_str_in_output=include,
+                           **stop)
+        out = smol.generate(prompt, p)[0].outputs[0]
+        assert (out.text, out.finish_reason) == (text, "stop"), (stop, include)
+        assert out.token_ids[-1] == stop.get("stop_token_ids", [eos])[0]
+        assert out.stop_reason == (out.token_ids[-1] if stop else None)
+        streamed = _outputs_by_request(smol, [prompt], [dataclasses.replace(p, output_kind=RequestOutputKind.DELTA)])
+        assert "".join(o.outputs[0].delta_text for o in streamed["s0"]) == text
+
+
+def test_detokenize_false_gives_the_same_tokens_without_text(smol):
+    prompt = _chat(smol, "What is the capital of France?")
+    full = smol.generate(prompt, SamplingParams(temperature=0, max_tokens=12, logprobs=1))[0].outputs[0]
+    p = SamplingParams(temperature=0, max_tokens=12, logprobs=1, detokenize=False)
+    ids_only = smol.generate(prompt, p)[0].outputs[0]
+    assert full.text and ids_only.text == "" and ids_only.token_ids == full.token_ids
+    assert ids_only.cumulative_logprob == full.cumulative_logprob
+    streamed = _outputs_by_request(smol, [prompt], [dataclasses.replace(p, output_kind=RequestOutputKind.DELTA)])
+    assert {o.outputs[0].delta_text for o in streamed["s0"]} == {""}
 
 
 def test_min_tokens_holds_back_eos(smol):

@@ -37,15 +37,20 @@ def hf_prompt_logprobs(model_dir, prompts: list[list[int]]) -> list[torch.Tensor
 
 
 def assert_prompt_logprobs(got, prompt: list[int], ref: torch.Tensor, k: int) -> None:
+    """vLLM's offline shape: None, then per prompt token {token id: Logprob}, that token first and
+    the k most likely ranked 1..k."""
     assert len(got) == len(prompt) and got[0] is None
-    for p, pl in enumerate(got[1:]):
-        row = ref[p]
-        assert pl.token_id == prompt[p + 1]
-        assert abs(pl.logprob - row[pl.token_id].item()) < TOL
-        lp = row[pl.token_id]
+    for p, entry in enumerate(got[1:]):
+        row, token = ref[p], prompt[p + 1]
+        assert next(iter(entry)) == token
+        pl = entry[token]
+        assert abs(pl.logprob - row[token].item()) < TOL
+        lp = row[token]
         assert int((row > lp + TOL).sum()) + 1 <= pl.rank <= int((row >= lp - TOL).sum())  # near-ties may swap
-        top_ref = row.topk(k)
-        assert [lp for _, lp in pl.top] == pytest.approx(top_ref.values.tolist(), abs=TOL)
+        top = sorted(entry.values(), key=lambda e: e.rank)[:k]
+        assert [e.rank for e in top] == list(range(1, k + 1)) and len(entry) in (k, k + 1)
+        assert [e.logprob for e in top] == pytest.approx(row.topk(k).values.tolist(), abs=TOL)
+        assert all(isinstance(e.decoded_token, str) for e in entry.values())
 
 
 @pytest.fixture(scope="module", params=["gqa", "tied"])
@@ -212,8 +217,8 @@ def test_tp2_prompt_logprobs_and_logit_bias_match_tp1_and_hf(ray_cluster, tmp_pa
             continue
         assert [c.token_ids for c in a.outputs] == [greedy[i]] * params[i].n
         assert_prompt_logprobs(a.prompt_logprobs, prompt, ref[i], params[i].prompt_logprobs)
-        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
-            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < TOL
+        for token, x, y in zip(prompt[1:], a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert abs(x[token].logprob - y[token].logprob) < TOL
 
 
 def test_apply_logit_bias_adds_to_each_rows_own_tokens():

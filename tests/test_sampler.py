@@ -293,6 +293,7 @@ def test_logprobs_are_of_the_raw_logits():
     for i in (0, 1, 3):
         res = results[i]
         assert res.logprob == pytest.approx(raw[i, res.token_id].item(), abs=1e-6)
+        assert res.rank == int((raw[i] >= raw[i, res.token_id]).sum())  # the sampled token's vocabulary rank
         n = rows[i].params.logprobs
         assert len(res.top_logprobs) == n
         values = [v for _, v in res.top_logprobs]
@@ -302,8 +303,9 @@ def test_logprobs_are_of_the_raw_logits():
             assert [t for t, _ in res.top_logprobs] == top.indices.tolist()
             assert values == pytest.approx(top.values.tolist(), abs=1e-6)
     assert results[1].top_logprobs == []
-    assert results[2].logprob is None and results[2].top_logprobs is None
+    assert results[2].logprob is None and results[2].top_logprobs is None and results[2].rank is None
     assert math.isfinite(results[0].logprob)
+    assert results[1].rank == 1 and results[0].rank > 1  # greedy: the top; a penalized, tempered draw: not
 
 
 # ---- host waits ------------------------------------------------------------------------------

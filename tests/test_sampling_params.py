@@ -53,10 +53,27 @@ def test_stop_list_is_copied():
     ("stop_token_ids", [5, -1]),
     ("temperature", float("inf")),
     ("seed", 1 << 63),  # beyond torch's 64-bit seeds
+    # the wrong type: said when the params are built, naming the field (vLLM's checks too)
+    ("n", 2.5), ("n", "2"), ("max_tokens", "10"), ("max_tokens", 10.0), ("top_k", 1.5), ("seed", 1.0),
+    ("logprobs", "1"), ("temperature", "0.5"), ("top_p", None), ("stop", 5), ("stop_token_ids", 5),
+    ("stop_token_ids", [1.5]),
 ])
 def test_invalid_values_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field} must be"):
         SamplingParams(**{field: value})
+
+
+def test_numbers_of_other_kinds_are_accepted():
+    import numpy as np
+
+    p = SamplingParams(n=np.int64(2), max_tokens=np.int32(5), temperature=1, top_p=np.float32(0.5))
+    assert (p.n, p.max_tokens, p.temperature) == (2, 5, 1)
+
+
+def test_detokenize_off_takes_no_stop_strings():
+    with pytest.raises(ValueError, match="stop must be empty with detokenize=False"):
+        SamplingParams(detokenize=False, stop=["x"])
+    assert SamplingParams(detokenize=False, stop_token_ids=[3]).stop_token_ids == [3]
 
 
 def test_min_tokens_above_max_tokens_is_rejected():

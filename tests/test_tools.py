@@ -124,14 +124,15 @@ def test_named_choice_constrains_to_the_arguments_schema(tokenizer):
     choice = {"type": "function", "function": {"name": "get_weather"}}
     r, engine = run(tokenizer, args, create(tools=TOOLS, tool_choice=choice))
     (tc,) = r.choices[0].message.tool_calls
-    assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
+    # A forced call ends "stop", as OpenAI's and vLLM's do (an auto or required call: "tool_calls").
+    assert r.choices[0].message.content is None and r.choices[0].finish_reason == "stop"
     assert tc.function.name == "get_weather" and json.loads(tc.function.arguments) == json.loads(args)
     spec = engine.seen[0][1].structured_outputs
     assert json.loads(spec.json) == WEATHER_ARGS and spec.lenient  # the tool is not `strict`
     (chunks, calls, _), _ = run(tokenizer, args, streamed(tools=TOOLS, tool_choice=choice))
     ((call_id, name, streamed_args),) = calls.values()
     assert name == "get_weather" and streamed_args == args
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_required_choice_constrains_to_hermes_calls_of_the_tools(tokenizer):
@@ -354,4 +355,4 @@ def test_named_stream():
     assert first["tool_calls"][0]["function"] == {"name": "f", "arguments": ""}
     assert s.step('{"a"', None)[0] == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a"'}}]}
     assert s.step(": 1}", "stop") == ({"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]},
-                                      "tool_calls")
+                                      "stop")  # a forced call ends "stop" (OpenAI's and vLLM's)

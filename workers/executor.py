@@ -80,8 +80,8 @@ class RankDraws:
                 self.encoder.add_fork(parent_of[row], seq)
             else:
                 parent_of[row] = seq.seq_id
-            logprob, top = d.logprobs.get(i, (None, None))
-            results.append(SampleResult(d.token_ids[i], logprob, top))
+            logprob, top, rank = d.logprobs.get(i, (None, None, None))
+            results.append(SampleResult(d.token_ids[i], logprob, top, rank))
         return results
 
 

@@ -74,7 +74,7 @@ class RankSampler:
         for i, (seq, result) in enumerate(zip(seqs, results)):
             seq.output_token_ids.append(result.token_id)
             if result.logprob is not None:
-                logprobs[i] = (result.logprob, result.top_logprobs)
+                logprobs[i] = (result.logprob, result.top_logprobs, result.rank)
         return Draws(sampled, rows, [r.token_id for r in results], logprobs)
 
     def prompt_logprobs(self, chunks: Iterable[torch.Tensor], spans: list[PromptSpan],
