@@ -66,7 +66,8 @@ class BeamSearchParams:
 @dataclass
 class BeamSearchSequence:
     """One beam of `LLM.beam_search`, as vLLM's: its tokens with the prompt's, each generated
-    token's round logprobs (the 2k best and it), and the text of them all."""
+    token's round logprobs (the 2k best and it; `LLM` makes each a vLLM Logprob), and the text of
+    them all."""
     tokens: list[int]
     logprobs: list[dict[int, float]]
     cum_logprob: float

@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 from collections.abc import AsyncIterator, Iterator
 
-from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, search, sequences
+from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence, search, sequences
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import Logprob, RequestOutput, StepOutput
@@ -70,8 +70,8 @@ class LLM:
                         bar.update(1)
         if bar:
             bar.close()
-        return [_vllm_logprobs(_joined(rid, [(done[part_id], first) for part_id, first in parts[rid]]), p, self.tokenizer)
-                for rid, p in zip(ids, params)]
+        return [_Logprobs(self.tokenizer, p.detokenize).request_output(
+            _joined(rid, [(done[part_id], first) for part_id, first in parts[rid]]), p) for rid, p in zip(ids, params)]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -108,13 +108,15 @@ class LLM:
             asked.append((ids, sampling if salt is None else dataclasses.replace(sampling, cache_salt=salt)))
         beam = BeamSearch(params.beam_width, params.length_penalty, params.include_stop_str_in_output)
         eos = set(self.engine.eos_token_ids)
+        logprobs = _Logprobs(self.tokenizer)
         bar = _progress(len(asked)) if use_tqdm else None
 
         async def one(calls: _EngineCalls, ids: list[int], p: SamplingParams) -> BeamSearchOutput:
             _, best = await search(calls.generate, f"beam-{next(self._ids)}", ids, p, beam, eos)
             if bar:
                 bar.update(1)
-            return sequences(ids, best, beam, self.tokenizer.decode)
+            out = sequences(ids, best, beam, self.tokenizer.decode)
+            return BeamSearchOutput([logprobs.beam(q, len(ids)) for q in out.sequences])
 
         async def run() -> list[BeamSearchOutput]:
             calls = _EngineCalls(self.engine)
@@ -230,34 +232,45 @@ def _joined(request_id: str, parts: list[tuple[RequestOutput, int]]) -> RequestO
                                num_cached_tokens=min(out.num_cached_tokens for out, _ in parts))
 
 
-def _vllm_logprobs(out: RequestOutput, params: SamplingParams, tokenizer) -> RequestOutput:
-    """`out` with its logprobs as vLLM's `LLM` gives them: per token `{token id: Logprob}`, the
-    sampled (or prompt) token first, then the asked-for top ones ranked 1, 2, ...; the prompt's
-    list starts with None. The engine's own outputs keep plain floats (the server formats those)."""
-    if params.logprobs is None and params.prompt_logprobs is None:
+class _Logprobs:
+    """Logprobs as vLLM's `LLM` gives them: per token `{token id: Logprob}`, the token itself first,
+    then the top ones ranked 1, 2, ...; each token's text decoded once (None with detokenize=False).
+    The engine's own outputs keep plain floats (the server formats those)."""
+
+    def __init__(self, tokenizer, detokenize: bool = True) -> None:
+        self.tokenizer, self.detokenize = tokenizer, detokenize
+        self.texts: dict[int, str | None] = {}
+
+    def text(self, token_id: int) -> str | None:
+        if token_id not in self.texts:
+            tok = self.tokenizer
+            self.texts[token_id] = tok.convert_tokens_to_string([tok.convert_ids_to_tokens(token_id)]) \
+                if self.detokenize else None
+        return self.texts[token_id]
+
+    def entry(self, token_id: int, logprob: float, rank: int | None, top) -> dict[int, Logprob]:
+        """`top`: (token id, logprob) pairs, most likely first (a token among them takes its rank there)."""
+        out = {token_id: Logprob(logprob, rank, self.text(token_id))}
+        out.update((t, Logprob(lp, r, self.text(t))) for r, (t, lp) in enumerate(top, 1))
         return out
-    texts: dict[int, str | None] = {}
 
-    def text(token_id: int) -> str | None:
-        if token_id not in texts:
-            texts[token_id] = tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(token_id)]) \
-                if params.detokenize else None
-        return texts[token_id]
+    def request_output(self, out: RequestOutput, params: SamplingParams) -> RequestOutput:
+        """`out`'s logprobs and prompt logprobs (which start with None) as vLLM's."""
+        outputs, prompt_logprobs = out.outputs, out.prompt_logprobs
+        if params.logprobs is not None:  # an engine entry: the top ones in order, then the sampled token
+            outputs = [dataclasses.replace(c, logprobs=[
+                self.entry(t, e[t], rank, list(e.items())[:params.logprobs])
+                for t, e, rank in zip(c.token_ids, c.logprobs, c.ranks or itertools.repeat(None))]) for c in outputs]
+        if prompt_logprobs is not None:
+            prompt_logprobs = [None if p is None else self.entry(p.token_id, p.logprob, p.rank, p.top)
+                               for p in prompt_logprobs]
+        return dataclasses.replace(out, outputs=outputs, prompt_logprobs=prompt_logprobs)
 
-    def ranked(token_id: int, logprob: float, rank: int | None, top) -> dict[int, Logprob]:
-        entry = {token_id: Logprob(logprob, rank, text(token_id))}
-        entry.update((t, Logprob(lp, r, text(t))) for r, (t, lp) in enumerate(top, 1))
-        return entry
-
-    outputs = out.outputs
-    if params.logprobs is not None:
-        outputs = [dataclasses.replace(c, logprobs=[
-            ranked(t, e[t], rank, list(e.items())[:params.logprobs])
-            for t, e, rank in zip(c.token_ids, c.logprobs, c.ranks or itertools.repeat(None))]) for c in outputs]
-    prompt_logprobs = out.prompt_logprobs
-    if prompt_logprobs is not None:
-        prompt_logprobs = [None if p is None else ranked(p.token_id, p.logprob, p.rank, p.top) for p in prompt_logprobs]
-    return dataclasses.replace(out, outputs=outputs, prompt_logprobs=prompt_logprobs)
+    def beam(self, seq: BeamSearchSequence, num_prompt_tokens: int) -> BeamSearchSequence:
+        """A beam's round logprobs (its token among the round's best, ranked where it stands)."""
+        return dataclasses.replace(seq, logprobs=[
+            self.entry(t, e[t], None, sorted(e.items(), key=lambda kv: kv[1], reverse=True))
+            for t, e in zip(seq.tokens[num_prompt_tokens:], seq.logprobs)])
 
 
 def _progress(total: int):

@@ -85,7 +85,12 @@ def test_offline_beam_search_finds_hf_transformers_beams(tiny_dir, hf_beams, max
     for o, p in zip(outs, PROMPTS):
         assert all(q.tokens[:len(p)] == p and q.finish_reason == "length" for q in o.sequences)
         assert [q.text for q in o.sequences] == [llm.tokenizer.decode(q.tokens) for q in o.sequences]
-        cums = [sum(e[t] for t, e in zip(q.tokens[len(p):], q.logprobs)) for q in o.sequences]
+        cums = [sum(e[t].logprob for t, e in zip(q.tokens[len(p):], q.logprobs)) for q in o.sequences]
+        for q in o.sequences:  # vLLM's Logprob: the token first, ranked where it stands among its round's best
+            for t, e in zip(q.tokens[len(p):], q.logprobs):
+                assert next(iter(e)) == t and sorted(x.rank for x in e.values()) == list(range(1, len(e) + 1))
+                assert all(x.decoded_token == llm.tokenizer.convert_tokens_to_string(
+                    [llm.tokenizer.convert_ids_to_tokens(k)]) for k, x in e.items())
         assert cums == pytest.approx([q.cum_logprob for q in o.sequences]) and cums == sorted(cums, reverse=True)
     bm = llm.engine.block_manager
     assert not llm.engine.has_unfinished() and bm.num_free_blocks == bm.num_blocks
@@ -105,7 +110,7 @@ def test_offline_beam_ending_in_eos_keeps_its_logprob_and_shows_it_when_asked(sm
     assert best.finish_reason == "stop" and best.stop_reason in llm.engine.eos_token_ids
     assert (generated[-1] == best.stop_reason) is include and " Paris" in best.text
     assert len(best.logprobs) == len(generated)
-    shown = sum(e[t] for t, e in zip(generated, best.logprobs))
+    shown = sum(e[t].logprob for t, e in zip(generated, best.logprobs))
     assert shown == pytest.approx(best.cum_logprob) if include else best.cum_logprob < shown
 
 
