@@ -338,6 +338,8 @@ def engine_router_config(engine: EngineConfig, options: ServeOptions):
             kwargs["default_max_tokens"] = engine.max_model_len
     elif options.routing in ("prefix_affinity", "cache_aware"):  # these match prompts as text, as their authors do
         kwargs["tokenizer"] = engine.tokenizer or str(resolve_model(engine.model))
+        if engine.trust_remote_code:
+            kwargs["trust_remote_code"] = True
     return request_router_config(options.routing, options.routing_stats_period_s, **kwargs)
 
 
@@ -408,4 +410,4 @@ def build_app(args: dict | None = None):
         from router.ingress import ResponseStoreDeployment  # shared: a follow-up may reach another ingress
 
         store = ResponseStoreDeployment.bind(settings.responses_store_max_bytes)
-    return ingress.bind(engine_app, settings, engine.model, engine.tokenizer, store)
+    return ingress.bind(engine_app, settings, engine.model, engine.tokenizer, store, engine.trust_remote_code)

@@ -89,6 +89,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="reuse KV blocks of identical prompt prefixes")
     add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
         help="split long prompts across engine steps")
+    add("--trust-remote-code", action="store_true",
+        help="load a tokenizer whose directory ships its own Python code (transformers' auto_map), as "
+             "vLLM's flag does; the model itself must still be a Llama-family checkpoint")
     add("--enforce-eager", action="store_true",
         help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (captured at start-up per "
              "batch-size bucket)")

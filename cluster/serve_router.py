@@ -170,9 +170,10 @@ class _PeerRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     (Serve then skips it while full, backs off and asks again), learns where calls were routed
     (on_request_routed) and counts this router's calls in flight per replica."""
 
-    def initialize_state(self, default_max_tokens: int = 256, tokenizer: str | None = None, **policy) -> None:
+    def initialize_state(self, default_max_tokens: int = 256, tokenizer: str | None = None,
+                         trust_remote_code: bool = False, **policy) -> None:
         self.default_max_tokens = default_max_tokens
-        self.detokenize = _detokenizer(tokenizer) if tokenizer else None
+        self.detokenize = _detokenizer(tokenizer, trust_remote_code) if tokenizer else None
         self.policy = self.make_policy(**policy)
         self._requests: dict[str, RouteRequest] = {}  # internal request id -> request, until routed
         self._inflight: dict[str, int] = {}  # replica -> calls this router sent there, not yet completed
@@ -218,16 +219,17 @@ class _PeerRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             tree.remove_tenant(replica_key(replica_id))
 
 
-def _detokenizer(path: str):
-    from transformers import AutoTokenizer
+def _detokenizer(path: str, trust_remote_code: bool = False):
+    from engine.model_source import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path, trust_remote_code)
     return lambda ids: tokenizer.decode(ids)
 
 
 class PrefixAffinityRequestRouter(_PeerRequestRouter):
     """Ray Serve LLM's PrefixCacheAffinityRouter rules; queue lengths as Ray reads them (Serve's
-    cache, else a probe). Kwargs: PrefixAffinityConfig fields, `tokenizer` (a directory)."""
+    cache, else a probe). Kwargs: PrefixAffinityConfig fields, `tokenizer` (a directory) and
+    `trust_remote_code`."""
 
     def make_policy(self, **policy):
         return PrefixAffinityRouter(config=PrefixAffinityConfig(**policy))

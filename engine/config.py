@@ -12,6 +12,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 class EngineConfig:
     model: str | None = None  # local HF-style dir with safetensors; None = embedded SmolLM2
     tokenizer: str | None = None  # defaults to the model dir
+    trust_remote_code: bool = False  # let a tokenizer run the code its directory ships (transformers' auto_map)
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda when available, else cpu
     seed: int = 0

@@ -117,13 +117,11 @@ class ModelSpec:
 
 
 def load_model_info(config: EngineConfig) -> ModelSpec:
-    from transformers import AutoTokenizer
-
-    from engine.model_source import resolve_model
+    from engine.model_source import load_tokenizer, resolve_model
 
     model_dir = resolve_model(config.model)
     arch, hf_config = load_arch(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or model_dir))
+    tokenizer = load_tokenizer(config.tokenizer or model_dir, config.trust_remote_code)
     return ModelSpec(model_dir, arch, tokenizer, eos_token_ids(model_dir, hf_config, tokenizer),
                      resolve_device(config.device))
 

@@ -130,7 +130,6 @@ class LLMEngine:
         touched: dict[str, Request] = {}
 
         def append(seq: Sequence, result: SampleResult) -> bool:
-            self.scheduler.stats.generation_tokens += 1
             req = touched.setdefault(seq.request_id, self.requests[seq.request_id])
             verdict = self.structured.accept(seq, result.token_id) if self.structured else None
             done = req.append_token(seq, result, self.eos_token_ids, self.max_model_len)

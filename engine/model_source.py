@@ -44,6 +44,13 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     return path.resolve()
 
 
+def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
+    """The tokenizer of a directory, as the engine, the ingress and the routers all load it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+
+
 def check_model_dir(path: Path) -> None:
     """Raise ModelError unless `path` is a directory the engine can load."""
     if not path.exists():

@@ -198,6 +198,7 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         rows, seqs = self._fork_sampled([batch.seqs[i] for i in sampled], on_fork)
+        self.stats.generation_tokens += len(seqs)
         finished = []
         for seq, result in zip(seqs, sample(rows, seqs), strict=True):
             if append(seq, result):

@@ -269,16 +269,15 @@ class HandleResponseStore:
 
 class OpenAIIngress:
     def __init__(self, engine: DeploymentHandle, settings: RouterSettings, model: str | None = None,
-                 tokenizer: str | None = None, store: DeploymentHandle | None = None) -> None:
+                 tokenizer: str | None = None, store: DeploymentHandle | None = None,
+                 trust_remote_code: bool = False) -> None:
         """`store`: the response store deployment when there may be more than one ingress
         replica; else this replica keeps its own (settings.responses_store_max_bytes)."""
-        from transformers import AutoTokenizer
-
-        from engine.model_source import resolve_model
+        from engine.model_source import load_tokenizer, resolve_model
 
         # The tokenizer the engine loads: the one named, else the model directory's.
         model_dir = resolve_model(model)
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer or str(model_dir))
+        tokenizer = load_tokenizer(tokenizer or model_dir, trust_remote_code)
         self._engine_name = engine.deployment_name
         settings = settings.resolve_api_key().with_sampling_defaults(model_dir)
         if settings.enable_log_requests:

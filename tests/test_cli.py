@@ -50,13 +50,13 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
         "--kv-cache-memory", "1G", "--gpu-memory-utilization", "0.5", "--cpu-kv-cache-fraction", "0.1",
         "--max-cpu-kv-cache-bytes", "2G", "--max-model-len", "512", "--max-num-seqs", "4",
         "--max-num-batched-tokens", "256", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
-        "--stream-interval", "4", "--distributed-executor-backend", "ray", "--enforce-eager"])
+        "--stream-interval", "4", "--distributed-executor-backend", "ray", "--enforce-eager", "--trust-remote-code"])
     kwargs = engine_config_from_args(ns)
     assert set(kwargs) == EngineConfig.field_names()
     config = EngineConfig(**kwargs)
     assert config.tensor_parallel_size == 2 and config.kv_cache_memory == 1 << 30
     assert config.enable_prefix_caching is False and config.enable_chunked_prefill is False
-    assert config.stream_interval == 4 and config.enforce_eager is True
+    assert config.stream_interval == 4 and config.enforce_eager is True and config.trust_remote_code is True
 
 
 def test_flags_not_given_leave_engine_config_defaults():
@@ -150,22 +150,26 @@ def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_
     it: it drains, exits 0, and takes every Ray process it started with it.
 
     On the way, the engine replica's log lines reach the console: the model it loaded, and vLLM's
-    stats line each interval it works (none with --disable-log-stats, given to the process engine)."""
+    stats line each interval it works (none with --disable-log-stats, given to the process engine).
+    The process engine's model has a tokenizer that ships its own code: --trust-remote-code gets it
+    loaded where the ingress and the engine core load theirs."""
     import signal
 
     import httpx
     import psutil
 
     from tests.local_serve import free_port
-    from tests.tiny_llama import make_tiny_llama
+    from tests.tiny_llama import make_tiny_llama, with_tokenizer_code
 
     model = make_tiny_llama(tmp_path / "tiny", tokenizer_dir=smollm2_path)
     port = free_port()
     log = tmp_path / "serve.err"
     quiet = engine_cls is not None
+    if quiet:
+        with_tokenizer_code(model)
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--port", str(port),
                              "--max-model-len", "256", "--device", "cpu", *engine_flag(engine_cls),
-                             *(["--disable-log-stats"] if quiet else [])], cwd=ROOT, text=True,
+                             *(["--disable-log-stats", "--trust-remote-code"] if quiet else [])], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=log.open("w"), start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "KVSERVE_LOG_STATS_INTERVAL": "0.5"})
     try:

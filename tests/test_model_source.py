@@ -204,3 +204,22 @@ def test_a_corrupt_weights_file_is_named(tmp_path, smollm2_path):
     (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:1000])  # a cut download
     with pytest.raises(ModelError, match=r"cannot read '.*model.safetensors': SafetensorError: "):
         LLM(model=str(d))
+
+
+def test_a_tokenizer_that_ships_code_loads_only_with_trust_remote_code(tmp_path, smollm2_path):
+    """vLLM's --trust-remote-code: the engine's tokenizer (and so the offline LLM) runs the code a
+    tokenizer directory ships only when asked to; without it, transformers' own error says so."""
+    from engine import LLM, SamplingParams
+    from engine.model_source import load_tokenizer
+    from tests.tiny_llama import make_tiny_llama, with_tokenizer_code
+
+    model = with_tokenizer_code(make_tiny_llama(tmp_path / "tiny", smollm2_path))
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        load_tokenizer(model)
+    assert load_tokenizer(model, trust_remote_code=True).ships_code
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        LLM(model=str(model), num_gpu_blocks_override=16)
+    llm = LLM(model=str(model), trust_remote_code=True, num_gpu_blocks_override=16)
+    assert llm.tokenizer.ships_code
+    out = llm.generate([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))[0].outputs[0]
+    assert len(out.token_ids) == 3 and out.text == llm.tokenizer.decode(out.token_ids)

@@ -1,6 +1,7 @@
 """Tiny random Llama-family checkpoints written to safetensors, plus the HF greedy oracle."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -58,6 +59,19 @@ def make_tiny_llama(out_dir: Path, tokenizer_dir: str, kind: str = "gqa", vocab_
         if src.exists():
             shutil.copy(src, out_dir / name)
     return out_dir
+
+
+def with_tokenizer_code(model_dir: Path) -> Path:
+    """The directory's tokenizer made one that ships its own Python code (transformers' auto_map), as
+    some checkpoints' are: loading it needs trust_remote_code. The class is the fast tokenizer again."""
+    cfg_path = Path(model_dir) / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(auto_map={"AutoTokenizer": [None, "custom_tokenizer.CustomTokenizer"]}, tokenizer_class="CustomTokenizer")
+    cfg_path.write_text(json.dumps(cfg))
+    (Path(model_dir) / "custom_tokenizer.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class CustomTokenizer(PreTrainedTokenizerFast):\n    ships_code = True\n")
+    return Path(model_dir)
 
 
 def gguf_roundtrip(w: torch.Tensor, qtype: str) -> torch.Tensor:
