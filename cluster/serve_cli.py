@@ -59,6 +59,8 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                            "the least recently used go beyond it; 0 stores none (default: 64M)")
     http.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=None,
                       help="log each request's prompt token ids and sampling params (off by default)")
+    http.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false", default=None,
+                      help="vLLM's older spelling of --no-enable-log-requests (the default)")
     http.add_argument("--disable-log-stats", action="store_true", default=None,
                       help="no periodic stats line (throughput, queue, KV use) in each engine replica's log")
     http.add_argument("--chat-template", metavar="FILE|TEMPLATE",

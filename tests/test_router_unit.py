@@ -390,6 +390,16 @@ def test_serve_flags_map_onto_app_args():
     split_args(app_args_from_cli(ns))
 
 
+def test_vllm_spellings_of_serve_flags():
+    def parsed(*flags):
+        return app_args_from_cli(build_parser().parse_args(["serve", *flags]))
+
+    assert parsed("--disable-log-requests")["enable_log_requests"] is False  # vLLM's older flag
+    assert parsed("--enable-log-requests")["enable_log_requests"] is True
+    assert "enable_log_requests" not in parsed()
+    assert parsed("--disable-log-stats")["disable_log_stats"] is True and "disable_log_stats" not in parsed()
+
+
 def test_more_than_one_ingress_replica_routes_drain_calls_to_each():
     from cluster.app import ingress_deployment_options
     from cluster.ingress_router import IngressRequestRouter
