@@ -45,8 +45,9 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     http = p.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     http.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
-    http.add_argument("--api-key", type=_api_key, default=os.environ.get("KVSERVE_API_KEY") or None, metavar="KEY",
-                      help="require `Authorization: Bearer KEY` (default: $KVSERVE_API_KEY; none if unset)")
+    http.add_argument("--api-key", type=_api_key, default=_key_from_env(), metavar="KEY",
+                      help="require `Authorization: Bearer KEY` (default: $KVSERVE_API_KEY, else vLLM's "
+                           "$VLLM_API_KEY; none if both are unset)")
     http.add_argument("--served-model-name", nargs="+", metavar="NAME",
                       help="the model names clients may send; replies name the first (default: --model as "
                            "given, or the embedded model's)")
@@ -149,6 +150,14 @@ def _port(text: str) -> int:
     return port
 
 
+KEY_VARIABLES = ("KVSERVE_API_KEY", "VLLM_API_KEY")  # where --api-key's default comes from, in that order
+
+
+def _key_from_env() -> str | None:
+    """A deployment moved from vLLM keeps its key in $VLLM_API_KEY: read, never served open."""
+    return next((os.environ[v] for v in KEY_VARIABLES if os.environ.get(v)), None)
+
+
 def _api_key(text: str) -> str:
     if not text:  # `--api-key "$KVSERVE_API_KEY"` with the variable unset: refused, not served open
         raise argparse.ArgumentTypeError("empty key (is the variable it came from unset?); leave the flag out "
@@ -190,15 +199,15 @@ def app_args_from_cli(ns: argparse.Namespace) -> dict:
 
 
 def ready_message(host: str, port: int, model: str, api_key: str | None) -> str:
-    """The ready line and a curl to paste, which never shows the key: it reads $KVSERVE_API_KEY
-    where the key came from there, else it holds a placeholder for the --api-key given."""
+    """The ready line and a curl to paste, which never shows the key: it reads the variable the key
+    came from ($KVSERVE_API_KEY, $VLLM_API_KEY), else it holds a placeholder for the --api-key given."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     url = f"http://{shown}:{port}"
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 32, "temperature": 0})
     auth = ""
     if api_key:
-        key = "$KVSERVE_API_KEY" if api_key == os.environ.get("KVSERVE_API_KEY") else "<the --api-key>"
+        key = next((f"${v}" for v in KEY_VARIABLES if api_key == os.environ.get(v)), "<the --api-key>")
         auth = f' -H "Authorization: Bearer {key}"'
     return (f"kvserve: ready: {model} at {url} (OpenAI API under {url}/v1; Ctrl-C stops)\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")

@@ -421,6 +421,24 @@ def test_ready_message_has_a_working_curl_and_never_the_key(monkeypatch):
     assert json.loads(body)["model"] == "smol"
     msg = ready_message("0.0.0.0", 8000, "smol", api_key="given-on-the-command-line")
     assert "given-on-the-command-line" not in msg and "Bearer <the --api-key>" in msg  # not $KVSERVE_API_KEY: a 401
+    monkeypatch.delenv("KVSERVE_API_KEY")
+    monkeypatch.setenv("VLLM_API_KEY", "v-k3y")
+    assert "Bearer $VLLM_API_KEY" in ready_message("0.0.0.0", 8000, "smol", api_key="v-k3y")
+
+
+def test_the_key_defaults_to_kvserves_variable_then_vllms(monkeypatch):
+    """A deployment moved from `vllm serve` that keeps its key in $VLLM_API_KEY is not served open."""
+    def key():
+        return build_parser().parse_args(["serve"]).api_key
+
+    monkeypatch.delenv("KVSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert key() is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert key() == "from-vllm"
+    monkeypatch.setenv("KVSERVE_API_KEY", "from-kvserve")
+    assert key() == "from-kvserve"
+    assert build_parser().parse_args(["serve", "--api-key", "given"]).api_key == "given"
 
 
 def kvserve(*args: str) -> subprocess.CompletedProcess:
