@@ -300,7 +300,8 @@ def router_settings(engine: EngineConfig, options: ServeOptions):
     given.update({k: tuple(v) for k, v in given.items() if k.startswith("allowed_")})  # JSON lists
     if options.chat_template is not None:  # read here: its text travels to the ingress with the settings
         given["chat_template"] = load_chat_template(options.chat_template)
-    return RouterSettings(**{**given, "served_model_name": first, "served_model_aliases": tuple(others)})
+    return RouterSettings(**{**given, "served_model_name": first, "served_model_aliases": tuple(others),
+                             "model_root": engine.model or first})
 
 
 def engine_bundles(tensor_parallel_size: int, use_gpu: bool) -> list[dict[str, float]]:

@@ -201,6 +201,11 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     async def health():
         return {"status": "ok"}
 
+    @app.get("/ping", include_in_schema=False)  # vLLM's (SageMaker's health check): /health's answer
+    @app.post("/ping", include_in_schema=False)
+    async def ping():
+        return {"status": "ok"}
+
     @app.get("/version")  # vLLM's: the server's version, no key needed
     async def server_version():
         return {"version": kvserve_version()}
@@ -302,11 +307,12 @@ def _openapi(app: FastAPI) -> dict:
 
 
 def _with_request_id(request: Request, body: CompletionRequest | ChatCompletionRequest):
-    """vLLM's order: an X-Request-Id header names the reply before the body's request_id (Serve's
-    proxy sets one for every request, the id its logs and the response's X-Request-ID carry). A
-    header unfit for an id is left out, not refused: proxies set it, not clients."""
+    """The body's request_id names the reply, else the X-Request-Id header. vLLM puts the header
+    first, but behind Serve's proxy (and Envoy, nginx, ...) a header is there on every request, put
+    by the proxy, so the body's id would never count. A header unfit for an id is left out, not
+    refused: proxies set it, not clients."""
     given = request.headers.get("x-request-id")
-    if given and re.fullmatch(REQUEST_ID_PATTERN, given):
+    if body.request_id is None and given and re.fullmatch(REQUEST_ID_PATTERN, given):
         body.request_id = given
     return body
 

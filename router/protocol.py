@@ -33,6 +33,10 @@ class StreamOptions(_Model):
     continuous_usage_stats: bool = False  # vLLM extra: with include_usage, every chunk carries the usage so far
 
 
+_NULL_MEANS_DEFAULT = frozenset({"stream", "n", "logprobs", "presence_penalty", "frequency_penalty",
+                                  "parallel_tool_calls", "echo", "return_tokens_as_token_ids"})
+
+
 class _SamplingFields(_Model):
     """The fields completions and chat completions share, mapped onto engine.SamplingParams."""
 
@@ -84,6 +88,15 @@ class _SamplingFields(_Model):
     logits_processors: list[Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):
+        """OpenAI's "boolean or null" / "number or null" fields (vLLM's Optional ones): a client that
+        sends every field, unset ones as null, gets their defaults rather than a 400."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in _NULL_MEANS_DEFAULT)}
+        return data
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -403,6 +416,11 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM extra: the reply's prompt_logprobs
     documents: list[dict[str, Any]] | None = None  # vLLM extra: passed to the chat template (RAG templates)
     reasoning_effort: str | None = None  # OpenAI's, for reasoning models: a 400 here (no template reads it)
+    # OpenAI's fields for what a text model served here cannot do: a 400 when set
+    modalities: list[str] | None = None  # ["text"] is what every reply is
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_unsupported(self):
@@ -413,6 +431,11 @@ class ChatCompletionRequest(_SamplingFields):
                              "calling) is not supported: send tools and tool_choice")
         _refuse(self, "chat_template", where="in chat completions")
         _refuse(self, "reasoning_effort", where="for this model")
+        if any(m != "text" for m in self.modalities or ()):
+            raise ValueError("modalities: this model's replies are text only")
+        for name in ("audio", "prediction", "web_search_options"):  # an empty one asks for it too ({}: search)
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported by this server")
         if self.stream and self.prompt_logprobs is not None:  # vLLM's rule: the field is on the whole reply
             raise ValueError("prompt_logprobs is not available when stream is true")
         _check_template_options(self)

@@ -151,8 +151,14 @@ class OpenAIServing:
         """OpenAI's model object (`client.models.retrieve`); 404 for a name not served here."""
         self.check_model(name)
         info = await self.limits()
-        return {"id": name, "object": "model", "created": self._created, "owned_by": "kvserve", "parent": None,
-                "max_model_len": info["max_model_len"]}
+        # vLLM's ModelCard: the model it serves (`root`), and OpenAI's old permission object
+        return {"id": name, "object": "model", "created": self._created, "owned_by": "kvserve",
+                "root": self.settings.model_root or self.settings.served_model_name, "parent": None,
+                "max_model_len": info["max_model_len"], "permission": [{
+                    "id": f"modelperm-{name}", "object": "model_permission", "created": self._created,
+                    "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                    "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                    "organization": "*", "group": None, "is_blocking": False}]}
 
     async def tokenize(self, req: TokenizeRequest) -> dict:
         self.check_model(req.model)

@@ -12,6 +12,7 @@ from router.reasoning import PARSERS as REASONING_PARSERS
 class RouterSettings:
     served_model_name: str  # the `model` replies name; requests may send it or an alias (404 otherwise)
     served_model_aliases: tuple[str, ...] = ()  # other names requests may send (vLLM's extra --served-model-name)
+    model_root: str | None = None  # the model as given to the engine (/v1/models' `root`, as vLLM's)
     api_key: str | None = None  # when set, every route but /health and /ready needs `Bearer <key>`
     # Or the name of an environment variable holding the key, read where the ingress runs (so a
     # Kubernetes Secret can feed it without the key appearing in the Serve config).

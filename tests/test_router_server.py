@@ -193,12 +193,23 @@ def test_penalties_and_vllm_extras_are_accepted(client):
     assert r.usage.completion_tokens == 5
 
 
+def test_the_bodys_request_id_names_the_reply_behind_serves_proxy(client):
+    """Serve's proxy puts an X-Request-Id on every request: the body's id must still win."""
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, extra_body={"request_id": "mine-1"})
+    assert r.id == "cmpl-mine-1"
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, extra_headers={"X-Request-Id": "hdr-1"})
+    assert r.id == "chatcmpl-hdr-1"
+
+
 # -- other endpoints -------------------------------------------------------------------------------
 
 def test_models(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+    card = models[0].model_dump()  # vLLM's ModelCard fields
+    assert card["root"] == MODEL and card["max_model_len"] == MAX_MODEL_LEN and card["parent"] is None
+    assert card["permission"][0]["object"] == "model_permission" and card["permission"][0]["allow_sampling"]
     assert time.time() - 3600 < models[0].created <= time.time()  # when it began serving, as vLLM's
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4o")
@@ -216,6 +227,7 @@ def test_tokenize_detokenize(http, oracle):
 
 def test_health_and_ready_need_no_key(server):
     assert httpx.get(f"{server}/health").status_code == 200
+    assert httpx.get(f"{server}/ping").status_code == httpx.post(f"{server}/ping").status_code == 200  # vLLM's
     r = httpx.get(f"{server}/ready")
     assert r.status_code == 200 and r.json()["ready"] is True
 

@@ -74,6 +74,10 @@ def test_a_guided_field_constrains_as_structured_outputs_does(tokenizer, endpoin
     ({"truncate_prompt_tokens": 5000}, "truncate_prompt_tokens", "greater than max_model_len (4096)"),
     ({"request_id": "has space"}, "request_id", "should match pattern"),
     ({"cache_salt": ""}, "cache_salt", "at least 1 character"),
+    ({"modalities": ["text", "audio"]}, "modalities", "text only"),  # OpenAI fields a text model cannot honour
+    ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio", "not supported"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction", "not supported"),
+    ({"web_search_options": {}}, "web_search_options", "not supported"),
 ])
 def test_a_field_the_server_cannot_honour_is_a_400_naming_it(tokenizer, extra, param, says):
     error = refused(tokenizer, chat(extra_body=extra))
@@ -82,9 +86,20 @@ def test_a_field_the_server_cannot_honour_is_a_400_naming_it(tokenizer, extra, p
 
 def test_the_same_fields_at_their_defaults_are_accepted(tokenizer):
     defaults = {"use_beam_search": False, "bad_words": [], "functions": [], "function_call": "auto", "echo": False,
-                "guided_decoding_backend": "x", "priority": 0, "length_penalty": 1.0}
+                "guided_decoding_backend": "x", "priority": 0, "length_penalty": 1.0, "modalities": ["text"],
+                "audio": None, "prediction": None, "web_search_options": None}
     _, params = sent(tokenizer, chat(extra_body=defaults))
     assert params.structured_outputs is None
+
+
+@pytest.mark.parametrize("endpoint, nulls", [
+    (chat, ["stream", "n", "logprobs", "presence_penalty", "frequency_penalty", "parallel_tool_calls"]),
+    (lambda **kw: completion(prompt="Is the sky blue?", **kw),
+     ["stream", "n", "echo", "presence_penalty", "frequency_penalty", "return_tokens_as_token_ids"])])
+def test_null_is_the_default_where_openai_allows_null(tokenizer, endpoint, nulls):
+    """A client that sends every field, unset ones as null (OpenAI's "boolean or null"; vLLM's Optional)."""
+    _, params = sent(tokenizer, endpoint(extra_body=dict.fromkeys(nulls)))
+    assert (params.n, params.presence_penalty, params.frequency_penalty, params.logprobs) == (1, 0.0, 0.0, None)
 
 
 def test_continue_final_message_renders_the_last_message_open(tokenizer):
@@ -341,14 +356,16 @@ def test_cache_salt_reaches_the_engine(tokenizer, endpoint):
 
 def test_a_client_request_id_names_the_reply_and_the_engine_ids_stay_unique(tokenizer):
     async def go(client):
-        by_header = await chat(extra_headers={"X-Request-Id": "abc-1"}, extra_body={"request_id": "body-1"})(client)
-        by_body = await completion(prompt="hi", extra_body={"request_id": "body-1"})(client)
+        by_header = await chat(extra_headers={"X-Request-Id": "abc-1"})(client)
+        # the body's id first: behind Serve's proxy every request has the header (the proxy's id)
+        by_body = await completion(prompt="hi", extra_headers={"X-Request-Id": "proxy-1"},
+                                   extra_body={"request_id": "body-1"})(client)
         again = await completion(prompt="hi", extra_body={"request_id": "body-1"})(client)
         unfit = await chat(extra_headers={"X-Request-Id": "a b"})(client)  # not an id: the server makes one
         return by_header.id, by_body.id, again.id, unfit.id
 
     (by_header, by_body, again, unfit), engine = run(tokenizer, "yes", go)
-    assert (by_header, by_body, again) == ("chatcmpl-abc-1", "cmpl-body-1", "cmpl-body-1")  # vLLM's: header first
+    assert (by_header, by_body, again) == ("chatcmpl-abc-1", "cmpl-body-1", "cmpl-body-1")
     assert unfit.startswith("chatcmpl-") and " " not in unfit
     assert len(set(engine.request_ids)) == 4  # two replies named alike are two engine requests all the same
 
