@@ -250,6 +250,8 @@ def check_args(args: dict) -> tuple[EngineConfig, ServeOptions]:
 
     engine, options = split_args(args)
     model_dir = resolve_model(engine.model)
+    if engine.tokenizer is not None and not os.path.isdir(engine.tokenizer):  # no hub: a directory or nothing
+        raise ValueError(f"tokenizer {engine.tokenizer}: no such directory")
     arch = load_arch(model_dir)[0]
     engine.model_len(arch.max_position_embeddings)  # max_model_len within the model's positions
     if engine.tensor_parallel_size > 1:

@@ -307,6 +307,15 @@ def test_every_served_model_name_is_answered_and_replies_name_the_first(tokenize
 
 # -- the app builder -------------------------------------------------------------------------------
 
+def test_a_tokenizer_that_is_not_a_directory_is_refused_before_ray_starts(tmp_path):
+    from cluster.app import check_args
+
+    with pytest.raises(ValueError, match="tokenizer /nonexistent: no such directory"):
+        check_args({"tokenizer": "/nonexistent"})  # not read as a hub id by each replica in turn
+    r = kvserve("serve", "--tokenizer", str(tmp_path / "missing"), "--port", "1")
+    assert r.returncode == 2 and r.stderr.strip() == f"kvserve: error: tokenizer {tmp_path / 'missing'}: no such directory"
+
+
 def test_split_args_routes_keys_and_rejects_unknown_ones():
     engine, options = split_args({"model": None, "max_model_len": 512, "num_replicas": 2, "api_key": "k"})
     assert engine.max_model_len == 512 and options.num_replicas == 2 and options.api_key == "k"
