@@ -170,7 +170,9 @@ def chat_response(rid: str, created: int, model: str, acc: Accumulator, k: int |
     choices = []
     for i, c in enumerate(acc.choices):
         lps = chat_logprobs(c.token_ids, c.logprobs, k, token_str, token_bytes) if k is not None else None
-        choices.append({"index": i, "message": {"role": role, "content": "".join(c.text)},
+        # vLLM's message: no refusal, no tool calls unless the tools found some (router.tools)
+        choices.append({"index": i, "message": {"role": role, "content": "".join(c.text), "refusal": None,
+                                                "tool_calls": []},
                         "logprobs": lps, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": acc.usage()}

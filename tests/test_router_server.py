@@ -193,6 +193,13 @@ def test_penalties_and_vllm_extras_are_accepted(client):
     assert r.usage.completion_tokens == 5
 
 
+def test_a_chat_message_has_vllms_keys_in_raw_json(http):
+    """Clients that read the JSON itself find refusal and tool_calls, as vLLM's reply has them."""
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 2}).json()
+    message = r["choices"][0]["message"]
+    assert message["refusal"] is None and message["tool_calls"] == [] and message["role"] == "assistant"
+
+
 def test_the_bodys_request_id_names_the_reply_behind_serves_proxy(client):
     """Serve's proxy puts an X-Request-Id on every request: the body's id must still win."""
     r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, extra_body={"request_id": "mine-1"})
