@@ -98,7 +98,42 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--stream-interval", type=int, metavar="TOKENS",
         help="stream a request's tokens every N tokens rather than every step, so fewer messages "
              "carry them; the first token and the last are sent at once (default: 1)")
+    _add_vllm_only_flags(parser)
     return parser
+
+
+def _only(*values: str):
+    """A flag's type that takes only `values`: those that ask nothing kvserve does not do."""
+    def parse(text: str) -> str:
+        if text not in values:
+            raise argparse.ArgumentTypeError(f"only {' or '.join(values)} here, not {text!r}")
+        return text
+    return parse
+
+
+def _add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM flags whose every value kvserve takes asks nothing of it, so that a vLLM command line
+    runs unchanged; a value that would ask for something kvserve lacks is an error. None of them
+    reaches EngineConfig."""
+    g = parser.add_argument_group("vLLM flags with nothing to set here")
+
+    def add(*flags: str, **kwargs):
+        return g.add_argument(*flags, default=argparse.SUPPRESS, **kwargs)
+
+    add("--kv-cache-dtype", type=_only("auto"), metavar="auto",
+        help="the KV cache is in the model's dtype (vLLM's auto); fp8 caches are not implemented")
+    add("-pp", "--pipeline-parallel-size", type=_only("1"), metavar="1",
+        help="1: replicas shard by tensor parallelism alone")
+    add("--tokenizer-mode", type=_only("auto", "hf"), metavar="auto", help="transformers' tokenizer (vLLM's auto)")
+    add("--load-format", type=_only("auto", "safetensors"), metavar="auto",
+        help="weights are read from safetensors files (what auto reads)")
+    add("--disable-custom-all-reduce", action="store_true",
+        help="no effect: tensor parallelism all-reduces with torch.distributed (NCCL, gloo), no custom kernel")
+    add("--max-seq-len-to-capture", type=int, metavar="N",
+        help="no effect: the decode CUDA graphs replay at any context length")
+    add("--swap-space", type=float, metavar="GIB",
+        help="no effect: preempted sequences are recomputed (as in vLLM V1), not swapped to CPU memory")
+    add("--download-dir", metavar="DIR", help="no effect: models are local directories, nothing is downloaded")
 
 
 def engine_config_from_args(ns: argparse.Namespace) -> dict:

@@ -187,6 +187,9 @@ def _json_strings(text: str) -> list[str]:
 def app_args_from_cli(ns: argparse.Namespace) -> dict:
     """The `cluster.app.build_app` argument dict for these flags (only the ones given)."""
     if ns.model_tag is not None:
+        if ns.model_tag.lower() in ("true", "false"):  # older vLLM's `--enable-chunked-prefill False`
+            raise ValueError(f"{ns.model_tag!r} is not a model: kvserve's on/off flags take no value "
+                             "(--enable-chunked-prefill, --no-enable-chunked-prefill)")
         given = getattr(ns, "model", None)  # engine flags not given are absent (argparse.SUPPRESS)
         if given is not None and given != ns.model_tag:
             raise ValueError(f"the model is given twice: {ns.model_tag} and --model {given}")

@@ -100,6 +100,27 @@ def test_flags_spelled_with_underscores_as_vllm_takes_them():
     assert r.returncode == 2 and "exceeds max_model_len (4)" in r.stderr and "unrecognized" not in r.stderr
 
 
+def test_vllm_flags_that_ask_nothing_of_kvserve_are_taken_and_others_refused():
+    """A vLLM command line runs unchanged where its values need nothing kvserve lacks."""
+    flags = ["--kv-cache-dtype", "auto", "-pp", "1", "--tokenizer-mode", "auto", "--load-format", "safetensors",
+             "--disable-custom-all-reduce", "--max-seq-len-to-capture", "8192", "--swap-space", "4",
+             "--download-dir", "/models"]
+    for command in (["generate", "p"], ["serve"]):
+        ns = build_parser().parse_args([*command, *flags])
+        assert engine_config_from_args(ns) == {}  # none of them sets anything
+    for flag, value in [("--kv-cache-dtype", "fp8"), ("--pipeline-parallel-size", "2"), ("--tokenizer-mode", "mistral"),
+                        ("--load-format", "gguf")]:
+        r = kvserve("generate", flag, value, "x")
+        assert r.returncode == 2 and "only " in r.stderr and repr(value) in r.stderr, r.stderr
+
+
+def test_a_boolean_value_after_an_on_off_flag_is_named_not_taken_for_the_model():
+    from cluster.serve_cli import app_args_from_cli
+
+    with pytest.raises(ValueError, match="'false' is not a model: kvserve's on/off flags take no value"):
+        app_args_from_cli(build_parser().parse_args(["serve", "--enable-chunked-prefill", "false"]))
+
+
 def test_version_and_help_defaults():
     r = kvserve("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"kvserve {importlib.metadata.version('kvserve')}"
