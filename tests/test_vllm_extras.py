@@ -311,6 +311,12 @@ def test_token_ids_the_model_lacks_are_refused_before_any_replica_sees_them(toke
     assert engine.seen == []  # an engine replica would log the refusal as a failed request
 
 
+@pytest.mark.parametrize("prompt", [[-1], [5, -2], [[5], [-3]]])
+def test_a_negative_prompt_token_id_is_said_as_one(tokenizer, prompt):
+    error = refused(tokenizer, completion(prompt=prompt))
+    assert error["param"] == "prompt" and "prompt token ids must be non-negative" in error["message"], error
+
+
 @pytest.mark.parametrize("max_tokens", [200, None])  # None runs to max_model_len (4096)
 def test_a_request_the_kv_cache_could_never_hold_is_refused_before_any_replica_sees_it(tokenizer, max_tokens):
     async def go(client):
