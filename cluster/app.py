@@ -65,6 +65,8 @@ class ServeOptions:
     responses_store_max_bytes: int | None = None  # memory for stored /v1/responses (0: none)
     enable_log_requests: bool | None = None  # log prompt token ids and sampling params (never by default)
     disable_log_stats: bool = False  # vLLM's: no periodic stats line in the engine replicas' logs
+    # vLLM's name: no access line per request (and per /ready probe, per engine call) in the replicas' logs
+    disable_uvicorn_access_log: bool = False
     # vLLM's: where requests' sampling defaults come from (router.generation_config): auto (the
     # model's generation_config.json) | vllm (none) | a directory; then these fields on top
     generation_config: str = "auto"
@@ -372,7 +374,12 @@ def engine_deployment_options(engine: EngineConfig, options: ServeOptions) -> di
         opts["ray_actor_options"] = {"num_cpus": 1, **env}  # must fit bundle 0
     else:
         opts["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1 if gpu else 0}
-    return opts
+    return {**opts, **_logging(options)}
+
+
+def _logging(options: ServeOptions) -> dict:
+    """A deployment's Serve logging options: none but Serve's defaults, unless access lines are off."""
+    return {"logging_config": {"enable_access_log": False}} if options.disable_uvicorn_access_log else {}
 
 
 def ingress_deployment_options(options: ServeOptions) -> dict:
@@ -380,6 +387,7 @@ def ingress_deployment_options(options: ServeOptions) -> dict:
             "ray_actor_options": {"num_cpus": 0},  # 0 CPUs: a new ingress can start before the old one stops
             "graceful_shutdown_timeout_s": options.graceful_shutdown_timeout_s + INGRESS_EXTRA_GRACE_S,
             "max_surge_percent": 100}
+    opts.update(_logging(options))
     if options.ingress_autoscaling_config:
         opts["autoscaling_config"] = options.ingress_autoscaling_config
         return opts

@@ -26,7 +26,7 @@ from router.reasoning import PARSERS as REASONING_PARSERS
 
 _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_replicas", "max_ongoing_requests",
                 "max_queued_requests", "max_request_body_bytes", "max_sequences_per_request",
-                "responses_store_max_bytes", "enable_log_requests", "disable_log_stats",
+                "responses_store_max_bytes", "enable_log_requests", "disable_log_stats", "disable_uvicorn_access_log",
                 "routing", "routing_stats_period_s", "autoscale", "min_replicas", "max_replicas", "upscale_delay_s",
                 "downscale_delay_s", "target_kv_usage", "target_ongoing_requests", "look_back_period_s",
                 "graceful_shutdown_timeout_s", "engine_cls", "cpu_threads", "generation_config",
@@ -64,6 +64,9 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                       help="vLLM's older spelling of --no-enable-log-requests (the default)")
     http.add_argument("--disable-log-stats", action="store_true", default=None,
                       help="no periodic stats line (throughput, queue, KV use) in each engine replica's log")
+    http.add_argument("--disable-uvicorn-access-log", action="store_true", default=None,
+                      help="no access line per request, /ready probe and engine call in the replicas' logs "
+                           "(Serve's enable_access_log off; vLLM's flag)")
     http.add_argument("--chat-template", metavar="FILE|TEMPLATE",
                       help="the chat template (a Jinja file, or the template itself) instead of the tokenizer's")
     http.add_argument("--allowed-origins", type=_json_strings, metavar="JSON",

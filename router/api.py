@@ -197,13 +197,10 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     limit = settings.max_request_body_bytes
 
     @app.head("/health", include_in_schema=False)  # load balancers that probe with HEAD
+    @app.get("/ping", include_in_schema=False)  # vLLM's, for SageMaker's health check
+    @app.post("/ping", include_in_schema=False)
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
-
-    @app.get("/ping", include_in_schema=False)  # vLLM's (SageMaker's health check): /health's answer
-    @app.post("/ping", include_in_schema=False)
-    async def ping():
         return {"status": "ok"}
 
     @app.get("/version")  # vLLM's: the server's version, no key needed

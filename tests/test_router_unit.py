@@ -409,6 +409,17 @@ def test_vllm_spellings_of_serve_flags():
     assert parsed("--disable-log-stats")["disable_log_stats"] is True and "disable_log_stats" not in parsed()
 
 
+def test_access_lines_off_reach_both_deployments():
+    from cluster.app import engine_deployment_options, ingress_deployment_options
+
+    engine, options = split_args(app_args_from_cli(build_parser().parse_args(["serve", "--disable-uvicorn-access-log"])))
+    for opts in (engine_deployment_options(engine, options), ingress_deployment_options(options)):
+        assert opts["logging_config"] == {"enable_access_log": False}
+    engine, options = split_args({})
+    assert "logging_config" not in engine_deployment_options(engine, options)  # Serve's defaults
+    assert "logging_config" not in ingress_deployment_options(options)
+
+
 def test_more_than_one_ingress_replica_routes_drain_calls_to_each():
     from cluster.app import ingress_deployment_options
     from cluster.ingress_router import IngressRequestRouter
