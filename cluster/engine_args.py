@@ -102,38 +102,36 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _only(*values: str):
-    """A flag's type that takes only `values`: those that ask nothing kvserve does not do."""
+# how the CLI reads each of engine.vllm_args.NO_EFFECT
+_NO_EFFECT_KINDS = {"disable_custom_all_reduce": dict(action="store_true"),
+                    "max_seq_len_to_capture": dict(type=int, metavar="N"),
+                    "swap_space": dict(type=float, metavar="GIB"), "download_dir": dict(metavar="DIR")}
+
+
+def _only(name: str):
+    """The type of a flag taken only at the values engine.vllm_args allows it."""
     def parse(text: str) -> str:
-        if text not in values:
-            raise argparse.ArgumentTypeError(f"only {' or '.join(values)} here, not {text!r}")
+        from engine.vllm_args import refused
+
+        if (why := refused(name, text)) is not None:
+            raise argparse.ArgumentTypeError(why.split(": ", 1)[1])
         return text
     return parse
 
 
 def _add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
-    """vLLM flags whose every value kvserve takes asks nothing of it, so that a vLLM command line
-    runs unchanged; a value that would ask for something kvserve lacks is an error. None of them
-    reaches EngineConfig."""
+    """engine.vllm_args' flags: taken at the values that ask nothing kvserve lacks, or with no
+    effect; none of them reaches EngineConfig."""
+    from engine.vllm_args import NO_EFFECT, ONLY_AT
+
     g = parser.add_argument_group("vLLM flags with nothing to set here")
-
-    def add(*flags: str, **kwargs):
-        return g.add_argument(*flags, default=argparse.SUPPRESS, **kwargs)
-
-    add("--kv-cache-dtype", type=_only("auto"), metavar="auto",
-        help="the KV cache is in the model's dtype (vLLM's auto); fp8 caches are not implemented")
-    add("-pp", "--pipeline-parallel-size", type=_only("1"), metavar="1",
-        help="1: replicas shard by tensor parallelism alone")
-    add("--tokenizer-mode", type=_only("auto", "hf"), metavar="auto", help="transformers' tokenizer (vLLM's auto)")
-    add("--load-format", type=_only("auto", "safetensors"), metavar="auto",
-        help="weights are read from safetensors files (what auto reads)")
-    add("--disable-custom-all-reduce", action="store_true",
-        help="no effect: tensor parallelism all-reduces with torch.distributed (NCCL, gloo), no custom kernel")
-    add("--max-seq-len-to-capture", type=int, metavar="N",
-        help="no effect: the decode CUDA graphs replay at any context length")
-    add("--swap-space", type=float, metavar="GIB",
-        help="no effect: preempted sequences are recomputed (as in vLLM V1), not swapped to CPU memory")
-    add("--download-dir", metavar="DIR", help="no effect: models are local directories, nothing is downloaded")
+    for name, (values, why) in ONLY_AT.items():
+        flags = ["-pp"] if name == "pipeline_parallel_size" else []
+        g.add_argument(*flags, "--" + name.replace("_", "-"), type=_only(name), metavar=values[0], help=why,
+                       default=argparse.SUPPRESS)
+    for name, why in NO_EFFECT.items():
+        g.add_argument("--" + name.replace("_", "-"), help=f"no effect: {why}", default=argparse.SUPPRESS,
+                       **_NO_EFFECT_KINDS[name])
 
 
 def engine_config_from_args(ns: argparse.Namespace) -> dict:

@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import Logprob, RequestOutput, StepOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.vllm_args import without_vllm_only
 
 # Text, token ids, or vLLM's TextPrompt / TokensPrompt dicts: {"prompt": text}, {"prompt_token_ids": ids}.
 Prompt = str | list[int] | dict
@@ -19,7 +20,11 @@ Prompt = str | list[int] | dict
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        """`engine_kwargs`: EngineConfig's fields, and vLLM's with nothing to set here
+        (engine.vllm_args: `swap_space`, `tokenizer_mode="auto"`, ...; `disable_log_stats`, which
+        an offline LLM never logs anyway)."""
+        engine_kwargs.pop("disable_log_stats", None)
+        self.engine = LLMEngine(EngineConfig(model=model, **without_vllm_only(engine_kwargs)))
         self._ids = itertools.count()
 
     @property

@@ -114,6 +114,17 @@ def test_vllm_flags_that_ask_nothing_of_kvserve_are_taken_and_others_refused():
         assert r.returncode == 2 and "only " in r.stderr and repr(value) in r.stderr, r.stderr
 
 
+def test_vllm_keywords_that_ask_nothing_are_dropped_and_others_refused_with_why():
+    from engine.vllm_args import without_vllm_only
+
+    kwargs = dict(max_model_len=512, kv_cache_dtype="auto", pipeline_parallel_size=1, swap_space=4, download_dir="/m")
+    assert without_vllm_only(kwargs) == {"max_model_len": 512}
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: only auto here, not 'fp8' \(the KV cache is in"):
+        without_vllm_only({"kv_cache_dtype": "fp8"})
+    with pytest.raises(ValueError, match="pipeline_parallel_size: only 1 here, not 2"):
+        without_vllm_only({"pipeline_parallel_size": 2})
+
+
 def test_a_boolean_value_after_an_on_off_flag_is_named_not_taken_for_the_model():
     from cluster.serve_cli import app_args_from_cli
 

@@ -219,7 +219,9 @@ def test_a_tokenizer_that_ships_code_loads_only_with_trust_remote_code(tmp_path,
     assert load_tokenizer(model, trust_remote_code=True).ships_code
     with pytest.raises(ValueError, match="trust_remote_code=True"):
         LLM(model=str(model), num_gpu_blocks_override=16)
-    llm = LLM(model=str(model), trust_remote_code=True, num_gpu_blocks_override=16)
+    # with vLLM keywords that ask nothing here (engine.vllm_args), as a vLLM script passes them
+    llm = LLM(model=str(model), trust_remote_code=True, num_gpu_blocks_override=16, swap_space=4,
+              tokenizer_mode="auto", pipeline_parallel_size=1, disable_log_stats=True)
     assert llm.tokenizer.ships_code
     out = llm.generate([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))[0].outputs[0]
     assert len(out.token_ids) == 3 and out.text == llm.tokenizer.decode(out.token_ids)

@@ -1,0 +1,36 @@
+"""vLLM engine arguments with nothing to set in kvserve, so that a vLLM command line or `LLM(...)`
+call runs unchanged: those taken only at the values that ask nothing kvserve lacks (any other
+value is refused, saying why), and those that change nothing here. The CLI makes its flags from
+this table (cluster.engine_args); the offline `LLM` takes the same keywords."""
+from __future__ import annotations
+
+# name -> (the values taken, as the CLI spells them; why)
+ONLY_AT = {
+    "kv_cache_dtype": (("auto",), "the KV cache is in the model's dtype (vLLM's auto); fp8 caches are not implemented"),
+    "pipeline_parallel_size": (("1",), "1: replicas shard by tensor parallelism alone"),
+    "tokenizer_mode": (("auto", "hf"), "transformers' tokenizer (vLLM's auto)"),
+    "load_format": (("auto", "safetensors"), "weights are read from safetensors files (what auto reads)"),
+}
+# name -> why it changes nothing
+NO_EFFECT = {
+    "disable_custom_all_reduce": "tensor parallelism all-reduces with torch.distributed (NCCL, gloo), no custom kernel",
+    "max_seq_len_to_capture": "the decode CUDA graphs replay at any context length",
+    "swap_space": "preempted sequences are recomputed (as in vLLM V1), not swapped to CPU memory",
+    "download_dir": "models are local directories, nothing is downloaded",
+}
+
+
+def refused(name: str, value) -> str | None:
+    """Why `name=value` cannot be taken (an ONLY_AT argument at another value), else None."""
+    if name in ONLY_AT and str(value) not in ONLY_AT[name][0]:
+        values, why = ONLY_AT[name]
+        return f"{name}: only {' or '.join(values)} here, not {value!r} ({why})"
+    return None
+
+
+def without_vllm_only(kwargs: dict) -> dict:
+    """`kwargs` less the arguments of this table; ValueError for one at a value kvserve cannot take."""
+    for name, value in kwargs.items():
+        if (why := refused(name, value)) is not None:
+            raise ValueError(why)
+    return {k: v for k, v in kwargs.items() if k not in ONLY_AT and k not in NO_EFFECT}
