@@ -63,11 +63,12 @@ def from_validation_error(e: ValidationError, fields: set[str] = frozenset()) ->
     errors = e.errors(include_url=False, include_input=False)
     # A union reports errors per member. The client meant the member with the deepest error and,
     # among equally deep ones, the member with the fewest errors ([1, -1] is a token list with one
-    # bad id, not a list of strings with two wrong types).
+    # bad id, not a list of strings with two wrong types), then one whose types matched ([-1]: a
+    # value out of range, not an int where a string goes).
     field = errors[0]["loc"][:1]
     candidates = [x for x in errors if x["loc"][:1] == field]
     per_member = Counter(x["loc"][:2] for x in candidates)
-    err = max(candidates, key=lambda x: (len(x["loc"]), -per_member[x["loc"][:2]]))
+    err = max(candidates, key=lambda x: (len(x["loc"]), -per_member[x["loc"][:2]], not x["type"].endswith("_type")))
     # loc mixes field names and indices with pydantic's union tags ('str', 'list[int]', a member
     # model's class name 'NamedToolChoice'): drop those (OpenAI's field names are snake_case)
     path = [p for p in err["loc"] if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS

@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, RequestOutputKind, SamplingParams
 from engine.beam_search import MAX_BEAM_WIDTH, BeamSearch
@@ -235,16 +235,6 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = Field(None, ge=1)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM extra: each choice's prompt_logprobs
     add_special_tokens: bool = True  # vLLM extra: a text prompt gets the tokenizer's BOS, where it has one
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _negative_ids(cls, prompt):
-        """A negative token id said as one (the union would say the last of its types' complaints)."""
-        if isinstance(prompt, list):
-            ids = [t for p in prompt for t in (p if isinstance(p, list) else [p])]
-            if any(isinstance(t, int) and not isinstance(t, bool) and t < 0 for t in ids):
-                raise ValueError("prompt token ids must be non-negative")
-        return prompt
 
     @model_validator(mode="after")
     def _check_unsupported(self):

@@ -311,10 +311,11 @@ def test_token_ids_the_model_lacks_are_refused_before_any_replica_sees_them(toke
     assert engine.seen == []  # an engine replica would log the refusal as a failed request
 
 
-@pytest.mark.parametrize("prompt", [[-1], [5, -2], [[5], [-3]]])
-def test_a_negative_prompt_token_id_is_said_as_one(tokenizer, prompt):
+@pytest.mark.parametrize("prompt, param", [([-1], "prompt.0"), ([5, -2], "prompt.1"), ([[5], [-3]], "prompt.1.0")])
+def test_a_negative_prompt_token_id_is_said_as_one(tokenizer, prompt, param):
+    """Not "Input should be a valid string", which the prompt's first union member would say."""
     error = refused(tokenizer, completion(prompt=prompt))
-    assert error["param"] == "prompt" and "prompt token ids must be non-negative" in error["message"], error
+    assert error["param"] == param and "greater than or equal to 0" in error["message"], error
 
 
 @pytest.mark.parametrize("max_tokens", [200, None])  # None runs to max_model_len (4096)

@@ -78,7 +78,8 @@ class Draws:
     sampled: list[int]  # indices into StepMessage.seqs of the rows that sampled, in row order
     rows: list[int]  # per draw: its row (forked children repeat their parent's)
     token_ids: list[int]  # per draw
-    logprobs: dict[int, tuple[float, list[tuple[int, float]], int]]  # draw -> (its logprob, top logprobs, rank), if asked
+    # draw -> (its logprob, top logprobs, its rank), if asked
+    logprobs: dict[int, tuple[float, list[tuple[int, float]], int]]
     prompt_logprobs: dict[int, list[PromptLogprob]] = field(default_factory=dict)  # msg.seqs index -> its prompt logprobs
 
 
