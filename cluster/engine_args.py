@@ -114,7 +114,7 @@ def _only(name: str):
         from engine.vllm_args import refused
 
         if (why := refused(name, text)) is not None:
-            raise argparse.ArgumentTypeError(why.split(": ", 1)[1])
+            raise argparse.ArgumentTypeError(why)
         return text
     return parse
 

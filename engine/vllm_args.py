@@ -24,7 +24,7 @@ def refused(name: str, value) -> str | None:
     """Why `name=value` cannot be taken (an ONLY_AT argument at another value), else None."""
     if name in ONLY_AT and str(value) not in ONLY_AT[name][0]:
         values, why = ONLY_AT[name]
-        return f"{name}: only {' or '.join(values)} here, not {value!r} ({why})"
+        return f"only {' or '.join(values)} here, not {value!r} ({why})"
     return None
 
 
@@ -32,5 +32,5 @@ def without_vllm_only(kwargs: dict) -> dict:
     """`kwargs` less the arguments of this table; ValueError for one at a value kvserve cannot take."""
     for name, value in kwargs.items():
         if (why := refused(name, value)) is not None:
-            raise ValueError(why)
+            raise ValueError(f"{name}: {why}")
     return {k: v for k, v in kwargs.items() if k not in ONLY_AT and k not in NO_EFFECT}
