@@ -77,6 +77,7 @@ class ServeOptions:
     allowed_headers: list[str] | None = None
     allow_credentials: bool | None = None
     reasoning_parser: str | None = None  # vLLM's: deepseek_r1 | qwen3 (router.reasoning); none by default
+    response_role: str | None = None  # vLLM's: a chat reply's role when it opens a new turn (default: assistant)
     engine_cls: str | Callable | None = None  # "module:Class" built as cls(EngineConfig); default AsyncEngine
     cpu_threads: int | None = None  # torch threads per engine replica on CPU; default: cores // replicas
     num_ingress_replicas: int = 1

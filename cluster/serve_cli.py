@@ -31,7 +31,8 @@ _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_rep
                 "downscale_delay_s", "target_kv_usage", "target_ongoing_requests", "look_back_period_s",
                 "graceful_shutdown_timeout_s", "engine_cls", "cpu_threads", "generation_config",
                 "override_generation_config", "chat_template", "allowed_origins", "allowed_methods",
-                "allowed_headers", "allow_credentials", "reasoning_parser")
+                "allowed_headers", "allow_credentials", "reasoning_parser",
+                "response_role")
 
 
 def add_serve_parser(commands) -> argparse.ArgumentParser:
@@ -84,6 +85,9 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                       help="chat replies' <think>...</think> reasoning goes to message.reasoning (and "
                            "reasoning_content), the rest to content; qwen3: a reply without the tags is all "
                            "content, deepseek_r1: it begins inside its reasoning (default: none)")
+    http.add_argument("--response-role", metavar="ROLE",
+                      help="the role of a chat reply that opens a new turn (add_generation_prompt true; "
+                           "otherwise the last message's) (default: assistant)")
     http.add_argument("--generation-config", metavar="auto|vllm|DIR",
                       help="sampling defaults of requests that leave them unset: auto (the model's "
                            "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "

@@ -456,17 +456,15 @@ class ChatCompletionRequest(_SamplingFields):
         if forced and self.use_beam_search:
             raise ValueError("tool_choice required or a named function cannot be combined with use_beam_search")
 
-    @property
-    def reply_role(self) -> str:
-        """The reply's role, as vLLM names it: the assistant's, or the last message's when the
-        prompt does not open a new turn (add_generation_prompt false)."""
-        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+    def reply_role(self, response_role: str = "assistant") -> str:
+        """The reply's role, as vLLM names it: `response_role` (the server's --response-role), or
+        the last message's when the prompt does not open a new turn (add_generation_prompt false)."""
+        return response_role if self.add_generation_prompt else self.messages[-1].role
 
-    @property
-    def echoed_text(self) -> str:
+    def echoed_text(self, response_role: str = "assistant") -> str:
         """What `echo` puts before the reply: the last message's text when it has the reply's role."""
         last = self.messages[-1]
-        return last.text() if self.echo and last.role == self.reply_role else ""
+        return last.text() if self.echo and last.role == self.reply_role(response_role) else ""
 
     def sampling_params(self, defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens

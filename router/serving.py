@@ -226,7 +226,7 @@ class OpenAIServing:
         k = (req.top_logprobs or 0) if req.logprobs else None
         token_str = self._token_str(req)
         response = chat_response(rid, int(time.time()), self.settings.served_model_name, acc, k, token_str,
-                                 self.token_bytes, req.reply_role)
+                                 self.token_bytes, req.reply_role(self.settings.response_role))
         for choice in response["choices"]:
             if self.settings.reasoning_parser is not None:  # the answer, not the reasoning, may hold tool calls
                 message, reasoning = choice["message"], None
@@ -235,8 +235,8 @@ class OpenAIServing:
                 message.update(reasoning_fields(reasoning))
             if plan.calls_tools:
                 plan.apply(choice)
-            if req.echoed_text:  # vLLM's order: after the tool calls took theirs out of the content
-                choice["message"]["content"] = req.echoed_text + (choice["message"]["content"] or "")
+            if echoed := req.echoed_text(self.settings.response_role):  # vLLM's order: after the tool calls
+                choice["message"]["content"] = echoed + (choice["message"]["content"] or "")
         if req.prompt_logprobs is not None:
             response["prompt_logprobs"] = vllm_prompt_logprobs(acc.prompt_logprobs[0], req.prompt_logprobs,
                                                                token_str)
@@ -472,10 +472,11 @@ class OpenAIServing:
             return out
 
         n = len(acc.choices)
-        preamble = [{"index": i, "delta": {"role": req.reply_role, "content": ""}, "logprobs": None,
+        role = self.settings.response_role
+        preamble = [{"index": i, "delta": {"role": req.reply_role(role), "content": ""}, "logprobs": None,
                      "finish_reason": None} for i in range(n)]
-        if req.echoed_text:  # as vLLM streams it: one chunk per choice after the roles
-            preamble += [{"index": i, "delta": {"content": req.echoed_text}, "logprobs": None, "finish_reason": None}
+        if echoed := req.echoed_text(role):  # as vLLM streams it: one chunk per choice after the roles
+            preamble += [{"index": i, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}
                          for i in range(n)]
         head = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}  # vLLM's: on the first chunk
         return self._sse(rid, "chat.completion.chunk", req.stream_usage, acc, first, merged, preamble, choice, head)

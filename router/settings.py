@@ -44,6 +44,7 @@ class RouterSettings:
     allow_credentials: bool = False
     # vLLM's --reasoning-parser: chat replies' <think> block goes to `reasoning` (router.reasoning)
     reasoning_parser: str | None = None
+    response_role: str = "assistant"  # vLLM's --response-role: a chat reply's role when it opens a new turn
 
     def __post_init__(self) -> None:
         if not all(isinstance(n, str) and n for n in (self.served_model_name, *self.served_model_aliases)):
@@ -65,6 +66,8 @@ class RouterSettings:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
+        if not isinstance(self.response_role, str) or not self.response_role:
+            raise ValueError(f"response_role must be a non-empty string, got {self.response_role!r}")
         if self.overload_status not in (429, 503):
             raise ValueError(f"overload_status must be 429 or 503, got {self.overload_status}")
 

@@ -281,6 +281,21 @@ def test_chat_echo_puts_the_last_message_before_the_reply_as_vllm_does(tokenizer
     assert plain.choices[0].message.content == " is blue."
 
 
+def test_response_role_names_a_new_turns_reply_as_vllm_does(tokenizer):
+    bot = {"response_role": "bot"}
+    whole, _ = run(tokenizer, " is blue.", chat(n=2), settings=bot)
+    assert [c.message.role for c in whole.choices] == ["bot", "bot"]
+
+    async def streamed(client):
+        stream = await client.chat.completions.create(model="m", messages=STARTED, stream=True,
+                                                      extra_body={**GO_ON, "echo": True})
+        return [chunk async for chunk in stream]
+
+    # No new turn: the last message's role, whatever the server's; its text is echoed as the reply's
+    chunks, _ = run(tokenizer, " is blue.", streamed, settings=bot)
+    assert chunks[0].choices[0].delta.role == "assistant" and _content(chunks) == {0: "The sky is blue."}
+
+
 def test_chat_prompt_logprobs_come_with_the_reply(tokenizer):
     ids, params = sent(tokenizer, chat(extra_body={"prompt_logprobs": 3}))
     assert params.prompt_logprobs == 3
