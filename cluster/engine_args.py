@@ -98,6 +98,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--stream-interval", type=int, metavar="TOKENS",
         help="stream a request's tokens every N tokens rather than every step, so fewer messages "
              "carry them; the first token and the last are sent at once (default: 1)")
+    add("--max-logprobs", type=int, metavar="N",
+        help="most logprobs a request may ask per token (logprobs, top_logprobs, prompt_logprobs); -1: no "
+             "cap, and a request's -1 then asks the whole vocabulary")
     _add_vllm_only_flags(parser)
     return parser
 

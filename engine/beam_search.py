@@ -27,9 +27,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.outputs import ChoiceDelta, StepOutput
-from engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from engine.sampling_params import DEFAULT_MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
-MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each round asks for 2k logprobs per beam
+MAX_BEAM_WIDTH = DEFAULT_MAX_LOGPROBS // 2  # each round asks for 2k logprobs per beam
 
 Generate = Callable[[str, list[int], SamplingParams], AsyncIterator[StepOutput]]
 

@@ -33,6 +33,9 @@ class EngineConfig:
     distributed_executor_backend: str = "ray"
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (vLLM's --enforce-eager)
     stream_interval: int = 1  # a running request's output every N tokens (the first and the last at once)
+    # Logprobs a request may ask per token (logprobs, prompt_logprobs), vLLM's --max-logprobs: its
+    # default is OpenAI's top_logprobs bound; -1: no cap (a request's -1 asks the whole vocabulary).
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.dtype in DTYPE_ALIASES:  # vLLM's names
@@ -56,6 +59,7 @@ class EngineConfig:
         need(self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"dtype must be auto|float32|bfloat16|float16 (or half|float), got {self.dtype!r}")
+        need(self.max_logprobs >= -1, f"max_logprobs must be >= 0, or -1 for no cap, got {self.max_logprobs}")
         need(self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(self.distributed_executor_backend == "ray" or ":" in self.distributed_executor_backend,

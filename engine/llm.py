@@ -263,8 +263,9 @@ class _Logprobs:
         """`out`'s logprobs and prompt logprobs (which start with None) as vLLM's."""
         outputs, prompt_logprobs = out.outputs, out.prompt_logprobs
         if params.logprobs is not None:  # an engine entry: the top ones in order, then the sampled token
+            top = None if params.logprobs == -1 else params.logprobs  # -1: the whole vocabulary
             outputs = [dataclasses.replace(c, logprobs=[
-                self.entry(t, e[t], rank, list(e.items())[:params.logprobs])
+                self.entry(t, e[t], rank, list(e.items())[:top])
                 for t, e, rank in zip(c.token_ids, c.logprobs, c.ranks or itertools.repeat(None))]) for c in outputs]
         if prompt_logprobs is not None:
             prompt_logprobs = [None if p is None else self.entry(p.token_id, p.logprob, p.rank, p.top)

@@ -56,6 +56,7 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError("prompt", f"prompt token ids must be in [0, {vocab})")
         params.check_token_ids(vocab)
+        params.within_logprobs_cap(self.config.max_logprobs, vocab)  # more than --max-logprobs: raises
         if n >= self.max_model_len:
             raise InvalidRequestError("prompt", f"prompt has {n} tokens; max_model_len is {self.max_model_len} "
                                       "(the prompt must leave room for at least one generated token)",
@@ -78,6 +79,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
+        params = params.within_logprobs_cap(self.config.max_logprobs, self.executor.info.vocab_size)  # -1: all
         if params.truncate_prompt_tokens is not None:
             ids = truncated(ids, params.truncate_prompt_tokens, self.max_model_len)
         max_tokens = self.validate(ids, params)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from engine.errors import InvalidRequestError
 from engine.structured.params import StructuredOutputsParams
 
-MAX_LOGPROBS = 20
+DEFAULT_MAX_LOGPROBS = 20  # logprobs a request may ask per token unless the engine allows more (vLLM's)
 MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias
 MAX_BAD_WORDS = 100  # entries in one request's bad_words (each is checked per step)
 SAMPLING_EPS = 1e-5  # a temperature below it is greedy (vLLM's _SAMPLING_EPS)
@@ -44,12 +44,12 @@ class SamplingParams:
     min_tokens: int = 0  # eos and stop_token_ids are masked until this many tokens exist
     ignore_eos: bool = False  # keep generating past eos
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output to a schema / grammar
-    logprobs: int | None = None  # top logprobs per token; 0 = only the sampled token's
+    logprobs: int | None = None  # top logprobs per token; 0 = only the sampled token's; -1 = the whole vocabulary
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # False: a slow tokenizer's decode joins them (fast ones have no such option)
     include_stop_str_in_output: bool = False
     detokenize: bool = True  # False: token ids only, no text (nor stop strings)
-    prompt_logprobs: int | None = None  # top logprobs per prompt token (from the prefill); 0 = only its own
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (from the prefill); 0 = only its own; -1 = all
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     bad_words: list[str] | None = None  # words the output may not complete (engine.token_bans)
@@ -104,13 +104,12 @@ class SamplingParams:
         need(self.min_tokens >= 0, "min_tokens", ">= 0")
         need(self.max_tokens is None or self.min_tokens <= self.max_tokens,
              "min_tokens", f"<= max_tokens ({self.max_tokens})")
-        need(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-             "logprobs", f"in [0, {MAX_LOGPROBS}] or None")
+        need(self.logprobs is None or self.logprobs >= -1, "logprobs", ">= 0, -1 (the whole vocabulary) or None")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
         need(self.detokenize or not self.stop, "stop", "empty with detokenize=False (stop strings are matched on text)")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "non-negative token ids")
-        need(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-             "prompt_logprobs", f"in [0, {MAX_LOGPROBS}] or None")
+        need(self.prompt_logprobs is None or self.prompt_logprobs >= -1, "prompt_logprobs",
+             ">= 0, -1 (the whole vocabulary) or None")
         bias = self.logit_bias or {}
         if len(bias) > MAX_LOGIT_BIAS:
             raise InvalidRequestError("logit_bias", f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, "
@@ -135,6 +134,22 @@ class SamplingParams:
                                  ("allowed_token_ids", self.allowed_token_ids or (), "allowed_token_ids")):
             if any(t >= vocab for t in ids):
                 raise InvalidRequestError(field, f"{what} must be in [0, {vocab})")
+
+    def within_logprobs_cap(self, max_logprobs: int, vocab: int, names: dict[str, str] | None = None) -> SamplingParams:
+        """These params with -1 (the whole vocabulary) resolved to `vocab`; InvalidRequestError,
+        in vLLM's words, when they ask more logprobs per token than `max_logprobs` (the engine's
+        --max-logprobs; -1: no cap). `names`: the request's names of the fields, where others."""
+        cap = vocab if max_logprobs == -1 else max_logprobs
+        resolved = {}
+        for field, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            asked = vocab if getattr(self, field) == -1 else getattr(self, field)
+            if asked is not None and asked > cap:
+                name = (names or {}).get(field, field)
+                raise InvalidRequestError(name, f"Requested {what} logprobs of {asked} ({name}), which is greater "
+                                                f"than max allowed: {cap} (the engine's max_logprobs, --max-logprobs)")
+            if asked != getattr(self, field):
+                resolved[field] = asked
+        return dataclasses.replace(self, **resolved) if resolved else self
 
     @property
     def greedy(self) -> bool:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from engine.sampling_params import MAX_LOGIT_BIAS, RequestOutputKind, SamplingParams
 from engine.beam_search import MAX_BEAM_WIDTH, BeamSearch
 
 MAX_N = 128
@@ -229,11 +229,11 @@ PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
     max_tokens: int | None = Field(16, ge=0)  # the OpenAI (and vLLM) default for completions; 0: see echo
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary; the engine's max_logprobs bounds them
     echo: bool = False  # the prompt before the completion, with its logprobs when logprobs is set
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM extra: each choice's prompt_logprobs
+    prompt_logprobs: int | None = Field(None, ge=-1)  # vLLM extra: each choice's prompt_logprobs
     add_special_tokens: bool = True  # vLLM extra: a text prompt gets the tokenizer's BOS, where it has one
 
     @model_validator(mode="after")
@@ -400,7 +400,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of the next one
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary; the engine's max_logprobs bounds them
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool = True
@@ -413,7 +413,7 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: str | dict[str, Any] | None = None
     chat_template: str | None = None  # a template of the request's own is code the server would run
     echo: bool = False  # vLLM extra: the reply begins with the last message's text when it has the reply's role
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM extra: the reply's prompt_logprobs
+    prompt_logprobs: int | None = Field(None, ge=-1)  # vLLM extra: the reply's prompt_logprobs
     documents: list[dict[str, Any]] | None = None  # vLLM extra: passed to the chat template (RAG templates)
     reasoning_effort: str | None = None  # OpenAI's, for reasoning models: a 400 here (no template reads it)
     # OpenAI's fields for what a text model served here cannot do: a 400 when set

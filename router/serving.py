@@ -180,6 +180,7 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
+        req = await self._logprobs_within_cap(req, "logprobs")
         params = await self._constrained(self._params(req), *self._output_constraint(req))
         texts = req.prompts()
         limit = self.settings.max_sequences_per_request
@@ -213,6 +214,7 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
+        req = await self._logprobs_within_cap(req, "top_logprobs")
         plan, params, ids, thinking = await self._chat_prompt(req)
         if req.truncate_prompt_tokens is not None:
             ids = await self._truncated(ids, req.truncate_prompt_tokens)
@@ -340,6 +342,26 @@ class OpenAIServing:
         except Exception as e:  # jinja raises on conversations its template rejects
             raise bad_request(f"the chat template rejected these messages: {e}", param=param) from None
         return self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+
+    async def _logprobs_within_cap(self, req, sample_field: str):
+        """The request with vLLM's -1 (the whole vocabulary) resolved in its logprob counts
+        (`sample_field`, prompt_logprobs); a 400 naming the field for more than the engine's
+        max_logprobs, and for a beam search whose rounds would ask more (2 per beam)."""
+        fields = [f for f in (sample_field, "prompt_logprobs") if getattr(req, f) is not None]
+        if not fields and not req.use_beam_search:
+            return req
+        info = await self.limits()
+        cap = info.get("max_logprobs")
+        if cap is not None and cap != -1 and req.use_beam_search and 2 * req.n > cap:
+            raise bad_request(f"use_beam_search with n={req.n} asks {2 * req.n} logprobs per beam round, more "
+                              f"than this server's --max-logprobs ({cap})", param="n")
+        asked = SamplingParams(logprobs=getattr(req, sample_field), prompt_logprobs=req.prompt_logprobs)
+        try:
+            asked = asked.within_logprobs_cap(-1 if cap is None else cap, info.get("vocab_size") or len(self.tokenizer),
+                                              {"logprobs": sample_field})
+        except InvalidRequestError as e:
+            raise bad_request(e.message, param=e.param, code="invalid_value") from None
+        return req.model_copy(update={sample_field: asked.logprobs, "prompt_logprobs": asked.prompt_logprobs})
 
     async def _check_prompts(self, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
                              max_param: str) -> None:

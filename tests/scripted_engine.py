@@ -66,11 +66,11 @@ class ScriptedEngine:
         pass
 
 
-def run(tokenizer, script: str, go, settings: dict | None = None, **engine_kwargs):
+def run(tokenizer, script: str, go, settings: dict | None = None, config: dict | None = None, **engine_kwargs):
     """go(client) against the app over a ScriptedEngine; -> (its result, the engine).
-    `settings`: RouterSettings fields other than the defaults."""
+    `settings`: RouterSettings fields other than the defaults; `config`: EngineConfig's."""
     engine = ScriptedEngine(tokenizer, script, **engine_kwargs)
-    server = EngineServer(EngineConfig(max_model_len=4096, max_num_seqs=4), lambda config: engine)
+    server = EngineServer(EngineConfig(max_model_len=4096, max_num_seqs=4, **(config or {})), lambda config: engine)
     app = build_api(OpenAIServing(tokenizer, server, RouterSettings(served_model_name="m", **(settings or {}))))
 
     async def main():

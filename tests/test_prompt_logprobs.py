@@ -159,10 +159,27 @@ def test_logit_bias_and_prompt_logprobs_are_validated(tiny):
         llm.generate([[5, 6]], SamplingParams(logit_bias={512: 1.0}))
     assert e.value.param == "logit_bias"
     for bad in [dict(logit_bias={1: 101.0}), dict(logit_bias={-1: 1.0}), dict(logit_bias=dict.fromkeys(range(301), 1.0)),
-                dict(prompt_logprobs=21), dict(prompt_logprobs=-1)]:
+                dict(prompt_logprobs=-2), dict(logprobs=-2)]:
         with pytest.raises(InvalidRequestError) as e:
             SamplingParams(**bad)
         assert e.value.param == next(iter(bad))
+
+
+def test_max_logprobs_bounds_offline_requests_and_minus_one_asks_the_whole_vocabulary(tiny):
+    d, prompts = tiny[0], tiny[1]
+    capped = LLM(model=str(d), num_gpu_blocks_override=128)
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(InvalidRequestError, match="greater than max allowed: 20") as e:
+            capped.generate([prompts[0]], SamplingParams(max_tokens=1, **{field: 21}))
+        assert e.value.param == field
+    assert capped.engine.requests == {}  # refused before it was queued
+    uncapped = LLM(model=str(d), num_gpu_blocks_override=128, max_logprobs=-1)
+    vocab = uncapped.engine.executor.info.vocab_size
+    (out,) = uncapped.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2, logprobs=-1, prompt_logprobs=-1))
+    assert [len(e) for e in out.outputs[0].logprobs] == [vocab, vocab]
+    assert all(len(e) == vocab for e in out.prompt_logprobs[1:])
+    best = out.outputs[0].logprobs[0][out.outputs[0].token_ids[0]]
+    assert best.rank == 1 and best.logprob == max(lp.logprob for lp in out.outputs[0].logprobs[0].values())
 
 
 def test_smollm2_prompt_logprobs_equal_hf(smollm2_path):

@@ -409,6 +409,10 @@ def test_vllm_spellings_of_serve_flags():
     assert parsed("--enable-log-requests")["enable_log_requests"] is True
     assert "enable_log_requests" not in parsed()
     assert parsed("--disable-log-stats")["disable_log_stats"] is True and "disable_log_stats" not in parsed()
+    engine, _ = split_args(parsed("--max-logprobs", "-1"))
+    assert engine.max_logprobs == -1 and split_args(parsed())[0].max_logprobs == 20
+    with pytest.raises(ValueError, match="max_logprobs must be >= 0, or -1"):
+        split_args(parsed("--max-logprobs", "-2"))
 
 
 def test_access_lines_off_reach_both_deployments():

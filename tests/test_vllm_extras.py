@@ -60,7 +60,7 @@ def test_a_guided_field_constrains_as_structured_outputs_does(tokenizer, endpoin
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be positive"),
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions", "send tools"),
     ({"function_call": {"name": "f"}}, "function_call", "send tools"),
-    ({"prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "greater than max allowed: 20"),
     ({"chat_template": "{{ messages }}"}, "chat_template", "not supported in chat"),
     ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt false"),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "may not set tokenize"),
@@ -279,6 +279,29 @@ def test_chat_echo_puts_the_last_message_before_the_reply_as_vllm_does(tokenizer
     assert {c.choices[0].delta.role for c in chunks[:2]} == {role}
     plain, _ = run(tokenizer, " is blue.", chat(messages=messages, extra_body=options))
     assert plain.choices[0].message.content == " is blue."
+
+
+@pytest.mark.parametrize("go, param", [
+    (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (completion(prompt="x", logprobs=21), "logprobs"),
+    (completion(prompt="x", extra_body={"prompt_logprobs": -1}), "prompt_logprobs"),  # the whole vocabulary
+])
+def test_the_engines_max_logprobs_bounds_each_logprob_field_naming_it(tokenizer, go, param):
+    error = refused(tokenizer, go)
+    assert error["param"] == param and f"({param}), which is greater than max allowed: 20" in error["message"], error
+
+
+def test_max_logprobs_lets_more_through_and_minus_one_asks_the_whole_vocabulary(tokenizer):
+    reply, engine = run(tokenizer, "yes", chat(logprobs=True, top_logprobs=-1), config={"max_logprobs": -1})
+    assert engine.seen[0][1].logprobs == len(tokenizer)  # the scripted engine's vocabulary
+    assert len(reply.choices[0].logprobs.content[0].top_logprobs) == 2  # all it scored: the token, the runner-up
+    _, engine = run(tokenizer, "yes", completion(prompt="x", logprobs=25, extra_body={"prompt_logprobs": 30}),
+                    config={"max_logprobs": 30})
+    assert (engine.seen[0][1].logprobs, engine.seen[0][1].prompt_logprobs) == (25, 30)
+    with pytest.raises(openai.BadRequestError) as e:  # a beam round asks 2 logprobs per beam
+        run(tokenizer, "yes", completion(prompt="x", n=3, extra_body={"use_beam_search": True}),
+            config={"max_logprobs": 4})
+    assert e.value.body["param"] == "n" and "asks 6 logprobs per beam round" in e.value.body["message"]
 
 
 def test_response_role_names_a_new_turns_reply_as_vllm_does(tokenizer):
