@@ -153,6 +153,11 @@ class Accumulator:
                      sum(c or 0 for c in self.cached))
 
 
+# OpenAI's reply fields that say nothing here, null as in vLLM's replies (no service tiers; no
+# fingerprint of a backend configuration)
+UNSET_REPLY_FIELDS = {"service_tier": None, "system_fingerprint": None}
+
+
 def completion_response(rid: str, created: int, model: str, acc: Accumulator, k: int | None,
                         token_str: TokenStr, echo: PromptEcho | None = None) -> dict:
     choices = []
@@ -162,7 +167,7 @@ def completion_response(rid: str, created: int, model: str, acc: Accumulator, k:
         choices.append({"index": i, "text": text + "".join(c.text), "logprobs": lps,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, **extra})
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": acc.usage()}
+            "usage": acc.usage(), **UNSET_REPLY_FIELDS}
 
 
 def chat_response(rid: str, created: int, model: str, acc: Accumulator, k: int | None,
@@ -175,4 +180,4 @@ def chat_response(rid: str, created: int, model: str, acc: Accumulator, k: int |
                                                 "tool_calls": []},
                         "logprobs": lps, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": acc.usage()}
+            "usage": acc.usage(), **UNSET_REPLY_FIELDS}

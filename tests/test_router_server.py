@@ -194,10 +194,15 @@ def test_penalties_and_vllm_extras_are_accepted(client):
 
 
 def test_a_chat_message_has_vllms_keys_in_raw_json(http):
-    """Clients that read the JSON itself find refusal and tool_calls, as vLLM's reply has them."""
+    """Clients that read the JSON itself find refusal and tool_calls, as vLLM's reply has them, and
+    OpenAI's service_tier and system_fingerprint (null, as vLLM's)."""
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 2}).json()
     message = r["choices"][0]["message"]
     assert message["refusal"] is None and message["tool_calls"] == [] and message["role"] == "assistant"
+    completion = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).json()
+    for reply in (r, completion):
+        assert "service_tier" in reply and "system_fingerprint" in reply
+        assert reply["service_tier"] is None and reply["system_fingerprint"] is None
 
 
 def test_the_bodys_request_id_names_the_reply_behind_serves_proxy(client):
