@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from cluster import sizing
 from cluster.policy import ROUTERS
 from engine.config import EngineConfig
+from workers.serve_logging import UVICORN_LOG_LEVELS, serve_logging_config
 
 APP_NAME = "kvserve"
 AUTOSCALE_POLICIES = ("none", "kv", "requests")
@@ -67,6 +68,9 @@ class ServeOptions:
     disable_log_stats: bool = False  # vLLM's: no periodic stats line in the engine replicas' logs
     # vLLM's name: no access line per request (and per /ready probe, per engine call) in the replicas' logs
     disable_uvicorn_access_log: bool = False
+    # vLLM's --uvicorn-log-level: the level of Serve's own lines in the replicas' logs (access lines,
+    # replica events; trace is debug); kvserve's own (model loaded, stats) keep theirs. None: Serve's
+    uvicorn_log_level: str | None = None
     # vLLM's: where requests' sampling defaults come from (router.generation_config): auto (the
     # model's generation_config.json) | vllm (none) | a directory; then these fields on top
     generation_config: str = "auto"
@@ -110,6 +114,9 @@ class ServeOptions:
     check_nodes: bool = True  # refuse to deploy when no Ray node in sight can hold a replica
 
     def __post_init__(self) -> None:
+        if self.uvicorn_log_level is not None and self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
+                             f"got {self.uvicorn_log_level!r}")
         if self.routing not in ROUTERS:
             raise ValueError(f"routing must be one of {', '.join(ROUTERS)}, got {self.routing!r}")
         if not self.routing_stats_period_s > 0:
@@ -379,8 +386,10 @@ def engine_deployment_options(engine: EngineConfig, options: ServeOptions) -> di
 
 
 def _logging(options: ServeOptions) -> dict:
-    """A deployment's Serve logging options: none but Serve's defaults, unless access lines are off."""
-    return {"logging_config": {"enable_access_log": False}} if options.disable_uvicorn_access_log else {}
+    """A deployment's Serve logging options: none but Serve's defaults, unless access lines are off
+    or Serve's lines are given a level."""
+    config = serve_logging_config(not options.disable_uvicorn_access_log, options.uvicorn_log_level)
+    return {"logging_config": config} if config else {}
 
 
 def ingress_deployment_options(options: ServeOptions) -> dict:

@@ -23,10 +23,12 @@ import time
 from cluster.engine_args import add_engine_args, engine_config_from_args, parse_bytes
 from cluster.policy import ROUTERS
 from router.reasoning import PARSERS as REASONING_PARSERS
+from workers.serve_logging import UVICORN_LOG_LEVELS
 
 _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_replicas", "max_ongoing_requests",
                 "max_queued_requests", "max_request_body_bytes", "max_sequences_per_request",
                 "responses_store_max_bytes", "enable_log_requests", "disable_log_stats", "disable_uvicorn_access_log",
+                "uvicorn_log_level",
                 "routing", "routing_stats_period_s", "autoscale", "min_replicas", "max_replicas", "upscale_delay_s",
                 "downscale_delay_s", "target_kv_usage", "target_ongoing_requests", "look_back_period_s",
                 "graceful_shutdown_timeout_s", "engine_cls", "cpu_threads", "generation_config",
@@ -68,6 +70,10 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     http.add_argument("--disable-uvicorn-access-log", action="store_true", default=None,
                       help="no access line per request, /ready probe and engine call in the replicas' logs "
                            "(Serve's enable_access_log off; vLLM's flag)")
+    http.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS,
+                      help="the level of Serve's own lines in the replicas' logs (access lines, replica events; "
+                           "vLLM's flag for its HTTP server's); kvserve's lines (model loaded, stats) keep theirs "
+                           "(default: info)")
     http.add_argument("--chat-template", metavar="FILE|TEMPLATE",
                       help="the chat template (a Jinja file, or the template itself) instead of the tokenizer's")
     http.add_argument("--allowed-origins", type=_json_strings, metavar="JSON",

@@ -183,7 +183,8 @@ def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_
 
     On the way, the engine replica's log lines reach the console: the model it loaded, and vLLM's
     stats line each interval it works (none with --disable-log-stats, given to the process engine,
-    nor access lines with --disable-uvicorn-access-log).
+    nor access lines with --disable-uvicorn-access-log, nor with --uvicorn-log-level warning, which
+    leaves the engine's own lines).
     The process engine's model has a tokenizer that ships its own code: --trust-remote-code gets it
     loaded where the ingress and the engine core load theirs."""
     import signal
@@ -203,7 +204,7 @@ def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--port", str(port),
                              "--max-model-len", "256", "--device", "cpu", *engine_flag(engine_cls),
                              *(["--disable-log-stats", "--disable-uvicorn-access-log", "--trust-remote-code"]
-                               if quiet else [])], cwd=ROOT, text=True,
+                               if quiet else ["--uvicorn-log-level", "warning"])], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=log.open("w"), start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "KVSERVE_LOG_STATS_INTERVAL": "0.5"})
     try:
@@ -228,8 +229,9 @@ def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_
             time.sleep(2)  # four intervals of 0.5 s
             text = log.read_text()
             assert "Avg prompt throughput: " not in text and "POST /v1/completions" not in text
-        else:
+        else:  # Serve's own lines at warning: no access line, while the engine's still come
             assert generating(text), text[-4000:]
+            assert "POST /v1/completions" not in text and "CALL generate" not in text, text[-4000:]
         started = psutil.Process(proc.pid).children(recursive=True)
         assert any("raylet" in p.name() for p in started)
 

@@ -424,6 +424,17 @@ def test_access_lines_off_reach_both_deployments():
     engine, options = split_args({})
     assert "logging_config" not in engine_deployment_options(engine, options)  # Serve's defaults
     assert "logging_config" not in ingress_deployment_options(options)
+    from ray.serve.schema import LoggingConfig
+
+    engine, options = split_args(app_args_from_cli(build_parser().parse_args(
+        ["serve", "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"])))
+    for opts in (engine_deployment_options(engine, options), ingress_deployment_options(options)):
+        assert opts["logging_config"] == {"enable_access_log": False, "log_level": "WARNING"}
+        assert LoggingConfig(**opts["logging_config"]).log_level == "WARNING"  # as Serve reads it
+    _, trace = split_args({"uvicorn_log_level": "trace"})
+    assert ingress_deployment_options(trace)["logging_config"] == {"log_level": "DEBUG"}
+    with pytest.raises(ValueError, match="uvicorn_log_level must be one of critical, error"):
+        split_args({"uvicorn_log_level": "loud"})
 
 
 def test_more_than_one_ingress_replica_routes_drain_calls_to_each():

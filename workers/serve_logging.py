@@ -17,3 +17,19 @@ def log_through_serve(*names: str) -> None:
             if handler not in ours.handlers:
                 ours.addHandler(handler)
         ours.propagate = False
+
+
+# vLLM's --uvicorn-log-level values; here the level of Serve's own lines in a replica (trace: debug)
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def serve_logging_config(access_log: bool = True, level: str | None = None) -> dict | None:
+    """A deployment's Serve logging_config: None for Serve's defaults; `access_log` False: no line
+    per request; `level`: one of UVICORN_LOG_LEVELS for Serve's own lines (ours keep INFO, above)."""
+    config = {}
+    if not access_log:
+        config["enable_access_log"] = False
+    if level is not None:
+        config["log_level"] = "DEBUG" if level == "trace" else level.upper()
+    return config or None
+
