@@ -7,9 +7,9 @@
 #   2. the nano-vllm workload against HF generate static batching in the same run
 #      (benchmarks/offline.py --preset nano-vllm)
 #   3. tests: the Triton kernels compiled (tests/test_triton_attention.py, test_triton_norm.py), the Triton runner
-#      against the torch runner (tests/test_triton_runner.py), and greedy output token-exact
-#      against HF in float32 and bfloat16, CUDA graphs on and --enforce-eager
-#      (tests/test_engine_cuda.py)
+#      against the torch runner (tests/test_triton_runner.py) (first: quick, and they name the kernel
+#      at fault), then greedy output token-exact against HF in float32 and bfloat16, CUDA graphs on
+#      and --enforce-eager (tests/test_engine_cuda.py)
 #
 # The numbers come first and the tests take the time left before $KVSERVE_GPU_DEADLINE_S (450 s
 # from the start; pytest stops itself 15 s before it, with its summary, where pytest-timeout is
@@ -44,8 +44,8 @@ stage() {
   local name=$1 limit=$2
   shift 2
   log "$name: $*"
-  timeout -k 5 "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
-  local rc=$?
+  timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"  # a pipe: the log is whole when the stage returns
+  local rc=${PIPESTATUS[0]}
   log "$name: exit $rc$([ $rc -eq 124 ] && echo " (timed out after ${limit}s)")"
   return 0
 }
@@ -56,24 +56,24 @@ missing=()
 for whl in .whl/*.whl; do
   [ -e "$whl" ] || continue
   module=$(basename "$whl" | cut -d- -f1)
-  $PY -c "import $module" 2> /dev/null || missing+=("$whl")
+  timeout 60 $PY -c "import $module" 2> /dev/null || missing+=("$whl")
 done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "installing the carried wheels the host lacks: ${missing[*]}"
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" "${missing[@]}" \
+  timeout 120 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" "${missing[@]}" \
     && export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  $PY -c 'import sys, torch, triton, transformers; print("python", sys.version.split()[0], "torch", torch.__version__,
+{  # every set-up step time-boxed: one that hangs must not take the run's whole window
+  timeout 30 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  timeout 120 $PY -c 'import sys, torch, triton, transformers; print("python", sys.version.split()[0], "torch", torch.__version__,
 "cuda", torch.version.cuda, "triton", triton.__version__, "transformers", transformers.__version__)'
   nproc
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
 MODEL="$WORK/smollm2-135m-bfloat16"
-$PY benchmarks/random_model.py "$MODEL" --dtype bfloat16 ${KVSERVE_TOKENIZER_DIR:+--tokenizer "$KVSERVE_TOKENIZER_DIR"} \
+timeout 180 $PY benchmarks/random_model.py "$MODEL" --dtype bfloat16 ${KVSERVE_TOKENIZER_DIR:+--tokenizer "$KVSERVE_TOKENIZER_DIR"} \
   || { log "could not make the model"; exit 1; }
 export KVSERVE_TEST_TOKENIZER_DIR="$MODEL"  # the tiny test models take their tokenizer from here
 
@@ -81,7 +81,8 @@ for s in $STAGES; do
   case $s in
     tests)
       # -v: a line per test as it ends, so a stage cut off at the deadline still says how far it got;
-      # exactness on the GPU first, then the kernels against their references
+      # the kernels against their references first (quick once compiled, and a failure there names
+      # the kernel), then exactness against HF
       left=$((DEADLINE - (SECONDS - START)))
       left=$((left > 60 ? left : 60))
       # pytest-timeout (on the GPU image): a hung test fails alone, and the session ends itself
@@ -93,7 +94,7 @@ for s in $STAGES; do
         limits="--timeout=120"
       fi
       stage tests $left $PY -m pytest -v -rfE -p no:cacheprovider --durations=10 $limits \
-        tests/test_engine_cuda.py tests/test_triton_attention.py tests/test_triton_norm.py tests/test_triton_runner.py ;;
+        tests/test_triton_attention.py tests/test_triton_norm.py tests/test_triton_runner.py tests/test_engine_cuda.py ;;
     steps)
       stage step_times 110 $PY benchmarks/step_times.py --model "$MODEL" --batches 1,64,256 \
         --json "$OUT/step_times.json" --profile "$OUT/profile.txt" ;;

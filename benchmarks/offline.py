@@ -30,6 +30,7 @@ import json
 import math
 import random
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -251,9 +252,10 @@ def agreement(ref: Result, other: Result) -> dict:
 
 def print_report(results: list[Result], agreements: list[dict]) -> None:
     base = next((r.tok_s for r in results if r.system == "kvserve"), None)
-    rows = [[r.system, r.output_tokens, f"{r.seconds:.2f}", f"{r.tok_s:.1f}",
+    rows = [[r.system, len(r.outputs), r.output_tokens, f"{r.seconds:.2f}", f"{r.tok_s:.1f}",
              f"{base / r.tok_s:.2f}x" if base else "-"] for r in results]
-    print("\n" + markdown_table(["system", "output tokens", "seconds", "tok/s", "kvserve / this"], rows))
+    print("\n" + markdown_table(["system", "prompts", "output tokens", "seconds", "tok/s", "kvserve tok/s / this"],
+                                rows))
     print("\noutput tokens = the tokens the prompts asked for (extra tokens a static batch computes for its "
           "shorter rows do not count); seconds = the timed run only, after load and warm-up.")
     for r in results:
@@ -374,22 +376,26 @@ def main(argv=None) -> None:
           f"{sum(map(len, work.prompts))} input and {work.output_tokens} output tokens "
           f"(greedy, EOS ignored, seed {args.seed})")
 
-    results = []
+    results, agreements = [], []
     for system in args.systems.split(","):
         print(f"\n== {system}", flush=True)
         own = work if system == "kvserve" or not args.hf_num_prompts else head(work, args.hf_num_prompts)
-        result = BENCHES[system](args, model_path, own, warm)
-        check_lengths(system, result.outputs, own)
+        try:  # one system that fails (a peer's version, its time box) leaves the others' figures
+            result = BENCHES[system](args, model_path, own, warm)
+            check_lengths(system, result.outputs, own)
+        except Exception:
+            traceback.print_exc()
+            print(f"{system}: failed", flush=True)
+            continue
         print(f"{system}: {result.output_tokens} tokens in {result.seconds:.2f}s = {result.tok_s:.1f} tok/s "
-              f"(load {result.load_s:.1f}s)", flush=True)
+              f"(load {result.load_s:.1f}s); " + "; ".join(result.notes), flush=True)
         results.append(result)
+        ref = next((r for r in results if r.system == "kvserve"), None)
+        agreements = [agreement(ref, r) for r in results if ref and r is not ref]
+        if args.json:  # after each system: a run cut short keeps what it measured
+            write_json(args.json, args, info, work, results, agreements)
         gc.collect()  # the previous system's model and KV cache, before the next one loads
-
-    ref = next((r for r in results if r.system == "kvserve"), None)
-    agreements = [agreement(ref, r) for r in results if ref and r is not ref]
     print_report(results, agreements)
-    if args.json:
-        write_json(args.json, args, info, work, results, agreements)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ graphs and with --enforce-eager, on one model.
     decode   B requests with --context-token prompts are prefilled, then --steps decode-only steps
              are timed one by one (engine.step(), sampling and its device-to-host copy included);
              the median is reported, and B / median as output tok/s; "host" is the median of the
-             step's time outside the model's step (executor.execute, timed to the device's end),
-             the engine's Python: schedule, step inputs, sampling rows, tokens, outputs
+             step's time outside the model's step (executor.execute, timed to the device's end, in
+             --steps more steps), the engine's Python: schedule, step inputs, sampling rows, tokens,
+             outputs
     prefill  --prefill-prompts prompts of --prefill-len tokens, one output token each, in steps of
              --max-num-batched-tokens; prompt tokens / seconds
 
@@ -30,6 +31,7 @@ import pstats
 import random
 import statistics
 import sys
+import traceback
 from pathlib import Path
 from time import perf_counter
 
@@ -53,7 +55,7 @@ def decode_step_ms(llm, batch: int, context: int, steps: int, rng: random.Random
     # Enough tokens that every request still decodes in the last timed (and profiled) step: the
     # first ones start decoding while the last are still prefilling.
     prefill_steps = -(-batch * context // eng.config.max_num_batched_tokens)
-    max_tokens = steps + prefill_steps + (2 * PROFILE_STEPS if profile else 0) + 16
+    max_tokens = 2 * steps + prefill_steps + (2 * PROFILE_STEPS if profile else 0) + 16
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = [f"decode-{batch}-{i}" for i in range(batch)]
     for rid in ids:
@@ -61,7 +63,14 @@ def decode_step_ms(llm, batch: int, context: int, steps: int, rng: random.Random
     sched = eng.scheduler
     while sched.waiting or any(s.num_tokens - s.num_computed_tokens != 1 for s in sched.running):
         eng.step()  # prefill until every sequence decodes
-    times, inside, execute = [], [], eng.executor.execute
+    times = []
+    for _ in range(steps):  # the step as it runs: its one device sync is the sampler's copy back
+        start = perf_counter()
+        eng.step()
+        times.append(perf_counter() - start)
+    # Then the host's share, in steps of their own: a sync after the model's step (so that its
+    # time is the device's) would delay the sampler's launches in the timed steps above.
+    whole, inside, execute = [], [], eng.executor.execute
 
     def timed_execute(*args, **kwargs):
         start = perf_counter()
@@ -76,16 +85,20 @@ def decode_step_ms(llm, batch: int, context: int, steps: int, rng: random.Random
         for _ in range(steps):
             start = perf_counter()
             eng.step()
-            times.append(perf_counter() - start)
+            whole.append(perf_counter() - start)
     finally:
         del eng.executor.execute
     if profile:
-        write_profile(eng, profile, batch)
+        try:  # the figures above are this mode's own: a profiler that fails must not lose them
+            write_profile(eng, profile, batch)
+        except Exception:
+            Path(profile).write_text(f"the profile of batch {batch} failed:\n{traceback.format_exc()}")
+            traceback.print_exc()
     for rid in ids:
         eng.abort(rid)
     while eng.has_unfinished():
         eng.step()
-    return 1000 * statistics.median(times), 1000 * statistics.median(t - i for t, i in zip(times, inside))
+    return 1000 * statistics.median(times), 1000 * statistics.median(t - i for t, i in zip(whole, inside))
 
 
 PROFILE_STEPS = 5
@@ -201,6 +214,7 @@ def run_mode_apart(args, model: Path, eager: bool, profile: bool) -> dict | None
             return pool.submit(run_mode, args, model, eager, profile).result()
         except Exception as e:  # BrokenProcessPool too: the child died
             print(f"  {'eager' if eager else 'cuda-graphs'}: failed: {e!r}", flush=True)
+            traceback.print_exception(e)  # with the child's own traceback (its __cause__)
             return None
 
 
