@@ -4,7 +4,8 @@
 
 Exit 0 when this pod can serve a request now: KubeRay's own checks pass (the dashboard agent's
 api/local_raylet_healthz and the Serve proxy's /-/healthz both say "success") and the app's
-/ready says the model can serve. /ready is 200 only when every engine replica has loaded; it is
+/ready says the model can serve. /ready is 200 when every engine replica has loaded (or Serve
+holds the engine at zero replicas, or a failed config update left the running version serving); it is
 also ready, for the pod, when /ready is 503 but some replica is RUNNING and the app is not
 draining, i.e. a scale-up or an upgrade's new replicas are still loading. Following /ready to
 the letter would take every pod out of the Service for a whole model load whenever Serve adds a

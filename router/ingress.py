@@ -54,6 +54,7 @@ NEWCOMER_RETRIES = 1
 BACKPRESSURE_LOG_INTERVAL_S = 1.0  # Serve's warnings of refused calls: one a second at most (_QuietBackpressure)
 _NOT_AVAILABLE = "The model is not available right now. Retry later."
 _NOT_READY_STATES = {"STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION"}
+READY_INFO_TIMEOUT_S = 2.0  # /ready, when Serve's status lists no engine deployment: an engine must answer by then
 
 
 class HandleReplicaClient:
@@ -308,16 +309,30 @@ class OpenAIIngress:
                 "in_flight": self._client.cut_all()}
 
     async def ready(self) -> tuple[bool, dict]:
-        """True when every replica of the engine deployment is running (its engine loaded)."""
+        """True when every replica of the engine deployment is running (its engine loaded); also
+        when Serve has scaled it to zero (autoscaling from min_replicas 0: a request starts one),
+        and when Serve's status lists no engine deployment but an engine answers: a config update
+        that fails to build leaves the running version serving, while the status then lists none
+        of the app's deployments (a pod must not turn unready over a typo in its serveConfigV2)."""
         status = await asyncio.to_thread(serve.status)
         app = status.applications.get(serve.get_replica_context().app_name)
         deployment = app.deployments.get(self._engine_name) if app else None
         if deployment is None:
-            return False, {"replicas": {}}
+            return await self._engine_answers(), {"replicas": {}}
         states = {getattr(k, "value", str(k)): v for k, v in deployment.replica_states.items()}
+        health = getattr(deployment.status, "value", deployment.status)
+        if not any(states.values()) and health == "HEALTHY":
+            return True, {"replicas": states, "scaled_to_zero": True}
         ok = (states.get("RUNNING", 0) > 0 and not _NOT_READY_STATES & {k for k, v in states.items() if v}
-              and getattr(deployment.status, "value", deployment.status) not in ("UNHEALTHY", "DEPLOY_FAILED"))
+              and health not in ("UNHEALTHY", "DEPLOY_FAILED"))
         return ok, {"replicas": states}
+
+    async def _engine_answers(self) -> bool:
+        try:
+            await asyncio.wait_for(self._client.info(), READY_INFO_TIMEOUT_S)
+            return True
+        except Exception:  # none answered in time, or none is there
+            return False
 
 
 IngressDeployment = serve.deployment(name="OpenAIIngress")(serve.ingress()(OpenAIIngress))
