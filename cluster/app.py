@@ -19,8 +19,8 @@ silently ignored.
                                           the replica, then one bundle per rank of its group
 
 Before anything is deployed, cluster.sizing checks that a replica fits the Ray nodes in sight
-and can read its checkpoint within load_timeout_s; a config change starts the new replicas
-before the old ones stop (max_surge_percent), so serving goes on through it.
+and can read its checkpoint within load_timeout_s; with max_surge_percent, a config change starts
+the new replicas before the old ones stop, so serving goes on through it.
 """
 from __future__ import annotations
 
@@ -109,8 +109,10 @@ class ServeOptions:
     weights_read_bytes_per_s: float = sizing.DEFAULT_READ_BYTES_PER_S  # stated volume read rate, for the check
     # Extra replicas (percent of the target count, rounded up) a config change may start before old
     # ones stop: 100 keeps full capacity through an upgrade at the cost of one more replica's
-    # devices meanwhile; 0 is Serve's default (stop old replicas first: an outage at 1 replica).
-    max_surge_percent: int = 100
+    # devices meanwhile, and waits until the cluster has them (an autoscaler adds a node; on a full
+    # fixed cluster the update never finishes); 0, Serve's default, stops old replicas first (an
+    # outage at 1 replica). The KubeRay profiles set 25 or 100.
+    max_surge_percent: int = 0
     check_nodes: bool = True  # refuse to deploy when no Ray node in sight can hold a replica
 
     def __post_init__(self) -> None:

@@ -309,7 +309,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.metrics_export_port is not None:
         local_only["_metrics_export_port"] = ns.metrics_export_port
     try:
-        ray.init(address=ns.ray_address, **(local_only if local else {}))
+        # "local": a Ray of our own, even where `ray start` left a cluster that ray.init() would join
+        ray.init(address=ns.ray_address or "local", **(local_only if local else {}))
     except Exception as e:  # a cluster that is not there, a local one that did not come up
         with contextlib.suppress(Exception):
             ray.shutdown()
@@ -317,6 +318,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         print(f"kvserve: error: Ray did not start {where}: {type(e).__name__}: {' '.join(str(e).split())[:300]}",
               file=sys.stderr)
         return 1
+    deployed = False
     try:
         try:  # with Ray up, the replica is checked again against the nodes it sees
             app = build_app(args)
@@ -324,6 +326,10 @@ def run_serve(ns: argparse.Namespace) -> int:
             print(f"kvserve: error: {e}", file=sys.stderr)
             return 2
         serve.start(http_options={"host": ns.host, "port": ns.port})
+        if not local and (why := _shared_serve_conflict(ns.host, ns.port, APP_NAME)):
+            print(f"kvserve: error: {why}", file=sys.stderr)
+            return 1
+        deployed = True
         try:
             serve.run(app, name=APP_NAME, route_prefix="/")
         except RuntimeError as e:
@@ -343,8 +349,26 @@ def run_serve(ns: argparse.Namespace) -> int:
                 serve.shutdown()
             finally:  # even when a second Ctrl-C cut the drain short: no Ray process outlives us
                 ray.shutdown()
-        else:
+        elif deployed:  # only our own application: another one of that name was refused above
             serve.delete(APP_NAME)
+
+
+def _shared_serve_conflict(host: str, port: int, app_name: str) -> str | None:
+    """Why `kvserve serve --ray-address` cannot deploy onto this cluster's Serve, or None. A Serve
+    already running keeps its HTTP address (serve.start only warns and ignores ours), and an
+    application of our name there is someone else's, which serve.run would replace and our exit
+    delete."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    http = _get_global_client().http_config
+    if (http.host, http.port) != (host, port):
+        return (f"Serve already runs on this cluster, its HTTP proxy at {http.host}:{http.port}, which a new "
+                f"application cannot move: pass --host {http.host} --port {http.port} to deploy behind it")
+    if app_name in serve.status().applications:
+        return (f"an application named {app_name!r} already runs on this cluster; deploying would replace it "
+                "and stopping would delete it: remove it first (serve shutdown, or serve deploy without it)")
+    return None
 
 
 def _startup_failure(status, app_name: str) -> str:

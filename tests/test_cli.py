@@ -487,3 +487,88 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(tmp_path, smo
 
 def engine_flag(engine_cls: str | None) -> list[str]:
     return ["--engine-cls", engine_cls] if engine_cls else []
+
+
+def test_serve_starts_its_own_ray_beside_a_running_cluster_and_leaves_that_clusters_serve_be(smollm2_path):
+    """`ray start` left a cluster on this machine, which a bare ray.init() would join (and refuse
+    the CPUs it is given): `kvserve serve` starts a Ray of its own and serves. Deploying onto that
+    cluster with --ray-address, whose Serve already listens on another port, is one error line:
+    Serve cannot move its proxy (the ready line would name a port where nothing listens), and
+    the application is not deployed."""
+    import tempfile
+
+    import httpx
+    import psutil
+
+    from tests.local_serve import free_port
+    from tests.tiny_llama import make_tiny_llama
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))  # short: Ray's socket paths live under it
+    model = make_tiny_llama(tmp / "tiny", tokenizer_dir=smollm2_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": str(tmp / "ray")}
+    env.pop("RAY_ADDRESS", None)
+    gcs, serve_port, port = free_port(), free_port(), free_port()
+    ray_cli = Path(sys.executable).with_name("ray")
+    head = subprocess.Popen([str(ray_cli), "start", "--head", "--block", "--num-cpus", "1", "--port", str(gcs),
+                             "--include-dashboard", "false", "--disable-usage-stats"], env=env, cwd=tmp,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        for _ in range(240):  # `ray start` writes the address file once the head is up
+            if found := list((tmp / "ray").rglob("ray_current_cluster")):
+                address = found[0].read_text().strip()
+                break
+            assert head.poll() is None, "ray start exited"
+            time.sleep(0.25)
+        else:
+            raise AssertionError("ray start did not come up")
+        up = subprocess.run([sys.executable, "-c", "import ray; from ray import serve; "
+                             f"ray.init(address='{address}'); serve.start(http_options={{'port': {serve_port}}})"],
+                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert up.returncode == 0, up.stderr[-3000:]
+        common = ["--model", str(model), "--max-model-len", "256", "--device", "cpu"]
+        onto = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--ray-address", address,
+                               "--port", str(port), *common], env=env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=180)
+        assert onto.returncode == 1, onto.stderr[-3000:]
+        assert _error_lines(onto.stderr) == [
+            f"kvserve: error: Serve already runs on this cluster, its HTTP proxy at 127.0.0.1:{serve_port}, which a "
+            f"new application cannot move: pass --host 127.0.0.1 --port {serve_port} to deploy behind it"], onto.stderr
+
+        own = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), *common], env=env,
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+        try:
+            for line in own.stdout:
+                if line.startswith("kvserve: ready"):
+                    break
+            assert own.poll() is None, own.stderr.read()[-3000:]
+            assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).status_code == 200
+            own.send_signal(signal.SIGINT)
+            assert own.wait(timeout=90) == 0
+        finally:
+            if own.poll() is None:
+                os.killpg(own.pid, signal.SIGKILL)
+                own.wait()
+        assert head.poll() is None  # the other cluster is left running: it is not ours to stop
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops its processes
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            head.wait(timeout=30)
+        left = [p for p in psutil.process_iter(["pid"]) if _sid(p.pid) == head.pid]
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+
+def test_an_application_of_our_name_on_a_shared_serve_is_not_replaced(monkeypatch):
+    from ray import serve
+    from ray.serve import context
+
+    from cluster.serve_cli import _shared_serve_conflict
+
+    http = SimpleNamespace(host="0.0.0.0", port=8000)
+    monkeypatch.setattr(context, "_get_global_client", lambda: SimpleNamespace(http_config=http))
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={"kvserve": object()}))
+    assert "pass --host 0.0.0.0 --port 8000" in _shared_serve_conflict("127.0.0.1", 8000, "kvserve")
+    assert "an application named 'kvserve' already runs" in _shared_serve_conflict("0.0.0.0", 8000, "kvserve")
+    assert _shared_serve_conflict("0.0.0.0", 8000, "other") is None
