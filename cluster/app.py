@@ -160,6 +160,15 @@ class ServeOptions:
             raise ValueError("load_timeout_s and weights_read_bytes_per_s must be > 0")
         if not 0 <= self.max_surge_percent <= 100:
             raise ValueError(f"max_surge_percent must be within 0..100, got {self.max_surge_percent}")
+        if self.autoscale == "none" and (self.max_replicas is not None or self.min_replicas != 1):
+            raise ValueError("min_replicas and max_replicas bound autoscale kv|requests (--autoscale); without it "
+                             "the engine replicas are num_replicas (a raw autoscaling_config has its own bounds)")
+        if not self.graceful_shutdown_timeout_s >= 0:
+            raise ValueError(f"graceful_shutdown_timeout_s must be >= 0, got {self.graceful_shutdown_timeout_s}")
+        if not self.health_check_period_s > 0:
+            raise ValueError(f"health_check_period_s must be > 0, got {self.health_check_period_s}")
+        if isinstance(self.served_model_name, (list, tuple)) and not self.served_model_name:
+            raise ValueError("served_model_name must be a name or a non-empty list of names, got []")
 
     def kv_autoscale_config(self):
         from cluster.autoscale import KVAutoscaleConfig
@@ -251,6 +260,8 @@ def _check_serve_autoscaling(name: str, config: dict) -> None:
         error = e.errors()[0]
         where = ".".join(str(part) for part in error["loc"])
         raise ValueError(f"{name}{'.' + where if where else ''}: {error['msg'].removeprefix('Value error, ')}") from None
+    except (ImportError, AttributeError) as e:  # Serve imports a custom policy as it reads the config
+        raise ValueError(f"{name}.policy: cannot import its policy_function ({e})") from None
 
 
 def check_args(args: dict) -> tuple[EngineConfig, ServeOptions]:

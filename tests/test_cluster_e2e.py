@@ -376,6 +376,9 @@ def test_bad_flag_values_are_one_line_usage_errors(capsys, argv, message):
     (["--autoscale", "kv", "--num-replicas", "2"], "kvserve: error: autoscale kv needs max_replicas"),
     (["--autoscale", "kv", "--max-replicas", "2", "--num-replicas", "3"],
      "kvserve: error: with autoscale, num_replicas (the initial count) must be within min_replicas..max_replicas"),
+    (["--max-replicas", "2"], "kvserve: error: min_replicas and max_replicas bound autoscale kv|requests"),
+    (["--min-replicas", "0"], "kvserve: error: min_replicas and max_replicas bound autoscale kv|requests"),
+    (["--graceful-shutdown-timeout-s", "-5"], "kvserve: error: graceful_shutdown_timeout_s must be >= 0, got -5.0"),
 ])
 def test_bad_flag_combinations_fail_in_one_line_before_ray(capsys, tiny_model, argv, message):
     assert kvserve_main(["serve", "--model", tiny_model, *argv]) == 2
@@ -393,6 +396,10 @@ def test_bad_flag_combinations_fail_in_one_line_before_ray(capsys, tiny_model, a
     ({"ingress_autoscaling_config": {"max_replicas": 4}, "num_ingress_replicas": 2},
      "give num_ingress_replicas or an ingress_autoscaling_config, not both"),
     ({"autoscaling_config": {"max_replica": 4}}, "autoscaling_config: unknown field(s) max_replica"),
+    ({"autoscaling_config": {"max_replicas": 2, "policy": {"policy_function": "nope:policy"}}},
+     "autoscaling_config.policy: cannot import its policy_function (No module named 'nope')"),
+    ({"health_check_period_s": 0}, "health_check_period_s must be > 0, got 0"),
+    ({"served_model_name": []}, "served_model_name must be a name or a non-empty list of names"),
 ])
 def test_a_raw_autoscaling_config_is_checked_before_it_deploys(args, message):
     """What Serve would refuse only when deploying (or ignore: a misspelt key) is a ValueError
