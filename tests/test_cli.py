@@ -50,13 +50,15 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
         "--kv-cache-memory", "1G", "--gpu-memory-utilization", "0.5", "--cpu-kv-cache-fraction", "0.1",
         "--max-cpu-kv-cache-bytes", "2G", "--max-model-len", "512", "--max-num-seqs", "4",
         "--max-num-batched-tokens", "256", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
-        "--stream-interval", "4", "--distributed-executor-backend", "ray", "--enforce-eager", "--trust-remote-code"])
+        "--stream-interval", "4", "--distributed-executor-backend", "ray", "--enforce-eager", "--trust-remote-code",
+        "--max-logprobs", "5"])
     kwargs = engine_config_from_args(ns)
     assert set(kwargs) == EngineConfig.field_names()
     config = EngineConfig(**kwargs)
     assert config.tensor_parallel_size == 2 and config.kv_cache_memory == 1 << 30
     assert config.enable_prefix_caching is False and config.enable_chunked_prefill is False
     assert config.stream_interval == 4 and config.enforce_eager is True and config.trust_remote_code is True
+    assert config.max_logprobs == 5
 
 
 def test_flags_not_given_leave_engine_config_defaults():
