@@ -497,6 +497,7 @@ def test_serve_starts_its_own_ray_beside_a_running_cluster_and_leaves_that_clust
     cluster with --ray-address, whose Serve already listens on another port, is one error line:
     Serve cannot move its proxy (the ready line would name a port where nothing listens), and
     the application is not deployed."""
+    import secrets
     import tempfile
 
     import httpx
@@ -507,7 +508,10 @@ def test_serve_starts_its_own_ray_beside_a_running_cluster_and_leaves_that_clust
 
     tmp = Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))  # short: Ray's socket paths live under it
     model = make_tiny_llama(tmp / "tiny", tokenizer_dir=smollm2_path)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": str(tmp / "ray")}
+    # Token auth on, with the token given (Ray's head otherwise reads, or writes, ~/.ray/auth_token,
+    # which a client outside token mode then lacks)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": str(tmp / "ray"), "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     env.pop("RAY_ADDRESS", None)
     gcs, serve_port, port = free_port(), free_port(), free_port()
     ray_cli = Path(sys.executable).with_name("ray")
