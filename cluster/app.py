@@ -38,6 +38,9 @@ from workers.serve_logging import UVICORN_LOG_LEVELS, serve_logging_config
 
 APP_NAME = "kvserve"
 AUTOSCALE_POLICIES = ("none", "kv", "requests")
+# ServeOptions that only `autoscale` kv|requests reads: set without it, they would be ignored
+AUTOSCALE_ONLY = ("min_replicas", "max_replicas", "upscale_delay_s", "downscale_delay_s", "target_kv_usage",
+                  "target_ongoing_requests", "look_back_period_s", "metrics_interval_s")
 INGRESS_MAX_ONGOING_REQUESTS = 4096  # the ingress only parses and relays; the engine bounds the work
 # A stopping ingress (an upgrade replaces it with the engine replicas) waits this much longer than
 # an engine replica for its streams: a stream then ends the engine's way, whole or with its
@@ -160,9 +163,10 @@ class ServeOptions:
             raise ValueError("load_timeout_s and weights_read_bytes_per_s must be > 0")
         if not 0 <= self.max_surge_percent <= 100:
             raise ValueError(f"max_surge_percent must be within 0..100, got {self.max_surge_percent}")
-        if self.autoscale == "none" and (self.max_replicas is not None or self.min_replicas != 1):
-            raise ValueError("min_replicas and max_replicas bound autoscale kv|requests (--autoscale); without it "
-                             "the engine replicas are num_replicas (a raw autoscaling_config has its own bounds)")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        if self.autoscale == "none" and (given := [n for n in AUTOSCALE_ONLY if getattr(self, n) != defaults[n]]):
+            raise ValueError(f"{', '.join(given)}: for autoscale kv|requests (--autoscale); without it the engine "
+                             "replicas are num_replicas (a raw autoscaling_config has its own fields)")
         if not self.graceful_shutdown_timeout_s >= 0:
             raise ValueError(f"graceful_shutdown_timeout_s must be >= 0, got {self.graceful_shutdown_timeout_s}")
         if not self.health_check_period_s > 0:

@@ -376,8 +376,10 @@ def test_bad_flag_values_are_one_line_usage_errors(capsys, argv, message):
     (["--autoscale", "kv", "--num-replicas", "2"], "kvserve: error: autoscale kv needs max_replicas"),
     (["--autoscale", "kv", "--max-replicas", "2", "--num-replicas", "3"],
      "kvserve: error: with autoscale, num_replicas (the initial count) must be within min_replicas..max_replicas"),
-    (["--max-replicas", "2"], "kvserve: error: min_replicas and max_replicas bound autoscale kv|requests"),
-    (["--min-replicas", "0"], "kvserve: error: min_replicas and max_replicas bound autoscale kv|requests"),
+    (["--max-replicas", "2"], "kvserve: error: max_replicas: for autoscale kv|requests (--autoscale); without it"),
+    (["--min-replicas", "0", "--target-kv-usage", "0.5"],
+     "kvserve: error: min_replicas, target_kv_usage: for autoscale kv|requests (--autoscale); without it"),
+    (["--target-ongoing-requests", "4"], "kvserve: error: target_ongoing_requests: for autoscale kv|requests"),
     (["--graceful-shutdown-timeout-s", "-5"], "kvserve: error: graceful_shutdown_timeout_s must be >= 0, got -5.0"),
 ])
 def test_bad_flag_combinations_fail_in_one_line_before_ray(capsys, tiny_model, argv, message):
