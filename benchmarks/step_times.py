@@ -63,14 +63,10 @@ def decode_step_ms(llm, batch: int, context: int, steps: int, rng: random.Random
     sched = eng.scheduler
     while sched.waiting or any(s.num_tokens - s.num_computed_tokens != 1 for s in sched.running):
         eng.step()  # prefill until every sequence decodes
-    times = []
-    for _ in range(steps):  # the step as it runs: its one device sync is the sampler's copy back
-        start = perf_counter()
-        eng.step()
-        times.append(perf_counter() - start)
+    times = _step_seconds(eng, steps)  # the step as it runs: its one device sync is the sampler's copy back
     # Then the host's share, in steps of their own: a sync after the model's step (so that its
     # time is the device's) would delay the sampler's launches in the timed steps above.
-    whole, inside, execute = [], [], eng.executor.execute
+    inside, execute = [], eng.executor.execute
 
     def timed_execute(*args, **kwargs):
         start = perf_counter()
@@ -82,10 +78,7 @@ def decode_step_ms(llm, batch: int, context: int, steps: int, rng: random.Random
 
     eng.executor.execute = timed_execute
     try:
-        for _ in range(steps):
-            start = perf_counter()
-            eng.step()
-            whole.append(perf_counter() - start)
+        whole = _step_seconds(eng, steps)
     finally:
         del eng.executor.execute
     if profile:
@@ -102,6 +95,16 @@ def decode_step_ms(llm, batch: int, context: int, steps: int, rng: random.Random
 
 
 PROFILE_STEPS = 5
+
+
+def _step_seconds(eng, steps: int) -> list[float]:
+    """The wall time of each of `steps` engine steps."""
+    out = []
+    for _ in range(steps):
+        start = perf_counter()
+        eng.step()
+        out.append(perf_counter() - start)
+    return out
 
 
 def write_profile(eng, path: str, batch: int, steps: int = PROFILE_STEPS) -> None:
