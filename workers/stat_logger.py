@@ -8,8 +8,9 @@ prefix-cache hits not among them; tokens it sampled), so a long request counts w
 queue and KV use are as the interval ends; the prefix-cache hit rate is over every prompt token
 looked up since the replica started, and the preemptions are those of the interval. An idle
 replica is quiet: no line for an interval in which nothing ran, waited or was computed, unless the
-interval before it was busy (so the last line of a burst shows the replica back at rest). `--disable-log-stats` (vLLM's flag) turns it off; the
-interval is KVSERVE_LOG_STATS_INTERVAL seconds (vLLM's VLLM_LOG_STATS_INTERVAL), default 10.
+interval before it was busy (so the last line of a burst shows the replica back at rest).
+`--disable-log-stats` (vLLM's flag) turns it off; the interval is KVSERVE_LOG_STATS_INTERVAL
+seconds (vLLM's VLLM_LOG_STATS_INTERVAL), default 10.
 """
 from __future__ import annotations
 
