@@ -273,12 +273,11 @@ def check_args(args: dict) -> tuple[EngineConfig, ServeOptions]:
     (the default model is converted here, once), whether the model splits tensor_parallel_size
     ways, and whether a replica fits the Ray nodes in sight and loads within load_timeout_s."""
     from engine.model.loader import load_arch
-    from engine.model_source import resolve_model
+    from engine.model_source import model_dir as find_model_dir, tokenizer_dir
 
     engine, options = split_args(args)
-    model_dir = resolve_model(engine.model)
-    if engine.tokenizer is not None and not os.path.isdir(engine.tokenizer):  # no hub: a directory or nothing
-        raise ValueError(f"tokenizer {engine.tokenizer}: no such directory")
+    model_dir = find_model_dir(engine)
+    tokenizer_dir(engine, model_dir)  # a tokenizer named is a directory, or in the Hugging Face cache
     arch = load_arch(model_dir)[0]
     engine.model_len(arch.max_position_embeddings)  # max_model_len within the model's positions
     if engine.tensor_parallel_size > 1:
@@ -359,7 +358,7 @@ def engine_router_config(engine: EngineConfig, options: ServeOptions):
     """The engine deployment's request_router_config for `routing` (cluster.serve_router)."""
     from cluster.serve_router import request_router_config
 
-    from engine.model_source import resolve_model
+    from engine.model_source import tokenizer_dir
 
     kwargs = {}
     if options.routing == "kv":  # what the router assumes before the first report / for max_tokens=None
@@ -367,7 +366,7 @@ def engine_router_config(engine: EngineConfig, options: ServeOptions):
         if engine.max_model_len:
             kwargs["default_max_tokens"] = engine.max_model_len
     elif options.routing in ("prefix_affinity", "cache_aware"):  # these match prompts as text, as their authors do
-        kwargs["tokenizer"] = engine.tokenizer or str(resolve_model(engine.model))
+        kwargs["tokenizer"] = str(tokenizer_dir(engine))
         if engine.trust_remote_code:
             kwargs["trust_remote_code"] = True
     return request_router_config(options.routing, options.routing_stats_period_s, **kwargs)
@@ -448,4 +447,4 @@ def build_app(args: dict | None = None):
         from router.ingress import ResponseStoreDeployment  # shared: a follow-up may reach another ingress
 
         store = ResponseStoreDeployment.bind(settings.responses_store_max_bytes)
-    return ingress.bind(engine_app, settings, engine.model, engine.tokenizer, store, engine.trust_remote_code)
+    return ingress.bind(engine_app, settings, engine, store)

@@ -106,15 +106,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _prepare_generate(args: argparse.Namespace):
     from engine import LLM, EngineConfig, SamplingParams
-    from engine.model_source import resolve_model
+    from engine.model_source import model_dir, tokenizer_dir
 
     # Validate the cheap things first, so a typo fails in a second, not after loading weights.
     engine_kwargs = engine_config_from_args(args)
-    EngineConfig(**engine_kwargs)
-    engine_kwargs["model"] = str(resolve_model(engine_kwargs.get("model")))
-    tokenizer = engine_kwargs.get("tokenizer")
-    if tokenizer is not None and not os.path.isdir(tokenizer):
-        raise ValueError(f"--tokenizer {tokenizer}: no such directory")
+    config = EngineConfig(**engine_kwargs)
+    tokenizer_dir(config, model_dir(config))
     optional = {k: getattr(args, k) for k in ("top_p", "top_k", "seed") if getattr(args, k, None) is not None}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, **optional)
 

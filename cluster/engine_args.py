@@ -59,9 +59,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         return g.add_argument(*flags, default=argparse.SUPPRESS, **kwargs)
 
     add("--model", metavar="PATH",
-        help="local Llama-family model directory with config.json and *.safetensors "
-             "(default: the embedded SmolLM2-135M-Instruct)")
-    add("--tokenizer", metavar="PATH", help="tokenizer directory (default: the model directory)")
+        help="Llama-family model: a directory with config.json and *.safetensors, or a repository id "
+             "(org/name) already in the local Hugging Face cache, which is never downloaded (default: the "
+             "embedded SmolLM2-135M-Instruct)")
+    add("--revision", metavar="REV", help="a cached --model repository's branch, tag or commit (default: main)")
+    add("--download-dir", metavar="DIR",
+        help="the Hugging Face cache --model and --tokenizer ids are looked up in (default: HF_HUB_CACHE, "
+             "~/.cache/huggingface/hub)")
+    add("--tokenizer", metavar="PATH", help="tokenizer directory or cached repository id (default: the model's)")
+    add("--tokenizer-revision", metavar="REV", help="a cached --tokenizer repository's revision (default: main)")
     add("--dtype", choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
         help="weight and activation dtype: auto is float32 on CPU and bfloat16 on CUDA; half is "
              "float16 and float is float32, as in vLLM")
@@ -108,7 +114,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 # how the CLI reads each of engine.vllm_args.NO_EFFECT
 _NO_EFFECT_KINDS = {"disable_custom_all_reduce": dict(action="store_true"),
                     "max_seq_len_to_capture": dict(type=int, metavar="N"),
-                    "swap_space": dict(type=float, metavar="GIB"), "download_dir": dict(metavar="DIR")}
+                    "swap_space": dict(type=float, metavar="GIB")}
 
 
 def _only(name: str):

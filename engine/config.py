@@ -10,8 +10,13 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # local HF-style dir with safetensors; None = embedded SmolLM2
-    tokenizer: str | None = None  # defaults to the model dir
+    # A local HF-style dir with safetensors, or a repository id found in the local Hugging Face cache
+    # (never downloaded); None = the embedded SmolLM2.
+    model: str | None = None
+    revision: str | None = None  # the cached repository's branch, tag or commit (default: main)
+    download_dir: str | None = None  # the Hugging Face cache to look in (default: HF_HUB_CACHE)
+    tokenizer: str | None = None  # a directory or cached repository id; defaults to the model's
+    tokenizer_revision: str | None = None  # the tokenizer repository's revision (default: main)
     trust_remote_code: bool = False  # let a tokenizer run the code its directory ships (transformers' auto_map)
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda when available, else cpu

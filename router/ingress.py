@@ -25,6 +25,7 @@ from ray.exceptions import RayActorError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
+from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParams
@@ -269,16 +270,16 @@ class HandleResponseStore:
 
 
 class OpenAIIngress:
-    def __init__(self, engine: DeploymentHandle, settings: RouterSettings, model: str | None = None,
-                 tokenizer: str | None = None, store: DeploymentHandle | None = None,
-                 trust_remote_code: bool = False) -> None:
-        """`store`: the response store deployment when there may be more than one ingress
+    def __init__(self, engine: DeploymentHandle, settings: RouterSettings, model: EngineConfig | None = None,
+                 store: DeploymentHandle | None = None) -> None:
+        """model: the engine's configuration, for its model and tokenizer (default: the embedded
+        model's). `store`: the response store deployment when there may be more than one ingress
         replica; else this replica keeps its own (settings.responses_store_max_bytes)."""
-        from engine.model_source import load_tokenizer, resolve_model
+        from engine.model_source import load_tokenizer, model_dir as find_model_dir, tokenizer_dir
 
-        # The tokenizer the engine loads: the one named, else the model directory's.
-        model_dir = resolve_model(model)
-        tokenizer = load_tokenizer(tokenizer or model_dir, trust_remote_code)
+        model = model or EngineConfig()
+        model_dir = find_model_dir(model)
+        tokenizer = load_tokenizer(tokenizer_dir(model, model_dir), model.trust_remote_code)  # the engine's
         self._engine_name = engine.deployment_name
         settings = settings.resolve_api_key().with_sampling_defaults(model_dir)
         if settings.enable_log_requests:

@@ -51,7 +51,7 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
         "--max-cpu-kv-cache-bytes", "2G", "--max-model-len", "512", "--max-num-seqs", "4",
         "--max-num-batched-tokens", "256", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
         "--stream-interval", "4", "--distributed-executor-backend", "ray", "--enforce-eager", "--trust-remote-code",
-        "--max-logprobs", "5"])
+        "--max-logprobs", "5", "--revision", "v1", "--tokenizer-revision", "v2", "--download-dir", "/hub"])
     kwargs = engine_config_from_args(ns)
     assert set(kwargs) == EngineConfig.field_names()
     config = EngineConfig(**kwargs)
@@ -59,6 +59,7 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
     assert config.enable_prefix_caching is False and config.enable_chunked_prefill is False
     assert config.stream_interval == 4 and config.enforce_eager is True and config.trust_remote_code is True
     assert config.max_logprobs == 5
+    assert (config.revision, config.tokenizer_revision, config.download_dir) == ("v1", "v2", "/hub")
 
 
 def test_flags_not_given_leave_engine_config_defaults():
@@ -105,8 +106,7 @@ def test_flags_spelled_with_underscores_as_vllm_takes_them():
 def test_vllm_flags_that_ask_nothing_of_kvserve_are_taken_and_others_refused():
     """A vLLM command line runs unchanged where its values need nothing kvserve lacks."""
     flags = ["--kv-cache-dtype", "auto", "-pp", "1", "--tokenizer-mode", "auto", "--load-format", "safetensors",
-             "--disable-custom-all-reduce", "--max-seq-len-to-capture", "8192", "--swap-space", "4",
-             "--download-dir", "/models"]
+             "--disable-custom-all-reduce", "--max-seq-len-to-capture", "8192", "--swap-space", "4"]
     for command in (["generate", "p"], ["serve"]):
         ns = build_parser().parse_args([*command, *flags])
         assert engine_config_from_args(ns) == {}  # none of them sets anything
@@ -119,7 +119,7 @@ def test_vllm_flags_that_ask_nothing_of_kvserve_are_taken_and_others_refused():
 def test_vllm_keywords_that_ask_nothing_are_dropped_and_others_refused_with_why():
     from engine.vllm_args import without_vllm_only
 
-    kwargs = dict(max_model_len=512, kv_cache_dtype="auto", pipeline_parallel_size=1, swap_space=4, download_dir="/m")
+    kwargs = dict(max_model_len=512, kv_cache_dtype="auto", pipeline_parallel_size=1, swap_space=4)
     assert without_vllm_only(kwargs) == {"max_model_len": 512}
     with pytest.raises(ValueError, match=r"kv_cache_dtype: only auto here, not 'fp8' \(the KV cache is in"):
         without_vllm_only({"kv_cache_dtype": "fp8"})
@@ -153,7 +153,7 @@ NO_CHUNKS = ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "256", "
     (["--seed", "99999999999999999999999"], "seed must be in [-2^63, 2^63 - n]"),
     (["--device", "tpu"], "device must be auto|cpu|cuda|cuda:N"),
     (["--cpu-kv-cache-fraction", "2"], "cpu_kv_cache_fraction must be in (0, 1]"),
-    (["--tokenizer", "/nonexistent"], "--tokenizer /nonexistent: no such directory"),
+    (["--tokenizer", "/nonexistent"], "tokenizer path '/nonexistent' does not exist"),
     (["--max-model-len", "4"], "max_model_len is 4"),  # the engine refuses the prompt: no traceback
     (["--max-model-len", "100000"], "max_model_len 100000 is more than the model's 8192 positions"),
     (NO_CHUNKS, "without chunked prefill max_num_batched_tokens (256) must be >= max_model_len (1024)"),
@@ -188,12 +188,14 @@ def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_
     nor access lines with --disable-uvicorn-access-log, nor with --uvicorn-log-level warning, which
     leaves the engine's own lines).
     The process engine's model has a tokenizer that ships its own code: --trust-remote-code gets it
-    loaded where the ingress and the engine core load theirs."""
+    loaded where the ingress and the engine core load theirs. The thread engine's model is named by
+    a repository id in the Hugging Face cache, which the ingress and the engine replica find too."""
     import signal
 
     import httpx
     import psutil
 
+    from tests.hub_cache import put_in_hub_cache
     from tests.local_serve import free_port
     from tests.tiny_llama import make_tiny_llama, with_tokenizer_code
 
@@ -201,14 +203,19 @@ def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_
     port = free_port()
     log = tmp_path / "serve.err"
     quiet = engine_cls is not None
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KVSERVE_LOG_STATS_INTERVAL": "0.5"}
     if quiet:
         with_tokenizer_code(model)
+        name = "tiny"
+    else:  # by repository id, from the Hugging Face cache HF_HUB_CACHE names, in every process
+        put_in_hub_cache(model, tmp_path / "hub", "kvserve-tests/tiny")
+        model = name = "kvserve-tests/tiny"
+        env["HF_HUB_CACHE"] = str(tmp_path / "hub")
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--port", str(port),
                              "--max-model-len", "256", "--device", "cpu", *engine_flag(engine_cls),
                              *(["--disable-log-stats", "--disable-uvicorn-access-log", "--trust-remote-code"]
                                if quiet else ["--uvicorn-log-level", "warning"])], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=log.open("w"), start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "KVSERVE_LOG_STATS_INTERVAL": "0.5"})
+                            stdout=subprocess.PIPE, stderr=log.open("w"), start_new_session=True, env=env)
     try:
         for line in proc.stdout:  # the ready line comes once the application is up
             if line.startswith("kvserve: ready"):
@@ -216,17 +223,18 @@ def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_
         assert proc.poll() is None, "kvserve serve exited before it was ready"
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": str(model), "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True})
-        assert r.status_code == 200, r.text
+        assert r.status_code == 200 and r.json()["model"] == str(model), r.text
+
         def generating(text: str) -> bool:  # a stats line of an interval in which tokens were sampled
             return any("Avg generation throughput: " in line and "Avg generation throughput: 0.0 " not in line
                        for line in text.splitlines())
 
         for _ in range(40):  # Ray forwards a replica's lines to the console about once a second
             text = log.read_text()
-            if "loaded tiny" in text and (quiet or generating(text)):
+            if f"loaded {name} " in text and (quiet or generating(text)):
                 break
             time.sleep(0.25)
-        assert "loaded tiny" in text and "KV cache" in text, text[-4000:]
+        assert f"loaded {name} " in text and "KV cache" in text, text[-4000:]
         if quiet:
             time.sleep(2)  # four intervals of 0.5 s
             text = log.read_text()
@@ -578,3 +586,25 @@ def test_an_application_of_our_name_on_a_shared_serve_is_not_replaced(monkeypatc
     assert "pass --host 0.0.0.0 --port 8000" in _shared_serve_conflict("127.0.0.1", 8000, "kvserve")
     assert "an application named 'kvserve' already runs" in _shared_serve_conflict("0.0.0.0", 8000, "kvserve")
     assert _shared_serve_conflict("0.0.0.0", 8000, "other") is None
+
+
+def test_generate_finds_a_repository_in_the_hugging_face_cache(tmp_path, smollm2_path):
+    """`kvserve generate --model org/name` with the model downloaded earlier into the Hugging Face
+    cache HF_HUB_CACHE names (vLLM's use of a cached model offline): the directory's greedy text."""
+    from engine import LLM, SamplingParams
+    from tests.hub_cache import put_in_hub_cache
+    from tests.tiny_llama import make_tiny_llama
+
+    tiny = make_tiny_llama(tmp_path / "tiny", smollm2_path, vocab_size=49152)
+    put_in_hub_cache(tiny, tmp_path / "hub", "kvserve-tests/tiny", "v1")
+    expected = LLM(model=str(tiny), num_gpu_blocks_override=16).generate(
+        "Hello there", SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", "kvserve-tests/tiny",
+                        "--revision", "v1", "--no-chat", "--max-tokens", "8", "Hello there"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == expected.strip() and expected.strip()
+    r = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", "kvserve-tests/tiny", "x"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # main: never cached
+    assert r.returncode == 2 and "`hf download kvserve-tests/tiny`" in r.stderr, r.stderr

@@ -155,8 +155,59 @@ def test_unusable_local_dir_is_a_one_line_error(tmp_path, make, message):
 
 def test_hub_id_is_not_downloaded(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ModelError, match="never downloads"):
-        resolve_model("meta-llama/Llama-3.2-1B-Instruct")
+    with pytest.raises(ModelError, match="never downloads") as e:
+        resolve_model("meta-llama/Llama-3.2-1B-Instruct", download_dir=str(tmp_path / "hub"))
+    assert "\n" not in str(e.value)
+    assert f"`hf download meta-llama/Llama-3.2-1B-Instruct --cache-dir {tmp_path / 'hub'}`" in str(e.value)
+
+
+# --- repositories in the local Hugging Face cache (vLLM's --model org/name, offline) ------------
+
+def test_a_cached_repository_resolves_to_its_snapshot_at_the_revision_asked(tmp_path):
+    from tests.hub_cache import put_in_hub_cache
+
+    hub = tmp_path / "hub"
+    main = put_in_hub_cache(_model_dir(tmp_path / "a", {"model_type": "llama"}), hub, "org/m")
+    tagged = put_in_hub_cache(_model_dir(tmp_path / "b", {"model_type": "qwen3"}), hub, "org/m", "v2")
+    assert resolve_model("org/m", download_dir=str(hub)) == main.resolve()
+    assert resolve_model("org/m", "main", str(hub)) == main.resolve()
+    assert resolve_model("org/m", "v2", str(hub)) == tagged.resolve()
+    assert resolve_model("org/m", tagged.name, str(hub)) == tagged.resolve()  # a commit hash
+    with pytest.raises(ModelError, match=r"no snapshot of 'org/m' at revision 'v3' under .*`hf download org/m "
+                                         r"--revision v3 --cache-dir ") as e:
+        resolve_model("org/m", "v3", str(hub))
+    assert "\n" not in str(e.value)
+    # what the engine cannot load is refused as in a directory
+    put_in_hub_cache(_model_dir(tmp_path / "c", {"model_type": "gpt2"}), hub, "org/gpt")
+    with pytest.raises(ModelError, match="unsupported model_type 'gpt2'"):
+        resolve_model("org/gpt", download_dir=str(hub))
+    # a path that is no repository id either
+    with pytest.raises(ModelError, match=r"model path '\./no/such/dir' does not exist"):
+        resolve_model("./no/such/dir", download_dir=str(hub))
+
+
+def test_an_engine_configs_model_and_tokenizer_are_found_in_the_cache(tmp_path):
+    from engine.config import EngineConfig
+    from engine.model_source import model_dir, model_name, tokenizer_dir
+    from tests.hub_cache import put_in_hub_cache
+
+    hub = tmp_path / "hub"
+    snapshot = put_in_hub_cache(_model_dir(tmp_path / "a", {"model_type": "llama"}), hub, "org/m", "v1")
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    (tok_dir / "tokenizer.json").write_text("{}")
+    tok = put_in_hub_cache(tok_dir, hub, "org/tok", "t1")
+    config = EngineConfig(model="org/m", revision="v1", download_dir=str(hub))
+    assert model_dir(config) == snapshot.resolve()
+    assert tokenizer_dir(config) == snapshot.resolve()  # the model's own
+    assert model_name(config, snapshot) == "org/m"
+    assert model_name(EngineConfig(model=str(tmp_path / "a")), tmp_path / "a") == "a"
+    config = EngineConfig(model="org/m", revision="v1", download_dir=str(hub), tokenizer="org/tok",
+                          tokenizer_revision="t1")
+    assert tokenizer_dir(config) == tok.resolve()
+    with pytest.raises(ModelError, match=r"tokenizer 'org/tok' is neither a local directory nor in the Hugging "
+                                         r"Face cache: no snapshot of 'org/tok' at revision 'main'"):
+        tokenizer_dir(EngineConfig(tokenizer="org/tok", download_dir=str(hub)))
 
 
 @pytest.mark.parametrize("field, value, message", [

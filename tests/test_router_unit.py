@@ -309,11 +309,16 @@ def test_every_served_model_name_is_answered_and_replies_name_the_first(tokenize
 
 def test_a_tokenizer_that_is_not_a_directory_is_refused_before_ray_starts(tmp_path):
     from cluster.app import check_args
+    from engine.model_source import ModelError
 
-    with pytest.raises(ValueError, match="tokenizer /nonexistent: no such directory"):
-        check_args({"tokenizer": "/nonexistent"})  # not read as a hub id by each replica in turn
+    with pytest.raises(ModelError, match="tokenizer path '/nonexistent' does not exist"):
+        check_args({"tokenizer": "/nonexistent"})  # not found by each replica in turn
+    with pytest.raises(ModelError, match="tokenizer 'org/tok' is neither a local directory nor in the Hugging Face "
+                                         f"cache: no snapshot of 'org/tok' at revision 'main' under '{tmp_path}'"):
+        check_args({"tokenizer": "org/tok", "download_dir": str(tmp_path)})
     r = kvserve("serve", "--tokenizer", str(tmp_path / "missing"), "--port", "1")
-    assert r.returncode == 2 and r.stderr.strip() == f"kvserve: error: tokenizer {tmp_path / 'missing'}: no such directory"
+    assert r.returncode == 2 and r.stderr.strip().startswith(
+        f"kvserve: error: tokenizer path '{tmp_path / 'missing'}' does not exist (give a local directory"), r.stderr
 
 
 def test_split_args_routes_keys_and_rejects_unknown_ones():

@@ -31,6 +31,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.executor import ModelInfo, load_model_info, resolve_dtype
+from engine.model_source import model_name
 from engine.outputs import PromptLogprob
 from engine.sampler import SampleResult
 from engine.scheduler import ScheduledBatch
@@ -105,7 +106,7 @@ class WorkerGroupExecutor:
                               resolve_dtype(config.dtype, torch.device(self.group.device)))
         self.startup_s = time.perf_counter() - t0
         logger.info("tp=%d worker group for %s up in %.1fs; KV cache %d blocks x %d tokens",
-                    config.tensor_parallel_size, spec.model_dir.name, self.startup_s, self.group.num_blocks,
+                    config.tensor_parallel_size, model_name(config, spec.model_dir), self.startup_s, self.group.num_blocks,
                     config.block_size)
 
     def execute(self, batch: ScheduledBatch, grammar_mask: GrammarMask | None = None) -> RankDraws:
