@@ -462,8 +462,8 @@ class OpenAIServing:
                 lps = completion_logprobs(ids + c.token_ids, entries + (c.logprobs or []), req.logprobs,
                                           token_str, offsets[i])
                 offsets[i] += sum(len(t) for t in lps["tokens"])
-            return {"index": i, "text": text + c.text, "logprobs": lps, "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason, **extra}
+            return [{"index": i, "text": text + c.text, "logprobs": lps, "finish_reason": c.finish_reason,
+                     "stop_reason": c.stop_reason, **extra}]
 
         return self._sse(rid, "text_completion", req.stream_usage, acc, first, merged, [], choice)
 
@@ -474,7 +474,7 @@ class OpenAIServing:
         calls = [plan.stream() for _ in acc.choices] if plan.calls_tools else None
         splits = [ReasoningStream(thinking) for _ in acc.choices] if thinking is not None else None
 
-        def choice(i: int, c: ChoiceDelta) -> dict | None:
+        def choice(i: int, c: ChoiceDelta) -> list[dict]:
             lps = None if k is None else chat_logprobs(c.token_ids, c.logprobs or [], k, token_str, self.token_bytes)
             text, finish_reason, head = c.text, c.finish_reason, {}
             if splits is not None:  # reasoning first; what follows it is the answer
@@ -486,12 +486,18 @@ class OpenAIServing:
             delta = {**head, **delta}
             if (calls is not None or splits is not None) and not delta and finish_reason is None \
                     and lps is None and not req.return_token_ids:
-                return None  # text held back (it may be a call or a tag): no empty chunk, as vLLM
+                return []  # text held back (it may be a call or a tag): no empty chunk, as vLLM
             out = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish_reason,
                    "stop_reason": c.stop_reason}
             if req.return_token_ids:  # every token's id, held-back text's too
                 out["token_ids"] = c.token_ids
-            return out
+            if "tool_calls" in delta and finish_reason is not None:
+                # The finish in a chunk of its own: the openai SDK's stream helper reads a chunk's
+                # finish_reason before its tool calls, and would never close a call sent with it.
+                return [{**out, "finish_reason": None, "stop_reason": None},
+                        {"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason,
+                         "stop_reason": c.stop_reason}]
+            return [out]
 
         n = len(acc.choices)
         role = self.settings.response_role
@@ -505,9 +511,10 @@ class OpenAIServing:
 
     async def _sse(self, rid: str, obj: str, usage: tuple[bool, bool], acc: Accumulator, first,
                    merged: AsyncIterator, preamble: list[dict],
-                   choice: Callable[[int, ChoiceDelta], dict | None], head: dict | None = None) -> AsyncIterator[str]:
-        """The SSE body of a stream: `preamble` chunks, then one chunk per sample delta of every
-        engine output that made tokens, text or not (see module doc; `choice` may skip one: None),
+                   choice: Callable[[int, ChoiceDelta], list[dict]], head: dict | None = None) -> AsyncIterator[str]:
+        """The SSE body of a stream: `preamble` chunks, then the chunks `choice` makes of each sample
+        delta of every engine output that made tokens, text or not (see module doc; usually one, none
+        for text held back),
         the usage chunk if asked for, and [DONE]. `usage`: (include_usage, continuous_usage_stats);
         `head`: fields of the first chunk only."""
         include_usage, continuous = usage
@@ -531,7 +538,7 @@ class OpenAIServing:
                     yield step
                     continue
                 for c in step.choices:
-                    if (out := choice(acc.index(prompt, c), c)) is not None:
+                    for out in choice(acc.index(prompt, c), c):
                         yield chunk(out)
         if include_usage and not failed:  # as vLLM: a failed stream ends with its error, then [DONE]
             yield sse({**base, "choices": [], "usage": acc.usage()})

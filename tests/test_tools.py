@@ -75,9 +75,29 @@ def test_auto_streams_each_call_whole_once_its_block_closed(tokenizer):
         ("get_weather", {"city": "Paris", "unit": "celsius"}), ("now", {})]
     # One chunk per call: arguments go out once the block is known to be a call (valid JSON).
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.tool_calls) == 2
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and not chunks[-1].choices[0].delta.tool_calls
     deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].finish_reason is None]
     assert all(d.role or d.content or d.tool_calls for d in deltas)  # no empty chunk while a block is held
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_the_sdk_stream_helper_closes_every_streamed_call(tokenizer, choice):
+    """openai's `chat.completions.stream()` fires `arguments.done` for each call: a reply's last call
+    completes on its last token, and the helper reads a chunk's finish_reason before its tool calls,
+    so the finish comes in a chunk of its own (as vLLM's parser sends it after the arguments)."""
+    two = "<tool_call>\n" + CALL + "\n</tool_call>\n<tool_call>\n" + '{"name": "now", "arguments": {}}' + "\n</tool_call>"
+
+    async def go(client):
+        async with client.chat.completions.stream(model="m", messages=USER, tools=TOOLS, tool_choice=choice) as s:
+            events = [(e.type, e.index) async for e in s if e.type.startswith("tool_calls.")]
+            return events, await s.get_final_completion()
+
+    (events, final), _ = run(tokenizer, two, go)
+    done = [index for kind, index in events if kind == "tool_calls.function.arguments.done"]
+    assert done == [0, 1], events
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert [json.loads(tc.function.arguments) for tc in final.choices[0].message.tool_calls] == [
+        {"city": "Paris", "unit": "celsius"}, {}]
 
 
 def test_parallel_tool_calls_false_keeps_one_call(tokenizer):
