@@ -25,7 +25,7 @@ import functools
 import json
 from dataclasses import dataclass
 
-from engine.structured.compiler import JSON_DEFAULTS
+from engine.structured.compiler import JSON_DEFAULTS, closed_objects
 from engine.structured.params import StructuredOutputsParams
 from router.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, ToolDefinition
 from router.tool_parser import NamedCallStream, ToolCallStream, call, parse_tool_calls
@@ -139,7 +139,7 @@ def required_grammar(tools: tuple[ToolDefinition, ...], parallel: bool) -> str:
     Each tool's arguments keep their own schema as a JSON root, so its $refs still resolve."""
     rules, names = [], []
     for i, tool in enumerate(tools):
-        schema = dict(_arguments_schema(tool))
+        schema = closed_objects(_arguments_schema(tool))
         schema.setdefault("x-guidance", {**JSON_DEFAULTS, "lenient": not tool.function.strict})
         head = json.dumps(f'{{"name": {json.dumps(tool.function.name)}, "arguments": ')
         rules.append(f"call_{i}: {head} args_{i} \"}}\"\nargs_{i}: %json {json.dumps(schema)}")

@@ -397,3 +397,48 @@ def test_constrained_decoding_on_cuda(tiny_dir, dtype):
     full = torch.full((1, 49152 // 32), -1, dtype=torch.int32)
     logits = torch.randn(2, 49152, device="cuda")
     assert torch.equal(apply_grammar_mask(logits, GrammarMask([1], full)), logits)  # allowing all: no change
+
+
+# -- object schemas are closed, as vLLM's default backend reads them ---------------------------------
+
+def test_an_object_schema_that_says_nothing_of_other_keys_allows_none(tokenizer):
+    """A schema without additionalProperties gets no invented keys (xgrammar's strict mode, vLLM's
+    default); one that allows them, json_object mode and allOf's members keep them allowed."""
+    from engine.structured.compiler import GrammarCompiler
+
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+    def accepts(spec: S, value) -> bool:
+        matcher = compiler.compile(spec).matcher()
+        ids = tokenizer.encode(json.dumps(value), add_special_tokens=False)
+        return matcher.try_consume_tokens(ids) == len(ids) and not matcher.is_error() and matcher.is_accepting()
+
+    person = {k: v for k, v in PERSON.items() if k != "additionalProperties"}
+    nested = {"type": "object", "properties": {"people": {"type": "array", "items": person}}, "required": ["people"]}
+    who = {"name": "a", "age": 1, "tags": []}
+    assert accepts(S(json=person), who) and not accepts(S(json=person), {**who, "x": 1})
+    assert accepts(S(json=nested), {"people": [who]}) and not accepts(S(json=nested), {"people": [{**who, "x": 1}]})
+    assert not accepts(S(json=nested), {"people": [], "x": 1})
+    assert accepts(S(json={**person, "additionalProperties": True}), {**who, "x": 1})
+    assert accepts(S(json={**person, "additionalProperties": {"type": "integer"}}), {**who, "x": 1})
+    assert accepts(S(json_object=True), {**who, "x": 1})
+    both = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                      {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+    assert accepts(S(json=both), {"a": 1, "b": 2})
+
+
+def test_closing_objects_changes_schemas_only():
+    from engine.structured.compiler import closed_objects
+
+    schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {}},
+                                               "type": {"const": {"properties": {"x": 1}}}},
+              "$defs": {"d": {"properties": {"y": {"type": "string"}}}}, "items": [{"type": "object"}],
+              "default": {"type": "object"}}
+    assert closed_objects(schema) == {
+        "type": "object", "additionalProperties": False,
+        "properties": {"properties": {"type": "object", "properties": {}, "additionalProperties": False},
+                       "type": {"const": {"properties": {"x": 1}}}},  # data, not a schema
+        "$defs": {"d": {"properties": {"y": {"type": "string"}}, "additionalProperties": False}},
+        "items": [{"type": "object", "additionalProperties": False}], "default": {"type": "object"}}
+    assert closed_objects({"type": ["object", "null"]})["additionalProperties"] is False
+    assert "additionalProperties" not in closed_objects({"type": "object", "unevaluatedProperties": True})

@@ -306,6 +306,15 @@ def test_the_required_grammar_accepts_calls_and_nothing_else(tokenizer):
         matcher = compiler.compile(StructuredOutputsParams(grammar=required_grammar(tools, parallel))).matcher()
         ids = tokenizer.encode(text, add_special_tokens=False)
         assert (matcher.try_consume_tokens(ids) == len(ids) and not matcher.is_error()) == ok, text
+    # a tool whose schema says nothing of other keys gets none invented (vLLM's default backend)
+    open_args = {k: v for k, v in WEATHER_ARGS.items() if k != "additionalProperties"}
+    tools = tuple(ChatCompletionRequest.model_validate({"messages": USER, "tools": [
+        {"type": "function", "function": {"name": "get_weather", "parameters": open_args}}]}).tools)
+    for args, ok in [('{"city": "Paris", "unit": "celsius"}', True), ('{"city": "Paris", "unit": "celsius", "x": 1}', False)]:
+        matcher = compiler.compile(StructuredOutputsParams(grammar=required_grammar(tools, False))).matcher()
+        ids = tokenizer.encode(f'<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>',
+                               add_special_tokens=False)
+        assert (matcher.try_consume_tokens(ids) == len(ids) and not matcher.is_error()) == ok, args
 
 
 # -- the parser ------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -31,6 +32,40 @@ if TYPE_CHECKING:
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 PARAM = "structured_outputs"
 
+# Keywords whose value is a schema, a list of schemas, or a map of names to schemas.
+_SUBSCHEMA = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames",
+              "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema, close: bool = True):
+    """`schema` with `"additionalProperties": false` in each object schema that says nothing of
+    other keys, as vLLM's default backend (xgrammar, strict mode) reads a schema: a model is not to
+    invent keys the schema does not list. Where a schema allows them it says so. allOf's members
+    are left open (each sees only its own properties: closing them would refuse their union)."""
+    if isinstance(schema, list):
+        return [closed_objects(s, close) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), (dict, list)) and (key != "items" or isinstance(out[key], dict)):
+            out[key] = closed_objects(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = closed_objects(out[key])
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = closed_objects(out["allOf"], close=False)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    kind = out.get("type")
+    is_object = "properties" in out or kind == "object" or (isinstance(kind, list) and "object" in kind)
+    if close and is_object and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
 
 def to_grammar(params: StructuredOutputsParams) -> str:
     """The llguidance grammar for `params`; InvalidRequestError when its text is not even parseable."""
@@ -38,8 +73,8 @@ def to_grammar(params: StructuredOutputsParams) -> str:
     from llguidance import LLMatcher
 
     try:
-        if params.json is not None or params.json_object:
-            schema = params.json if params.json is not None else '{"type": "object"}'
+        if params.json is not None or params.json_object:  # json_object: any object, keys and all
+            schema = _closed_json(params.json) if params.json is not None else '{"type": "object"}'
             return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS,
                                                       overrides={"lenient": True} if params.lenient else None)
         if params.regex is not None:
@@ -49,6 +84,14 @@ def to_grammar(params: StructuredOutputsParams) -> str:
         return llguidance.grammar_from("grammar", params.grammar)
     except ValueError as e:
         raise InvalidRequestError(PARAM, f"the {params.kind} is invalid: {e}") from None
+
+
+def _closed_json(text: str) -> str:
+    """closed_objects of a schema's JSON text (text llguidance will refuse is passed on as it is)."""
+    try:
+        return json.dumps(closed_objects(json.loads(text)))
+    except ValueError:
+        return text
 
 
 def check(params: StructuredOutputsParams) -> str | None:
