@@ -25,7 +25,8 @@ import functools
 import json
 from dataclasses import dataclass
 
-from engine.structured.compiler import JSON_DEFAULTS, closed_objects
+from engine.structured.compiler import JSON_DEFAULTS
+from engine.structured.schemas import closed_objects, without_patterns
 from engine.structured.params import StructuredOutputsParams
 from router.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, ToolDefinition
 from router.tool_parser import NamedCallStream, ToolCallStream, call, parse_tool_calls
@@ -124,10 +125,13 @@ def _arguments_spec(tool: ToolDefinition) -> StructuredOutputsParams:
 
 @functools.lru_cache(maxsize=256)
 def _validator(schema: str):
+    """A validator for a strict tool's arguments, without the schema's regular expressions: it runs
+    on the ingress's event loop, on text a client can steer, and Python's `re` backtracks."""
     import jsonschema
 
-    cls = jsonschema.validators.validator_for(json.loads(schema))
-    return cls(json.loads(schema), format_checker=cls.FORMAT_CHECKER)
+    schema = without_patterns(json.loads(schema))
+    cls = jsonschema.validators.validator_for(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
 def _arguments_schema(tool: ToolDefinition) -> dict:

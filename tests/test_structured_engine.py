@@ -428,7 +428,7 @@ def test_an_object_schema_that_says_nothing_of_other_keys_allows_none(tokenizer)
 
 
 def test_closing_objects_changes_schemas_only():
-    from engine.structured.compiler import closed_objects
+    from engine.structured.schemas import closed_objects
 
     schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {}},
                                                "type": {"const": {"properties": {"x": 1}}}},

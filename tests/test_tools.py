@@ -139,6 +139,26 @@ def test_auto_calls_only_offered_tools_and_holds_strict_ones_to_their_schema(tok
         assert r.choices[0].finish_reason == "stop" and content == text and not calls
 
 
+def test_auto_mode_checks_strict_arguments_without_the_schemas_regular_expressions(tokenizer):
+    """The check runs on the ingress's event loop, on text a client can steer (a regex constraint,
+    a prompt): Python's `re` backtracks, and `^(a+)+$` against 40 a's and a "!" would hold every
+    client for hours. Structure, types and enums are still held to the schema."""
+    from engine.structured.schemas import without_patterns
+
+    args = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a+)+$"}, "n": {"type": "integer"}},
+            "required": ["a"], "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": args, "strict": True}}]
+    for arguments, is_call in [({"a": "a" * 40 + "!"}, True), ({"a": "aa", "x1": 2}, True),
+                               ({"a": 5}, False), ({"n": 1}, False)]:
+        text = f'<tool_call>\n{{"name": "f", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+        r, _ = run(tokenizer, text, create(tools=tools))
+        assert bool(r.choices[0].message.tool_calls) == is_call, arguments
+    assert without_patterns({"properties": {"a": {"pattern": "x", "format": "regex"}, "b": {"format": "date"}},
+                             "propertyNames": {"pattern": "y"}, "patternProperties": {"z": {}},
+                             "additionalProperties": False, "enum": [{"pattern": "data"}]}) == {
+        "properties": {"a": {}, "b": {"format": "date"}}, "propertyNames": {}, "enum": [{"pattern": "data"}]}
+
+
 def test_named_choice_constrains_to_the_arguments_schema(tokenizer):
     args = '{"city": "Paris", "unit": "celsius"}'
     choice = {"type": "function", "function": {"name": "get_weather"}}

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
 from engine.structured.params import StructuredOutputsParams
+from engine.structured.schemas import closed_objects
 
 if TYPE_CHECKING:
     import llguidance
@@ -31,40 +32,6 @@ if TYPE_CHECKING:
 # whitespace between tokens can fill max_tokens with newlines (a schema's own x-guidance wins).
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 PARAM = "structured_outputs"
-
-# Keywords whose value is a schema, a list of schemas, or a map of names to schemas.
-_SUBSCHEMA = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames",
-              "unevaluatedItems", "unevaluatedProperties", "additionalItems")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-def closed_objects(schema, close: bool = True):
-    """`schema` with `"additionalProperties": false` in each object schema that says nothing of
-    other keys, as vLLM's default backend (xgrammar, strict mode) reads a schema: a model is not to
-    invent keys the schema does not list. Where a schema allows them it says so. allOf's members
-    are left open (each sees only its own properties: closing them would refuse their union)."""
-    if isinstance(schema, list):
-        return [closed_objects(s, close) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SUBSCHEMA:
-        if isinstance(out.get(key), (dict, list)) and (key != "items" or isinstance(out[key], dict)):
-            out[key] = closed_objects(out[key])
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = closed_objects(out[key])
-    if isinstance(out.get("allOf"), list):
-        out["allOf"] = closed_objects(out["allOf"], close=False)
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
-    kind = out.get("type")
-    is_object = "properties" in out or kind == "object" or (isinstance(kind, list) and "object" in kind)
-    if close and is_object and "additionalProperties" not in out and "unevaluatedProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 def to_grammar(params: StructuredOutputsParams) -> str:
