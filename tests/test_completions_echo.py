@@ -148,6 +148,21 @@ def test_vllm_prompt_logprobs_extra(client, oracle):
         == [None] + [1] * (len(ids) - 1)
 
 
+def test_a_reply_over_grpcs_default_4_mib_arrives_whole(server, oracle):
+    """Serve's gRPC transport (cluster/serve_env.py) caps a replica's messages at 4 MiB unless told
+    otherwise: lm-eval-style scoring of a few long prompts with 20 logprobs each way replies ~7 MB,
+    which was a bare 500 once the work was done."""
+    prompt = oracle["ids"][LONG] * 5  # ~430 tokens
+    r = httpx.post(f"{server}/v1/completions", timeout=300, json={
+        "model": MODEL, "prompt": [prompt] * 6, "max_tokens": 1, "echo": True, "logprobs": 20,
+        "prompt_logprobs": 20, "temperature": 0})
+    assert r.status_code == 200, r.text[:500]
+    assert len(r.content) > 5 << 20
+    choices = r.json()["choices"]
+    assert len(choices) == 6 and all(len(c["prompt_logprobs"]) == len(prompt) for c in choices)
+    assert all(len(c["logprobs"]["tokens"]) == len(prompt) + 1 for c in choices)
+
+
 def test_chat_prompt_logprobs_and_echo(client, oracle):
     """vLLM's chat extras: the rendered prompt's logprobs on the reply, against HF's; and echo, the
     last message's text before a reply that goes on with it (continue_final_message)."""
