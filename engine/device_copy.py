@@ -13,5 +13,9 @@ import torch
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A list (or nested lists) of numbers as a tensor on `device`, without a host sync."""
-    host = torch.tensor(values, dtype=dtype)
+    return host_to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, without a host sync."""
     return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)

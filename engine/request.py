@@ -17,6 +17,7 @@ class Request:
         self.params = params
         self.tokenizer = tokenizer
         self.stream = params.output_kind != RequestOutputKind.FINAL_ONLY
+        self._stop_token_ids = frozenset(params.stop_token_ids)  # looked up after every sampled token
         self._decode = decoder(tokenizer)
         self.seqs: list[Sequence] = [Sequence(request_id, prompt_token_ids, params, max_tokens)]
         self.completions: list[CompletionOutput] = [self._completion(0)]
@@ -71,7 +72,7 @@ class Request:
             comp.ranks.append(result.rank)
         tok, n_out = result.token_id, seq.num_output_tokens
         eos = n_out >= p.min_tokens and not p.ignore_eos and tok in eos_ids
-        stop_token = n_out >= p.min_tokens and tok in p.stop_token_ids
+        stop_token = n_out >= p.min_tokens and tok in self._stop_token_ids
         # A token that ends the sequence stays in its token ids but not in its text, unless
         # include_stop_str_in_output (vLLM's rule: `<|im_end|>` with skip_special_tokens=False).
         shown = [] if (eos or stop_token) and not p.include_stop_str_in_output else [tok]

@@ -13,6 +13,8 @@ from engine.structured.params import StructuredOutputsParams
 DEFAULT_MAX_LOGPROBS = 20  # logprobs a request may ask per token unless the engine allows more (vLLM's)
 MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias
 MAX_BAD_WORDS = 100  # entries in one request's bad_words (each is checked per step)
+MAX_BAD_WORD_CHARS = 1000  # a bad word's length (each is tokenized on the engine's step thread)
+MAX_STOP_STRINGS = 128  # entries in one request's stop (each is searched for after every token)
 SAMPLING_EPS = 1e-5  # a temperature below it is greedy (vLLM's _SAMPLING_EPS)
 
 
@@ -70,9 +72,9 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
             raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be a list of token ids, "
                                                         f"got {self.stop_token_ids!r}")
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self.stop_token_ids = [] if self.stop_token_ids is None else _unique(self.stop_token_ids)
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
-        self.allowed_token_ids = None if self.allowed_token_ids is None else list(self.allowed_token_ids)
+        self.allowed_token_ids = None if self.allowed_token_ids is None else _unique(self.allowed_token_ids)
         self.bad_words = list(self.bad_words) if self.bad_words else None
         self._validate()
 
@@ -106,6 +108,7 @@ class SamplingParams:
              "min_tokens", f"<= max_tokens ({self.max_tokens})")
         need(self.logprobs is None or self.logprobs >= -1, "logprobs", ">= 0, -1 (the whole vocabulary) or None")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
+        need(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
         need(self.detokenize or not self.stop, "stop", "empty with detokenize=False (stop strings are matched on text)")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "non-negative token ids")
         need(self.prompt_logprobs is None or self.prompt_logprobs >= -1, "prompt_logprobs",
@@ -120,6 +123,8 @@ class SamplingParams:
             isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)), "allowed_token_ids",
              "a non-empty list of token ids")
         need(len(self.bad_words or ()) <= MAX_BAD_WORDS, "bad_words", f"at most {MAX_BAD_WORDS} words")
+        need(all(len(w) <= MAX_BAD_WORD_CHARS for w in self.bad_words or () if isinstance(w, str)), "bad_words",
+             f"words of at most {MAX_BAD_WORD_CHARS} characters")
         need(all(isinstance(w, str) and w.strip() for w in self.bad_words or ()), "bad_words", "non-blank strings")
         need(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt), "cache_salt",
              "a non-empty string or None")
@@ -178,3 +183,12 @@ def truncated(prompt_token_ids: list[int], keep: int, max_model_len: int) -> lis
         raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens value ({keep}) is greater than "
                                   f"max_model_len ({max_model_len}). Please request a smaller truncation size.")
     return prompt_token_ids[-(max_model_len if keep == -1 else keep):]
+
+
+def _unique(ids) -> list:
+    """`ids` as a list, each once, in order (a list of a vocabulary's ids is then no longer than it);
+    as given when not hashable, for the validation to name."""
+    try:
+        return list(dict.fromkeys(ids))
+    except TypeError:
+        return list(ids)

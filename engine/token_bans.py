@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.device_copy import to_device
+from engine.device_copy import host_to_device, to_device
 
 
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
@@ -31,12 +31,21 @@ def reads_output(params) -> bool:
     return any(len(word) > 1 for word in params.bad_words_token_ids or ())
 
 
+def _allowed_ids(params) -> torch.Tensor:
+    """params.allowed_token_ids as a host tensor, made on the request's first step (a list may hold
+    the whole vocabulary; this runs every step)."""
+    ids = params.__dict__.get("_allowed_ids_tensor")
+    if ids is None:
+        ids = params.__dict__["_allowed_ids_tensor"] = torch.tensor(params.allowed_token_ids, dtype=torch.long)
+    return ids
+
+
 def apply_token_bans(logits: torch.Tensor, rows: list) -> torch.Tensor:
     """(B, V) logits with each row's banned tokens at -inf; `logits` itself when no row bans any."""
     banning = [i for i, r in enumerate(rows) if r.params.allowed_token_ids or r.params.bad_words_token_ids]
     if not banning:  # the common case, in one pass (this runs every step)
         return logits
-    allowed = [(i, rows[i].params.allowed_token_ids) for i in banning if rows[i].params.allowed_token_ids]
+    allowed = [(i, rows[i].params) for i in banning if rows[i].params.allowed_token_ids]
     banned = [(i, word[-1]) for i in banning for word in rows[i].params.bad_words_token_ids or ()
               if _completes(rows[i].output_token_ids, word[:-1])]
     if not allowed and not banned:
@@ -44,11 +53,11 @@ def apply_token_bans(logits: torch.Tensor, rows: list) -> torch.Tensor:
     out = logits.clone()
     device = out.device
     if allowed:
+        ids = [_allowed_ids(params) for _, params in allowed]
+        keep_rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(t) for t in ids]))
         keep = torch.zeros(len(allowed), out.shape[1], dtype=torch.bool, device=device)
-        keep_rows = [k for k, (_, ids) in enumerate(allowed) for _ in ids]
-        keep_tokens = [t for _, ids in allowed for t in ids]
         # A device scalar: a Python one would be copied up with a blocking (synchronizing) copy.
-        keep.index_put_((to_device(keep_rows, torch.long, device), to_device(keep_tokens, torch.long, device)),
+        keep.index_put_((host_to_device(keep_rows, device), host_to_device(torch.cat(ids), device)),
                         keep.new_ones(()))
         index = to_device([i for i, _ in allowed], torch.long, device)
         out[index] = out[index].masked_fill(~keep, float("-inf"))

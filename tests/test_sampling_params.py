@@ -57,10 +57,21 @@ def test_stop_list_is_copied():
     ("n", 2.5), ("n", "2"), ("max_tokens", "10"), ("max_tokens", 10.0), ("top_k", 1.5), ("seed", 1.0),
     ("logprobs", "1"), ("temperature", "0.5"), ("top_p", None), ("stop", 5), ("stop_token_ids", 5),
     ("stop_token_ids", [1.5]),
+    # what the engine does per token or per step, bounded: a request cannot stall it (a live
+    # server: 300,000 stop strings held every other request 2 s)
+    ("stop", [f"s{i}" for i in range(129)]), ("bad_words", ["x" * 1001]), ("bad_words", ["w"] * 101),
 ])
 def test_invalid_values_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field} must be"):
         SamplingParams(**{field: value})
+
+
+def test_token_id_lists_keep_each_id_once_in_order():
+    """A list of ids is then no longer than the vocabulary whatever a client repeats (1.7 M ids
+    were rebuilt per row every step: 9 s for a 1-token request beside it)."""
+    p = SamplingParams(allowed_token_ids=[5, 3, 5, 5, 3, 9] * 1000, stop_token_ids=[2, 2, 7, 2])
+    assert p.allowed_token_ids == [5, 3, 9] and p.stop_token_ids == [2, 7]
+    assert len(SamplingParams(stop=[f"s{i}" for i in range(128)], bad_words=["x" * 1000]).stop) == 128
 
 
 def test_numbers_of_other_kinds_are_accepted():
