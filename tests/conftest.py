@@ -1,4 +1,5 @@
 import os
+import signal
 
 import pytest
 
@@ -22,7 +23,15 @@ if TRITON_INTERPRETER:
         pass
 
 
+def _terminated(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def pytest_configure(config):
+    # SIGTERM (`timeout`, a CI runner's cancel) ends the run as Ctrl-C does: the running test's
+    # `finally:` blocks and the fixtures' teardowns stop the servers and Ray clusters they started
+    # in sessions of their own, which a plain SIGTERM of pytest would leave running.
+    signal.signal(signal.SIGTERM, _terminated)
     # Named here rather than in pyproject's filterwarnings: pytest imports a filter's category when
     # it reads its configuration, and the GPU host benchmarks/gpu_check.sh runs on has no pydantic.
     try:
