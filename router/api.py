@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.version import kvserve_version
 from router.cluster_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.errors import OpenAIError, from_validation_error, internal_error
+from router.off_loop import off_loop
 from router.protocol import (REQUEST_ID_PATTERN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              TokenizeRequest)
 from router.responses import ResponsesRequest
@@ -111,7 +112,16 @@ async def read_json(request: Request, model: type[BaseModel], limit: int) -> Bas
         body += chunk
         if len(body) > limit:  # a chunked body states no length up front
             raise OpenAIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-    data = parse_json(bytes(body))
+    if len(body) > OFF_LOOP_BYTES:
+        return await off_loop(_validated, bytes(body), model)
+    return _validated(bytes(body), model)
+
+
+OFF_LOOP_BYTES = 64 << 10  # a body this large is parsed and validated on router.off_loop's thread
+
+
+def _validated(body: bytes, model: type[BaseModel]) -> BaseModel:
+    data = parse_json(body)
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -35,6 +35,7 @@ from router.engine_streams import collect, events, map_steps, merge_streams, ren
 from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error, unavailable
 from router.formatting import (SSE_DONE, Accumulator, PromptEcho, chat_logprobs, chat_response,
                                completion_logprobs, completion_response, sse, vllm_prompt_logprobs)
+from router.off_loop import off_loop
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.reasoning import (END, ReasoningStream, count_reasoning_tokens, grammar_gate, opens_in_reasoning,
                               reasoning_fields, reply_start, split_reasoning)
@@ -163,9 +164,9 @@ class OpenAIServing:
     async def tokenize(self, req: TokenizeRequest) -> dict:
         self.check_model(req.model)
         if req.messages is not None:
-            ids = self._chat_ids(req, ToolPlan("auto", tuple(req.tools)) if req.tools else None)
+            ids = await off_loop(self._chat_ids, req, ToolPlan("auto", tuple(req.tools)) if req.tools else None)
         else:
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+            ids = await off_loop(self.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens is not False)
         info = await self.limits()
         out = {"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids}
         if req.return_token_strs:
@@ -176,7 +177,7 @@ class OpenAIServing:
         self.check_model(req.model)
         if any(t >= len(self.tokenizer) for t in req.tokens):
             raise bad_request(f"tokens must be in [0, {len(self.tokenizer)})", param="tokens")
-        return {"prompt": self.tokenizer.decode(req.tokens)}
+        return {"prompt": await off_loop(self.tokenizer.decode, req.tokens)}
 
     async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
@@ -187,8 +188,7 @@ class OpenAIServing:
         if len(texts) * req.n > limit:
             raise bad_request(f"this request asks for {len(texts)} prompts x n={req.n} = {len(texts) * req.n} "
                               f"sequences; this server allows at most {limit} per request", param="prompt")
-        prompts = [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)
-                   for p in texts]
+        prompts = await off_loop(self._encoded, texts, req.add_special_tokens)
         if req.truncate_prompt_tokens is not None:
             kept = [await self._truncated(p, req.truncate_prompt_tokens) for p in prompts]
             texts = [t if len(k) == len(p) else k for t, p, k in zip(texts, prompts, kept)]  # echo: what was kept
@@ -309,7 +309,7 @@ class OpenAIServing:
         await check_all([(spec, field(param)) for spec, param in plan.tool_specs()])
         for spec, param in (self._output_constraint(req), (plan.spec(), "tools")):
             params = await self._constrained(params, spec, field(param))
-        ids = self._chat_ids(req, plan, field("messages"))
+        ids = await off_loop(self._chat_ids, req, plan, field("messages"))
         parser = self.settings.reasoning_parser
         if parser is None:
             return plan, params, ids, None
@@ -327,6 +327,10 @@ class OpenAIServing:
     def _end_tag_is_a_token(self) -> bool:
         """Whether `</think>` is one token here, as the engine's grammar gate needs (engine.structured.gate)."""
         return len(self.tokenizer.encode(END, add_special_tokens=False)) == 1
+
+    def _encoded(self, prompts: list[str | list[int]], add_special_tokens: bool) -> list[list[int]]:
+        return [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=add_special_tokens)
+                for p in prompts]
 
     def _chat_ids(self, req: ChatCompletionRequest | TokenizeRequest, plan: ToolPlan | None = None,
                   param: str = "messages") -> list[int]:

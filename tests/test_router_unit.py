@@ -675,3 +675,31 @@ def test_a_model_is_retrieved_by_its_name_and_another_is_a_404(tokenizer):
     assert r.json() == call(tokenizer, "GET", "/v1/models").json()["data"][0]
     r = call(tokenizer, "GET", "/v1/models/org/other")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+# -- the event loop stays free while a large request is prepared ----------------------------------
+
+@pytest.mark.parametrize("path, body", [
+    ("/tokenize", {"model": "m", "prompt": "hello world, " * 200_000}),  # 2.6 MB of text to tokenize
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": ""}] * 100_000,
+                              "max_tokens": 1}),  # 100k messages to parse, validate and render
+])
+def test_other_clients_are_answered_while_a_large_request_is_prepared(tokenizer, path, body):
+    """Parsing, the chat template and tokenizing run on router.off_loop's thread: on the event loop,
+    a request like these held every other client, /health included, for the seconds it took."""
+    from tests.scripted_engine import run
+
+    async def go(client):
+        http = client._client
+        hostile = asyncio.create_task(http.post(path, json=body, timeout=120))
+        await asyncio.sleep(0.05)
+        answered = 0
+        while not hostile.done():
+            assert (await http.get("/v1/models", headers={"Authorization": "Bearer k"})).status_code == 200
+            answered += 1
+            await asyncio.sleep(0.01)
+        return answered, (await hostile).status_code
+
+    (answered, status), _ = run(tokenizer, "x", go, settings={"max_request_body_bytes": 8 << 20})
+    assert status in (200, 400)  # the chat's prompt is longer than the model: refused once rendered
+    assert answered >= 5, answered  # on the loop: none until it was done
