@@ -95,6 +95,8 @@ def main(argv=None) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--rounds", type=int, default=2, help="each run this many times, interleaved; the best counts")
     args = p.parse_args(argv)
+    if not (1 <= args.min_input <= args.max_input and 1 <= args.min_output <= args.max_output):
+        p.error("need 1 <= --min-input <= --max-input and 1 <= --min-output <= --max-output")
 
     import torch
 

@@ -136,7 +136,7 @@ def _add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("vLLM flags with nothing to set here")
     for name, (values, why) in ONLY_AT.items():
         flags = ["-pp"] if name == "pipeline_parallel_size" else []
-        g.add_argument(*flags, "--" + name.replace("_", "-"), type=_only(name), metavar=values[0], help=why,
+        g.add_argument(*flags, "--" + name.replace("_", "-"), type=_only(name), metavar="|".join(values), help=why,
                        default=argparse.SUPPRESS)
     for name, why in NO_EFFECT.items():
         g.add_argument("--" + name.replace("_", "-"), help=f"no effect: {why}", default=argparse.SUPPRESS,
