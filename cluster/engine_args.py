@@ -95,6 +95,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="reuse KV blocks of identical prompt prefixes")
     add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
         help="split long prompts across engine steps")
+    add("--scheduling-policy", choices=["fcfs", "priority"],
+        help="fcfs: first come, first served; priority: waiting requests by their `priority` (lower first), "
+             "then arrival, and the lowest-priority running one is preempted first (as in vLLM)")
     add("--trust-remote-code", action="store_true",
         help="load a tokenizer whose directory ships its own Python code (transformers' auto_map), as "
              "vLLM's flag does; the model itself must still be a Llama-family checkpoint")

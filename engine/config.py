@@ -32,6 +32,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # vLLM's --scheduling-policy: "fcfs", or "priority" (waiting requests by their priority, lower
+    # first, then arrival; the lowest-priority running sequence is the one preempted).
+    scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
     # What runs the ranks when tensor_parallel_size > 1: "ray" (workers.executor's Ray worker group),
     # or "package.module:Class" of an Executor built as Class(config).
@@ -65,6 +68,8 @@ class EngineConfig:
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"dtype must be auto|float32|bfloat16|float16 (or half|float), got {self.dtype!r}")
         need(self.max_logprobs >= -1, f"max_logprobs must be >= 0, or -1 for no cap, got {self.max_logprobs}")
+        need(self.scheduling_policy in ("fcfs", "priority"),
+             f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         need(self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(self.distributed_executor_backend == "ray" or ":" in self.distributed_executor_backend,

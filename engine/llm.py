@@ -36,16 +36,20 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
         """Run every prompt (text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
         dicts, with an optional cache_salt) to completion under continuous batching; outputs in
         prompt order. An n above max_num_seqs is served in several engine calls, the samples those
-        one call gives."""
+        one call gives. `priority`: one per prompt, under scheduling_policy="priority" (vLLM's)."""
         prompts = _listed(prompts)
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
+            params = [dataclasses.replace(p, priority=k) for p, k in zip(params, priority)]
         prompts, salts = zip(*map(_unwrapped, prompts)) if prompts else ((), ())
         params = [p if salt is None else dataclasses.replace(p, cache_salt=salt) for p, salt in zip(params, salts)]
         ids = [f"offline-{next(self._ids)}" for _ in prompts]

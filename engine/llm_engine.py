@@ -12,7 +12,7 @@ from engine.executor import Executor, make_executor
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request
 from engine.sampler import SampleResult
-from engine.sampling_params import SamplingParams, truncated
+from engine.sampling_params import SamplingParams, priority_refusal, truncated
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import Sequence
 from engine.snapshot import DEFAULT_PREFIX_LIMIT, snapshot
@@ -33,7 +33,8 @@ class LLMEngine:
         self.max_model_len = config.model_len(info.max_position_embeddings)
         self.block_manager = BlockManager(info.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.enable_chunked_prefill), self.block_manager)
+                                                   config.enable_chunked_prefill, config.scheduling_policy),
+                                   self.block_manager)
         self.requests: dict[str, Request] = {}
         # Grammars compile on their own thread (AsyncEngine waits for them before queueing a
         # request); matchers live here, whatever the tensor parallelism, and masks travel.
@@ -57,6 +58,8 @@ class LLMEngine:
             raise InvalidRequestError("prompt", f"prompt token ids must be in [0, {vocab})")
         params.check_token_ids(vocab)
         params.within_logprobs_cap(self.config.max_logprobs, vocab)  # more than --max-logprobs: raises
+        if params.priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError("priority", priority_refusal(params.priority))
         if n >= self.max_model_len:
             raise InvalidRequestError("prompt", f"prompt has {n} tokens; max_model_len is {self.max_model_len} "
                                       "(the prompt must leave room for at least one generated token)",

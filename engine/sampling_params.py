@@ -58,6 +58,8 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None  # bad_words as token ids: the engine fills it
     output_kind: RequestOutputKind = RequestOutputKind.DELTA  # FINAL_ONLY: a caller that does not stream
     cache_salt: str | None = None  # prefix-cache blocks are shared only between requests with the same salt
+    # Under scheduling_policy "priority": lower runs first (vLLM's); must be 0 under "fcfs".
+    priority: int = 0
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len (vLLM's)
 
     def __post_init__(self) -> None:
@@ -126,6 +128,7 @@ class SamplingParams:
         need(all(len(w) <= MAX_BAD_WORD_CHARS for w in self.bad_words or () if isinstance(w, str)), "bad_words",
              f"words of at most {MAX_BAD_WORD_CHARS} characters")
         need(all(isinstance(w, str) and w.strip() for w in self.bad_words or ()), "bad_words", "non-blank strings")
+        need(isinstance(self.priority, int) and not isinstance(self.priority, bool), "priority", "an integer")
         need(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt), "cache_salt",
              "a non-empty string or None")
         need(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1,
@@ -192,3 +195,8 @@ def _unique(ids) -> list:
         return list(dict.fromkeys(ids))
     except TypeError:
         return list(ids)
+
+
+def priority_refusal(priority: int) -> str:
+    """Why a request's priority is refused by an engine scheduling first come, first served (vLLM's words)."""
+    return f"Got priority {priority} but priority scheduling is not enabled (--scheduling-policy priority)"

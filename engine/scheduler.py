@@ -4,12 +4,15 @@ Every step: running sequences first (decodes and unfinished prefill chunks, FCFS
 ones, each advancing `num_computed_tokens` toward its length. When the KV pool runs dry the
 newest running sequence is preempted by recompute: its blocks are freed and it goes back to the
 front of the queue with all its tokens (prompt + output so far), so nothing is lost or reordered.
+Under the "priority" policy (vLLM's), both queues are kept in (priority, arrival) order instead:
+the best waiting request is admitted first, and the worst running one is the one preempted.
 After the model ran, `update_from_output` is the one post-step path (advance, fork, append the
 sampled tokens, finish) for the engine, the cluster simulator and the tests alike.
 Pure Python: the cluster simulator runs this same code.
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +29,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # or "priority": engine.config.EngineConfig.scheduling_policy
 
 
 @dataclass
@@ -107,7 +111,10 @@ class Scheduler:
         self.stats = SchedulerStats()
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.config.policy == "priority":
+            bisect.insort(self.waiting, seq, key=_rank)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -163,7 +170,10 @@ class Scheduler:
             self.stats.prefix_hit_tokens += num_cached
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            if self.config.policy == "priority":  # the last one is the one to preempt
+                bisect.insort(self.running, seq, key=_rank)
+            else:
+                self.running.append(seq)
             seats += 1 + seq.pending_forks
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
@@ -175,7 +185,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.config.policy == "priority":
+            bisect.insort(self.waiting, seq, key=_rank)
+        else:
+            self.waiting.appendleft(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Add a sibling that shares the parent's blocks (n > 1), running right after it."""
@@ -234,3 +247,12 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.block_manager.check_integrity(self.running)
         assert all(not s.block_table for s in self.waiting), "a waiting sequence holds blocks"
+        if self.config.policy == "priority":
+            for queue in (self.waiting, self.running):
+                ranks = [_rank(s) for s in queue]
+                assert ranks == sorted(ranks), "a queue out of (priority, arrival) order"
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    """The priority policy's order: lower priority values first, then earlier requests."""
+    return seq.params.priority, seq.arrival

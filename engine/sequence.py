@@ -27,6 +27,7 @@ class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, index: int = 0) -> None:
         self.seq_id = next(_seq_ids)
+        self.arrival = self.seq_id  # its request's order of arrival: a fork keeps its parent's
         self.request_id = request_id
         self.index = index  # which of the request's n samples this is
         self.params = params
@@ -86,6 +87,7 @@ class Sequence:
     def fork(self, index: int) -> "Sequence":
         """A sibling sharing everything computed so far (the block manager shares the blocks)."""
         child = Sequence(self.request_id, self.prompt_token_ids, self.params, self.max_tokens, index)
+        child.arrival = self.arrival
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens

@@ -82,9 +82,8 @@ class _SamplingFields(_Model):
     # vLLM extra: names the reply (`cmpl-{request_id}`); an X-Request-Id header comes first, as in vLLM
     request_id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
     length_penalty: float | None = None  # vLLM extra, beam search's: a score is divided by length ** this
-    # vLLM extras this server does not implement: a 400 when set (priority: when not 0, as vLLM
-    # without --scheduling-policy priority)
-    priority: int = 0
+    priority: int = 0  # vLLM extra: lower runs first under --scheduling-policy priority; else only 0
+    # vLLM extras this server does not implement: a 400 when set
     logits_processors: list[Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
@@ -107,9 +106,6 @@ class _SamplingFields(_Model):
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens must be positive, or -1 for the model's max_model_len")
         _refuse(self, "guided_whitespace_pattern", "logits_processors", "vllm_xargs", "mm_processor_kwargs")
-        if self.priority != 0:
-            raise ValueError(f"priority is not supported by this server (it schedules first come, first served), "
-                             f"got {self.priority}")
         self._fold_guided()
         if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:
             raise ValueError("response_format cannot be combined with structured_outputs: give one of them")
@@ -193,6 +189,7 @@ class _SamplingFields(_Model):
             include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=prompt_logprobs,
             logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, cache_salt=self.cache_salt,
+            priority=self.priority,
             # a reply sent whole needs no output per token from the engine (nor one per token over Ray)
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 

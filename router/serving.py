@@ -28,7 +28,7 @@ from typing import Protocol
 
 from engine.errors import InvalidRequestError
 from engine.outputs import ChoiceDelta, StepOutput
-from engine.sampling_params import SamplingParams, truncated
+from engine.sampling_params import SamplingParams, priority_refusal, truncated
 from engine.structured.params import StructuredOutputsParams
 from engine.beam_search import BeamSearch, BeamSearchAborted, Generate, beam_search
 from router.engine_streams import collect, events, map_steps, merge_streams, renumbered, sample_calls
@@ -371,6 +371,8 @@ class OpenAIServing:
                              max_param: str) -> None:
         info = await self.limits()
         limit = info["max_model_len"]
+        if params.priority != 0 and info.get("scheduling_policy", "fcfs") != "priority":
+            raise bad_request(priority_refusal(params.priority), param="priority")
         if info.get("vocab_size") is not None:
             _check_token_ids(prompts, params, info["vocab_size"], prompt_param)
         for ids in prompts:

@@ -245,3 +245,30 @@ def test_routing_snapshot_is_taken_between_steps(tiny_dir, prompts):
     assert seen[0] is idle  # the step that admitted "r" was running: the previous snapshot came back
     assert seen[1].timestamp > idle.timestamp and seen[1].num_running == 1  # taken as the first step ended
     assert after.num_running == 0 and after.prefix_hashes >= idle.prefix_hashes
+
+
+def test_priority_scheduling_runs_the_urgent_request_first_and_fcfs_refuses_priorities(tiny_dir):
+    """vLLM's --scheduling-policy priority through the engine, with one seat: a request with a lower
+    priority value overtakes the ones that arrived before it (the running one keeps its seat)."""
+    from engine.errors import InvalidRequestError
+    from engine.llm_engine import LLMEngine
+    from engine.config import EngineConfig
+
+    engine = LLMEngine(EngineConfig(model=tiny_dir, max_num_seqs=1, num_gpu_blocks_override=64,
+                                    scheduling_policy="priority"))
+    def add(rid: str, priority: int) -> None:
+        engine.add_request(rid, [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True, priority=priority))
+
+    add("running", 9)
+    finished = [o.request_id for o in engine.step() if o.finished]  # it takes the seat
+    for rid, priority in [("later", 5), ("normal", 0), ("urgent", -3)]:
+        add(rid, priority)
+    while engine.has_unfinished():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["running", "urgent", "normal", "later"]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+    fcfs = LLM(model=tiny_dir, max_num_seqs=1, num_gpu_blocks_override=64)
+    with pytest.raises(InvalidRequestError, match="Got priority 1 but priority scheduling is not enabled"):
+        fcfs.generate([[5, 6, 7]], SamplingParams(max_tokens=2), priority=[1])
+    assert len(fcfs.generate([[5, 6, 7]] * 2, SamplingParams(max_tokens=2), priority=[0, 0])) == 2

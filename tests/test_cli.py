@@ -51,7 +51,8 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
         "--max-cpu-kv-cache-bytes", "2G", "--max-model-len", "512", "--max-num-seqs", "4",
         "--max-num-batched-tokens", "256", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
         "--stream-interval", "4", "--distributed-executor-backend", "ray", "--enforce-eager", "--trust-remote-code",
-        "--max-logprobs", "5", "--revision", "v1", "--tokenizer-revision", "v2", "--download-dir", "/hub"])
+        "--max-logprobs", "5", "--revision", "v1", "--tokenizer-revision", "v2", "--download-dir", "/hub",
+        "--scheduling-policy", "priority"])
     kwargs = engine_config_from_args(ns)
     assert set(kwargs) == EngineConfig.field_names()
     config = EngineConfig(**kwargs)
@@ -60,6 +61,7 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
     assert config.stream_interval == 4 and config.enforce_eager is True and config.trust_remote_code is True
     assert config.max_logprobs == 5
     assert (config.revision, config.tokenizer_revision, config.download_dir) == ("v1", "v2", "/hub")
+    assert config.scheduling_policy == "priority"
 
 
 def test_flags_not_given_leave_engine_config_defaults():

@@ -35,9 +35,9 @@ def append_token(seq, token):
 
 class FakeEngine:
     def __init__(self, num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
-                 enable_chunked_prefill=True, enable_prefix_caching=True):
+                 enable_chunked_prefill=True, enable_prefix_caching=True, policy="fcfs"):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
+        self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy)
         self.sched = Scheduler(self.config, self.bm)
         self.seqs = []  # every sequence ever created (forks included)
         self.aborted = set()  # request ids
@@ -46,8 +46,9 @@ class FakeEngine:
         self._ids = itertools.count()
 
     # -- requests ---------------------------------------------------------------------------
-    def add(self, prompt, max_tokens=4, n=1):
-        seq = Sequence(f"r{next(self._ids)}", list(prompt), SamplingParams(n=n, max_tokens=max_tokens), max_tokens)
+    def add(self, prompt, max_tokens=4, n=1, priority=0):
+        params = SamplingParams(n=n, max_tokens=max_tokens, priority=priority)
+        seq = Sequence(f"r{next(self._ids)}", list(prompt), params, max_tokens)
         self.seqs.append(seq)
         self.sched.add(seq)
         return seq
@@ -146,6 +147,8 @@ class FakeEngine:
         assert set(s.seq_id for s in self.live()) == \
             {s.seq_id for s in self.sched.running} | {s.seq_id for s in self.sched.waiting}
         assert len(self.sched.running) <= self.config.max_num_seqs
+        if self.config.policy == "priority":  # its order: Scheduler.check_integrity
+            return
         # FCFS: preempted sequences wait ahead of new ones, new ones in arrival order
         waiting = list(self.sched.waiting)
         fresh = [s for s in waiting if s.num_preemptions == 0]
@@ -287,6 +290,34 @@ def test_the_newest_sequence_preempts_itself_when_it_is_the_one_short_of_blocks(
     batch = eng.step()
     assert batch.preempted == [b] and batch.seqs == [a]
     assert a.block_table == a_blocks and list(eng.sched.waiting) == [b]
+    eng.drain()
+    eng.check_drained()
+
+
+def test_priority_policy_admits_the_best_waiting_request_first():
+    """vLLM's --scheduling-policy priority: lower values first, then arrival."""
+    eng = FakeEngine(max_num_seqs=1, policy="priority")
+    late, urgent, also_urgent = eng.add([1, 2], priority=5), eng.add([3, 4], priority=-1), eng.add([5], priority=-1)
+    assert list(eng.sched.waiting) == [urgent, also_urgent, late]
+    assert eng.step().seqs == [urgent]
+    eng.drain()
+    eng.check_drained()
+    fcfs = FakeEngine(max_num_seqs=1)  # first come, first served: the priority changes nothing
+    first = fcfs.add([1, 2], priority=0)
+    fcfs.add([3, 4], priority=0)
+    assert fcfs.step().seqs == [first]
+
+
+def test_priority_policy_preempts_the_lowest_priority_running_sequence():
+    eng = FakeEngine(num_blocks=4, block_size=2, max_num_batched_tokens=64, enable_prefix_caching=False,
+                     policy="priority")
+    background = eng.add([1, 2, 3], max_tokens=6, priority=10)  # the older one
+    urgent = eng.add([4, 5, 6], max_tokens=6, priority=0)
+    eng.step()
+    eng.step()  # both hold 2 blocks: the pool is full
+    assert eng.sched.running == [urgent, background]
+    batch = eng.step()  # both need a third block: the low-priority one goes, though older
+    assert batch.preempted == [background] and batch.seqs == [urgent]
     eng.drain()
     eng.check_drained()
 
@@ -439,7 +470,8 @@ configs = st.fixed_dictionaries({
 # prompt = base_prompt[:shared] + tail: a small alphabet and a common base share prefixes often;
 # short prompts are favoured so that several sequences fit the pool and then outgrow it
 add_op = st.tuples(st.just("add"), st.one_of(st.integers(0, 8), st.integers(0, 80)),
-                   st.lists(st.integers(0, 2), max_size=40), st.integers(1, 20))
+                   st.lists(st.integers(0, 2), max_size=40), st.integers(1, 20),
+                   st.integers(-2, 2))  # its priority, under the priority policy
 ops = st.lists(st.one_of(
     add_op, add_op, add_op,  # weighted: the pool should fill up and preempt
     st.tuples(st.just("step"), st.integers(1, 4)),
@@ -447,14 +479,14 @@ ops = st.lists(st.one_of(
 ), min_size=8, max_size=50)
 
 
-def run_ops(cfg, base_prompt, operations, n):
+def run_ops(cfg, base_prompt, operations, n, policy="fcfs"):
     if not cfg["enable_chunked_prefill"]:  # the engine's rule: a whole prompt must fit one step
         cfg = {**cfg, "max_num_batched_tokens": max(cfg["max_num_batched_tokens"], MAX_MODEL_LEN)}
-    eng = FakeEngine(**cfg)
+    eng = FakeEngine(**cfg, policy=policy)
     eng.check()
     for op in operations:
         if op[0] == "add":
-            _, shared, tail, max_tokens = op
+            _, shared, tail, max_tokens, priority = op
             prompt = (base_prompt[:shared] + tail)[:80] or [0]
             # LLMEngine.validate rejects a request that can never fit the pool: shrink it to fit
             capacity = eng.bm.num_blocks * eng.bm.block_size
@@ -463,7 +495,7 @@ def run_ops(cfg, base_prompt, operations, n):
             assert eng.bm.blocks_for(len(prompt) + max_tokens) <= eng.bm.num_blocks
             if n > 1 and cfg["max_num_seqs"] < n:
                 continue
-            eng.add(prompt, max_tokens, n=n)
+            eng.add(prompt, max_tokens, n=n, priority=priority if policy == "priority" else 0)
         elif op[0] == "step":
             for _ in range(op[1]):
                 eng.step()
@@ -492,3 +524,10 @@ def test_random_workloads_keep_invariants_and_drain(cfg, base_prompt, operations
 def test_random_workloads_with_forks_keep_invariants_and_drain(cfg, base_prompt, operations, n):
     """Every request forks n - 1 children at the end of its prefill: copy-on-write under preemption."""
     run_ops(cfg, base_prompt, operations, n=n)
+
+
+@property_settings
+@given(cfg=configs, base_prompt=base_prompts, operations=ops, n=st.integers(1, 3))
+def test_random_workloads_under_the_priority_policy_keep_invariants_and_drain(cfg, base_prompt, operations, n):
+    """Both queues stay in (priority, arrival) order (check_integrity), forks and preemptions included."""
+    run_ops(cfg, base_prompt, operations, n=n, policy="priority")

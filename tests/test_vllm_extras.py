@@ -64,7 +64,7 @@ def test_a_guided_field_constrains_as_structured_outputs_does(tokenizer, endpoin
     ({"chat_template": "{{ messages }}"}, "chat_template", "not supported in chat"),
     ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt false"),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "may not set tokenize"),
-    ({"priority": 10}, "priority", "not supported"),
+    ({"priority": 10}, "priority", "Got priority 10 but priority scheduling is not enabled"),  # fcfs
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "structural_tag is not supported"),
     ({"length_penalty": 0.5}, "length_penalty", "beam search"),
     ({"logits_processors": ["m.Processor"]}, "logits_processors", "not supported"),
@@ -90,6 +90,14 @@ def test_the_same_fields_at_their_defaults_are_accepted(tokenizer):
                 "audio": None, "prediction": None, "web_search_options": None}
     _, params = sent(tokenizer, chat(extra_body=defaults))
     assert params.structured_outputs is None
+
+
+@pytest.mark.parametrize("endpoint", [chat, lambda **kw: completion(prompt="Is the sky blue?", **kw)])
+def test_priority_reaches_an_engine_scheduling_by_priority(tokenizer, endpoint):
+    """vLLM's `priority` extra under --scheduling-policy priority (the engine says which in its info)."""
+    _, engine = run(tokenizer, "yes", endpoint(extra_body={"priority": -4}), config={"scheduling_policy": "priority"})
+    ((_, params),) = engine.seen
+    assert params.priority == -4
 
 
 @pytest.mark.parametrize("endpoint, nulls", [

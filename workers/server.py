@@ -75,6 +75,7 @@ class EngineServer:
             torch.set_num_threads(replica_threads(cpu_threads, cpu_quota()))  # Ray leaves OMP_NUM_THREADS=1
         self.engine: EngineClient = resolve_engine_factory(engine_cls)(engine_config)
         self.max_num_seqs, self.max_logprobs = engine_config.max_num_seqs, engine_config.max_logprobs
+        self.scheduling_policy = engine_config.scheduling_policy
         self._kv_metrics = KVMetricsRecorder()
         self._replica_id: str | None = None
         self.metrics = metrics or EngineMetrics(ray_metrics(model_name or engine_config.model or "default"),
@@ -88,7 +89,7 @@ class EngineServer:
         # eos_token_ids: those that end a reply (beam search, run at the ingress, needs them);
         # None from an engine that does not say.
         return {"max_model_len": self.engine.max_model_len, "max_num_seqs": self.max_num_seqs,
-                "max_logprobs": self.max_logprobs,
+                "max_logprobs": self.max_logprobs, "scheduling_policy": self.scheduling_policy,
                 "block_size": s.block_size, "num_total_blocks": s.num_total_blocks,
                 "vocab_size": getattr(self.engine, "vocab_size", None),
                 "eos_token_ids": getattr(self.engine, "eos_token_ids", None)}
