@@ -205,6 +205,7 @@ class ResponsesRequest(_Model):
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool = True
     previous_response_id: str | None = Field(None, min_length=1, max_length=256)
+    priority: int = 0  # vLLM's extra, as in chat
     # Defined by OpenAI, not implemented here: a 400 when set.
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
@@ -252,7 +253,7 @@ class ResponsesRequest(_Model):
             messages += chat_messages(self.input)
         body = {"model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "user": self.user,
-                "parallel_tool_calls": self.parallel_tool_calls}
+                "parallel_tool_calls": self.parallel_tool_calls, "priority": self.priority}
         if self.tools:
             body["tools"] = [t.to_chat() for t in self.tools]
         if isinstance(self.tool_choice, FunctionChoice):

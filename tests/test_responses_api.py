@@ -116,6 +116,7 @@ def test_an_error_while_streaming_is_an_error_event_then_response_failed(tokeniz
     ({"reasoning": {"effort": "high"}}, "reasoning", "effort and summaries cannot be set"),
     ({"background": True}, "background", "foreground only"),
     ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
+    ({"extra_body": {"priority": 3}}, "priority", "priority scheduling is not enabled"),  # fcfs
     ({"top_logprobs": 2}, "top_logprobs", "not supported"),
     ({"truncation": "auto"}, "truncation", "not supported"),
     ({"tool_choice": "required"}, "tool_choice", "requires tools"),
@@ -133,6 +134,12 @@ def test_what_this_server_lacks_is_a_400_naming_it(tokenizer, extra, param, says
         run(tokenizer, REPLY, create(**extra))
     error = e.value.body
     assert error["param"] == param and says in error["message"], error
+
+
+def test_priority_reaches_an_engine_scheduling_by_priority(tokenizer):
+    _, engine = run(tokenizer, REPLY, create(extra_body={"priority": 2}), config={"scheduling_policy": "priority"})
+    ((_, params),) = engine.seen
+    assert params.priority == 2
 
 
 def test_another_model_is_a_404(tokenizer):
