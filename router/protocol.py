@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.sampling_params import MAX_LOGIT_BIAS, RequestOutputKind, SamplingParams
 from engine.beam_search import MAX_BEAM_WIDTH, BeamSearch
@@ -356,28 +356,66 @@ class ToolCall(_Model):
     function: FunctionCall
 
 
+# Content parts read as text, as vLLM reads them: chat's own, the Responses API's (clients that
+# share one message list between the two), and an assistant's refusal (its `refusal` is its text).
+TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal")
+MEDIA_PART_TYPES = ("image_url", "input_image", "input_audio", "audio_url", "video_url", "file", "input_file")
+
+
 class TextPart(_Model):
-    type: Literal["text"]
-    text: str
+    type: Literal["text", "input_text", "output_text", "refusal"]
+    text: str | None = None  # null: a part with nothing in it (skipped, as vLLM skips it)
+    refusal: str | None = None
+
+    def value(self) -> str | None:
+        return self.refusal if self.type == "refusal" else self.text
 
 
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | str] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    # An assistant turn's reasoning given back (vLLM takes either name): templates that show the
+    # reasoning of the turns since the last user message (Qwen3's) need it to render them as made.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    function_call: Any = None  # OpenAI's deprecated form of tool_calls: a 400 (send tool_calls)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        """A part this text-only server cannot read is refused saying so, not by a schema mismatch."""
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in MEDIA_PART_TYPES:
+                raise ValueError(f"{kind} content is not supported: this server serves a text-only model")
+            if isinstance(part, dict) and kind not in TEXT_PART_TYPES:
+                raise ValueError(f"unsupported content part type {kind!r} (supported: {', '.join(TEXT_PART_TYPES)})")
+        return content
+
+    @field_validator("function_call")
+    @classmethod
+    def _no_function_call(cls, value):
+        if value is not None:
+            raise ValueError("function_call is OpenAI's deprecated form of tool calls, not supported: send tool_calls")
+        return value
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines, as the template sees them)."""
         if isinstance(self.content, list):
-            return "\n".join(part.text for part in self.content)
+            texts = (part if isinstance(part, str) else part.value() for part in self.content)
+            return "\n".join(t for t in texts if t is not None)
         return self.content or ""
 
     def to_template(self) -> dict[str, Any]:
         msg = {"role": self.role, "content": self.text()}
         if self.name is not None:
             msg["name"] = self.name
+        thought = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if self.role == "assistant" and thought is not None:
+            msg["reasoning"] = msg["reasoning_content"] = thought
         return msg
 
 

@@ -41,8 +41,12 @@ from router.tools import ToolPlan
 
 
 class InputText(_Model):
-    type: Literal["input_text", "output_text"]  # a user's text, or an earlier reply's
-    text: str
+    type: Literal["input_text", "output_text", "refusal"]  # a user's text, an earlier reply's, its refusal
+    text: str | None = None
+    refusal: str | None = None
+
+    def value(self) -> str:
+        return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
 class InputMessage(_Model):
@@ -53,7 +57,7 @@ class InputMessage(_Model):
     def to_chat(self) -> dict:
         """As a chat message, whose text parts the chat path joins (router.protocol.ChatMessage)."""
         content = self.content if isinstance(self.content, str) else [
-            {"type": "text", "text": part.text} for part in self.content]
+            {"type": "text", "text": part.value()} for part in self.content]
         return {"role": self.role, "content": content}
 
 
@@ -77,17 +81,24 @@ class FunctionCallOutputItem(_CallItem):
     output: str | list[InputText]  # text, or text parts (joined for the model)
 
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+        """Parts joined by newlines, as chat joins a tool message's parts (and vLLM both)."""
+        return self.output if isinstance(self.output, str) else "\n".join(part.value() for part in self.output)
 
 
 class ReasoningItem(_Model):
-    """An earlier reply's reasoning given back as input (as clients replay output items): accepted
-    and left out of the prompt, as chat templates leave earlier turns' reasoning out."""
+    """An earlier reply's reasoning given back as input (as clients replay output items): the
+    reasoning of the assistant turn after it, as vLLM gives it to the template (which shows it or
+    not: Qwen3's shows the turns' since the last user message)."""
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[dict[str, Any]] = []
     content: list[dict[str, Any]] | None = None
     status: str | None = None
+
+    def text(self) -> str:
+        """Its reasoning text (its summary's where it gives none)."""
+        parts = self.content if self.content else self.summary
+        return "\n".join(p["text"] for p in parts if isinstance(p.get("text"), str))
 
 
 class FunctionTool(_Model):
@@ -136,18 +147,23 @@ def chat_messages(items: list[InputItem]) -> list[dict]:
     """Input items as chat messages: consecutive function calls become one assistant turn's
     tool_calls (joining the assistant's message just before them), each output a tool turn."""
     out: list[dict] = []
+    reasoning: str | None = None  # a reasoning item's, for the assistant turn that follows it
     for item in items:
+        if isinstance(item, ReasoningItem):
+            reasoning = item.text()
+            continue
         if isinstance(item, InputMessage):
             out.append(item.to_chat())
         elif isinstance(item, FunctionCallOutputItem):
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
-        elif isinstance(item, ReasoningItem):
-            continue
         else:
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             if not (out and out[-1]["role"] == "assistant"):
                 out.append({"role": "assistant", "content": None})
             out[-1].setdefault("tool_calls", []).append(call)
+        if reasoning is not None and out[-1]["role"] == "assistant":
+            out[-1].setdefault("reasoning", reasoning)
+        reasoning = None  # only the turn right after it
     return out
 
 

@@ -182,11 +182,19 @@ def render(messages: list[ChatMessage], plan: ToolPlan, native: bool) -> tuple[l
     return out, None
 
 
+def _object_arguments(text: str) -> dict:
+    """A call's arguments for a template that renders tools itself: the object, or {} for text that
+    is not a JSON object (a call cut short elsewhere), as vLLM gives it: templates that iterate over
+    the arguments fail on anything else, and the client would resend that history every turn."""
+    value = _arguments(text)
+    return value if isinstance(value, dict) else {}
+
+
 def _native(m: ChatMessage) -> dict:
     msg = m.to_template()
     if m.tool_calls:
         msg["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                              "function": {"name": c.function.name, "arguments": _object_arguments(c.function.arguments)}}
                              for c in m.tool_calls]
     if m.tool_call_id is not None:
         msg["tool_call_id"] = m.tool_call_id

@@ -205,10 +205,31 @@ def test_calls_and_their_outputs_given_back_are_the_chats_tool_turns(tokenizer):
         model="m", messages=chat_turns, tools=[_chat_tool(WEATHER)]))
     assert engine.seen[0][0] == chat.seen[0][0]
     assert "18 C, sunny" in tokenizer.decode(engine.seen[0][0])
-    # the output may come as text parts too (OpenAI's other form), read as their joined text
-    turns[-1]["output"] = [{"type": "input_text", "text": "18 C, "}, {"type": "input_text", "text": "sunny"}]
+    # the output may come as text parts too (OpenAI's other form), joined by newlines as chat joins a
+    # tool message's parts (and vLLM both)
+    turns[-1]["output"] = [{"type": "input_text", "text": "18 C,"}, {"type": "input_text", "text": "sunny"}]
     _, parts = run(tokenizer, "It is sunny.", create(input=turns, tools=[WEATHER]))
-    assert parts.seen[0][0] == chat.seen[0][0]
+    chat_turns[-1]["content"] = [{"type": "text", "text": "18 C,"}, {"type": "text", "text": "sunny"}]
+    _, chat_parts = run(tokenizer, "It is sunny.", lambda client: client.chat.completions.create(
+        model="m", messages=chat_turns, tools=[_chat_tool(WEATHER)]))
+    assert parts.seen[0][0] == chat_parts.seen[0][0] and "18 C,\nsunny" in tokenizer.decode(parts.seen[0][0])
+
+
+def test_reasoning_given_back_goes_with_the_assistant_turn_after_it(tokenizer):
+    """As vLLM passes it to the template (`reasoning`, `reasoning_content`); a refusal part given
+    back is read as its text."""
+    from tests.test_tools import SHOWING
+
+    turns = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Ask the tool."}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Looking."}]},
+             {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Unused."}]},
+             {"role": "user", "content": "And?"},
+             {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+             {"role": "user", "content": "Why?"}]
+    _, engine = run(tokenizer, "x", create(input=turns), settings={"chat_template": SHOWING})
+    assert tokenizer.decode(engine.seen[0][0]) == ("[user]Weather in Paris?\n[assistant]<think>Ask the tool.</think>"
+                                                   "Looking.\n[user]And?\n[assistant]No.\n[user]Why?\n[assistant]")
 
 
 def test_a_named_tool_choice_constrains_as_chats_does(tokenizer):

@@ -309,6 +309,46 @@ def test_tool_turns_go_to_a_template_that_renders_tools(tokenizer):
     assert msgs[2]["tool_call_id"] == "call_1" and msgs[2]["content"] == "21 degrees"
     plain = [ChatMessage.model_validate(m) for m in USER]
     assert render(plain, ToolPlan("none"), native=True) == ([{"role": "user", "content": "Weather in Paris?"}], None)
+    # arguments that are no JSON object (a call cut short elsewhere) reach such a template as {}
+    # (vLLM's): a template iterating over them would fail on every later turn of the conversation
+    for cut in ('{"city": "Par', "[]", "5"):
+        history = [*USER, {**HISTORY[1], "tool_calls": [{**HISTORY[1]["tool_calls"][0],
+                                                          "function": {"name": "get_weather", "arguments": cut}}]}]
+        req = ChatCompletionRequest.model_validate({"messages": history, "tools": TOOLS})
+        assert render(req.messages, ToolPlan.of(req), native=True)[0][1]["tool_calls"][0]["function"]["arguments"] == {}
+
+
+# A template that shows what it gets: roles, content, and an assistant turn's reasoning.
+SHOWING = ("{% for m in messages %}[{{ m.role }}]{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+           "</think>{% endif %}{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+@pytest.mark.parametrize("message, shown", [
+    ({"role": "user", "content": [{"type": "input_text", "text": "a"}, "b", {"type": "text", "text": None}]},
+     "[user]a\nb"),  # the Responses API's part type, a bare string, a part with no text (vLLM reads all three)
+    ({"role": "assistant", "content": [{"type": "text", "text": "Sure"}, {"type": "refusal", "refusal": "no"}]},
+     "[assistant]Sure\nno"),
+    ({"role": "assistant", "content": "It is 21.", "reasoning": "Read the tool."},
+     "[assistant]<think>Read the tool.</think>It is 21."),  # reasoning given back, as vLLM passes it on
+    ({"role": "assistant", "content": "It is 21.", "reasoning_content": "Read the tool."},
+     "[assistant]<think>Read the tool.</think>It is 21."),
+])
+def test_message_shapes_clients_send_render_as_vllm_renders_them(tokenizer, message, shown):
+    ids, _ = run(tokenizer, "x", create(messages=[*USER, message]), settings={"chat_template": SHOWING})[1].seen[0]
+    assert tokenizer.decode(ids) == f"[user]Weather in Paris?\n{shown}\n[assistant]"
+
+
+@pytest.mark.parametrize("message, param, says", [
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]},
+     "messages.1.content", "image_url content is not supported: this server serves a text-only model"),
+    ({"role": "user", "content": [{"type": "odd", "text": "a"}]}, "messages.1.content", "unsupported content part"),
+    ({"role": "assistant", "content": None, "function_call": {"name": "now", "arguments": "{}"}},
+     "messages.1.function_call", "send tool_calls"),  # was dropped without a word
+])
+def test_message_shapes_this_server_cannot_render_are_400s_saying_why(tokenizer, message, param, says):
+    with pytest.raises(openai.BadRequestError) as e:
+        run(tokenizer, "x", create(messages=[*USER, message]))
+    assert e.value.body["param"] == param and says in e.value.body["message"], e.value.body
 
 
 def test_the_required_grammar_accepts_calls_and_nothing_else(tokenizer):
