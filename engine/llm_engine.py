@@ -82,7 +82,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
-        params = params.within_logprobs_cap(self.config.max_logprobs, self.executor.info.vocab_size)  # -1: all
+        # The request's own copy: what the engine caches on it (engine.token_bans) stays its own,
+        # whatever the caller later does with the object it passed.
+        params = dataclasses.replace(params).within_logprobs_cap(self.config.max_logprobs,
+                                                                  self.executor.info.vocab_size)  # -1: all
         if params.truncate_prompt_tokens is not None:
             ids = truncated(ids, params.truncate_prompt_tokens, self.max_model_len)
         max_tokens = self.validate(ids, params)

@@ -33,7 +33,8 @@ def reads_output(params) -> bool:
 
 def _allowed_ids(params) -> torch.Tensor:
     """params.allowed_token_ids as a host tensor, made on the request's first step (a list may hold
-    the whole vocabulary; this runs every step)."""
+    the whole vocabulary; this runs every step). Kept on the params, which are the request's own
+    copy (LLMEngine.add_request)."""
     ids = params.__dict__.get("_allowed_ids_tensor")
     if ids is None:
         ids = params.__dict__["_allowed_ids_tensor"] = torch.tensor(params.allowed_token_ids, dtype=torch.long)

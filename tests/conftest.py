@@ -41,6 +41,13 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "ignore::pydantic.warnings.PydanticDeprecatedSince20")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    # Again once the test's fixtures are up: ray.init takes SIGTERM over in the driver (sys.exit,
+    # which fails one test and goes on; after ray.shutdown, nothing: pytest dies unclean).
+    signal.signal(signal.SIGTERM, _terminated)
+
+
 def pytest_collection_finish(session):
     if TRITON_INTERPRETER:
         os.environ.pop("TRITON_INTERPRET", None)

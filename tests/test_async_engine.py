@@ -272,3 +272,20 @@ def test_priority_scheduling_runs_the_urgent_request_first_and_fcfs_refuses_prio
     with pytest.raises(InvalidRequestError, match="Got priority 1 but priority scheduling is not enabled"):
         fcfs.generate([[5, 6, 7]], SamplingParams(max_tokens=2), priority=[1])
     assert len(fcfs.generate([[5, 6, 7]] * 2, SamplingParams(max_tokens=2), priority=[0, 0])) == 2
+
+
+def test_a_params_object_reused_with_other_allowed_ids_samples_those(tiny_dir):
+    """What the engine caches for a request (its allowed ids as a tensor) is kept on its own copy
+    of the params, not on the caller's object, which may be changed and sent again."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=tiny_dir, num_gpu_blocks_override=64))
+    params = SamplingParams(max_tokens=3, ignore_eos=True, allowed_token_ids=[30])
+    got = {}
+    for rid, allowed in [("a", [30]), ("b", [31])]:
+        params.allowed_token_ids = allowed
+        engine.add_request(rid, [5, 6, 7], params)
+        while engine.has_unfinished():
+            got.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert got == {"a": [30, 30, 30], "b": [31, 31, 31]}
