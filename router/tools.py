@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass
 
 from engine.structured.compiler import JSON_DEFAULTS
-from engine.structured.schemas import closed_objects, without_patterns
+from engine.structured.schemas import closed_objects
 from engine.structured.params import StructuredOutputsParams
 from router.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, ToolDefinition
 from router.tool_parser import NamedCallStream, ToolCallStream, call, parse_tool_calls
@@ -125,13 +125,28 @@ def _arguments_spec(tool: ToolDefinition) -> StructuredOutputsParams:
 
 @functools.lru_cache(maxsize=256)
 def _validator(schema: str):
-    """A validator for a strict tool's arguments, without the schema's regular expressions: it runs
-    on the ingress's event loop, on text a client can steer, and Python's `re` backtracks."""
+    """A validator for a strict tool's arguments that runs none of the schema's regular expressions
+    (`pattern`, `patternProperties`, `format: regex`, wherever a `$ref` leads): it runs on the
+    ingress's event loop, on text a client can steer, and Python's `re` backtracks (`^(a+)+$`
+    against 40 a's and a "!": hours). Structure, types, ranges and enums are still checked."""
     import jsonschema
 
-    schema = without_patterns(json.loads(schema))
-    cls = jsonschema.validators.validator_for(schema)
-    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+    base = jsonschema.validators.validator_for(json.loads(schema))
+    extra_keys = base.VALIDATORS["additionalProperties"]
+
+    def additional(validator, allowed, instance, node):
+        if "patternProperties" not in node:  # which keys are extra would be a regex question
+            yield from extra_keys(validator, allowed, instance, node)
+
+    cls = jsonschema.validators.extend(base, {"pattern": _unchecked, "patternProperties": _unchecked,
+                                              "additionalProperties": additional,
+                                              "unevaluatedProperties": _unchecked})
+    formats = jsonschema.FormatChecker([f for f in base.FORMAT_CHECKER.checkers if f != "regex"])
+    return cls(json.loads(schema), format_checker=formats)
+
+
+def _unchecked(validator, value, instance, node):
+    return None
 
 
 def _arguments_schema(tool: ToolDefinition) -> dict:

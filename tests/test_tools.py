@@ -142,21 +142,19 @@ def test_auto_calls_only_offered_tools_and_holds_strict_ones_to_their_schema(tok
 def test_auto_mode_checks_strict_arguments_without_the_schemas_regular_expressions(tokenizer):
     """The check runs on the ingress's event loop, on text a client can steer (a regex constraint,
     a prompt): Python's `re` backtracks, and `^(a+)+$` against 40 a's and a "!" would hold every
-    client for hours. Structure, types and enums are still held to the schema."""
-    from engine.structured.schemas import without_patterns
-
-    args = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a+)+$"}, "n": {"type": "integer"}},
-            "required": ["a"], "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False}
+    client for hours, wherever in the schema the pattern sits (a $ref can lead anywhere). Structure,
+    types and enums are still held to the schema."""
+    evil = {"type": "string", "pattern": "^(a+)+$"}
+    args = {"type": "object", "properties": {"a": evil, "b": {"$ref": "#/x-lib/evil"}, "n": {"type": "integer"}},
+            "required": ["a"], "patternProperties": {"^(x+)+$": {"type": "integer"}}, "additionalProperties": False,
+            "x-lib": {"evil": evil}}
     tools = [{"type": "function", "function": {"name": "f", "parameters": args, "strict": True}}]
-    for arguments, is_call in [({"a": "a" * 40 + "!"}, True), ({"a": "aa", "x1": 2}, True),
+    slow = "a" * 40 + "!"
+    for arguments, is_call in [({"a": slow, "b": slow}, True), ({"a": "aa", "x" * 40 + "y": 2}, True),
                                ({"a": 5}, False), ({"n": 1}, False)]:
         text = f'<tool_call>\n{{"name": "f", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
         r, _ = run(tokenizer, text, create(tools=tools))
         assert bool(r.choices[0].message.tool_calls) == is_call, arguments
-    assert without_patterns({"properties": {"a": {"pattern": "x", "format": "regex"}, "b": {"format": "date"}},
-                             "propertyNames": {"pattern": "y"}, "patternProperties": {"z": {}},
-                             "additionalProperties": False, "enum": [{"pattern": "data"}]}) == {
-        "properties": {"a": {}, "b": {"format": "date"}}, "propertyNames": {}, "enum": [{"pattern": "data"}]}
 
 
 def test_named_choice_constrains_to_the_arguments_schema(tokenizer):

@@ -1,9 +1,5 @@
-"""Rewrites of JSON schemas, applied to every subschema (never to data such as `const`, `enum` or
-`default`, which may look like one):
-
-    closed_objects    no keys a schema does not list, unless it allows them (vLLM's default reading)
-    without_patterns  no regular expressions, for a backtracking validator (Python's `re`)
-"""
+"""closed_objects: a JSON schema's objects with no keys the schema does not list, unless it allows
+them (vLLM's default reading of a schema)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -47,20 +43,3 @@ def closed_objects(schema):
             node["additionalProperties"] = False
         return node
     return rewrite(schema, close)
-
-
-def without_patterns(schema):
-    """`schema` less every regular expression a client wrote into it (`pattern`,
-    `patternProperties`, `format: regex`), and so less the limits on other keys that
-    patternProperties would have let through: what is left checks structure, types, ranges and
-    enums in linear time. Python's `re` backtracks: `^(a+)+$` against 30 a's and a "!" runs for
-    minutes, holding the GIL."""
-    def drop(node: dict, in_all_of: bool) -> dict:
-        node.pop("pattern", None)
-        if node.get("format") == "regex":
-            del node["format"]
-        if node.pop("patternProperties", None) is not None:
-            node.pop("additionalProperties", None)
-            node.pop("unevaluatedProperties", None)
-        return node
-    return rewrite(schema, drop)
