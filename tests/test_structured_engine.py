@@ -401,15 +401,40 @@ def test_constrained_decoding_on_cuda(tiny_dir, dtype):
 
 # -- object schemas are closed, as vLLM's default backend reads them ---------------------------------
 
-def test_an_object_schema_that_says_nothing_of_other_keys_allows_none(tokenizer):
-    """A schema without additionalProperties gets no invented keys (xgrammar's strict mode, vLLM's
-    default); one that allows them, json_object mode and allOf's members keep them allowed."""
+I = {"type": "integer"}
+# Schemas whose objects take keys listed elsewhere (a composition, a $ref), or any keys: values
+# they accept must stay accepted (xgrammar's strict mode sees such keys, unevaluatedProperties-like).
+OPEN = [
+    ({"type": "object", "allOf": [{"properties": {"a": I}, "required": ["a"]}, {"properties": {"b": I}, "required": ["b"]}]},
+     {"a": 1, "b": 2}),
+    ({"type": "object", "properties": {"a": I}, "allOf": [{"properties": {"b": I}}]}, {"a": 1, "b": 2}),
+    ({"$defs": {"Base": {"type": "object", "properties": {"a": I}}}, "$ref": "#/$defs/Base", "properties": {"b": I}},
+     {"a": 1, "b": 2}),
+    ({"$defs": {"A": {"type": "object", "properties": {"a": I}, "required": ["a"]},
+                "B": {"type": "object", "properties": {"b": I}, "required": ["b"]}},
+      "allOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}]}, {"a": 1, "b": 2}),
+    ({"type": "object", "properties": {"kind": {"type": "string"}},
+      "anyOf": [{"properties": {"x": I}, "required": ["x"]}, {"properties": {"y": I}, "required": ["y"]}]},
+     {"kind": "k", "x": 1}),
+    ({"type": "object", "oneOf": [{"properties": {"a": I}, "required": ["a"]}]}, {"a": 1}),
+    ({"type": "object", "properties": {"meta": {"type": "object"}}}, {"meta": {"k": 1}}),  # a free-form map
+    ({"type": "object"}, {"k": 1}),
+    ({"type": "object", "patternProperties": {"^x": I}}, {"x1": 1}),
+]
+
+
+def test_an_object_schema_that_lists_its_keys_gets_no_others(tokenizer):
+    """A schema without additionalProperties gets no invented keys (vLLM's default backend, xgrammar
+    strict); one that allows them, json_object mode, free-form objects and compositions keep every
+    key they allowed."""
     from engine.structured.compiler import GrammarCompiler
 
     compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
 
     def accepts(spec: S, value) -> bool:
-        matcher = compiler.compile(spec).matcher()
+        compiled = compiler.compile(spec)
+        assert compiled.error is None, compiled.error
+        matcher = compiled.matcher()
         ids = tokenizer.encode(json.dumps(value), add_special_tokens=False)
         return matcher.try_consume_tokens(ids) == len(ids) and not matcher.is_error() and matcher.is_accepting()
 
@@ -419,12 +444,14 @@ def test_an_object_schema_that_says_nothing_of_other_keys_allows_none(tokenizer)
     assert accepts(S(json=person), who) and not accepts(S(json=person), {**who, "x": 1})
     assert accepts(S(json=nested), {"people": [who]}) and not accepts(S(json=nested), {"people": [{**who, "x": 1}]})
     assert not accepts(S(json=nested), {"people": [], "x": 1})
+    optional = {"type": "object", "properties": {"p": {"anyOf": [{"$ref": "#/$defs/P"}, {"type": "null"}]}},
+                "$defs": {"P": person}}  # pydantic's Optional[Model]
+    assert accepts(S(json=optional), {"p": who}) and not accepts(S(json=optional), {"p": {**who, "x": 1}})
     assert accepts(S(json={**person, "additionalProperties": True}), {**who, "x": 1})
     assert accepts(S(json={**person, "additionalProperties": {"type": "integer"}}), {**who, "x": 1})
     assert accepts(S(json_object=True), {**who, "x": 1})
-    both = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
-                      {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
-    assert accepts(S(json=both), {"a": 1, "b": 2})
+    for schema, value in OPEN:
+        assert accepts(S(json=schema), value), schema
 
 
 def test_closing_objects_changes_schemas_only():
@@ -432,13 +459,13 @@ def test_closing_objects_changes_schemas_only():
 
     schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {}},
                                                "type": {"const": {"properties": {"x": 1}}}},
-              "$defs": {"d": {"properties": {"y": {"type": "string"}}}}, "items": [{"type": "object"}],
-              "default": {"type": "object"}}
+              "$defs": {"d": {"properties": {"y": {"type": "string"}}}}, "items": [{"properties": {}}],
+              "default": {"properties": {}}}
     assert closed_objects(schema) == {
         "type": "object", "additionalProperties": False,
         "properties": {"properties": {"type": "object", "properties": {}, "additionalProperties": False},
                        "type": {"const": {"properties": {"x": 1}}}},  # data, not a schema
         "$defs": {"d": {"properties": {"y": {"type": "string"}}, "additionalProperties": False}},
-        "items": [{"type": "object", "additionalProperties": False}], "default": {"type": "object"}}
-    assert closed_objects({"type": ["object", "null"]})["additionalProperties"] is False
-    assert "additionalProperties" not in closed_objects({"type": "object", "unevaluatedProperties": True})
+        "items": [{"properties": {}, "additionalProperties": False}], "default": {"properties": {}}}
+    assert closed_objects({"type": "object"}) == {"type": "object"}  # a free-form map
+    assert "additionalProperties" not in closed_objects({"properties": {}, "unevaluatedProperties": True})

@@ -1,45 +1,85 @@
 """closed_objects: a JSON schema's objects with no keys the schema does not list, unless it allows
-them (vLLM's default reading of a schema)."""
+them, as vLLM's default backend (xgrammar, strict mode) reads a schema.
+
+xgrammar's strict mode amounts to `unevaluatedProperties: false`, which sees the keys a composition
+lists (allOf, anyOf, oneOf, $ref, if/then/else). llguidance has no unevaluatedProperties, and an
+`additionalProperties: false` sees only its own node's properties, so only objects that list all
+their keys themselves are closed: none that composes others or is a member of a composition (nor
+a $defs entry such a place refers to). A composed schema keeps JSON Schema's open default, as it
+had before. Data that looks like a schema (`const`, `enum`, `default`, `examples`) is never read.
+"""
 from __future__ import annotations
 
-from collections.abc import Callable
-
-# Keywords whose value is a schema, a list of schemas, or a map of names to schemas.
-_SUBSCHEMA = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames",
-              "unevaluatedItems", "unevaluatedProperties", "additionalItems")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-def rewrite(schema, visit: Callable[[dict, bool], dict], in_all_of: bool = False):
-    """`schema` with `visit(node, in_all_of)` applied to each subschema, innermost first, on copies.
-    in_all_of: the node is a member of an allOf."""
-    if isinstance(schema, list):
-        return [rewrite(s, visit, in_all_of) for s in schema]
-    if not isinstance(schema, dict):
-        return schema  # true / false schemas
-    out = dict(schema)
-    for key in _SUBSCHEMA:
-        if isinstance(out.get(key), dict):
-            out[key] = rewrite(out[key], visit)
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = rewrite(out[key], visit, in_all_of=key == "allOf")
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: rewrite(sub, visit) for name, sub in out[key].items()}
-    return visit(out, in_all_of)
+COMPOSING = ("allOf", "anyOf", "oneOf", "$ref", "$dynamicRef", "if", "then", "else", "not", "dependentSchemas",
+             "dependencies", "unevaluatedProperties", "additionalProperties")
+ANNOTATIONS = ("title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment")
+_SCHEMA = ("items", "additionalItems", "contains", "unevaluatedItems", "additionalProperties", "propertyNames")
+_SCHEMA_MAPS = ("properties", "patternProperties")
+_DEFS = ("$defs", "definitions")
 
 
 def closed_objects(schema):
-    """`schema` with `"additionalProperties": false` in each object schema that says nothing of
-    other keys, as vLLM's default backend (xgrammar, strict mode) reads a schema: a model is not to
-    invent keys the schema does not list. Where a schema allows them it says so. allOf's members
-    are left open (each sees only its own properties: closing them would refuse their union)."""
-    def close(node: dict, in_all_of: bool) -> dict:
-        kind = node.get("type")
-        is_object = "properties" in node or kind == "object" or (isinstance(kind, list) and "object" in kind)
-        if is_object and not in_all_of and "additionalProperties" not in node and "unevaluatedProperties" not in node:
-            node["additionalProperties"] = False
+    """`schema` (a copy) with `"additionalProperties": false` in each object schema that lists its
+    keys (`properties`) itself and says nothing of others."""
+    kept_open: set[str] = set()
+    _walk(schema, True, kept_open, None)  # first the $defs entries that must stay open
+    return _walk(schema, True, kept_open, set())
+
+
+def _is_object(node: dict) -> bool:
+    kind = node.get("type")
+    return "properties" in node or kind == "object" or (isinstance(kind, list) and "object" in kind)
+
+
+def _walk(node, may_close: bool, kept_open: set[str], closing: set[str] | None, path: str = "#"):
+    """closing None: only collect into kept_open the $refs of places that stay open; else rewrite."""
+    if not isinstance(node, dict):
         return node
-    return rewrite(schema, close)
+    ref = node.get("$ref")
+    if isinstance(ref, str) and (not may_close or set(node) - {"$ref", *ANNOTATIONS}):
+        kept_open.add(ref)  # a member of a composition, or a $ref beside keys of its own
+    out = dict(node)
+    composing = any(k in node for k in COMPOSING if k != "additionalProperties")
+    for key in _SCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = _walk(out[key], True, kept_open, closing, f"{path}/{key}")
+    for key in ("prefixItems", "items"):
+        if isinstance(out.get(key), list):
+            out[key] = [_walk(s, True, kept_open, closing, f"{path}/{key}/{i}") for i, s in enumerate(out[key])]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _walk(s, True, kept_open, closing, f"{path}/{key}/{k}") for k, s in out[key].items()}
+    for key in _DEFS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _walk(s, f"{path}/{key}/{k}" not in kept_open, kept_open, closing, f"{path}/{key}/{k}")
+                        for k, s in out[key].items()}
+    members_close = not _is_object(node)  # anyOf/oneOf of whole objects (Optional[Model]); not a parent's parts
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(out.get(key), list):
+            out[key] = [_walk(s, members_close and key != "allOf", kept_open, closing, f"{path}/{key}/{i}")
+                        for i, s in enumerate(out[key])]
+    for key in ("then", "else"):
+        if isinstance(out.get(key), dict):
+            out[key] = _walk(out[key], False, kept_open, closing, f"{path}/{key}")
+    if isinstance(out.get("dependentSchemas"), dict):
+        out["dependentSchemas"] = {k: _walk(s, False, kept_open, closing, f"{path}/dependentSchemas/{k}")
+                                   for k, s in out["dependentSchemas"].items()}
+    for key in ("if", "not"):  # a condition, a negation: closing inside would change what they match
+        _collect_refs(out.get(key), kept_open)
+    # An object that lists no properties is a free-form map by intent ({"type": "object"}): left open.
+    if closing is not None and may_close and not composing and "properties" in node and "additionalProperties" not in node:
+        out["additionalProperties"] = False
+    return out
+
+
+def _collect_refs(node, kept_open: set[str]) -> None:
+    """Every $ref under `node` stays open (its subtree is left as it is)."""
+    if isinstance(node, dict):
+        if isinstance(node.get("$ref"), str):
+            kept_open.add(node["$ref"])
+        for key, value in node.items():
+            if key not in ("const", "enum", "default", "examples"):
+                _collect_refs(value, kept_open)
+    elif isinstance(node, list):
+        for value in node:
+            _collect_refs(value, kept_open)
