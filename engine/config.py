@@ -68,6 +68,11 @@ class EngineConfig:
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"dtype must be auto|float32|bfloat16|float16 (or half|float), got {self.dtype!r}")
         need(self.max_logprobs >= -1, f"max_logprobs must be >= 0, or -1 for no cap, got {self.max_logprobs}")
+        for name in ("model", "revision", "tokenizer", "tokenizer_revision", "download_dir"):
+            value = getattr(self, name)
+            need(value is None or (isinstance(value, str) and value != ""), f"{name} must be a non-empty string")
+        if self.tokenizer_revision is None and self.tokenizer is not None and self.revision is not None:
+            object.__setattr__(self, "tokenizer_revision", self.revision)  # vLLM's default
         need(self.scheduling_policy in ("fcfs", "priority"),
              f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         need(self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}")

@@ -66,7 +66,8 @@ def tokenizer_dir(config, model: Path | None = None) -> Path:
 def model_name(config, path: Path) -> str:
     """How logs name the model in `path`: a cached repository by the id it was given as, a directory
     by its own name."""
-    return path.name if config.model is None or Path(config.model).expanduser().exists() else str(config.model)
+    named = config.model not in DEFAULT_MODEL_ALIASES and not Path(config.model).expanduser().exists()
+    return str(config.model) if named else path.name
 
 
 def local_dir(name: str | os.PathLike, revision: str | None, download_dir: str | os.PathLike | None,

@@ -4,8 +4,10 @@ tokenizing) on a worker thread instead of the ingress's event loop.
 On the loop, a client's 8 MiB body held every other client, `/health` included, for seconds (289k
 chat messages: 9 s; an 8 MiB prompt to /tokenize: 8 s). On the thread it holds the loop for one
 interpreter switch interval at a time (5 ms), or not at all while the tokenizer's Rust code runs.
-One thread: requests prepare one at a time, and the tokenizer is never used by two threads at
-once (a fast tokenizer's settings are mutated inside encode calls).
+One thread: requests prepare one at a time (a small one may wait behind a large one), and no two
+preparations encode at once (a fast tokenizer's encode may change its truncation settings, which
+encoding with the defaults never does); the event loop's own calls (a token's text for logprobs)
+only read.
 """
 from __future__ import annotations
 

@@ -500,9 +500,10 @@ class OpenAIServing:
             if "tool_calls" in delta and finish_reason is not None:
                 # The finish in a chunk of its own: the openai SDK's stream helper reads a chunk's
                 # finish_reason before its tool calls, and would never close a call sent with it.
+                last = {"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason,
+                        "stop_reason": c.stop_reason}
                 return [{**out, "finish_reason": None, "stop_reason": None},
-                        {"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason,
-                         "stop_reason": c.stop_reason}]
+                        {**last, "token_ids": []} if req.return_token_ids else last]
             return [out]
 
         n = len(acc.choices)

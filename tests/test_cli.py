@@ -156,6 +156,7 @@ NO_CHUNKS = ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "256", "
     (["--device", "tpu"], "device must be auto|cpu|cuda|cuda:N"),
     (["--cpu-kv-cache-fraction", "2"], "cpu_kv_cache_fraction must be in (0, 1]"),
     (["--tokenizer", "/nonexistent"], "tokenizer path '/nonexistent' does not exist"),
+    (["--revision", ""], "revision must be a non-empty string"),
     (["--max-model-len", "4"], "max_model_len is 4"),  # the engine refuses the prompt: no traceback
     (["--max-model-len", "100000"], "max_model_len 100000 is more than the model's 8192 positions"),
     (NO_CHUNKS, "without chunked prefill max_num_batched_tokens (256) must be >= max_model_len (1024)"),

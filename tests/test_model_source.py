@@ -205,6 +205,8 @@ def test_an_engine_configs_model_and_tokenizer_are_found_in_the_cache(tmp_path):
     config = EngineConfig(model="org/m", revision="v1", download_dir=str(hub), tokenizer="org/tok",
                           tokenizer_revision="t1")
     assert tokenizer_dir(config) == tok.resolve()
+    assert EngineConfig(model="org/m", revision="v1", tokenizer="org/tok").tokenizer_revision == "v1"  # vLLM's default
+    assert model_name(EngineConfig(model="default"), Path("/c/SmolLM2-135M-Instruct")) == "SmolLM2-135M-Instruct"
     with pytest.raises(ModelError, match=r"tokenizer 'org/tok' is neither a local directory nor in the Hugging "
                                          r"Face cache: no snapshot of 'org/tok' at revision 'main'"):
         tokenizer_dir(EngineConfig(tokenizer="org/tok", download_dir=str(hub)))
