@@ -47,6 +47,13 @@ def _shown_default(dest: str) -> str | None:
     return f"{value >> 30}G" if dest.endswith("_bytes") else str(value)
 
 
+def absolute_path(text: str) -> str:
+    """A directory as an absolute path: a replica resolves it in whatever directory it runs in."""
+    import os
+
+    return os.path.abspath(os.path.expanduser(text)) if text else text
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("engine")
 
@@ -63,7 +70,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "(org/name) already in the local Hugging Face cache, which is never downloaded (default: the "
              "embedded SmolLM2-135M-Instruct)")
     add("--revision", metavar="REV", help="a cached --model repository's branch, tag or commit (default: main)")
-    add("--download-dir", metavar="DIR",
+    add("--download-dir", metavar="DIR", type=absolute_path,
         help="the Hugging Face cache --model and --tokenizer ids are looked up in (default: HF_HUB_CACHE, "
              "~/.cache/huggingface/hub)")
     add("--tokenizer", metavar="PATH", help="tokenizer directory or cached repository id (default: the model's)")

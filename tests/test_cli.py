@@ -61,6 +61,8 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
     assert config.stream_interval == 4 and config.enforce_eager is True and config.trust_remote_code is True
     assert config.max_logprobs == 5
     assert (config.revision, config.tokenizer_revision, config.download_dir) == ("v1", "v2", "/hub")
+    relative = build_parser().parse_args(["generate", "p", "--download-dir", "hub"])
+    assert engine_config_from_args(relative)["download_dir"] == os.path.join(os.getcwd(), "hub")  # as replicas see it
     assert config.scheduling_policy == "priority"
 
 
