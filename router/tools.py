@@ -26,8 +26,8 @@ import json
 from dataclasses import dataclass
 
 from engine.structured.compiler import JSON_DEFAULTS
-from engine.structured.schemas import closed_objects
 from engine.structured.params import StructuredOutputsParams
+from engine.structured.schemas import closed_objects
 from router.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, ToolDefinition
 from router.tool_parser import NamedCallStream, ToolCallStream, call, parse_tool_calls
 
