@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -49,8 +50,6 @@ def _shown_default(dest: str) -> str | None:
 
 def absolute_path(text: str) -> str:
     """A directory as an absolute path: a replica resolves it in whatever directory it runs in."""
-    import os
-
     return os.path.abspath(os.path.expanduser(text)) if text else text
 
 

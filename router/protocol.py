@@ -363,7 +363,7 @@ MEDIA_PART_TYPES = ("image_url", "input_image", "input_audio", "audio_url", "vid
 
 
 class TextPart(_Model):
-    type: Literal["text", "input_text", "output_text", "refusal"]
+    type: Literal[TEXT_PART_TYPES]
     text: str | None = None  # null: a part with nothing in it (skipped, as vLLM skips it)
     refusal: str | None = None
 
