@@ -11,7 +11,7 @@ had before. Data that looks like a schema (`const`, `enum`, `default`, `examples
 from __future__ import annotations
 
 COMPOSING = ("allOf", "anyOf", "oneOf", "$ref", "$dynamicRef", "if", "then", "else", "not", "dependentSchemas",
-             "dependencies", "unevaluatedProperties", "additionalProperties")
+             "dependencies", "unevaluatedProperties")
 ANNOTATIONS = ("title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment")
 _SCHEMA = ("items", "additionalItems", "contains", "unevaluatedItems", "additionalProperties", "propertyNames")
 _SCHEMA_MAPS = ("properties", "patternProperties")
@@ -22,8 +22,8 @@ def closed_objects(schema):
     """`schema` (a copy) with `"additionalProperties": false` in each object schema that lists its
     keys (`properties`) itself and says nothing of others."""
     kept_open: set[str] = set()
-    _walk(schema, True, kept_open, None)  # first the $defs entries that must stay open
-    return _walk(schema, True, kept_open, set())
+    _walk(schema, True, kept_open, close=False)  # first the $defs entries that must stay open
+    return _walk(schema, True, kept_open, close=True)
 
 
 def _is_object(node: dict) -> bool:
@@ -31,43 +31,43 @@ def _is_object(node: dict) -> bool:
     return "properties" in node or kind == "object" or (isinstance(kind, list) and "object" in kind)
 
 
-def _walk(node, may_close: bool, kept_open: set[str], closing: set[str] | None, path: str = "#"):
-    """closing None: only collect into kept_open the $refs of places that stay open; else rewrite."""
+def _walk(node, may_close: bool, kept_open: set[str], close: bool, path: str = "#"):
+    """`node` rewritten (with `close`), its $refs from places that stay open collected in kept_open."""
     if not isinstance(node, dict):
         return node
     ref = node.get("$ref")
     if isinstance(ref, str) and (not may_close or set(node) - {"$ref", *ANNOTATIONS}):
         kept_open.add(ref)  # a member of a composition, or a $ref beside keys of its own
     out = dict(node)
-    composing = any(k in node for k in COMPOSING if k != "additionalProperties")
+    composing = any(k in node for k in COMPOSING)
     for key in _SCHEMA:
         if isinstance(out.get(key), dict):
-            out[key] = _walk(out[key], True, kept_open, closing, f"{path}/{key}")
+            out[key] = _walk(out[key], True, kept_open, close, f"{path}/{key}")
     for key in ("prefixItems", "items"):
         if isinstance(out.get(key), list):
-            out[key] = [_walk(s, True, kept_open, closing, f"{path}/{key}/{i}") for i, s in enumerate(out[key])]
+            out[key] = [_walk(s, True, kept_open, close, f"{path}/{key}/{i}") for i, s in enumerate(out[key])]
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {k: _walk(s, True, kept_open, closing, f"{path}/{key}/{k}") for k, s in out[key].items()}
+            out[key] = {k: _walk(s, True, kept_open, close, f"{path}/{key}/{k}") for k, s in out[key].items()}
     for key in _DEFS:
         if isinstance(out.get(key), dict):
-            out[key] = {k: _walk(s, f"{path}/{key}/{k}" not in kept_open, kept_open, closing, f"{path}/{key}/{k}")
+            out[key] = {k: _walk(s, f"{path}/{key}/{k}" not in kept_open, kept_open, close, f"{path}/{key}/{k}")
                         for k, s in out[key].items()}
     members_close = not _is_object(node)  # anyOf/oneOf of whole objects (Optional[Model]); not a parent's parts
     for key in ("anyOf", "oneOf", "allOf"):
         if isinstance(out.get(key), list):
-            out[key] = [_walk(s, members_close and key != "allOf", kept_open, closing, f"{path}/{key}/{i}")
+            out[key] = [_walk(s, members_close and key != "allOf", kept_open, close, f"{path}/{key}/{i}")
                         for i, s in enumerate(out[key])]
     for key in ("then", "else"):
         if isinstance(out.get(key), dict):
-            out[key] = _walk(out[key], False, kept_open, closing, f"{path}/{key}")
+            out[key] = _walk(out[key], False, kept_open, close, f"{path}/{key}")
     if isinstance(out.get("dependentSchemas"), dict):
-        out["dependentSchemas"] = {k: _walk(s, False, kept_open, closing, f"{path}/dependentSchemas/{k}")
+        out["dependentSchemas"] = {k: _walk(s, False, kept_open, close, f"{path}/dependentSchemas/{k}")
                                    for k, s in out["dependentSchemas"].items()}
     for key in ("if", "not"):  # a condition, a negation: closing inside would change what they match
         _collect_refs(out.get(key), kept_open)
     # An object that lists no properties is a free-form map by intent ({"type": "object"}): left open.
-    if closing is not None and may_close and not composing and "properties" in node and "additionalProperties" not in node:
+    if close and may_close and not composing and "properties" in node and "additionalProperties" not in node:
         out["additionalProperties"] = False
     return out
 
