@@ -6,10 +6,11 @@
 #      (benchmarks/step_times.py)
 #   2. the nano-vllm workload against HF generate static batching in the same run
 #      (benchmarks/offline.py --preset nano-vllm)
-#   3. tests: the Triton kernels compiled (tests/test_triton_attention.py, test_triton_norm.py), the Triton runner
-#      against the torch runner (tests/test_triton_runner.py) (first: quick, and they name the kernel
-#      at fault), then greedy output token-exact against HF in float32 and bfloat16, CUDA graphs on
-#      and --enforce-eager (tests/test_engine_cuda.py)
+#   3. tests: the Triton runner against the torch runner (tests/test_triton_runner.py: quick, and
+#      it names the layer at fault), greedy output token-exact against HF in float32 and bfloat16,
+#      CUDA graphs on and --enforce-eager (tests/test_engine_cuda.py: the result the run is for,
+#      before the window can close), then the Triton kernels' property tests, each new shape a
+#      compile (tests/test_triton_attention.py, test_triton_norm.py)
 #
 # The numbers come first and the tests take the time left before $KVSERVE_GPU_DEADLINE_S (450 s
 # from the start; pytest stops itself 15 s before it, with its summary, where pytest-timeout is
@@ -81,8 +82,7 @@ for s in $STAGES; do
   case $s in
     tests)
       # -v: a line per test as it ends, so a stage cut off at the deadline still says how far it got;
-      # the kernels against their references first (quick once compiled, and a failure there names
-      # the kernel), then exactness against HF
+      # exactness against HF before the kernels' property tests (their compiles take the longest)
       left=$((DEADLINE - (SECONDS - START)))
       left=$((left > 60 ? left : 60))
       # pytest-timeout (on the GPU image): a hung test fails alone, and the session ends itself
@@ -94,7 +94,7 @@ for s in $STAGES; do
         limits="--timeout=120"
       fi
       stage tests $left $PY -m pytest -v -rfE -p no:cacheprovider --durations=10 $limits \
-        tests/test_triton_attention.py tests/test_triton_norm.py tests/test_triton_runner.py tests/test_engine_cuda.py ;;
+        tests/test_triton_runner.py tests/test_engine_cuda.py tests/test_triton_attention.py tests/test_triton_norm.py ;;
     steps)
       stage step_times 110 $PY benchmarks/step_times.py --model "$MODEL" --batches 1,64,256 \
         --json "$OUT/step_times.json" --profile "$OUT/profile.txt" ;;

@@ -12,8 +12,9 @@ graphs and with --enforce-eager, on one model.
 
     python benchmarks/step_times.py --random-weights smollm2-135m --batches 1,64,256 --json out.json
 
---profile PATH also records 5 decode steps at the largest batch with torch.profiler (last mode
-only) and writes the top kernels and host functions there: where a step's time goes. With more
+--profile PATH also records 5 decode steps at the largest batch with torch.profiler (first mode
+only: CUDA graphs by default, the figures the targets are about, taken first so that a run cut
+short has them) and writes the top kernels and host functions there: where a step's time goes. With more
 than one mode, each runs in a process of its own: it starts with the whole device, whatever the
 mode before it left behind (a KV pool still referenced, the profiler's hooks), and one that fails
 leaves the others' figures.
@@ -177,8 +178,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-prompts", type=int, default=32)
     p.add_argument("--prefill-len", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--modes", default="eager,graphs",
-                   help="graphs, eager or both (comma list), each in its own process; the last is profiled "
+    p.add_argument("--modes", default="graphs,eager",
+                   help="graphs, eager or both (comma list), each in its own process; the first is profiled "
                         "(--profile)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH")
@@ -203,7 +204,7 @@ def main(argv=None) -> None:
     modes, results = args.modes.split(","), []
     for i, mode in enumerate(modes):
         run = run_mode if len(modes) == 1 else run_mode_apart
-        result = run(args, model, mode == "eager", profile=i == len(modes) - 1)
+        result = run(args, model, mode == "eager", profile=i == 0)
         if result is not None:
             results.append(result)
             report(args, results)  # after each mode: a run cut short keeps what it measured

@@ -201,10 +201,20 @@ def test_write_kv_fills_slots_and_skips_padding(device, dtype):
 
 @pytest.mark.parametrize("dtype, heads, d", [(torch.float32, (9, 3), 64), (torch.float16, (4, 2), 128),
                                              (torch.float32, (6, 3), 16)])
-def test_rope_write_kv_matches_apply_rope_then_write(device, dtype, heads, d):
+def test_rope_write_kv_matches_apply_rope_then_write(device, dtype, heads, d, monkeypatch):
     from engine.attention import write_kv
     from engine.kernels import rope_kv
     from engine.model.rope import RotaryEmbedding, apply_rope
+
+    grids = []
+    kernel = rope_kv._rope_kv_kernel
+
+    class Launches:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(rope_kv, "_rope_kv_kernel", Launches())
 
     h, kvh = heads
     t, num_blocks, block_size = 7, 4, 16
@@ -226,3 +236,4 @@ def test_rope_write_kv_matches_apply_rope_then_write(device, dtype, heads, d):
     torch.testing.assert_close(q, q_ref, **tol)
     torch.testing.assert_close(k_cache, k_ref, **tol)
     assert torch.equal(v_cache, v_ref)
+    assert grids == [(t,)]  # one program per token, all its heads (not one per (token, head))
