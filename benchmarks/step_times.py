@@ -134,7 +134,7 @@ def prefill_tok_s(llm, prompts: int, length: int, rng: random.Random) -> float:
     vocab = llm.engine.executor.info.vocab_size
     work = [_prompt(rng, length, vocab) for _ in range(prompts)]  # fresh ids: no prefix-cache hits
     start = perf_counter()
-    llm.generate(work, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    llm.generate(work, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
     return prompts * length / (perf_counter() - start)
 
 

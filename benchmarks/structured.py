@@ -69,7 +69,7 @@ def run(llm, work, spec, label: str) -> dict:
     apply = Timer(sampler_module, "apply_grammar_mask")
     steps = Timer(llm.engine, "step")
     start = perf_counter()
-    outs = llm.generate(work.prompts, params)
+    outs = llm.generate(work.prompts, params, use_tqdm=False)
     seconds = perf_counter() - start
     for t in (fill, accept, apply, steps):
         t.restore()

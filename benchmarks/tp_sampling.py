@@ -15,10 +15,10 @@ llm = LLM(model=str(d), tensor_parallel_size=2, num_gpu_blocks_override=512, dev
 rng = random.Random(0)
 prompts = [[rng.randrange(3, 49000) for _ in range(32)] for _ in range(16)]
 p = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
 best = 0
 for _ in range(3):
-    t = time.perf_counter(); outs = llm.generate(prompts, p); dt = time.perf_counter() - t
+    t = time.perf_counter(); outs = llm.generate(prompts, p, use_tqdm=False); dt = time.perf_counter() - t
     best = max(best, sum(len(o.outputs[0].token_ids) for o in outs) / dt)
 print(f"{sys.argv[1]}: tp=2 output tok/s (best of 3): {best:.1f}")
 llm.llm_engine.executor.shutdown() if hasattr(llm, "llm_engine") else None

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 

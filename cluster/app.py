@@ -74,7 +74,7 @@ class ServeOptions:
     # vLLM's --uvicorn-log-level: the level of Serve's own lines in the replicas' logs (access lines,
     # replica events; trace is debug); kvserve's own (model loaded, stats) keep theirs. None: Serve's
     uvicorn_log_level: str | None = None
-    # vLLM's: where requests' sampling defaults come from (router.generation_config): auto (the
+    # vLLM's: where requests' sampling defaults come from (engine.generation_config): auto (the
     # model's generation_config.json) | vllm (none) | a directory; then these fields on top
     generation_config: str = "auto"
     override_generation_config: dict | None = None

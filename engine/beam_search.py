@@ -47,8 +47,9 @@ class BeamSearch:
 
 @dataclass
 class BeamSearchParams:
-    """vLLM's offline `LLM.beam_search` params. `temperature` is taken and not used: the beams
-    follow the model's own logprobs, as vLLM's do."""
+    """vLLM's offline `LLM.beam_search` params. `temperature` and `include_stop_str_in_output` are
+    taken and not used, as by vLLM's offline search: the beams follow the model's own logprobs, and
+    a beam keeps the end token it drew. The most beams: half the engine's max_logprobs (`LLM` checks)."""
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
@@ -57,8 +58,8 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
-            raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}")
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 

@@ -46,12 +46,23 @@ class EngineConfig:
     max_logprobs: int = 20
 
     def __post_init__(self) -> None:
+        if not isinstance(self.dtype, str) and str(self.dtype).startswith("torch."):  # a torch.dtype, as vLLM takes
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
         if self.dtype in DTYPE_ALIASES:  # vLLM's names
             object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
 
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ValueError(msg)
+
+        for f in fields(self):  # the type of a field whose default is a bool or an int
+            value, kind = getattr(self, f.name), type(f.default)
+            if kind is bool:
+                need(isinstance(value, bool), f"{f.name} must be True or False, got {value!r}")
+            elif kind is int:
+                need(isinstance(value, int) and not isinstance(value, bool), f"{f.name} must be an integer, got {value!r}")
+        if self.distributed_executor_backend in ("mp", "uni") and self.tensor_parallel_size == 1:
+            object.__setattr__(self, "distributed_executor_backend", "ray")  # vLLM's names; one rank runs in process
 
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two <= 128, got {self.block_size}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -78,8 +89,8 @@ class EngineConfig:
         need(self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(self.distributed_executor_backend == "ray" or ":" in self.distributed_executor_backend,
-             f"distributed_executor_backend must be 'ray' or 'package.module:Class', "
-             f"got {self.distributed_executor_backend!r}")
+             f"distributed_executor_backend must be 'ray' or 'package.module:Class' (vLLM's 'mp' and 'uni' "
+             f"only with tensor_parallel_size 1), got {self.distributed_executor_backend!r}")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -3,12 +3,14 @@ and `.beam_search(prompts, BeamSearchParams(...))`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence, search, sequences
 from engine.config import EngineConfig
+from engine.generation_config import sampling_defaults
 from engine.llm_engine import LLMEngine
 from engine.outputs import Logprob, RequestOutput, StepOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -19,30 +21,54 @@ Prompt = str | list[int] | dict
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_kwargs) -> None:
+    def __init__(self, model: str | None = None, *, generation_config: str = "auto",
+                 override_generation_config: dict | None = None, **engine_kwargs) -> None:
         """`engine_kwargs`: EngineConfig's fields, and vLLM's with nothing to set here
-        (engine.vllm_args: `swap_space`, `tokenizer_mode="auto"`, ...; `disable_log_stats`, which
-        an offline LLM never logs anyway)."""
-        engine_kwargs.pop("disable_log_stats", None)
+        (engine.vllm_args: `swap_space`, `tokenizer_mode="auto"`, `quantization=None`, ...;
+        `disable_log_stats`, which an offline LLM never logs anyway). A keyword given as None takes
+        its default, as vLLM's (a script passes its optional arguments on as they are).
+        `generation_config` (auto: the model's generation_config.json, vllm: none, or a folder) and
+        `override_generation_config`: the sampling fields of `get_default_sampling_params`, which a
+        call given no SamplingParams runs with (engine.generation_config)."""
+        engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None and k != "disable_log_stats"}
         self.engine = LLMEngine(EngineConfig(model=model, **without_vllm_only(engine_kwargs)))
+        self.sampling_defaults = sampling_defaults(generation_config, self.engine.executor.info.model_dir,
+                                                   override_generation_config)
         self._ids = itertools.count()
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for `engine`."""
+        return self.engine
+
     def get_tokenizer(self):
         """vLLM's name for `tokenizer`."""
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The params of a call given none: the generation config's sampling fields, else vLLM's defaults."""
+        return SamplingParams(**self.sampling_defaults)
+
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable = True, lora_request=None, priority: list[int] | None = None,
+                 tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
         """Run every prompt (text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
         dicts, with an optional cache_salt) to completion under continuous batching; outputs in
         prompt order. An n above max_num_seqs is served in several engine calls, the samples those
-        one call gives. `priority`: one per prompt, under scheduling_policy="priority" (vLLM's)."""
+        one call gives. `priority`: one per prompt, under scheduling_policy="priority" (vLLM's).
+        A max_tokens that would run past max_model_len ends that prompt's outputs "length" there
+        (vLLM's); a prompt that leaves no room is refused. `use_tqdm`: a progress bar, or the tqdm
+        class to make it with."""
+        _no_lora(lora_request)
+        if tokenization_kwargs:
+            raise ValueError("tokenization_kwargs is not supported: give token ids, or truncate_prompt_tokens "
+                             "in the SamplingParams")
         prompts = _listed(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
@@ -62,14 +88,15 @@ class LLM:
                 calls = p.split(self.engine.config.max_num_seqs)
                 parts[rid] = [(rid if len(calls) == 1 else f"{rid}.{k}", first) for k, (first, _) in enumerate(calls)]
                 for (part_id, _), (_, q) in zip(parts[rid], calls):
-                    self.engine.add_request(part_id, prompt, dataclasses.replace(q, output_kind=RequestOutputKind.FINAL_ONLY))
+                    self.engine.add_request(part_id, prompt, dataclasses.replace(q, output_kind=RequestOutputKind.FINAL_ONLY),
+                                            fit_model_len=True)
                     left[part_id] = rid
         except Exception:  # a bad prompt or params: none of the batch runs (as vLLM's LLM)
             for part_id in left:
                 self.engine.abort(part_id)
             raise
         done: dict[str, RequestOutput] = {}
-        bar = _progress(len(prompts)) if use_tqdm else None
+        bar = _progress(len(prompts), use_tqdm)
         while left:
             for out in self.engine.step():
                 if out.finished:
@@ -83,45 +110,69 @@ class LLM:
             _joined(rid, [(done[part_id], first) for part_id, first in parts[rid]]), p) for rid, p in zip(ids, params)]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool | Callable = True, lora_request=None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """`generate` for one conversation or a list of them (OpenAI-style messages), each rendered
         by the model's chat template (or `chat_template`) as vLLM's `LLM.chat` and the server's
         /v1/chat/completions render it: the template's text, tokenized without adding special
-        tokens (the template writes its own). `prompt` in each output is that text."""
-        if continue_final_message and add_generation_prompt:
+        tokens (the template writes its own). `prompt` in each output is that text.
+        `chat_template_kwargs` go to the template, over the arguments named here (vLLM's order).
+        `chat_template_content_format`: "string" (auto) gives a message's text parts joined by
+        newlines, "openai" the parts as a list (for templates that iterate over them)."""
+        _no_lora(lora_request)
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs is not supported: the engine serves text models")
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be auto, string or openai, "
+                             f"got {chat_template_content_format!r}")
+        template_kwargs = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, tools=tools)
+        template_kwargs.update(chat_template_kwargs or {})
+        if template_kwargs["continue_final_message"] and template_kwargs["add_generation_prompt"]:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
-        if not (chat_template or getattr(self.tokenizer, "chat_template", None)):
+        if not (template_kwargs["chat_template"] or getattr(self.tokenizer, "chat_template", None)):
             raise ValueError("this model's tokenizer has no chat template; use generate() with a text prompt")
+        content = _as_parts if chat_template_content_format == "openai" else _flat
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [self.tokenizer.apply_chat_template(
-            [_flat(m) for m in conversation], tools=tools, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **(chat_template_kwargs or {})) for conversation in conversations]
+        texts = [self.tokenizer.apply_chat_template([content(m) for m in conversation], tokenize=False,
+                                                    **template_kwargs) for conversation in conversations]
         prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         return [dataclasses.replace(out, prompt=text) for out, text in zip(outs, texts)]
 
-    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams, lora_request=None,
+                    use_tqdm: bool | Callable = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's offline beam search: each prompt's `beam_width` best beams, best first, by the
         search the server's `use_beam_search` runs (engine.beam_search). The prompts' searches
-        run together, each round's beams batched by the engine."""
+        run together, each round's beams batched by the engine; `concurrency_limit` of them at
+        most. A beam that drew an end token keeps it, in its tokens and its text (vLLM's offline
+        search); max_tokens is cut to what max_model_len leaves after the prompt."""
+        _no_lora(lora_request)
+        if concurrency_limit is not None and concurrency_limit < 1:
+            raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
+        cap = self.engine.config.max_logprobs
+        if cap != -1 and params.beam_width > cap // 2:  # each round asks 2 x beam_width logprobs per beam
+            raise ValueError(f"beam_width must be at most {cap // 2} (half the engine's max_logprobs, {cap}), "
+                             f"got {params.beam_width}")
         prompts = _listed(prompts)
-        sampling = SamplingParams(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
         asked = []
         for prompt in prompts:
             prompt, salt = _unwrapped(prompt)
             ids = self.engine.tokenize(prompt)[1]
-            self.engine.validate(ids, sampling)  # the longest beam must fit, before any round runs
-            asked.append((ids, sampling if salt is None else dataclasses.replace(sampling, cache_salt=salt)))
-        beam = BeamSearch(params.beam_width, params.length_penalty, params.include_stop_str_in_output)
+            sampling = SamplingParams(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos, cache_salt=salt)
+            fitted = self.engine.validate(ids, sampling, fit_model_len=True)  # before any round runs
+            asked.append((ids, dataclasses.replace(sampling, max_tokens=fitted)))
+        beam = BeamSearch(params.beam_width, params.length_penalty, include_stop_str_in_output=True)
         eos = set(self.engine.eos_token_ids)
         logprobs = _Logprobs(self.tokenizer)
-        bar = _progress(len(asked)) if use_tqdm else None
+        bar = _progress(len(asked), use_tqdm)
 
-        async def one(calls: _EngineCalls, ids: list[int], p: SamplingParams) -> BeamSearchOutput:
-            _, best = await search(calls.generate, f"beam-{next(self._ids)}", ids, p, beam, eos)
+        async def one(calls: _EngineCalls, ids: list[int], p: SamplingParams, seats: asyncio.Semaphore | None,
+                      ) -> BeamSearchOutput:
+            async with seats or contextlib.nullcontext():
+                _, best = await search(calls.generate, f"beam-{next(self._ids)}", ids, p, beam, eos)
             if bar:
                 bar.update(1)
             out = sequences(ids, best, beam, self.tokenizer.decode)
@@ -129,9 +180,10 @@ class LLM:
 
         async def run() -> list[BeamSearchOutput]:
             calls = _EngineCalls(self.engine)
+            seats = None if concurrency_limit is None else asyncio.Semaphore(concurrency_limit)
             stepping = asyncio.create_task(calls.run())
             try:
-                return await asyncio.gather(*[one(calls, ids, p) for ids, p in asked])
+                return await asyncio.gather(*[one(calls, ids, p, seats) for ids, p in asked])
             finally:
                 stepping.cancel()
 
@@ -205,6 +257,21 @@ def _flat(message: dict) -> dict:
     if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
         raise ValueError("only text content parts are supported: the engine serves text models")
     return {**message, "content": "\n".join(p["text"] for p in content)}
+
+
+def _as_parts(message: dict) -> dict:
+    """An OpenAI message with its content as a list of text parts (vLLM's "openai" content format)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": [{"type": "text", "text": content}]}
+    if isinstance(content, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+        raise ValueError("only text content parts are supported: the engine serves text models")
+    return message
+
+
+def _no_lora(lora_request) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request is not supported: kvserve serves no LoRA adapters")
 
 
 def _listed(prompts: Prompt | list[Prompt]) -> list[Prompt]:
@@ -283,7 +350,12 @@ class _Logprobs:
             for t, e in zip(seq.tokens[num_prompt_tokens:], seq.logprobs)])
 
 
-def _progress(total: int):
+def _progress(total: int, use_tqdm: bool | Callable):
+    """A progress bar over `total` prompts (`use_tqdm`: tqdm's class, or the one to use), or None."""
+    if not use_tqdm:
+        return None
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="generate", unit="req")
     from tqdm import tqdm
 
     return tqdm(total=total, desc="generate", unit="req")

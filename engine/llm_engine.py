@@ -48,8 +48,10 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         return None, list(prompt)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Raise InvalidRequestError for a request that can never run; returns its resolved max_tokens."""
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, fit_model_len: bool = False) -> int:
+        """Raise InvalidRequestError for a request that can never run; returns its resolved
+        max_tokens. `fit_model_len`: a max_tokens that would run past max_model_len is cut to
+        fit (the request ends "length" there, as vLLM's offline `LLM`), not refused (the server's 400)."""
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("prompt", "prompt is empty")
@@ -65,6 +67,8 @@ class LLMEngine:
                                       "(the prompt must leave room for at least one generated token)",
                                       code="context_length_exceeded")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if fit_model_len:
+            max_tokens = min(max_tokens, self.max_model_len - n)
         if n + max_tokens > self.max_model_len:
             raise InvalidRequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
                                       f"max_model_len ({self.max_model_len})", code="context_length_exceeded")
@@ -77,8 +81,9 @@ class LLMEngine:
         return max_tokens
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    grammar: CompiledGrammar | None = None) -> None:
-        """`grammar`: params.structured_outputs compiled ahead (else compiled here, blocking)."""
+                    grammar: CompiledGrammar | None = None, fit_model_len: bool = False) -> None:
+        """`grammar`: params.structured_outputs compiled ahead (else compiled here, blocking);
+        `fit_model_len`: as `validate`'s."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
@@ -88,7 +93,7 @@ class LLMEngine:
                                                                   self.executor.info.vocab_size)  # -1: all
         if params.truncate_prompt_tokens is not None:
             ids = truncated(ids, params.truncate_prompt_tokens, self.max_model_len)
-        max_tokens = self.validate(ids, params)
+        max_tokens = self.validate(ids, params, fit_model_len)
         gate = self.structured.gate(params.structured_outputs) if params.structured_outputs is not None else None
         if params.structured_outputs is not None and grammar is None:
             grammar = self.structured.compiler.compile(params.structured_outputs)

@@ -46,7 +46,6 @@ class CompletionOutput:
     delta_logprobs: list[dict[int, float]] | None = None
     ranks: list[int | None] | None = None  # with logprobs: each sampled token's rank (in process only)
 
-    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -67,6 +66,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: PromptLogprobs | None = None  # when params.prompt_logprobs is set (LLM: vLLM's dicts of Logprob)
+    # vLLM's, always None here (no per-request stats object, no LoRA), so that code reading them runs
+    metrics: None = None
+    lora_request: None = None
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,7 @@ class Request:
         self.num_outputs += 1
         outs = []
         for comp, detok, seq in zip(self.completions, self.detoks, self.seqs):
-            comp.delta_text = detok.get_delta(finished=comp.finished)
+            comp.delta_text = detok.get_delta(finished=comp.finished())
             comp.text = detok.output_text
             comp.token_ids = seq.output_token_ids
             outs.append(comp.snapshot())

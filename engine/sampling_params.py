@@ -1,10 +1,12 @@
 """Per-request sampling parameters (vLLM names and defaults), validated on construction."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
@@ -16,6 +18,7 @@ MAX_BAD_WORDS = 100  # entries in one request's bad_words (each is checked per s
 MAX_BAD_WORD_CHARS = 1000  # a bad word's length (each is tokenized on the engine's step thread)
 MAX_STOP_STRINGS = 128  # entries in one request's stop (each is searched for after every token)
 SAMPLING_EPS = 1e-5  # a temperature below it is greedy (vLLM's _SAMPLING_EPS)
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before 0.10.2 (SamplingParams(guided_decoding=...))
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -61,8 +64,17 @@ class SamplingParams:
     # Under scheduling_policy "priority": lower runs first (vLLM's); must be 0 under "fcfs".
     priority: int = 0
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len (vLLM's)
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's name before 0.10.2: becomes structured_outputs
+    extra_args: dict | None = None  # vLLM's, for plugins' sampling: kept, read by nothing here (as in vLLM)
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise InvalidRequestError("guided_decoding", "guided_decoding and structured_outputs are one "
+                                                             "setting (the older name and the newer): give one")
+            warnings.warn("SamplingParams(guided_decoding=...) is vLLM's name before 0.10.2; "
+                          "use structured_outputs=StructuredOutputsParams(...)", DeprecationWarning, stacklevel=3)
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -79,6 +91,17 @@ class SamplingParams:
         self.allowed_token_ids = None if self.allowed_token_ids is None else _unique(self.allowed_token_ids)
         self.bad_words = list(self.bad_words) if self.bad_words else None
         self._validate()
+        if self.temperature < SAMPLING_EPS:  # greedy: the filters choose nothing, and read as vLLM's say so
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    @classmethod
+    def from_optional(cls, **kwargs) -> SamplingParams:
+        """vLLM's: these params, a field given as None taking its default."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's)."""
+        return copy.deepcopy(self)
 
     def _validate(self) -> None:
         def need(cond: bool, field: str, rule: str) -> None:
@@ -95,6 +118,7 @@ class SamplingParams:
         need(self.n >= 1, "n", ">= 1")
         need(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
              "structured_outputs", "a StructuredOutputsParams")
+        need(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args", "a dict or None")
         need(0 <= self.temperature < math.inf, "temperature", ">= 0 and finite")
         need(self.seed is None or -(1 << 63) <= self.seed <= (1 << 63) - self.n, "seed",
              "in [-2^63, 2^63 - n] (a 64-bit seed; sample i takes seed + i)")

@@ -19,6 +19,31 @@ NO_EFFECT = {
 }
 
 
+# vLLM `LLM(...)` keywords with no CLI flag here, taken at the values that ask nothing (vLLM's
+# defaults); name -> (the values taken; what kvserve lacks). None is always taken (LLM drops it).
+AT_DEFAULT = {
+    "quantization": ((), "weights are served in the checkpoint's dtype; no quantization methods"),
+    "task": (("auto", "generate"), "text generation only"),
+    "runner": (("auto", "generate"), "text generation only"),
+    "convert": (("auto", "none"), "text generation only"),
+    "cpu_offload_gb": ((0,), "weights stay on the device"),
+    "enable_lora": ((False,), "no LoRA adapters"),
+    "skip_tokenizer_init": ((False,), "the engine detokenizes with the model's tokenizer"),
+    "speculative_config": (({},), "no speculative decoding"),
+    "enable_sleep_mode": ((False,), "no sleep mode"),
+    "hf_overrides": (({},), "the model's config is read as it is"),
+    "limit_mm_per_prompt": (({},), "text models only"),
+    "mm_processor_kwargs": (({},), "text models only"),
+    "kv_transfer_config": (({},), "no disaggregated prefill"),
+}
+# the same, that change nothing here; name -> why
+AT_ANY = {
+    "hf_token": "models come from local folders or the local Hugging Face cache: nothing is downloaded",
+    "compilation_config": "no torch.compile; CUDA graphs for decode steps unless enforce_eager",
+    "async_scheduling": "each step is scheduled after the last one's tokens; the outputs are the same",
+}
+
+
 def refused(name: str, value) -> str | None:
     """Why `name=value` cannot be taken (an ONLY_AT argument at another value), else None."""
     if name in ONLY_AT and str(value) not in ONLY_AT[name][0]:
@@ -28,8 +53,11 @@ def refused(name: str, value) -> str | None:
 
 
 def without_vllm_only(kwargs: dict) -> dict:
-    """`kwargs` less the arguments of this table; ValueError for one at a value kvserve cannot take."""
+    """`kwargs` less the arguments of these tables; ValueError for one at a value kvserve cannot take."""
     for name, value in kwargs.items():
         if (why := refused(name, value)) is not None:
             raise ValueError(f"{name}: {why}")
-    return {k: v for k, v in kwargs.items() if k not in ONLY_AT and k not in NO_EFFECT}
+        if name in AT_DEFAULT and value not in AT_DEFAULT[name][0]:
+            raise ValueError(f"{name}={value!r} is not supported: {AT_DEFAULT[name][1]}")
+    return {k: v for k, v in kwargs.items() if k not in ONLY_AT and k not in NO_EFFECT and k not in AT_DEFAULT
+            and k not in AT_ANY}

@@ -28,7 +28,7 @@ class RouterSettings:
     # recently used go beyond it. 0: nothing is stored.
     responses_store_max_bytes: int = 64 << 20
     # Where the defaults of the sampling fields a request leaves unset come from (vLLM's
-    # --generation-config, router.generation_config): auto (the model's generation_config.json) |
+    # --generation-config, engine.generation_config): auto (the model's generation_config.json) |
     # vllm (none: OpenAI's) | a directory; then override_generation_config's fields on top.
     generation_config: str = "auto"
     override_generation_config: dict | None = None
@@ -74,10 +74,12 @@ class RouterSettings:
     def with_sampling_defaults(self, model_dir) -> "RouterSettings":
         """These settings with sampling_defaults read from generation_config (the model's
         directory is `model_dir`); a bad file or override is an error naming it."""
-        from router.generation_config import sampling_defaults
+        from engine.generation_config import sampling_defaults
+        from router.protocol import check_sampling_values  # what a request could send
 
         return replace(self, sampling_defaults=sampling_defaults(self.generation_config, model_dir,
-                                                                 self.override_generation_config))
+                                                                 self.override_generation_config,
+                                                                 check_sampling_values))
 
     def resolve_api_key(self) -> "RouterSettings":
         """These settings with api_key_env replaced by the key it names; an unset or empty

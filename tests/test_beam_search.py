@@ -92,14 +92,19 @@ def test_offline_beam_search_finds_hf_transformers_beams(tiny_dir, hf_beams, max
                 assert all(x.decoded_token == llm.tokenizer.convert_tokens_to_string(
                     [llm.tokenizer.convert_ids_to_tokens(k)]) for k, x in e.items())
         assert cums == pytest.approx([q.cum_logprob for q in o.sequences]) and cums == sorted(cums, reverse=True)
+    one_at_a_time = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS],
+                                    BeamSearchParams(beam_width=K, max_tokens=STEPS, ignore_eos=True),
+                                    concurrency_limit=1)
+    assert [[q.tokens for q in o.sequences] for o in one_at_a_time] == [[q.tokens for q in o.sequences] for o in outs]
     bm = llm.engine.block_manager
     assert not llm.engine.has_unfinished() and bm.num_free_blocks == bm.num_blocks
 
 
 @pytest.mark.parametrize("include", [False, True])
-def test_offline_beam_ending_in_eos_keeps_its_logprob_and_shows_it_when_asked(smollm2_path, include):
+def test_offline_beam_ending_in_eos_keeps_its_end_token_and_logprob(smollm2_path, include):
     """A beam that ends is "stop" with its end token as stop_reason; the token is in its tokens and
-    text only with include_stop_str_in_output, its logprob in cum_logprob either way (vLLM's)."""
+    text (with the special tokens), its logprob in cum_logprob, whatever include_stop_str_in_output
+    says (vLLM's offline search; its server's reads the flag, as kvserve's does)."""
     from engine import LLM, BeamSearchParams
 
     llm = LLM(model=smollm2_path, max_model_len=256, num_gpu_blocks_override=64)
@@ -108,22 +113,30 @@ def test_offline_beam_ending_in_eos_keeps_its_logprob_and_shows_it_when_asked(sm
     best = out.sequences[0]
     generated = best.tokens[len(llm.tokenizer.encode("The capital of France is")):]
     assert best.finish_reason == "stop" and best.stop_reason in llm.engine.eos_token_ids
-    assert (generated[-1] == best.stop_reason) is include and " Paris" in best.text
+    assert generated[-1] == best.stop_reason and " Paris" in best.text
+    assert best.text == llm.tokenizer.decode(best.tokens) and best.text.endswith(llm.tokenizer.decode(generated[-1]))
     assert len(best.logprobs) == len(generated)
-    shown = sum(e[t].logprob for t, e in zip(generated, best.logprobs))
-    assert shown == pytest.approx(best.cum_logprob) if include else best.cum_logprob < shown
+    assert sum(e[t].logprob for t, e in zip(generated, best.logprobs)) == pytest.approx(best.cum_logprob)
 
 
-def test_offline_beam_search_refuses_what_cannot_run(tiny_dir):
+def test_offline_beam_search_refuses_what_cannot_run_and_fits_the_rest(tiny_dir):
     from engine import LLM, BeamSearchParams
     from engine.errors import InvalidRequestError
 
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=0, max_tokens=4)
     llm = LLM(model=tiny_dir, max_model_len=64, num_gpu_blocks_override=64)
-    with pytest.raises(InvalidRequestError, match="max_model_len"):  # the longest beam could not fit
-        llm.beam_search([PROMPTS[0], list(range(3, 60))], BeamSearchParams(beam_width=2, max_tokens=16))
+    with pytest.raises(ValueError, match=r"beam_width must be at most 10 \(half the engine's max_logprobs, 20\)"):
+        llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=11, max_tokens=4))
+    with pytest.raises(InvalidRequestError, match="max_model_len"):  # the prompt leaves no room
+        llm.beam_search([PROMPTS[0], list(range(3, 67))], BeamSearchParams(beam_width=2, max_tokens=16))
     assert not llm.engine.has_unfinished()
+    # a max_tokens past max_model_len ends the beams there (vLLM's offline search)
+    out, = llm.beam_search(list(range(3, 60)), BeamSearchParams(beam_width=2, max_tokens=16, ignore_eos=True))
+    assert [(len(b.tokens), b.finish_reason) for b in out.sequences] == [(64, "length")] * 2
+    wide = LLM(model=tiny_dir, max_model_len=64, num_gpu_blocks_override=64, max_logprobs=24)
+    out, = wide.beam_search(PROMPTS[0], BeamSearchParams(beam_width=12, max_tokens=2, ignore_eos=True))
+    assert len(out.sequences) == 12
 
 
 def test_offline_beam_search_fails_rather_than_hangs_when_the_engine_fails(tiny_dir, monkeypatch):

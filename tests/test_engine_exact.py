@@ -216,8 +216,11 @@ def test_sliding_window_checkpoint_is_served_within_its_window(tmp_path, smollm2
     llm = LLM(model=str(d), num_gpu_blocks_override=64)
     assert llm.engine.max_model_len == 128
     assert _tokens(llm.generate(prompts, GREEDY)) == hf_greedy(d, prompts, MAX_NEW)
-    with pytest.raises(InvalidRequestError, match=r"exceeds max_model_len \(128\)"):
-        llm.generate([_prompts(lens=(120,))[0]], GREEDY)
+    long = _prompts(lens=(120,))[0]
+    with pytest.raises(InvalidRequestError, match=r"exceeds max_model_len \(128\)"):  # the server's check
+        llm.engine.validate(long, GREEDY)
+    out = llm.generate([long], GREEDY)[0].outputs[0]  # offline: cut at the window, as vLLM's LLM
+    assert (out.token_ids, out.finish_reason) == (hf_greedy(d, [long], 8)[0], "length")
     _assert_clean(llm)
     with pytest.raises(ValueError, match="max_model_len 256 is more than the model's 128 positions"):
         LLM(model=str(d), max_model_len=256)

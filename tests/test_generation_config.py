@@ -1,12 +1,13 @@
 """vLLM's --generation-config: a model's generation_config.json sampling fields as the defaults of
-requests that leave them unset (router.generation_config), checked at the HTTP edge."""
+requests that leave them unset (engine.generation_config), checked at the HTTP edge."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from router.generation_config import sampling_defaults
+from engine.generation_config import sampling_defaults
+from router.protocol import check_sampling_values
 from router.settings import RouterSettings
 from tests.scripted_engine import run
 
@@ -42,7 +43,7 @@ def test_the_sources_and_overrides(model_dir, tmp_path_factory):
 ])
 def test_values_no_request_could_send_are_refused(model_dir, source, overrides, says):
     with pytest.raises(ValueError) as e:
-        sampling_defaults(source, model_dir, overrides)
+        sampling_defaults(source, model_dir, overrides, check_sampling_values)
     assert says in str(e.value)
 
 

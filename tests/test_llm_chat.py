@@ -51,6 +51,22 @@ def test_content_parts_are_the_text_they_hold(llm):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
 
 
+def test_template_kwargs_go_over_the_named_arguments_and_parts_stay_parts_when_asked(llm):
+    """vLLM's order: chat_template_kwargs update the arguments chat names (add_generation_prompt
+    there was a TypeError); chat_template_content_format="openai" hands the template a message's
+    parts as a list, for templates that iterate over them."""
+    plain = llm.chat(QUESTION, GREEDY, add_generation_prompt=False)[0].prompt_token_ids
+    assert llm.chat(QUESTION, GREEDY, chat_template_kwargs={"add_generation_prompt": False})[0].prompt_token_ids \
+        == plain == _hf_ids(llm.tokenizer, QUESTION, add_generation_prompt=False)
+    template = "{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+             {"role": "user", "content": "c"}]
+    out, = llm.chat(parts, GREEDY, chat_template=template, chat_template_content_format="openai")
+    assert out.prompt == "[a][b][c]"
+    with pytest.raises(ValueError, match="chat_template_content_format must be auto, string or openai"):
+        llm.chat(QUESTION, GREEDY, chat_template_content_format="json")
+
+
 def test_what_chat_cannot_render_is_a_value_error(llm, monkeypatch):
     with pytest.raises(ValueError, match="cannot both be set"):
         llm.chat(QUESTION, continue_final_message=True)

@@ -114,3 +114,23 @@ def test_boundary_values_are_accepted(kwargs):
 ])
 def test_greedy(kwargs, greedy):
     assert SamplingParams(**kwargs).greedy is greedy
+
+
+def test_greedy_params_read_back_with_no_filters_as_vllm_s():
+    p = SamplingParams(temperature=0, top_p=0.5, top_k=5, min_p=0.1)
+    assert (p.top_p, p.top_k, p.min_p, p.greedy) == (1.0, 0, 0.0, True)
+    sampled = SamplingParams(temperature=0.5, top_p=0.5, top_k=5, min_p=0.1)
+    assert (sampled.top_p, sampled.top_k, sampled.min_p) == (0.5, 5, 0.1)
+    with pytest.raises(ValueError, match="top_p must be in"):  # checked before: a bad value is still refused
+        SamplingParams(temperature=0, top_p=0)
+
+
+def test_vllm_s_constructors_copies_and_extra_args():
+    assert SamplingParams.from_optional(temperature=None, top_p=0.5, max_tokens=None) == SamplingParams(top_p=0.5)
+    p = SamplingParams(stop=["x"], logit_bias={3: 1.0}, extra_args={"plugin": [1]})
+    q = p.clone()
+    assert q == p and q is not p and q.extra_args is not p.extra_args
+    q.stop.append("y")
+    assert p.stop == ["x"]
+    with pytest.raises(ValueError, match="extra_args must be a dict"):
+        SamplingParams(extra_args=[1])

@@ -113,6 +113,35 @@ def test_compiled_grammars_are_cached_by_spec_failures_too(tiny):
     assert compiler.submit(S(regex="a")) is not compiler.submit(S(regex="a", lenient=True))
 
 
+def test_vllm_s_other_options_and_older_name(tiny):
+    """vLLM's StructuredOutputsParams options: whitespace_pattern shapes the JSON's whitespace;
+    disable_any_whitespace, disable_additional_properties, backend and disable_fallback ask what
+    kvserve does anyway (compact JSON, closed objects, one backend); structural_tag is refused.
+    `SamplingParams(guided_decoding=GuidedDecodingParams(...))`, the name before vLLM 0.10.2, runs the same."""
+    from engine.sampling_params import GuidedDecodingParams
+
+    prompts = _prompts(1, seed=5)
+    plain = tiny.generate(prompts, SamplingParams(temperature=0, max_tokens=120, structured_outputs=S(json=PERSON)))
+    same = S(json=PERSON, disable_any_whitespace=True, disable_additional_properties=True, backend="xgrammar",
+             disable_fallback=True)
+    with pytest.warns(DeprecationWarning, match="guided_decoding"):
+        older = SamplingParams(temperature=0, max_tokens=120, guided_decoding=GuidedDecodingParams(json=PERSON))
+    assert older.structured_outputs == S(json=PERSON) and older.guided_decoding is None
+    for params in (SamplingParams(temperature=0, max_tokens=120, structured_outputs=same), older):
+        assert _texts(tiny.generate(prompts, params)) == _texts(plain)
+    spaced, = _texts(tiny.generate(prompts, SamplingParams(temperature=0, max_tokens=120, structured_outputs=S(
+        json=PERSON, whitespace_pattern=" "))))  # one space wherever JSON allows whitespace
+    assert spaced[0].startswith('{ "') and spaced[0].endswith(" }") and spaced[1] == "stop"
+    jsonschema.validate(json.loads(spaced[0]), PERSON)
+    assert S(json=PERSON).key != S(json=PERSON, whitespace_pattern=" ").key
+    for kwargs, says in [(dict(json=PERSON, structural_tag="{}"), "structural_tag is not supported"),
+                         (dict(regex="a+", whitespace_pattern=" "), "whitespace_pattern applies to json")]:
+        with pytest.raises(InvalidRequestError, match=says):
+            S(**kwargs)
+    with pytest.raises(InvalidRequestError, match="give one"):
+        SamplingParams(structured_outputs=S(regex="a"), guided_decoding=S(regex="b"))
+
+
 PARIS, HELLO = 38634, 28120  # single tokens of SmolLM2's vocabulary: "Paris", "hello"
 
 

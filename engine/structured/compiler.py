@@ -42,7 +42,9 @@ def to_grammar(params: StructuredOutputsParams) -> str:
     try:
         if params.json is not None or params.json_object:  # json_object: any object, keys and all
             schema = _closed_json(params.json) if params.json is not None else '{"type": "object"}'
-            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS,
+            defaults = JSON_DEFAULTS if params.whitespace_pattern is None else {
+                **JSON_DEFAULTS, "whitespace_pattern": params.whitespace_pattern}
+            return LLMatcher.grammar_from_json_schema(schema, defaults=defaults,
                                                       overrides={"lenient": True} if params.lenient else None)
         if params.regex is not None:
             return LLMatcher.grammar_from_regex(params.regex)

@@ -37,6 +37,18 @@ class StructuredOutputsParams:
     # token may open it (where that text is one token); any other first token is the grammar's.
     reasoning_end: str | None = None
     reasoning_start: str | None = None
+    # vLLM's options. JSON is compact here whatever disable_any_whitespace says (one separator
+    # each, no free whitespace: what it asks when True; vLLM's False default allows any, which lets a
+    # model fill max_tokens with newlines); objects listing their properties are closed whatever
+    # disable_additional_properties says (what it asks when True); one backend (llguidance), so
+    # `backend` and `disable_fallback` choose nothing. whitespace_pattern: the JSON's whitespace,
+    # a regular expression (e.g. "[ ]?"; part of `key`).
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    backend: str | None = None
+    disable_fallback: bool = False
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -50,6 +62,10 @@ class StructuredOutputsParams:
             if not choice or not all(isinstance(c, str) for c in choice):
                 raise InvalidRequestError("structured_outputs", "choice must be a non-empty list of strings")
             object.__setattr__(self, "choice", choice)
+        if self.structural_tag is not None:
+            raise InvalidRequestError("structured_outputs", "structural_tag is not supported")
+        if self.whitespace_pattern is not None and not (self.json is not None or self.json_object):
+            raise InvalidRequestError("structured_outputs", "whitespace_pattern applies to json and json_object only")
         if self.reasoning_start is not None and not self.reasoning_end:
             raise InvalidRequestError("structured_outputs", "reasoning_start needs reasoning_end")
 
@@ -59,4 +75,4 @@ class StructuredOutputsParams:
 
     @property
     def key(self) -> tuple:
-        return (self.kind, getattr(self, self.kind), self.lenient)
+        return (self.kind, getattr(self, self.kind), self.lenient, self.whitespace_pattern)

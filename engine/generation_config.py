@@ -6,16 +6,19 @@ defaults of requests that leave them unset.
     DIR     DIR's generation_config.json
 
 `--override-generation-config` (a JSON object of the same fields) goes on top. Only these fields
-count, as in vLLM; `max_new_tokens` bounds a request that sets no max_tokens.
+count, as in vLLM; `max_new_tokens` bounds a request that sets no max_tokens. The server applies
+them to each request's unset fields (router.settings); the offline `LLM` to a call given no
+SamplingParams (`LLM.get_default_sampling_params`), as vLLM's does.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 
-from router.protocol import check_sampling_values
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +26,10 @@ FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min
           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
-def sampling_defaults(source: str, model_dir: Path, overrides: dict | None = None) -> dict[str, float | int]:
-    """-> request field -> default, from `source` (auto | vllm | a folder) and `overrides`."""
+def sampling_defaults(source: str, model_dir: Path, overrides: dict | None = None,
+                      check: Callable[[dict], None] | None = None) -> dict[str, float | int]:
+    """-> request field -> default, from `source` (auto | vllm | a folder) and `overrides`;
+    ValueError for a value `check` refuses (default: one SamplingParams refuses)."""
     if source == "vllm":
         found = {}
     else:
@@ -38,12 +43,19 @@ def sampling_defaults(source: str, model_dir: Path, overrides: dict | None = Non
                          f"(known: {', '.join(FIELDS)})")
     found.update(overrides or {})
     defaults = {FIELDS[k]: _number(k, v) for k, v in found.items() if k in FIELDS and v is not None}
-    check_sampling_values({k: v for k, v in defaults.items() if k != "max_tokens"})  # what a request could send
+    (check or _check)({k: v for k, v in defaults.items() if k != "max_tokens"})
     if defaults.get("max_tokens", 1) < 1:
         raise ValueError(f"generation config max_new_tokens must be >= 1, got {defaults['max_tokens']}")
     if defaults:
         logger.info("request defaults from the generation config: %s", defaults)
     return defaults
+
+
+def _check(values: dict) -> None:
+    try:
+        SamplingParams(**values)
+    except ValueError as e:
+        raise ValueError(f"generation config: {e}") from None
 
 
 def _read(path: Path) -> dict:

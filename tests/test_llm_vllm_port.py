@@ -1,0 +1,132 @@
+"""vLLM offline scripts run unchanged on `LLM`: the keywords they pass (at vLLM's defaults, as
+None, as torch dtypes), the model's generation config as the default params, a max_tokens past
+max_model_len, and the output fields and method keywords their code reads."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.errors import InvalidRequestError
+from tests.tiny_llama import make_tiny_llama
+
+PROMPT = [1, 17, 99, 250, 3, 42]
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_path):
+    return make_tiny_llama(tmp_path_factory.mktemp("port"), smollm2_path, "gqa", vocab_size=49152)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(model=str(tiny_dir), max_model_len=32, num_gpu_blocks_override=32)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_keywords_given_as_none_take_their_defaults(tiny_dir, llm):
+    """A script passes its optional arguments on as they are; None is vLLM's "the default"
+    (enable_prefix_caching=None turned prefix caching off, seed=None failed the first sampled request)."""
+    port = LLM(model=str(tiny_dir), max_model_len=32, num_gpu_blocks_override=32, enable_prefix_caching=None,
+               enable_chunked_prefill=None, enforce_eager=None, max_num_seqs=None, max_num_batched_tokens=None,
+               block_size=None, seed=None, quantization=None, speculative_config=None, hf_overrides=None)
+    assert port.engine.config == llm.engine.config
+    sampled = SamplingParams(temperature=1.0, max_tokens=4)
+    assert _tokens(port.generate([PROMPT], sampled)) == _tokens(llm.generate([PROMPT], sampled))  # seed 0 both
+    shared = list(range(3, 23))  # a whole block of 16 and more
+    port.generate([shared], GREEDY)
+    assert port.generate([shared], GREEDY)[0].num_cached_tokens == 16
+
+
+def test_vllm_keywords_at_their_defaults_are_taken_and_others_refused_saying_why(tiny_dir, llm):
+    port = LLM(str(tiny_dir), max_model_len=32, num_gpu_blocks_override=32, dtype=torch.float32,
+               distributed_executor_backend="mp", task="generate", runner="auto", cpu_offload_gb=0,
+               enable_lora=False, skip_tokenizer_init=False, enable_sleep_mode=False, hf_overrides={},
+               hf_token="hf_x", compilation_config={"level": 3}, async_scheduling=True)
+    assert port.engine.config == EngineConfig(**{**vars(llm.engine.config), "dtype": "float32"})
+    assert _tokens(port.generate([PROMPT], GREEDY)) == _tokens(llm.generate([PROMPT], GREEDY))
+    for kwargs, says in [(dict(enable_lora=True), "enable_lora=True is not supported: no LoRA adapters"),
+                         (dict(quantization="awq"), "quantization='awq' is not supported: weights are served"),
+                         (dict(task="embed"), "task='embed' is not supported: text generation only")]:
+        with pytest.raises(ValueError, match=says):
+            LLM(str(tiny_dir), **kwargs)
+    for kwargs, says in [(dict(max_num_seqs="8"), "max_num_seqs must be an integer, got '8'"),
+                         (dict(enable_prefix_caching="yes"), "enable_prefix_caching must be True or False"),
+                         (dict(distributed_executor_backend="mp", tensor_parallel_size=2),
+                          "vLLM's 'mp' and 'uni' only with tensor_parallel_size 1"),
+                         (dict(dtype=torch.int8), "dtype must be auto|float32|bfloat16|float16")]:
+        with pytest.raises(ValueError, match=says):
+            EngineConfig(**kwargs)
+
+
+def test_a_call_without_params_runs_with_the_model_s_generation_config(tiny_dir, tmp_path):
+    """vLLM's LLM reads the generation config's sampling fields (generation_config="auto") as the
+    params of a call given none (get_default_sampling_params, which vLLM's basic example calls)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in tiny_dir.iterdir():
+        (model / f.name).symlink_to(f)
+    config = json.loads((tiny_dir / "generation_config.json").read_text())
+    (model / "generation_config.json").unlink()
+    (model / "generation_config.json").write_text(json.dumps({**config, "top_k": 1, "max_new_tokens": 5}))
+    llm = LLM(str(model), max_model_len=32, num_gpu_blocks_override=32)
+    assert llm.get_default_sampling_params() == SamplingParams(top_k=1, max_tokens=5)
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5))[0].outputs[0]
+    for _ in range(2):  # top_k 1: greedy every time, not temperature 1's draws
+        assert llm.generate(PROMPT)[0].outputs[0].token_ids == greedy.token_ids
+    assert llm.chat([{"role": "user", "content": "hi"}])[0].outputs[0].finish_reason is not None
+    bare = LLM(str(model), max_model_len=32, num_gpu_blocks_override=32, generation_config="vllm")
+    assert bare.get_default_sampling_params() == SamplingParams()
+    shorter = LLM(str(model), max_model_len=32, num_gpu_blocks_override=32,
+                  override_generation_config={"max_new_tokens": 2})
+    assert shorter.get_default_sampling_params() == SamplingParams(top_k=1, max_tokens=2)
+    with pytest.raises(ValueError, match="generation config: top_p must be in"):
+        LLM(str(model), num_gpu_blocks_override=32, override_generation_config={"top_p": 0})
+
+
+def test_a_max_tokens_past_max_model_len_ends_that_prompt_length_and_the_batch_runs(llm):
+    """vLLM's offline LLM refuses only a prompt that leaves no room; the server keeps its 400."""
+    long = list(range(3, 33))  # 30 tokens: room for 2 of max_model_len 32
+    short, cut = llm.generate([PROMPT, long], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert len(short.outputs[0].token_ids) == 20
+    assert (len(cut.outputs[0].token_ids), cut.outputs[0].finish_reason) == (2, "length")
+    assert cut.outputs[0].token_ids == llm.generate([long], SamplingParams(temperature=0, max_tokens=2))[0] \
+        .outputs[0].token_ids
+    with pytest.raises(InvalidRequestError, match="max_model_len is 32"):
+        llm.generate([PROMPT, list(range(3, 35))], GREEDY)
+    with pytest.raises(InvalidRequestError, match="exceeds max_model_len"):
+        llm.engine.validate(long, SamplingParams(max_tokens=20))  # what the server asks
+    bm = llm.engine.block_manager
+    assert not llm.engine.has_unfinished() and bm.num_free_blocks == bm.num_blocks
+
+
+def test_the_output_fields_and_method_keywords_vllm_code_reads(llm):
+    bars = []
+
+    class Bar:
+        def __init__(self, total, **kwargs):
+            self.total, self.done = total, 0
+            bars.append(self)
+
+        def update(self, n):
+            self.done += n
+
+        def close(self):
+            pass
+
+    out, = llm.generate([PROMPT], GREEDY, use_tqdm=Bar, lora_request=None)
+    assert out.outputs[0].finished() and out.finished
+    assert out.metrics is None and out.lora_request is None and llm.llm_engine is llm.engine
+    assert [(b.total, b.done) for b in bars] == [(1, 1)]
+    with pytest.raises(ValueError, match="lora_request is not supported"):
+        llm.generate([PROMPT], GREEDY, lora_request=object())
+    with pytest.raises(ValueError, match="tokenization_kwargs is not supported"):
+        llm.generate(["hi"], GREEDY, tokenization_kwargs={"truncation": True, "max_length": 4})
+    with pytest.raises(ValueError, match="mm_processor_kwargs"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, mm_processor_kwargs={"x": 1})
