@@ -132,7 +132,7 @@ class IncrementalDetokenizer:
             return None
         old_len = len(self._text)
         self._text += text
-        if self.num_output_tokens < self.params.min_tokens:
+        if self.num_output_tokens <= self.params.min_tokens:  # vLLM's: a stop string ends after the first min_tokens
             return None
         match = self._find_stop(old_len)
         if match is None:

@@ -139,11 +139,15 @@ def test_deltas_hold_back_a_possible_stop_prefix(tokenizer, prompt_ids):
     assert det.get_delta(True) == "orld"
 
 
-def test_stop_strings_wait_for_min_tokens(tokenizer, prompt_ids):
+@pytest.mark.parametrize("min_tokens, text", [(0, "a"), (1, "a"), (2, "a, b"), (3, "a, b"), (4, "a, b, c")])
+def test_stop_strings_wait_for_min_tokens(tokenizer, prompt_ids, min_tokens, text):
+    """vLLM's rule: a stop string must end in a token after the first min_tokens ("a" "," " b" ","
+    ...: with min_tokens 2 the first "," is the 2nd token, too early; with 4 the second is the 4th)."""
     ids = tokenizer.encode("a, b, c, d")
-    det, _, _, matched = stream(tokenizer, prompt_ids, ids, SamplingParams(stop=",", min_tokens=3))
+    assert [tokenizer.decode([t]) for t in ids[:4]] == ["a", ",", " b", ","]
+    det, _, _, matched = stream(tokenizer, prompt_ids, ids, SamplingParams(stop=",", min_tokens=min_tokens))
     assert matched == ","
-    assert det.output_text == "a, b"
+    assert det.output_text == text
 
 
 def test_no_stop_means_no_hold_back(tokenizer, prompt_ids):
