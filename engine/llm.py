@@ -254,9 +254,7 @@ def _flat(message: dict) -> dict:
     content = message.get("content")
     if not isinstance(content, list):
         return message
-    if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-        raise ValueError("only text content parts are supported: the engine serves text models")
-    return {**message, "content": "\n".join(p["text"] for p in content)}
+    return {**message, "content": "\n".join(_texts(content))}
 
 
 def _as_parts(message: dict) -> dict:
@@ -264,9 +262,15 @@ def _as_parts(message: dict) -> dict:
     content = message.get("content")
     if isinstance(content, str):
         return {**message, "content": [{"type": "text", "text": content}]}
-    if isinstance(content, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-        raise ValueError("only text content parts are supported: the engine serves text models")
+    if isinstance(content, list):
+        _texts(content)
     return message
+
+
+def _texts(parts: list) -> list[str]:
+    if any(not isinstance(p, dict) or p.get("type") != "text" for p in parts):
+        raise ValueError("only text content parts are supported: the engine serves text models")
+    return [p["text"] for p in parts]
 
 
 def _no_lora(lora_request) -> None:
