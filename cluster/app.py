@@ -85,6 +85,7 @@ class ServeOptions:
     allow_credentials: bool | None = None
     reasoning_parser: str | None = None  # vLLM's: deepseek_r1 | qwen3 (router.reasoning); none by default
     response_role: str | None = None  # vLLM's: a chat reply's role when it opens a new turn (default: assistant)
+    chat_template_content_format: str | None = None  # vLLM's: auto | string | openai (engine.chat_format)
     engine_cls: str | Callable | None = None  # "module:Class" built as cls(EngineConfig); default AsyncEngine
     cpu_threads: int | None = None  # torch threads per engine replica on CPU; default: cores // replicas
     num_ingress_replicas: int = 1

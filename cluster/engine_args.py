@@ -81,7 +81,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--seed", type=int, help="random seed")
     add("-tp", "--tensor-parallel-size", type=int, metavar="N", help="ranks that shard the model")
     add("--distributed-executor-backend", metavar="BACKEND",
-        help="what runs the ranks when -tp > 1: ray (default), or package.module:Class")
+        help="what runs the ranks when -tp > 1: ray (default), or package.module:Class; vLLM's mp "
+             "and uni are taken at -tp 1, where one rank runs in the replica")
     add("--block-size", type=int, metavar="TOKENS", help="tokens per KV cache block")
     add("--num-gpu-blocks-override", type=int, metavar="N",
         help="exact number of KV cache blocks (wins over the memory settings)")

@@ -34,7 +34,7 @@ _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_rep
                 "graceful_shutdown_timeout_s", "engine_cls", "cpu_threads", "generation_config",
                 "override_generation_config", "chat_template", "allowed_origins", "allowed_methods",
                 "allowed_headers", "allow_credentials", "reasoning_parser",
-                "response_role")
+                "response_role", "chat_template_content_format")
 
 
 def add_serve_parser(commands) -> argparse.ArgumentParser:
@@ -91,6 +91,10 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                       help="chat replies' <think>...</think> reasoning goes to message.reasoning (and "
                            "reasoning_content), the rest to content; qwen3: a reply without the tags is all "
                            "content, deepseek_r1: it begins inside its reasoning (default: none)")
+    http.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"],
+                      help="how the chat template gets a message's content: string (its text parts joined "
+                           "by newlines), openai (a list of text parts), auto (openai for a template that "
+                           "loops over message content, else string) (default: auto)")
     http.add_argument("--response-role", metavar="ROLE",
                       help="the role of a chat reply that opens a new turn (add_generation_prompt true; "
                            "otherwise the last message's) (default: assistant)")

@@ -10,8 +10,9 @@ length_penalty, and the k best are the reply's choices, best first. The prefix c
 rounds cheap: a beam's tokens before its last block are already in the KV cache.
 
 A beam that ended is given as vLLM gives it: finish_reason "stop", stop_reason its end token's
-id; an end-of-sequence token is in its token ids (and text) only with include_stop_str_in_output,
-one of `stop_token_ids` always (sampling's rule for them; vLLM's beam search has none).
+id; on the server an end-of-sequence token is in its token ids (and text) only with
+include_stop_str_in_output, one of `stop_token_ids` always (sampling's rule for them; vLLM's beam
+search has none); the offline `LLM.beam_search` keeps it always (vLLM's offline search).
 
 Only the model's distribution decides: temperature and seed do not change the beams (vLLM's rule
 too); the fields that reshape the distribution are refused with beam search (router.protocol).
@@ -195,7 +196,7 @@ def _choice(index: int, b: _Beam, params: SamplingParams, beam: BeamSearch,
 def sequences(prompt: list[int], best: list[_Beam], beam: BeamSearch,
               decode: Callable[[list[int]], str]) -> BeamSearchOutput:
     """`search`'s best beams as `LLM.beam_search` gives them: an end token kept only with
-    include_stop_str_in_output, its logprob counted in cum_logprob either way (vLLM's)."""
+    `beam`'s include_stop_str_in_output (which `LLM` sets), its logprob in cum_logprob either way."""
     out = []
     for b in best:
         shown = _shown(b, beam, ())

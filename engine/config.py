@@ -1,6 +1,7 @@
 """Engine configuration: one frozen dataclass, validated on construction."""
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass, fields
 
@@ -55,12 +56,18 @@ class EngineConfig:
             if not cond:
                 raise ValueError(msg)
 
-        for f in fields(self):  # the type of a field whose default is a bool or an int
-            value, kind = getattr(self, f.name), type(f.default)
-            if kind is bool:
-                need(isinstance(value, bool), f"{f.name} must be True or False, got {value!r}")
-            elif kind is int:
-                need(isinstance(value, int) and not isinstance(value, bool), f"{f.name} must be an integer, got {value!r}")
+        for f in fields(self):  # bool and int fields: numpy's too, stored as Python's; nothing else
+            value = getattr(self, f.name)
+            if value is None and f.type.endswith("| None"):
+                continue
+            if f.type == "bool":
+                need(isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"),
+                     f"{f.name} must be True or False, got {value!r}")
+                object.__setattr__(self, f.name, bool(value))
+            elif f.type in ("int", "int | None"):
+                need(isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_",
+                     f"{f.name} must be an integer, got {value!r}")
+                object.__setattr__(self, f.name, int(value))
         if self.distributed_executor_backend in ("mp", "uni") and self.tensor_parallel_size == 1:
             object.__setattr__(self, "distributed_executor_backend", "ray")  # vLLM's names; one rank runs in process
 

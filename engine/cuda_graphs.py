@@ -6,11 +6,8 @@ launches, not the arithmetic, bound it, and one replay issues them all at once.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
-from collections.abc import Callable, Iterator
-from unittest import mock
+from collections.abc import Callable
 
 import torch
 
@@ -38,17 +35,16 @@ class DecodeGraphs:
         self.replays = 0  # steps that ran as a graph (tests and benchmarks read it)
         pool = torch.cuda.graph_pool_handle()  # one memory pool: the largest graph's serves them all
         stream = torch.cuda.Stream()
-        with collected_once():
-            for size in reversed(self.sizes):
-                setup(size)
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):  # warm-up: Triton compiles, allocator settles
-                    body(size)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[size] = body(size)
-                self.graphs[size] = graph
+        for size in reversed(self.sizes):
+            setup(size)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up: Triton compiles, allocator settles
+                body(size)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = body(size)
+            self.graphs[size] = graph
         torch.cuda.synchronize()
 
     def size_for(self, num_seqs: int) -> int | None:
@@ -59,14 +55,3 @@ class DecodeGraphs:
         self.graphs[size].replay()
         self.replays += 1
         return self.outputs[size]
-
-
-@contextlib.contextmanager
-def collected_once() -> Iterator[None]:
-    """Captures without the full garbage collection and cache emptying torch.cuda.graph runs before
-    each one (~0.1 s each with transformers imported; two dozen buckets, captured twice when the
-    pool is sized from memory): one collection before them all, as vLLM's capture does."""
-    gc.collect()
-    torch.cuda.empty_cache()
-    with mock.patch("gc.collect", lambda *args: 0), mock.patch("torch.cuda.empty_cache", lambda: None):
-        yield

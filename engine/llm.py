@@ -9,9 +9,11 @@ import itertools
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence, search, sequences
+from engine.chat_format import as_parts, resolved
 from engine.config import EngineConfig
 from engine.generation_config import sampling_defaults
 from engine.llm_engine import LLMEngine
+from engine.model_source import model_dir
 from engine.outputs import Logprob, RequestOutput, StepOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.vllm_args import without_vllm_only
@@ -31,9 +33,11 @@ class LLM:
         `override_generation_config`: the sampling fields of `get_default_sampling_params`, which a
         call given no SamplingParams runs with (engine.generation_config)."""
         engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None and k != "disable_log_stats"}
-        self.engine = LLMEngine(EngineConfig(model=model, **without_vllm_only(engine_kwargs)))
-        self.sampling_defaults = sampling_defaults(generation_config, self.engine.executor.info.model_dir,
+        config = EngineConfig(model=model, **without_vllm_only(engine_kwargs))
+        # before the engine loads anything: a bad generation config costs no model load
+        self.sampling_defaults = sampling_defaults(generation_config or "auto", model_dir(config),
                                                    override_generation_config)
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     @property
@@ -97,15 +101,17 @@ class LLM:
             raise
         done: dict[str, RequestOutput] = {}
         bar = _progress(len(prompts), use_tqdm)
-        while left:
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    rid = left.pop(out.request_id)
-                    if bar and all(part_id in done for part_id, _ in parts[rid]):
-                        bar.update(1)
-        if bar:
-            bar.close()
+        try:
+            while left:
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        rid = left.pop(out.request_id)
+                        if bar and all(part_id in done for part_id, _ in parts[rid]):
+                            bar.update(1)
+        finally:
+            if bar:
+                bar.close()
         return [_Logprobs(self.tokenizer, p.detokenize).request_output(
             _joined(rid, [(done[part_id], first) for part_id, first in parts[rid]]), p) for rid, p in zip(ids, params)]
 
@@ -119,14 +125,12 @@ class LLM:
         /v1/chat/completions render it: the template's text, tokenized without adding special
         tokens (the template writes its own). `prompt` in each output is that text.
         `chat_template_kwargs` go to the template, over the arguments named here (vLLM's order).
-        `chat_template_content_format`: "string" (auto) gives a message's text parts joined by
-        newlines, "openai" the parts as a list (for templates that iterate over them)."""
+        `chat_template_content_format`: "string" gives a message's text parts joined by newlines,
+        "openai" the parts as a list; "auto" the latter for a template that loops over a message's
+        content (vLLM's detection)."""
         _no_lora(lora_request)
         if mm_processor_kwargs:
             raise ValueError("mm_processor_kwargs is not supported: the engine serves text models")
-        if chat_template_content_format not in ("auto", "string", "openai"):
-            raise ValueError(f"chat_template_content_format must be auto, string or openai, "
-                             f"got {chat_template_content_format!r}")
         template_kwargs = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, tools=tools)
         template_kwargs.update(chat_template_kwargs or {})
@@ -134,7 +138,9 @@ class LLM:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
         if not (template_kwargs["chat_template"] or getattr(self.tokenizer, "chat_template", None)):
             raise ValueError("this model's tokenizer has no chat template; use generate() with a text prompt")
-        content = _as_parts if chat_template_content_format == "openai" else _flat
+        content_format = resolved(chat_template_content_format,
+                                  template_kwargs["chat_template"] or self.tokenizer.chat_template)
+        content = _as_parts if content_format == "openai" else _flat
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         texts = [self.tokenizer.apply_chat_template([content(m) for m in conversation], tokenize=False,
                                                     **template_kwargs) for conversation in conversations]
@@ -194,11 +200,12 @@ class LLM:
                 bar.close()
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Text deltas of one prompt's first completion as they are generated."""
+        """Text deltas of one prompt's first completion as they are generated (the params as `generate`'s)."""
         rid = f"stream-{next(self._ids)}"
         prompt, salt = _unwrapped(prompt)
-        params = sampling_params or SamplingParams()
-        self.engine.add_request(rid, prompt, params if salt is None else dataclasses.replace(params, cache_salt=salt))
+        params = sampling_params or self.get_default_sampling_params()
+        self.engine.add_request(rid, prompt, params if salt is None else dataclasses.replace(params, cache_salt=salt),
+                                fit_model_len=True)
         try:
             while True:
                 for out in self.engine.step():
@@ -259,12 +266,9 @@ def _flat(message: dict) -> dict:
 
 def _as_parts(message: dict) -> dict:
     """An OpenAI message with its content as a list of text parts (vLLM's "openai" content format)."""
-    content = message.get("content")
-    if isinstance(content, str):
-        return {**message, "content": [{"type": "text", "text": content}]}
-    if isinstance(content, list):
-        _texts(content)
-    return message
+    if isinstance(message.get("content"), list):
+        _texts(message["content"])
+    return as_parts(message)
 
 
 def _texts(parts: list) -> list[str]:
@@ -358,8 +362,8 @@ def _progress(total: int, use_tqdm: bool | Callable):
     """A progress bar over `total` prompts (`use_tqdm`: tqdm's class, or the one to use), or None."""
     if not use_tqdm:
         return None
-    if callable(use_tqdm):
-        return use_tqdm(total=total, desc="generate", unit="req")
+    if callable(use_tqdm):  # vLLM's keywords, for a class written for them
+        return use_tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="generate", unit="req")
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

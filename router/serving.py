@@ -26,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
+from engine.chat_format import as_parts, resolved
 from engine.errors import InvalidRequestError
 from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import SamplingParams, priority_refusal, truncated
@@ -338,6 +339,8 @@ class OpenAIServing:
         if not template:
             raise bad_request("this model has no chat template; use /v1/completions", param=param)
         msgs, tools = render(req.messages, plan or ToolPlan("none"), template_knows_tools(template))
+        if resolved(self.settings.chat_template_content_format, template) == "openai":
+            msgs = [as_parts(m) for m in msgs]
         try:
             text = self.tokenizer.apply_chat_template(
                 msgs, tools=tools, chat_template=self.settings.chat_template, tokenize=False,

@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from engine.chat_format import FORMATS
 from router.reasoning import PARSERS as REASONING_PARSERS
 
 
@@ -45,6 +46,8 @@ class RouterSettings:
     # vLLM's --reasoning-parser: chat replies' <think> block goes to `reasoning` (router.reasoning)
     reasoning_parser: str | None = None
     response_role: str = "assistant"  # vLLM's --response-role: a chat reply's role when it opens a new turn
+    # vLLM's --chat-template-content-format (engine.chat_format): auto | string | openai
+    chat_template_content_format: str = "auto"
 
     def __post_init__(self) -> None:
         if not all(isinstance(n, str) and n for n in (self.served_model_name, *self.served_model_aliases)):
@@ -66,6 +69,9 @@ class RouterSettings:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
+        if self.chat_template_content_format not in FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {', '.join(FORMATS)}, "
+                             f"got {self.chat_template_content_format!r}")
         if not isinstance(self.response_role, str) or not self.response_role:
             raise ValueError(f"response_role must be a non-empty string, got {self.response_role!r}")
         if self.overload_status not in (429, 503):

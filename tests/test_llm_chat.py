@@ -61,8 +61,11 @@ def test_template_kwargs_go_over_the_named_arguments_and_parts_stay_parts_when_a
     template = "{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
              {"role": "user", "content": "c"}]
-    out, = llm.chat(parts, GREEDY, chat_template=template, chat_template_content_format="openai")
-    assert out.prompt == "[a][b][c]"
+    for content_format in ("openai", "auto"):  # auto: vLLM's detection of a loop over the content
+        out, = llm.chat(parts, GREEDY, chat_template=template, chat_template_content_format=content_format)
+        assert out.prompt == "[a][b][c]"
+    assert llm.chat(parts, GREEDY, chat_template=template, chat_template_content_format="string")[0].prompt \
+        == "[][][]" + "[]"  # vLLM's string format: the template iterates "a\nb" and "c" (3 + 1 characters)
     with pytest.raises(ValueError, match="chat_template_content_format must be auto, string or openai"):
         llm.chat(QUESTION, GREEDY, chat_template_content_format="json")
 

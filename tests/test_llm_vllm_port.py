@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -56,7 +57,12 @@ def test_vllm_keywords_at_their_defaults_are_taken_and_others_refused_saying_why
                          (dict(task="embed"), "task='embed' is not supported: text generation only")]:
         with pytest.raises(ValueError, match=says):
             LLM(str(tiny_dir), **kwargs)
+    numpy = EngineConfig(max_num_seqs=np.int64(8), enable_prefix_caching=np.bool_(False), max_model_len=np.int32(64))
+    assert (numpy.max_num_seqs, numpy.enable_prefix_caching, numpy.max_model_len) == (8, False, 64)
+    assert type(numpy.max_num_seqs) is int and type(numpy.enable_prefix_caching) is bool
     for kwargs, says in [(dict(max_num_seqs="8"), "max_num_seqs must be an integer, got '8'"),
+                         (dict(max_model_len=32.0), "max_model_len must be an integer, got 32.0"),
+                         (dict(num_gpu_blocks_override=True), "num_gpu_blocks_override must be an integer"),
                          (dict(enable_prefix_caching="yes"), "enable_prefix_caching must be True or False"),
                          (dict(distributed_executor_backend="mp", tensor_parallel_size=2),
                           "vLLM's 'mp' and 'uni' only with tensor_parallel_size 1"),
@@ -65,7 +71,7 @@ def test_vllm_keywords_at_their_defaults_are_taken_and_others_refused_saying_why
             EngineConfig(**kwargs)
 
 
-def test_a_call_without_params_runs_with_the_model_s_generation_config(tiny_dir, tmp_path):
+def test_a_call_without_params_runs_with_the_model_s_generation_config(tiny_dir, tmp_path, monkeypatch):
     """vLLM's LLM reads the generation config's sampling fields (generation_config="auto") as the
     params of a call given none (get_default_sampling_params, which vLLM's basic example calls)."""
     model = tmp_path / "model"
@@ -80,12 +86,16 @@ def test_a_call_without_params_runs_with_the_model_s_generation_config(tiny_dir,
     greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5))[0].outputs[0]
     for _ in range(2):  # top_k 1: greedy every time, not temperature 1's draws
         assert llm.generate(PROMPT)[0].outputs[0].token_ids == greedy.token_ids
+    assert "".join(llm.stream(PROMPT)) == greedy.text
     assert llm.chat([{"role": "user", "content": "hi"}])[0].outputs[0].finish_reason is not None
     bare = LLM(str(model), max_model_len=32, num_gpu_blocks_override=32, generation_config="vllm")
     assert bare.get_default_sampling_params() == SamplingParams()
+    assert LLM(str(model), max_model_len=32, num_gpu_blocks_override=32, generation_config=None).sampling_defaults \
+        == llm.sampling_defaults
     shorter = LLM(str(model), max_model_len=32, num_gpu_blocks_override=32,
                   override_generation_config={"max_new_tokens": 2})
     assert shorter.get_default_sampling_params() == SamplingParams(top_k=1, max_tokens=2)
+    monkeypatch.setattr("engine.llm.LLMEngine", None)  # a bad generation config is refused before any load
     with pytest.raises(ValueError, match="generation config: top_p must be in"):
         LLM(str(model), num_gpu_blocks_override=32, override_generation_config={"top_p": 0})
 

@@ -334,8 +334,12 @@ def test_split_args_routes_keys_and_rejects_unknown_ones():
         ["serve", "--allowed-origins", '["https://a.example"]', "--allow-credentials"]))))
     assert (cors.allowed_origins, cors.allowed_methods, cors.allow_credentials) == (("https://a.example",), ("*",), True)
     parsed = router_settings(*split_args(app_args_from_cli(build_parser().parse_args(
-        ["serve", "--reasoning-parser", "deepseek_r1", "--response-role", "bot"]))))
-    assert (parsed.reasoning_parser, parsed.response_role) == ("deepseek_r1", "bot")
+        ["serve", "--reasoning-parser", "deepseek_r1", "--response-role", "bot",
+         "--chat-template-content-format", "openai"]))))
+    assert (parsed.reasoning_parser, parsed.response_role, parsed.chat_template_content_format) == (
+        "deepseek_r1", "bot", "openai")
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai"):
+        router_settings(*split_args({"chat_template_content_format": "json"}))
     with pytest.raises(ValueError, match="response_role must be a non-empty string"):
         router_settings(*split_args({"response_role": ""}))
     with pytest.raises(ValueError, match="max_queued_requests"):

@@ -2,15 +2,12 @@
 inputs' flat layout (padding rows for a graph, the profile step)."""
 from __future__ import annotations
 
-import contextlib
-import gc
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes  # noqa: E402
+from engine.cuda_graphs import graph_batch_sizes  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import ScheduledBatch  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
@@ -22,40 +19,6 @@ def test_graph_buckets():
     assert graph_batch_sizes(3) == [1, 2, 3]
     assert graph_batch_sizes(128) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128]
     assert graph_batch_sizes(100)[-3:] == [80, 96, 100]  # the last bucket is max_num_seqs itself
-
-
-def test_capturing_every_bucket_collects_garbage_once(monkeypatch):
-    """torch.cuda.graph runs a full gc.collect (and empties the allocator's cache) before each
-    capture in the torch of GPU images (a fifth of a second each here with transformers imported);
-    the buckets' captures share one. CUDA's primitives are fakes that do what torch's do around a capture."""
-    collections, replays = [], []
-
-    class FakeGraph:
-        def replay(self):
-            replays.append(self)
-
-    @contextlib.contextmanager
-    def capture(graph, pool=None):
-        gc.collect()  # what torch.cuda.graph.__enter__ runs
-        torch.cuda.empty_cache()
-        yield
-
-    class FakeStream:
-        def wait_stream(self, other):
-            pass
-
-    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(args) or 0)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    for name, fake in (("graph", capture), ("CUDAGraph", FakeGraph), ("Stream", FakeStream),
-                       ("current_stream", FakeStream), ("graph_pool_handle", lambda: None),
-                       ("stream", lambda s: contextlib.nullcontext()), ("synchronize", lambda: None)):
-        monkeypatch.setattr(torch.cuda, name, fake)
-    captured = []
-    graphs = DecodeGraphs(lambda size: None, lambda size: captured.append(size) or torch.zeros(size), [1, 2, 4, 8])
-    assert len(collections) == 1
-    assert captured == [8, 8, 4, 4, 2, 2, 1, 1]  # warm-up then capture, largest first
-    assert gc.collect() == 0 and len(collections) == 2  # the patch ends with the captures
-    assert graphs.replay(graphs.size_for(3)).shape == (4,) and len(replays) == 1
 
 
 def _seq(n_tokens: int, computed: int, table: list[int]) -> Sequence:

@@ -482,3 +482,18 @@ def test_the_servers_chat_template_replaces_the_tokenizers(tokenizer):
     tokens, engine = run(tokenizer, "yes", go, settings=settings)
     assert tokenizer.decode(engine.seen[0][0]) == "<user>Is the sky blue?" and tokens == engine.seen[0][0]
     assert tokenizer.chat_template != template  # the shared tokenizer is left as it was
+
+
+PARTS_TEMPLATE = "{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("content_format, rendered", [("auto", "[Is the sky blue?]"), ("openai", "[Is the sky blue?]"),
+                                                     ("string", "[]" * len("Is the sky blue?"))])
+def test_a_template_that_loops_over_content_parts_gets_them(tokenizer, content_format, rendered):
+    """vLLM's --chat-template-content-format: auto gives a template that loops over a message's
+    content a list of text parts (the message's text as one part); string gives it the text, whose
+    characters have no 'text' (vLLM's string format renders the same empty parts)."""
+    settings = {"chat_template": PARTS_TEMPLATE, "chat_template_content_format": content_format}
+    _, engine = run(tokenizer, "yes", chat(), settings=settings)
+    (ids, _), = engine.seen
+    assert tokenizer.decode(ids) == rendered
