@@ -105,7 +105,7 @@ class _SamplingFields(_Model):
             _check_logit_bias(self.logit_bias)
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens must be positive, or -1 for the model's max_model_len")
-        _refuse(self, "guided_whitespace_pattern", "logits_processors", "vllm_xargs", "mm_processor_kwargs")
+        _refuse(self, "logits_processors", "vllm_xargs", "mm_processor_kwargs")
         self._fold_guided()
         if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:
             raise ValueError("response_format cannot be combined with structured_outputs: give one of them")
@@ -147,12 +147,16 @@ class _SamplingFields(_Model):
 
     def _fold_guided(self) -> None:
         given = self._guided()
+        if self.guided_whitespace_pattern is not None and "json" not in given:
+            raise ValueError("guided_whitespace_pattern applies to guided_json")
         if not given:
             return
         names = self.structured_param
         if len(given) > 1 or self.structured_outputs is not None:
             raise ValueError(f"{names}{' and structured_outputs' if self.structured_outputs else ''}: "
                              "give one constraint on the output")
+        if self.guided_whitespace_pattern is not None:
+            given["whitespace_pattern"] = self.guided_whitespace_pattern
         try:
             self.structured_outputs = StructuredOutputs.model_validate(given)
         except ValidationError as e:
@@ -289,6 +293,12 @@ class StructuredOutputs(_Model):
     grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)  # Lark (llguidance's dialect) or GBNF
     json_object: bool | None = None
     structural_tag: Any = None  # vLLM's, not implemented here: a 400 naming it
+    # vLLM's options: the JSON's whitespace (a regex); the others ask what this server does anyway
+    # (engine.structured.params)
+    whitespace_pattern: str | None = Field(None, max_length=MAX_REGEX_CHARS)
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    disable_fallback: bool | None = None
 
     @model_validator(mode="after")
     def _one(self):
@@ -298,6 +308,8 @@ class StructuredOutputs(_Model):
                                 ("grammar", self.grammar), ("json_object", self.json_object)) if v]
         if len(given) != 1:
             raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, json_object")
+        if self.whitespace_pattern is not None and given[0] not in ("json", "json_object"):
+            raise ValueError("structured_outputs.whitespace_pattern applies to json and json_object")
         if isinstance(self.json_, str):
             try:
                 json.loads(self.json_)

@@ -32,14 +32,14 @@ def from_structured_outputs(so: StructuredOutputs | None) -> StructuredOutputsPa
     if so is None:
         return None
     if so.json_ is not None:
-        return StructuredOutputsParams(json=so.json_)
+        return StructuredOutputsParams(json=so.json_, whitespace_pattern=so.whitespace_pattern)
     if so.regex is not None:
         return StructuredOutputsParams(regex=so.regex)
     if so.choice is not None:
         return StructuredOutputsParams(choice=so.choice)
     if so.grammar is not None:
         return StructuredOutputsParams(grammar=so.grammar)
-    return StructuredOutputsParams(json_object=True)
+    return StructuredOutputsParams(json_object=True, whitespace_pattern=so.whitespace_pattern)
 
 
 @functools.lru_cache(maxsize=256)

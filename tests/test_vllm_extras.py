@@ -53,7 +53,10 @@ def test_a_guided_field_constrains_as_structured_outputs_does(tokenizer, endpoin
     ({"guided_json": '{"type": '}, "guided_json", "not valid JSON"),
     ({"guided_choice": []}, "guided_choice", "at least 1 item"),
     ({"guided_regex": "(("}, "guided_regex", "invalid regex"),
-    ({"guided_whitespace_pattern": r"\s*", "guided_json": SCHEMA}, "guided_whitespace_pattern", "not supported"),
+    ({"guided_whitespace_pattern": " ", "guided_regex": "a"}, "guided_whitespace_pattern",
+     "guided_whitespace_pattern applies to guided_json"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs",
+     "whitespace_pattern applies to json"),
     ({"use_beam_search": True, "top_k": 5}, "top_k", "cannot be combined with use_beam_search"),
     ({"use_beam_search": True, "n": 11}, "n", "at most 10 with use_beam_search"),
     ({"allowed_token_ids": []}, "allowed_token_ids", "non-empty list"),
@@ -497,3 +500,11 @@ def test_a_template_that_loops_over_content_parts_gets_them(tokenizer, content_f
     _, engine = run(tokenizer, "yes", chat(), settings=settings)
     (ids, _), = engine.seen
     assert tokenizer.decode(ids) == rendered
+
+
+@pytest.mark.parametrize("extra", [{"guided_json": SCHEMA, "guided_whitespace_pattern": "[ ]?"},
+                                   {"structured_outputs": {"json": SCHEMA, "whitespace_pattern": "[ ]?",
+                                                           "disable_any_whitespace": False, "disable_fallback": True}}])
+def test_a_json_constraint_takes_vllm_s_whitespace_pattern(tokenizer, extra):
+    _, params = sent(tokenizer, chat(extra_body=extra))
+    assert params.structured_outputs.whitespace_pattern == "[ ]?" and params.structured_outputs.kind == "json"
