@@ -16,6 +16,7 @@ models in `router.protocol`; every error leaves as OpenAI error JSON, and an une
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -108,16 +109,24 @@ async def read_json(request: Request, model: type[BaseModel], limit: int) -> Bas
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise OpenAIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:  # a chunked body states no length up front
-            raise OpenAIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+    try:
+        async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:  # a chunked body states no length up front
+                    raise OpenAIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+    except TimeoutError:
+        raise OpenAIError(408, f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g} s",
+                          code="request_timeout") from None
     if len(body) > OFF_LOOP_BYTES:
         return await off_loop(_validated, bytes(body), model)
     return _validated(bytes(body), model)
 
 
 OFF_LOOP_BYTES = 64 << 10  # a body this large is parsed and validated on router.off_loop's thread
+# A body still arriving after this is a 408: a client that sends its headers and then trickles (or
+# never sends) the body held an ingress seat for good, and ~4k of them took every seat, /health's too.
+BODY_READ_TIMEOUT_S = 60.0
 
 
 def _validated(body: bytes, model: type[BaseModel]) -> BaseModel:

@@ -73,6 +73,7 @@ def test_request_timeline_gives_ttft_itl_e2e_and_token_counts():
     assert values(sinks, M.E2E) == pytest.approx([1.0])
     assert values(sinks, M.PROMPT_TOKENS) == [7]
     assert values(sinks, M.GENERATION_TOKENS) == [5]
+    assert (values(sinks, M.REQUEST_PROMPT_TOKENS), values(sinks, M.REQUEST_GENERATION_TOKENS)) == ([7], [5])
     assert sinks[M.REQUEST_SUCCESS].tags == [{"finished_reason": "stop"}]
     assert values(sinks, M.REQUEST_SUCCESS) == [1]
     assert not values(sinks, M.RUNNING) and not values(sinks, M.PREEMPTIONS)  # no stats were recorded
@@ -107,6 +108,7 @@ def test_long_request_is_flushed_while_it_runs_and_adds_up_at_the_end():
     assert values(sinks, M.ITL) == pytest.approx([0.4] * 7)
     assert values(sinks, M.E2E) == pytest.approx([3.5])
     assert sinks[M.REQUEST_SUCCESS].tags == [{"finished_reason": "length"}]
+    assert values(sinks, M.REQUEST_GENERATION_TOKENS) == [8]  # the whole request's, flushes and all
 
 
 def test_request_aborted_before_its_first_token_counts_once_as_abort():
@@ -120,6 +122,7 @@ def test_request_aborted_before_its_first_token_counts_once_as_abort():
     assert sinks[M.REQUEST_SUCCESS].tags == [{"finished_reason": "abort"}]
     for name in (M.TTFT, M.ITL, M.PROMPT_TOKENS, M.GENERATION_TOKENS):
         assert not values(sinks, name), name  # never prefilled: no TTFT, no tokens
+    assert (values(sinks, M.REQUEST_PROMPT_TOKENS), values(sinks, M.REQUEST_GENERATION_TOKENS)) == ([12], [0])
 
 
 def test_counts_by_finish_reason():

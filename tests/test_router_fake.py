@@ -76,11 +76,12 @@ def settled_samples() -> dict[str, list[tuple[dict, float]]]:
 def test_engine_metrics_reach_rays_prometheus_export(http):
     """One request moves each counter and histogram by exactly its own share. Measured against the
     settled export before it, so whatever ran on the server earlier does not count."""
-    from workers.metrics import E2E, ITL, TTFT
+    from workers.metrics import E2E, ITL, REQUEST_GENERATION_TOKENS, REQUEST_PROMPT_TOKENS, TTFT
 
     counted = ("ray_kvserve_request_success_total", "ray_kvserve_prompt_tokens_total",
                "ray_kvserve_generation_tokens_total", f"ray_{TTFT}_count", f"ray_{ITL}_count", f"ray_{E2E}_count")
-    buckets = [(TTFT, 0.01), (TTFT, 10), (ITL, 0.01), (ITL, 10), (E2E, 0.1), (E2E, 10)]
+    buckets = [(TTFT, 0.01), (TTFT, 10), (ITL, 0.01), (ITL, 10), (E2E, 0.1), (E2E, 10), (REQUEST_PROMPT_TOKENS, 2),
+               (REQUEST_PROMPT_TOKENS, 5), (REQUEST_GENERATION_TOKENS, 5), (REQUEST_GENERATION_TOKENS, 10)]
 
     def read(samples: dict) -> dict:
         ours = {"application": "kvserve"}  # not the stale series described below
@@ -99,7 +100,9 @@ def test_engine_metrics_reach_rays_prometheus_export(http):
     delta = {"ray_kvserve_request_success_total": 1.0, "ray_kvserve_prompt_tokens_total": usage["prompt_tokens"],
              "ray_kvserve_generation_tokens_total": usage["completion_tokens"], f"ray_{TTFT}_count": 1.0,
              f"ray_{ITL}_count": usage["completion_tokens"] - 1, f"ray_{E2E}_count": 1.0, "length": 1.0,
-             (TTFT, 0.01): 0.0, (TTFT, 10): 1.0, (ITL, 0.01): 0.0, (ITL, 10): 5.0, (E2E, 0.1): 0.0, (E2E, 10): 1.0}
+             (TTFT, 0.01): 0.0, (TTFT, 10): 1.0, (ITL, 0.01): 0.0, (ITL, 10): 5.0, (E2E, 0.1): 0.0, (E2E, 10): 1.0,
+             (REQUEST_PROMPT_TOKENS, 2): 0.0, (REQUEST_PROMPT_TOKENS, 5): 1.0,  # 5 prompt tokens
+             (REQUEST_GENERATION_TOKENS, 5): 0.0, (REQUEST_GENERATION_TOKENS, 10): 1.0}  # 6 generated
     expected = {k: before[k] + d for k, d in delta.items()}
     deadline, samples = time.monotonic() + 30, {}
     while read(samples) != expected:

@@ -707,3 +707,30 @@ def test_other_clients_are_answered_while_a_large_request_is_prepared(tokenizer,
     (answered, status), _ = run(tokenizer, "x", go, settings={"max_request_body_bytes": 8 << 20})
     assert status in (200, 400)  # the chat's prompt is longer than the model: refused once rendered
     assert answered >= 5, answered  # on the loop: none until it was done
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408_and_frees_its_seat(tokenizer, monkeypatch):
+    """A client that sends its headers and trickles the body held an ingress seat for as long as it
+    liked (~4k of them took every seat, /health's too); the body now has BODY_READ_TIMEOUT_S."""
+    import router.api
+    from tests.scripted_engine import run
+
+    monkeypatch.setattr(router.api, "BODY_READ_TIMEOUT_S", 0.3)
+
+    async def trickle():
+        yield b'{"model": "m", '
+        await asyncio.sleep(5)
+        yield b'"prompt": "x"}'
+
+    async def go(client):
+        http = client._client
+        start = time.monotonic()
+        slow = await http.post("/v1/completions", content=trickle(), headers={"Content-Type": "application/json"})
+        waited = time.monotonic() - start
+        ok = await http.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1})
+        return slow, waited, ok.status_code
+
+    (slow, waited, ok), _ = run(tokenizer, "x", go)
+    assert slow.status_code == 408 and slow.json()["error"]["code"] == "request_timeout", slow.text
+    assert "did not arrive within 0.3 s" in slow.json()["error"]["message"] and waited < 3
+    assert ok == 200

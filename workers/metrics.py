@@ -82,6 +82,8 @@ TTFT = "kvserve_time_to_first_token_seconds"
 ITL = "kvserve_inter_token_latency_seconds"
 E2E = "kvserve_e2e_request_latency_seconds"
 REQUEST_SUCCESS = "kvserve_request_success"
+REQUEST_PROMPT_TOKENS = "kvserve_request_prompt_tokens"
+REQUEST_GENERATION_TOKENS = "kvserve_request_generation_tokens"
 ENGINE_STEPS = "kvserve_engine_steps"
 ENGINE_STEP_SECONDS = "kvserve_engine_step_seconds"
 FINISHED_REASON = "finished_reason"
@@ -110,6 +112,10 @@ METRICS = (
                _buckets(-2, 4, (1, 2, 5))),
     MetricSpec(REQUEST_SUCCESS, "Counter", "Requests that ended, by finished_reason (stop, length, abort, error).",
                tag_keys=(FINISHED_REASON,)),
+    MetricSpec(REQUEST_PROMPT_TOKENS, "Histogram", "Prompt tokens of each request that ended.",
+               _buckets(0, 6, (1, 2, 5))),
+    MetricSpec(REQUEST_GENERATION_TOKENS, "Histogram", "Tokens each request that ended generated, its samples together.",
+               _buckets(0, 6, (1, 2, 5))),
 )
 
 
@@ -208,9 +214,11 @@ class EngineMetrics:
             observe(gap)
         self._inc(GENERATION_TOKENS, num_tokens)
 
-    def request_finished(self, reason: str, e2e_s: float) -> None:
+    def request_finished(self, reason: str, e2e_s: float, num_prompt_tokens: int, num_generated: int) -> None:
         self.sinks[E2E].observe(e2e_s)
         self.sinks[REQUEST_SUCCESS].inc(1, {FINISHED_REASON: reason})
+        self.sinks[REQUEST_PROMPT_TOKENS].observe(num_prompt_tokens)
+        self.sinks[REQUEST_GENERATION_TOKENS].observe(num_generated)
 
     def _inc(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
         if value > 0:  # Ray's Counter rejects 0
@@ -219,7 +227,8 @@ class EngineMetrics:
 
 class RequestTimer:
     """One request's timeline at the replica: arrival, each engine step with tokens, its end."""
-    __slots__ = ("_metrics", "_num_prompt_tokens", "_arrival", "_last", "_gaps", "_tokens", "_flushed", "_done")
+    __slots__ = ("_metrics", "_num_prompt_tokens", "_arrival", "_last", "_gaps", "_tokens", "_generated", "_flushed",
+                 "_done")
 
     def __init__(self, metrics: EngineMetrics, num_prompt_tokens: int, now: float) -> None:
         self._metrics = metrics
@@ -228,6 +237,7 @@ class RequestTimer:
         self._last: float | None = None  # when the latest step with tokens arrived
         self._gaps: list[float] = []  # inter-token gaps not observed yet
         self._tokens = 0  # generated tokens not counted yet
+        self._generated = 0  # all the request's generated tokens
         self._flushed = now
         self._done = False
 
@@ -245,6 +255,7 @@ class RequestTimer:
             self._gaps.extend([(now - self._last) / steps] * steps)
         self._last = now
         self._tokens += n
+        self._generated += n
         if now - self._flushed >= FLUSH_PERIOD_S:
             self._flush(now)
 
@@ -257,7 +268,7 @@ class RequestTimer:
         now = self._metrics.clock()
         self._flush(now)
         if reason is not None:
-            self._metrics.request_finished(reason, now - self._arrival)
+            self._metrics.request_finished(reason, now - self._arrival, self._num_prompt_tokens, self._generated)
 
     def _flush(self, now: float) -> None:
         self._metrics.tokens_generated(self._gaps, self._tokens)
