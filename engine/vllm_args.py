@@ -20,7 +20,7 @@ NO_EFFECT = {
 
 
 # vLLM `LLM(...)` keywords with no CLI flag here, taken at the values that ask nothing (vLLM's
-# defaults); name -> (the values taken; what kvserve lacks). None is always taken (LLM drops it).
+# defaults); name -> (the values taken, None always; what kvserve lacks).
 AT_DEFAULT = {
     "quantization": ((), "weights are served in the checkpoint's dtype; no quantization methods"),
     "task": (("auto", "generate"), "text generation only"),
@@ -32,7 +32,6 @@ AT_DEFAULT = {
     "speculative_config": (({},), "no speculative decoding"),
     "enable_sleep_mode": ((False,), "no sleep mode"),
     "hf_overrides": (({},), "the model's config is read as it is"),
-    "limit_mm_per_prompt": (({},), "text models only"),
     "mm_processor_kwargs": (({},), "text models only"),
     "kv_transfer_config": (({},), "no disaggregated prefill"),
 }
@@ -41,6 +40,7 @@ AT_ANY = {
     "hf_token": "models come from local folders or the local Hugging Face cache: nothing is downloaded",
     "compilation_config": "no torch.compile; CUDA graphs for decode steps unless enforce_eager",
     "async_scheduling": "each step is scheduled after the last one's tokens; the outputs are the same",
+    "limit_mm_per_prompt": "text models: no multi-modal inputs to limit",
 }
 
 
@@ -57,7 +57,7 @@ def without_vllm_only(kwargs: dict) -> dict:
     for name, value in kwargs.items():
         if (why := refused(name, value)) is not None:
             raise ValueError(f"{name}: {why}")
-        if name in AT_DEFAULT and value not in AT_DEFAULT[name][0]:
+        if name in AT_DEFAULT and value is not None and value not in AT_DEFAULT[name][0]:
             raise ValueError(f"{name}={value!r} is not supported: {AT_DEFAULT[name][1]}")
     return {k: v for k, v in kwargs.items() if k not in ONLY_AT and k not in NO_EFFECT and k not in AT_DEFAULT
             and k not in AT_ANY}
