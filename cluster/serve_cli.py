@@ -22,6 +22,7 @@ import time
 
 from cluster.engine_args import add_engine_args, engine_config_from_args, parse_bytes
 from cluster.policy import ROUTERS
+from engine.chat_format import FORMATS as CONTENT_FORMATS
 from router.reasoning import PARSERS as REASONING_PARSERS
 from workers.serve_logging import UVICORN_LOG_LEVELS
 
@@ -91,7 +92,7 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                       help="chat replies' <think>...</think> reasoning goes to message.reasoning (and "
                            "reasoning_content), the rest to content; qwen3: a reply without the tags is all "
                            "content, deepseek_r1: it begins inside its reasoning (default: none)")
-    http.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"],
+    http.add_argument("--chat-template-content-format", choices=list(CONTENT_FORMATS),
                       help="how the chat template gets a message's content: string (its text parts joined "
                            "by newlines), openai (a list of text parts), auto (openai for a template that "
                            "loops over message content, else string) (default: auto)")

@@ -65,7 +65,7 @@ class EngineConfig:
                      f"{f.name} must be True or False, got {value!r}")
                 object.__setattr__(self, f.name, bool(value))
             elif f.type in ("int", "int | None"):
-                need(isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_",
+                need(isinstance(value, numbers.Integral) and not isinstance(value, bool),  # numpy's bools are not Integral
                      f"{f.name} must be an integer, got {value!r}")
                 object.__setattr__(self, f.name, int(value))
         if self.distributed_executor_backend in ("mp", "uni") and self.tensor_parallel_size == 1:
