@@ -34,16 +34,18 @@ logger = logging.getLogger(__name__)
 
 # Wire form of one completion's delta, and of one request's output in a tick.
 #   (index, delta_text, delta_token_ids, delta_logprobs, cumulative_logprob, finish_reason, stop_reason)
-#   (key, finished, num_cached_tokens, prompt_token_ids or None, prompt_logprobs or None, completions)
+#   (key, finished, num_cached_tokens, prompt_token_ids or None, prompt_logprobs or None,
+#    first_scheduled_time or None, completions)
 
 
 def encode(key: int, out: RequestOutput, first: bool) -> tuple:
     """The deltas of `out`; the prompt's ids (only for a text prompt, which the parent could not
-    tokenize) and its logprobs go with a request's `first` output only."""
+    tokenize), its logprobs and when it was first scheduled go with a request's `first` output only."""
     comps = tuple((c.index, c.delta_text, c.delta_token_ids, c.delta_logprobs, c.cumulative_logprob,
                    c.finish_reason, c.stop_reason) for c in out.outputs)
     prompt_ids = out.prompt_token_ids if first and out.prompt is not None else None
-    return key, out.finished, out.num_cached_tokens, prompt_ids, out.prompt_logprobs if first else None, comps
+    return (key, out.finished, out.num_cached_tokens, prompt_ids, out.prompt_logprobs if first else None,
+            out.first_scheduled_time if first else None, comps)
 
 
 class EngineCore:

@@ -66,6 +66,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: PromptLogprobs | None = None  # when params.prompt_logprobs is set (LLM: vLLM's dicts of Logprob)
+    # time.monotonic() on the engine's host when the engine first scheduled the request (vLLM V0's
+    # RequestMetrics.first_scheduled_time): where its queue time ends and its prefill starts
+    first_scheduled_time: float | None = None
     # vLLM's, always None here (no per-request stats object, no LoRA), so that code reading them runs
     metrics: None = None
     lora_request: None = None

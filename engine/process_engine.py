@@ -53,12 +53,15 @@ class _Stream:
         self.finished = False
         self.num_cached_tokens = 0
         self.prompt_logprobs = None
+        self.first_scheduled_time = None
         self.end = None  # an exception to raise, or _ABORTED
         self.has_data = False  # outputs since the last take()
         self.ready = asyncio.Event()
 
     def add(self, wire: tuple) -> None:
-        _, self.finished, self.num_cached_tokens, prompt_ids, prompt_logprobs, comps = wire
+        _, self.finished, self.num_cached_tokens, prompt_ids, prompt_logprobs, scheduled, comps = wire
+        if scheduled is not None:  # the core's time.monotonic(): the same clock on the same host
+            self.first_scheduled_time = scheduled
         if prompt_ids is not None:
             self.prompt_token_ids = prompt_ids
         if prompt_logprobs is not None:
@@ -98,7 +101,7 @@ class _Stream:
             outs.append(c.snapshot())
             c.delta_text, c.delta_token_ids, c.delta_logprobs = "", [], None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             self.num_cached_tokens, self.prompt_logprobs)
+                             self.num_cached_tokens, self.prompt_logprobs, self.first_scheduled_time)
 
 
 class ProcessEngine:

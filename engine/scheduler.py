@@ -13,6 +13,7 @@ Pure Python: the cluster simulator runs this same code.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -166,6 +167,7 @@ class Scheduler:
             self.waiting.popleft()
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
+                seq.first_scheduled = time.monotonic()  # its queue time ends (vLLM's scheduled_ts)
             self.stats.prefix_query_tokens += seq.num_tokens
             self.stats.prefix_hit_tokens += num_cached
             seq.num_computed_tokens = num_cached

@@ -43,6 +43,7 @@ class Sequence:
         self.num_preemptions = 0
         self.pending_forks = params.n - 1 if index == 0 else 0
         self.num_prompt_logprobs = 0  # prompt positions [0, k) whose logits gave token k's logprob
+        self.first_scheduled: float | None = None  # time.monotonic() when the scheduler first admitted it
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -93,6 +94,7 @@ class Sequence:
         child.num_cached_tokens = self.num_cached_tokens
         child.block_hashes = list(self.block_hashes)
         child.num_prompt_logprobs = self.num_prompt_logprobs
+        child.first_scheduled = self.first_scheduled
         child.status = self.status
         return child
 

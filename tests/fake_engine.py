@@ -52,6 +52,7 @@ class FakeEngine:
         ids = list(prompt)
         max_tokens = self._validate(ids, params)
         self._blocks[request_id] = -(-(len(ids) + max_tokens) // self.block_size) * params.n
+        scheduled = time.monotonic()  # no queue: scheduled at once
         try:
             for step in range(max_tokens):
                 await asyncio.sleep(self.token_delay_s)
@@ -59,18 +60,19 @@ class FakeEngine:
                     return
                 if FAIL_TOKEN_ID in ids and step == (0 if ids[0] == FAIL_TOKEN_ID else 2):
                     raise RuntimeError(f"fake engine failure: {SECRET}")
-                yield self._output(request_id, ids, params, step, last=step == max_tokens - 1)
+                yield self._output(request_id, ids, params, step, last=step == max_tokens - 1, scheduled=scheduled)
         finally:
             self._blocks.pop(request_id, None)
             self._aborted.discard(request_id)
 
-    def _output(self, request_id: str, ids: list[int], params: SamplingParams, step: int, last: bool) -> RequestOutput:
+    def _output(self, request_id: str, ids: list[int], params: SamplingParams, step: int, last: bool,
+                scheduled: float) -> RequestOutput:
         tok = ids[step % len(ids)]
         outs = [CompletionOutput(index=i, text="", token_ids=[], delta_text=f"{tok} ", delta_token_ids=[tok],
                                  delta_logprobs=[{tok: -0.5}] if params.logprobs is not None else None,
                                  finish_reason="length" if last else None)
                 for i in range(params.n)]
-        return RequestOutput(request_id, None, ids, outs, finished=last)
+        return RequestOutput(request_id, None, ids, outs, finished=last, first_scheduled_time=scheduled)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._blocks:

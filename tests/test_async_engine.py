@@ -71,6 +71,36 @@ def test_stats_count_the_steps_and_their_time_by_kind(tiny_dir, prompts):
     assert again.generation_tokens - s.generation_tokens == 4 * 20 + 3 * 5
 
 
+def test_outputs_say_when_their_request_was_first_scheduled(tiny_dir, prompts):
+    """One seat: the second request waits for the first to end; a preempted one keeps its first time."""
+    engine = LLM(model=tiny_dir, num_gpu_blocks_override=64, max_num_seqs=1).engine
+    start = time.monotonic()
+    engine.add_request("a", prompts[0], GREEDY)
+    engine.add_request("b", prompts[1], GREEDY)
+    seen: dict[str, list[tuple[float, float, bool]]] = {}
+    while engine.has_unfinished():
+        outs = engine.step()
+        after = time.monotonic()
+        for out in outs:
+            seen.setdefault(out.request_id, []).append((out.first_scheduled_time, after, out.finished))
+    for rid in "ab":
+        assert len({t for t, _, _ in seen[rid]}) == 1, rid  # the same instant in every output
+    (a, a_first, _), (a_end, b_start) = seen["a"][0], (seen["a"][-1][1], seen["b"][0][0])
+    assert start <= a <= a_first and seen["a"][-1][2]
+    assert a_end <= b_start <= seen["b"][0][1]  # scheduled after a's last step, before its first output
+    # preempted and recomputed: still the time of its first admission
+    engine = LLM(model=tiny_dir, num_gpu_blocks_override=4, block_size=8).engine
+    engine.add_request("c", prompts[0], GREEDY)
+    first = engine.step()[0].first_scheduled_time
+    seq = engine.requests["c"].seqs[0]
+    engine.scheduler.running.remove(seq)
+    engine.scheduler._preempt(seq)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert seq.num_preemptions == 1 and {o.first_scheduled_time for o in outs} == {first}
+
+
 def _wait_free(engine: AsyncEngine, timeout: float = 2.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

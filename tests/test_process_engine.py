@@ -71,11 +71,15 @@ def test_greedy_streams_match_offline_and_free_their_blocks(engine, tiny_dir):
     ref = [o.outputs[0].token_ids for o in LLM(model=tiny_dir, num_gpu_blocks_override=96).generate(PROMPTS, GREEDY)]
 
     async def main():
+        start = time.monotonic()
         results = await asyncio.gather(*(_collect(engine, f"g{i}", p) for i, p in enumerate(PROMPTS)))
-        return results, await _wait_free(engine)
+        return start, time.monotonic(), results, await _wait_free(engine)
 
-    results, freed = asyncio.run(main())
+    start, end, results, freed = asyncio.run(main())
     assert freed
+    for outs in results:  # the core's clock is this process's (time.monotonic, one host)
+        (scheduled,) = {o.first_scheduled_time for o in outs}
+        assert start <= scheduled <= end
     for outs, r, prompt in zip(results, ref, PROMPTS):
         last = outs[-1]
         assert [t for o in outs for t in o.outputs[0].delta_token_ids] == r == last.outputs[0].token_ids

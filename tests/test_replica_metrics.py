@@ -79,6 +79,33 @@ def test_request_timeline_gives_ttft_itl_e2e_and_token_counts():
     assert not values(sinks, M.RUNNING) and not values(sinks, M.PREEMPTIONS)  # no stats were recorded
 
 
+def test_request_phases_queue_prefill_decode_inference():
+    """vLLM's phase histograms, from the engine's first-scheduled time: at the end, whatever the end."""
+    clock = Clock(10.0)
+    m, sinks = recorder(clock)
+    timer = m.start_request(num_prompt_tokens=7)
+    timer.scheduled(10.25)
+    timer.scheduled(10.4)  # only the first counts
+    for t in (10.5, 10.6, 10.9):
+        clock.t = t
+        timer.tokens(1)
+    clock.t = 11.0
+    timer.finish("abort")
+    assert values(sinks, M.QUEUE_TIME) == pytest.approx([0.25])
+    assert values(sinks, M.PREFILL_TIME) == pytest.approx([0.25])
+    assert values(sinks, M.DECODE_TIME) == pytest.approx([0.5])
+    assert values(sinks, M.INFERENCE_TIME) == pytest.approx([0.75])
+    # never scheduled (aborted in the queue): no phase; scheduled, no token yet: queue and inference
+    m, sinks = recorder(clock)
+    m.start_request(3).finish("abort")
+    timer = m.start_request(3)
+    timer.scheduled(10.5)  # an engine instant past the replica's end (another clock read): clamped
+    timer.finish("abort")
+    assert values(sinks, M.QUEUE_TIME) == pytest.approx([0.0]) and values(sinks, M.INFERENCE_TIME) == pytest.approx([0.0])
+    assert not values(sinks, M.PREFILL_TIME) and not values(sinks, M.DECODE_TIME)
+    assert len(values(sinks, M.E2E)) == 2
+
+
 def test_output_of_several_steps_shares_its_gap_out_over_them():
     clock = Clock(0.0)
     m, sinks = recorder(clock)
@@ -285,6 +312,13 @@ def test_engine_server_records_a_whole_request():
     assert sum(values(sinks, M.GENERATION_TOKENS)) == 8  # 4 steps x 2 samples
     assert values(sinks, M.E2E)[0] >= values(sinks, M.TTFT)[0] + sum(values(sinks, M.ITL)) - 1e-9
     assert sinks[M.REQUEST_SUCCESS].tags == [{"finished_reason": "length"}]
+    # the engine's first-scheduled time splits the timeline: TTFT = queue + prefill, e2e = TTFT + decode
+    (queue,), (prefill,), (decode,), (inference,) = (values(sinks, k) for k in (M.QUEUE_TIME, M.PREFILL_TIME,
+                                                                                 M.DECODE_TIME, M.INFERENCE_TIME))
+    assert queue >= 0 and prefill > 0 and decode > 0
+    assert queue + prefill == pytest.approx(values(sinks, M.TTFT)[0])
+    assert values(sinks, M.TTFT)[0] + decode == pytest.approx(values(sinks, M.E2E)[0])
+    assert inference == pytest.approx(prefill + decode)
 
 
 def test_engine_server_counts_a_caller_that_left_as_abort_and_frees_the_request():

@@ -20,6 +20,10 @@ carries `model_name` and, from Serve, `deployment`, `replica` and `application`.
     kvserve_time_to_first_token_seconds    histogram    "   arrival at the replica -> first token
     kvserve_inter_token_latency_seconds    histogram    "   gap before each later engine step
     kvserve_e2e_request_latency_seconds    histogram    "   arrival -> end, whatever the end
+    kvserve_request_queue_time_seconds     histogram    "   arrival -> first scheduled by the engine
+    kvserve_request_prefill_time_seconds   histogram    "   first scheduled -> first token
+    kvserve_request_decode_time_seconds    histogram    "   first token -> end
+    kvserve_request_inference_time_seconds histogram    "   first scheduled -> end
     kvserve_request_success                counter      "   by finished_reason: stop|length|abort|error
 
 A request's `RequestTimer` lives in its own generator frame, so nothing outlives the request.
@@ -84,12 +88,18 @@ E2E = "kvserve_e2e_request_latency_seconds"
 REQUEST_SUCCESS = "kvserve_request_success"
 REQUEST_PROMPT_TOKENS = "kvserve_request_prompt_tokens"
 REQUEST_GENERATION_TOKENS = "kvserve_request_generation_tokens"
+QUEUE_TIME = "kvserve_request_queue_time_seconds"
+PREFILL_TIME = "kvserve_request_prefill_time_seconds"
+DECODE_TIME = "kvserve_request_decode_time_seconds"
+INFERENCE_TIME = "kvserve_request_inference_time_seconds"
 ENGINE_STEPS = "kvserve_engine_steps"
 ENGINE_STEP_SECONDS = "kvserve_engine_step_seconds"
 FINISHED_REASON = "finished_reason"
 STEP_KIND = "kind"
 STEP_KINDS = ("prefill", "decode")
 MODEL_NAME = "model_name"
+
+PHASE_BUCKETS = _buckets(-3, 4, (1, 2, 5))  # 1 ms .. 10,000 s: a GPU's queue and prefill times are milliseconds
 
 METRICS = (
     MetricSpec(RUNNING, "Gauge", "Requests in the engine's running batch."),
@@ -116,6 +126,13 @@ METRICS = (
                _buckets(0, 6, (1, 2, 5))),
     MetricSpec(REQUEST_GENERATION_TOKENS, "Histogram", "Tokens each request that ended generated, its samples together.",
                _buckets(0, 6, (1, 2, 5))),
+    MetricSpec(QUEUE_TIME, "Histogram", "Seconds from a request's arrival at the replica until the engine first "
+               "scheduled it.", PHASE_BUCKETS),
+    MetricSpec(PREFILL_TIME, "Histogram", "Seconds from the engine first scheduling a request to its first token.",
+               PHASE_BUCKETS),
+    MetricSpec(DECODE_TIME, "Histogram", "Seconds from a request's first token to its end.", PHASE_BUCKETS),
+    MetricSpec(INFERENCE_TIME, "Histogram", "Seconds from the engine first scheduling a request to its end.",
+               PHASE_BUCKETS),
 )
 
 
@@ -214,11 +231,25 @@ class EngineMetrics:
             observe(gap)
         self._inc(GENERATION_TOKENS, num_tokens)
 
-    def request_finished(self, reason: str, e2e_s: float, num_prompt_tokens: int, num_generated: int) -> None:
-        self.sinks[E2E].observe(e2e_s)
+    def request_finished(self, reason: str, num_prompt_tokens: int, num_generated: int, arrival: float,
+                         scheduled: float | None, first_token: float | None, end: float) -> None:
+        """One ended request's timeline (`scheduled`, `first_token`: None if it never got there).
+        As vLLM's, the phases are recorded whatever the end: a request aborted while it decoded
+        has a queue, prefill, decode and inference time."""
+        self.sinks[E2E].observe(end - arrival)
         self.sinks[REQUEST_SUCCESS].inc(1, {FINISHED_REASON: reason})
         self.sinks[REQUEST_PROMPT_TOKENS].observe(num_prompt_tokens)
         self.sinks[REQUEST_GENERATION_TOKENS].observe(num_generated)
+        if scheduled is not None:
+            # the engine's clock and this one are the host's monotonic clock; the hop between
+            # them can put the engine's instant a hair outside the replica's interval
+            scheduled = min(max(scheduled, arrival), first_token if first_token is not None else end)
+            self.sinks[QUEUE_TIME].observe(scheduled - arrival)
+            self.sinks[INFERENCE_TIME].observe(end - scheduled)
+            if first_token is not None:
+                self.sinks[PREFILL_TIME].observe(first_token - scheduled)
+        if first_token is not None:
+            self.sinks[DECODE_TIME].observe(end - first_token)
 
     def _inc(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
         if value > 0:  # Ray's Counter rejects 0
@@ -227,13 +258,15 @@ class EngineMetrics:
 
 class RequestTimer:
     """One request's timeline at the replica: arrival, each engine step with tokens, its end."""
-    __slots__ = ("_metrics", "_num_prompt_tokens", "_arrival", "_last", "_gaps", "_tokens", "_generated", "_flushed",
-                 "_done")
+    __slots__ = ("_metrics", "_num_prompt_tokens", "_arrival", "_scheduled", "_first", "_last", "_gaps", "_tokens",
+                 "_generated", "_flushed", "_done")
 
     def __init__(self, metrics: EngineMetrics, num_prompt_tokens: int, now: float) -> None:
         self._metrics = metrics
         self._num_prompt_tokens = num_prompt_tokens
         self._arrival = now
+        self._scheduled: float | None = None  # when the engine first scheduled it (its clock: time.monotonic)
+        self._first: float | None = None  # when its first token arrived
         self._last: float | None = None  # when the latest step with tokens arrived
         self._gaps: list[float] = []  # inter-token gaps not observed yet
         self._tokens = 0  # generated tokens not counted yet
@@ -249,6 +282,7 @@ class RequestTimer:
             return
         now = self._metrics.clock()
         if self._last is None:
+            self._first = now
             self._metrics.first_token(now - self._arrival, self._num_prompt_tokens)
         else:
             steps = max(steps, 1)
@@ -259,6 +293,12 @@ class RequestTimer:
         if now - self._flushed >= FLUSH_PERIOD_S:
             self._flush(now)
 
+    def scheduled(self, at: float | None) -> None:
+        """When the engine first scheduled the request (RequestOutput.first_scheduled_time, on the
+        metrics' clock), or None from an engine that does not say."""
+        if at is not None and self._scheduled is None:
+            self._scheduled = at
+
     def finish(self, reason: str | None) -> None:
         """The request ended: stop | length | abort | error, or None: refused before it ran (not
         counted). Later calls do nothing."""
@@ -268,7 +308,8 @@ class RequestTimer:
         now = self._metrics.clock()
         self._flush(now)
         if reason is not None:
-            self._metrics.request_finished(reason, now - self._arrival, self._num_prompt_tokens, self._generated)
+            self._metrics.request_finished(reason, self._num_prompt_tokens, self._generated, self._arrival,
+                                           self._scheduled, self._first, now)
 
     def _flush(self, now: float) -> None:
         self._metrics.tokens_generated(self._gaps, self._tokens)

@@ -107,6 +107,8 @@ class EngineServer:
                 first = True  # the prompt logprobs go with the first output only
                 async for out in stream:
                     step = StepOutput.from_request_output(out, finished_samples, first)
+                    if first:
+                        timer.scheduled(out.first_scheduled_time)
                     first = False
                     timer.tokens(sum(len(c.token_ids) for c in step.choices),
                                  steps=max((len(c.token_ids) for c in step.choices), default=0))
