@@ -83,27 +83,38 @@ def test_request_phases_queue_prefill_decode_inference():
     """vLLM's phase histograms, from the engine's first-scheduled time: at the end, whatever the end."""
     clock = Clock(10.0)
     m, sinks = recorder(clock)
-    timer = m.start_request(num_prompt_tokens=7)
+    timer = m.start_request(num_prompt_tokens=7, n=2, max_tokens=30)
     timer.scheduled(10.25)
     timer.scheduled(10.4)  # only the first counts
-    for t in (10.5, 10.6, 10.9):
+    for t, n, steps in ((10.5, 2, 1), (10.6, 2, 1), (10.9, 4, 2)):  # n=2 samples; the last output two steps
         clock.t = t
-        timer.tokens(1)
+        timer.tokens(n, steps)
     clock.t = 11.0
-    timer.finish("abort")
+    timer.finish("abort")  # the caller left 0.1 s after the last token
     assert values(sinks, M.QUEUE_TIME) == pytest.approx([0.25])
     assert values(sinks, M.PREFILL_TIME) == pytest.approx([0.25])
-    assert values(sinks, M.DECODE_TIME) == pytest.approx([0.5])
-    assert values(sinks, M.INFERENCE_TIME) == pytest.approx([0.75])
-    # never scheduled (aborted in the queue): no phase; scheduled, no token yet: queue and inference
+    assert values(sinks, M.DECODE_TIME) == pytest.approx([0.4])  # first token -> last token
+    assert values(sinks, M.INFERENCE_TIME) == pytest.approx([0.65])
+    assert values(sinks, M.REQUEST_TPOT) == pytest.approx([0.4 / 3])  # three steps after the first
+    assert values(sinks, M.E2E) == pytest.approx([1.0])
+    assert (values(sinks, M.PARAMS_N), values(sinks, M.PARAMS_MAX_TOKENS)) == ([2], [30])
+    # never scheduled (aborted in the queue): no phase; scheduled, no token yet: its queue only;
+    # one token: no step after it, a TPOT of 0 (vLLM's)
     m, sinks = recorder(clock)
     m.start_request(3).finish("abort")
     timer = m.start_request(3)
     timer.scheduled(10.5)  # an engine instant past the replica's end (another clock read): clamped
     timer.finish("abort")
-    assert values(sinks, M.QUEUE_TIME) == pytest.approx([0.0]) and values(sinks, M.INFERENCE_TIME) == pytest.approx([0.0])
-    assert not values(sinks, M.PREFILL_TIME) and not values(sinks, M.DECODE_TIME)
-    assert len(values(sinks, M.E2E)) == 2
+    assert values(sinks, M.QUEUE_TIME) == pytest.approx([0.0])
+    for name in (M.PREFILL_TIME, M.DECODE_TIME, M.INFERENCE_TIME, M.REQUEST_TPOT, M.PARAMS_MAX_TOKENS):
+        assert not values(sinks, name), name
+    timer = m.start_request(3)
+    timer.scheduled(clock.t)
+    clock.t += 0.5
+    timer.tokens(1)
+    timer.finish("stop")
+    assert values(sinks, M.REQUEST_TPOT) == [0.0] and values(sinks, M.DECODE_TIME) == [0.0]
+    assert len(values(sinks, M.E2E)) == 3 and values(sinks, M.PARAMS_N) == [1, 1, 1]
 
 
 def test_output_of_several_steps_shares_its_gap_out_over_them():
@@ -312,21 +323,25 @@ def test_engine_server_records_a_whole_request():
     assert sum(values(sinks, M.GENERATION_TOKENS)) == 8  # 4 steps x 2 samples
     assert values(sinks, M.E2E)[0] >= values(sinks, M.TTFT)[0] + sum(values(sinks, M.ITL)) - 1e-9
     assert sinks[M.REQUEST_SUCCESS].tags == [{"finished_reason": "length"}]
-    # the engine's first-scheduled time splits the timeline: TTFT = queue + prefill, e2e = TTFT + decode
+    # the engine's first-scheduled time splits the timeline: TTFT = queue + prefill, then decode to
+    # the last token, which the end follows
     (queue,), (prefill,), (decode,), (inference,) = (values(sinks, k) for k in (M.QUEUE_TIME, M.PREFILL_TIME,
                                                                                  M.DECODE_TIME, M.INFERENCE_TIME))
     assert queue >= 0 and prefill > 0 and decode > 0
     assert queue + prefill == pytest.approx(values(sinks, M.TTFT)[0])
-    assert values(sinks, M.TTFT)[0] + decode == pytest.approx(values(sinks, M.E2E)[0])
+    assert values(sinks, M.TTFT)[0] + decode <= values(sinks, M.E2E)[0]
     assert inference == pytest.approx(prefill + decode)
+    assert values(sinks, M.REQUEST_TPOT) == pytest.approx([decode / 3])  # 4 tokens per sample
+    assert (values(sinks, M.PARAMS_N), values(sinks, M.PARAMS_MAX_TOKENS)) == ([2], [4])
 
 
 def test_engine_server_counts_a_caller_that_left_as_abort_and_frees_the_request():
     sinks = {spec.name: Sink() for spec in M.METRICS}
     server = engine_server(sinks)
-    steps = asyncio.run(drain(server, [5, 6, 7], stop_after=2, max_tokens=20))
+    steps = asyncio.run(drain(server, [5, 6, 7], stop_after=2, max_tokens=None))  # None: the model's room
     assert len(steps) == 2 and not steps[-1].finished
     assert sinks[M.REQUEST_SUCCESS].tags == [{"finished_reason": "abort"}]
+    assert values(sinks, M.PARAMS_MAX_TOKENS) == [64 - 3]
     assert values(sinks, M.GENERATION_TOKENS) == [2] and len(values(sinks, M.E2E)) == 1
     assert server.engine.stats().num_running == 0  # the engine's stream was closed too
 

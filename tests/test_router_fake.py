@@ -76,8 +76,8 @@ def settled_samples() -> dict[str, list[tuple[dict, float]]]:
 def test_engine_metrics_reach_rays_prometheus_export(http):
     """One request moves each counter and histogram by exactly its own share. Measured against the
     settled export before it, so whatever ran on the server earlier does not count."""
-    from workers.metrics import (DECODE_TIME, E2E, INFERENCE_TIME, ITL, PREFILL_TIME, QUEUE_TIME,
-                                 REQUEST_GENERATION_TOKENS, REQUEST_PROMPT_TOKENS, TTFT)
+    from workers.metrics import (DECODE_TIME, E2E, INFERENCE_TIME, ITL, PARAMS_MAX_TOKENS, PARAMS_N, PREFILL_TIME,
+                                 QUEUE_TIME, REQUEST_GENERATION_TOKENS, REQUEST_PROMPT_TOKENS, REQUEST_TPOT, TTFT)
 
     counted = ("ray_kvserve_request_success_total", "ray_kvserve_prompt_tokens_total",
                "ray_kvserve_generation_tokens_total", f"ray_{TTFT}_count", f"ray_{ITL}_count", f"ray_{E2E}_count",
@@ -85,7 +85,8 @@ def test_engine_metrics_reach_rays_prometheus_export(http):
     buckets = [(TTFT, 0.01), (TTFT, 10), (ITL, 0.01), (ITL, 10), (E2E, 0.1), (E2E, 10), (REQUEST_PROMPT_TOKENS, 2),
                (REQUEST_PROMPT_TOKENS, 5), (REQUEST_GENERATION_TOKENS, 5), (REQUEST_GENERATION_TOKENS, 10),
                (QUEUE_TIME, 10), (PREFILL_TIME, 0.01), (PREFILL_TIME, 10), (DECODE_TIME, 0.05), (DECODE_TIME, 10),
-               (INFERENCE_TIME, 0.1), (INFERENCE_TIME, 10)]
+               (INFERENCE_TIME, 0.1), (INFERENCE_TIME, 10), (REQUEST_TPOT, 0.01), (REQUEST_TPOT, 10), (PARAMS_N, 1),
+               (PARAMS_MAX_TOKENS, 5), (PARAMS_MAX_TOKENS, 10)]
 
     def read(samples: dict) -> dict:
         ours = {"application": "kvserve"}  # not the stale series described below
@@ -110,7 +111,9 @@ def test_engine_metrics_reach_rays_prometheus_export(http):
              **{(f"ray_{p}_count"): 1.0 for p in (QUEUE_TIME, PREFILL_TIME, DECODE_TIME, INFERENCE_TIME)},
              # scheduled at once; 20 ms to the first token, 100 to the last, 120 in the engine
              (QUEUE_TIME, 10): 1.0, (PREFILL_TIME, 0.01): 0.0, (PREFILL_TIME, 10): 1.0, (DECODE_TIME, 0.05): 0.0,
-             (DECODE_TIME, 10): 1.0, (INFERENCE_TIME, 0.1): 0.0, (INFERENCE_TIME, 10): 1.0}
+             (DECODE_TIME, 10): 1.0, (INFERENCE_TIME, 0.1): 0.0, (INFERENCE_TIME, 10): 1.0,
+             (REQUEST_TPOT, 0.01): 0.0, (REQUEST_TPOT, 10): 1.0, (PARAMS_N, 1): 1.0,  # 20 ms a token; n=1
+             (PARAMS_MAX_TOKENS, 5): 0.0, (PARAMS_MAX_TOKENS, 10): 1.0}  # max_tokens 6
     expected = {k: before[k] + d for k, d in delta.items()}
     deadline, samples = time.monotonic() + 30, {}
     while read(samples) != expected:

@@ -22,8 +22,11 @@ carries `model_name` and, from Serve, `deployment`, `replica` and `application`.
     kvserve_e2e_request_latency_seconds    histogram    "   arrival -> end, whatever the end
     kvserve_request_queue_time_seconds     histogram    "   arrival -> first scheduled by the engine
     kvserve_request_prefill_time_seconds   histogram    "   first scheduled -> first token
-    kvserve_request_decode_time_seconds    histogram    "   first token -> end
-    kvserve_request_inference_time_seconds histogram    "   first scheduled -> end
+    kvserve_request_decode_time_seconds    histogram    "   first token -> last token
+    kvserve_request_inference_time_seconds histogram    "   first scheduled -> last token
+    kvserve_request_time_per_output_token_seconds  "    "   its decode time / its steps after the first
+    kvserve_request_params_n               histogram    "   the request's n
+    kvserve_request_params_max_tokens      histogram    "   its max_tokens (resolved: the model's room if unset)
     kvserve_request_success                counter      "   by finished_reason: stop|length|abort|error
 
 A request's `RequestTimer` lives in its own generator frame, so nothing outlives the request.
@@ -92,6 +95,9 @@ QUEUE_TIME = "kvserve_request_queue_time_seconds"
 PREFILL_TIME = "kvserve_request_prefill_time_seconds"
 DECODE_TIME = "kvserve_request_decode_time_seconds"
 INFERENCE_TIME = "kvserve_request_inference_time_seconds"
+REQUEST_TPOT = "kvserve_request_time_per_output_token_seconds"
+PARAMS_N = "kvserve_request_params_n"
+PARAMS_MAX_TOKENS = "kvserve_request_params_max_tokens"
 ENGINE_STEPS = "kvserve_engine_steps"
 ENGINE_STEP_SECONDS = "kvserve_engine_step_seconds"
 FINISHED_REASON = "finished_reason"
@@ -130,9 +136,14 @@ METRICS = (
                "scheduled it.", PHASE_BUCKETS),
     MetricSpec(PREFILL_TIME, "Histogram", "Seconds from the engine first scheduling a request to its first token.",
                PHASE_BUCKETS),
-    MetricSpec(DECODE_TIME, "Histogram", "Seconds from a request's first token to its end.", PHASE_BUCKETS),
-    MetricSpec(INFERENCE_TIME, "Histogram", "Seconds from the engine first scheduling a request to its end.",
+    MetricSpec(DECODE_TIME, "Histogram", "Seconds from a request's first token to its last.", PHASE_BUCKETS),
+    MetricSpec(INFERENCE_TIME, "Histogram", "Seconds from the engine first scheduling a request to its last token.",
                PHASE_BUCKETS),
+    MetricSpec(REQUEST_TPOT, "Histogram", "Each request's mean seconds per output token after its first (0 for one token).",
+               _buckets(-3, 1, (1, 1.5, 2, 3, 5, 7.5)) + (20.0, 50.0)),
+    MetricSpec(PARAMS_N, "Histogram", "The n of each request that ended.", (1.0, 2.0, 5.0, 10.0, 20.0)),
+    MetricSpec(PARAMS_MAX_TOKENS, "Histogram", "The max_tokens of each request that ended (unset: what the model had room for).",
+               _buckets(0, 6, (1, 2, 5))),
 )
 
 
@@ -178,8 +189,9 @@ class EngineMetrics:
         self.stat_logger = stat_logger
         self._totals: dict[tuple[str, str | None], float] = {}  # (counter, step kind) -> engine total seen so far
 
-    def start_request(self, num_prompt_tokens: int) -> RequestTimer:
-        return RequestTimer(self, num_prompt_tokens, self.clock())
+    def start_request(self, num_prompt_tokens: int, n: int = 1, max_tokens: int | None = None) -> RequestTimer:
+        """`n`, `max_tokens`: the request's parameters, for their histograms (max_tokens None: not recorded)."""
+        return RequestTimer(self, num_prompt_tokens, self.clock(), n, max_tokens)
 
     def record_stats(self, stats: EngineStats) -> None:
         """Gauges from one snapshot; the engine's cumulative counters become increments."""
@@ -231,25 +243,29 @@ class EngineMetrics:
             observe(gap)
         self._inc(GENERATION_TOKENS, num_tokens)
 
-    def request_finished(self, reason: str, num_prompt_tokens: int, num_generated: int, arrival: float,
-                         scheduled: float | None, first_token: float | None, end: float) -> None:
-        """One ended request's timeline (`scheduled`, `first_token`: None if it never got there).
-        As vLLM's, the phases are recorded whatever the end: a request aborted while it decoded
-        has a queue, prefill, decode and inference time."""
-        self.sinks[E2E].observe(end - arrival)
+    def request_finished(self, t: RequestTimer, reason: str, end: float) -> None:
+        """One ended request's timeline, split as vLLM splits it: queue (arrival -> first scheduled),
+        prefill (-> first token), decode (-> last token), inference (first scheduled -> last token).
+        Recorded whatever the end; a phase the request never reached is not."""
+        self.sinks[E2E].observe(end - t.arrival)
         self.sinks[REQUEST_SUCCESS].inc(1, {FINISHED_REASON: reason})
-        self.sinks[REQUEST_PROMPT_TOKENS].observe(num_prompt_tokens)
-        self.sinks[REQUEST_GENERATION_TOKENS].observe(num_generated)
-        if scheduled is not None:
+        self.sinks[REQUEST_PROMPT_TOKENS].observe(t.num_prompt_tokens)
+        self.sinks[REQUEST_GENERATION_TOKENS].observe(t.generated)
+        self.sinks[PARAMS_N].observe(t.n)
+        if t.max_tokens is not None:
+            self.sinks[PARAMS_MAX_TOKENS].observe(t.max_tokens)
+        first, last = t.first, t.last
+        if t.scheduled_at is not None:
             # the engine's clock and this one are the host's monotonic clock; the hop between
             # them can put the engine's instant a hair outside the replica's interval
-            scheduled = min(max(scheduled, arrival), first_token if first_token is not None else end)
-            self.sinks[QUEUE_TIME].observe(scheduled - arrival)
-            self.sinks[INFERENCE_TIME].observe(end - scheduled)
-            if first_token is not None:
-                self.sinks[PREFILL_TIME].observe(first_token - scheduled)
-        if first_token is not None:
-            self.sinks[DECODE_TIME].observe(end - first_token)
+            scheduled = min(max(t.scheduled_at, t.arrival), first if first is not None else end)
+            self.sinks[QUEUE_TIME].observe(scheduled - t.arrival)
+            if first is not None:
+                self.sinks[PREFILL_TIME].observe(first - scheduled)
+                self.sinks[INFERENCE_TIME].observe(last - scheduled)
+        if first is not None:
+            self.sinks[DECODE_TIME].observe(last - first)
+            self.sinks[REQUEST_TPOT].observe((last - first) / t.num_gaps if t.num_gaps else 0.0)
 
     def _inc(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
         if value > 0:  # Ray's Counter rejects 0
@@ -257,20 +273,23 @@ class EngineMetrics:
 
 
 class RequestTimer:
-    """One request's timeline at the replica: arrival, each engine step with tokens, its end."""
-    __slots__ = ("_metrics", "_num_prompt_tokens", "_arrival", "_scheduled", "_first", "_last", "_gaps", "_tokens",
-                 "_generated", "_flushed", "_done")
+    """One request's timeline at the replica: arrival, when the engine first scheduled it, each
+    engine step with tokens, its end. EngineMetrics.request_finished reads the public fields."""
+    __slots__ = ("_metrics", "num_prompt_tokens", "n", "max_tokens", "arrival", "scheduled_at", "first", "last",
+                 "num_gaps", "generated", "_gaps", "_tokens", "_flushed", "_done")
 
-    def __init__(self, metrics: EngineMetrics, num_prompt_tokens: int, now: float) -> None:
+    def __init__(self, metrics: EngineMetrics, num_prompt_tokens: int, now: float, n: int = 1,
+                 max_tokens: int | None = None) -> None:
         self._metrics = metrics
-        self._num_prompt_tokens = num_prompt_tokens
-        self._arrival = now
-        self._scheduled: float | None = None  # when the engine first scheduled it (its clock: time.monotonic)
-        self._first: float | None = None  # when its first token arrived
-        self._last: float | None = None  # when the latest step with tokens arrived
+        self.num_prompt_tokens, self.n, self.max_tokens = num_prompt_tokens, n, max_tokens
+        self.arrival = now
+        self.scheduled_at: float | None = None  # when the engine first scheduled it (its clock: time.monotonic)
+        self.first: float | None = None  # when its first token arrived
+        self.last: float | None = None  # when the latest step with tokens arrived
+        self.num_gaps = 0  # engine steps with tokens after the first
+        self.generated = 0  # all the request's generated tokens
         self._gaps: list[float] = []  # inter-token gaps not observed yet
         self._tokens = 0  # generated tokens not counted yet
-        self._generated = 0  # all the request's generated tokens
         self._flushed = now
         self._done = False
 
@@ -281,23 +300,24 @@ class RequestTimer:
         if not n:
             return
         now = self._metrics.clock()
-        if self._last is None:
-            self._first = now
-            self._metrics.first_token(now - self._arrival, self._num_prompt_tokens)
+        if self.last is None:
+            self.first = now
+            self._metrics.first_token(now - self.arrival, self.num_prompt_tokens)
         else:
             steps = max(steps, 1)
-            self._gaps.extend([(now - self._last) / steps] * steps)
-        self._last = now
+            self._gaps.extend([(now - self.last) / steps] * steps)
+            self.num_gaps += steps
+        self.last = now
         self._tokens += n
-        self._generated += n
+        self.generated += n
         if now - self._flushed >= FLUSH_PERIOD_S:
             self._flush(now)
 
     def scheduled(self, at: float | None) -> None:
         """When the engine first scheduled the request (RequestOutput.first_scheduled_time, on the
         metrics' clock), or None from an engine that does not say."""
-        if at is not None and self._scheduled is None:
-            self._scheduled = at
+        if at is not None and self.scheduled_at is None:
+            self.scheduled_at = at
 
     def finish(self, reason: str | None) -> None:
         """The request ended: stop | length | abort | error, or None: refused before it ran (not
@@ -308,8 +328,7 @@ class RequestTimer:
         now = self._metrics.clock()
         self._flush(now)
         if reason is not None:
-            self._metrics.request_finished(reason, self._num_prompt_tokens, self._generated, self._arrival,
-                                           self._scheduled, self._first, now)
+            self._metrics.request_finished(self, reason, now)
 
     def _flush(self, now: float) -> None:
         self._metrics.tokens_generated(self._gaps, self._tokens)

@@ -99,7 +99,9 @@ class EngineServer:
         """`admitted`: router.serving.ReplicaClient's, for a server used in process (tests): no
         queue stands in front of it, so there is nothing to wait for."""
         finished_samples: set[int] = set()
-        timer = self.metrics.start_request(len(prompt_token_ids))
+        room = self.engine.max_model_len - len(prompt_token_ids)  # vLLM's max_tokens when none is given
+        timer = self.metrics.start_request(len(prompt_token_ids), params.n,
+                                           params.max_tokens if params.max_tokens is not None else room)
         reason = "abort"  # unless the engine says otherwise: a caller that went away aborted it
         try:
             # aclosing: a cancelled or closed caller must close the engine's stream too (-> abort).
