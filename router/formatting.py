@@ -82,15 +82,18 @@ class PromptEcho:
     texts: list[str] | None  # per prompt, when echo
     token_ids: list[list[int]]  # per prompt
     prompt_logprobs: int | None  # vLLM's extra, when asked: its top-k
+    # each prompt token's text in prompt_logprobs (`decoded_token`): the text whatever the
+    # request's return_tokens_as_token_ids, which renames only the `logprobs` tokens (vLLM's)
+    decoded_token: TokenStr | None = None
 
-    def head(self, acc: "Accumulator", choice: int, with_logprobs: bool,
-             token_str: TokenStr) -> tuple[str, list[int], list[dict[int, float] | None], dict]:
+    def head(self, acc: "Accumulator", choice: int,
+             with_logprobs: bool) -> tuple[str, list[int], list[dict[int, float] | None], dict]:
         """-> the text, token ids and logprob entries the choice starts with, and its extra fields."""
         p = choice // acc.n
         scored = acc.prompt_logprobs[p]
         extra = {}
         if self.prompt_logprobs is not None:
-            extra["prompt_logprobs"] = vllm_prompt_logprobs(scored, self.prompt_logprobs, token_str)
+            extra["prompt_logprobs"] = vllm_prompt_logprobs(scored, self.prompt_logprobs, self.decoded_token)
         if self.texts is None:
             return "", [], [], extra
         entries = [pl.entry() if pl else None for pl in scored] if with_logprobs else []
@@ -162,7 +165,7 @@ def completion_response(rid: str, created: int, model: str, acc: Accumulator, k:
                         token_str: TokenStr, echo: PromptEcho | None = None) -> dict:
     choices = []
     for i, c in enumerate(acc.choices):
-        text, ids, entries, extra = echo.head(acc, i, k is not None, token_str) if echo else ("", [], [], {})
+        text, ids, entries, extra = echo.head(acc, i, k is not None) if echo else ("", [], [], {})
         lps = completion_logprobs(ids + c.token_ids, entries + c.logprobs, k, token_str) if k is not None else None
         choices.append({"index": i, "text": text + "".join(c.text), "logprobs": lps,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, **extra})

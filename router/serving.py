@@ -202,7 +202,7 @@ class OpenAIServing:
         echo = None
         if req.echo or req.prompt_logprobs is not None:
             texts = [t if isinstance(t, str) else self.tokenizer.decode(t) for t in texts] if req.echo else None
-            echo = PromptEcho(texts, prompts, req.prompt_logprobs)
+            echo = PromptEcho(texts, prompts, req.prompt_logprobs, self.token_str)
         if req.stream:
             return self._completion_events(rid, req, acc, first, merged, echo, prompts)
         await collect(acc, first, merged)
@@ -242,7 +242,7 @@ class OpenAIServing:
                 choice["message"]["content"] = echoed + (choice["message"]["content"] or "")
         if req.prompt_logprobs is not None:
             response["prompt_logprobs"] = vllm_prompt_logprobs(acc.prompt_logprobs[0], req.prompt_logprobs,
-                                                               token_str)
+                                                               self.token_str)  # text, as vLLM's
         if req.return_token_ids:
             response["prompt_token_ids"] = ids
             for choice, state in zip(response["choices"], acc.choices):
@@ -460,7 +460,7 @@ class OpenAIServing:
         def choice(i: int, c: ChoiceDelta) -> dict:
             text, ids, entries, extra = "", [], [], {}
             if echo is not None and not started[i]:
-                text, ids, entries, extra = echo.head(acc, i, req.logprobs is not None, token_str)
+                text, ids, entries, extra = echo.head(acc, i, req.logprobs is not None)
             if req.return_token_ids:  # vLLM's: the prompt's ids with a choice's first chunk, then its new ids
                 extra = {**extra, "token_ids": c.token_ids}
                 if not started[i]:

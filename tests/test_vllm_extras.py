@@ -250,6 +250,12 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(tokenizer):
                 for t in c.choices[0].logprobs.content]
 
     assert run(tokenizer, "yes", streamed)[0] == named
+    # prompt_logprobs' decoded_token stays the token's text (vLLM renames only the logprobs' tokens)
+    for endpoint, where in ((chat, lambda r: r), (lambda **kw: completion(prompt="Sky?", max_tokens=2, logprobs=1, **kw),
+                                                  lambda r: r.choices[0])):  # a completion's, per choice
+        r, _ = run(tokenizer, "yes", endpoint(extra_body={"return_tokens_as_token_ids": True, "prompt_logprobs": 1}))
+        decoded = {e["decoded_token"] for pos in where(r).model_extra["prompt_logprobs"] if pos for e in pos.values()}
+        assert decoded and not any(d.startswith("token_id:") for d in decoded), decoded
     r, _ = run(tokenizer, "yes", chat(logprobs=True))
     assert [c.token for c in r.choices[0].logprobs.content] == [tokenizer.decode([t]) for t in ids]
 
