@@ -144,10 +144,11 @@ class IncrementalDetokenizer:
         return stop
 
     def _find_stop(self, old_len: int) -> tuple[str, int] | None:
-        """Earliest stop string that ends in the text appended after old_len."""
-        best: tuple[str, int] | None = None
+        """The first stop string, in the request's order, that ends in the text appended after
+        old_len (vLLM's rule: a token whose text completes two stops ends at the one listed first,
+        wherever the other starts). The engine appends one token at a time."""
         for stop in self.params.stop:
             start = self._text.find(stop, max(0, old_len - len(stop) + 1))
-            if start != -1 and (best is None or start < best[1]):
-                best = (stop, start)
-        return best
+            if start != -1:
+                return stop, start
+        return None

@@ -115,11 +115,18 @@ def test_include_stop_str_in_output(tokenizer, prompt_ids):
     assert all(expected.startswith(e) for e in emitted)
 
 
-def test_earliest_of_several_stop_strings_wins(tokenizer, prompt_ids):
-    ids = tokenizer.encode(TEXT)  # all at once: both stop strings appear in the same update
+def test_the_stop_string_completed_first_wins(tokenizer, prompt_ids):
     params = SamplingParams(stop=["pause", "said"])
-    det, _, _, matched = stream(tokenizer, prompt_ids, ids, params, step=len(ids))
+    det, _, _, matched = stream(tokenizer, prompt_ids, tokenizer.encode(TEXT), params)
     assert matched == "said" and det.output_text == TEXT[:TEXT.index("said")]
+
+
+@pytest.mark.parametrize("stop, text", [(["l", "h"], " he"), (["h", "l"], " "), (["lo", "el"], " hel")])
+def test_one_token_completing_two_stop_strings_ends_at_the_one_listed_first(tokenizer, prompt_ids, stop, text):
+    """vLLM's rule (its check_stop_strings walks the list), wherever the other one starts."""
+    (token,) = tokenizer.encode(" hello", add_special_tokens=False)
+    det, deltas, _, matched = stream(tokenizer, prompt_ids, [token], SamplingParams(stop=stop))
+    assert (matched, det.output_text, "".join(deltas)) == (stop[0], text, text)
 
 
 def test_multi_byte_stop_string(tokenizer, prompt_ids):
