@@ -11,6 +11,14 @@ every multi-byte UTF-8 character split across byte-level tokens is complete. Dec
 tokens of left context keeps tokenizers that treat the first token specially (leading spaces)
 consistent with a decode of the whole sequence.
 
+Byte-fallback tokenizers (Llama 2, Mistral, Gemma: `<0x00>`..`<0xFF>` tokens) decode a run of byte
+tokens together, one U+FFFD per byte when the run is not valid UTF-8, so a run's text can change
+with its next byte (a "\u2713" read, then `<0x80>`: the window decodes as four U+FFFD, not "\u2713"
+and one). Where a window's text no longer starts with the text already read, the window restarts
+at the first unread token (vLLM's DecodeStream does the same on its "invalid prefix"): the text
+read stands, the stray byte is one U+FFFD. A read that would decode byte tokens in one window
+replays them one at a time, so the text is the same however often it is read.
+
 Without stop strings nothing needs the text until it is read (a streamed delta, the final output),
 so tokens are decoded then, all at once: an offline request decodes twice in all instead of twice
 per token. A read that lands inside a character replays its tokens one at a time, so every read
@@ -18,6 +26,7 @@ returns exactly what per-token decoding would have.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 from engine.sampling_params import SamplingParams
@@ -43,6 +52,30 @@ def decoder(tokenizer) -> Callable[..., str]:
     return tokenizer.decode
 
 
+_BYTE_TOKENS: "weakref.WeakKeyDictionary[object, frozenset[int]]" = weakref.WeakKeyDictionary()
+
+
+def byte_token_ids(tokenizer) -> frozenset[int]:
+    """The ids of a byte-fallback vocabulary's `<0x00>`..`<0xFF>` tokens; empty for any other (a
+    byte-level BPE such as SmolLM2's or Llama 3's). Looked up once per tokenizer."""
+    try:
+        return _BYTE_TOKENS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    ids = frozenset()
+    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+    if convert is not None:
+        found = convert([f"<0x{b:02X}>" for b in range(256)])
+        unk = getattr(tokenizer, "unk_token_id", None)
+        if None not in found and unk not in found and len(set(found)) == 256:
+            ids = frozenset(found)
+    try:
+        _BYTE_TOKENS[tokenizer] = ids
+    except TypeError:  # not weakly referenceable: looked up again next time
+        pass
+    return ids
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
                  decode: Callable[..., str] | None = None) -> None:
@@ -57,6 +90,7 @@ class IncrementalDetokenizer:
         self._text = ""  # committed text, truncated at a matched stop string
         self.stop_string: str | None = None  # the stop string that ended the output, if any
         self.num_output_tokens = 0
+        self._byte_ids = byte_token_ids(tokenizer)
         self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         if self._decode(self._ids).endswith(REPLACEMENT_CHAR):
             self._ids = []  # a prompt cut inside a character would misalign the window
@@ -106,7 +140,10 @@ class IncrementalDetokenizer:
         """Decodes the unread tokens in one window when that text ends on a whole character (token by
         token extends the same window to the same text), else token by token."""
         unread, self._unread = self._unread, 0  # callers ask only when there is one
-        text = self._decode_new(flush=False)
+        if unread > 1 and self._byte_ids and not self._byte_ids.isdisjoint(self._ids[-unread:]):
+            text = ""  # a run of byte tokens reads as each token's read would have left it
+        else:
+            text = self._decode_new(flush=False)
         if text or unread == 1:
             self._append(text)
             return
@@ -122,6 +159,9 @@ class IncrementalDetokenizer:
     def _decode_new(self, flush: bool) -> str:
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset:])
+        if self._byte_ids and not new_text.startswith(prefix_text):  # a byte run went on past the text read
+            self._prefix_offset, prefix_text = self._read_offset, ""
+            new_text = self._decode(self._ids[self._read_offset:])
         if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT_CHAR) and not flush):
             return ""  # nothing printable yet
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer, decoder
+from engine.detokenizer import IncrementalDetokenizer, byte_token_ids, decoder
 from engine.sampling_params import SamplingParams
 
 MULTI_BYTE_TEXTS = [
@@ -229,3 +229,70 @@ def test_spaces_between_special_tokens_reaches_a_slow_tokenizers_decode(tokenize
     det, *_ = stream(Slow(), prompt_ids, ids, params)
     assert det.output_text == "Hello<|im_end|>"
     assert calls and all(c == {"skip_special_tokens": False, "spaces_between_special_tokens": False} for c in calls)
+
+
+# -- byte-fallback tokenizers (Llama 2, Mistral: <0xXX> tokens) ------------------------------------
+PIECES = ["▁", "a", "▁a", "b", "▁b", "▁hello", "hello", "é", "▁✓", "x"]
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tokenizer():
+    """A Llama-2-style fast tokenizer: specials, the 256 byte tokens, a few pieces; its decoder
+    replaces ▁, joins byte runs (one U+FFFD per byte of an invalid run) and strips one leading space."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    vocab.update({p: 259 + i for i, p in enumerate(PIECES)})
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(s, special=True) for s in ("<unk>", "<s>", "</s>")])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   clean_up_tokenization_spaces=False)
+
+
+def test_byte_tokens_are_found_only_in_a_byte_fallback_vocabulary(tokenizer, byte_fallback_tokenizer):
+    assert byte_token_ids(byte_fallback_tokenizer) == frozenset(range(3, 259))
+    assert byte_token_ids(tokenizer) == frozenset()  # SmolLM2's byte-level BPE
+
+
+def _read(tok, prompt, ids, params, per_token: bool) -> tuple[str, str]:
+    det = IncrementalDetokenizer(tok, prompt, params)
+    deltas = []
+    for t in ids:
+        det.update([t])
+        if per_token:
+            deltas.append(det.get_delta(False))
+    deltas.append(det.get_delta(True))
+    return det.output_text, "".join(deltas)
+
+
+def test_byte_runs_read_the_same_however_they_are_read(byte_fallback_tokenizer):
+    """A run's text can change with its next byte: decoded whole, a valid character followed by a
+    stray byte is an invalid run, one U+FFFD per byte. What was read stands and the stray byte is
+    one U+FFFD (vLLM restarts its DecodeStream there), whether the text is streamed, read once at
+    the end, or checked for a stop string after every token."""
+    tok = byte_fallback_tokenizer
+    byte, piece = (lambda b: 3 + b), tok.convert_tokens_to_ids
+    prompt = [1, piece("▁hello")]
+    cases = {(byte(0xE2), byte(0x9C), byte(0x93), byte(0x80), piece("▁a")): "✓� a",  # HF's decode: "���� a"
+             (byte(0xCE), byte(0xA9), byte(0xD5), piece("a")): "Ω�a",
+             (byte(0x46), byte(0xF9), piece("▁a")): "F� a",
+             (piece("▁a"), byte(0xE2), byte(0x9C), byte(0x93), piece("▁b"), byte(0xE2), byte(0x9C)): " a✓ b��"}
+    rng = random.Random(0)
+    alphabet = [byte(b) for b in (0x41, 0x80, 0x93, 0x9C, 0xA9, 0xC3, 0xCE, 0xE2, 0xF0, 0x9F)] + \
+        [piece(p) for p in PIECES]
+    fuzz = [tuple(rng.choice(alphabet) for _ in range(rng.randint(1, 12))) for _ in range(300)]
+    for ids in [*cases, *fuzz]:
+        reads = {_read(tok, prompt, ids, params, per_token)
+                 for params in (SamplingParams(), SamplingParams(stop=["\x00never"])) for per_token in (False, True)}
+        assert len(reads) == 1, (ids, reads)
+        text, streamed = reads.pop()
+        assert text == streamed, ids
+        if ids in cases:
+            assert text == cases[ids], ids
+        elif not set(ids) & byte_token_ids(tok):  # no byte token: the decode of the whole
+            assert text == tok.decode(prompt + list(ids))[len(tok.decode(prompt)):], ids
+    # a prompt that ends inside a character: no context (as before); its byte and the output's are read apart
+    assert _read(tok, prompt + [byte(0xC3)], [byte(0xA9), piece("▁b")], SamplingParams(), True) == ("� b", "� b")
