@@ -342,6 +342,16 @@ class FunctionDefinition(_Model):
         _schema_size_ok(self.parameters, f"the parameters of tool {self.name}")
         return self
 
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, parameters: dict | None, info):
+        """OpenAI's refusal: a function's arguments are a JSON object (a client's **kwargs)."""
+        kind = (parameters or {}).get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            raise ValueError(f"invalid schema for function {info.data.get('name')!r}: schema must be a JSON Schema "
+                             f"of 'type: \"object\"', got 'type: {json.dumps(kind)}'")
+        return parameters
+
 
 class ToolDefinition(_Model):
     type: Literal["function"] = "function"

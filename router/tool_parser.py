@@ -99,8 +99,9 @@ class ToolCallStream(_Stream):
     Content goes out as it comes (text that might still become a `<tool_call>` tag is held back
     until it cannot); a block is held until its close tag, or the text's end, and then decided: a
     call (sent whole), or content as written. A block the text ends inside is a call when its body
-    parses; else it is content, unless the reply was cut at max_tokens: then it is an unfinished
-    call and is dropped (the finish_reason "length" says so), not sent as markup."""
+    parses (a close tag the text ends inside left out); else it is content, unless the reply was
+    cut at max_tokens: then it is an unfinished call and is dropped (the finish_reason "length"
+    says so), not sent as markup, as is the start of an open tag the cut reply ends with."""
 
     def __init__(self, max_calls: int | None = None, accepts: Accepts | None = None) -> None:
         self.max_calls, self.accepts = max_calls, accepts
@@ -147,7 +148,8 @@ class ToolCallStream(_Stream):
         return _delta(self._trimmed("".join(content)), calls)
 
     def _end_block(self, body: str, calls: list[dict], content: list[str], closed: bool, cut: bool = False) -> None:
-        parsed = _parse_block(body)
+        # a block the text ends inside may end inside its close tag: "{...}\n</tool_c"
+        parsed = _parse_block(body if closed else body[:len(body) - held_back(body, CLOSE)])
         if parsed is not None and self.accepts is not None and not self.accepts(*parsed):
             parsed = None  # a function not offered, or a strict one's arguments off its schema
         if parsed is None:
@@ -162,7 +164,7 @@ class ToolCallStream(_Stream):
         content, calls = [], []
         if self.in_call:
             self._end_block(self.buffer, calls, content, closed=False, cut=cut)
-        else:
+        elif not cut:  # held back as a possible "<tool_call>": content after all
             content.append(self.buffer)
         self.buffer, self.in_call = "", False
         return _delta(self._trimmed("".join(content)), calls)  # whitespace still held back is the reply's end

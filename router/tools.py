@@ -150,7 +150,12 @@ def _unchecked(validator, value, instance, node):
 
 
 def _arguments_schema(tool: ToolDefinition) -> dict:
-    return tool.function.parameters if tool.function.parameters is not None else NO_ARGUMENTS
+    """The schema a call's arguments meet: always an object (`parameters: {}`, which MCP servers
+    send for a tool without arguments, or a schema that gives no type, is any object)."""
+    schema = tool.function.parameters
+    if schema is None:
+        return NO_ARGUMENTS
+    return schema if "type" in schema else {**schema, "type": "object"}
 
 
 def required_grammar(tools: tuple[ToolDefinition, ...], parallel: bool) -> str:

@@ -182,6 +182,28 @@ def test_required_choice_constrains_to_hermes_calls_of_the_tools(tokenizer):
         {"messages": USER, "tools": TOOLS}).tools), True)
 
 
+def test_a_function_takes_an_object_of_arguments(tokenizer):
+    """OpenAI's rule: parameters of another type are a 400 naming them; `parameters: {}` (MCP's
+    tools without arguments) or a schema that gives no type constrains a forced call to an object."""
+    def tool(parameters):
+        return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+    for parameters in ({"type": "string"}, {"type": ["array", "null"]}):
+        for choice in ("auto", "required"):
+            with pytest.raises(openai.BadRequestError) as e:
+                run(tokenizer, "x", create(tools=tool(parameters), tool_choice=choice))
+            assert e.value.body["param"] == "tools.0.function.parameters", e.value.body
+            assert "must be a JSON Schema of 'type: \"object\"'" in e.value.body["message"]
+    named = {"type": "function", "function": {"name": "f"}}
+    for parameters in ({}, {"properties": {"a": {"type": "integer"}}}):
+        r, engine = run(tokenizer, '{"a": 1}', create(tools=tool(parameters), tool_choice=named))
+        assert json.loads(engine.seen[0][1].structured_outputs.json) == {**parameters, "type": "object"}
+        assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"a": 1}
+        _, engine = run(tokenizer, '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+                        create(tools=tool(parameters), tool_choice="required"))
+        assert '"type": "object"' in engine.seen[0][1].structured_outputs.grammar
+
+
 def test_tool_choice_none_leaves_tools_out(tokenizer):
     r, engine = run(tokenizer, HERMES, create(tools=TOOLS, tool_choice="none"))
     assert r.choices[0].message.content == HERMES and r.choices[0].finish_reason == "stop"
@@ -397,6 +419,17 @@ def test_parse_tool_calls():
     content, calls = parse_tool_calls(unfinished, cut=True)
     assert content == "Let me look." and [c["function"]["name"] for c in calls] == ["get_weather"]
     assert parse_tool_calls(unfinished)[0].endswith('{"tz": "Eur')
+    # cut inside the close tag of a whole call: a call all the same; cut inside the next open tag:
+    # its start is not content
+    weather = ("get_weather", {"city": "Paris", "unit": "celsius"})
+    for close in ("\n", "\n<", "\n</tool", "\n</tool_call"):
+        for cut in (True, False):
+            content, calls = parse_tool_calls("<tool_call>\n" + CALL + close, cut=cut)
+            assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                        for c in calls] == [weather], (close, cut)
+    for head in ("<", "<tool", "<tool_call"):
+        assert parse_tool_calls(HERMES + "\n" + head, cut=True)[0] == "Let me look."
+        assert parse_tool_calls(HERMES + "\n" + head)[0] == "Let me look.\n\n" + head  # it stopped there: text
 
 
 TEXTS = [HERMES, "\n " + HERMES + "\n<tool_call>\n" + '{"arguments": {"b": "}"}, "name": "x"}' + "\n</tool_call> end",
@@ -410,7 +443,9 @@ TEXTS = [HERMES, "\n " + HERMES + "\n<tool_call>\n" + '{"arguments": {"b": "}"},
          # arguments given as a string holding an object: a call
          '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>',
          # a second call cut inside its arguments
-         HERMES + '\n<tool_call>\n{"name": "now", "arguments": {"tz": "Eur']
+         HERMES + '\n<tool_call>\n{"name": "now", "arguments": {"tz": "Eur',
+         # ends inside a whole call's close tag, or inside the next call's open tag
+         '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_c', HERMES + "\n<tool"]
 
 
 @settings(max_examples=300, deadline=None)
