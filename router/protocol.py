@@ -331,6 +331,15 @@ class JsonSchemaFormat(_Model):
         return self
 
 
+def object_parameters(parameters: dict | None, name: str | None) -> dict | None:
+    """OpenAI's refusal of a function whose arguments are not a JSON object (a client's **kwargs)."""
+    kind = (parameters or {}).get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        raise ValueError(f"invalid schema for function {name!r}: schema must be a JSON Schema of "
+                         f"'type: \"object\"', got 'type: {json.dumps(kind)}'")
+    return parameters
+
+
 class FunctionDefinition(_Model):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
@@ -345,12 +354,7 @@ class FunctionDefinition(_Model):
     @field_validator("parameters")
     @classmethod
     def _an_object(cls, parameters: dict | None, info):
-        """OpenAI's refusal: a function's arguments are a JSON object (a client's **kwargs)."""
-        kind = (parameters or {}).get("type", "object")
-        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
-            raise ValueError(f"invalid schema for function {info.data.get('name')!r}: schema must be a JSON Schema "
-                             f"of 'type: \"object\"', got 'type: {json.dumps(kind)}'")
-        return parameters
+        return object_parameters(parameters, info.data.get("name"))
 
 
 class ToolDefinition(_Model):

@@ -34,7 +34,7 @@ from pydantic import Field, TypeAdapter, ValidationError, field_validator, model
 
 from router.errors import bad_request, from_validation_error
 from router.formatting import Accumulator
-from router.protocol import ChatCompletionRequest, _Model, _schema_size_ok
+from router.protocol import ChatCompletionRequest, _Model, _schema_size_ok, object_parameters
 from router.reasoning import ReasoningStream
 from router.tool_parser import CLOSE
 from router.tools import ToolPlan
@@ -107,6 +107,11 @@ class FunctionTool(_Model):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, parameters: dict | None, info):
+        return object_parameters(parameters, info.data.get("name"))
 
     def to_chat(self) -> dict:
         fn = {"name": self.name, "description": self.description, "parameters": self.parameters, "strict": self.strict}
@@ -205,6 +210,10 @@ class TextConfig(_Model):
     format: TextFormat | None = None
 
 
+# sent as null: their defaults (OpenAI types them "boolean or null", vLLM Optional)
+_NULL_MEANS_DEFAULT = frozenset({"stream", "store", "parallel_tool_calls", "background", "truncation", "priority"})
+
+
 class ResponsesRequest(_Model):
     model: str | None = None
     input: str | list[InputItem] = Field(min_length=1)
@@ -230,6 +239,32 @@ class ResponsesRequest(_Model):
     background: bool = False
     top_logprobs: int | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):
+        """OpenAI's nullable fields sent as null (clients that send every field) take their defaults."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in _NULL_MEANS_DEFAULT)}
+        return data
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _no_references(cls, items):
+        """An `item_reference` names an item OpenAI stored; a 400 that says so, not a type error."""
+        for i, item in enumerate(items if isinstance(items, list) else ()):
+            if isinstance(item, dict) and item.get("type") == "item_reference":
+                raise ValueError(f"item_reference input items are not supported (item {i}): give the items "
+                                 "themselves, or previous_response_id")
+        return items
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _a_function_choice(cls, choice):
+        if isinstance(choice, dict) and choice.get("type") not in (None, "function"):
+            raise ValueError(f"tool_choice {choice.get('type')!r} is not supported: only none, auto, required "
+                             "or a function (list only the tools to allow in `tools`)")
+        return choice
 
     @field_validator("tools", mode="before")
     @classmethod

@@ -128,12 +128,24 @@ def test_an_error_while_streaming_is_an_error_event_then_response_failed(tokeniz
     ({"tools": [{"type": "function", "name": "g", "parameters": {"type": "foo"}}]}, "tools.0.parameters", "foo"),
     ({"text": {"format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}}}, "text.format",
      "puts json_schema's fields in text.format itself"),  # chat's shape, whose schema was ignored
+    ({"tools": [{"type": "function", "name": "g", "parameters": {"type": "string"}}]}, "tools.0.parameters",
+     "must be a JSON Schema of 'type: \"object\"'"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item_reference input items are not supported"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice",
+     "'allowed_tools' is not supported"),
 ])
 def test_what_this_server_lacks_is_a_400_naming_it(tokenizer, extra, param, says):
     with pytest.raises(openai.BadRequestError) as e:
         run(tokenizer, REPLY, create(**extra))
     error = e.value.body
     assert error["param"] == param and says in error["message"], error
+
+
+def test_nulls_take_the_defaults(tokenizer):
+    """OpenAI's nullable fields, as clients that send every field send them."""
+    nulls = {f: None for f in ("stream", "store", "parallel_tool_calls", "background", "truncation")}
+    response, _ = run(tokenizer, REPLY, create(extra_body={**nulls, "priority": None}))
+    assert response.output_text == REPLY and response.store and response.truncation == "disabled"
 
 
 def test_priority_reaches_an_engine_scheduling_by_priority(tokenizer):
