@@ -130,9 +130,13 @@ def test_vllm_s_other_options_and_older_name(tiny):
     for params in (SamplingParams(temperature=0, max_tokens=120, structured_outputs=same), older):
         assert _texts(tiny.generate(prompts, params)) == _texts(plain)
     spaced, = _texts(tiny.generate(prompts, SamplingParams(temperature=0, max_tokens=120, structured_outputs=S(
-        json=PERSON, whitespace_pattern=" "))))  # one space wherever JSON allows whitespace
+        json=PERSON, whitespace_pattern=" "))))  # a space where JSON allows whitespace (or none: llguidance's)
     assert spaced[0].startswith('{ "') and spaced[0].endswith(" }") and spaced[1] == "stop"
     jsonschema.validate(json.loads(spaced[0]), PERSON)
+    assert "  " not in spaced[0]  # where whitespace may go, the pattern's (not it and a separator's space)
+    compact, = _texts(tiny.generate(prompts, SamplingParams(temperature=0, max_tokens=120, structured_outputs=S(
+        json=PERSON, whitespace_pattern=""))))  # no whitespace at all
+    assert compact[0] == json.dumps(json.loads(compact[0]), separators=(",", ":"), ensure_ascii=False)
     assert S(json=PERSON).key != S(json=PERSON, whitespace_pattern=" ").key
     for kwargs, says in [(dict(json=PERSON, structural_tag="{}"), "structural_tag is not supported"),
                          (dict(regex="a+", whitespace_pattern=" "), "whitespace_pattern applies to json")]:

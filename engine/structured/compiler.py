@@ -42,8 +42,10 @@ def to_grammar(params: StructuredOutputsParams) -> str:
     try:
         if params.json is not None or params.json_object:  # json_object: any object, keys and all
             schema = _closed_json(params.json) if params.json is not None else '{"type": "object"}'
+            # a whitespace_pattern is all the whitespace between JSON tokens: bare separators
             defaults = JSON_DEFAULTS if params.whitespace_pattern is None else {
-                **JSON_DEFAULTS, "whitespace_pattern": params.whitespace_pattern}
+                **JSON_DEFAULTS, "item_separator": ",", "key_separator": ":",
+                "whitespace_pattern": params.whitespace_pattern}
             return LLMatcher.grammar_from_json_schema(schema, defaults=defaults,
                                                       overrides={"lenient": True} if params.lenient else None)
         if params.regex is not None:
