@@ -199,6 +199,12 @@ class TextFormat(_Model):
         _schema_size_ok(self.schema_, "text.format.schema")
         return self
 
+    def echoed(self) -> dict:
+        """As the response object gives it back: a json_schema format's fields, the others' type alone."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        return self.model_dump(by_alias=True, exclude_none=True)
+
     def response_format(self) -> dict:
         if self.type != "json_schema":
             return {"type": self.type}
@@ -417,8 +423,7 @@ class ResponseReply:
     def _response(self, status: str, output: list[dict], acc: Accumulator | None = None,
                   finish: str | None = None) -> dict:
         r = self.req
-        text_format = r.text.format.model_dump(by_alias=True, exclude_none=True) \
-            if r.text is not None and r.text.format is not None else {"type": "text"}
+        text_format = r.text.format.echoed() if r.text is not None and r.text.format is not None else {"type": "text"}
         choice = r.tool_choice.model_dump() if isinstance(r.tool_choice, FunctionChoice) else r.tool_choice or "auto"
         out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                "error": None, "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,

@@ -93,8 +93,9 @@ def test_text_format_constrains_the_output_as_response_format_does(tokenizer):
     assert params.structured_outputs is not None and params.structured_outputs == chat.seen[0][1].structured_outputs
     assert json.loads(params.structured_outputs.json) == SCHEMA
     assert r.text.format.type == "json_schema" and r.text.format.name == "answer"
-    _, engine = run(tokenizer, "{}", create(text={"format": {"type": "json_object"}}))
+    r, engine = run(tokenizer, "{}", create(text={"format": {"type": "json_object"}}))
     assert engine.seen[0][1].structured_outputs.json_object
+    assert r.text.format.model_dump(exclude_unset=True) == {"type": "json_object"}  # no json_schema name given back
 
 
 def test_an_error_while_streaming_is_an_error_event_then_response_failed(tokenizer):
