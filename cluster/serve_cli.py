@@ -24,6 +24,7 @@ from cluster.engine_args import add_engine_args, engine_config_from_args, parse_
 from cluster.policy import ROUTERS
 from engine.chat_format import FORMATS as CONTENT_FORMATS
 from router.reasoning import PARSERS as REASONING_PARSERS
+from router.tool_parser import PARSERS as TOOL_CALL_PARSERS
 from workers.serve_logging import UVICORN_LOG_LEVELS
 
 _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_replicas", "max_ongoing_requests",
@@ -34,7 +35,7 @@ _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_rep
                 "downscale_delay_s", "target_kv_usage", "target_ongoing_requests", "look_back_period_s",
                 "graceful_shutdown_timeout_s", "engine_cls", "cpu_threads", "generation_config",
                 "override_generation_config", "chat_template", "allowed_origins", "allowed_methods",
-                "allowed_headers", "allow_credentials", "reasoning_parser",
+                "allowed_headers", "allow_credentials", "reasoning_parser", "tool_call_parser",
                 "response_role", "chat_template_content_format")
 
 
@@ -85,9 +86,9 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     http.add_argument("--allow-credentials", action="store_true", default=None, help="CORS (default: off)")
     http.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="accepted for vLLM's command lines: tool_choice auto is always served here")
-    http.add_argument("--tool-call-parser", choices=["hermes"],
-                      help="accepted for vLLM's command lines: tool calls are parsed as Hermes' "
-                           "<tool_call> blocks, the one format here")
+    http.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS),
+                      help="how the model writes tool calls: hermes, <tool_call> blocks (the default; Qwen, "
+                           "Hermes), or llama3_json, bare JSON objects (Llama 3.1+); vLLM's names")
     http.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS),
                       help="chat replies' <think>...</think> reasoning goes to message.reasoning (and "
                            "reasoning_content), the rest to content; qwen3: a reply without the tags is all "

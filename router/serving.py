@@ -165,7 +165,8 @@ class OpenAIServing:
     async def tokenize(self, req: TokenizeRequest) -> dict:
         self.check_model(req.model)
         if req.messages is not None:
-            ids = await off_loop(self._chat_ids, req, ToolPlan("auto", tuple(req.tools)) if req.tools else None)
+            plan = ToolPlan("auto", tuple(req.tools), parser=self.settings.tool_call_parser) if req.tools else None
+            ids = await off_loop(self._chat_ids, req, plan)
         else:
             ids = await off_loop(self.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens is not False)
         info = await self.limits()
@@ -305,7 +306,7 @@ class OpenAIServing:
         constraint on the output, its rendered prompt, and whether the reply opens inside its
         reasoning (None: the reply is not split; router.reasoning). `field` names a chat field
         in the errors as the caller's request names it."""
-        plan = ToolPlan.of(req)
+        plan = ToolPlan.of(req, self.settings.tool_call_parser)
         params = self._params(req)
         await check_all([(spec, field(param)) for spec, param in plan.tool_specs()])
         for spec, param in (self._output_constraint(req), (plan.spec(), "tools")):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from engine.chat_format import FORMATS
 from router.reasoning import PARSERS as REASONING_PARSERS
+from router.tool_parser import PARSERS as TOOL_FORMATS
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class RouterSettings:
     allow_credentials: bool = False
     # vLLM's --reasoning-parser: chat replies' <think> block goes to `reasoning` (router.reasoning)
     reasoning_parser: str | None = None
+    # vLLM's --tool-call-parser: how the model writes tool calls (router.tools.FORMATS)
+    tool_call_parser: str = "hermes"
     response_role: str = "assistant"  # vLLM's --response-role: a chat reply's role when it opens a new turn
     # vLLM's --chat-template-content-format (engine.chat_format): auto | string | openai
     chat_template_content_format: str = "auto"
@@ -69,6 +72,8 @@ class RouterSettings:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
+        if self.tool_call_parser not in TOOL_FORMATS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_FORMATS)}, got {self.tool_call_parser!r}")
         if self.chat_template_content_format not in FORMATS:
             raise ValueError(f"chat_template_content_format must be one of {', '.join(FORMATS)}, "
                              f"got {self.chat_template_content_format!r}")

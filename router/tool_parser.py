@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PARSERS = ("hermes", "llama3_json")  # --tool-call-parser's choices: router.tools.FORMATS' keys
 
 
 def new_call_id() -> str:
@@ -32,13 +33,17 @@ def call(name: str, arguments: str, call_id: str | None = None) -> dict:
 
 
 def _parse_block(body: str) -> tuple[str, str] | None:
-    """-> (name, arguments JSON text) of one block's body, or None if it is not a call: a JSON
-    object with a string `name` and `arguments` (or `parameters`) that are an object, or a string
-    holding one."""
+    """-> (name, arguments JSON text) of one block's body, or None if it is not a call."""
     try:
-        obj = json.loads(body)
+        return call_of(json.loads(body))
     except ValueError:
         return None
+
+
+def call_of(obj) -> tuple[str, str] | None:
+    """-> (name, arguments JSON text) of a parsed JSON value, or None if it is not a call: an
+    object with a string `name` and `arguments` (or `parameters`) that are an object, or a string
+    holding one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -54,10 +59,11 @@ Accepts = Callable[[str, str], bool]  # (name, arguments JSON text) -> whether i
 
 
 def parse_tool_calls(text: str, max_calls: int | None = None, cut: bool = False,
-                     accepts: Accepts | None = None) -> tuple[str | None, list[dict]]:
+                     accepts: Accepts | None = None, stream_cls=None) -> tuple[str | None, list[dict]]:
     """A finished reply's text -> (the content, None if empty; the calls), exactly as a stream of
-    it would give them. Calls past `max_calls` are dropped; `cut`: the reply ended at max_tokens."""
-    stream = ToolCallStream(max_calls, accepts)
+    it would give them. Calls past `max_calls` are dropped; `cut`: the reply ended at max_tokens.
+    `stream_cls`: the format's stream (ToolCallStream, Hermes' blocks, by default)."""
+    stream = (stream_cls or ToolCallStream)(max_calls, accepts)
     deltas = [stream.feed(text), stream.finish(cut)]
     content = "".join(d.get("content", "") for d in deltas)
     calls = [{k: v for k, v in c.items() if k != "index"} for d in deltas for c in d.get("tool_calls", ())]
@@ -72,7 +78,9 @@ def held_back(text: str, tag: str) -> int:
     return 0
 
 
-class _Stream:
+class CallStream:
+    """One choice's text deltas -> OpenAI chat deltas with content and tool_calls (a format's subclass)."""
+
     num_calls = 0
     ends_as_tool_calls = True  # a reply that called tools and stopped says "tool_calls"
 
@@ -86,14 +94,14 @@ class _Stream:
         delta = self.feed(text)
         if finish_reason is not None:
             end = self.finish(cut=finish_reason == "length")
-            delta = _delta(delta.get("content", "") + end.get("content", ""),
+            delta = chat_delta(delta.get("content", "") + end.get("content", ""),
                            delta.get("tool_calls", []) + end.get("tool_calls", []))
             if self.num_calls and finish_reason == "stop" and self.ends_as_tool_calls:
                 finish_reason = "tool_calls"
         return delta, finish_reason
 
 
-class ToolCallStream(_Stream):
+class ToolCallStream(CallStream):
     """One choice's stream of text deltas -> OpenAI chat deltas with content and tool_calls.
 
     Content goes out as it comes (text that might still become a `<tool_call>` tag is held back
@@ -145,7 +153,7 @@ class ToolCallStream(_Stream):
                 break
             self._end_block(self.buffer[:end], calls, content, closed=True)
             self.buffer, self.in_call = self.buffer[end + len(CLOSE):], False
-        return _delta(self._trimmed("".join(content)), calls)
+        return chat_delta(self._trimmed("".join(content)), calls)
 
     def _end_block(self, body: str, calls: list[dict], content: list[str], closed: bool, cut: bool = False) -> None:
         # a block the text ends inside may end inside its close tag: "{...}\n</tool_c"
@@ -167,10 +175,10 @@ class ToolCallStream(_Stream):
         elif not cut:  # held back as a possible "<tool_call>": content after all
             content.append(self.buffer)
         self.buffer, self.in_call = "", False
-        return _delta(self._trimmed("".join(content)), calls)  # whitespace still held back is the reply's end
+        return chat_delta(self._trimmed("".join(content)), calls)  # whitespace still held back is the reply's end
 
 
-def _delta(content: str, calls: list[dict]) -> dict:
+def chat_delta(content: str, calls: list[dict]) -> dict:
     delta = {}
     if content:
         delta["content"] = content
@@ -179,7 +187,7 @@ def _delta(content: str, calls: list[dict]) -> dict:
     return delta
 
 
-class NamedCallStream(_Stream):
+class NamedCallStream(CallStream):
     """tool_choice naming a function: the whole output is its arguments, which its grammar holds
     to the function's schema, so they stream as they come. The reply ends "stop", as OpenAI's and
     vLLM's do when the request forced the function."""

@@ -9,15 +9,17 @@ how tools and earlier tool turns are rendered into the prompt.
                             that match its parameters' schema
                  {function} the output is constrained to that function's arguments
 
-Calls are written the Hermes way, whatever the chat template:
+Calls are written in the format of `--tool-call-parser` (FORMATS), the Hermes way by default:
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+    hermes       <tool_call>
+                 {"name": "get_weather", "arguments": {"city": "Paris"}}
+                 </tool_call>
+    llama3_json  {"name": "get_weather", "parameters": {"city": "Paris"}}   (several: `; ` between)
 
 A template that knows tools (it reads `tools`) renders them, the assistant's `tool_calls` and
-the `tool` turns itself; for one that does not, the tools go into the system prompt with these
-instructions, calls into the assistant turn as blocks, and results into `<tool_response>` blocks.
+the `tool` turns itself; for one that does not, the tools go into the system prompt with the
+format's instructions, calls into the assistant turn as the format writes them, and results
+into the format's response blocks.
 """
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ from dataclasses import dataclass
 from engine.structured.compiler import JSON_DEFAULTS
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.schemas import closed_objects
+from router.llama3_tool_parser import Llama3JsonStream
 from router.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, ToolDefinition
-from router.tool_parser import NamedCallStream, ToolCallStream, call, parse_tool_calls
+from router.tool_parser import PARSERS, CallStream, NamedCallStream, ToolCallStream, call, parse_tool_calls
 
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -44,6 +47,39 @@ To call a function, answer with a JSON object holding its name and arguments ins
 {{"name": <function name>, "arguments": <arguments as a JSON object>}}
 </tool_call>"""
 
+LLAMA3_TOOLS_PROMPT = """You can call functions to help with the user's request. The functions are \
+described in JSON below:
+{tools}
+To call a function, answer with only a JSON object holding its name and arguments, \
+{{"name": <function name>, "parameters": <arguments as a JSON object>}}; to call several, \
+separate the objects with ";"."""
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How calls are written under one `--tool-call-parser`: what parses them, the instructions for
+    a template that does not know tools, and the text of a call (in history, and in required
+    mode's grammar: `open` + `{"name": ..., key: arguments}` + `close`, calls separated by `separator`)."""
+    stream: type[CallStream]
+    prompt: str
+    key: str  # the arguments' key
+    open: str
+    close: str
+    separator: str
+    response: tuple[str, str]  # around a tool result, for a template that does not know tools
+
+    def call_text(self, name: str, arguments: str) -> str:
+        body = json.dumps({"name": name, self.key: _arguments(arguments)}, ensure_ascii=False)
+        return f"{self.open}{body}{self.close}"
+
+
+FORMATS = {
+    "hermes": ToolFormat(ToolCallStream, TOOLS_PROMPT, "arguments", "<tool_call>\n", "\n</tool_call>", "\n",
+                         ("<tool_response>\n", "\n</tool_response>")),
+    "llama3_json": ToolFormat(Llama3JsonStream, LLAMA3_TOOLS_PROMPT, "parameters", "", "", "; ", ("", "")),
+}
+assert tuple(FORMATS) == PARSERS
+
 
 @dataclass(frozen=True)
 class ToolPlan:
@@ -51,16 +87,21 @@ class ToolPlan:
     tools: tuple[ToolDefinition, ...] = ()
     function: str | None = None  # mode "named": the function called
     parallel: bool = True
+    parser: str = "hermes"  # FORMATS' key: how calls are written
 
     @classmethod
-    def of(cls, req: ChatCompletionRequest) -> "ToolPlan":
+    def of(cls, req: ChatCompletionRequest, parser: str = "hermes") -> "ToolPlan":
         tools = tuple(req.tools or ())
         choice = req.tool_choice
         if not tools or choice == "none":
-            return cls("none", tools)
+            return cls("none", tools, parser=parser)
         if isinstance(choice, NamedToolChoice):
-            return cls("named", tools, choice.function.name, req.parallel_tool_calls)
-        return cls(choice or "auto", tools, None, req.parallel_tool_calls)
+            return cls("named", tools, choice.function.name, req.parallel_tool_calls, parser)
+        return cls(choice or "auto", tools, None, req.parallel_tool_calls, parser)
+
+    @property
+    def format(self) -> ToolFormat:
+        return FORMATS[self.parser]
 
     @property
     def calls_tools(self) -> bool:
@@ -77,15 +118,15 @@ class ToolPlan:
             content, calls = None, [call(self.function, message["content"] or "")]  # cut before any argument
         else:
             content, calls = parse_tool_calls(message["content"] or "", self.max_calls,
-                                              choice["finish_reason"] == "length", self.accepts)
+                                              choice["finish_reason"] == "length", self.accepts, self.format.stream)
         message["content"] = content
         if calls:
             message["tool_calls"] = calls
             if choice["finish_reason"] == "stop" and self.mode != "named":  # a forced call ends "stop" (OpenAI's)
                 choice["finish_reason"] = "tool_calls"
 
-    def stream(self) -> NamedCallStream | ToolCallStream:
-        return NamedCallStream(self.function) if self.mode == "named" else ToolCallStream(self.max_calls, self.accepts)
+    def stream(self) -> CallStream:
+        return NamedCallStream(self.function) if self.mode == "named" else self.format.stream(self.max_calls, self.accepts)
 
     def accepts(self, name: str, arguments: str) -> bool:
         """Whether a parsed block calls one of the tools, with arguments that match its schema
@@ -105,7 +146,7 @@ class ToolPlan:
         if self.mode == "named":
             return _arguments_spec(next(t for t in self.tools if t.function.name == self.function))
         if self.mode == "required":
-            return StructuredOutputsParams(grammar=required_grammar(self.tools, self.parallel))
+            return StructuredOutputsParams(grammar=required_grammar(self.tools, self.parallel, self.format))
         return None
 
     def tool_specs(self) -> list[tuple[StructuredOutputsParams, str]]:
@@ -158,18 +199,20 @@ def _arguments_schema(tool: ToolDefinition) -> dict:
     return schema if "type" in schema else {**schema, "type": "object"}
 
 
-def required_grammar(tools: tuple[ToolDefinition, ...], parallel: bool) -> str:
-    """A Lark grammar (llguidance's dialect, with %json) for one or more Hermes-style calls.
+def required_grammar(tools: tuple[ToolDefinition, ...], parallel: bool, fmt: ToolFormat = FORMATS["hermes"]) -> str:
+    """A Lark grammar (llguidance's dialect, with %json) for one or more calls in `fmt`'s way.
     Each tool's arguments keep their own schema as a JSON root, so its $refs still resolve."""
     rules, names = [], []
     for i, tool in enumerate(tools):
         schema = closed_objects(_arguments_schema(tool))
         schema.setdefault("x-guidance", {**JSON_DEFAULTS, "lenient": not tool.function.strict})
-        head = json.dumps(f'{{"name": {json.dumps(tool.function.name)}, "arguments": ')
+        head = json.dumps(f'{{"name": {json.dumps(tool.function.name)}, {json.dumps(fmt.key)}: ')
         rules.append(f"call_{i}: {head} args_{i} \"}}\"\nargs_{i}: %json {json.dumps(schema)}")
         names.append(f"call_{i}")
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    return "\n".join([start, 'call: "<tool_call>\\n" (' + " | ".join(names) + ') "\\n</tool_call>"', *rules])
+    start = f"start: call ({json.dumps(fmt.separator)} call)*" if parallel else "start: call"
+    call_rule = " ".join(t for t in (json.dumps(fmt.open) if fmt.open else "", "(" + " | ".join(names) + ")",
+                                     json.dumps(fmt.close) if fmt.close else "") if t)
+    return "\n".join([start, f"call: {call_rule}", *rules])
 
 
 # -- the prompt ------------------------------------------------------------------------------------
@@ -192,9 +235,9 @@ def render(messages: list[ChatMessage], plan: ToolPlan, native: bool) -> tuple[l
     tools = [t.model_dump(exclude_none=True) for t in plan.tools] if plan.calls_tools else None
     if native:
         return [_native(m) for m in messages], tools
-    out = [_as_text(m) for m in messages]
+    out = [_as_text(m, plan.format) for m in messages]
     if tools:
-        prompt = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        prompt = plan.format.prompt.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
         if out and out[0]["role"] in ("system", "developer"):
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
         else:
@@ -221,16 +264,11 @@ def _native(m: ChatMessage) -> dict:
     return msg
 
 
-def call_block(name: str, arguments: str) -> str:
-    body = json.dumps({"name": name, "arguments": _arguments(arguments)}, ensure_ascii=False)
-    return f"<tool_call>\n{body}\n</tool_call>"
-
-
-def _as_text(m: ChatMessage) -> dict:
+def _as_text(m: ChatMessage, fmt: ToolFormat) -> dict:
     msg = m.to_template()
     if m.tool_calls:
-        blocks = "\n".join(call_block(c.function.name, c.function.arguments) for c in m.tool_calls)
+        blocks = fmt.separator.join(fmt.call_text(c.function.name, c.function.arguments) for c in m.tool_calls)
         msg["content"] = f"{msg['content']}\n{blocks}" if msg["content"] else blocks
     if m.role == "tool":
-        msg["content"] = f"<tool_response>\n{msg['content']}\n</tool_response>"
+        msg["content"] = f"{fmt.response[0]}{msg['content']}{fmt.response[1]}"
     return msg

@@ -335,9 +335,9 @@ def test_split_args_routes_keys_and_rejects_unknown_ones():
     assert (cors.allowed_origins, cors.allowed_methods, cors.allow_credentials) == (("https://a.example",), ("*",), True)
     parsed = router_settings(*split_args(app_args_from_cli(build_parser().parse_args(
         ["serve", "--reasoning-parser", "deepseek_r1", "--response-role", "bot",
-         "--chat-template-content-format", "openai"]))))
-    assert (parsed.reasoning_parser, parsed.response_role, parsed.chat_template_content_format) == (
-        "deepseek_r1", "bot", "openai")
+         "--chat-template-content-format", "openai", "--tool-call-parser", "llama3_json"]))))
+    assert (parsed.reasoning_parser, parsed.response_role, parsed.chat_template_content_format,
+            parsed.tool_call_parser) == ("deepseek_r1", "bot", "openai", "llama3_json")
     with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai"):
         router_settings(*split_args({"chat_template_content_format": "json"}))
     with pytest.raises(ValueError, match="response_role must be a non-empty string"):
@@ -507,7 +507,7 @@ def test_serve_rejects_bad_flags_in_one_line_before_starting_ray():
                         (["--chat-template", "{% for m in messages %"], "not a valid Jinja template"),
                         (["/nonexistent/model"], "model path '/nonexistent/model' does not exist"),  # vLLM's MODEL
                         (["/m", "--model", "/n"], "the model is given twice: /m and --model /n"),
-                        (["--tool-call-parser", "mistral"], "invalid choice: 'mistral' (choose from 'hermes')"),
+                        (["--tool-call-parser", "mistral"], "invalid choice: 'mistral' (choose from 'hermes', 'llama3_json')"),
                         (["--reasoning-parser", "granite"], "invalid choice: 'granite' (choose from 'deepseek_r1', "
                                                             "'qwen3')"),
                         (["--override-generation-config", '{"temperature": 9}'],
