@@ -127,7 +127,9 @@ class IncrementalDetokenizer:
         if self._unread:
             self._catch_up()
         if finished and self.stop_string is None and self._read_offset < len(self._ids):
-            self._append(self._decode_new(flush=True))  # incomplete trailing bytes, as decode() shows them
+            # incomplete trailing bytes, as decode() shows them; after the sequence ended, so no
+            # stop string is looked for in them (vLLM never shows them at all)
+            self._text += self._decode_new(flush=True)
         final = finished or self.stop_string is not None
         end = len(self._text) if final else len(self._text) - self._holdback
         if end <= self._emitted:
