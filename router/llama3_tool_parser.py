@@ -5,17 +5,19 @@ Llama 3's chat template asks for a call as a bare JSON object, several separated
     {"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "now", "parameters": {}}
 
 A reply is calls when it starts with `{` (after whitespace, and `<|python_tag|>` where special
-tokens are shown) and every object in it is one; otherwise it is content, as written (vLLM's rule).
+tokens are shown) and every object in it is one; otherwise it is content, as written. (vLLM's
+streaming parser decides on the same start; its whole-reply parser also takes calls that follow
+other text, and drops that text: one rule here, so that a stream and a whole reply agree.)
 Such a reply is held until it ends, then decided whole, so a stream never sends content it would
 have to take back; a reply that starts otherwise streams as content at once. Cut at max_tokens,
-the calls that were whole stand and the unfinished one is dropped (the finish_reason "length"
-says so), not sent as content.
+the calls that were whole stand and an unfinished one (`{` and a key, or less) is dropped (the
+finish_reason "length" says so), not sent as content.
 """
 from __future__ import annotations
 
 import json
 
-from router.tool_parser import Accepts, CallStream, call, call_of, chat_delta
+from router.tool_parser import Accepts, CallStream, call, call_of, chat_delta, unfinished_object
 
 PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = ";"
@@ -23,15 +25,17 @@ _DECODER = json.JSONDecoder()
 
 
 def parse_calls(text: str, cut: bool) -> list[tuple[str, str]] | None:
-    """The (name, arguments JSON text) of each object in `text` (what follows the tag), or None if
-    one is not a call; `cut`: an object the text ends inside is left out."""
+    """The (name, arguments JSON text) of each object in `text` (what follows the tag; a `;` may end
+    it too), or None if one is not a call; `cut`: an object the text ends inside is left out."""
     calls, i = [], 0
     while True:
         i = _skip_space(text, i)
+        if calls and i == len(text):  # after a separator
+            return calls
         try:
             obj, i = _DECODER.raw_decode(text, i)
         except ValueError:
-            return calls if cut else None
+            return calls if cut and unfinished_object(text[i:]) else None
         parsed = call_of(obj)
         if parsed is None:
             return None

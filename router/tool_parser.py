@@ -32,6 +32,13 @@ def call(name: str, arguments: str, call_id: str | None = None) -> dict:
     return {"id": call_id or new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+def unfinished_object(text: str) -> bool:
+    """Whether text a reply was cut inside could be the start of a call's JSON object: nothing yet,
+    or `{` and then nothing or a key ("{x | x > 0} is ..." is prose)."""
+    text = text.lstrip()
+    return not text or (text[0] == "{" and text[1:].lstrip()[:1] in ("", '"'))
+
+
 def _parse_block(body: str) -> tuple[str, str] | None:
     """-> (name, arguments JSON text) of one block's body, or None if it is not a call."""
     try:
@@ -43,10 +50,12 @@ def _parse_block(body: str) -> tuple[str, str] | None:
 def call_of(obj) -> tuple[str, str] | None:
     """-> (name, arguments JSON text) of a parsed JSON value, or None if it is not a call: an
     object with a string `name` and `arguments` (or `parameters`) that are an object, or a string
-    holding one."""
+    holding one (a call without either is not one, as in vLLM's parsers)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
+    if "arguments" not in obj and "parameters" not in obj:
+        return None
+    args = obj["arguments"] if "arguments" in obj else obj["parameters"]
     if isinstance(args, str):
         try:
             return (obj["name"], args) if isinstance(json.loads(args), dict) else None
@@ -108,8 +117,9 @@ class ToolCallStream(CallStream):
     until it cannot); a block is held until its close tag, or the text's end, and then decided: a
     call (sent whole), or content as written. A block the text ends inside is a call when its body
     parses (a close tag the text ends inside left out); else it is content, unless the reply was
-    cut at max_tokens: then it is an unfinished call and is dropped (the finish_reason "length"
-    says so), not sent as markup, as is the start of an open tag the cut reply ends with."""
+    cut at max_tokens inside what could still be a call's object (unfinished_object): then it is
+    an unfinished call and is dropped (the finish_reason "length" says so), not sent as markup, as
+    is the start of an open tag the cut reply ends with."""
 
     def __init__(self, max_calls: int | None = None, accepts: Accepts | None = None) -> None:
         self.max_calls, self.accepts = max_calls, accepts
@@ -161,7 +171,7 @@ class ToolCallStream(CallStream):
         if parsed is not None and self.accepts is not None and not self.accepts(*parsed):
             parsed = None  # a function not offered, or a strict one's arguments off its schema
         if parsed is None:
-            if closed or not cut:
+            if closed or not cut or not unfinished_object(body):
                 content.append(OPEN + body + (CLOSE if closed else ""))
         elif self.max_calls is None or self.num_calls < self.max_calls:
             calls.append({"index": self.num_calls, **call(*parsed)})

@@ -35,15 +35,19 @@ def test_a_reply_that_is_json_calls_is_calls():
     assert parse(WEATHER) == (None, [WEATHER_CALL])
     assert parse(f" \n<|python_tag|>{WEATHER}; {NOW}\n") == (None, [WEATHER_CALL, ("now", {})])
     assert parse(f"{WEATHER};{NOW}", max_calls=1) == (None, [WEATHER_CALL])  # parallel_tool_calls false
-    # arguments as a string holding an object: a call, as in the Hermes format
+    # arguments as a string holding an object: a call, as in the Hermes format; a `;` may end it
     assert parse('{"name": "now", "parameters": "{\\"a\\": 1}"}') == (None, [("now", {"a": 1})])
+    assert parse(f"{WEATHER};") == (None, [WEATHER_CALL])
+    assert parse(f"{WEATHER}; {NOW}; \n") == (None, [WEATHER_CALL, ("now", {})])
 
 
 @pytest.mark.parametrize("text", [
     "The weather is fine.", "  Hello there \n",  # content: as written (vLLM's), whitespace and all
     '{"city": "Paris"}',  # JSON, but not a call
     f"{WEATHER} and then some words", f"{WEATHER}; not json", '{"name": "get_weather", "parameters": [1]}',
-    f"Sure: {WEATHER}",  # a call that does not start the reply: content (vLLM's rule)
+    f"Sure: {WEATHER}",  # a call that does not start the reply: content (vLLM's streaming rule)
+    '{"name": "now"}',  # no arguments: no call (vLLM's KeyError)
+    f"{WEATHER};;", f"; {WEATHER}",
     "<|python_tag|>", "",
 ])
 def test_anything_else_is_content_as_written(text):
@@ -55,6 +59,10 @@ def test_a_cut_reply_keeps_its_whole_calls_and_drops_the_unfinished_one():
     assert parse(cut, cut=True) == (None, [WEATHER_CALL])
     assert parse(cut) == (cut, [])  # it stopped there: not calls
     assert parse('{"name": "get_wea', cut=True) == (None, [])
+    # cut inside prose that starts with a brace: content, not an unfinished call
+    prose = "{x | x > 0} is the set of positive reals, so the answer"
+    assert parse(prose, cut=True) == (prose, [])
+    assert parse(f"{WEATHER}; {{x | x", cut=True) == (f"{WEATHER}; {{x | x", [])
 
 
 def test_a_call_of_a_function_not_offered_is_content():

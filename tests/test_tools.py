@@ -427,6 +427,10 @@ def test_parse_tool_calls():
             content, calls = parse_tool_calls("<tool_call>\n" + CALL + close, cut=cut)
             assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"]))
                                         for c in calls] == [weather], (close, cut)
+    # a block without arguments is no call (vLLM's parsers); a cut block that is no JSON object is text
+    no_arguments = '<tool_call>{"name": "now"}</tool_call>'
+    assert parse_tool_calls(no_arguments) == (no_arguments, [])
+    assert parse_tool_calls("Mention <tool_call> here, then", cut=True) == ("Mention <tool_call> here, then", [])
     for head in ("<", "<tool", "<tool_call"):
         assert parse_tool_calls(HERMES + "\n" + head, cut=True)[0] == "Let me look."
         assert parse_tool_calls(HERMES + "\n" + head)[0] == "Let me look.\n\n" + head  # it stopped there: text
