@@ -24,7 +24,7 @@ from cluster.engine_args import add_engine_args, engine_config_from_args, parse_
 from cluster.policy import ROUTERS
 from engine.chat_format import FORMATS as CONTENT_FORMATS
 from router.reasoning import PARSERS as REASONING_PARSERS
-from router.tool_parser import PARSERS as TOOL_CALL_PARSERS
+from router.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from workers.serve_logging import UVICORN_LOG_LEVELS
 
 _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_replicas", "max_ongoing_requests",

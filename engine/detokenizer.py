@@ -127,9 +127,10 @@ class IncrementalDetokenizer:
         if self._unread:
             self._catch_up()
         if finished and self.stop_string is None and self._read_offset < len(self._ids):
-            # incomplete trailing bytes, as decode() shows them; after the sequence ended, so no
-            # stop string is looked for in them (vLLM never shows them at all)
-            self._text += self._decode_new(flush=True)
+            # incomplete trailing bytes, as decode() shows them (vLLM never shows them at all); the
+            # sequence has ended already, so a stop string found in them cuts the text (which never
+            # holds one) without being the reason it ended
+            self._append(self._decode_new(flush=True), ended=True)
         final = finished or self.stop_string is not None
         end = len(self._text) if final else len(self._text) - self._holdback
         if end <= self._emitted:
@@ -169,7 +170,7 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return new_text[len(prefix_text):]
 
-    def _append(self, text: str) -> str | None:
+    def _append(self, text: str, ended: bool = False) -> str | None:
         if not text:
             return None
         old_len = len(self._text)
@@ -182,6 +183,8 @@ class IncrementalDetokenizer:
         stop, start = match
         end = start + len(stop) if self.params.include_stop_str_in_output else start
         self._text = self._text[:end]
+        if ended:
+            return None
         self.stop_string = stop
         return stop
 

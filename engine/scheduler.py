@@ -104,8 +104,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: what stamps a sequence's first admission (the simulator's is its own time)."""
         self.config = config
+        self.clock = clock
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -167,7 +170,7 @@ class Scheduler:
             self.waiting.popleft()
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
-                seq.first_scheduled = time.monotonic()  # its queue time ends (vLLM's scheduled_ts)
+                seq.first_scheduled = self.clock()  # its queue time ends (vLLM's scheduled_ts)
             self.stats.prefix_query_tokens += seq.num_tokens
             self.stats.prefix_hit_tokens += num_cached
             seq.num_computed_tokens = num_cached

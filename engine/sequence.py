@@ -43,7 +43,7 @@ class Sequence:
         self.num_preemptions = 0
         self.pending_forks = params.n - 1 if index == 0 else 0
         self.num_prompt_logprobs = 0  # prompt positions [0, k) whose logits gave token k's logprob
-        self.first_scheduled: float | None = None  # time.monotonic() when the scheduler first admitted it
+        self.first_scheduled: float | None = None  # the scheduler's clock when it first admitted it
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -84,7 +84,7 @@ class PromptEcho:
     prompt_logprobs: int | None  # vLLM's extra, when asked: its top-k
     # each prompt token's text in prompt_logprobs (`decoded_token`): the text whatever the
     # request's return_tokens_as_token_ids, which renames only the `logprobs` tokens (vLLM's)
-    decoded_token: TokenStr | None = None
+    decoded_token: TokenStr
 
     def head(self, acc: "Accumulator", choice: int,
              with_logprobs: bool) -> tuple[str, list[int], list[dict[int, float] | None], dict]:

@@ -10,14 +10,14 @@ streaming parser decides on the same start; its whole-reply parser also takes ca
 other text, and drops that text: one rule here, so that a stream and a whole reply agree.)
 Such a reply is held until it ends, then decided whole, so a stream never sends content it would
 have to take back; a reply that starts otherwise streams as content at once. Cut at max_tokens,
-the calls that were whole stand and an unfinished one (`{` and a key, or less) is dropped (the
+the calls that were whole stand and an unfinished one (`{"name"`, or less) is dropped (the
 finish_reason "length" says so), not sent as content.
 """
 from __future__ import annotations
 
 import json
 
-from router.tool_parser import Accepts, CallStream, call, call_of, chat_delta, unfinished_object
+from router.tool_calls import Accepts, CallStream, call, call_of, chat_delta
 
 PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = ";"
@@ -35,7 +35,7 @@ def parse_calls(text: str, cut: bool) -> list[tuple[str, str]] | None:
         try:
             obj, i = _DECODER.raw_decode(text, i)
         except ValueError:
-            return calls if cut and unfinished_object(text[i:]) else None
+            return calls if cut and _unfinished_call(text[i:]) else None
         parsed = call_of(obj)
         if parsed is None:
             return None
@@ -46,6 +46,14 @@ def parse_calls(text: str, cut: bool) -> list[tuple[str, str]] | None:
         if text[i] != SEPARATOR:
             return None
         i += 1
+
+
+def _unfinished_call(text: str) -> bool:
+    """Whether text a reply was cut inside could still be a call: `{` and then nothing, or a first
+    key that is (the start of) "name", as Llama writes its calls. A cut JSON answer such as
+    `{"summary": "...` is content."""
+    rest = text.lstrip()[1:].lstrip() if text.lstrip().startswith("{") else None
+    return rest is not None and (rest.startswith('"name"') or '"name"'.startswith(rest))
 
 
 def _skip_space(text: str, i: int) -> int:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from router.tool_parser import held_back
+from router.tool_calls import held_back
 
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"

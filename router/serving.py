@@ -339,7 +339,8 @@ class OpenAIServing:
         template = self.settings.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise bad_request("this model has no chat template; use /v1/completions", param=param)
-        msgs, tools = render(req.messages, plan or ToolPlan("none"), template_knows_tools(template))
+        plan = plan or ToolPlan("none", parser=self.settings.tool_call_parser)  # earlier calls in the parser's way
+        msgs, tools = render(req.messages, plan, template_knows_tools(template))
         if resolved(self.settings.chat_template_content_format, template) == "openai":
             msgs = [as_parts(m) for m in msgs]
         try:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from engine.chat_format import FORMATS
 from router.reasoning import PARSERS as REASONING_PARSERS
-from router.tool_parser import PARSERS as TOOL_FORMATS
+from router.tool_calls import PARSERS as TOOL_FORMATS
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,5 @@
-"""Tool calls out of generated text: whole (a finished reply) and streamed (OpenAI's deltas).
-
-Hermes-style blocks, as router.tools asks for them:
+"""Hermes' tool calls (`--tool-call-parser hermes`, the default) out of generated text: whole (a
+finished reply) and streamed (OpenAI's deltas). Blocks, as router.tools asks for them:
 
     Let me check.<tool_call>\\n{"name": "f", "arguments": {"x": 1}}\\n</tool_call>
     `-- content --'`-- a call: name, then arguments as JSON text ----------------'
@@ -17,22 +16,13 @@ without the whitespace around it: a stream holds trailing whitespace back until 
 from __future__ import annotations
 
 import json
-import uuid
-from collections.abc import Callable
+
+from router.tool_calls import Accepts, CallStream, call, call_of, chat_delta, held_back, parse_whole
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-PARSERS = ("hermes", "llama3_json")  # --tool-call-parser's choices: router.tools.FORMATS' keys
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def call(name: str, arguments: str, call_id: str | None = None) -> dict:
-    return {"id": call_id or new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def unfinished_object(text: str) -> bool:
+def _unfinished_object(text: str) -> bool:
     """Whether text a reply was cut inside could be the start of a call's JSON object: nothing yet,
     or `{` and then nothing or a key ("{x | x > 0} is ..." is prose)."""
     text = text.lstrip()
@@ -47,67 +37,11 @@ def _parse_block(body: str) -> tuple[str, str] | None:
         return None
 
 
-def call_of(obj) -> tuple[str, str] | None:
-    """-> (name, arguments JSON text) of a parsed JSON value, or None if it is not a call: an
-    object with a string `name` and `arguments` (or `parameters`) that are an object, or a string
-    holding one (a call without either is not one, as in vLLM's parsers)."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    if "arguments" not in obj and "parameters" not in obj:
-        return None
-    args = obj["arguments"] if "arguments" in obj else obj["parameters"]
-    if isinstance(args, str):
-        try:
-            return (obj["name"], args) if isinstance(json.loads(args), dict) else None
-        except ValueError:
-            return None
-    return (obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
-
-
-Accepts = Callable[[str, str], bool]  # (name, arguments JSON text) -> whether it calls an offered tool
-
-
 def parse_tool_calls(text: str, max_calls: int | None = None, cut: bool = False,
-                     accepts: Accepts | None = None, stream_cls=None) -> tuple[str | None, list[dict]]:
-    """A finished reply's text -> (the content, None if empty; the calls), exactly as a stream of
-    it would give them. Calls past `max_calls` are dropped; `cut`: the reply ended at max_tokens.
-    `stream_cls`: the format's stream (ToolCallStream, Hermes' blocks, by default)."""
-    stream = (stream_cls or ToolCallStream)(max_calls, accepts)
-    deltas = [stream.feed(text), stream.finish(cut)]
-    content = "".join(d.get("content", "") for d in deltas)
-    calls = [{k: v for k, v in c.items() if k != "index"} for d in deltas for c in d.get("tool_calls", ())]
-    return content or None, calls
-
-
-def held_back(text: str, tag: str) -> int:
-    """How many trailing characters of `text` could be the start of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
-class CallStream:
-    """One choice's text deltas -> OpenAI chat deltas with content and tool_calls (a format's subclass)."""
-
-    num_calls = 0
-    ends_as_tool_calls = True  # a reply that called tools and stopped says "tool_calls"
-
-    def feed(self, text: str) -> dict: ...
-
-    def finish(self, cut: bool = False) -> dict: ...
-
-    def step(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """One engine delta of this choice -> (the chat delta, the finish_reason to send: a reply
-        that called tools and stopped ends with "tool_calls", unless the request named the function)."""
-        delta = self.feed(text)
-        if finish_reason is not None:
-            end = self.finish(cut=finish_reason == "length")
-            delta = chat_delta(delta.get("content", "") + end.get("content", ""),
-                           delta.get("tool_calls", []) + end.get("tool_calls", []))
-            if self.num_calls and finish_reason == "stop" and self.ends_as_tool_calls:
-                finish_reason = "tool_calls"
-        return delta, finish_reason
+                     accepts: Accepts | None = None) -> tuple[str | None, list[dict]]:
+    """A finished reply's Hermes blocks and content (router.tool_calls.parse_whole). Calls past
+    `max_calls` are dropped; `cut`: the reply ended at max_tokens."""
+    return parse_whole(ToolCallStream(max_calls, accepts), text, cut)
 
 
 class ToolCallStream(CallStream):
@@ -117,7 +51,7 @@ class ToolCallStream(CallStream):
     until it cannot); a block is held until its close tag, or the text's end, and then decided: a
     call (sent whole), or content as written. A block the text ends inside is a call when its body
     parses (a close tag the text ends inside left out); else it is content, unless the reply was
-    cut at max_tokens inside what could still be a call's object (unfinished_object): then it is
+    cut at max_tokens inside what could still be a call's object (_unfinished_object): then it is
     an unfinished call and is dropped (the finish_reason "length" says so), not sent as markup, as
     is the start of an open tag the cut reply ends with."""
 
@@ -171,7 +105,7 @@ class ToolCallStream(CallStream):
         if parsed is not None and self.accepts is not None and not self.accepts(*parsed):
             parsed = None  # a function not offered, or a strict one's arguments off its schema
         if parsed is None:
-            if closed or not cut or not unfinished_object(body):
+            if closed or not cut or not _unfinished_object(body):
                 content.append(OPEN + body + (CLOSE if closed else ""))
         elif self.max_calls is None or self.num_calls < self.max_calls:
             calls.append({"index": self.num_calls, **call(*parsed)})
@@ -182,36 +116,7 @@ class ToolCallStream(CallStream):
         content, calls = [], []
         if self.in_call:
             self._end_block(self.buffer, calls, content, closed=False, cut=cut)
-        elif not cut:  # held back as a possible "<tool_call>": content after all
-            content.append(self.buffer)
+        elif not cut or len(self.buffer) < 2:  # held back as a possible "<tool_call>": content after all
+            content.append(self.buffer)  # (cut, "<t" and longer are a tag's start; a lone "<" is text)
         self.buffer, self.in_call = "", False
         return chat_delta(self._trimmed("".join(content)), calls)  # whitespace still held back is the reply's end
-
-
-def chat_delta(content: str, calls: list[dict]) -> dict:
-    delta = {}
-    if content:
-        delta["content"] = content
-    if calls:
-        delta["tool_calls"] = calls
-    return delta
-
-
-class NamedCallStream(CallStream):
-    """tool_choice naming a function: the whole output is its arguments, which its grammar holds
-    to the function's schema, so they stream as they come. The reply ends "stop", as OpenAI's and
-    vLLM's do when the request forced the function."""
-
-    ends_as_tool_calls = False
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def feed(self, text: str) -> dict:
-        if not self.num_calls:
-            self.num_calls = 1
-            return {"tool_calls": [{"index": 0, **call(self.name, text)}]}
-        return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
-
-    def finish(self, cut: bool = False) -> dict:
-        return self.feed("") if not self.num_calls else {}

@@ -2,11 +2,11 @@
 how tools and earlier tool turns are rendered into the prompt.
 
     tool_choice  none       tools left out of the prompt; the output is content
-                 auto       tools in the prompt; Hermes-style <tool_call> blocks in the output
-                            become tool_calls (router.tool_parser), the rest stays content
-                 required   the output is constrained to one or more such blocks (one without
-                            parallel_tool_calls), each a call of a listed tool with arguments
-                            that match its parameters' schema
+                 auto       tools in the prompt; calls in the output, written in the format of
+                            --tool-call-parser (below), become tool_calls, the rest stays content
+                 required   the output is constrained to one or more such calls (one without
+                            parallel_tool_calls), each of a listed tool with arguments that
+                            match its parameters' schema
                  {function} the output is constrained to that function's arguments
 
 Calls are written in the format of `--tool-call-parser` (FORMATS), the Hermes way by default:
@@ -32,7 +32,8 @@ from engine.structured.params import StructuredOutputsParams
 from engine.structured.schemas import closed_objects
 from router.llama3_tool_parser import Llama3JsonStream
 from router.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, ToolDefinition
-from router.tool_parser import PARSERS, CallStream, NamedCallStream, ToolCallStream, call, parse_tool_calls
+from router.tool_calls import CallStream, NamedCallStream, call, parse_whole
+from router.tool_parser import ToolCallStream
 
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -78,7 +79,6 @@ FORMATS = {
                          ("<tool_response>\n", "\n</tool_response>")),
     "llama3_json": ToolFormat(Llama3JsonStream, LLAMA3_TOOLS_PROMPT, "parameters", "", "", "; ", ("", "")),
 }
-assert tuple(FORMATS) == PARSERS
 
 
 @dataclass(frozen=True)
@@ -117,8 +117,8 @@ class ToolPlan:
         if self.mode == "named":
             content, calls = None, [call(self.function, message["content"] or "")]  # cut before any argument
         else:
-            content, calls = parse_tool_calls(message["content"] or "", self.max_calls,
-                                              choice["finish_reason"] == "length", self.accepts, self.format.stream)
+            content, calls = parse_whole(self.format.stream(self.max_calls, self.accepts), message["content"] or "",
+                                         choice["finish_reason"] == "length")
         message["content"] = content
         if calls:
             message["tool_calls"] = calls
@@ -196,7 +196,7 @@ def _arguments_schema(tool: ToolDefinition) -> dict:
     schema = tool.function.parameters
     if schema is None:
         return NO_ARGUMENTS
-    return schema if "type" in schema else {**schema, "type": "object"}
+    return schema if schema.get("type") == "object" else {**schema, "type": "object"}  # ["object", "null"] too
 
 
 def required_grammar(tools: tuple[ToolDefinition, ...], parallel: bool, fmt: ToolFormat = FORMATS["hermes"]) -> str:

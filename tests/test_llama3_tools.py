@@ -13,7 +13,7 @@ from engine.structured.compiler import GrammarCompiler
 from engine.structured.params import StructuredOutputsParams
 from router.llama3_tool_parser import Llama3JsonStream
 from router.protocol import ChatCompletionRequest
-from router.tool_parser import parse_tool_calls
+from router.tool_calls import parse_whole
 from router.tools import FORMATS, ToolPlan, render, required_grammar
 from tests.scripted_engine import run
 from tests.test_tools import HISTORY, TOOLS, USER, create, streamed
@@ -24,7 +24,7 @@ NOW = '{"name": "now", "arguments": {}}'
 
 
 def parse(text: str, cut: bool = False, max_calls: int | None = None, accepts=None):
-    content, calls = parse_tool_calls(text, max_calls, cut, accepts, Llama3JsonStream)
+    content, calls = parse_whole(Llama3JsonStream(max_calls, accepts), text, cut)
     return content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
@@ -63,6 +63,10 @@ def test_a_cut_reply_keeps_its_whole_calls_and_drops_the_unfinished_one():
     prose = "{x | x > 0} is the set of positive reals, so the answer"
     assert parse(prose, cut=True) == (prose, [])
     assert parse(f"{WEATHER}; {{x | x", cut=True) == (f"{WEATHER}; {{x | x", [])
+    answer = '{"summary": "Paris is sunny today, with'  # a JSON answer cut short: content
+    assert parse(answer, cut=True) == (answer, [])
+    for head in ("{", '{ "na', '{"name"', '{"name": "no'):
+        assert parse(f"{WEATHER}; {head}", cut=True) == (None, [WEATHER_CALL]), head
 
 
 def test_a_call_of_a_function_not_offered_is_content():
@@ -122,6 +126,17 @@ def test_tool_turns_render_in_llama3s_way_into_a_template_without_tool_support(t
     assert msgs[3] == {"role": "tool", "content": "21 degrees"}
 
 
+def test_tokenize_renders_tool_turns_as_chat_does(tokenizer):
+    """/tokenize of a conversation with earlier calls (and no tools) counts what chat sends."""
+    async def ids(client):
+        r = await client._client.post("http://t/tokenize", json={"model": "m", "messages": HISTORY})
+        return r.json()["tokens"]
+
+    tokens, _ = run(tokenizer, "x", ids, settings=LLAMA3)
+    _, engine = run(tokenizer, "x", create(messages=HISTORY), settings=LLAMA3)
+    assert tokens == engine.seen[0][0] and "<tool_call>" not in tokenizer.decode(tokens)
+
+
 def test_the_server_parses_llama3_calls_whole_and_streamed(tokenizer):
     r, engine = run(tokenizer, WEATHER, create(tools=TOOLS), settings=LLAMA3)
     (call,) = r.choices[0].message.tool_calls
@@ -142,6 +157,9 @@ def test_the_server_parses_llama3_calls_whole_and_streamed(tokenizer):
 
 def test_an_unknown_parser_is_refused():
     from router.settings import RouterSettings
+    from router.tool_calls import PARSERS
+
+    assert tuple(FORMATS) == PARSERS  # the flag's choices are the formats there are
 
     with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, llama3_json"):
         RouterSettings(served_model_name="m", tool_call_parser="mistral")

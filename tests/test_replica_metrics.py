@@ -103,9 +103,13 @@ def test_request_phases_queue_prefill_decode_inference():
     m, sinks = recorder(clock)
     m.start_request(3).finish("abort")
     timer = m.start_request(3)
-    timer.scheduled(10.5)  # an engine instant past the replica's end (another clock read): clamped
+    timer.scheduled(10.5)  # an engine instant before the arrival here (the hop): clamped to it
     timer.finish("abort")
-    assert values(sinks, M.QUEUE_TIME) == pytest.approx([0.0])
+    late = m.start_request(3)
+    late.scheduled(12.0)  # ... or after the end
+    clock.t += 0.4
+    late.finish("abort")
+    assert values(sinks, M.QUEUE_TIME) == pytest.approx([0.0, 0.4])
     for name in (M.PREFILL_TIME, M.DECODE_TIME, M.INFERENCE_TIME, M.REQUEST_TPOT, M.PARAMS_MAX_TOKENS):
         assert not values(sinks, name), name
     timer = m.start_request(3)
@@ -114,7 +118,7 @@ def test_request_phases_queue_prefill_decode_inference():
     timer.tokens(1)
     timer.finish("stop")
     assert values(sinks, M.REQUEST_TPOT) == [0.0] and values(sinks, M.DECODE_TIME) == [0.0]
-    assert len(values(sinks, M.E2E)) == 3 and values(sinks, M.PARAMS_N) == [1, 1, 1]
+    assert len(values(sinks, M.E2E)) == 4 and values(sinks, M.PARAMS_N) == [1, 1, 1, 1]
 
 
 def test_output_of_several_steps_shares_its_gap_out_over_them():

@@ -531,3 +531,24 @@ def test_random_workloads_with_forks_keep_invariants_and_drain(cfg, base_prompt,
 def test_random_workloads_under_the_priority_policy_keep_invariants_and_drain(cfg, base_prompt, operations, n):
     """Both queues stay in (priority, arrival) order (check_integrity), forks and preemptions included."""
     run_ops(cfg, base_prompt, operations, n=n, policy="priority")
+
+
+def test_first_admission_is_stamped_by_the_schedulers_clock_and_kept_through_preemption():
+    """The instant a request's queue time ends (workers.metrics), on the clock the scheduler is
+    given (the simulator's own time); a recomputed sequence keeps its first one, a fork its parent's."""
+    now = [5.0]
+    bm = BlockManager(4, 4, False)
+    sched = Scheduler(SchedulerConfig(8, 64), bm, clock=lambda: now[0])
+    first = Sequence("r0", [1, 2, 3], SamplingParams(max_tokens=4), 4)
+    second = Sequence("r1", [4, 5, 6], SamplingParams(max_tokens=4), 4)
+    sched.add(first)
+    sched.add(second)
+    assert first.first_scheduled is None
+    sched.schedule()
+    assert first.first_scheduled == second.first_scheduled == 5.0
+    now[0] = 9.0
+    sched.running.remove(second)
+    sched._preempt(second)
+    sched.schedule()
+    assert second.num_preemptions == 1 and second.status is SequenceStatus.RUNNING
+    assert second.first_scheduled == 5.0 and first.fork(1).first_scheduled == 5.0

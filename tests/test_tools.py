@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.protocol import ChatCompletionRequest, ChatMessage, MAX_TOOLS
-from router.tool_parser import NamedCallStream, ToolCallStream, parse_tool_calls
+from router.tool_calls import NamedCallStream
+from router.tool_parser import ToolCallStream, parse_tool_calls
 from router.tools import ToolPlan, render, required_grammar
 from tests.scripted_engine import run
 
@@ -195,7 +196,7 @@ def test_a_function_takes_an_object_of_arguments(tokenizer):
             assert e.value.body["param"] == "tools.0.function.parameters", e.value.body
             assert "must be a JSON Schema of 'type: \"object\"'" in e.value.body["message"]
     named = {"type": "function", "function": {"name": "f"}}
-    for parameters in ({}, {"properties": {"a": {"type": "integer"}}}):
+    for parameters in ({}, {"properties": {"a": {"type": "integer"}}}, {"type": ["object", "null"]}):
         r, engine = run(tokenizer, '{"a": 1}', create(tools=tool(parameters), tool_choice=named))
         assert json.loads(engine.seen[0][1].structured_outputs.json) == {**parameters, "type": "object"}
         assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"a": 1}
@@ -431,9 +432,10 @@ def test_parse_tool_calls():
     no_arguments = '<tool_call>{"name": "now"}</tool_call>'
     assert parse_tool_calls(no_arguments) == (no_arguments, [])
     assert parse_tool_calls("Mention <tool_call> here, then", cut=True) == ("Mention <tool_call> here, then", [])
-    for head in ("<", "<tool", "<tool_call"):
+    for head in ("<t", "<tool", "<tool_call"):
         assert parse_tool_calls(HERMES + "\n" + head, cut=True)[0] == "Let me look."
         assert parse_tool_calls(HERMES + "\n" + head)[0] == "Let me look.\n\n" + head  # it stopped there: text
+    assert parse_tool_calls("if a <", cut=True) == ("if a <", [])  # a lone "<" is text
 
 
 TEXTS = [HERMES, "\n " + HERMES + "\n<tool_call>\n" + '{"arguments": {"b": "}"}, "name": "x"}' + "\n</tool_call> end",
@@ -449,7 +451,9 @@ TEXTS = [HERMES, "\n " + HERMES + "\n<tool_call>\n" + '{"arguments": {"b": "}"},
          # a second call cut inside its arguments
          HERMES + '\n<tool_call>\n{"name": "now", "arguments": {"tz": "Eur',
          # ends inside a whole call's close tag, or inside the next call's open tag
-         '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_c', HERMES + "\n<tool"]
+         '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_c', HERMES + "\n<tool",
+         # text that only mentions a tag, or ends in a "<"
+         "Mention <tool_call> here, then", "if a <"]
 
 
 @settings(max_examples=300, deadline=None)

@@ -56,7 +56,7 @@ class SimReplica:
         self.token_fn = token_fn
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
-                                   self.block_manager)
+                                   self.block_manager, clock=lambda: self.clock)
         self.busy = False  # a step is in flight (between schedule and complete)
         self.clock = 0.0  # simulated time of the last report
 
