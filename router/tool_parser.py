@@ -10,8 +10,10 @@ and its JSON parsed: arguments that went out in fragments could not be taken bac
 then turned out not to be a call (unquoted strings, arguments that are not an object), and a
 client would get arguments that are not JSON. Text that might still become a `<tool_call>` tag is
 held back until it cannot. A block that is not a call stays content, as does one that calls a
-function not offered or gives a strict function arguments off its schema (OpenAI's guarantee). The content is the reply's
-without the whitespace around it: a stream holds trailing whitespace back until more content follows.
+function not offered or gives a strict function arguments off its schema (OpenAI's guarantee). The content is the
+reply's text outside its calls, without the whitespace between a call and the reply's start or end
+(a reply without calls is content as written, as vLLM gives it): a stream holds whitespace back
+until it knows what follows it.
 """
 from __future__ import annotations
 
@@ -62,19 +64,26 @@ class ToolCallStream(CallStream):
         self.scanned = 0  # of the block's body in buffer, how much holds no close tag
         self.num_calls = 0
         self.content_sent = False
-        self.spaces = ""  # trailing whitespace of the content sent, held back until content follows
+        self.after_call = False  # the last thing in the reply so far is a call (or an unfinished one)
+        self.spaces = ""  # whitespace after the content sent, held back until it is known what follows
 
-    def _trimmed(self, content: str) -> str:
-        """Content to send, as a whole reply's is stripped: none of the whitespace before the
-        first content, and whitespace only once content follows it."""
-        if not self.content_sent:
-            content = content.lstrip()
-        body = content.rstrip()
+    def _content(self, text: str) -> str:
+        """The part of this content to send now. Whitespace goes out once content follows it; at
+        the reply's start it is dropped when a call comes first, at its end when a call came last
+        (so a reply without calls is content as written, as vLLM gives it)."""
+        if not self.content_sent and self.after_call:
+            text = text.lstrip()
+        body = text.rstrip()
         if not body:
-            self.spaces += content
+            self.spaces += text
             return ""
-        out, self.spaces, self.content_sent = self.spaces + body, content[len(body):], True
+        out, self.spaces, self.content_sent, self.after_call = self.spaces + body, text[len(body):], True, False
         return out
+
+    def _called(self) -> None:
+        if not self.content_sent:
+            self.spaces = ""  # whitespace before the reply's first call
+        self.after_call = True
 
     def feed(self, text: str) -> dict:
         """-> the delta for `text` ({} when nothing can be sent yet)."""
@@ -85,10 +94,10 @@ class ToolCallStream(CallStream):
                 start = self.buffer.find(OPEN)
                 if start == -1:
                     keep = held_back(self.buffer, OPEN)
-                    content.append(self.buffer[:len(self.buffer) - keep])
+                    content.append(self._content(self.buffer[:len(self.buffer) - keep]))
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     break
-                content.append(self.buffer[:start])
+                content.append(self._content(self.buffer[:start]))
                 self.buffer, self.in_call, self.scanned = self.buffer[start + len(OPEN):], True, 0
                 continue
             end = self.buffer.find(CLOSE, self.scanned)
@@ -97,17 +106,18 @@ class ToolCallStream(CallStream):
                 break
             self._end_block(self.buffer[:end], calls, content, closed=True)
             self.buffer, self.in_call = self.buffer[end + len(CLOSE):], False
-        return chat_delta(self._trimmed("".join(content)), calls)
+        return chat_delta("".join(content), calls)
 
     def _end_block(self, body: str, calls: list[dict], content: list[str], closed: bool, cut: bool = False) -> None:
         # a block the text ends inside may end inside its close tag: "{...}\n</tool_c"
         parsed = _parse_block(body if closed else body[:len(body) - held_back(body, CLOSE)])
         if parsed is not None and self.accepts is not None and not self.accepts(*parsed):
             parsed = None  # a function not offered, or a strict one's arguments off its schema
-        if parsed is None:
-            if closed or not cut or not _unfinished_object(body):
-                content.append(OPEN + body + (CLOSE if closed else ""))
-        elif self.max_calls is None or self.num_calls < self.max_calls:
+        if parsed is None and (closed or not cut or not _unfinished_object(body)):
+            content.append(self._content(OPEN + body + (CLOSE if closed else "")))
+            return
+        self._called()  # a call (one past max_calls too), or an unfinished one dropped
+        if parsed is not None and (self.max_calls is None or self.num_calls < self.max_calls):
             calls.append({"index": self.num_calls, **call(*parsed)})
             self.num_calls += 1
 
@@ -117,6 +127,10 @@ class ToolCallStream(CallStream):
         if self.in_call:
             self._end_block(self.buffer, calls, content, closed=False, cut=cut)
         elif not cut or len(self.buffer) < 2:  # held back as a possible "<tool_call>": content after all
-            content.append(self.buffer)  # (cut, "<t" and longer are a tag's start; a lone "<" is text)
-        self.buffer, self.in_call = "", False
-        return chat_delta(self._trimmed("".join(content)), calls)  # whitespace still held back is the reply's end
+            content.append(self._content(self.buffer))  # (cut, "<t" and longer are a tag's start; a lone "<" is text)
+        elif self.buffer:
+            self._called()  # an unfinished tag: dropped, as an unfinished call is
+        if not self.after_call:  # the reply ends in content: its trailing whitespace is its own
+            content.append(self.spaces)
+        self.buffer, self.in_call, self.spaces = "", False, ""
+        return chat_delta("".join(content), calls)

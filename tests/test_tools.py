@@ -428,6 +428,12 @@ def test_parse_tool_calls():
             content, calls = parse_tool_calls("<tool_call>\n" + CALL + close, cut=cut)
             assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"]))
                                         for c in calls] == [weather], (close, cut)
+    # whitespace: a reply without calls is content as written (vLLM's); between a call and the
+    # reply's start or end it goes; elsewhere it stays
+    assert parse_tool_calls("  Hello there \n") == ("  Hello there \n", [])
+    assert parse_tool_calls(" \n" + HERMES + "\n ")[0] == " \nLet me look."
+    assert parse_tool_calls("\n" + f"<tool_call>{CALL}</tool_call>" + "\n Done.\n")[0] == "Done.\n"
+    assert parse_tool_calls(f"Hi\n<tool_call>{CALL}</tool_call>\nBye")[0] == "Hi\n\nBye"
     # a block without arguments is no call (vLLM's parsers); a cut block that is no JSON object is text
     no_arguments = '<tool_call>{"name": "now"}</tool_call>'
     assert parse_tool_calls(no_arguments) == (no_arguments, [])
@@ -452,8 +458,9 @@ TEXTS = [HERMES, "\n " + HERMES + "\n<tool_call>\n" + '{"arguments": {"b": "}"},
          HERMES + '\n<tool_call>\n{"name": "now", "arguments": {"tz": "Eur',
          # ends inside a whole call's close tag, or inside the next call's open tag
          '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_c', HERMES + "\n<tool",
-         # text that only mentions a tag, or ends in a "<"
-         "Mention <tool_call> here, then", "if a <"]
+         # text that only mentions a tag, or ends in a "<"; whitespace at either end, with calls and without
+         "Mention <tool_call> here, then", "if a <", "  Hello there \n", " \n" + HERMES + "\n ",
+         f"\n<tool_call>{CALL}</tool_call>\n Done.\n"]
 
 
 @settings(max_examples=300, deadline=None)
