@@ -61,6 +61,7 @@ class CallStream:
 
     num_calls = 0
     ends_as_tool_calls = True  # a reply that called tools and stopped says "tool_calls"
+    calls_only = False  # the output is held to calls (tool_choice "required"): no text of it is content
 
     def feed(self, text: str) -> dict: ...
 

@@ -126,10 +126,10 @@ class ToolCallStream(CallStream):
         content, calls = [], []
         if self.in_call:
             self._end_block(self.buffer, calls, content, closed=False, cut=cut)
-        elif not cut or len(self.buffer) < 2:  # held back as a possible "<tool_call>": content after all
-            content.append(self._content(self.buffer))  # (cut, "<t" and longer are a tag's start; a lone "<" is text)
-        elif self.buffer:
-            self._called()  # an unfinished tag: dropped, as an unfinished call is
+        elif cut and self.buffer and (len(self.buffer) > 1 or self.calls_only):
+            self._called()  # an unfinished tag ("<t" and longer; any under required): dropped, as an unfinished call is
+        else:  # held back as a possible "<tool_call>": content after all (a lone "<" is text)
+            content.append(self._content(self.buffer))
         if not self.after_call:  # the reply ends in content: its trailing whitespace is its own
             content.append(self.spaces)
         self.buffer, self.in_call, self.spaces = "", False, ""

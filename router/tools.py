@@ -117,8 +117,7 @@ class ToolPlan:
         if self.mode == "named":
             content, calls = None, [call(self.function, message["content"] or "")]  # cut before any argument
         else:
-            content, calls = parse_whole(self.format.stream(self.max_calls, self.accepts), message["content"] or "",
-                                         choice["finish_reason"] == "length")
+            content, calls = parse_whole(self.stream(), message["content"] or "", choice["finish_reason"] == "length")
         message["content"] = content
         if calls:
             message["tool_calls"] = calls
@@ -126,7 +125,11 @@ class ToolPlan:
                 choice["finish_reason"] = "tool_calls"
 
     def stream(self) -> CallStream:
-        return NamedCallStream(self.function) if self.mode == "named" else self.format.stream(self.max_calls, self.accepts)
+        if self.mode == "named":
+            return NamedCallStream(self.function)
+        stream = self.format.stream(self.max_calls, self.accepts)
+        stream.calls_only = self.mode == "required"  # its grammar allows no content: a cut "<" starts a call
+        return stream
 
     def accepts(self, name: str, arguments: str) -> bool:
         """Whether a parsed block calls one of the tools, with arguments that match its schema

@@ -441,7 +441,12 @@ def test_parse_tool_calls():
     for head in ("<t", "<tool", "<tool_call"):
         assert parse_tool_calls(HERMES + "\n" + head, cut=True)[0] == "Let me look."
         assert parse_tool_calls(HERMES + "\n" + head)[0] == "Let me look.\n\n" + head  # it stopped there: text
-    assert parse_tool_calls("if a <", cut=True) == ("if a <", [])  # a lone "<" is text
+    assert parse_tool_calls("if a <", cut=True) == ("if a <", [])  # a lone "<" is text ...
+    required = ToolPlan.of(ChatCompletionRequest.model_validate({"messages": USER, "tools": TOOLS,
+                                                                 "tool_choice": "required"}))
+    choice = {"message": {"content": HERMES.split("\n", 1)[1] + "\n<"}, "finish_reason": "length"}
+    required.apply(choice)  # ... but under required, whose grammar allows no content, the start of a call
+    assert choice["message"]["content"] is None and len(choice["message"]["tool_calls"]) == 1
 
 
 TEXTS = [HERMES, "\n " + HERMES + "\n<tool_call>\n" + '{"arguments": {"b": "}"}, "name": "x"}' + "\n</tool_call> end",
