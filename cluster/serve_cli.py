@@ -86,6 +86,9 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     http.add_argument("--allow-credentials", action="store_true", default=None, help="CORS (default: off)")
     http.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="accepted for vLLM's command lines: tool_choice auto is always served here")
+    http.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                      help="accepted for vLLM's command lines: tool_choice none always leaves the tools out of "
+                           "the prompt here")
     http.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS),
                       help="how the model writes tool calls: hermes, <tool_call> blocks (the default; Qwen, "
                            "Hermes), or llama3_json, bare JSON objects (Llama 3.1+); vLLM's names")

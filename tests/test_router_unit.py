@@ -335,7 +335,8 @@ def test_split_args_routes_keys_and_rejects_unknown_ones():
     assert (cors.allowed_origins, cors.allowed_methods, cors.allow_credentials) == (("https://a.example",), ("*",), True)
     parsed = router_settings(*split_args(app_args_from_cli(build_parser().parse_args(
         ["serve", "--reasoning-parser", "deepseek_r1", "--response-role", "bot",
-         "--chat-template-content-format", "openai", "--tool-call-parser", "llama3_json"]))))
+         "--chat-template-content-format", "openai", "--tool-call-parser", "llama3_json",
+         "--enable-auto-tool-choice", "--exclude-tools-when-tool-choice-none"]))))  # vLLM's, what is done anyway
     assert (parsed.reasoning_parser, parsed.response_role, parsed.chat_template_content_format,
             parsed.tool_call_parser) == ("deepseek_r1", "bot", "openai", "llama3_json")
     with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai"):
