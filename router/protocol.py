@@ -37,6 +37,15 @@ _NULL_MEANS_DEFAULT = frozenset({"stream", "n", "logprobs", "presence_penalty", 
                                   "parallel_tool_calls", "echo", "return_tokens_as_token_ids"})
 
 
+def nulls_dropped(data, fields: frozenset[str]):
+    """A request body less `fields` sent as null: OpenAI's "boolean or null" / "number or null"
+    fields (vLLM's Optional ones), so that a client that sends every field, unset ones as null,
+    gets their defaults rather than a 400."""
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items() if not (v is None and k in fields)}
+    return data
+
+
 class _SamplingFields(_Model):
     """The fields completions and chat completions share, mapped onto engine.SamplingParams."""
 
@@ -91,11 +100,7 @@ class _SamplingFields(_Model):
     @model_validator(mode="before")
     @classmethod
     def _nulls_are_defaults(cls, data):
-        """OpenAI's "boolean or null" / "number or null" fields (vLLM's Optional ones): a client that
-        sends every field, unset ones as null, gets their defaults rather than a 400."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if not (v is None and k in _NULL_MEANS_DEFAULT)}
-        return data
+        return nulls_dropped(data, _NULL_MEANS_DEFAULT)
 
     @model_validator(mode="after")
     def _check_common(self):

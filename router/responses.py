@@ -34,7 +34,7 @@ from pydantic import Field, TypeAdapter, ValidationError, field_validator, model
 
 from router.errors import bad_request, from_validation_error
 from router.formatting import Accumulator
-from router.protocol import ChatCompletionRequest, _Model, _schema_size_ok, object_parameters
+from router.protocol import ChatCompletionRequest, _Model, _schema_size_ok, nulls_dropped, object_parameters
 from router.reasoning import ReasoningStream
 from router.tool_parser import CLOSE
 from router.tools import ToolPlan
@@ -249,10 +249,7 @@ class ResponsesRequest(_Model):
     @model_validator(mode="before")
     @classmethod
     def _nulls_are_defaults(cls, data):
-        """OpenAI's nullable fields sent as null (clients that send every field) take their defaults."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if not (v is None and k in _NULL_MEANS_DEFAULT)}
-        return data
+        return nulls_dropped(data, _NULL_MEANS_DEFAULT)
 
     @field_validator("input", mode="before")
     @classmethod

@@ -165,7 +165,8 @@ class OpenAIServing:
     async def tokenize(self, req: TokenizeRequest) -> dict:
         self.check_model(req.model)
         if req.messages is not None:
-            plan = ToolPlan("auto", tuple(req.tools), parser=self.settings.tool_call_parser) if req.tools else None
+            tools = tuple(req.tools or ())
+            plan = ToolPlan("auto" if tools else "none", tools, parser=self.settings.tool_call_parser)
             ids = await off_loop(self._chat_ids, req, plan)
         else:
             ids = await off_loop(self.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens is not False)
@@ -334,12 +335,11 @@ class OpenAIServing:
         return [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=add_special_tokens)
                 for p in prompts]
 
-    def _chat_ids(self, req: ChatCompletionRequest | TokenizeRequest, plan: ToolPlan | None = None,
+    def _chat_ids(self, req: ChatCompletionRequest | TokenizeRequest, plan: ToolPlan,
                   param: str = "messages") -> list[int]:
         template = self.settings.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise bad_request("this model has no chat template; use /v1/completions", param=param)
-        plan = plan or ToolPlan("none", parser=self.settings.tool_call_parser)  # earlier calls in the parser's way
         msgs, tools = render(req.messages, plan, template_knows_tools(template))
         if resolved(self.settings.chat_template_content_format, template) == "openai":
             msgs = [as_parts(m) for m in msgs]
