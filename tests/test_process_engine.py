@@ -390,6 +390,7 @@ def test_a_finished_output_that_came_before_the_core_died_is_delivered(tiny_dir)
         e._send(("no such message",))  # then the core fails
         time.sleep(0.5)
         rest = [out async for out in stream]
+        e._proc.wait(timeout=60)  # a loaded host may take longer than the sleeps to end the core
         with pytest.raises(EngineDeadError, match="no such message"):  # the cause, not the EOF after it
             e.check_health()
         await e.shutdown()
