@@ -85,6 +85,7 @@ class ServeOptions:
     allow_credentials: bool | None = None
     reasoning_parser: str | None = None  # vLLM's: deepseek_r1 | qwen3 (router.reasoning); none by default
     tool_call_parser: str | None = None  # vLLM's: hermes (the default) | llama3_json (router.tools)
+    exclude_tools_when_tool_choice_none: bool | None = None  # vLLM's: tool_choice none hides the tools
     response_role: str | None = None  # vLLM's: a chat reply's role when it opens a new turn (default: assistant)
     chat_template_content_format: str | None = None  # vLLM's: auto | string | openai (engine.chat_format)
     engine_cls: str | Callable | None = None  # "module:Class" built as cls(EngineConfig); default AsyncEngine

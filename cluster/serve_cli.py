@@ -36,7 +36,7 @@ _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_rep
                 "graceful_shutdown_timeout_s", "engine_cls", "cpu_threads", "generation_config",
                 "override_generation_config", "chat_template", "allowed_origins", "allowed_methods",
                 "allowed_headers", "allow_credentials", "reasoning_parser", "tool_call_parser",
-                "response_role", "chat_template_content_format")
+                "exclude_tools_when_tool_choice_none", "response_role", "chat_template_content_format")
 
 
 def add_serve_parser(commands) -> argparse.ArgumentParser:
@@ -86,9 +86,9 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     http.add_argument("--allow-credentials", action="store_true", default=None, help="CORS (default: off)")
     http.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="accepted for vLLM's command lines: tool_choice auto is always served here")
-    http.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
-                      help="accepted for vLLM's command lines: tool_choice none always leaves the tools out of "
-                           "the prompt here")
+    http.add_argument("--exclude-tools-when-tool-choice-none", action="store_true", default=None,
+                      help="tool_choice none leaves the tools out of the prompt (by default the model still "
+                           "sees them, as in vLLM, and no call is parsed)")
     http.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS),
                       help="how the model writes tool calls: hermes, <tool_call> blocks (the default; Qwen, "
                            "Hermes), or llama3_json, bare JSON objects (Llama 3.1+); vLLM's names")

@@ -307,7 +307,7 @@ class OpenAIServing:
         constraint on the output, its rendered prompt, and whether the reply opens inside its
         reasoning (None: the reply is not split; router.reasoning). `field` names a chat field
         in the errors as the caller's request names it."""
-        plan = ToolPlan.of(req, self.settings.tool_call_parser)
+        plan = ToolPlan.of(req, self.settings.tool_call_parser, self.settings.exclude_tools_when_tool_choice_none)
         params = self._params(req)
         await check_all([(spec, field(param)) for spec, param in plan.tool_specs()])
         for spec, param in (self._output_constraint(req), (plan.spec(), "tools")):

@@ -48,6 +48,9 @@ class RouterSettings:
     reasoning_parser: str | None = None
     # vLLM's --tool-call-parser: how the model writes tool calls (router.tools.FORMATS)
     tool_call_parser: str = "hermes"
+    # vLLM's --exclude-tools-when-tool-choice-none: tool_choice "none" leaves the tools out of the
+    # prompt (by default the model still sees them, and its reply is not parsed for calls)
+    exclude_tools_when_tool_choice_none: bool = False
     response_role: str = "assistant"  # vLLM's --response-role: a chat reply's role when it opens a new turn
     # vLLM's --chat-template-content-format (engine.chat_format): auto | string | openai
     chat_template_content_format: str = "auto"

@@ -90,11 +90,13 @@ class ToolPlan:
     parser: str = "hermes"  # FORMATS' key: how calls are written
 
     @classmethod
-    def of(cls, req: ChatCompletionRequest, parser: str = "hermes") -> "ToolPlan":
+    def of(cls, req: ChatCompletionRequest, parser: str = "hermes", exclude_when_none: bool = False) -> "ToolPlan":
+        """`exclude_when_none`: vLLM's --exclude-tools-when-tool-choice-none; without it tool_choice
+        "none" still shows the model its tools (as vLLM and OpenAI do), and no call is parsed."""
         tools = tuple(req.tools or ())
         choice = req.tool_choice
         if not tools or choice == "none":
-            return cls("none", tools, parser=parser)
+            return cls("none", () if exclude_when_none else tools, parser=parser)
         if isinstance(choice, NamedToolChoice):
             return cls("named", tools, choice.function.name, req.parallel_tool_calls, parser)
         return cls(choice or "auto", tools, None, req.parallel_tool_calls, parser)
@@ -235,7 +237,7 @@ def _arguments(text: str):
 def render(messages: list[ChatMessage], plan: ToolPlan, native: bool) -> tuple[list[dict], list[dict] | None]:
     """-> (messages for apply_chat_template, its `tools` argument). `native`: the template
     renders tools itself (template_knows_tools)."""
-    tools = [t.model_dump(exclude_none=True) for t in plan.tools] if plan.calls_tools else None
+    tools = [t.model_dump(exclude_none=True) for t in plan.tools] or None
     if native:
         return [_native(m) for m in messages], tools
     out = [_as_text(m, plan.format) for m in messages]

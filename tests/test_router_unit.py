@@ -336,9 +336,11 @@ def test_split_args_routes_keys_and_rejects_unknown_ones():
     parsed = router_settings(*split_args(app_args_from_cli(build_parser().parse_args(
         ["serve", "--reasoning-parser", "deepseek_r1", "--response-role", "bot",
          "--chat-template-content-format", "openai", "--tool-call-parser", "llama3_json",
-         "--enable-auto-tool-choice", "--exclude-tools-when-tool-choice-none"]))))  # vLLM's, what is done anyway
+         "--enable-auto-tool-choice", "--exclude-tools-when-tool-choice-none"]))))  # the first: done anyway
     assert (parsed.reasoning_parser, parsed.response_role, parsed.chat_template_content_format,
-            parsed.tool_call_parser) == ("deepseek_r1", "bot", "openai", "llama3_json")
+            parsed.tool_call_parser, parsed.exclude_tools_when_tool_choice_none) == (
+        "deepseek_r1", "bot", "openai", "llama3_json", True)
+    assert not router_settings(*split_args({})).exclude_tools_when_tool_choice_none
     with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai"):
         router_settings(*split_args({"chat_template_content_format": "json"}))
     with pytest.raises(ValueError, match="response_role must be a non-empty string"):

@@ -205,10 +205,19 @@ def test_a_function_takes_an_object_of_arguments(tokenizer):
         assert '"type": "object"' in engine.seen[0][1].structured_outputs.grammar
 
 
-def test_tool_choice_none_leaves_tools_out(tokenizer):
+def test_tool_choice_none_shows_the_tools_and_parses_no_call(tokenizer):
+    """As vLLM: the model still sees its tools under tool_choice none (it knows what it could not
+    call), and what it writes is text; --exclude-tools-when-tool-choice-none leaves them out."""
     r, engine = run(tokenizer, HERMES, create(tools=TOOLS, tool_choice="none"))
     assert r.choices[0].message.content == HERMES and r.choices[0].finish_reason == "stop"
-    assert "<tools>" not in tokenizer.decode(engine.seen[0][0])
+    assert not r.choices[0].message.tool_calls and engine.seen[0][1].structured_outputs is None
+    shown = tokenizer.decode(engine.seen[0][0])
+    assert "<tools>" in shown and "get_weather" in shown
+    r, engine = run(tokenizer, HERMES, create(tools=TOOLS, tool_choice="none"),
+                    settings={"exclude_tools_when_tool_choice_none": True})
+    assert r.choices[0].message.content == HERMES and "<tools>" not in tokenizer.decode(engine.seen[0][0])
+    (chunks, calls, content), _ = run(tokenizer, HERMES, streamed(tools=TOOLS, tool_choice="none"))
+    assert content == HERMES and not calls and chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_a_cut_reply_keeps_its_length_finish(tokenizer):
