@@ -37,7 +37,7 @@ def test_the_sources_and_overrides(model_dir, tmp_path_factory):
 @pytest.mark.parametrize("source, overrides, says", [
     ("/nonexistent", None, "not auto, vllm or a directory"),
     ("auto", {"temprature": 1}, "unknown field(s) temprature"),
-    ("auto", {"temperature": 9}, "temperature: Input should be less than or equal to 2"),
+    ("auto", {"temperature": -1}, "temperature: Input should be greater than or equal to 0"),
     ("auto", {"top_k": 1.5}, "top_k must be an integer"),
     ("auto", {"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
 ])

@@ -276,7 +276,7 @@ ERROR_ROWS = [
     ("/v1/completions", {"prompt": [], "max_tokens": 1}, 400, "prompt", None),
     ("/v1/completions", {"prompt": [10 ** 7], "max_tokens": 1}, 400, "prompt", None),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", "invalid_value"),
-    ("/v1/completions", {"prompt": "x", "temperature": 2.5}, 400, "temperature", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "temperature": "inf"}, 400, "temperature", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "n": 129}, 400, "n", "invalid_value"),  # more than 128 (> max_num_seqs is served)

@@ -213,6 +213,12 @@ def test_a_reply_sent_whole_asks_the_engine_for_its_final_output_only(tokenizer,
     assert [p.output_kind for p in engine.params] == [RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA]
 
 
+def test_a_temperature_over_openais_2_is_served_as_vllm_serves_it(tokenizer):
+    engine = FirstAndLastEngine()
+    r = call(tokenizer, "POST", "/v1/completions", engine=engine, json={"prompt": "hi", "temperature": 5})
+    assert r.status_code == 200 and engine.params[0].temperature == 5
+
+
 def test_sampling_params_errors_name_their_field():
     from engine.sampling_params import SamplingParams
 
@@ -513,8 +519,8 @@ def test_serve_rejects_bad_flags_in_one_line_before_starting_ray():
                         (["--tool-call-parser", "mistral"], "invalid choice: 'mistral' (choose from 'hermes', 'llama3_json')"),
                         (["--reasoning-parser", "granite"], "invalid choice: 'granite' (choose from 'deepseek_r1', "
                                                             "'qwen3')"),
-                        (["--override-generation-config", '{"temperature": 9}'],
-                         "temperature: Input should be less than or equal to 2"),
+                        (["--override-generation-config", '{"temperature": -1}'],
+                         "temperature: Input should be greater than or equal to 0"),
                         (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "256", "--max-model-len", "1024"],
                          "without chunked prefill max_num_batched_tokens (256) must be >= max_model_len (1024)")]:
         r = kvserve("serve", *flags)
