@@ -8,8 +8,7 @@ A reply is calls when it starts with `{` (after whitespace, and `<|python_tag|>`
 tokens are shown) and every object in it is one; otherwise it is content, as written. (vLLM's
 streaming parser decides on the same start; its whole-reply parser also takes calls that follow
 other text, and drops that text: one rule here, so that a stream and a whole reply agree.)
-Such a reply is held until it ends, then decided whole, so a stream never sends content it would
-have to take back; a reply that starts otherwise streams as content at once. Cut at max_tokens,
+Such a reply is held until it ends (router.tool_calls.WholeReplyStream). Cut at max_tokens,
 the calls that were whole stand and an unfinished one (`{"name"`, or less) is dropped (the
 finish_reason "length" says so), not sent as content.
 """
@@ -17,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from router.tool_calls import Accepts, CallStream, call, call_of, chat_delta
+from router.tool_calls import WholeReplyStream, call_of
 
 PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = ";"
@@ -62,44 +61,13 @@ def _skip_space(text: str, i: int) -> int:
     return i
 
 
-class Llama3JsonStream(CallStream):
+class Llama3JsonStream(WholeReplyStream):
     """One choice's text deltas -> OpenAI chat deltas, for Llama 3's JSON calls."""
 
-    def __init__(self, max_calls: int | None = None, accepts: Accepts | None = None) -> None:
-        self.max_calls, self.accepts = max_calls, accepts
-        self.buffer = ""  # the reply so far, while it may still be calls
-        self.content = False  # decided: the reply is content
-        self.num_calls = 0
+    tag = PYTHON_TAG
 
-    def _body(self) -> str | None:
-        """What follows the tag when the reply is calls so far, "" while it cannot tell yet, None
-        once it cannot be calls."""
-        head = self.buffer.lstrip()
-        if head.startswith(PYTHON_TAG):
-            head = head[len(PYTHON_TAG):].lstrip()
-        elif PYTHON_TAG.startswith(head):
-            return ""
-        if not head:
-            return ""
-        return head if head.startswith("{") else None
+    def could_be(self, head: str) -> bool:
+        return head.startswith("{")
 
-    def feed(self, text: str) -> dict:
-        if self.content:
-            return chat_delta(text, [])
-        self.buffer += text
-        if self._body() is None:
-            self.content, out, self.buffer = True, self.buffer, ""
-            return chat_delta(out, [])
-        return {}
-
-    def finish(self, cut: bool = False) -> dict:
-        body, text, self.buffer = self._body(), self.buffer, ""
-        if self.content or not body:
-            return chat_delta(text, [])
-        parsed = parse_calls(body, cut)
-        if parsed is None or (self.accepts is not None and not all(self.accepts(*c) for c in parsed)):
-            return chat_delta(text, [])  # not calls (a function not offered, arguments off a strict schema): content
-        if self.max_calls is not None:
-            parsed = parsed[:self.max_calls]
-        self.num_calls = len(parsed)
-        return chat_delta("", [{"index": i, **call(*c)} for i, c in enumerate(parsed)])
+    def parse(self, body: str, cut: bool) -> list[tuple[str, str]] | None:
+        return parse_calls(body, cut)

@@ -10,7 +10,7 @@ import json
 import uuid
 from collections.abc import Callable
 
-PARSERS = ("hermes", "llama3_json")  # --tool-call-parser's choices: router.tools.FORMATS' keys
+PARSERS = ("hermes", "llama3_json", "pythonic", "llama4_pythonic")  # --tool-call-parser's: router.tools.FORMATS'
 Accepts = Callable[[str, str], bool]  # (name, arguments JSON text) -> whether it calls an offered tool
 
 
@@ -87,6 +87,67 @@ def parse_whole(stream: CallStream, text: str, cut: bool = False) -> tuple[str |
     content = "".join(d.get("content", "") for d in deltas)
     calls = [{k: v for k, v in c.items() if k != "index"} for d in deltas for c in d.get("tool_calls", ())]
     return content or None, calls
+
+
+class WholeReplyStream(CallStream):
+    """A format whose reply is calls when it starts with them (after whitespace, and `tag` where
+    the model writes one), and content otherwise: such a reply is held until it ends, then decided
+    whole, so a stream never sends content it would have to take back; a reply that cannot be
+    calls (`could_be` says no) streams as content at once. Cut at max_tokens, `parse` keeps the
+    calls that were whole."""
+
+    tag = ""  # a special token the calls may open with
+    end_tag = ""  # and close with
+
+    def __init__(self, max_calls: int | None = None, accepts: Accepts | None = None) -> None:
+        self.max_calls, self.accepts = max_calls, accepts
+        self.buffer = ""  # the reply so far, while it may still be calls
+        self.content = False  # decided: the reply is content
+        self.num_calls = 0
+
+    def could_be(self, head: str) -> bool:
+        """Whether a reply that starts with `head` (stripped, past the tag) may be calls."""
+        raise NotImplementedError
+
+    def parse(self, body: str, cut: bool) -> list[tuple[str, str]] | None:
+        """The calls `body` (the reply past the tag) holds, or None; `cut`: it ends at max_tokens."""
+        raise NotImplementedError
+
+    def _body(self) -> str | None:
+        """The reply past the tag when it may be calls so far, "" while it cannot tell yet, None
+        once it cannot be calls."""
+        head = self.buffer.lstrip()
+        if self.tag and head.startswith(self.tag):
+            head = head[len(self.tag):].lstrip()
+        elif self.tag.startswith(head):
+            return ""
+        if not head:
+            return ""
+        return head if self.could_be(head) else None
+
+    def feed(self, text: str) -> dict:
+        if self.content:
+            return chat_delta(text, [])
+        self.buffer += text
+        if self._body() is None:
+            self.content, out, self.buffer = True, self.buffer, ""
+            return chat_delta(out, [])
+        return {}
+
+    def finish(self, cut: bool = False) -> dict:
+        body, text, self.buffer = self._body(), self.buffer, ""
+        if self.content or not body:
+            return chat_delta(text, [])
+        body = body.rstrip()
+        if self.end_tag and body.endswith(self.end_tag):
+            body = body[:-len(self.end_tag)]
+        parsed = self.parse(body, cut)
+        if parsed is None or (self.accepts is not None and not all(self.accepts(*c) for c in parsed)):
+            return chat_delta(text, [])  # not calls (a function not offered, arguments off a strict schema): content
+        if self.max_calls is not None:
+            parsed = parsed[:self.max_calls]
+        self.num_calls = len(parsed)
+        return chat_delta("", [{"index": i, **call(*c)} for i, c in enumerate(parsed)])
 
 
 class NamedCallStream(CallStream):

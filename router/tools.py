@@ -15,6 +15,11 @@ Calls are written in the format of `--tool-call-parser` (FORMATS), the Hermes wa
                  {"name": "get_weather", "arguments": {"city": "Paris"}}
                  </tool_call>
     llama3_json  {"name": "get_weather", "parameters": {"city": "Paris"}}   (several: `; ` between)
+    pythonic     [get_weather(city="Paris"), now()]                       (llama4_pythonic too)
+
+Under `required` the output is held to calls by a grammar over each tool's JSON schema, so a
+format whose arguments are not JSON (pythonic) is held to llama3_json's calls there, as vLLM
+holds every parser's required output to JSON.
 
 A template that knows tools (it reads `tools`) renders them, the assistant's `tool_calls` and
 the `tool` turns itself; for one that does not, the tools go into the system prompt with the
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 from engine.structured.compiler import JSON_DEFAULTS
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.schemas import closed_objects
+from router import pythonic_tool_parser
 from router.llama3_tool_parser import Llama3JsonStream
 from router.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, ToolDefinition
 from router.tool_calls import CallStream, NamedCallStream, call, parse_whole
@@ -55,6 +61,12 @@ To call a function, answer with only a JSON object holding its name and argument
 {{"name": <function name>, "parameters": <arguments as a JSON object>}}; to call several, \
 separate the objects with ";"."""
 
+PYTHONIC_TOOLS_PROMPT = """You can call functions to help with the user's request. The functions are \
+described in JSON below:
+{tools}
+To call functions, answer with only a Python list of calls with keyword arguments, \
+[func_name1(param1=value1, param2=value2), func_name2(param=value)], and no other text."""
+
 
 @dataclass(frozen=True)
 class ToolFormat:
@@ -68,17 +80,31 @@ class ToolFormat:
     close: str
     separator: str
     response: tuple[str, str]  # around a tool result, for a template that does not know tools
+    required: str | None = None  # the format required mode's grammar writes instead (FORMATS' key)
 
     def call_text(self, name: str, arguments: str) -> str:
         body = json.dumps({"name": name, self.key: _arguments(arguments)}, ensure_ascii=False)
         return f"{self.open}{body}{self.close}"
+
+    def calls_text(self, calls: list[tuple[str, str]]) -> str:
+        """An assistant turn's calls, (name, arguments JSON text) each, as the model writes them."""
+        return self.separator.join(self.call_text(*c) for c in calls)
+
+
+class PythonicFormat(ToolFormat):
+    def calls_text(self, calls: list[tuple[str, str]]) -> str:
+        return "[" + ", ".join(pythonic_tool_parser.call_text(name, _object_arguments(arguments))
+                               for name, arguments in calls) + "]"
 
 
 FORMATS = {
     "hermes": ToolFormat(ToolCallStream, TOOLS_PROMPT, "arguments", "<tool_call>\n", "\n</tool_call>", "\n",
                          ("<tool_response>\n", "\n</tool_response>")),
     "llama3_json": ToolFormat(Llama3JsonStream, LLAMA3_TOOLS_PROMPT, "parameters", "", "", "; ", ("", "")),
+    "pythonic": PythonicFormat(pythonic_tool_parser.PythonicStream, PYTHONIC_TOOLS_PROMPT, "", "", "", "", ("", ""),
+                               required="llama3_json"),
 }
+FORMATS["llama4_pythonic"] = FORMATS["pythonic"]  # vLLM's name for Llama 4's (<|python_start|> is taken by both)
 
 
 @dataclass(frozen=True)
@@ -103,7 +129,8 @@ class ToolPlan:
 
     @property
     def format(self) -> ToolFormat:
-        return FORMATS[self.parser]
+        fmt = FORMATS[self.parser]
+        return FORMATS[fmt.required] if self.mode == "required" and fmt.required else fmt
 
     @property
     def calls_tools(self) -> bool:
@@ -272,7 +299,7 @@ def _native(m: ChatMessage) -> dict:
 def _as_text(m: ChatMessage, fmt: ToolFormat) -> dict:
     msg = m.to_template()
     if m.tool_calls:
-        blocks = fmt.separator.join(fmt.call_text(c.function.name, c.function.arguments) for c in m.tool_calls)
+        blocks = fmt.calls_text([(c.function.name, c.function.arguments) for c in m.tool_calls])
         msg["content"] = f"{msg['content']}\n{blocks}" if msg["content"] else blocks
     if m.role == "tool":
         msg["content"] = f"{fmt.response[0]}{msg['content']}{fmt.response[1]}"
