@@ -16,7 +16,7 @@ from router.protocol import ChatCompletionRequest
 from router.tool_calls import parse_whole
 from router.tools import FORMATS, ToolPlan, render, required_grammar
 from tests.scripted_engine import run
-from tests.test_tools import HISTORY, TOOLS, USER, create, streamed
+from tests.test_tools import HISTORY, TOOLS, USER, create, split_stream, streamed
 
 LLAMA3 = {"tool_call_parser": "llama3_json"}
 WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'
@@ -84,17 +84,9 @@ def test_streamed_replies_add_up_to_the_parsed_whole_under_any_split():
     rng = random.Random(0)
     for _ in range(300):
         text, end = rng.choice(TEXTS), rng.choice(["stop", "length"])
-        stream, deltas, i, finish = Llama3JsonStream(), [], 0, None
-        while i < len(text) or finish is None:
-            n = rng.randint(1, 9)
-            delta, finish = stream.step(text[i:i + n], end if i + n >= len(text) else None)
-            deltas.append(delta)
-            i += n
-        content = "".join(d.get("content", "") for d in deltas)
-        calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for d in deltas
-                 for c in d.get("tool_calls", ())]
+        content, calls, finish = split_stream(Llama3JsonStream(), text, end, rng)
         whole_content, whole = parse(text, cut=end == "length")
-        assert (content or None, calls) == (whole_content, whole), (text, end)
+        assert (content, calls) == (whole_content, whole), (text, end)
         assert finish == ("tool_calls" if whole and end == "stop" else end)
 
 

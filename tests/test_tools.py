@@ -480,24 +480,30 @@ TEXTS = [HERMES, "\n " + HERMES + "\n<tool_call>\n" + '{"arguments": {"b": "}"},
 @settings(max_examples=300, deadline=None)
 @given(text=st.sampled_from(TEXTS), seed=st.integers(0, 10**6), end=st.sampled_from(["stop", "length"]))
 def test_streamed_calls_add_up_to_the_parsed_whole_under_any_split(text, seed, end):
-    rng, stream, deltas, i = random.Random(seed), ToolCallStream(), [], 0
-    while i < len(text):
+    content, calls, finish = split_stream(ToolCallStream(), text, end, random.Random(seed))
+    whole_content, whole = parse_tool_calls(text, cut=end == "length")
+    assert calls == [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole]
+    assert content == whole_content
+    assert finish == ("tool_calls" if whole and end == "stop" else end)  # as plan.apply ends the whole reply
+
+
+def split_stream(stream, text: str, end: str, rng: random.Random):
+    """`text` fed to a call stream in random pieces, the last ending `end` -> (the content, None if
+    empty; the calls as (name, parsed arguments), always an object; the finish_reason sent)."""
+    deltas, i, finish = [], 0, None
+    while i < len(text) or finish is None:
         n = rng.randint(1, 9)
         delta, finish = stream.step(text[i:i + n], end if i + n >= len(text) else None)
         deltas.append(delta)
         i += n
-    content = "".join(d.get("content", "") for d in deltas)
     calls: dict[int, list] = {}
     for d in deltas:
         for c in d.get("tool_calls", []):
             entry = calls.setdefault(c["index"], [c.get("function", {}).get("name"), ""])
             entry[1] += c["function"].get("arguments", "")
-    whole_content, whole = parse_tool_calls(text, cut=end == "length")
-    assert [(n, json.loads(a)) for n, a in calls.values()] == [
-        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole]
-    assert all(isinstance(json.loads(a), dict) for _, a in calls.values())  # arguments are always an object
-    assert content == (whole_content or "")
-    assert finish == ("tool_calls" if whole and end == "stop" else end)  # as plan.apply ends the whole reply
+    parsed = [(name, json.loads(a)) for name, a in calls.values()]
+    assert all(isinstance(a, dict) for _, a in parsed)
+    return "".join(d.get("content", "") for d in deltas) or None, parsed, finish
 
 
 def test_named_stream():
