@@ -72,7 +72,7 @@ class LLMEngine:
         if n + max_tokens > self.max_model_len:
             raise InvalidRequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
                                       f"max_model_len ({self.max_model_len})", code="context_length_exceeded")
-        need = self.block_manager.blocks_for(n + max_tokens)
+        need = self.block_manager.blocks_for(n + max_tokens - 1)  # the last token is never fed back: no KV
         if need > self.block_manager.num_blocks:
             raise InvalidRequestError("max_tokens", f"request needs {need} KV blocks but the cache has only "
                                       f"{self.block_manager.num_blocks}; it can never be scheduled")

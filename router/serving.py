@@ -594,10 +594,10 @@ def _check_fits_kv_cache(prompt_len: int, max_tokens: int | None, info: dict, ma
     if not blocks or not size:
         return
     total = prompt_len + (max_tokens if max_tokens is not None else info["max_model_len"] - prompt_len)
-    if -(-total // size) > blocks:
+    if -(-(total - 1) // size) > blocks:  # the last token sampled is never fed back: it needs no KV
         raise bad_request(f"The KV cache holds {blocks * size} tokens, but {prompt_len} prompt tokens + "
-                          f"{total - prompt_len} {max_param} need {total}: this request could never be "
-                          f"scheduled. Lower {max_param}.", param=max_param)
+                          f"{total - prompt_len} {max_param} need {total - 1} (all but the last): this request "
+                          f"could never be scheduled. Lower {max_param}.", param=max_param)
 
 
 def _check_token_ids(prompts: list[list[int]], params: SamplingParams, vocab: int, prompt_param: str) -> None:

@@ -102,6 +102,22 @@ def test_exact_under_preemption(tiny):
     _assert_clean(llm)
 
 
+def test_a_request_that_fills_the_pool_but_its_last_token_runs(tiny):
+    """The last sampled token is never fed back, so it needs no KV: a prompt + max_tokens one over
+    the pool's capacity fits, and runs alone without preempting itself."""
+    d, prompts, _ = tiny
+    prompt = prompts[1][:5]
+    assert (len(prompt) + MAX_NEW) % 4 == 1  # 4k + 1 tokens: k blocks of 4 hold all but the last
+    need = (len(prompt) + MAX_NEW - 1) // 4
+    llm = LLM(model=str(d), block_size=4, num_gpu_blocks_override=need)
+    assert llm.engine.block_manager.num_blocks * 4 == len(prompt) + MAX_NEW - 1
+    assert _tokens(llm.generate([prompt], GREEDY)) == hf_greedy(d, [prompt], MAX_NEW)
+    assert llm.engine.stats().num_preemptions == 0
+    _assert_clean(llm)
+    with pytest.raises(InvalidRequestError, match="can never be scheduled"):  # one more token does not fit
+        llm.engine.add_request("x", prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW + 1))
+
+
 def test_exact_staggered_arrivals(tiny):
     d, prompts, ref = tiny
     llm = LLM(model=str(d), num_gpu_blocks_override=20, max_num_batched_tokens=24)

@@ -488,11 +488,12 @@ def run_ops(cfg, base_prompt, operations, n, policy="fcfs"):
         if op[0] == "add":
             _, shared, tail, max_tokens, priority = op
             prompt = (base_prompt[:shared] + tail)[:80] or [0]
-            # LLMEngine.validate rejects a request that can never fit the pool: shrink it to fit
+            # LLMEngine.validate rejects a request that can never fit the pool: shrink it to fit,
+            # up to the last token (never fed back, so it needs no KV): the tightest fit runs too
             capacity = eng.bm.num_blocks * eng.bm.block_size
-            prompt = prompt[:max(1, capacity - max_tokens)]
-            max_tokens = min(max_tokens, capacity - len(prompt))
-            assert eng.bm.blocks_for(len(prompt) + max_tokens) <= eng.bm.num_blocks
+            prompt = prompt[:max(1, capacity + 1 - max_tokens)]
+            max_tokens = min(max_tokens, capacity + 1 - len(prompt))
+            assert eng.bm.blocks_for(len(prompt) + max_tokens - 1) <= eng.bm.num_blocks
             if n > 1 and cfg["max_num_seqs"] < n:
                 continue
             eng.add(prompt, max_tokens, n=n, priority=priority if policy == "priority" else 0)
