@@ -37,6 +37,9 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, drained by the runner
         self.num_registered: dict[int, int] = {}  # seq_id -> leading blocks already hashed and cached
+        # Blocks hashed since the scheduler last took the list (ScheduledBatch.registered): a block
+        # is findable once allocated, before its step writes its KV, so a step that fails forgets them.
+        self.registered: list[int] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,7 +110,16 @@ class BlockManager:
                 block.hash, block.token_ids = h, tuple(seq.token_ids[i * bs:(i + 1) * bs])
                 block.parent_hash = hashes[i - 1] if i else seq.root_hash
                 self.hash_to_block[h] = block.block_id
+                self.registered.append(block.block_id)
         self.num_registered[seq.seq_id] = end
+
+    def forget(self, block_ids: list[int]) -> None:
+        """Take blocks out of the prefix cache: their KV was never written."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.parent_hash, block.token_ids = None, None, None
 
     # -- sequence-level API -----------------------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:

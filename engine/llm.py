@@ -104,12 +104,14 @@ class LLM:
         try:
             while left:
                 for out in self.engine.step():
-                    if out.finished:
+                    if out.finished and out.request_id in left:  # not a request of the engine's caller
                         done[out.request_id] = out
                         rid = left.pop(out.request_id)
                         if bar and all(part_id in done for part_id, _ in parts[rid]):
                             bar.update(1)
         finally:
+            for part_id in left:  # interrupted (Ctrl-C, a step that failed): none of them runs on
+                self.engine.abort(part_id)
             if bar:
                 bar.close()
         return [_Logprobs(self.tokenizer, p.detokenize).request_output(

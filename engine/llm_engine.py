@@ -134,9 +134,13 @@ class LLMEngine:
             self.scheduler.stats.record_step(batch.has_prefill, time.perf_counter() - start, prompt_tokens)
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        mask = self.structured.mask([batch.seqs[i] for i in batch.sampled(self.config.block_size)]) \
-            if self.structured else None
-        out = self.executor.execute(batch, mask)  # which sequences sample, and their draws
+        try:
+            mask = self.structured.mask([batch.seqs[i] for i in batch.sampled(self.config.block_size)]) \
+                if self.structured else None
+            out = self.executor.execute(batch, mask)  # which sequences sample, and their draws
+        except BaseException:  # Ctrl-C, out of memory: the offline LLM goes on after it
+            self.scheduler.roll_back(batch)
+            raise
         for i, scored in out.prompt_logprobs.items():  # before any output of theirs is taken
             seq = batch.seqs[i]
             self.requests[seq.request_id].add_prompt_logprobs(seq, scored)

@@ -39,6 +39,7 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)  # parallel to seqs
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     preempted: list[Sequence] = field(default_factory=list)
+    registered: list[int] = field(default_factory=list)  # blocks entered in the prefix cache for this step
     _row_orders: dict[int, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -128,9 +129,20 @@ class Scheduler:
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         if not batch.preempted:  # under memory pressure, admit nobody new
             self._schedule_waiting(batch, budget)
-        batch.copies = self.block_manager.pending_copies
-        self.block_manager.pending_copies = []
+        batch.copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
+        batch.registered, self.block_manager.registered = self.block_manager.registered, []
         return batch
+
+    def roll_back(self, batch: ScheduledBatch) -> None:
+        """The model did not run `batch` (its step raised), so the KV it was to write does not exist:
+        the blocks it entered in the prefix cache leave it (a later prompt would hit them and read
+        unwritten KV, silently), and its sequences start over, as preempted ones do (one admitted
+        this step may hold such a block as a hit). The engine may then go on, or abort them."""
+        self.block_manager.forget(batch.registered)
+        for seq in reversed(batch.seqs):  # the first ends up first in line again
+            if seq.status is SequenceStatus.RUNNING:
+                self.running.remove(seq)
+                self._requeue(seq)
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         i = 0
@@ -185,11 +197,15 @@ class Scheduler:
             budget -= num_new
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Back to waiting, first in line, holding no blocks: it recomputes from its first token."""
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.stats.num_preemptions += 1
         if self.config.policy == "priority":
             bisect.insort(self.waiting, seq, key=_rank)
         else:

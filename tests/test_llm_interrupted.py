@@ -1,0 +1,107 @@
+"""The offline LLM after a call that did not finish (Ctrl-C in a notebook, a step that raised): the
+next call runs as if it never happened. Its requests were aborted and their blocks returned, and
+the prefix cache holds no block whose KV the failed step never wrote (a later prompt sharing the
+prefix would read it and answer wrong tokens, silently)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.tiny_llama import hf_greedy, make_tiny_llama
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2_path):
+    d = make_tiny_llama(tmp_path_factory.mktemp("tiny"), smollm2_path)
+    rng = random.Random(31)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (13, 10)]
+    return d, prompts, hf_greedy(d, prompts, GREEDY.max_tokens)
+
+
+def _clean(llm: LLM) -> bool:
+    eng = llm.engine
+    eng.scheduler.check_integrity()
+    return not eng.requests and eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_a_step_that_raised_leaves_no_unwritten_block_in_the_prefix_cache(tiny, monkeypatch):
+    d, prompts, ref = tiny
+    llm = LLM(model=str(d), block_size=4, num_gpu_blocks_override=64)
+    model, calls = llm.engine.executor.runner.model, []
+    forward = model.forward
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # in the first prefill's forward: no KV written
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert _clean(llm) and not llm.engine.block_manager.hash_to_block
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert [o.num_cached_tokens for o in outs] == [0, 0]  # computed, not read from the failed step's blocks
+    assert _clean(llm)
+
+
+def test_a_failed_step_requeues_its_sequences_when_the_engine_goes_on(tiny, monkeypatch):
+    """A direct LLMEngine user may step again after a step raised: its sequences start over."""
+    d, prompts, ref = tiny
+    llm = LLM(model=str(d), block_size=4, num_gpu_blocks_override=64)
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, GREEDY)
+    eng.step()  # both prefilled, their blocks written and cached
+    execute, failed = eng.executor.execute, []
+
+    def once(*args, **kwargs):  # a decode step (which may not call the model's forward)
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("out of memory")
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(eng.executor, "execute", once)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        eng.step()
+    assert len(eng.scheduler.waiting) == 2 and not eng.scheduler.running
+    eng.scheduler.check_integrity()
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert [done[str(i)].outputs[0].token_ids for i in range(2)] == ref and _clean(llm)
+
+
+def test_an_interrupted_generate_aborts_its_requests_and_the_next_one_runs(tiny):
+    d, prompts, ref = tiny
+
+    class CtrlC:  # a progress bar whose update the user interrupts
+        def __init__(self, **kwargs):
+            pass
+
+        def update(self, n):
+            raise KeyboardInterrupt
+
+        def close(self):
+            pass
+
+    llm = LLM(model=str(d), block_size=4, num_gpu_blocks_override=64)
+    short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):  # the first prompt finishes first; the second is still running
+        llm.generate(prompts, [short, GREEDY], use_tqdm=CtrlC)
+    assert _clean(llm)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)  # raised KeyError on an orphan's output
+    assert [o.outputs[0].token_ids for o in outs] == ref and _clean(llm)
+
+
+def test_generate_leaves_the_engines_other_requests_alone(tiny):
+    d, prompts, ref = tiny
+    llm = LLM(model=str(d), block_size=4, num_gpu_blocks_override=64)
+    llm.engine.add_request("mine", prompts[1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    outs = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == ref[0]
