@@ -20,6 +20,17 @@ def wait_ready(url: str, want: int, timeout_s: float) -> float | None:
     return None
 
 
+def in_background(fn, *args):
+    """fn(*args) on a thread of its own from now: a future of its result. A test times an event
+    from the instant it caused it, not after the other things it does meanwhile."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(fn, *args)
+    pool.shutdown(wait=False)
+    return future
+
+
 def stream_events(url: str, body: dict, started=None, timeout_s: float = 120.0) -> list[str] | tuple:
     """POSTs `body` (streamed) to the server's /v1/completions -> the data of its SSE events
     ("[DONE]" last when the stream ended whole); for a reply that is not a 200, (its status, its

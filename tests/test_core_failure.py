@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.sampling_params import SamplingParams
 from tests.fake_engine import FAIL_TOKEN_ID, FakeEngine
-from tests.local_serve import running_server, stream_events, wait_ready
+from tests.local_serve import in_background, running_server, stream_events, wait_ready
 from tests.tiny_llama import make_tiny_llama
 
 # Python calls a collected replica's __del__, Serve's async stop hook, and drops its coroutine.
@@ -61,6 +61,12 @@ def _stream(url: str, i: int, started: threading.Event, out: list) -> None:
     out[i] = stream_events(url, body, started)
 
 
+def _gone_at(process: psutil.Process) -> float:
+    with contextlib.suppress(psutil.TimeoutExpired):
+        process.wait(timeout=30)
+    return time.monotonic()
+
+
 def test_a_killed_engine_core_cuts_its_streams_and_its_replica_is_replaced(server):
     assert wait_ready(server, 200, 60) is not None
     cores = _cores()
@@ -75,14 +81,12 @@ def test_a_killed_engine_core_cuts_its_streams_and_its_replica_is_replaced(serve
     replica = psutil.Process(cores[0]).parent()
     killed_at = time.monotonic()
     os.kill(cores[0], signal.SIGKILL)
+    gone, unready = in_background(_gone_at, replica), in_background(wait_ready, server, 503, 30)
     # Requests sent right after the kill: the dead core's replica refuses them before they start,
     # and the ingress sends them to the other replica.
     after = [httpx.post(f"{server}/v1/completions", json={"prompt": [20, 21, 30 + i], "max_tokens": 3}, timeout=60)
              for i in range(4)]
-    with contextlib.suppress(psutil.TimeoutExpired):
-        replica.wait(timeout=10)
-    replica_gone_at = time.monotonic()
-    unready_at = wait_ready(server, 503, 20)
+    replica_gone_at, unready_at = gone.result(60), unready.result(60)
     recovered_at = wait_ready(server, 200, 90)
     for t in threads:
         t.join(120)

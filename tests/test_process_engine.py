@@ -386,11 +386,17 @@ def test_a_finished_output_that_came_before_the_core_died_is_delivered(tiny_dir)
         e = ProcessEngine(model=tiny_dir, num_gpu_blocks_override=64)
         stream = e.generate("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         first = await stream.__anext__()
-        time.sleep(0.5)  # the loop is busy; the core finishes "a" and sends its last tick
+        # The loop stays busy (no await) while the core finishes "a": its last tick is read here by
+        # hand, as the loop's reader would, so that it is in before the core fails however slow
+        # the host (a fixed sleep was not always enough).
+        s, deadline = e._streams[e._keys["a"]], time.monotonic() + 60
+        while not s.finished:
+            assert time.monotonic() < deadline, "the core never finished 'a'"
+            if e._conn_in.poll(0.1):
+                e._dispatch(e._conn_in.recv())
         e._send(("no such message",))  # then the core fails
-        time.sleep(0.5)
+        e._proc.wait(timeout=60)
         rest = [out async for out in stream]
-        e._proc.wait(timeout=60)  # a loaded host may take longer than the sleeps to end the core
         with pytest.raises(EngineDeadError, match="no such message"):  # the cause, not the EOF after it
             e.check_health()
         await e.shutdown()

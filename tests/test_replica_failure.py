@@ -13,7 +13,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.local_serve import running_server, stream_events, wait_ready
+from tests.local_serve import in_background, running_server, stream_events, wait_ready
 
 FAKE = "tests.fake_engine:FakeEngine"
 
@@ -38,9 +38,9 @@ def _engine_replica_pids() -> list[int]:
     return found
 
 
-def _stream(url: str, i: int, out: list) -> None:
+def _stream(url: str, i: int, started: threading.Event, out: list) -> None:
     body = {"prompt": [40 + i, 6, 7, 8], "max_tokens": 150, "stream": True}  # FAIL_TOKEN_ID (13) nowhere
-    out[i] = stream_events(url, body, timeout_s=60)
+    out[i] = stream_events(url, body, started, timeout_s=60)
 
 
 def test_a_killed_replica_is_reported_retried_around_and_replaced(server):
@@ -48,16 +48,18 @@ def test_a_killed_replica_is_reported_retried_around_and_replaced(server):
     pids = _engine_replica_pids()
     assert len(pids) == 2, pids
     results: list = [None] * 8
-    threads = [threading.Thread(target=_stream, args=(server, i, results)) for i in range(8)]
+    started = [threading.Event() for _ in range(8)]
+    threads = [threading.Thread(target=_stream, args=(server, i, started[i], results)) for i in range(8)]
     for t in threads:
         t.start()
-    time.sleep(1.0)  # every stream is under way (a token every 20 ms)
+    assert all(e.wait(60) for e in started)  # every stream is under way (a token every 20 ms, 150 of them)
     killed_at = time.monotonic()
     os.kill(pids[0], signal.SIGKILL)
+    unready = in_background(wait_ready, server, 503, 30)  # timed from the kill, apart from the requests below
     # Requests sent right after the kill, before anyone knows: none is lost.
     after = [httpx.post(f"{server}/v1/completions", json={"prompt": [20, 21, 30 + i], "max_tokens": 3}, timeout=60)
              for i in range(4)]
-    unready_at = wait_ready(server, 503, 20)
+    unready_at = unready.result(60)
     recovered_at = wait_ready(server, 200, 90)
     for t in threads:
         t.join(60)

@@ -148,10 +148,11 @@ def test_the_engines_limits_are_asked_again_after_a_while(tokenizer, monkeypatch
         seen.append((await serving.limits())["max_model_len"])  # within the TTL: no new trip
         monkeypatch.setattr(router.serving, "LIMITS_TTL_S", 0.0)
         seen.append((await serving.limits())["max_model_len"])  # stale: the last, while asking again
-        await asyncio.sleep(0.1)
+        await asyncio.wait_for(asyncio.shield(serving._refresh), 30)  # not a sleep: a loaded host is slow
         seen += [(await serving.limits())["max_model_len"], engine.asked]
         engine.info_now = RuntimeError("no replica")
-        await asyncio.sleep(0.1)
+        await serving.limits()
+        await asyncio.wait_for(asyncio.shield(serving._refresh), 30)
         seen.append((await serving.limits())["max_model_len"])
         return seen
 
@@ -189,7 +190,7 @@ def test_an_engine_that_never_says_its_limits_is_a_503_not_a_hung_request(tokeni
         engine.answer = False
         monkeypatch.setattr(router.serving, "LIMITS_TTL_S", 0.0)
         await serving.limits()  # stale: asks in the background, which never answers
-        await asyncio.sleep(0.2)
+        await asyncio.wait_for(asyncio.shield(serving._refresh), 30)  # it gives up (LIMITS_TIMEOUT_S)
         return first, serving._refresh.done(), engine.asked
 
     assert asyncio.run(go()) == ({"max_model_len": 64, "max_num_seqs": 4}, True, 3)
