@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from engine.structured.compiler import JSON_DEFAULTS
 from engine.structured.params import StructuredOutputsParams
-from engine.structured.schemas import closed_objects
+from engine.structured.schemas import closed_objects, enforceable
 from router import pythonic_tool_parser
 from router.llama3_tool_parser import Llama3JsonStream
 from router.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, ToolDefinition
@@ -236,7 +236,7 @@ def required_grammar(tools: tuple[ToolDefinition, ...], parallel: bool, fmt: Too
     Each tool's arguments keep their own schema as a JSON root, so its $refs still resolve."""
     rules, names = [], []
     for i, tool in enumerate(tools):
-        schema = closed_objects(_arguments_schema(tool))
+        schema = closed_objects(enforceable(_arguments_schema(tool)))
         schema.setdefault("x-guidance", {**JSON_DEFAULTS, "lenient": not tool.function.strict})
         head = json.dumps(f'{{"name": {json.dumps(tool.function.name)}, {json.dumps(fmt.key)}: ')
         rules.append(f"call_{i}: {head} args_{i} \"}}\"\nargs_{i}: %json {json.dumps(schema)}")

@@ -502,3 +502,36 @@ def test_closing_objects_changes_schemas_only():
         "items": [{"properties": {}, "additionalProperties": False}], "default": {"properties": {}}}
     assert closed_objects({"type": "object"}) == {"type": "object"}  # a free-form map
     assert "additionalProperties" not in closed_objects({"properties": {}, "unevaluatedProperties": True})
+
+
+def test_formats_the_grammar_lacks_are_annotations_and_uuid_versions_are_held(tokenizer):
+    """pydantic's UUID4, SecretStr, bytes, Path write formats llguidance lacks: the schema is served
+    (the format is an annotation, JSON Schema's default, as vLLM's xgrammar reads it), a uuidN one
+    held to that version; an integer bound beyond 64 bits is refused, not saturated (the output
+    broke the schema), and a range the grammar cannot build is said plainly."""
+    import uuid
+
+    from engine.structured.compiler import GrammarCompiler, check
+
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+    def accepts(schema: dict, value) -> bool:
+        compiled = compiler.compile(S(json=schema))
+        matcher, ids = compiled.matcher(), tokenizer.encode(json.dumps(value), add_special_tokens=False)
+        return matcher.try_consume_tokens(ids) == len(ids) and not matcher.is_error() and matcher.is_accepting()
+
+    pydantic_like = {"type": "object", "properties": {
+        "id": {"type": "string", "format": "uuid4"}, "secret": {"type": "string", "format": "password", "writeOnly": True},
+        "blob": {"type": "string", "format": "binary"}, "where": {"type": "string", "format": "path"},
+        "when": {"type": "string", "format": "date"}}, "required": ["id", "secret", "blob", "where", "when"]}
+    value = {"id": str(uuid.UUID(int=7, version=4)), "secret": "x", "blob": "b", "where": "/tmp", "when": "2026-12-05"}
+    assert check(S(json=pydantic_like)) is None and accepts(pydantic_like, value)
+    assert not accepts(pydantic_like, {**value, "id": str(uuid.UUID(int=7, version=1))})  # not a version 4
+    assert not accepts(pydantic_like, {**value, "when": "yesterday"})  # a format the grammar has is still held
+    assert check(S(json={"type": "object", "properties": {"format": {"type": "string"}}})) is None  # a key, not one
+
+    assert "integer minimum 9223372036854775808 is beyond" in check(S(json={
+        "type": "integer", "minimum": 2 ** 63, "maximum": 2 ** 63 + 92}))
+    assert "the number range (minimum 1e18, maximum 1e19) cannot be enforced" in check(S(json={
+        "type": "number", "minimum": 1e18, "maximum": 1e19}))
+    assert check(S(json={"type": "integer", "minimum": -(2 ** 62), "maximum": 2 ** 62})) is None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
 from engine.structured.params import StructuredOutputsParams
-from engine.structured.schemas import closed_objects
+from engine.structured.schemas import closed_objects, enforceable
 
 if TYPE_CHECKING:
     import llguidance
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 # whitespace between tokens can fill max_tokens with newlines (a schema's own x-guidance wins).
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 PARAM = "structured_outputs"
+_RANGE = re.compile(r"Failed to generate regex for (integer|float) range: min=(Some\([^)]*\)|None), "
+                    r"max=(Some\([^)]*\)|None)")
 
 
 def to_grammar(params: StructuredOutputsParams) -> str:
@@ -58,11 +61,13 @@ def to_grammar(params: StructuredOutputsParams) -> str:
 
 
 def _closed_json(text: str) -> str:
-    """closed_objects of a schema's JSON text (text llguidance will refuse is passed on as it is)."""
+    """closed_objects of a schema's JSON text, enforceable (text llguidance will refuse is passed
+    on as it is); ValueError for a schema it would not hold the output to."""
     try:
-        return json.dumps(closed_objects(json.loads(text)))
+        schema = json.loads(text)
     except ValueError:
         return text
+    return json.dumps(closed_objects(enforceable(schema)))
 
 
 def check(params: StructuredOutputsParams) -> str | None:
@@ -74,7 +79,7 @@ def check(params: StructuredOutputsParams) -> str | None:
         error = LLMatcher.validate_grammar(to_grammar(params))
     except InvalidRequestError as e:
         return e.message
-    return error or None
+    return said(error) if error else None
 
 
 @dataclass(frozen=True)
@@ -143,7 +148,7 @@ class GrammarCompiler:
 
         matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            return CompiledGrammar(None, f"the {params.kind} cannot be compiled: {short_error(matcher.get_error())}")
+            return CompiledGrammar(None, f"the {params.kind} cannot be compiled: {said(short_error(matcher.get_error()))}")
         return CompiledGrammar(matcher)
 
     def shutdown(self) -> None:
@@ -154,6 +159,22 @@ class GrammarCompiler:
 def short_error(error: str) -> str:
     """llguidance's error without the parser state and grammar it appends (for logs, not clients)."""
     return error.split("\n<state>", 1)[0].strip()
+
+
+def said(error: str) -> str:
+    """llguidance's refusal in words a client can act on."""
+    match = _RANGE.search(error)
+    if match is None:
+        return error
+    kind, low, high = match.groups()
+    kind = "number" if kind == "float" else kind
+    bounds = ", ".join(f"{name} {_bound(v)}" for name, v in (("minimum", low), ("maximum", high)) if v != "None")
+    return (f"the {kind} range ({bounds}) cannot be enforced: constrained decoding holds integers within "
+            "64 bits and numbers within about 1e17")
+
+
+def _bound(value: str) -> str:
+    return value.removeprefix("Some(").removesuffix(")")
 
 
 def checked(grammar: CompiledGrammar) -> CompiledGrammar:

@@ -18,6 +18,40 @@ _SCHEMA_MAPS = ("properties", "patternProperties")
 _DEFS = ("$defs", "definitions")
 
 
+# The string formats llguidance enforces; any other is an annotation (JSON Schema's default), as
+# vLLM's xgrammar reads it, so pydantic's (uuid4, password, binary, path, ...) do not refuse a schema
+FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"})
+_UUID_VERSION = {f"uuid{v}": v for v in range(1, 9)}  # pydantic's UUID1..UUID8: that version's digit
+_DATA = ("const", "enum", "default", "examples")
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_INT64 = 2 ** 63 - 1
+
+
+def enforceable(schema):
+    """`schema` (a copy) as the grammar can enforce it: a `format` llguidance lacks is dropped (a
+    uuidN one becomes that version's `pattern`); ValueError for an integer bound beyond 64 bits,
+    which llguidance would saturate (its output would then break the schema, silently)."""
+    if isinstance(schema, list):
+        return [enforceable(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _DATA else enforceable(v) for k, v in schema.items()}
+    fmt = out.get("format")
+    if isinstance(fmt, str) and fmt not in FORMATS:
+        del out["format"]
+        if fmt in _UUID_VERSION and "pattern" not in out:
+            out["pattern"] = (f"^[0-9a-fA-F]{{8}}-[0-9a-fA-F]{{4}}-{_UUID_VERSION[fmt]}[0-9a-fA-F]{{3}}-"
+                              "[89abAB][0-9a-fA-F]{3}-[0-9a-fA-F]{12}$")
+    kind = out.get("type")
+    if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+        for key in _BOUNDS:
+            value = out.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > _INT64:
+                raise ValueError(f"integer {key} {value} is beyond what constrained decoding enforces "
+                                 "(64-bit integers: |bound| < 2**63)")
+    return out
+
+
 def closed_objects(schema):
     """`schema` (a copy) with `"additionalProperties": false` in each object schema that lists its
     keys (`properties`) itself and says nothing of others."""
