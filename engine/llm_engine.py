@@ -31,6 +31,7 @@ class LLMEngine:
         self.tokenizer = info.tokenizer
         self.eos_token_ids = set(info.eos_token_ids)
         self.max_model_len = config.model_len(info.max_position_embeddings)
+        self._check_room(info.num_blocks)
         self.block_manager = BlockManager(info.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.enable_chunked_prefill, config.scheduling_policy),
@@ -39,6 +40,17 @@ class LLMEngine:
         # Grammars compile on their own thread (AsyncEngine waits for them before queueing a
         # request); matchers live here, whatever the tensor parallelism, and masks travel.
         self.structured = GrammarMatchers(GrammarCompiler(self.tokenizer, info.vocab_size, info.eos_token_ids))
+
+    def _check_room(self, num_blocks: int) -> None:
+        """A pool sized from memory must hold one max_model_len sequence (all but its last token),
+        as vLLM refuses to start otherwise: every request left to run to max_model_len would be
+        refused. --num-gpu-blocks-override is taken as given."""
+        capacity = num_blocks * self.config.block_size
+        if self.config.num_gpu_blocks_override is None and capacity < self.max_model_len - 1:
+            self.executor.shutdown()
+            raise ValueError(f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than one sequence "
+                             f"of max_model_len {self.max_model_len} needs: raise --kv-cache-memory (or "
+                             f"--gpu-memory-utilization), or lower --max-model-len to at most {capacity + 1}")
 
     # -- admission -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

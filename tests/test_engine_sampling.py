@@ -79,6 +79,19 @@ def test_model_len_is_max_model_len_and_never_past_the_models_positions():
         EngineConfig(max_model_len=4096).model_len(1024)  # refused, as vLLM does, not clamped
 
 
+def test_a_pool_sized_from_memory_must_hold_one_max_model_len_sequence(tiny):
+    """As vLLM refuses to start: else every request left to run to max_model_len is refused."""
+    model = tiny.engine.config.model
+    small = LLM(model=model, kv_cache_memory=1 << 18, max_model_len=256)  # 256 KiB: 512 tokens
+    capacity = small.engine.block_manager.num_blocks * 16
+    assert capacity < 1023  # what the model's 1024 positions need
+    with pytest.raises(ValueError, match=f"the KV cache holds {capacity} tokens .* fewer than one sequence of "
+                                         f"max_model_len 1024 needs: .* lower --max-model-len to at most {capacity + 1}"):
+        LLM(model=model, kv_cache_memory=1 << 18)
+    LLM(model=model, kv_cache_memory=1 << 18, max_model_len=capacity + 1)  # the most it holds
+    LLM(model=model, num_gpu_blocks_override=2)  # an override is taken as given
+
+
 def test_logprobs(tiny):
     prompt = _prompts(1, seed=5)[0]
     out = tiny.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=3,
