@@ -137,7 +137,7 @@ def _validated(body: bytes, model: type[BaseModel]) -> BaseModel:
         raise from_validation_error(e, set(model.model_fields)) from None
 
 
-MAX_JSON_DEPTH = 64  # far beyond any OpenAI request; deeper bodies are refused before pydantic walks them
+MAX_JSON_DEPTH = 128  # beyond any OpenAI request (a 60-level nested schema); refused before pydantic walks it
 
 
 def _finite_float(text: str) -> float:
@@ -157,7 +157,7 @@ def parse_json(body: bytes):
     try:
         data = json.loads(body, parse_float=_finite_float, parse_constant=_no_constant)
     except RecursionError:
-        raise _invalid_json(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+        raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, a huge integer, NaN / Infinity
         raise _invalid_json(getattr(e, "msg", None) or str(e)) from None
     _check_tree(data)
@@ -177,7 +177,7 @@ def _check_tree(data) -> None:
                                     "Unicode text") from None
         elif isinstance(node, (list, dict)):
             if depth > MAX_JSON_DEPTH:
-                raise _invalid_json(f"nested deeper than {MAX_JSON_DEPTH} levels")
+                raise _too_deep()
             items = node.items() if isinstance(node, dict) else enumerate(node)
             for k, v in items:
                 stack.append((v, depth + 1))
@@ -187,6 +187,12 @@ def _check_tree(data) -> None:
 
 def _invalid_json(why: str) -> OpenAIError:
     return OpenAIError(400, f"the request body is not valid JSON: {why}", code="invalid_json")
+
+
+def _too_deep() -> OpenAIError:
+    """Valid JSON, but deeper than a request needs."""
+    return OpenAIError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels, this server's limit",
+                       code="invalid_json")
 
 
 def _digest(key: str) -> bytes:

@@ -310,7 +310,8 @@ class StructuredOutputs(_Model):
         if self.structural_tag is not None:
             raise ValueError("structured_outputs.structural_tag is not supported by this server")
         given = [k for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
-                                ("grammar", self.grammar), ("json_object", self.json_object)) if v]
+                                ("grammar", self.grammar), ("json_object", self.json_object))
+                 if v is not None and v is not False]  # {} (any JSON) and "" are given too
         if len(given) != 1:
             raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, json_object")
         if self.whitespace_pattern is not None and given[0] not in ("json", "json_object"):

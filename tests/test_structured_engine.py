@@ -535,3 +535,24 @@ def test_formats_the_grammar_lacks_are_annotations_and_uuid_versions_are_held(to
     assert "the number range (minimum 1e18, maximum 1e19) cannot be enforced" in check(S(json={
         "type": "number", "minimum": 1e18, "maximum": 1e19}))
     assert check(S(json={"type": "integer", "minimum": -(2 ** 62), "maximum": 2 ** 62})) is None
+    deep = {"type": "string"}
+    for _ in range(40):  # 40 nested models, 80 JSON levels (the server takes bodies 128 deep)
+        deep = {"type": "object", "properties": {"k": deep}, "required": ["k"]}
+    assert check(S(json=deep)) is None
+
+
+def test_a_regexs_perl_classes_are_ascii(tokenizer):
+    """\\d is [0-9] (vLLM's xgrammar, JSON Schema's pattern); Rust's Unicode \\d let a model write
+    U+1FBF4 SEGMENTED DIGIT FOUR for it."""
+    from engine.structured.compiler import GrammarCompiler
+    from engine.structured.regex import ascii_classes
+
+    assert ascii_classes(r"\d{3}-\w\s[a\D]\\d\p{L}") == r"[0-9]{3}-[0-9A-Za-z_][\t\n\x0B\f\r ][a[^0-9]]\\d\p{L}"
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    compiled = compiler.compile(S(regex=r"\d{3}-\w+"))
+
+    def accepts(text: str) -> bool:
+        matcher, ids = compiled.matcher(), tokenizer.encode(text, add_special_tokens=False)
+        return matcher.try_consume_tokens(ids) == len(ids) and not matcher.is_error() and matcher.is_accepting()
+
+    assert accepts("123-ab_9") and not accepts("\U0001fbf411-ab") and not accepts("123-é")

@@ -11,7 +11,7 @@ from typing import Literal
 import jsonschema
 import openai
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import UUID4, BaseModel, Field, SecretStr
 
 from tests.local_serve import running_server
 
@@ -50,6 +50,30 @@ def test_parse_with_a_pydantic_model(client, temperature):
     assert r.choices[0].finish_reason == "stop"
     person = r.choices[0].message.parsed
     assert isinstance(person, Person), r.choices[0].message.content
+
+
+class Account(BaseModel):  # formats the grammar lacks: uuid4, password (annotations, as in vLLM)
+    id: UUID4
+    token: SecretStr = Field(max_length=12)
+
+
+def test_parse_with_pydantic_types_whose_formats_the_grammar_lacks(client):
+    r = client.chat.completions.parse(model=MODEL, response_format=Account, temperature=0, max_tokens=80,
+                                      messages=[{"role": "user", "content": "Make up an account as JSON."}])
+    assert r.choices[0].finish_reason == "stop" and isinstance(r.choices[0].message.parsed, Account)
+
+
+@pytest.mark.parametrize("constraint", [{"json": {}}, {"regex": ""}], ids=["any-json", "empty-regex"])
+def test_an_empty_constraint_is_one(client, constraint):
+    """{} is a schema (any JSON), "" a regex (the empty text): given, not "none given"."""
+    c = client.completions.create(model=MODEL, prompt="JSON:", max_tokens=40, temperature=0,
+                                  extra_body={"structured_outputs": constraint}).choices[0]
+    if "regex" in constraint:
+        assert (c.text, c.finish_reason) == ("", "stop")
+    elif c.finish_reason == "stop":
+        json.loads(c.text)  # whatever JSON it is
+    else:
+        assert c.finish_reason == "length" and c.text.strip(), c
 
 
 def test_json_schema_under_sampling_always_validates(client):

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
 from engine.structured.params import StructuredOutputsParams
+from engine.structured.regex import ascii_classes
 from engine.structured.schemas import closed_objects, enforceable
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ def to_grammar(params: StructuredOutputsParams) -> str:
             return LLMatcher.grammar_from_json_schema(schema, defaults=defaults,
                                                       overrides={"lenient": True} if params.lenient else None)
         if params.regex is not None:
-            return LLMatcher.grammar_from_regex(params.regex)
+            return LLMatcher.grammar_from_regex(ascii_classes(params.regex))
         if params.choice is not None:
             return llguidance.grammar_from("choice", list(params.choice))
         return llguidance.grammar_from("grammar", params.grammar)
