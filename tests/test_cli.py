@@ -24,11 +24,12 @@ def kvserve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 def test_help_is_fast_and_lists_generate():
-    start = time.monotonic()
-    r = kvserve("--help")
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "cluster.cli", "--help"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0
     assert "generate" in r.stdout
-    assert time.monotonic() - start < 5.0  # no torch import for --help
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "cluster" in imported and "torch" not in imported  # fast: --help imports no torch (not a timing)
 
 
 def test_generate_help_lists_vllm_style_flags():
@@ -234,7 +235,8 @@ def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_
             return any("Avg generation throughput: " in line and "Avg generation throughput: 0.0 " not in line
                        for line in text.splitlines())
 
-        for _ in range(40):  # Ray forwards a replica's lines to the console about once a second
+        deadline = time.monotonic() + 60  # Ray forwards a replica's lines to the console about once a second
+        while time.monotonic() < deadline:
             text = log.read_text()
             if f"loaded {name} " in text and (quiet or generating(text)):
                 break
@@ -472,8 +474,10 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(tmp_path, smo
         refused = []
         for _ in range(100):  # the drain starts within a moment of the signal
             ready = httpx.get(f"{url}/ready", timeout=10)
-            if ready.status_code == 503:  # one ingress replica drained; the next is asked a moment later
-                time.sleep(0.2)
+            if ready.status_code == 503:  # one ingress replica drained; the next is asked a moment later:
+                in_a_row, deadline = 0, time.monotonic() + 30  # both, once ten in a row say so
+                while in_a_row < 10 and time.monotonic() < deadline:
+                    in_a_row = in_a_row + 1 if httpx.get(f"{url}/ready", timeout=10).status_code == 503 else 0
                 refused = [httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
                            for _ in range(8)]
                 break

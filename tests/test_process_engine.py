@@ -55,7 +55,7 @@ async def _collect(engine, rid: str, prompt, params=GREEDY, delay: float = 0.0):
     return outs
 
 
-async def _wait_free(engine, timeout: float = 5.0) -> bool:
+async def _wait_free(engine, timeout: float = 30.0) -> bool:
     """On the loop: the core's stats come in through it."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -192,7 +192,7 @@ def test_abort_by_id_ends_the_stream(engine):
         while not seen:
             await asyncio.sleep(0.01)
         await engine.abort("b")
-        await asyncio.wait_for(task, 5)
+        await asyncio.wait_for(task, 30)
         return seen, await _wait_free(engine)
 
     seen, freed = asyncio.run(main())
@@ -424,7 +424,7 @@ def test_shutdown_with_the_cores_pipe_full_is_prompt_and_ends_every_stream(tiny_
         return e, took, results
 
     e, took, results = asyncio.run(main())
-    assert took < 10 and e._proc.returncode == 0, (took, e._proc.returncode)
+    assert took < 25 and e._proc.returncode == 0, (took, e._proc.returncode)  # not 30 s, then SIGKILL
     assert all(isinstance(r, EngineDeadError) and "shut down" in str(r) for r in results), results
 
 

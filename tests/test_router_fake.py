@@ -179,7 +179,7 @@ def test_internal_error_mid_stream_is_one_error_event_then_done(http, options):
 
 
 def test_full_queue_is_503_with_retry_after(server, http):
-    body = {"prompt": [1, 2, 3], "max_tokens": 150, "stream": True}  # ~3 s each
+    body = {"prompt": [1, 2, 3], "max_tokens": 500, "stream": True}  # ~10 s each (the test closes them)
     streams = [http.stream("POST", "/v1/completions", json=body) for _ in range(2)]
     readers = []  # dropping a reader closes its connection, which would cancel its request
     try:
@@ -192,7 +192,8 @@ def test_full_queue_is_503_with_retry_after(server, http):
         waiter = threading.Thread(target=lambda: queued.setdefault(
             "r", httpx.post(f"{server}/v1/completions", json={"prompt": [1], "max_tokens": 2}, timeout=60)))
         waiter.start()
-        time.sleep(1.0)  # the third request now waits in the ingress's queue, which holds one
+        time.sleep(3.0)  # the third request now waits in the ingress's queue, which holds one (a loaded
+        # host may take a while to get it there; the streams run on for several seconds more)
         r = http.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
         assert r.status_code == 503 and r.headers["Retry-After"] == "3"
         assert r.json()["error"]["code"] == "queue_full" and r.json()["error"]["type"] == "server_overloaded"
@@ -224,7 +225,7 @@ def test_ready_only_once_every_engine_replica_has_loaded(server):
 
     from cluster.app import build_app
 
-    slow = functools.partial(FakeEngine, load_delay_s=8.0)
+    slow = functools.partial(FakeEngine, load_delay_s=30.0)  # the new ingress answers before, however loaded the host
     app = build_app(dict(engine_cls=slow, max_model_len=512, num_replicas=2, cpu_threads=1))
     serve._run(app, name="slow", route_prefix="/slow", _blocking=False)
     seen = []

@@ -584,7 +584,7 @@ def test_the_fake_engine_meets_the_engine_contract():
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "lone UTF-16 surrogate"),
     ("/tokenize", b'{"prompt": "abc\\ud800def"}', "lone UTF-16 surrogate"),
     ("/v1/completions", b"[" * 10000 + b"]" * 10000, "nested deeper than"),
-    ("/v1/completions", b'{"prompt": "hi", "x": ' + b"[" * 100 + b"]" * 100 + b"}", "nested deeper than"),
+    ("/v1/completions", b'{"prompt": "hi", "x": ' + b"[" * 200 + b"]" * 200 + b"}", "nested deeper than"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', "NaN is not a JSON number"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": 1e999}', "out of range"),
     ("/v1/completions", b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", "not valid JSON"),

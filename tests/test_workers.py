@@ -392,7 +392,7 @@ def _faulty_rank_cls():
     class _Faulty(RankWorker):
         def execute(self, msg):
             if self.rank == 1 and msg.step == 2:
-                time.sleep(3)  # a long step: pings are still answered meanwhile
+                time.sleep(8)  # a long step: pings are still answered meanwhile
             if self.rank == 1 and msg.step == 3:
                 raise RuntimeError("injected fault")
             return super().execute(msg)
@@ -408,13 +408,13 @@ def test_health_during_long_step_then_rank_that_raises_marks_group_unhealthy(ray
     from workers.group import WorkerGroupConfig
 
     config = EngineConfig(model=str(tiny_dirs["gqa"]), tensor_parallel_size=2, num_gpu_blocks_override=32)
-    ex = WorkerGroupExecutor(config, WorkerGroupConfig(health_timeout_s=1), worker_cls=_faulty_rank_cls())
+    ex = WorkerGroupExecutor(config, WorkerGroupConfig(health_timeout_s=5), worker_cls=_faulty_rank_cls())
     engine = LLMEngine(config, executor=ex)
     engine.add_request("a", _prompts(lens=(20,))[0], GREEDY)
     engine.step()
     with ThreadPoolExecutor(1) as pool:
         health = pool.submit(lambda: (time.sleep(1), ex.check_health()))
-        engine.step()  # 3 s on rank 1
+        engine.step()  # 8 s on rank 1: the ping, a second in, is answered within 5 s
         health.result()
     t0 = time.monotonic()
     with pytest.raises(WorkerGroupError, match="rank 1 failed to run step 3: RuntimeError: injected fault"):
@@ -450,12 +450,12 @@ def _mismatched_rank_cls():
     return _Mismatched
 
 
-@pytest.mark.parametrize("cls,match", [
-    (_late_rank_cls, r"rank 1 did not join the group within 3s"),
+@pytest.mark.parametrize("cls,match,join_timeout_s", [
+    (_late_rank_cls, r"rank 1 did not join the group within 3s", 3),
     (_mismatched_rank_cls, r"rank \d failed to load the model: ValueError: rank 1 loaded a different model "
-                           r"config or dtype than rank 0"),
+                           r"config or dtype than rank 0", 60),  # joining in time, however loaded the host
 ], ids=["join-timeout", "config-mismatch"])
-def test_startup_failures_are_clear_and_release_everything(ray_cluster, tiny_dirs, cls, match):
+def test_startup_failures_are_clear_and_release_everything(ray_cluster, tiny_dirs, cls, match, join_timeout_s):
     from ray.util import placement_group_table
 
     from engine.config import EngineConfig
@@ -468,7 +468,7 @@ def test_startup_failures_are_clear_and_release_everything(ray_cluster, tiny_dir
     config = EngineConfig(model=str(tiny_dirs["gqa"]), tensor_parallel_size=2, num_gpu_blocks_override=8)
     before, t0 = live_groups(), time.monotonic()
     with pytest.raises(WorkerGroupError, match=match):
-        WorkerGroupExecutor(config, WorkerGroupConfig(join_timeout_s=3), worker_cls=cls())
+        WorkerGroupExecutor(config, WorkerGroupConfig(join_timeout_s=join_timeout_s), worker_cls=cls())
     assert time.monotonic() - t0 < 40
     assert live_groups() == before
 
