@@ -91,8 +91,9 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                            "sees them, as in vLLM, and no call is parsed)")
     http.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS),
                       help="how the model writes tool calls: hermes, <tool_call> blocks (the default; Qwen, "
-                           "Hermes), llama3_json, bare JSON objects (Llama 3.1+), or pythonic (llama4_pythonic), "
-                           "a Python list of calls (Llama 3.2+, 4); vLLM's names")
+                           "Hermes), llama3_json, bare JSON objects (Llama 3.1+), mistral, [TOOL_CALLS] lists "
+                           "(Mistral), or pythonic (llama4_pythonic), a Python list of calls (Llama 3.2+, 4); "
+                           "vLLM's names")
     http.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS),
                       help="chat replies' <think>...</think> reasoning goes to message.reasoning (and "
                            "reasoning_content), the rest to content; qwen3: a reply without the tags is all "

@@ -34,7 +34,7 @@ def parse_calls(text: str, cut: bool) -> list[tuple[str, str]] | None:
         try:
             obj, i = _DECODER.raw_decode(text, i)
         except ValueError:
-            return calls if cut and _unfinished_call(text[i:]) else None
+            return calls if cut and unfinished_call(text[i:]) else None
         parsed = call_of(obj)
         if parsed is None:
             return None
@@ -47,7 +47,7 @@ def parse_calls(text: str, cut: bool) -> list[tuple[str, str]] | None:
         i += 1
 
 
-def _unfinished_call(text: str) -> bool:
+def unfinished_call(text: str) -> bool:
     """Whether text a reply was cut inside could still be a call: `{` and then nothing, or a first
     key that is (the start of) "name", as Llama writes its calls. A cut JSON answer such as
     `{"summary": "...` is content."""

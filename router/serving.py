@@ -309,6 +309,8 @@ class OpenAIServing:
         in the errors as the caller's request names it."""
         plan = ToolPlan.of(req, self.settings.tool_call_parser, self.settings.exclude_tools_when_tool_choice_none)
         params = self._params(req)
+        if plan.calls_tools and plan.format.special_tokens:  # the calls' tag shows (vLLM's adjust_request)
+            params = dataclasses.replace(params, skip_special_tokens=False)
         await check_all([(spec, field(param)) for spec, param in plan.tool_specs()])
         for spec, param in (self._output_constraint(req), (plan.spec(), "tools")):
             params = await self._constrained(params, spec, field(param))

@@ -10,7 +10,7 @@ import json
 import uuid
 from collections.abc import Callable
 
-PARSERS = ("hermes", "llama3_json", "pythonic", "llama4_pythonic")  # --tool-call-parser's: router.tools.FORMATS'
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "llama4_pythonic")  # --tool-call-parser's: router.tools.FORMATS'
 Accepts = Callable[[str, str], bool]  # (name, arguments JSON text) -> whether it calls an offered tool
 
 
@@ -98,6 +98,7 @@ class WholeReplyStream(CallStream):
 
     tag = ""  # a special token the calls may open with
     end_tag = ""  # and close with
+    new_id = staticmethod(new_call_id)  # a call's id
 
     def __init__(self, max_calls: int | None = None, accepts: Accepts | None = None) -> None:
         self.max_calls, self.accepts = max_calls, accepts
@@ -147,7 +148,7 @@ class WholeReplyStream(CallStream):
         if self.max_calls is not None:
             parsed = parsed[:self.max_calls]
         self.num_calls = len(parsed)
-        return chat_delta("", [{"index": i, **call(*c)} for i, c in enumerate(parsed)])
+        return chat_delta("", [{"index": i, **call(*c, self.new_id())} for i, c in enumerate(parsed)])
 
 
 class NamedCallStream(CallStream):

@@ -15,6 +15,8 @@ Calls are written in the format of `--tool-call-parser` (FORMATS), the Hermes wa
                  {"name": "get_weather", "arguments": {"city": "Paris"}}
                  </tool_call>
     llama3_json  {"name": "get_weather", "parameters": {"city": "Paris"}}   (several: `; ` between)
+    mistral      [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, ...]
+                 (v11 tokenizers: [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"})
     pythonic     [get_weather(city="Paris"), now()]                       (llama4_pythonic too)
 
 Under `required` the output is held to calls by a grammar over each tool's JSON schema, so a
@@ -36,6 +38,7 @@ from engine.structured.compiler import JSON_DEFAULTS
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.schemas import closed_objects, enforceable
 from router import pythonic_tool_parser
+from router import mistral_tool_parser
 from router.llama3_tool_parser import Llama3JsonStream
 from router.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, ToolDefinition
 from router.tool_calls import CallStream, NamedCallStream, call, parse_whole
@@ -61,6 +64,12 @@ To call a function, answer with only a JSON object holding its name and argument
 {{"name": <function name>, "parameters": <arguments as a JSON object>}}; to call several, \
 separate the objects with ";"."""
 
+MISTRAL_TOOLS_PROMPT = """You can call functions to help with the user's request. The functions are \
+described in JSON below:
+{tools}
+To call functions, answer with only [TOOL_CALLS] and a JSON list of calls, \
+[TOOL_CALLS][{{"name": <function name>, "arguments": <arguments as a JSON object>}}, ...]."""
+
 PYTHONIC_TOOLS_PROMPT = """You can call functions to help with the user's request. The functions are \
 described in JSON below:
 {tools}
@@ -81,6 +90,9 @@ class ToolFormat:
     separator: str
     response: tuple[str, str]  # around a tool result, for a template that does not know tools
     required: str | None = None  # the format required mode's grammar writes instead (FORMATS' key)
+    begin: str = ""  # around all of a reply's calls
+    end: str = ""
+    special_tokens: bool = False  # its calls open with a special token: the text keeps them
 
     def call_text(self, name: str, arguments: str) -> str:
         body = json.dumps({"name": name, self.key: _arguments(arguments)}, ensure_ascii=False)
@@ -88,7 +100,19 @@ class ToolFormat:
 
     def calls_text(self, calls: list[tuple[str, str]]) -> str:
         """An assistant turn's calls, (name, arguments JSON text) each, as the model writes them."""
-        return self.separator.join(self.call_text(*c) for c in calls)
+        return self.begin + self.separator.join(self.call_text(*c) for c in calls) + self.end
+
+    def history_id(self, call_id: str) -> str:
+        """A call's id as a template that renders tools is given it."""
+        return call_id
+
+
+class MistralFormat(ToolFormat):
+    def calls_text(self, calls: list[tuple[str, str]]) -> str:
+        return mistral_tool_parser.TAG + super().calls_text(calls)
+
+    def history_id(self, call_id: str) -> str:
+        return call_id[-9:]  # Mistral's templates take 9-character ids only (vLLM cuts them so too)
 
 
 class PythonicFormat(ToolFormat):
@@ -101,6 +125,8 @@ FORMATS = {
     "hermes": ToolFormat(ToolCallStream, TOOLS_PROMPT, "arguments", "<tool_call>\n", "\n</tool_call>", "\n",
                          ("<tool_response>\n", "\n</tool_response>")),
     "llama3_json": ToolFormat(Llama3JsonStream, LLAMA3_TOOLS_PROMPT, "parameters", "", "", "; ", ("", "")),
+    "mistral": MistralFormat(mistral_tool_parser.MistralStream, MISTRAL_TOOLS_PROMPT, "arguments", "", "", ", ",
+                             ("", ""), begin="[", end="]", special_tokens=True),
     "pythonic": PythonicFormat(pythonic_tool_parser.PythonicStream, PYTHONIC_TOOLS_PROMPT, "", "", "", "", ("", ""),
                                required="llama3_json"),
 }
@@ -241,7 +267,9 @@ def required_grammar(tools: tuple[ToolDefinition, ...], parallel: bool, fmt: Too
         head = json.dumps(f'{{"name": {json.dumps(tool.function.name)}, {json.dumps(fmt.key)}: ')
         rules.append(f"call_{i}: {head} args_{i} \"}}\"\nargs_{i}: %json {json.dumps(schema)}")
         names.append(f"call_{i}")
-    start = f"start: call ({json.dumps(fmt.separator)} call)*" if parallel else "start: call"
+    calls = f"call ({json.dumps(fmt.separator)} call)*" if parallel else "call"
+    start = "start: " + " ".join(t for t in (json.dumps(fmt.begin) if fmt.begin else "", calls,
+                                             json.dumps(fmt.end) if fmt.end else "") if t)
     call_rule = " ".join(t for t in (json.dumps(fmt.open) if fmt.open else "", "(" + " | ".join(names) + ")",
                                      json.dumps(fmt.close) if fmt.close else "") if t)
     return "\n".join([start, f"call: {call_rule}", *rules])
@@ -266,7 +294,7 @@ def render(messages: list[ChatMessage], plan: ToolPlan, native: bool) -> tuple[l
     renders tools itself (template_knows_tools)."""
     tools = [t.model_dump(exclude_none=True) for t in plan.tools] or None
     if native:
-        return [_native(m) for m in messages], tools
+        return [_native(m, plan.format) for m in messages], tools
     out = [_as_text(m, plan.format) for m in messages]
     if tools:
         prompt = plan.format.prompt.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
@@ -285,14 +313,14 @@ def _object_arguments(text: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _native(m: ChatMessage) -> dict:
+def _native(m: ChatMessage, fmt: ToolFormat) -> dict:
     msg = m.to_template()
     if m.tool_calls:
-        msg["tool_calls"] = [{"id": c.id, "type": "function",
+        msg["tool_calls"] = [{"id": fmt.history_id(c.id), "type": "function",
                               "function": {"name": c.function.name, "arguments": _object_arguments(c.function.arguments)}}
                              for c in m.tool_calls]
     if m.tool_call_id is not None:
-        msg["tool_call_id"] = m.tool_call_id
+        msg["tool_call_id"] = fmt.history_id(m.tool_call_id)
     return msg
 
 

@@ -153,5 +153,6 @@ def test_an_unknown_parser_is_refused():
 
     assert tuple(FORMATS) == PARSERS  # the flag's choices are the formats there are
 
-    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, llama3_json, pythonic, llama4_pythonic"):
-        RouterSettings(served_model_name="m", tool_call_parser="mistral")
+    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, llama3_json, mistral, pythonic, "
+                                         "llama4_pythonic"):
+        RouterSettings(served_model_name="m", tool_call_parser="granite")

@@ -517,8 +517,8 @@ def test_serve_rejects_bad_flags_in_one_line_before_starting_ray():
                         (["--chat-template", "{% for m in messages %"], "not a valid Jinja template"),
                         (["/nonexistent/model"], "model path '/nonexistent/model' does not exist"),  # vLLM's MODEL
                         (["/m", "--model", "/n"], "the model is given twice: /m and --model /n"),
-                        (["--tool-call-parser", "mistral"], "invalid choice: 'mistral' (choose from 'hermes', 'llama3_json', 'pythonic', "
-                                                              "'llama4_pythonic')"),
+                        (["--tool-call-parser", "granite"], "invalid choice: 'granite' (choose from 'hermes', 'llama3_json', "
+                                                              "'mistral', 'pythonic', 'llama4_pythonic')"),
                         (["--reasoning-parser", "granite"], "invalid choice: 'granite' (choose from 'deepseek_r1', "
                                                             "'qwen3')"),
                         (["--override-generation-config", '{"temperature": -1}'],
