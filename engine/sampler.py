@@ -4,7 +4,8 @@ Order per step (vLLM v1 style):
     raw logits -> logprobs (of the raw logits)
                -> logit_bias, banned tokens, penalties, min_tokens mask   (all rows)
                -> greedy rows: argmax
-               -> random rows: / temperature -> top_k -> top_p -> min_p -> draw
+               -> random rows: / temperature -> min_p -> top_k -> top_p -> draw
+                  (top_p's mass is of what min_p and top_k kept, renormalized, as vLLM's)
 Random draws use the exponential race, argmax(probs / q) with q ~ Exp(1), which samples from
 probs; a seeded row draws its V uniforms for q from its own generator only, so its tokens do not
 depend on the rest of the batch.
@@ -140,7 +141,9 @@ def _keep_thresholds(probs: torch.Tensor, params: list[SamplingParams],
     only a bound (None where that cannot happen: no top_p, or `full_sort` of every row).
 
     top_k, top_p and min_p all keep the tokens at or above a cut-off probability, so the kept set
-    is the one above the highest of the three cut-offs. The top token is always kept.
+    is the one above the highest of the three cut-offs; top_p's is found within what min_p and
+    top_k keep (vLLM applies min_p first, then top_k and top_p to the renormalized rest). The top
+    token is always kept.
     """
     device, vocab_size = probs.device, probs.shape[1]
     k_host = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
@@ -159,20 +162,25 @@ def _keep_thresholds(probs: torch.Tensor, params: list[SamplingParams],
     else:  # a partial top-k, far cheaper than a sort
         num = max(max_k, NUCLEUS_CANDIDATES) if any_top_p else max_k
         candidates = probs.topk(min(num, vocab_size), dim=-1).values  # (R, n), descending
-    cut, covered = _threshold_from_candidates(candidates, k, top_p, vocab_size)
+    # the mass min_p keeps, over the whole row (1 without min_p): top_p's share is of it
+    kept_mass = (probs * (probs >= threshold.unsqueeze(1))).sum(dim=-1) if any(p.min_p > 0 for p in params) \
+        else torch.ones_like(threshold)
+    cut, covered = _threshold_from_candidates(candidates, k, top_p, threshold, kept_mass, vocab_size)
     short = ~covered if any_top_p and not full_sort else None
     return torch.maximum(threshold, cut).unsqueeze(1), short
 
 
 def _threshold_from_candidates(candidates: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
+                               min_p_cut: torch.Tensor, kept_mass: torch.Tensor,
                                vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (R,) cut-off, (R,) whether the candidates sufficed to find it."""
+    """-> (R,) cut-off, (R,) whether the candidates sufficed to find it. `min_p_cut`: (R,) the
+    probability min_p keeps from; `kept_mass`: (R,) the row's mass at or above it."""
     num = candidates.shape[1]
     positions = torch.arange(num, device=candidates.device)
-    in_top_k = positions < k.unsqueeze(1)  # (R, n)
-    mass = (candidates * in_top_k).cumsum(dim=-1)  # (R, n)
-    # The nucleus takes top_p of the top-k set's mass, or of the whole distribution (1) without top_k.
-    total = torch.where(k <= num, mass[:, -1], torch.ones_like(mass[:, -1]))
+    in_set = (positions < k.unsqueeze(1)) & (candidates >= min_p_cut.unsqueeze(1))  # (R, n)
+    mass = (candidates * in_set).cumsum(dim=-1)  # (R, n)
+    # The nucleus takes top_p of the mass of what top_k and min_p keep (min_p's alone without top_k).
+    total = torch.where(k <= num, mass[:, -1], kept_mass)
     num_keep = (mass < (top_p * total).unsqueeze(1)).sum(dim=-1) + 1  # (R,)
     # Without top_p keep exactly k: float absorption may stop `mass` growing before k.
     num_keep = torch.where(top_p < 1, num_keep, k).clamp(max=num)

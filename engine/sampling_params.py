@@ -18,6 +18,8 @@ MAX_BAD_WORDS = 100  # entries in one request's bad_words (each is checked per s
 MAX_BAD_WORD_CHARS = 1000  # a bad word's length (each is tokenized on the engine's step thread)
 MAX_STOP_STRINGS = 128  # entries in one request's stop (each is searched for after every token)
 SAMPLING_EPS = 1e-5  # a temperature below it is greedy (vLLM's _SAMPLING_EPS)
+MIN_TEMPERATURE = 1e-2  # a temperature above 0 but below it samples at it (vLLM's _MAX_TEMP): no inf / nan
+MAX_TEMPERATURE = 1e6  # and one above it at it: a near-uniform draw whichever, and finite in float32
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before 0.10.2 (SamplingParams(guided_decoding=...))
 
 
@@ -90,7 +92,11 @@ class SamplingParams:
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self.allowed_token_ids = None if self.allowed_token_ids is None else _unique(self.allowed_token_ids)
         self.bad_words = list(self.bad_words) if self.bad_words else None
+        if self.seed == -1:  # vLLM's: -1 asks for no seed
+            self.seed = None
         self._validate()
+        if 0 < self.temperature < MIN_TEMPERATURE or self.temperature > MAX_TEMPERATURE:
+            self.temperature = min(max(self.temperature, MIN_TEMPERATURE), MAX_TEMPERATURE)
         if self.temperature < SAMPLING_EPS:  # greedy: the filters choose nothing, and read as vLLM's say so
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
@@ -125,7 +131,7 @@ class SamplingParams:
         need(0 < self.top_p <= 1, "top_p", "in (0, 1]")
         need(self.top_k >= -1, "top_k", ">= 1, or 0 / -1 to disable")
         need(0 <= self.min_p <= 1, "min_p", "in [0, 1]")
-        need(self.repetition_penalty > 0, "repetition_penalty", "> 0")
+        need(0 < self.repetition_penalty < math.inf, "repetition_penalty", "> 0 and finite")
         need(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
         need(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
         need(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", ">= 1 or None")
@@ -185,8 +191,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Argmax: temperature 0 (or below SAMPLING_EPS, where dividing the logits by it in
-        float32 would overflow, as vLLM rounds it), or top_k 1."""
+        """Argmax: temperature 0 (one in (0, MIN_TEMPERATURE) samples at MIN_TEMPERATURE, as vLLM's
+        does), or top_k 1."""
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     def split(self, max_num_seqs: int) -> list[tuple[int, SamplingParams]]:

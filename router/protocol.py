@@ -58,7 +58,7 @@ class _SamplingFields(_Model):
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=-(1 << 63), le=MAX_SEED)  # any 64-bit seed, as vLLM (clients send -1)
+    seed: int | None = Field(None, ge=-(1 << 63), le=MAX_SEED)  # any 64-bit seed, as vLLM; -1: none (vLLM's)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extra sampling fields (the openai client sends them with `extra_body`)

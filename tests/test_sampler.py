@@ -48,13 +48,28 @@ def test_greedy_rows_in_a_mixed_batch_are_exactly_argmax():
         assert tokens[i] == expected[i]
 
 
-@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324, 1e-6])
-def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324, 1e-6, 1e-3])
+def test_a_temperature_too_small_to_divide_by_samples_at_the_smallest_one(temperature):
     # 1e-40 is subnormal in float32 and 1e-300 rounds to 0: the logits divided by it were inf /
-    # nan, and every draw was token 0 (vLLM rounds below 1e-5 to greedy too).
+    # nan, and every draw was token 0. vLLM raises such a temperature to 0.01 (with a warning).
     logits = random_logits(4, 3000, seed=4)
-    rows = [row(temperature=temperature, seed=1) for _ in range(4)]
-    assert [r.token_id for r in Sampler().sample(logits, rows)] == logits.argmax(dim=-1).tolist()
+    assert SamplingParams(temperature=temperature).temperature == 0.01
+    drawn = [r.token_id for r in Sampler().sample(logits, [row(temperature=temperature, seed=1) for _ in range(4)])]
+    assert drawn == [r.token_id for r in Sampler().sample(logits, [row(temperature=0.01, seed=1) for _ in range(4)])]
+
+
+@pytest.mark.parametrize("temperature", [1e7, 1e300])
+def test_a_huge_temperature_draws_near_uniformly_without_nan(temperature):
+    logits = random_logits(1, 50, seed=5).expand(2000, -1).clone()
+    logits[:, 0] = float("-inf")  # a banned token stays banned (-inf / inf was nan)
+    assert SamplingParams(temperature=temperature).temperature == 1e6
+    drawn = [r.token_id for r in Sampler().sample(logits, [row(temperature=temperature) for _ in range(2000)])]
+    assert 0 not in drawn and len(set(drawn)) > 40
+
+
+def test_a_seed_of_minus_one_is_no_seed():
+    """vLLM's: clients send -1 to mean "random"; it was a seed, and two such requests drew alike."""
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
 
 
 def test_sample_does_not_modify_the_logits():
@@ -129,19 +144,20 @@ def test_unseeded_rows_follow_the_sampler_seed():
 
 
 def allowed_tokens(logits: torch.Tensor, p: SamplingParams, slack: float = 1e-4) -> set[int]:
-    """Tokens that temperature/top_k/top_p/min_p may emit, computed independently (float64),
-    with a little slack at the boundaries so that float rounding never counts as a violation."""
+    """Tokens that temperature/min_p/top_k/top_p may emit, computed independently (float64) in
+    vLLM's order (min_p, then top_k, then top_p over what those kept, renormalized), with a little
+    slack at the boundaries so that float rounding never counts as a violation."""
     x = (logits / p.temperature).double().numpy()
-    keep = np.ones(len(x), dtype=bool)
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    keep = probs >= p.min_p * probs.max() * (1 - slack)
     if 0 < p.top_k < len(x):
         keep &= x >= np.sort(x)[-p.top_k] - slack
-    probs = np.where(keep, np.exp(x - x.max()), 0.0)
-    probs /= probs.sum()
+    kept = np.where(keep, probs, 0.0)
+    kept /= kept.sum()
     # Mass of the strictly more likely tokens (any one of tied tokens may be the one kept).
-    mass_above = np.array([probs[probs > q * (1 + slack)].sum() for q in probs])
+    mass_above = np.array([kept[kept > q * (1 + slack)].sum() for q in kept])
     keep &= mass_above < p.top_p + slack
-    probs = np.where(keep, probs, 0.0)
-    keep &= probs >= p.min_p * probs.max() * (1 - slack)
     return set(np.flatnonzero(keep).tolist())
 
 
@@ -191,6 +207,9 @@ def test_filters_exclude_exactly_the_expected_tokens(nucleus_candidates, monkeyp
     assert emitted(top_p=0.01) == {1}  # the top token always stays
     assert emitted(min_p=0.25) == {1, 2, 3}  # threshold 0.125
     assert emitted(top_k=3, top_p=0.9, min_p=0.5) == {1, 3}
+    # vLLM's order: top_p's 0.81 is of what min_p kept (0.95), so 0.5 + 0.3 = 0.84 of it ends the
+    # nucleus; of the whole distribution (0.8 < 0.81) token 2 would have been kept too
+    assert emitted(min_p=0.25, top_p=0.81) == {1, 3}
 
 
 def test_random_draws_follow_the_distribution():

@@ -40,6 +40,7 @@ def test_stop_list_is_copied():
     ("min_p", 1.5),
     ("repetition_penalty", 0.0),
     ("repetition_penalty", -1.0),
+    ("repetition_penalty", float("inf")),  # a logit of 0 times inf was nan, and always drawn
     ("presence_penalty", 2.5),
     ("presence_penalty", -2.1),
     ("frequency_penalty", 2.1),
@@ -108,7 +109,7 @@ def test_boundary_values_are_accepted(kwargs):
     (dict(temperature=0.0), True),
     (dict(temperature=0.7, top_k=1), True),
     (dict(temperature=0.7), False),
-    (dict(temperature=1e-6), True),  # below SAMPLING_EPS, as vLLM
+    (dict(temperature=1e-6), False),  # raised to 0.01, as vLLM raises it
     (dict(temperature=2e-5), False),
     (dict(top_k=2), False),
 ])
