@@ -95,7 +95,7 @@ class LLM:
                     self.engine.add_request(part_id, prompt, dataclasses.replace(q, output_kind=RequestOutputKind.FINAL_ONLY),
                                             fit_model_len=True)
                     left[part_id] = rid
-        except Exception:  # a bad prompt or params: none of the batch runs (as vLLM's LLM)
+        except BaseException:  # a bad prompt or params, Ctrl-C: none of the batch runs (as vLLM's LLM)
             for part_id in left:
                 self.engine.abort(part_id)
             raise

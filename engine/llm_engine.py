@@ -153,7 +153,7 @@ class LLMEngine:
         except BaseException:  # Ctrl-C, out of memory: the offline LLM goes on after it
             self.scheduler.roll_back(batch)
             raise
-        for i, scored in out.prompt_logprobs.items():  # before any output of theirs is taken
+        for i, scored in out.prompt_logprobs.items():  # before any output of theirs is taken, and forks
             seq = batch.seqs[i]
             self.requests[seq.request_id].add_prompt_logprobs(seq, scored)
         touched: dict[str, Request] = {}
@@ -166,7 +166,11 @@ class LLMEngine:
                 done = self._end_constrained(req, seq, verdict, done)
             return done
 
-        self.scheduler.update_from_output(batch, out.sampled, out.sample, append, on_fork=self._add_fork)
+        try:  # a failed draw is undone (Scheduler.update_from_output), and then the step as above
+            self.scheduler.update_from_output(batch, out.sampled, out.sample, append, on_fork=self._add_fork)
+        except BaseException:
+            self.scheduler.roll_back(batch)
+            raise
         outputs = []
         for req in touched.values():
             if req.output_due(self.config.stream_interval):

@@ -180,7 +180,7 @@ class Scheduler:
             if not bm.allocate_slots(seq, num_new, hits):
                 break
             self.waiting.popleft()
-            if seq.num_preemptions == 0:
+            if seq.first_scheduled is None:  # its first admission (not after a preemption or roll_back)
                 seq.num_cached_tokens = num_cached
                 seq.first_scheduled = self.clock()  # its queue time ends (vLLM's scheduled_ts)
             self.stats.prefix_query_tokens += seq.num_tokens
@@ -231,18 +231,32 @@ class Scheduler:
         sampled them: the simulator must free blocks in the same order to evict the same ones."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-        rows, seqs = self._fork_sampled([batch.seqs[i] for i in sampled], on_fork)
+        parents = [batch.seqs[i] for i in sampled]
+        pending, children = [p.pending_forks for p in parents], []
+        try:  # the draws (at tp=1 the host waits for the device here): undone whole if they fail
+            rows, seqs = self._fork_sampled(parents, children)
+            results = sample(rows, seqs)
+        except BaseException:
+            for child in children:
+                self.finish(child)
+            for parent, forks in zip(parents, pending):
+                parent.pending_forks = forks
+            for seq, n in zip(batch.seqs, batch.num_new_tokens):
+                seq.num_computed_tokens -= n
+            raise
+        for child in children:
+            on_fork(child)
         self.stats.generation_tokens += len(seqs)
         finished = []
-        for seq, result in zip(seqs, sample(rows, seqs), strict=True):
+        for seq, result in zip(seqs, results, strict=True):
             if append(seq, result):
                 self.finish(seq)
                 finished.append(seq)
         return finished
 
-    def _fork_sampled(self, seqs: list[Sequence],
-                      on_fork: Callable[[Sequence], None]) -> tuple[list[int], list[Sequence]]:
-        """-> the row each sequence samples, and the sequences with every fork right after its parent."""
+    def _fork_sampled(self, seqs: list[Sequence], children: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+        """-> the row each sequence samples, and the sequences with every fork right after its
+        parent; the forks are added to `children` as they are made."""
         rows, out = [], []
         for row, seq in enumerate(seqs):
             rows.append(row)
@@ -250,7 +264,7 @@ class Scheduler:
             for k in range(seq.pending_forks):
                 child = seq.fork(index=k + 1)
                 self.fork(seq, child)
-                on_fork(child)
+                children.append(child)
                 rows.append(row)
                 out.append(child)
             seq.pending_forks = 0

@@ -77,6 +77,40 @@ def test_a_failed_step_requeues_its_sequences_when_the_engine_goes_on(tiny, monk
     assert [done[str(i)].outputs[0].token_ids for i in range(2)] == ref and _clean(llm)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_draw_that_raised_is_undone_and_the_engine_goes_on(tiny, monkeypatch, n):
+    """At tp=1 the draws run after the model, where the host waits for the device: Ctrl-C or a
+    device error lands there most. Nothing of the step stays (no advanced sequence spinning with
+    nothing to compute, no fork of a prefill whose draw failed)."""
+    from engine.executor import LocalDraws
+
+    d, prompts, ref = tiny
+    llm = LLM(model=str(d), block_size=4, num_gpu_blocks_override=64)
+    eng, params = llm.engine, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=n)
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params)
+    sample, failed = LocalDraws.sample, []
+
+    def once(self, rows, seqs):
+        if not failed:
+            failed.append(1)
+            raise KeyboardInterrupt
+        return sample(self, rows, seqs)
+
+    monkeypatch.setattr(LocalDraws, "sample", once)
+    with pytest.raises(KeyboardInterrupt):
+        eng.step()  # the prefills' draws
+    assert len(eng.scheduler.waiting) == 2 and not eng.scheduler.running
+    assert all(len(r.seqs) == 1 for r in eng.requests.values())  # no fork stayed
+    eng.scheduler.check_integrity()
+    done = {}
+    for _ in range(200):
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+        if not eng.has_unfinished():
+            break
+    assert [[c.token_ids for c in done[str(i)].outputs] for i in range(2)] == [[r] * n for r in ref] and _clean(llm)
+
+
 def test_an_interrupted_generate_aborts_its_requests_and_the_next_one_runs(tiny):
     d, prompts, ref = tiny
 
