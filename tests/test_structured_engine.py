@@ -530,8 +530,16 @@ def test_formats_the_grammar_lacks_are_annotations_and_uuid_versions_are_held(to
     assert not accepts(pydantic_like, {**value, "when": "yesterday"})  # a format the grammar has is still held
     assert check(S(json={"type": "object", "properties": {"format": {"type": "string"}}})) is None  # a key, not one
 
-    assert "integer minimum 9223372036854775808 is beyond" in check(S(json={
-        "type": "integer", "minimum": 2 ** 63, "maximum": 2 ** 63 + 92}))
+    assert "minimum 9223372036854775808 is beyond what constrained decoding enforces for an integer" in check(S(
+        json={"type": "integer", "minimum": 2 ** 63, "maximum": 2 ** 63 + 92}))
+    assert "maximum 18446744073709551616 is beyond" in check(S(json={"anyOf": [{"type": "integer"}],
+                                                                      "maximum": 2 ** 64}))  # beside the type
+    for name in ("default", "const", "enum", "examples"):  # property names, not the keywords
+        assert check(S(json={"type": "object", "properties": {name: {"type": "string", "format": "uuid4"}},
+                             "$defs": {name: {"type": "string", "format": "password"}}})) is None
+    for depth in (600, 900):  # a schema sent as a string is not held to the body's depth limit: a 400, not a 500
+        assert "too deeply" in check(S(json='{"items":' * depth + "{}" + "}" * depth)) or \
+            "recursion limit exceeded" in check(S(json='{"items":' * depth + "{}" + "}" * depth))
     assert "the number range (minimum 1e18, maximum 1e19) cannot be enforced" in check(S(json={
         "type": "number", "minimum": 1e18, "maximum": 1e19}))
     assert check(S(json={"type": "integer", "minimum": -(2 ** 62), "maximum": 2 ** 62})) is None
@@ -547,7 +555,7 @@ def test_a_regexs_perl_classes_are_ascii(tokenizer):
     from engine.structured.compiler import GrammarCompiler
     from engine.structured.regex import ascii_classes
 
-    assert ascii_classes(r"\d{3}-\w\s[a\D]\\d\p{L}") == r"[0-9]{3}-[0-9A-Za-z_][\t\n\x0B\f\r ][a[^0-9]]\\d\p{L}"
+    assert ascii_classes(r"\d{3}-\w\s[a\D]\\d\p{L}") == r"[0-9]{3}-[0-9A-Za-z_][\t\n\x0B\f\r\x20][a[^0-9]]\\d\p{L}"
     compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
     compiled = compiler.compile(S(regex=r"\d{3}-\w+"))
 
@@ -556,3 +564,6 @@ def test_a_regexs_perl_classes_are_ascii(tokenizer):
         return matcher.try_consume_tokens(ids) == len(ids) and not matcher.is_error() and matcher.is_accepting()
 
     assert accepts("123-ab_9") and not accepts("\U0001fbf411-ab") and not accepts("123-é")
+    verbose = compiler.compile(S(regex=r"(?x) a \s b"))  # verbose mode ignores a bare space, in a class too
+    matcher, ids = verbose.matcher(), tokenizer.encode("a b", add_special_tokens=False)
+    assert matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()

@@ -68,7 +68,10 @@ def _closed_json(text: str) -> str:
         schema = json.loads(text)
     except ValueError:
         return text
-    return json.dumps(closed_objects(enforceable(schema)))
+    try:
+        return json.dumps(closed_objects(enforceable(schema)))
+    except RecursionError:  # a schema sent as a string is not held to the body's depth limit
+        raise ValueError("the schema nests too deeply") from None
 
 
 def check(params: StructuredOutputsParams) -> str | None:

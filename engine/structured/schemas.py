@@ -1,5 +1,6 @@
-"""closed_objects: a JSON schema's objects with no keys the schema does not list, unless it allows
-them, as vLLM's default backend (xgrammar, strict mode) reads a schema.
+"""A JSON schema as vLLM's default backend (xgrammar, strict mode) reads it, for llguidance:
+closed_objects, its objects with no keys the schema does not list, unless it allows them; and
+enforceable, its formats and bounds as the grammar can hold them.
 
 xgrammar's strict mode amounts to `unevaluatedProperties: false`, which sees the keys a composition
 lists (allOf, anyOf, oneOf, $ref, if/then/else). llguidance has no unevaluatedProperties, and an
@@ -17,38 +18,42 @@ _SCHEMA = ("items", "additionalItems", "contains", "unevaluatedItems", "addition
 _SCHEMA_MAPS = ("properties", "patternProperties")
 _DEFS = ("$defs", "definitions")
 
-
 # The string formats llguidance enforces; any other is an annotation (JSON Schema's default), as
 # vLLM's xgrammar reads it, so pydantic's (uuid4, password, binary, path, ...) do not refuse a schema
 FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"})
 _UUID_VERSION = {f"uuid{v}": v for v in range(1, 9)}  # pydantic's UUID1..UUID8: that version's digit
-_DATA = ("const", "enum", "default", "examples")
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-_INT64 = 2 ** 63 - 1
 
 
 def enforceable(schema):
     """`schema` (a copy) as the grammar can enforce it: a `format` llguidance lacks is dropped (a
     uuidN one becomes that version's `pattern`); ValueError for an integer bound beyond 64 bits,
-    which llguidance would saturate (its output would then break the schema, silently)."""
-    if isinstance(schema, list):
-        return [enforceable(s) for s in schema]
+    which llguidance would saturate (its output would then break the schema, silently). Walked by
+    keyword, as closed_objects walks: a property named `default` is a schema, a `default` data."""
     if not isinstance(schema, dict):
         return schema
-    out = {k: v if k in _DATA else enforceable(v) for k, v in schema.items()}
+    out = dict(schema)
+    for key in (*_SCHEMA, "if", "then", "else", "not"):
+        if isinstance(out.get(key), dict):
+            out[key] = enforceable(out[key])
+    for key in ("prefixItems", "items", "allOf", "anyOf", "oneOf"):
+        if isinstance(out.get(key), list):
+            out[key] = [enforceable(s) for s in out[key]]
+    for key in (*_SCHEMA_MAPS, *_DEFS, "dependentSchemas"):
+        if isinstance(out.get(key), dict):
+            out[key] = {name: enforceable(s) for name, s in out[key].items()}
     fmt = out.get("format")
     if isinstance(fmt, str) and fmt not in FORMATS:
         del out["format"]
         if fmt in _UUID_VERSION and "pattern" not in out:
             out["pattern"] = (f"^[0-9a-fA-F]{{8}}-[0-9a-fA-F]{{4}}-{_UUID_VERSION[fmt]}[0-9a-fA-F]{{3}}-"
                               "[89abAB][0-9a-fA-F]{3}-[0-9a-fA-F]{12}$")
-    kind = out.get("type")
-    if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+    if out.get("type") != "number":  # an integer's, or one a composition may make an integer's
         for key in _BOUNDS:
             value = out.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > _INT64:
-                raise ValueError(f"integer {key} {value} is beyond what constrained decoding enforces "
-                                 "(64-bit integers: |bound| < 2**63)")
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not -2 ** 63 <= value < 2 ** 63:
+                raise ValueError(f"{key} {value} is beyond what constrained decoding enforces for an integer "
+                                 "(64 bits: -2**63 <= bound < 2**63)")
     return out
 
 
