@@ -112,7 +112,7 @@ class MistralStream(WholeReplyStream):
     def could_be(self, head: str) -> bool:
         if head.startswith("{") or re.match(r"\[\s*(\{|\Z)", head):
             return True
-        return self.buffer.lstrip().startswith(TAG)  # past the tag, v11's `name[ARGS]{...}`
+        return self.tagged  # past the tag, v11's `name[ARGS]{...}`
 
     def parse(self, body: str, cut: bool) -> list[tuple[str, str]] | None:
         return parse_calls(body, cut)

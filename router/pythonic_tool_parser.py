@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import json
+import keyword
 import math
 import re
 
@@ -22,7 +23,7 @@ from router.tool_calls import WholeReplyStream
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 _HEAD = re.compile(r"\[\s*(?:[A-Za-z_][\w.]*(?:\(.*)?)?", re.DOTALL)  # what a list of calls starts as
 _NAMES = {"true": True, "false": False, "null": None}
-_MAX_CUT_TRIES = 16
+_TAIL = re.compile(r"\s*(,\s*([A-Za-z_][\w.]*(\(.*)?)?)?", re.DOTALL)  # after a whole call: the next, cut
 
 
 class _NotALiteral(ValueError):
@@ -35,13 +36,43 @@ def parse_calls(text: str, cut: bool = False) -> list[tuple[str, str]] | None:
     calls = _calls(text)
     if calls is not None or not cut:
         return calls
-    # Cut: the longest run of whole calls, closed at one of the last `),` (a call, then the next)
-    ends = [m.start() + 1 for m in re.finditer(r"\)\s*,", text)][-_MAX_CUT_TRIES:]
-    for end in reversed(ends):
-        calls = _calls(text[:end] + "]")
-        if calls is not None:
-            return calls
-    return [] if _HEAD.fullmatch(text.strip()) else None
+    text = text.strip()
+    closed, ends = _scan(text)
+    if closed is not None or not _HEAD.fullmatch(text):
+        return None  # a list that closed and was not calls, or text that never could be
+    if not ends:
+        return []  # cut inside the first call
+    whole = _calls(text[:ends[-1]] + "]")
+    return whole if whole is not None and _TAIL.fullmatch(text, ends[-1]) else None
+
+
+def _scan(text: str) -> tuple[int | None, list[int]]:
+    """Where the list `text` opens closes (None: it does not), and where each of its calls ends,
+    read past string literals as Python reads them."""
+    depth, ends, quote, i = 0, [], None, 0
+    while i < len(text):
+        c = text[i]
+        if quote is not None:
+            if c == "\\":
+                i += 2
+                continue
+            if text.startswith(quote, i):
+                i, quote = i + len(quote), None
+                continue
+        elif c in "'\"":
+            quote = text[i:i + 3] if text[i:i + 3] in ("'''", '"""') else c
+            i += len(quote)
+            continue
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i, ends
+            if depth == 1 and c == ")":
+                ends.append(i + 1)
+        i += 1
+    return None, ends
 
 
 def _calls(text: str) -> list[tuple[str, str]] | None:
@@ -53,13 +84,18 @@ def _calls(text: str) -> list[tuple[str, str]] | None:
         return None
     calls = []
     for node in tree.elts:
-        if not isinstance(node, ast.Call) or node.args or any(k.arg is None for k in node.keywords):
+        if not isinstance(node, ast.Call) or node.args:
             return None  # a call takes keyword arguments only
         name = _dotted(node.func)
         if name is None:
             return None
         try:
-            arguments = {k.arg: _literal(k.value) for k in node.keywords}
+            arguments = {}
+            for k in node.keywords:  # `**{"from": 1}`: a name Python does not take as a keyword
+                value = _literal(k.value)
+                if k.arg is None and not isinstance(value, dict):
+                    raise _NotALiteral("** of something other than a dict")
+                arguments.update(value if k.arg is None else {k.arg: value})
         except (_NotALiteral, RecursionError):
             return None
         calls.append((name, json.dumps(arguments, ensure_ascii=False)))
@@ -80,7 +116,7 @@ def _literal(node: ast.expr):
     if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, bool, int, float))):
         if isinstance(node.value, float) and not math.isfinite(node.value):
             raise _NotALiteral("not a JSON number")
-        return node.value
+        return _text(node.value) if isinstance(node.value, str) else node.value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         value = _literal(node.operand)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -101,6 +137,15 @@ def _literal(node: ast.expr):
     raise _NotALiteral(type(node).__name__)
 
 
+def _text(value: str) -> str:
+    """A string literal's text as JSON reads it: `"\\ud83d\\ude00"` is one character (Python's
+    literal keeps two surrogates, which no response can encode); a lone surrogate is no text."""
+    try:
+        return value.encode("utf-16", "surrogatepass").decode("utf-16")
+    except UnicodeDecodeError:
+        raise _NotALiteral("a lone surrogate") from None
+
+
 def python_literal(value) -> str:
     """A JSON value written as the Python literal a model would write (for calls in history)."""
     if value is None or isinstance(value, bool):
@@ -115,7 +160,15 @@ def python_literal(value) -> str:
 
 
 def call_text(name: str, arguments: dict) -> str:
-    return f"{name}(" + ", ".join(f"{k}={python_literal(v)}" for k, v in arguments.items()) + ")"
+    """A call as the model writes it; an argument whose name Python does not take as a keyword
+    (`from`, `first-name`) goes in a `**{...}` that parse_calls reads back."""
+    named = [f"{k}={python_literal(v)}" for k, v in arguments.items() if _keyword(k)]
+    other = {k: v for k, v in arguments.items() if not _keyword(k)}
+    return f"{name}(" + ", ".join(named + ([f"**{python_literal(other)}"] if other else [])) + ")"
+
+
+def _keyword(name: str) -> bool:
+    return name.isidentifier() and not keyword.iskeyword(name)
 
 
 class PythonicStream(WholeReplyStream):

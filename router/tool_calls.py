@@ -33,10 +33,22 @@ def call_of(obj) -> tuple[str, str] | None:
     args = obj["arguments"] if "arguments" in obj else obj["parameters"]
     if isinstance(args, str):
         try:
-            return (obj["name"], args) if isinstance(json.loads(args), dict) else None
+            found = (obj["name"], args) if isinstance(json.loads(args), dict) else None
         except ValueError:
             return None
-    return (obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+    else:
+        found = (obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+    return found if found is not None and _text("".join(found)) else None
+
+
+def _text(text: str) -> bool:
+    """Whether `text` is Unicode text a response can carry: JSON's `"\\ud800"` alone is a lone
+    surrogate, which no UTF-8 body can encode (the reply would fail with a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def held_back(text: str, tag: str) -> int:
@@ -99,11 +111,14 @@ class WholeReplyStream(CallStream):
     tag = ""  # a special token the calls may open with
     end_tag = ""  # and close with
     new_id = staticmethod(new_call_id)  # a call's id
+    HEAD_CHARS = 256  # `could_be` reads this much of the reply at most: each delta costs O(1) past it
 
     def __init__(self, max_calls: int | None = None, accepts: Accepts | None = None) -> None:
         self.max_calls, self.accepts = max_calls, accepts
-        self.buffer = ""  # the reply so far, while it may still be calls
+        self.parts: list[str] = []  # the reply so far, while it may still be calls
+        self.size = 0
         self.content = False  # decided: the reply is content
+        self.tagged = False  # the reply opened with the tag
         self.num_calls = 0
 
     def could_be(self, head: str) -> bool:
@@ -114,11 +129,12 @@ class WholeReplyStream(CallStream):
         """The calls `body` (the reply past the tag) holds, or None; `cut`: it ends at max_tokens."""
         raise NotImplementedError
 
-    def _body(self) -> str | None:
-        """The reply past the tag when it may be calls so far, "" while it cannot tell yet, None
-        once it cannot be calls."""
-        head = self.buffer.lstrip()
-        if self.tag and head.startswith(self.tag):
+    def _body(self, text: str) -> str | None:
+        """`text` (the reply, or its head) past the tag when it may be calls so far, "" while it
+        cannot tell yet, None once it cannot be calls."""
+        head = text.lstrip()
+        self.tagged = bool(self.tag) and head.startswith(self.tag)
+        if self.tagged:
             head = head[len(self.tag):].lstrip()
         elif self.tag.startswith(head):
             return ""
@@ -129,14 +145,20 @@ class WholeReplyStream(CallStream):
     def feed(self, text: str) -> dict:
         if self.content:
             return chat_delta(text, [])
-        self.buffer += text
-        if self._body() is None:
-            self.content, out, self.buffer = True, self.buffer, ""
-            return chat_delta(out, [])
+        settled = self.size >= self.HEAD_CHARS  # the head read is all read: the verdict stands
+        self.parts.append(text)
+        self.size += len(text)
+        if settled:
+            return {}
+        reply = "".join(self.parts)
+        if self._body(reply[:self.HEAD_CHARS]) is None:
+            self.content, self.parts, self.size = True, [], 0
+            return chat_delta(reply, [])
         return {}
 
     def finish(self, cut: bool = False) -> dict:
-        body, text, self.buffer = self._body(), self.buffer, ""
+        text, self.parts, self.size = "".join(self.parts), [], 0
+        body = self._body(text)
         if self.content or not body:
             return chat_delta(text, [])
         body = body.rstrip()

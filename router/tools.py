@@ -296,7 +296,7 @@ def render(messages: list[ChatMessage], plan: ToolPlan, native: bool) -> tuple[l
     if native:
         return [_native(m, plan.format) for m in messages], tools
     out = [_as_text(m, plan.format) for m in messages]
-    if tools:
+    if tools and plan.calls_tools:  # under "none" vLLM's template is given tools it does not show
         prompt = plan.format.prompt.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
         if out and out[0]["role"] in ("system", "developer"):
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}

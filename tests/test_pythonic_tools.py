@@ -56,8 +56,14 @@ def test_a_cut_reply_keeps_its_whole_calls_and_drops_the_unfinished_one():
     assert parse(cut) == (cut, [])  # it stopped there: not calls
     assert parse("[get_wea", cut=True) == (None, [])
     assert parse('[get_weather(city="Par', cut=True) == (None, [])
-    assert parse(f'[{WEATHER}, now(a="(x), y")', cut=True) == (None, [WEATHER_CALL])
-    for answer in ("[1, 2, 3", "[The answer is", "[see below] and"):  # cut where no call can start
+    assert parse(f'[{WEATHER}, now(a="(x), y")', cut=True) == (None, [WEATHER_CALL, ("now", {"a": "(x), y"})])
+    assert parse(f"[{WEATHER}, now()", cut=True) == (None, [WEATHER_CALL, ("now", {})])  # cut before its `]`
+    assert parse(f"<|python_start|>[{WEATHER}", cut=True) == (None, [WEATHER_CALL])
+    many = f'[{WEATHER}, run(code="' + "f(1), " * 20  # calls inside an unfinished string are text
+    assert parse(many, cut=True) == (None, [WEATHER_CALL])
+    for answer in ("[1, 2, 3", "[The answer is", "[see below] and",  # cut where no call can start
+                   "[print(x) for x in range(10)] prints ten", f"[{WEATHER}] is how you call it, and",
+                   f"[{WEATHER} and then"):  # or after a list that closed, or not as a list goes on
         assert parse(answer, cut=True) == (answer, [])
 
 
@@ -73,6 +79,18 @@ def test_history_writes_python_literals_that_parse_back():
     text = f"[{call_text('f', arguments)}]"
     assert text == '[f(a=[1, None, True, {"k": "q\\"\\n"}], b=-1.5, c="é")]'
     assert [(n, json.loads(a)) for n, a in parse_calls(text)] == [("f", arguments)]
+    # names Python does not take as keywords go in a ** dict, which is read back
+    odd = {"from": "USD", "to": "EUR", "first-name": 1}
+    text = f"[{call_text('convert', odd)}]"
+    assert text == '[convert(to="EUR", **{"from": "USD", "first-name": 1})]'
+    assert [(n, json.loads(a)) for n, a in parse_calls(text)] == [("convert", odd)]
+    assert parse_calls("[f(**[1])]") is None
+
+
+def test_a_surrogate_pair_escape_is_one_character_and_a_lone_one_no_call():
+    """Python's literal keeps "\\ud83d\\ude00" as two surrogates, which no response can encode."""
+    assert parse('[send(text="hi \\ud83d\\ude00")]') == (None, [("send", {"text": "hi \U0001F600"})])
+    assert parse('[send(text="\\ud83d")]') == ('[send(text="\\ud83d")]', [])
 
 
 TEXTS = [f"[{WEATHER}]", f"<|python_start|>[{WEATHER}, now()]<|python_end|>", "plain words", "[1, 2]",

@@ -205,19 +205,28 @@ def test_a_function_takes_an_object_of_arguments(tokenizer):
         assert '"type": "object"' in engine.seen[0][1].structured_outputs.grammar
 
 
+NATIVE = ("{% if tools %}TOOLS {% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"
+          "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")  # a template that renders tools
+
+
 def test_tool_choice_none_shows_the_tools_and_parses_no_call(tokenizer):
-    """As vLLM: the model still sees its tools under tool_choice none (it knows what it could not
-    call), and what it writes is text; --exclude-tools-when-tool-choice-none leaves them out."""
-    r, engine = run(tokenizer, HERMES, create(tools=TOOLS, tool_choice="none"))
+    """As vLLM: a template that renders tools is given them under tool_choice none (the model knows
+    what it could not call), and what the model writes is text; --exclude-tools-when-tool-choice-none
+    leaves them out. A template that does not is given no instructions to call them."""
+    native = {"chat_template": NATIVE}
+    r, engine = run(tokenizer, HERMES, create(tools=TOOLS, tool_choice="none"), settings=native)
     assert r.choices[0].message.content == HERMES and r.choices[0].finish_reason == "stop"
     assert not r.choices[0].message.tool_calls and engine.seen[0][1].structured_outputs is None
-    shown = tokenizer.decode(engine.seen[0][0])
-    assert "<tools>" in shown and "get_weather" in shown
+    assert "TOOLS get_weather now" in tokenizer.decode(engine.seen[0][0])
     r, engine = run(tokenizer, HERMES, create(tools=TOOLS, tool_choice="none"),
-                    settings={"exclude_tools_when_tool_choice_none": True})
-    assert r.choices[0].message.content == HERMES and "<tools>" not in tokenizer.decode(engine.seen[0][0])
-    (chunks, calls, content), _ = run(tokenizer, HERMES, streamed(tools=TOOLS, tool_choice="none"))
+                    settings={**native, "exclude_tools_when_tool_choice_none": True})
+    assert r.choices[0].message.content == HERMES and "TOOLS" not in tokenizer.decode(engine.seen[0][0])
+    (chunks, calls, content), _ = run(tokenizer, HERMES, streamed(tools=TOOLS, tool_choice="none"), settings=native)
     assert content == HERMES and not calls and chunks[-1].choices[0].finish_reason == "stop"
+    _, engine = run(tokenizer, HERMES, create(tools=TOOLS, tool_choice="none"))  # SmolLM2's: no tools in it
+    assert "<tools>" not in tokenizer.decode(engine.seen[0][0])
+    _, engine = run(tokenizer, HERMES, create(tools=TOOLS))
+    assert "<tools>" in tokenizer.decode(engine.seen[0][0])  # what auto shows it
 
 
 def test_a_cut_reply_keeps_its_length_finish(tokenizer):
