@@ -80,6 +80,7 @@ from cluster.peers import (CacheAwareConfig, HashRing, PrefixAffinityConfig, cho
 from cluster.pending import EMPTY, Booking, Pending, Tail
 from cluster.prefix_tree import PrefixTree, token_key
 from cluster.stats import ReplicaStats
+from engine.block_manager import kv_tokens
 from engine.hashing import NONE_HASH, hash_prefix_blocks
 
 StatsView = Mapping[str, ReplicaStats | None]
@@ -132,8 +133,8 @@ class RouteRequest:
         return self._hashes[block_size]
 
     def footprint_blocks(self, block_size: int) -> int:
-        """KV blocks the request holds at its longest: prompt + max_tokens."""
-        return -(-(self.num_prompt_tokens + self.max_tokens) // block_size)
+        """KV blocks the request holds at its longest: prompt + max_tokens, but the last token."""
+        return -(-kv_tokens(self.num_prompt_tokens, self.max_tokens) // block_size)
 
 
 @dataclass(frozen=True)

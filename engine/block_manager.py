@@ -16,6 +16,12 @@ from engine.hashing import hash_block
 from engine.sequence import Sequence
 
 
+def kv_tokens(num_prompt_tokens: int, max_tokens: int) -> int:
+    """The most tokens a request's sequence holds KV for: all but its last, which is sampled and
+    never fed back."""
+    return num_prompt_tokens + max_tokens - 1
+
+
 class Block:
     __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "token_ids")
 

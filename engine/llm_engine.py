@@ -5,7 +5,7 @@ import dataclasses
 import logging
 import time
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, kv_tokens
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.executor import Executor, make_executor
@@ -49,8 +49,9 @@ class LLMEngine:
         if self.config.num_gpu_blocks_override is None and capacity < self.max_model_len - 1:
             self.executor.shutdown()
             raise ValueError(f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than one sequence "
-                             f"of max_model_len {self.max_model_len} needs: raise --kv-cache-memory (or "
-                             f"--gpu-memory-utilization), or lower --max-model-len to at most {capacity + 1}")
+                             f"of max_model_len {self.max_model_len} needs: give it more memory (--kv-cache-memory; "
+                             f"--gpu-memory-utilization on a GPU, --cpu-kv-cache-fraction on CPU), or lower "
+                             f"--max-model-len to at most {capacity + 1}")
 
     # -- admission -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -84,7 +85,7 @@ class LLMEngine:
         if n + max_tokens > self.max_model_len:
             raise InvalidRequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
                                       f"max_model_len ({self.max_model_len})", code="context_length_exceeded")
-        need = self.block_manager.blocks_for(n + max_tokens - 1)  # the last token is never fed back: no KV
+        need = self.block_manager.blocks_for(kv_tokens(n, max_tokens))
         if need > self.block_manager.num_blocks:
             raise InvalidRequestError("max_tokens", f"request needs {need} KV blocks but the cache has only "
                                       f"{self.block_manager.num_blocks}; it can never be scheduled")

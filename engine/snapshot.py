@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, kv_tokens
 from engine.outputs import EngineStats
 from engine.scheduler import Scheduler
 
@@ -49,9 +49,9 @@ def reserved_blocks(scheduler: Scheduler) -> int:
     bm = scheduler.block_manager
     total = 0
     for seq in scheduler.running:
-        total += max(0, bm.blocks_for(seq.num_prompt_tokens + seq.max_tokens) - len(seq.block_table))
+        total += max(0, bm.blocks_for(kv_tokens(seq.num_prompt_tokens, seq.max_tokens)) - len(seq.block_table))
     for seq in scheduler.waiting:
-        total += bm.blocks_for(seq.num_prompt_tokens + seq.max_tokens)
+        total += bm.blocks_for(kv_tokens(seq.num_prompt_tokens, seq.max_tokens))
     return total
 
 

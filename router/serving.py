@@ -26,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
+from engine.block_manager import kv_tokens
 from engine.chat_format import as_parts, resolved
 from engine.errors import InvalidRequestError
 from engine.outputs import ChoiceDelta, StepOutput
@@ -596,7 +597,7 @@ def _check_fits_kv_cache(prompt_len: int, max_tokens: int | None, info: dict, ma
     if not blocks or not size:
         return
     total = prompt_len + (max_tokens if max_tokens is not None else info["max_model_len"] - prompt_len)
-    if -(-(total - 1) // size) > blocks:  # the last token sampled is never fed back: it needs no KV
+    if -(-kv_tokens(prompt_len, total - prompt_len) // size) > blocks:
         raise bad_request(f"The KV cache holds {blocks * size} tokens, but {prompt_len} prompt tokens + "
                           f"{total - prompt_len} {max_param} need {total - 1} (all but the last): this request "
                           f"could never be scheduled. Lower {max_param}.", param=max_param)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from engine.block_manager import kv_tokens
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -43,7 +44,7 @@ class FakeEngine:
         if len(ids) + max_tokens > limit:
             raise InvalidRequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                                       f"max_model_len ({limit})", code="context_length_exceeded")
-        if -(-(len(ids) + max_tokens - 1) // self.block_size) > self.num_blocks:
+        if -(-kv_tokens(len(ids), max_tokens) // self.block_size) > self.num_blocks:
             raise InvalidRequestError("max_tokens", "request needs more KV blocks than the cache has; "
                                       "it can never be scheduled")
         return max_tokens

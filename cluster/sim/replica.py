@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from cluster.stats import ReplicaStats
 from engine.outputs import EngineStats
 from engine.snapshot import DEFAULT_PREFIX_LIMIT, snapshot
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, kv_tokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import Sequence
@@ -64,7 +64,7 @@ class SimReplica:
         n = len(prompt_token_ids)
         if n >= self.config.max_model_len or n + max_tokens > self.config.max_model_len:
             raise ValueError(f"request {request_id}: {n} + {max_tokens} tokens exceed max_model_len")
-        if self.block_manager.blocks_for(n + max_tokens) > self.config.num_blocks:
+        if self.block_manager.blocks_for(kv_tokens(n, max_tokens)) > self.config.num_blocks:
             raise ValueError(f"request {request_id} can never fit in {self.config.num_blocks} blocks")
         seq = Sequence(request_id, prompt_token_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_tokens)
         self.scheduler.add(seq)
