@@ -1,7 +1,8 @@
 """Tool calling in /v1/chat/completions: which constraint a `tool_choice` puts on the output, and
 how tools and earlier tool turns are rendered into the prompt.
 
-    tool_choice  none       tools left out of the prompt; the output is content
+    tool_choice  none       the output is content; a template that renders tools is given them
+                            (vLLM's), unless --exclude-tools-when-tool-choice-none
                  auto       tools in the prompt; calls in the output, written in the format of
                             --tool-call-parser (below), become tool_calls, the rest stays content
                  required   the output is constrained to one or more such calls (one without
@@ -37,8 +38,7 @@ from dataclasses import dataclass
 from engine.structured.compiler import JSON_DEFAULTS
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.schemas import closed_objects, enforceable
-from router import pythonic_tool_parser
-from router import mistral_tool_parser
+from router import mistral_tool_parser, pythonic_tool_parser
 from router.llama3_tool_parser import Llama3JsonStream
 from router.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, ToolDefinition
 from router.tool_calls import CallStream, NamedCallStream, call, parse_whole
