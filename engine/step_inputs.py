@@ -2,11 +2,16 @@
 device in two transfers (pinned memory, non_blocking on CUDA). The buffers are allocated once,
 so a CUDA graph captured on their device side reads each step's values in place.
 
-    int64 buffer:  [ input ids : T ][ positions : T ][ slots : T ][ logit rows : 2T ]
+    int64 buffer:  [ input ids : n ][ positions : n ][ slots : n ][ logit rows : r ]
     int32 buffer:  [ seq lens : B ][ query start : B + 1 ][ block tables : B x W ]
-                   (T = max tokens a step holds, B = max sequences, W = max blocks a sequence holds)
+                   (n = the step's tokens, r = its logit rows, B = max sequences,
+                    W = max blocks a sequence holds)
 
-The int32 copy stops after the block-table rows the step uses.
+The int64 rows are staged at fixed places on the host (up to T = max tokens a step holds each)
+and packed into the pinned buffer by the upload, so a step copies 3n + r of them, not 5T (a
+decode step of 256 sequences at a 16k-token budget: 8 KiB, not 640). The offsets depend on n
+only, so a CUDA graph, captured at one n, finds its inputs where each replay puts them. The int32
+copy stops after the block-table rows the step uses.
 """
 from __future__ import annotations
 
@@ -39,14 +44,14 @@ class StepInputs:
         self.block_size = block_size
         pin = device.type == "cuda"
         t, b = max_tokens, max_seqs
-        self.host64 = torch.zeros(5 * t, dtype=torch.int64, pin_memory=pin)
+        self.host64 = torch.zeros(5 * t, dtype=torch.int64, pin_memory=pin)  # packed by upload()
         self.host32 = torch.zeros(2 * b + 1 + b * self.width, dtype=torch.int32, pin_memory=pin)
         self.dev64 = torch.zeros_like(self.host64, device=device)
         self.dev32 = torch.zeros_like(self.host32, device=device)
         # Recorded after each upload: the host buffers are not rewritten before the copy has read
         # them (a rank that does not sample never waits on the device otherwise).
         self.uploaded = torch.cuda.Event() if pin else None
-        h64, h32 = self.host64.numpy(), self.host32.numpy()
+        h64, h32 = np.zeros(5 * t, dtype=np.int64), self.host32.numpy()  # h64: the staging rows
         self.ids, self.positions, self.slots, self.rows = h64[:t], h64[t:2 * t], h64[2 * t:3 * t], h64[3 * t:]
         self.seq_lens, self.query_start = h32[:b], h32[b:2 * b + 1]
         self.tables = h32[2 * b + 1:].reshape(b, self.width)
@@ -188,8 +193,12 @@ class StepInputs:
 
     def upload(self, layout: StepLayout) -> None:
         """Host -> device, two copies, non_blocking from pinned memory on CUDA."""
-        used32 = 2 * self.max_seqs + 1 + layout.num_seqs * self.width
-        self.dev64.copy_(self.host64, non_blocking=True)
+        n, r = layout.num_tokens, layout.sample_rows + layout.prompt_rows
+        packed = self.host64.numpy()  # the last upload has read it: fill() waited for it
+        packed[:n], packed[n:2 * n], packed[2 * n:3 * n] = self.ids[:n], self.positions[:n], self.slots[:n]
+        packed[3 * n:3 * n + r] = self.rows[:r]
+        used64, used32 = 3 * n + r, 2 * self.max_seqs + 1 + layout.num_seqs * self.width
+        self.dev64[:used64].copy_(self.host64[:used64], non_blocking=True)
         self.dev32[:used32].copy_(self.host32[:used32], non_blocking=True)
         if self.uploaded is not None:
             self.uploaded.record()
@@ -200,18 +209,18 @@ class StepInputs:
         return self.dev64[:n]
 
     def positions_dev(self, n: int) -> torch.Tensor:
-        t = self.max_tokens
-        return self.dev64[t:t + n]
+        return self.dev64[n:2 * n]
 
-    def logit_rows(self, first: int, n: int) -> torch.Tensor:
-        t = 3 * self.max_tokens + first
-        return self.dev64[t:t + n]
+    def logit_rows(self, layout: StepLayout, first: int, count: int) -> torch.Tensor:
+        """Logit rows first .. first + count of the step `layout` describes."""
+        start = 3 * layout.num_tokens + first
+        return self.dev64[start:start + count]
 
     def attention(self, layout: StepLayout) -> TritonAttentionMetadata:
-        t, b, w = self.max_tokens, self.max_seqs, self.width
+        b, w = self.max_seqs, self.width
         n, s = layout.num_tokens, layout.num_seqs
         return TritonAttentionMetadata(
-            slot_mapping=self.dev64[2 * t:2 * t + n],
+            slot_mapping=self.dev64[2 * n:3 * n],
             block_tables=self.dev32[2 * b + 1:2 * b + 1 + s * w].view(s, w),
             seq_lens=self.dev32[:s],
             query_start=self.dev32[b:b + s + 1],

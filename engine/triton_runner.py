@@ -41,7 +41,7 @@ class TritonModelRunner(ModelRunner):
         layout = self.inputs.fill_profile(self.inputs.max_tokens, self.max_model_len)
         self.inputs.upload(layout)
         hidden = self._forward(layout)
-        self.model.compute_logits(hidden.index_select(0, self.inputs.logit_rows(0, layout.sample_rows)))
+        self.model.compute_logits(hidden.index_select(0, self.inputs.logit_rows(layout, 0, layout.sample_rows)))
 
     def _graph_setup(self, size: int) -> None:
         """Padding rows (slot -1, empty context) in the static buffers: warm-up and capture run
@@ -69,11 +69,11 @@ class TritonModelRunner(ModelRunner):
             hidden = self.graphs.replay(size)  # (size, hidden), static output
         else:
             hidden = self._forward(layout)
-        rows = self.inputs.logit_rows(0, layout.sample_rows)
+        rows = self.inputs.logit_rows(layout, 0, layout.sample_rows)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         if not layout.prompt_rows:
             return RunnerOutput(logits, layout.sampled)
-        prompt_rows = self.inputs.logit_rows(layout.sample_rows, layout.prompt_rows)
+        prompt_rows = self.inputs.logit_rows(layout, layout.sample_rows, layout.prompt_rows)
         return RunnerOutput(logits, layout.sampled, self._prompt_rows(hidden.index_select(0, prompt_rows)),
                             layout.prompt_spans)
 

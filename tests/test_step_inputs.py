@@ -41,6 +41,13 @@ def test_fill_lays_out_prefill_then_decodes_and_pads_for_a_graph():
     assert inputs.query_start[:3].tolist() == [0, 7, 8] and inputs.seq_lens[:2].tolist() == [9, 10]
     assert inputs.tables[0, :3].tolist() == [1, 2, 6] and inputs.tables[1, :3].tolist() == [7, 3, 5]
     assert layout.sampled == [1, 0] and inputs.rows[:2].tolist() == [6, 7]  # both reach their end
+    inputs.dev64.fill_(-7)
+    inputs.upload(layout)  # packed: 3 x 8 token rows, then the 2 logit rows; nothing past them
+    assert inputs.input_ids(8).tolist() == inputs.ids[:8].tolist()
+    assert inputs.positions_dev(8).tolist() == [2, 3, 4, 5, 6, 7, 8, 9]
+    assert inputs.attention(layout).slot_mapping.tolist() == [6, 7, 8, 9, 10, 11, 24, 21]
+    assert inputs.logit_rows(layout, 0, 2).tolist() == [6, 7] and inputs.logit_rows(layout, 1, 1).tolist() == [7]
+    assert set(inputs.dev64[26:].tolist()) == {-7}
 
     padded = inputs.fill(ScheduledBatch([decode], [1]), pad_to=4)
     assert (padded.num_tokens, padded.num_seqs, padded.decode_only, padded.sample_rows) == (4, 4, True, 1)
