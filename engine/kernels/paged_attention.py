@@ -186,6 +186,9 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+_NO_SPLITS: dict[torch.device, torch.Tensor] = {}  # device -> the scratch a launch of one split is given
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start: torch.Tensor, scale: float, decode_only: bool,
                     out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
@@ -209,11 +212,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     elif num_splits is None:
         num_splits = decode_splits(num_seqs, kvh, q.device)
     assert 1 <= num_splits <= MAX_SPLITS, num_splits
-    # Unused with one split, but float32 all the same: one compile whatever the number of splits.
-    parts = 1 if num_splits == 1 else t * h * num_splits
-    part_acc = torch.empty(parts * d, dtype=torch.float32, device=q.device)
-    part_max = torch.empty(parts, dtype=torch.float32, device=q.device)
-    part_sum = torch.empty_like(part_max)
+    # One allocation for the three (an eager step makes a launch per layer); with one split they
+    # are unused, but float32 all the same: one compile whatever the number of splits.
+    parts = t * h * num_splits
+    scratch = _NO_SPLITS.get(q.device) if num_splits == 1 else None
+    if scratch is None:
+        scratch = torch.empty(parts * (d + 2) if num_splits > 1 else 3, dtype=torch.float32, device=q.device)
+        if num_splits == 1:
+            _NO_SPLITS[q.device] = scratch
+    part_acc, part_max, part_sum = scratch.split([parts * d, parts, parts]) if num_splits > 1 else scratch.split(1)
     grid = (t // block_q + num_seqs, kvh, num_splits)
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, block_tables, seq_lens, query_start, part_acc, part_max, part_sum,
