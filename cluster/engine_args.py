@@ -12,6 +12,8 @@ import dataclasses
 import os
 import re
 
+from engine.config import LOGPROBS_MODES
+
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -117,6 +119,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--max-logprobs", type=int, metavar="N",
         help="most logprobs a request may ask per token (logprobs, top_logprobs, prompt_logprobs); -1: no "
              "cap, and a request's -1 then asks the whole vocabulary")
+    add("--logprobs-mode", choices=list(LOGPROBS_MODES),
+        help="what logprobs report (vLLM's flag): raw_logprobs (default) or raw_logits, the model's own; "
+             "processed_logprobs or processed_logits, after penalties, logit_bias and, for sampled requests, "
+             "temperature, min_p, top_k and top_p (the tokens these drop at -inf)")
     _add_vllm_only_flags(parser)
     return parser
 

@@ -5,6 +5,9 @@ import numbers
 import re
 from dataclasses import dataclass, fields
 
+# What logprobs report (vLLM's --logprobs-mode; engine.sampler computes them)
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
 
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
@@ -45,6 +48,9 @@ class EngineConfig:
     # Logprobs a request may ask per token (logprobs, prompt_logprobs), vLLM's --max-logprobs: its
     # default is OpenAI's top_logprobs bound; -1: no cap (a request's -1 asks the whole vocabulary).
     max_logprobs: int = 20
+    # What logprobs report, vLLM's --logprobs-mode (LOGPROBS_MODES): raw_logprobs,
+    # raw_logits, processed_logprobs, processed_logits (after penalties, bias, temperature, top_k...).
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str) and str(self.dtype).startswith("torch."):  # a torch.dtype, as vLLM takes
@@ -86,6 +92,8 @@ class EngineConfig:
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"dtype must be auto|float32|bfloat16|float16 (or half|float), got {self.dtype!r}")
         need(self.max_logprobs >= -1, f"max_logprobs must be >= 0, or -1 for no cap, got {self.max_logprobs}")
+        need(self.logprobs_mode in LOGPROBS_MODES,
+             f"logprobs_mode must be {'|'.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         for name in ("model", "revision", "tokenizer", "tokenizer_revision", "download_dir"):
             value = getattr(self, name)
             need(value is None or (isinstance(value, str) and value != ""), f"{name} must be a non-empty string")

@@ -141,7 +141,7 @@ class LocalExecutor:
         kv = allocate_kv_cache(arch.num_layers, num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim,
                                dtype, device)
         self.runner = make_runner(self.model, kv, config, max_model_len, device)
-        self.sampler = SequenceSampler(config.seed, spec.eos_token_ids)
+        self.sampler = SequenceSampler(config.seed, spec.eos_token_ids, config.logprobs_mode)
         self.info = ModelInfo(model_dir, spec.tokenizer, spec.eos_token_ids, arch.vocab_size,
                               arch.max_position_embeddings, num_blocks, device, dtype)
         logger.info("loaded %s on %s (%s) in %.1fs; KV cache %d blocks x %d tokens", model_name(config, model_dir), device,

@@ -6,6 +6,11 @@ Order per step (vLLM v1 style):
                -> greedy rows: argmax
                -> random rows: / temperature -> min_p -> top_k -> top_p -> draw
                   (top_p's mass is of what min_p and top_k kept, renormalized, as vLLM's)
+Logprobs are of the raw logits by default; vLLM's --logprobs-mode picks what they report
+(LOGPROBS_MODES): raw_logprobs, raw_logits (the values themselves), processed_logprobs or
+processed_logits (after the processors, and for random rows after temperature, min_p, top_k and
+top_p, the tokens those drop at -inf; a random row then finds its cut-off by a full sort, so its
+values are exact).
 Random draws use the exponential race, argmax(probs / q) with q ~ Exp(1), which samples from
 probs; a seeded row draws its V uniforms for q from its own generator only, so its tokens do not
 depend on the rest of the batch.
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.config import LOGPROBS_MODES
 from engine.device_copy import to_device
 from engine.sampling_params import SamplingParams
 from engine.structured.bitmask import GrammarMask, apply_grammar_mask
@@ -222,8 +228,10 @@ def _probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self.seed = seed
+    def __init__(self, seed: int = 0, logprobs_mode: str = "raw_logprobs") -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
+        self.seed, self.logprobs_mode = seed, logprobs_mode
         self._generators: dict[torch.device, torch.Generator] = {}  # shared, for unseeded rows
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
@@ -233,34 +241,49 @@ class Sampler:
         processed = apply_min_tokens(apply_penalties(apply_token_bans(apply_logit_bias(logits, rows), rows), rows),
                                      rows)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        # processed modes with logprobs asked: the values the rows draw from, else None
+        scores = processed if self.logprobs_mode.startswith("processed") and any(
+            r.params.logprobs is not None for r in rows) else None
         redraw = None
         if len(greedy) == len(rows):
             token_ids = processed.argmax(dim=-1)  # (B,)
         elif not greedy:
-            token_ids, redraw = self._sample_random(processed, rows)
+            token_ids, redraw, scores = self._sample_random(processed, rows, scored=scores is not None)
         else:
             device = logits.device
             rand = [i for i, r in enumerate(rows) if not r.params.greedy]
             greedy_index, rand_index = to_device(greedy, torch.long, device), to_device(rand, torch.long, device)
             token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
             token_ids[greedy_index] = processed[greedy_index].argmax(dim=-1)
-            token_ids[rand_index], redraw = self._sample_random(processed[rand_index], [rows[i] for i in rand],
-                                                                rand_index)
-        results = self._results(logits, token_ids, rows, None if redraw is None else redraw.short)
+            token_ids[rand_index], redraw, rand_scores = self._sample_random(
+                processed[rand_index], [rows[i] for i in rand], rand_index, scored=scores is not None)
+            if scores is not None:
+                scores = scores.to(torch.float32, copy=True)  # greedy rows: the processed logits
+                scores[rand_index] = rand_scores
+        if scores is None:
+            scores = logits
+        results = self._results(scores, token_ids, rows, None if redraw is None else redraw.short)
         if results is None:
-            results = self._results(logits, redraw.apply(token_ids), rows)
+            results = self._results(scores, redraw.apply(token_ids), rows)
         return results
 
-    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow],
-                       index: torch.Tensor | None = None) -> tuple[torch.Tensor, _Redraw | None]:
-        """(R, V) logits, not modified -> (R,) token ids, and the rows that may need drawing again
-        (None: none can); `index`: the rows' places in the batch."""
+    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow], index: torch.Tensor | None = None,
+                       scored: bool = False) -> tuple[torch.Tensor, _Redraw | None, torch.Tensor | None]:
+        """(R, V) logits, not modified -> (R,) token ids, the rows that may need drawing again
+        (None: none can), and with `scored` the logits the rows draw from (at their temperature,
+        the tokens their filters drop at -inf); `index`: the rows' places in the batch."""
         params = [r.params for r in rows]
         probs = _probs(logits, rows)  # (R, V)
-        short = None
+        short, scores = None, None
+        if scored:
+            temperature = to_device([p.temperature for p in params], torch.float32, logits.device)
+            scores = logits.float() / temperature.unsqueeze(1)
         if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
-            threshold, short = _keep_thresholds(probs, params)
-            probs.masked_fill_(probs < threshold, 0.0)
+            threshold, short = _keep_thresholds(probs, params, full_sort=scored)
+            dropped = probs < threshold
+            probs.masked_fill_(dropped, 0.0)
+            if scored:
+                scores.masked_fill_(dropped, float("-inf"))
 
         # q = -log(u) ~ Exp(1), u ~ U[0, 1): u == 0 gives q = inf, a zero score, never a NaN.
         u = torch.empty_like(probs)  # (R, V)
@@ -271,23 +294,26 @@ class Sampler:
                 u[i].uniform_(generator=r.generator)
         q = u.log_().neg_()
         redraw = None if short is None else _Redraw(short, logits, q, rows, index)
-        return (probs / q).argmax(dim=-1), redraw
+        return (probs / q).argmax(dim=-1), redraw, scores
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device).manual_seed(self.seed)
         return self._generators[device]
 
-    def _results(self, logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow],
+    def _results(self, scores: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow],
                  short: torch.Tensor | None = None) -> list[SampleResult] | None:
         """One device-to-host copy: the sampled ids, with the asked-for logprobs packed behind them
         (as float64, which holds every token id and float32 logprob exactly), and whether any of
-        the `short` rows must be drawn again: None when one must."""
+        the `short` rows must be drawn again: None when one must. `scores`: (B, V) the logits the
+        logprobs are of (the logprobs mode's)."""
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         parts = [token_ids]
         if want:
-            want_index = to_device(want, torch.long, logits.device)
-            logprobs = logits[want_index].float().log_softmax(dim=-1)  # (R, V) of the raw logits
+            want_index = to_device(want, torch.long, scores.device)
+            logprobs = scores[want_index].float()  # (R, V)
+            if self.logprobs_mode.endswith("logprobs"):
+                logprobs = logprobs.log_softmax(dim=-1)
             sampled = logprobs.gather(1, token_ids[want_index].unsqueeze(1)).squeeze(1)  # (R,)
             ranks = (logprobs >= sampled.unsqueeze(1)).sum(dim=1)  # (R,)
             num_top = max(rows[i].params.logprobs for i in want)
@@ -334,8 +360,8 @@ class SequenceSampler:
     sequence does (through preemption, gone with it).
     """
 
-    def __init__(self, seed: int, eos_token_ids: list[int]) -> None:
-        self.sampler = Sampler(seed)
+    def __init__(self, seed: int, eos_token_ids: list[int], logprobs_mode: str = "raw_logprobs") -> None:
+        self.sampler = Sampler(seed, logprobs_mode)
         self.eos_token_ids = sorted(set(eos_token_ids))  # masked until min_tokens, in every row
         self._generators: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

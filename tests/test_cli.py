@@ -53,14 +53,14 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
         "--max-num-batched-tokens", "256", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
         "--stream-interval", "4", "--distributed-executor-backend", "ray", "--enforce-eager", "--trust-remote-code",
         "--max-logprobs", "5", "--revision", "v1", "--tokenizer-revision", "v2", "--download-dir", "/hub",
-        "--scheduling-policy", "priority"])
+        "--scheduling-policy", "priority", "--logprobs-mode", "processed_logits"])
     kwargs = engine_config_from_args(ns)
     assert set(kwargs) == EngineConfig.field_names()
     config = EngineConfig(**kwargs)
     assert config.tensor_parallel_size == 2 and config.kv_cache_memory == 1 << 30
     assert config.enable_prefix_caching is False and config.enable_chunked_prefill is False
     assert config.stream_interval == 4 and config.enforce_eager is True and config.trust_remote_code is True
-    assert config.max_logprobs == 5
+    assert config.max_logprobs == 5 and config.logprobs_mode == "processed_logits"
     assert (config.revision, config.tokenizer_revision, config.download_dir) == ("v1", "v2", "/hub")
     relative = build_parser().parse_args(["generate", "p", "--download-dir", "hub"])
     assert engine_config_from_args(relative)["download_dir"] == os.path.join(os.getcwd(), "hub")  # as replicas see it

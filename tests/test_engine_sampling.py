@@ -121,6 +121,32 @@ def test_a_sampled_token_outside_the_top_logprobs_has_its_vocabulary_rank(tiny):
         assert top.decoded_token is None and entry[tok].decoded_token is None
 
 
+def test_logprobs_mode_reaches_the_sampler(tiny):
+    """--logprobs-mode through the engine: raw logits are the model's values (positive ones
+    among them, which no logprob is); processed logprobs of a greedy request carry its bias."""
+    prompt = _prompts(1, seed=7)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True)
+    ref = tiny.generate([prompt], greedy)[0].outputs[0]
+    logits_llm = LLM(model=tiny.engine.config.model, num_gpu_blocks_override=32, max_model_len=256,
+                     logprobs_mode="raw_logits")
+    out = logits_llm.generate([prompt], greedy)[0].outputs[0]
+    assert out.token_ids == ref.token_ids
+    # a log-softmax shifts every value of a row alike: the raw logits sit a constant above
+    for raw, normalized in zip(out.logprobs, ref.logprobs):
+        shift = {t: raw[t].logprob - normalized[t].logprob for t in normalized}
+        assert max(shift.values()) - min(shift.values()) < 1e-3 and min(shift.values()) > 1e-3
+    del logits_llm
+    processed = LLM(model=tiny.engine.config.model, num_gpu_blocks_override=32, max_model_len=256,
+                    logprobs_mode="processed_logprobs")
+    banned = ref.token_ids[0]
+    biased = dataclasses.replace(greedy, logit_bias={banned: -100.0})
+    raw_first = tiny.generate([prompt], biased)[0].outputs[0].logprobs[0]
+    first = processed.generate([prompt], biased)[0].outputs[0].logprobs[0]
+    assert banned in raw_first and banned not in first  # raw: still a top token; processed: pushed out
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        LLM(model=tiny.engine.config.model, logprobs_mode="logits")
+
+
 def _outputs_by_request(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
                         abort_after: dict[str, int] | None = None) -> dict[str, list]:
     """Every RequestOutput each request got, stepping the engine by hand; a request in

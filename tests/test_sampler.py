@@ -327,6 +327,47 @@ def test_logprobs_are_of_the_raw_logits():
     assert results[1].rank == 1 and results[0].rank > 1  # greedy: the top; a penalized, tempered draw: not
 
 
+def test_logprobs_modes_report_raw_or_processed_values():
+    """vLLM's --logprobs-mode: raw values, or those the row was drawn from (after bias and
+    penalties; for a random row also temperature and the filters, the dropped tokens at -inf)."""
+    logits = random_logits(3, 50, seed=6)
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3]).log()
+    logits[2, :4], logits[2, 4:] = probs, -30.0
+
+    def rows():  # afresh for each mode: a seeded row's generator moves on with each draw
+        return [row(logprobs=4, temperature=0.0, logit_bias={7: 50.0}),
+                row(logprobs=3, temperature=0.5, presence_penalty=1.0, output=[int(logits[1].argmax())], seed=2),
+                row(logprobs=4, temperature=2.0, top_p=0.75, seed=3)]
+
+    results = {mode: Sampler(1, mode).sample(logits, rows()) for mode in sampler_module.LOGPROBS_MODES}
+    assert len({tuple(r.token_id for r in res) for res in results.values()}) == 1  # the draws are the same
+
+    biased = logits.clone()
+    biased[0, 7] += 50.0
+    penalized = logits[1].clone()
+    penalized[int(logits[1].argmax())] -= 1.0
+    # At temperature 2, 0.05 / 0.5 / 0.15 / 0.3 become 0.12 / 0.38 / 0.21 / 0.29: top_p 0.75 of
+    # them keeps three tokens (of the untempered ones it would have kept two)
+    kept = logits[2] / 2.0
+    kept[0], kept[4:] = float("-inf"), float("-inf")
+    expected = {"raw_logits": logits, "raw_logprobs": logits.log_softmax(-1),
+                "processed_logits": torch.stack([biased[0], penalized / 0.5, kept]),
+                "processed_logprobs": torch.stack([biased[0].log_softmax(-1), (penalized / 0.5).log_softmax(-1),
+                                                   kept.log_softmax(-1)])}
+    for mode, res in results.items():
+        for i, r in enumerate(res):
+            want = expected[mode][i]
+            assert r.logprob == pytest.approx(want[r.token_id].item(), abs=1e-5), (mode, i)
+            top = want.topk(4 if i != 1 else 3)
+            assert [t for t, _ in r.top_logprobs] == top.indices.tolist(), (mode, i)
+            assert [v for _, v in r.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-5), (mode, i)
+            assert r.rank == int((want >= want[r.token_id]).sum()), (mode, i)
+    assert results["processed_logprobs"][0].token_id == 7  # the bias decided the greedy row
+    assert [v for _, v in results["processed_logprobs"][2].top_logprobs][3] == float("-inf")
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        Sampler(0, "processed")
+
+
 # ---- host waits ------------------------------------------------------------------------------
 
 

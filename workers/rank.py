@@ -75,7 +75,7 @@ class RankWorker:
         self.model: LlamaModel | None = None
         self.runner: ModelRunner | None = None
         self.mirror = RankMirror()
-        self.sampler = RankSampler(config.seed, eos_token_ids) if rank == SAMPLING_RANK else None
+        self.sampler = RankSampler(config.seed, eos_token_ids, config.logprobs_mode) if rank == SAMPLING_RANK else None
 
     # -- start-up ------------------------------------------------------------------------------
     @control

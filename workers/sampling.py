@@ -42,8 +42,8 @@ class SampleRecord:
 
 
 class RankSampler:
-    def __init__(self, seed: int, eos_token_ids: list[int]) -> None:
-        self.sampler = SequenceSampler(seed, eos_token_ids)
+    def __init__(self, seed: int, eos_token_ids: list[int], logprobs_mode: str = "raw_logprobs") -> None:
+        self.sampler = SequenceSampler(seed, eos_token_ids, logprobs_mode)
         self.records: dict[int | tuple[int, int], SampleRecord] = {}
 
     def apply(self, delta: SamplingDelta) -> None:
