@@ -33,7 +33,7 @@ def parse_calls(text: str, cut: bool) -> list[tuple[str, str]] | None:
             return calls
         try:
             obj, i = _DECODER.raw_decode(text, i)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the decoder's recursion: not calls
             return calls if cut and unfinished_call(text[i:]) else None
         parsed = call_of(obj)
         if parsed is None:

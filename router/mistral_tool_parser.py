@@ -59,7 +59,7 @@ def _segment(text: str, cut: bool) -> list[tuple[str, str]] | None:
         return None
     try:
         value, end = _DECODER.raw_decode(rest.strip())
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the decoder's recursion: not calls
         return [] if cut else None
     if not isinstance(value, dict) or rest.strip()[end:].strip():
         return None
@@ -71,7 +71,7 @@ def _json_calls(text: str, cut: bool) -> list[tuple[str, str]] | None:
     if text.startswith("{"):
         try:
             value, end = _DECODER.raw_decode(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the decoder's recursion: not calls
             return [] if cut and unfinished_call(text) else None
         found = call_of(value)
         return [found] if found is not None and not text[end:].strip() else None
@@ -82,7 +82,7 @@ def _json_calls(text: str, cut: bool) -> list[tuple[str, str]] | None:
             return calls if cut and calls else None
         try:
             value, i = _DECODER.raw_decode(text, i)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the decoder's recursion: not calls
             return calls if cut and (calls or unfinished_call(text[i:])) else None
         found = call_of(value)
         if found is None:

@@ -34,7 +34,7 @@ def call_of(obj) -> tuple[str, str] | None:
     if isinstance(args, str):
         try:
             found = (obj["name"], args) if isinstance(json.loads(args), dict) else None
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the decoder's recursion: not calls
             return None
     else:
         found = (obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None

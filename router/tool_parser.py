@@ -35,7 +35,7 @@ def _parse_block(body: str) -> tuple[str, str] | None:
     """-> (name, arguments JSON text) of one block's body, or None if it is not a call."""
     try:
         return call_of(json.loads(body))
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the decoder's recursion: not calls
         return None
 
 

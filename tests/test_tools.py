@@ -522,3 +522,23 @@ def test_named_stream():
     assert s.step('{"a"', None)[0] == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a"'}}]}
     assert s.step(": 1}", "stop") == ({"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]},
                                       "stop")  # a forced call ends "stop" (OpenAI's and vLLM's)
+
+
+@pytest.mark.parametrize("stream,text", [
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": '),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": '),
+    ("llama3_json", '{"name": "f", "parameters": {"a": '),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": '),
+])
+@pytest.mark.parametrize("cut", [False, True])
+def test_a_reply_nested_past_the_json_decoders_recursion_is_content(stream, text, cut):
+    """A model stuck on '[' nests deeper than json's decoder recurses (RecursionError, not a
+    ValueError): the reply is content, not a 500."""
+    from router.llama3_tool_parser import Llama3JsonStream
+    from router.mistral_tool_parser import MistralStream
+    from router.tool_calls import parse_whole
+
+    streams = {"mistral": MistralStream, "llama3_json": Llama3JsonStream, "hermes": ToolCallStream}
+    text += "[" * 5000 + ("\n</tool_call>" if stream == "hermes" else "")
+    content, calls = parse_whole(streams[stream](), text, cut)
+    assert calls == [] and content == (None if cut and stream != "hermes" else text)  # cut: a call cut short, dropped
