@@ -543,6 +543,13 @@ def test_formats_the_grammar_lacks_are_annotations_and_uuid_versions_are_held(to
     assert "the number range (minimum 1e18, maximum 1e19) cannot be enforced" in check(S(json={
         "type": "number", "minimum": 1e18, "maximum": 1e19}))
     assert check(S(json={"type": "integer", "minimum": -(2 ** 62), "maximum": 2 ** 62})) is None
+    # past 2**53 the grammar reads a bound as a float64: rounded inward, no value past it let in
+    held = {"type": "integer", "minimum": 2 ** 53 + 1, "maximum": 2 ** 58 - 1}
+    assert not accepts(held, 2 ** 53) and accepts(held, 2 ** 53 + 2) and not accepts(held, 2 ** 58)
+    assert accepts({"type": "integer", "exclusiveMaximum": 2 ** 54 + 1}, 2 ** 54)
+    assert not accepts({"type": "integer", "exclusiveMaximum": 2 ** 54}, 2 ** 54)  # held as exclusive there too
+    assert not accepts({"type": "integer", "exclusiveMinimum": 2 ** 54, "minimum": 5}, 2 ** 54)
+    assert check(S(json={"type": "string", "maximum": 2 ** 64})) is None  # a bound that holds no integer
     deep = {"type": "string"}
     for _ in range(40):  # 40 nested models, 80 JSON levels (the server takes bodies 128 deep)
         deep = {"type": "object", "properties": {"k": deep}, "required": ["k"]}

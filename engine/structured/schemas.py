@@ -11,6 +11,8 @@ had before. Data that looks like a schema (`const`, `enum`, `default`, `examples
 """
 from __future__ import annotations
 
+import math
+
 COMPOSING = ("allOf", "anyOf", "oneOf", "$ref", "$dynamicRef", "if", "then", "else", "not", "dependentSchemas",
              "dependencies", "unevaluatedProperties")
 ANNOTATIONS = ("title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment")
@@ -28,8 +30,9 @@ _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 def enforceable(schema):
     """`schema` (a copy) as the grammar can enforce it: a `format` llguidance lacks is dropped (a
     uuidN one becomes that version's `pattern`); ValueError for an integer bound beyond 64 bits,
-    which llguidance would saturate (its output would then break the schema, silently). Walked by
-    keyword, as closed_objects walks: a property named `default` is a schema, a `default` data."""
+    which llguidance would saturate (its output would then break the schema, silently), and
+    bounds past 2**53 rewritten as _held_bounds says. Walked by keyword, as closed_objects walks:
+    a property named `default` is a schema, a `default` data."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -48,13 +51,44 @@ def enforceable(schema):
         if fmt in _UUID_VERSION and "pattern" not in out:
             out["pattern"] = (f"^[0-9a-fA-F]{{8}}-[0-9a-fA-F]{{4}}-{_UUID_VERSION[fmt]}[0-9a-fA-F]{{3}}-"
                               "[89abAB][0-9a-fA-F]{3}-[0-9a-fA-F]{12}$")
-    if out.get("type") != "number":  # an integer's, or one a composition may make an integer's
+    kind = out.get("type")
+    if kind is None or kind == "integer" or (isinstance(kind, list) and "integer" in kind):  # or a composition's
         for key in _BOUNDS:
             value = out.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and not -2 ** 63 <= value < 2 ** 63:
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            if not -2 ** 63 <= value < 2 ** 63:
                 raise ValueError(f"{key} {value} is beyond what constrained decoding enforces for an integer "
                                  "(64 bits: -2**63 <= bound < 2**63)")
+        _held_bounds(out, low=True)
+        _held_bounds(out, low=False)
     return out
+
+
+def _held_bounds(schema: dict, low: bool) -> None:
+    """An integer's lower (`low`) or upper bounds, where one is past 2**53, as one inclusive bound
+    that a float64 holds: llguidance reads bounds as float64s, which there hold only some integers,
+    and its exclusive bounds there act as inclusive ones. Rounded inward: a few values at the edge
+    lost, never one past it let in."""
+    keys = ("minimum", "exclusiveMinimum") if low else ("maximum", "exclusiveMaximum")
+    given = {k: schema[k] for k in keys if isinstance(schema.get(k), (int, float)) and not isinstance(schema[k], bool)}
+    if not any(abs(v) >= 2 ** 53 for v in given.values()):
+        return
+    if low:
+        bound = max(math.ceil(v) if k == "minimum" else math.floor(v) + 1 for k, v in given.items())
+    else:
+        bound = min(math.floor(v) if k == "maximum" else math.ceil(v) - 1 for k, v in given.items())
+    for k in keys:
+        schema.pop(k, None)
+    schema[keys[0]] = _inward(bound, up=low)
+
+
+def _inward(bound: int, up: bool) -> int:
+    """The nearest integer a float64 holds, above `bound` (`up`) or below it."""
+    near = float(bound)
+    if (near < bound) if up else (near > bound):
+        near = math.nextafter(near, math.inf if up else -math.inf)
+    return int(near)
 
 
 def closed_objects(schema):
