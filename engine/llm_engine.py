@@ -37,6 +37,9 @@ class LLMEngine:
                                                    config.enable_chunked_prefill, config.scheduling_policy),
                                    self.block_manager)
         self.requests: dict[str, Request] = {}
+        # Requests that finished in a step that raised after their last token: their outputs go
+        # out with the next step's (they stay in `requests` until then, so has_unfinished says so).
+        self._held: list[str] = []
         # Grammars compile on their own thread (AsyncEngine waits for them before queueing a
         # request); matchers live here, whatever the tensor parallelism, and masks travel.
         self.structured = GrammarMatchers(GrammarCompiler(self.tokenizer, info.vocab_size, info.eos_token_ids))
@@ -137,14 +140,17 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        held = [self.requests[r] for r in self._held if r in self.requests]
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
-        prompt_tokens = batch.num_prompt_tokens  # before the step advances the sequences
-        try:
-            return self._run(batch)
-        finally:  # a step that raised took its time too
-            self.scheduler.stats.record_step(batch.has_prefill, time.perf_counter() - start, prompt_tokens)
+        outputs = []
+        if batch.seqs:
+            prompt_tokens = batch.num_prompt_tokens  # before the step advances the sequences
+            try:
+                outputs = self._run(batch)
+            finally:  # a step that raised took its time too
+                self.scheduler.stats.record_step(batch.has_prefill, time.perf_counter() - start, prompt_tokens)
+        self._held = []
+        return [self._finished_output(req) for req in held] + outputs
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         try:
@@ -169,18 +175,23 @@ class LLMEngine:
 
         try:  # a failed draw is undone (Scheduler.update_from_output), and then the step as above
             self.scheduler.update_from_output(batch, out.sampled, out.sample, append, on_fork=self._add_fork)
-        except BaseException:
+        except BaseException:  # in the draws, or in an append: the sequences it reached keep their tokens
             self.scheduler.roll_back(batch)
+            self._held += [r for r, req in touched.items() if req.finished]
             raise
         outputs = []
         for req in touched.values():
-            if req.output_due(self.config.stream_interval):
-                outputs.append(req.take_output())
             if req.finished:
-                del self.requests[req.request_id]
-                for seq in req.seqs:
-                    self.structured.drop(seq)
+                outputs.append(self._finished_output(req))
+            elif req.output_due(self.config.stream_interval):
+                outputs.append(req.take_output())
         return outputs
+
+    def _finished_output(self, req: Request) -> RequestOutput:
+        del self.requests[req.request_id]
+        for seq in req.seqs:
+            self.structured.drop(seq)
+        return req.take_output()
 
     def _end_constrained(self, req: Request, seq: Sequence, verdict: str, done: bool) -> bool:
         """A complete grammar stops its sequence (no eos needed); one that failed ends it with an

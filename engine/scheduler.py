@@ -40,6 +40,7 @@ class ScheduledBatch:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     preempted: list[Sequence] = field(default_factory=list)
     registered: list[int] = field(default_factory=list)  # blocks entered in the prefix cache for this step
+    forks: list[Sequence] = field(default_factory=list)  # children forked after this step's draws
     _row_orders: dict[int, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -137,12 +138,14 @@ class Scheduler:
         """The model did not run `batch` (its step raised), so the KV it was to write does not exist:
         the blocks it entered in the prefix cache leave it (a later prompt would hit them and read
         unwritten KV, silently), and its sequences start over, as preempted ones do (one admitted
-        this step may hold such a block as a hit). The engine may then go on, or abort them."""
+        this step may hold such a block as a hit), with the children forked from them (a step that
+        raised after its draws: those that took a token keep it). The engine may then go on, or
+        abort them."""
         self.block_manager.forget(batch.registered)
-        for seq in reversed(batch.seqs):  # the first ends up first in line again
-            if seq.status is SequenceStatus.RUNNING:
-                self.running.remove(seq)
-                self._requeue(seq)
+        ours = {id(s) for s in batch.seqs} | {id(s) for s in batch.forks}
+        for seq in reversed([s for s in self.running if id(s) in ours]):  # the first ends up first in line again
+            self.running.remove(seq)
+            self._requeue(seq)
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         i = 0
@@ -244,6 +247,7 @@ class Scheduler:
             for seq, n in zip(batch.seqs, batch.num_new_tokens):
                 seq.num_computed_tokens -= n
             raise
+        batch.forks = children
         for child in children:
             on_fork(child)
         self.stats.generation_tokens += len(seqs)

@@ -111,6 +111,39 @@ def test_a_draw_that_raised_is_undone_and_the_engine_goes_on(tiny, monkeypatch, 
     assert [[c.token_ids for c in done[str(i)].outputs] for i in range(2)] == [[r] * n for r in ref] and _clean(llm)
 
 
+@pytest.mark.parametrize("n,max_tokens", [(1, 1), (2, 8)])
+def test_an_append_that_raised_loses_nothing_and_the_engine_goes_on(tiny, monkeypatch, n, max_tokens):
+    """Ctrl-C in an append (a request's detokenizing, after the draws): a request another append of
+    the step finished still gets its last output, on the next step; a child forked in the step
+    starts over with its parent (n=2: it raised in the child's first append)."""
+    from engine.request import Request
+
+    d, prompts, ref = tiny
+    llm = LLM(model=str(d), block_size=4, num_gpu_blocks_override=64)
+    eng = llm.engine
+    eng.add_request("0", prompts[0], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n))
+    eng.add_request("1", prompts[1], GREEDY)
+    append_token, calls = Request.append_token, []
+
+    def second_raises(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return append_token(self, *args, **kwargs)
+
+    monkeypatch.setattr(Request, "append_token", second_raises)
+    with pytest.raises(KeyboardInterrupt):
+        eng.step()
+    eng.scheduler.check_integrity()
+    done = {}
+    for _ in range(200):
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+        if not eng.has_unfinished():
+            break
+    assert [c.token_ids for c in done["0"].outputs] == [ref[0][:max_tokens]] * n
+    assert done["1"].outputs[0].token_ids == ref[1] and _clean(llm)
+
+
 def test_an_interrupted_generate_aborts_its_requests_and_the_next_one_runs(tiny):
     d, prompts, ref = tiny
 
