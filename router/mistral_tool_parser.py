@@ -6,8 +6,9 @@
 `[TOOL_CALLS]` is a special token: the requests of a server with this parser keep special tokens
 in their text while tools are offered (vLLM's adjust_request), so that the tag shows. A reply is
 calls when it starts with the tag, or with a JSON list of call objects (the tag skipped), and is
-nothing else; held until it ends (router.tool_calls.WholeReplyStream). Cut at max_tokens, the
-whole calls stand. Call ids are 9 letters and digits: Mistral's chat templates refuse others
+nothing else; held until it ends (router.tool_calls.WholeReplyStream). Text before the tag (Mistral
+Small writes some) is content, streamed as it comes, and the tag starts the calls, as in vLLM's
+parser. Cut at max_tokens, the whole calls stand. Call ids are 9 letters and digits: Mistral's chat templates refuse others
 when the calls come back in the history (vLLM makes the same).
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import re
 import string
 
 from router.llama3_tool_parser import unfinished_call
-from router.tool_calls import WholeReplyStream, call_of, held_back
+from router.tool_calls import WholeReplyStream, call_of, chat_delta, held_back
 
 TAG = "[TOOL_CALLS]"
 ARGS, CALL_ID = "[ARGS]", "[CALL_ID]"
@@ -108,6 +109,36 @@ class MistralStream(WholeReplyStream):
 
     tag = TAG
     new_id = staticmethod(new_call_id)
+
+    def __init__(self, max_calls: int | None = None, accepts=None) -> None:
+        super().__init__(max_calls, accepts)
+        self.held = ""  # content: its end, that may be the start of a tag
+        self.calls: MistralStream | None = None  # the reply past a tag that came after content
+
+    def feed(self, text: str) -> dict:
+        if self.calls is not None:
+            return self.calls.feed(text)
+        if not self.content:
+            delta = super().feed(text)
+            if not self.content:
+                return delta
+            text = delta.get("content", "")  # decided: content, so far
+        text, self.held = self.held + text, ""
+        at = text.find(TAG)
+        if at < 0:
+            keep = held_back(text, TAG)
+            self.held = text[len(text) - keep:]
+            return chat_delta(text[:len(text) - keep], [])
+        self.calls = MistralStream(self.max_calls, self.accepts)
+        return chat_delta(text[:at], self.calls.feed(text[at:]).get("tool_calls", []))
+
+    def finish(self, cut: bool = False) -> dict:
+        if self.calls is None:
+            end = super().finish(cut)
+            return chat_delta(self.held + end.get("content", ""), end.get("tool_calls", []))
+        end = self.calls.finish(cut)
+        self.num_calls = self.calls.num_calls
+        return end
 
     def could_be(self, head: str) -> bool:
         if head.startswith("{") or re.match(r"\[\s*(\{|\Z)", head):

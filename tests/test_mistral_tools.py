@@ -45,11 +45,20 @@ def test_a_reply_that_is_calls_is_calls():
 
 @pytest.mark.parametrize("text", [
     "The weather is fine.", "  Hello there \n", "[1, 2, 3]", "[]", "[see below]", '{"city": "Paris"}',
-    f"[{WEATHER}] and some words", f"Sure: [TOOL_CALLS][{WEATHER}]", '[{"name": "now"}]',
+    f"[{WEATHER}] and some words", '[{"name": "now"}]', "Sure: [TOOL_CALLS] not calls", "ends in [TOOL_C",
     "[TOOL_CALLS]get weather[ARGS]{}", "[TOOL_CALLS]now[ARGS][1]", "[TOOL_CALLS]now", "[TOOL_CALLS]", "",
 ])
 def test_anything_else_is_content_as_written(text):
     assert parse(text) == (text or None, [])
+
+
+def test_text_before_the_tag_is_content_and_the_tag_starts_calls():
+    """Mistral Small writes a sentence before its calls: content, as in vLLM's parser."""
+    assert parse(f"Sure: [TOOL_CALLS][{WEATHER}]") == ("Sure: ", [WEATHER_CALL])
+    assert parse('Let me look.\n[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}') == (
+        "Let me look.\n", [WEATHER_CALL])
+    assert parse(f'Sure: [TOOL_CALLS][{WEATHER}, {{"name": "no', cut=True) == ("Sure: ", [WEATHER_CALL])
+    assert parse(f"Sure: [TOOL_CALLS][{WEATHER}], done") == (f"Sure: [TOOL_CALLS][{WEATHER}], done", [])
 
 
 def test_a_cut_reply_keeps_its_whole_calls_and_drops_the_unfinished_one():
@@ -64,7 +73,8 @@ def test_a_cut_reply_keeps_its_whole_calls_and_drops_the_unfinished_one():
 
 TEXTS = [f"[TOOL_CALLS][{WEATHER}]", f"[{WEATHER}, {NOW}]", "plain words", "[1, 2]",
          '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]now[ARGS]{}',
-         f'[TOOL_CALLS][{WEATHER}, {{"name": "no', "[TOOL_C", "   "]
+         f'[TOOL_CALLS][{WEATHER}, {{"name": "no', "[TOOL_C", "   ", f"Sure: [TOOL_CALLS][{WEATHER}]",
+         "a [TOOL_CALLS] b", f"x [TOOL_C [TOOL_CALLS]{NOW}"]
 
 
 def test_streamed_replies_add_up_to_the_parsed_whole_under_any_split():
