@@ -92,9 +92,14 @@ class LLM:
                 calls = p.split(self.engine.config.max_num_seqs)
                 parts[rid] = [(rid if len(calls) == 1 else f"{rid}.{k}", first) for k, (first, _) in enumerate(calls)]
                 for (part_id, _), (_, q) in zip(parts[rid], calls):
-                    self.engine.add_request(part_id, prompt, dataclasses.replace(q, output_kind=RequestOutputKind.FINAL_ONLY),
-                                            fit_model_len=True)
-                    left[part_id] = rid
+                    foreign = part_id in self.engine.requests
+                    try:
+                        self.engine.add_request(part_id, prompt,
+                                                dataclasses.replace(q, output_kind=RequestOutputKind.FINAL_ONLY),
+                                                fit_model_len=True)
+                    finally:  # a Ctrl-C landing after the engine took it: it is ours to abort
+                        if not foreign and part_id in self.engine.requests:
+                            left[part_id] = rid
         except BaseException:  # a bad prompt or params, Ctrl-C: none of the batch runs (as vLLM's LLM)
             for part_id in left:
                 self.engine.abort(part_id)

@@ -166,6 +166,25 @@ def test_an_interrupted_generate_aborts_its_requests_and_the_next_one_runs(tiny)
     assert [o.outputs[0].token_ids for o in outs] == ref and _clean(llm)
 
 
+def test_a_ctrl_c_right_after_the_engine_took_a_request_aborts_it_too(tiny, monkeypatch):
+    from engine.llm_engine import LLMEngine
+
+    d, prompts, ref = tiny
+    llm = LLM(model=str(d), block_size=4, num_gpu_blocks_override=64)
+    add, calls = LLMEngine.add_request, []
+
+    def then_ctrl_c(self, *args, **kwargs):
+        add(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:  # the second prompt is in the engine; generate has not recorded it yet
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(LLMEngine, "add_request", then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert _clean(llm)
+
+
 def test_generate_leaves_the_engines_other_requests_alone(tiny):
     d, prompts, ref = tiny
     llm = LLM(model=str(d), block_size=4, num_gpu_blocks_override=64)
