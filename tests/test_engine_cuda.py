@@ -138,3 +138,29 @@ def test_sampling_waits_for_the_device_once(nucleus, monkeypatch):
     else:
         assert len(waits) == 1, [str(w.message) for w in waits]
         assert results[7].token_id == int(logits[7].argmax())
+
+
+def test_the_engine_core_in_its_own_process_serves_on_cuda(tmp_path, tokenizer_dir):
+    """ProcessEngine (the engine core in a process of its own, as vLLM's EngineCore; `--engine-cls
+    engine.process_engine:ProcessEngine`) on CUDA: the child initializes the GPU itself, and the
+    streams it relays carry the offline engine's greedy tokens. What a GPU default of it needs."""
+    import asyncio
+
+    from engine.process_engine import ProcessEngine
+
+    d, prompts = make_tiny_llama(tmp_path, tokenizer_dir, "gqa"), _prompts()
+    ref = _tokens(LLM(model=str(d), device="cuda", max_num_seqs=8).generate(prompts, GREEDY))
+
+    async def main():
+        engine = ProcessEngine(model=str(d), device="cuda", max_num_seqs=8)
+
+        async def stream(i: int, prompt: list[int]) -> list[int]:
+            outs = [out async for out in engine.generate(str(i), prompt, GREEDY)]
+            return [t for out in outs for t in out.outputs[0].delta_token_ids]
+
+        try:
+            return await asyncio.gather(*(stream(i, p) for i, p in enumerate(prompts)))
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(main()) == ref
