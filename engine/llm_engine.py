@@ -39,7 +39,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         # Requests that finished in a step that raised after their last token: their outputs go
         # out with the next step's (they stay in `requests` until then, so has_unfinished says so).
-        self._held: list[str] = []
+        self._held: list[Request] = []
         # Grammars compile on their own thread (AsyncEngine waits for them before queueing a
         # request); matchers live here, whatever the tensor parallelism, and masks travel.
         self.structured = GrammarMatchers(GrammarCompiler(self.tokenizer, info.vocab_size, info.eos_token_ids))
@@ -140,7 +140,7 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
-        held = [self.requests[r] for r in self._held if r in self.requests]
+        held = [req for req in self._held if self.requests.get(req.request_id) is req]  # not aborted since
         batch = self.scheduler.schedule()
         outputs = []
         if batch.seqs:
@@ -177,7 +177,7 @@ class LLMEngine:
             self.scheduler.update_from_output(batch, out.sampled, out.sample, append, on_fork=self._add_fork)
         except BaseException:  # in the draws, or in an append: the sequences it reached keep their tokens
             self.scheduler.roll_back(batch)
-            self._held += [r for r, req in touched.items() if req.finished]
+            self._held += [req for req in touched.values() if req.finished]
             raise
         outputs = []
         for req in touched.values():

@@ -278,7 +278,7 @@ class Scheduler:
         """Remove a finished or aborted sequence wherever it is and return its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:  # (a Ctrl-C may abort one never queued)
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         self.block_manager.free(seq)

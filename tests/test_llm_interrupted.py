@@ -144,6 +144,38 @@ def test_an_append_that_raised_loses_nothing_and_the_engine_goes_on(tiny, monkey
     assert done["1"].outputs[0].token_ids == ref[1] and _clean(llm)
 
 
+def test_a_held_output_is_dropped_with_its_request_and_its_id_reused(tiny, monkeypatch):
+    """The request whose last output is held (test above) aborted, and its id taken by a new one
+    before the next step: the new one is served, once, and nothing of the old one goes out."""
+    from engine.request import Request
+
+    d, prompts, ref = tiny
+    llm = LLM(model=str(d), block_size=4, num_gpu_blocks_override=64)
+    eng = llm.engine
+    eng.add_request("0", prompts[0], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    eng.add_request("1", prompts[1], GREEDY)
+    append_token, calls = Request.append_token, []
+
+    def second_raises(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return append_token(self, *args, **kwargs)
+
+    monkeypatch.setattr(Request, "append_token", second_raises)
+    with pytest.raises(KeyboardInterrupt):
+        eng.step()
+    eng.abort("0")
+    eng.add_request("0", prompts[0], GREEDY)
+    outs = []
+    for _ in range(200):
+        outs += [o for o in eng.step() if o.finished]
+        if not eng.has_unfinished():
+            break
+    assert sorted((o.request_id, o.outputs[0].token_ids) for o in outs) == [("0", ref[0]), ("1", ref[1])]
+    assert _clean(llm)
+
+
 def test_an_interrupted_generate_aborts_its_requests_and_the_next_one_runs(tiny):
     d, prompts, ref = tiny
 
@@ -182,6 +214,20 @@ def test_a_ctrl_c_right_after_the_engine_took_a_request_aborts_it_too(tiny, monk
     monkeypatch.setattr(LLMEngine, "add_request", then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert _clean(llm)
+    monkeypatch.undo()
+
+    from engine.scheduler import Scheduler
+
+    queue = Scheduler.add
+
+    def ctrl_c_first(self, seq):  # inside add_request: the engine holds the request, the queue not yet
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Scheduler, "add", ctrl_c_first)
+    with pytest.raises(KeyboardInterrupt):  # not the abort's ValueError of a sequence never queued
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    monkeypatch.setattr(Scheduler, "add", queue)
     assert _clean(llm)
 
 
