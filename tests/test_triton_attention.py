@@ -153,6 +153,24 @@ def test_decode_splits_fill_four_waves_of_the_sms(monkeypatch):
     assert paged_attention.decode_splits(1, 3, torch.device("cpu")) == 1
 
 
+def test_split_scratch_views_are_apart_and_16_byte_aligned():
+    """Triton specializes a pointer on 16-byte alignment: a view off it would compile the kernel
+    again (mid-serving, on an eager step) for some batch sizes."""
+    from engine.kernels import paged_attention
+
+    cpu = torch.device("cpu")
+    for rows, d, splits in [(13 * 9, 64, 13), (3 * 14, 64, 3), (1, 128, 16), (7, 64, 1), (5, 80, 2)]:
+        views = paged_attention.split_scratch(cpu, rows, d, splits)
+        base = min(v.data_ptr() for v in views)
+        assert all((v.data_ptr() - base) % 16 == 0 for v in views), (rows, d, splits)
+        parts = rows * splits
+        assert [v.numel() for v in views] == ([parts * d, parts, parts] if splits > 1 else [1, 1, 1])
+        spans = sorted((v.data_ptr(), v.data_ptr() + 4 * v.numel()) for v in views)
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no overlap
+    assert paged_attention.split_scratch(cpu, 9, 64, 1)[0].data_ptr() == paged_attention.split_scratch(
+        cpu, 300, 64, 1)[0].data_ptr()  # one kept for every launch of one split
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_within_its_rounding(device, dtype):
     if dtype == torch.bfloat16 and device.type == "cpu":

@@ -189,6 +189,24 @@ def _num_sms(index: int) -> int:
 _NO_SPLITS: dict[torch.device, torch.Tensor] = {}  # device -> the scratch a launch of one split is given
 
 
+def split_scratch(device: torch.device, rows: int, d: int,
+                  num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (rows * splits * d accumulators, rows * splits maxima, rows * splits sums), float32, in one
+    allocation (an eager step makes a launch per layer). With one split they are unused (one kept
+    per device is given), but float32 all the same and each 16-byte aligned, as Triton
+    specializes a pointer on that: one compile whatever the number of splits."""
+    if num_splits == 1:
+        if device not in _NO_SPLITS:
+            _NO_SPLITS[device] = torch.empty(12, dtype=torch.float32, device=device)
+        scratch = _NO_SPLITS[device]
+        return scratch[0:1], scratch[4:5], scratch[8:9]
+    parts = rows * num_splits
+    padded = -(-parts // 4) * 4  # floats per view's slot: each view starts on 16 bytes
+    scratch = torch.empty(padded * (d + 2), dtype=torch.float32, device=device)
+    acc, maxima, sums = (scratch[i * padded:i * padded + n] for i, n in ((0, parts * d), (d, parts), (d + 1, parts)))
+    return acc, maxima, sums
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start: torch.Tensor, scale: float, decode_only: bool,
                     out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
@@ -212,15 +230,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     elif num_splits is None:
         num_splits = decode_splits(num_seqs, kvh, q.device)
     assert 1 <= num_splits <= MAX_SPLITS, num_splits
-    # One allocation for the three (an eager step makes a launch per layer); with one split they
-    # are unused, but float32 all the same: one compile whatever the number of splits.
-    parts = t * h * num_splits
-    scratch = _NO_SPLITS.get(q.device) if num_splits == 1 else None
-    if scratch is None:
-        scratch = torch.empty(parts * (d + 2) if num_splits > 1 else 3, dtype=torch.float32, device=q.device)
-        if num_splits == 1:
-            _NO_SPLITS[q.device] = scratch
-    part_acc, part_max, part_sum = scratch.split([parts * d, parts, parts]) if num_splits > 1 else scratch.split(1)
+    part_acc, part_max, part_sum = split_scratch(q.device, t * h, d, num_splits)
     grid = (t // block_q + num_seqs, kvh, num_splits)
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, block_tables, seq_lens, query_start, part_acc, part_max, part_sum,
