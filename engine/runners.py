@@ -85,9 +85,11 @@ def cuda_step_bytes(model: LlamaModel, config: EngineConfig, max_model_len: int,
     gc.collect()
     torch.cuda.empty_cache()
     logits = config.max_num_seqs * a.vocab_size * 4
-    # The sampler's float32 copies of the logits (probs, noise, ...), and prompt logprobs' chunk of
-    # logits with its log-softmax temporaries.
-    step = peak + 4 * logits + 3 * PROMPT_LOGITS_BYTES
+    # The sampler's float32 copies of the logits (probs, noise, ...; the processed logprobs modes
+    # keep the drawn-from logits and their log-softmax too), and prompt logprobs' chunk of logits
+    # with its log-softmax temporaries.
+    copies = 7 if config.logprobs_mode.startswith("processed") else 4
+    step = peak + copies * logits + 3 * PROMPT_LOGITS_BYTES
     logger.info("a step needs %.0f MiB beside weights and KV pool (largest step and decode graphs, measured)",
                 step / (1 << 20))
     return step

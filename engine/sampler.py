@@ -185,8 +185,10 @@ def _threshold_from_candidates(candidates: torch.Tensor, k: torch.Tensor, top_p:
     positions = torch.arange(num, device=candidates.device)
     in_set = (positions < k.unsqueeze(1)) & (candidates >= min_p_cut.unsqueeze(1))  # (R, n)
     mass = (candidates * in_set).cumsum(dim=-1)  # (R, n)
-    # The nucleus takes top_p of the mass of what top_k and min_p keep (min_p's alone without top_k).
-    total = torch.where(k <= num, mass[:, -1], kept_mass)
+    # The nucleus takes top_p of the mass of what top_k and min_p keep (min_p's alone without top_k,
+    # whether the candidates are a partial top-k or the whole sorted row: the same cut-off, so a
+    # seeded row draws the same token either way).
+    total = torch.where(k < vocab_size, mass[:, -1], kept_mass)
     num_keep = (mass < (top_p * total).unsqueeze(1)).sum(dim=-1) + 1  # (R,)
     # Without top_p keep exactly k: float absorption may stop `mass` growing before k.
     num_keep = torch.where(top_p < 1, num_keep, k).clamp(max=num)

@@ -368,6 +368,27 @@ def test_logprobs_modes_report_raw_or_processed_values():
         Sampler(0, "processed")
 
 
+def test_a_full_sort_finds_the_cut_off_the_candidates_do():
+    """The processed logprobs modes find a random row's cut-off by a full sort when a row asks
+    for logprobs, and draws use the top candidates otherwise: the same cut-off, also where top_p is
+    exactly a token's mass, so a seeded request's tokens do not depend on asking for logprobs."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        logits = torch.full((1, 4096), -12.0) + torch.randn(1, 4096, generator=g) * 0.1
+        logits[0, 0], logits[0, 1] = 5.0, 5.0 - 0.01 * torch.rand(1, generator=g).item()
+        probs = logits.softmax(dim=-1)
+        top_p = float(probs.max())  # the boundary: the top token's mass exactly
+        for p in (SamplingParams(temperature=1.0, top_p=top_p), SamplingParams(temperature=1.0, top_p=top_p, min_p=1e-6),
+                  SamplingParams(temperature=1.0, top_p=top_p, top_k=50)):
+            partial, _ = sampler_module._keep_thresholds(probs.clone(), [p])
+            full, _ = sampler_module._keep_thresholds(probs.clone(), [p], full_sort=True)
+            assert partial.item() == full.item(), (trial, p)
+    for seed in range(20):
+        rows = [row(temperature=1.0, top_p=top_p, seed=seed, logprobs=lp) for lp in (None, 1)]
+        tokens = [Sampler(0, "processed_logprobs").sample(logits, [r])[0].token_id for r in rows]
+        assert tokens[0] == tokens[1], seed
+
+
 # ---- host waits ------------------------------------------------------------------------------
 
 
