@@ -37,7 +37,10 @@ def call_of(obj) -> tuple[str, str] | None:
         except (ValueError, RecursionError):  # nested past the decoder's recursion: not calls
             return None
     else:
-        found = (obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+        try:
+            found = (obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+        except RecursionError:  # decoded a few frames short of the limit, encoded past it
+            return None
     return found if found is not None and _text("".join(found)) else None
 
 
@@ -164,7 +167,10 @@ class WholeReplyStream(CallStream):
         body = body.rstrip()
         if self.end_tag and body.endswith(self.end_tag):
             body = body[:-len(self.end_tag)]
-        parsed = self.parse(body, cut)
+        try:
+            parsed = self.parse(body, cut)
+        except RecursionError:  # arguments nested as deep as the interpreter recurses: not calls
+            parsed = None
         if parsed is None or (self.accepts is not None and not all(self.accepts(*c) for c in parsed)):
             return chat_delta(text, [])  # not calls (a function not offered, arguments off a strict schema): content
         if self.max_calls is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 
 import jsonschema
 import openai
@@ -539,6 +540,14 @@ def test_a_reply_nested_past_the_json_decoders_recursion_is_content(stream, text
     from router.tool_calls import parse_whole
 
     streams = {"mistral": MistralStream, "llama3_json": Llama3JsonStream, "hermes": ToolCallStream}
-    text += "[" * 5000 + ("\n</tool_call>" if stream == "hermes" else "")
-    content, calls = parse_whole(streams[stream](), text, cut)
-    assert calls == [] and content == (None if cut and stream != "hermes" else text)  # cut: a call cut short, dropped
+    close = "\n</tool_call>" if stream == "hermes" else ""
+    deep = text + "[" * 5000 + close
+    content, calls = parse_whole(streams[stream](), deep, cut)
+    assert calls == [] and content == (None if cut and stream != "hermes" else deep)  # cut: a call cut short, dropped
+    # whole arguments just short of the limit: decoded, then encoded a few frames deeper
+    limit = sys.getrecursionlimit()
+    for depth in range(limit - 200, limit + 5):  # the window moves with the stack depth at the call
+        whole = text + "[" * depth + "]" * depth + "}" + ("}" if "arguments\": {" in text else "") + close
+        whole += "]" if text.startswith("[TOOL_CALLS][") else ""
+        content, calls = parse_whole(streams[stream](), whole, cut)
+        assert (content, len(calls)) in ((whole, 0), (None, 1)) + (((None, 0),) if cut else ()), depth
