@@ -550,6 +550,11 @@ def test_formats_the_grammar_lacks_are_annotations_and_uuid_versions_are_held(to
     assert not accepts({"type": "integer", "exclusiveMaximum": 2 ** 54}, 2 ** 54)  # held as exclusive there too
     assert not accepts({"type": "integer", "exclusiveMinimum": 2 ** 54, "minimum": 5}, 2 ** 54)
     assert check(S(json={"type": "string", "maximum": 2 ** 64})) is None  # a bound that holds no integer
+    # a range with no float64 in it: said plainly, in the bounds the schema gave
+    assert "no integer within minimum 1152921504606846977, maximum 1152921504606847076 can be enforced" in check(
+        S(json={"type": "integer", "minimum": 2 ** 60 + 1, "maximum": 2 ** 60 + 100}))
+    either = {"type": ["integer", "number"], "minimum": 0.5, "exclusiveMinimum": -2 ** 60}  # numbers too: as given
+    assert accepts(either, 0.7) and not accepts(either, 0.2)
     deep = {"type": "string"}
     for _ in range(40):  # 40 nested models, 80 JSON levels (the server takes bodies 128 deep)
         deep = {"type": "object", "properties": {"k": deep}, "required": ["k"]}

@@ -60,8 +60,15 @@ def enforceable(schema):
             if not -2 ** 63 <= value < 2 ** 63:
                 raise ValueError(f"{key} {value} is beyond what constrained decoding enforces for an integer "
                                  "(64 bits: -2**63 <= bound < 2**63)")
-        _held_bounds(out, low=True)
-        _held_bounds(out, low=False)
+        if kind == "integer" or (isinstance(kind, list) and "number" not in kind):  # integers alone
+            given = {k: out[k] for k in _BOUNDS if k in out}
+            _held_bounds(out, low=True)
+            _held_bounds(out, low=False)
+            low, high = out.get("minimum"), out.get("maximum")
+            if isinstance(low, int) and isinstance(high, int) and low > high and given != {k: out[k] for k in given}:
+                bounds = ", ".join(f"{k} {v}" for k, v in given.items())
+                raise ValueError(f"no integer within {bounds} can be enforced: past 2**53 constrained decoding "
+                                 "reads bounds as float64 numbers, which hold only some integers there")
     return out
 
 
