@@ -135,7 +135,16 @@ class MistralStream(WholeReplyStream):
     def finish(self, cut: bool = False) -> dict:
         if self.calls is None:
             end = super().finish(cut)
-            return chat_delta(self.held + end.get("content", ""), end.get("tool_calls", []))
+            text = self.held + end.get("content", "")
+            at = text.find(TAG)
+            if end.get("tool_calls") or at <= 0 or text.lstrip().startswith(TAG):
+                return chat_delta(text, end.get("tool_calls", []))
+            # held as it looked like calls ('[{', '{'), it was content before a tag after all
+            self.calls = MistralStream(self.max_calls, self.accepts)
+            self.calls.feed(text[at:])
+            end = self.calls.finish(cut)
+            self.num_calls = self.calls.num_calls
+            return chat_delta(text[:at] + end.get("content", ""), end.get("tool_calls", []))
         end = self.calls.finish(cut)
         self.num_calls = self.calls.num_calls
         return end

@@ -59,6 +59,9 @@ def test_text_before_the_tag_is_content_and_the_tag_starts_calls():
         "Let me look.\n", [WEATHER_CALL])
     assert parse(f'Sure: [TOOL_CALLS][{WEATHER}, {{"name": "no', cut=True) == ("Sure: ", [WEATHER_CALL])
     assert parse(f"Sure: [TOOL_CALLS][{WEATHER}], done") == (f"Sure: [TOOL_CALLS][{WEATHER}], done", [])
+    # text that looked like calls at first (held), then a tag: the same split
+    assert parse(f'{{"plan": 1}} [TOOL_CALLS][{WEATHER}]') == ('{"plan": 1} ', [WEATHER_CALL])
+    assert parse(f"[{{ not json [TOOL_CALLS][{WEATHER}]") == ("[{ not json ", [WEATHER_CALL])
 
 
 def test_a_cut_reply_keeps_its_whole_calls_and_drops_the_unfinished_one():
@@ -74,7 +77,7 @@ def test_a_cut_reply_keeps_its_whole_calls_and_drops_the_unfinished_one():
 TEXTS = [f"[TOOL_CALLS][{WEATHER}]", f"[{WEATHER}, {NOW}]", "plain words", "[1, 2]",
          '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]now[ARGS]{}',
          f'[TOOL_CALLS][{WEATHER}, {{"name": "no', "[TOOL_C", "   ", f"Sure: [TOOL_CALLS][{WEATHER}]",
-         "a [TOOL_CALLS] b", f"x [TOOL_C [TOOL_CALLS]{NOW}"]
+         "a [TOOL_CALLS] b", f"x [TOOL_C [TOOL_CALLS]{NOW}", f'{{"plan": 1}} [TOOL_CALLS][{WEATHER}]']
 
 
 def test_streamed_replies_add_up_to_the_parsed_whole_under_any_split():
