@@ -71,9 +71,7 @@ def test_a_failed_step_requeues_its_sequences_when_the_engine_goes_on(tiny, monk
         eng.step()
     assert len(eng.scheduler.waiting) == 2 and not eng.scheduler.running
     eng.scheduler.check_integrity()
-    done = {}
-    while eng.has_unfinished():
-        done.update({o.request_id: o for o in eng.step() if o.finished})
+    done = {o.request_id: o for o in _step_out(eng)}
     assert [done[str(i)].outputs[0].token_ids for i in range(2)] == ref and _clean(llm)
 
 
@@ -103,12 +101,42 @@ def test_a_draw_that_raised_is_undone_and_the_engine_goes_on(tiny, monkeypatch, 
     assert len(eng.scheduler.waiting) == 2 and not eng.scheduler.running
     assert all(len(r.seqs) == 1 for r in eng.requests.values())  # no fork stayed
     eng.scheduler.check_integrity()
-    done = {}
-    for _ in range(200):
-        done.update({o.request_id: o for o in eng.step() if o.finished})
+    done = {o.request_id: o for o in _step_out(eng)}
+    assert [[c.token_ids for c in done[str(i)].outputs] for i in range(2)] == [[r] * n for r in ref] and _clean(llm)
+
+
+def _step_out(eng, max_steps: int = 200) -> list:
+    """Steps `eng` until nothing is left; -> the finished outputs, in the order they came."""
+    outs = []
+    for _ in range(max_steps):
+        outs += [o for o in eng.step() if o.finished]
         if not eng.has_unfinished():
             break
-    assert [[c.token_ids for c in done[str(i)].outputs] for i in range(2)] == [[r] * n for r in ref] and _clean(llm)
+    return outs
+
+
+def _second_append_interrupted(tiny, monkeypatch, first: SamplingParams) -> tuple[LLM, object]:
+    """An engine whose first step raised (Ctrl-C) in its second append: request "0" (`first`)
+    had its token appended, request "1" (GREEDY) not."""
+    from engine.request import Request
+
+    d, prompts, _ = tiny
+    llm = LLM(model=str(d), block_size=4, num_gpu_blocks_override=64)
+    eng = llm.engine
+    eng.add_request("0", prompts[0], first)
+    eng.add_request("1", prompts[1], GREEDY)
+    append_token, calls = Request.append_token, []
+
+    def second_raises(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return append_token(self, *args, **kwargs)
+
+    monkeypatch.setattr(Request, "append_token", second_raises)
+    with pytest.raises(KeyboardInterrupt):
+        eng.step()
+    return llm, eng
 
 
 @pytest.mark.parametrize("n,max_tokens", [(1, 1), (2, 8)])
@@ -116,30 +144,11 @@ def test_an_append_that_raised_loses_nothing_and_the_engine_goes_on(tiny, monkey
     """Ctrl-C in an append (a request's detokenizing, after the draws): a request another append of
     the step finished still gets its last output, on the next step; a child forked in the step
     starts over with its parent (n=2: it raised in the child's first append)."""
-    from engine.request import Request
-
     d, prompts, ref = tiny
-    llm = LLM(model=str(d), block_size=4, num_gpu_blocks_override=64)
-    eng = llm.engine
-    eng.add_request("0", prompts[0], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n))
-    eng.add_request("1", prompts[1], GREEDY)
-    append_token, calls = Request.append_token, []
-
-    def second_raises(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return append_token(self, *args, **kwargs)
-
-    monkeypatch.setattr(Request, "append_token", second_raises)
-    with pytest.raises(KeyboardInterrupt):
-        eng.step()
+    llm, eng = _second_append_interrupted(tiny, monkeypatch, SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n))
     eng.scheduler.check_integrity()
-    done = {}
-    for _ in range(200):
-        done.update({o.request_id: o for o in eng.step() if o.finished})
-        if not eng.has_unfinished():
-            break
+    done = {o.request_id: o for o in _step_out(eng)}
     assert [c.token_ids for c in done["0"].outputs] == [ref[0][:max_tokens]] * n
     assert done["1"].outputs[0].token_ids == ref[1] and _clean(llm)
 
@@ -147,31 +156,11 @@ def test_an_append_that_raised_loses_nothing_and_the_engine_goes_on(tiny, monkey
 def test_a_held_output_is_dropped_with_its_request_and_its_id_reused(tiny, monkeypatch):
     """The request whose last output is held (test above) aborted, and its id taken by a new one
     before the next step: the new one is served, once, and nothing of the old one goes out."""
-    from engine.request import Request
-
     d, prompts, ref = tiny
-    llm = LLM(model=str(d), block_size=4, num_gpu_blocks_override=64)
-    eng = llm.engine
-    eng.add_request("0", prompts[0], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    eng.add_request("1", prompts[1], GREEDY)
-    append_token, calls = Request.append_token, []
-
-    def second_raises(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return append_token(self, *args, **kwargs)
-
-    monkeypatch.setattr(Request, "append_token", second_raises)
-    with pytest.raises(KeyboardInterrupt):
-        eng.step()
+    llm, eng = _second_append_interrupted(tiny, monkeypatch, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     eng.abort("0")
     eng.add_request("0", prompts[0], GREEDY)
-    outs = []
-    for _ in range(200):
-        outs += [o for o in eng.step() if o.finished]
-        if not eng.has_unfinished():
-            break
+    outs = _step_out(eng)
     assert sorted((o.request_id, o.outputs[0].token_ids) for o in outs) == [("0", ref[0]), ("1", ref[1])]
     assert _clean(llm)
 
