@@ -127,6 +127,16 @@ class BlockManager:
                 del self.hash_to_block[block.hash]
             block.hash, block.parent_hash, block.token_ids = None, None, None
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (vLLM's reset_prefix_cache: after new weights, cached KV is
+        stale). Only when no block is in use; False, changing nothing, otherwise."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.hash, block.parent_hash, block.token_ids = None, None, None
+        self.hash_to_block.clear()
+        return True
+
     # -- sequence-level API -----------------------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Grow `seq`'s block table to hold its computed tokens (+ `computed_blocks` prefix hits

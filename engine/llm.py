@@ -206,6 +206,11 @@ class LLM:
             if bar:
                 bar.close()
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: empty the prefix cache (after the weights changed, its KV is stale); False while
+        requests hold blocks."""
+        return self.engine.reset_prefix_cache()
+
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Text deltas of one prompt's first completion as they are generated (the params as `generate`'s)."""
         rid = f"stream-{next(self._ids)}"

@@ -210,6 +210,15 @@ class LLMEngine:
         req.add_fork(child)
         self.structured.fork(req.seqs[0], child)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prefix block (stale after new weights). Only between
+        requests: False, changing nothing, while a request holds blocks."""
+        if not self.block_manager.reset_prefix_cache():
+            logger.warning("the prefix cache was not reset: %d KV blocks are still in use",
+                           self.block_manager.num_blocks - self.block_manager.num_free_blocks)
+            return False
+        return True
+
     def stats(self) -> EngineStats:
         """Counters and queue state, without prefix hashes (cheap enough for every step)."""
         return snapshot(self.scheduler)

@@ -218,6 +218,22 @@ def test_freed_cached_blocks_are_hit_until_reused_tail_first():
     bm.check_integrity([other])
 
 
+def test_reset_prefix_cache_forgets_every_block_but_only_between_requests():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = make_seq([1, 2, 3, 4, 5])
+    prefill(bm, a)
+    before = snapshot(bm, a)
+    assert not bm.reset_prefix_cache() and snapshot(bm, a) == before  # a holds blocks: nothing changes
+    bm.free(a)
+    assert bm.get_computed_blocks(make_seq([1, 2, 3, 4, 5])) != []
+    assert bm.reset_prefix_cache()
+    assert bm.get_computed_blocks(make_seq([1, 2, 3, 4, 5])) == [] and not bm.hash_to_block
+    prefill(bm, b := make_seq([1, 2, 3, 4, 5]))  # cached afresh
+    bm.free(b)
+    assert len(bm.get_computed_blocks(make_seq([1, 2, 3, 4, 5]))) == 2
+    bm.check_integrity()
+
+
 def test_reviving_a_free_cached_block_takes_it_off_the_free_queue():
     bm = BlockManager(num_blocks=4, block_size=2)
     a = make_seq([1, 2, 3, 4, 5])

@@ -140,3 +140,20 @@ def test_the_output_fields_and_method_keywords_vllm_code_reads(llm):
         llm.generate(["hi"], GREEDY, tokenization_kwargs={"truncation": True, "max_length": 4})
     with pytest.raises(ValueError, match="mm_processor_kwargs"):
         llm.chat([{"role": "user", "content": "hi"}], GREEDY, mm_processor_kwargs={"x": 1})
+
+
+def test_reset_prefix_cache_as_vllms_between_calls(llm):
+    """RL loops call it after loading new weights: the next call computes every prompt token."""
+    prompt = PROMPT * 4  # 24 tokens: a cached block or more
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    hits = llm.engine.stats().prefix_hit_tokens
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert llm.engine.stats().prefix_hit_tokens > hits
+    assert llm.reset_prefix_cache() is True
+    hits = llm.engine.stats().prefix_hit_tokens
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert llm.engine.stats().prefix_hit_tokens == hits
+    llm.engine.add_request("held", prompt, GREEDY)  # a request holding blocks: refused, as vLLM's
+    llm.engine.step()
+    assert llm.reset_prefix_cache() is False
+    llm.engine.abort("held")
