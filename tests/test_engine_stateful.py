@@ -1,5 +1,6 @@
 """The engine under random interleavings of adds, aborts and steps (hypothesis' stateful testing),
-with a pool small enough to preempt, prefills cut into chunks, prompts sharing prefixes and n > 1:
+with a pool small enough to preempt, prefills cut into chunks, prompts sharing prefixes, n > 1 and
+structured outputs (a grammar matcher per sequence, forked, preempted and dropped with it):
 every request ends exactly once, with the tokens it gets alone in an ample engine (greedy ones,
 and seeded samples, which draw from their own generators), or, aborted, with a prefix of them;
 the KV pool is consistent after every step and whole again once nothing is left."""
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine import LLM, SamplingParams
+from engine.structured.params import StructuredOutputsParams
 from tests.tiny_llama import make_tiny_llama
 
 _rng = random.Random(7)
@@ -21,12 +23,14 @@ _SHARED = [_rng.randrange(3, 512) for _ in range(13)]  # three prompts start ali
 PROMPTS = [_SHARED + [_rng.randrange(3, 512) for _ in range(n)] for n in (2, 9, 17)] + \
           [[_rng.randrange(3, 512) for _ in range(n)] for n in (3, 26)]
 
+CONSTRAINTS = [None, None, StructuredOutputsParams(regex="[a-z]{2,9}"),
+               StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "maxItems": 3})]
 PARAMS = st.builds(
-    lambda greedy, seed, n, max_tokens, logprobs: SamplingParams(
+    lambda greedy, seed, n, max_tokens, logprobs, constraint: SamplingParams(
         temperature=0.0 if greedy else 0.9, seed=None if greedy else seed, n=n, max_tokens=max_tokens,
-        ignore_eos=True, logprobs=logprobs),
+        ignore_eos=constraint is None, logprobs=logprobs, structured_outputs=constraint),
     greedy=st.booleans(), seed=st.integers(0, 1000), n=st.sampled_from([1, 1, 2]),
-    max_tokens=st.integers(1, 12), logprobs=st.sampled_from([None, 1]))
+    max_tokens=st.integers(1, 12), logprobs=st.sampled_from([None, 1]), constraint=st.sampled_from(CONSTRAINTS))
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,7 @@ class EngineUnderInterleavings(RuleBasedStateMachine):
         assert self.engine.reset_prefix_cache()
 
     def _reference(self, prompt: int, params: SamplingParams) -> list[list[int]]:
-        key = (prompt, params.temperature, params.seed, params.n, params.max_tokens)
+        key = (prompt, params.temperature, params.seed, params.n, params.max_tokens, id(params.structured_outputs))
         if key not in self.references:
             out = self.ample.generate([PROMPTS[prompt]], params, use_tqdm=False)[0]
             self.references[key] = [c.token_ids for c in sorted(out.outputs, key=lambda c: c.index)]
@@ -63,6 +67,8 @@ class EngineUnderInterleavings(RuleBasedStateMachine):
         assert out.finished
         ref = self._reference(prompt, params)
         got = [c.token_ids for c in sorted(out.outputs, key=lambda c: c.index)]
+        if not aborted:
+            assert {c.finish_reason for c in out.outputs} <= {"stop", "length"}, out
         if aborted:
             assert all(g == r[:len(g)] for g, r in zip(got, ref)), (out.request_id, got, ref)
         else:
