@@ -80,6 +80,12 @@ class CallStream:
 
     def feed(self, text: str) -> dict: ...
 
+    def cut_by(self, finish_reason: str | None) -> bool:
+        """Whether a reply that ended so was cut short: at max_tokens; and under tool_choice
+        "required", whose grammar ends only after whole calls, by a stop string too (the call
+        it cut is dropped, not given back as its markup)."""
+        return finish_reason == "length" or (self.calls_only and finish_reason == "stop")
+
     def finish(self, cut: bool = False) -> dict: ...
 
     def step(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
@@ -87,7 +93,7 @@ class CallStream:
         that called tools and stopped ends with "tool_calls", unless the request named the function)."""
         delta = self.feed(text)
         if finish_reason is not None:
-            end = self.finish(cut=finish_reason == "length")
+            end = self.finish(cut=self.cut_by(finish_reason))
             delta = chat_delta(delta.get("content", "") + end.get("content", ""),
                            delta.get("tool_calls", []) + end.get("tool_calls", []))
             if self.num_calls and finish_reason == "stop" and self.ends_as_tool_calls:

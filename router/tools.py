@@ -172,7 +172,8 @@ class ToolPlan:
         if self.mode == "named":
             content, calls = None, [call(self.function, message["content"] or "")]  # cut before any argument
         else:
-            content, calls = parse_whole(self.stream(), message["content"] or "", choice["finish_reason"] == "length")
+            stream = self.stream()
+            content, calls = parse_whole(stream, message["content"] or "", stream.cut_by(choice["finish_reason"]))
         message["content"] = content
         if calls:
             message["tool_calls"] = calls

@@ -184,6 +184,22 @@ def test_required_choice_constrains_to_hermes_calls_of_the_tools(tokenizer):
         {"messages": USER, "tools": TOOLS}).tools), True)
 
 
+def test_a_required_reply_a_stop_string_cut_gives_its_whole_calls_and_no_markup(tokenizer):
+    """The request's stop string cut the forced markup: its whole calls stand, the cut one is
+    dropped as at max_tokens (not given back as content "<tool_call>")."""
+    block = f"<tool_call>\n{CALL}\n</tool_call>\n"
+    for text, names in (("<tool_call>", []), (block + "<tool_call>", ["get_weather"])):
+        kw = dict(finish_reason="stop", stop_reason="\n")
+        r, _ = run(tokenizer, text, create(tools=TOOLS, tool_choice="required", stop=["\n"]), **kw)
+        message = r.choices[0].message
+        assert message.content is None and [tc.function.name for tc in message.tool_calls or []] == names
+        (chunks, calls, content), _ = run(tokenizer, text, streamed(tools=TOOLS, tool_choice="required", stop=["\n"]),
+                                          **kw)
+        assert not content and [name for _, name, _ in calls.values()] == names
+    r, _ = run(tokenizer, "<tool_call>", create(tools=TOOLS, stop=["\n"]), finish_reason="stop", stop_reason="\n")
+    assert r.choices[0].message.content == "<tool_call>"  # auto: the model may write text, and did
+
+
 def test_a_function_takes_an_object_of_arguments(tokenizer):
     """OpenAI's rule: parameters of another type are a 400 naming them; `parameters: {}` (MCP's
     tools without arguments) or a schema that gives no type constrains a forced call to an object."""
