@@ -197,6 +197,12 @@ class LLMEngine:
         """A complete grammar stops its sequence (no eos needed); one that failed ends it with an
         error, whatever else ended it, and only it: the engine goes on."""
         if verdict != STOP:
+            p = seq.params
+            bans = [name for name, on in (("allowed_token_ids", p.allowed_token_ids is not None),
+                                          ("bad_words", bool(p.bad_words or p.bad_words_token_ids)),
+                                          ("logit_bias", bool(p.logit_bias))) if on]
+            if bans:  # a token the grammar allows but the request ruled out: no token was left to draw
+                verdict += f" (the request's {' and '.join(bans)} may leave no token the grammar allows)"
             logger.warning("request %s: %s", req.request_id, verdict)
             done = req.finish(seq, "error", verdict)
         elif not done:

@@ -82,6 +82,16 @@ def test_regex_choice_and_grammar(tiny):
     assert re.fullmatch(r"x[0-9][0-9]?", d)
 
 
+def test_a_grammar_the_requests_bans_leave_no_token_says_so(tiny):
+    """allowed_token_ids that rule out every token the grammar allows: the draw came from a row
+    with nothing left, and the error names the request's own constraint as the likely cause."""
+    params = SamplingParams(temperature=0, max_tokens=5, structured_outputs=S(choice=["yes", "no"]),
+                            allowed_token_ids=list(range(300, 512)))
+    out = tiny.generate(_prompts(1, seed=4), params)[0].outputs[0]
+    assert out.finish_reason == "error"
+    assert "the request's allowed_token_ids may leave no token the grammar allows" in out.stop_reason
+
+
 def test_reaching_max_tokens_first_ends_with_length(tiny):
     out = tiny.generate(_prompts(1, seed=3), SamplingParams(temperature=0, max_tokens=3,
                                                             structured_outputs=S(json=PERSON)))[0].outputs[0]
