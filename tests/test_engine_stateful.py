@@ -116,7 +116,8 @@ def test_random_interleavings_serve_every_request_as_alone(engines):
     EngineUnderInterleavings.engine, EngineUnderInterleavings.ample = engines
     EngineUnderInterleavings.references = {}
     run = EngineUnderInterleavings.TestCase
-    run.settings = settings(max_examples=20, stateful_step_count=30, deadline=None,
+    # The same examples in every CI run (fifteen runs of random ones passed as this was written).
+    run.settings = settings(max_examples=25, stateful_step_count=30, deadline=None, derandomize=True,
                             suppress_health_check=[HealthCheck.too_slow])
     run().runTest()
     stats = EngineUnderInterleavings.engine.stats()  # the paths the examples took
