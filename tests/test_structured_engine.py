@@ -563,6 +563,8 @@ def test_formats_the_grammar_lacks_are_annotations_and_uuid_versions_are_held(to
     # a range with no float64 in it: said plainly, in the bounds the schema gave
     assert "no integer within minimum 1152921504606846977, maximum 1152921504606847076 can be enforced" in check(
         S(json={"type": "integer", "minimum": 2 ** 60 + 1, "maximum": 2 ** 60 + 100}))
+    assert "no integer within maximum 1152921504606846977, exclusiveMinimum 1152921504606846976" in check(
+        S(json={"type": "integer", "exclusiveMinimum": 2 ** 60, "maximum": 2 ** 60 + 1}))  # an exclusive one too
     either = {"type": ["integer", "number"], "minimum": 0.5, "exclusiveMinimum": -2 ** 60}  # numbers too: as given
     assert accepts(either, 0.7) and not accepts(either, 0.2)
     deep = {"type": "string"}

@@ -62,25 +62,24 @@ def enforceable(schema):
                                  "(64 bits: -2**63 <= bound < 2**63)")
         if kind == "integer" or (isinstance(kind, list) and "number" not in kind):  # integers alone
             given = {k: out[k] for k in _BOUNDS if k in out}
-            _held_bounds(out, low=True)
-            _held_bounds(out, low=False)
+            rewrote = _held_bounds(out, low=True) | _held_bounds(out, low=False)  # both, whatever the first says
             low, high = out.get("minimum"), out.get("maximum")
-            if isinstance(low, int) and isinstance(high, int) and low > high and given != {k: out[k] for k in given}:
+            if rewrote and isinstance(low, int) and isinstance(high, int) and low > high:
                 bounds = ", ".join(f"{k} {v}" for k, v in given.items())
                 raise ValueError(f"no integer within {bounds} can be enforced: past 2**53 constrained decoding "
                                  "reads bounds as float64 numbers, which hold only some integers there")
     return out
 
 
-def _held_bounds(schema: dict, low: bool) -> None:
+def _held_bounds(schema: dict, low: bool) -> bool:
     """An integer's lower (`low`) or upper bounds, where one is past 2**53, as one inclusive bound
     that a float64 holds: llguidance reads bounds as float64s, which there hold only some integers,
     and its exclusive bounds there act as inclusive ones. Rounded inward: a few values at the edge
-    lost, never one past it let in."""
+    lost, never one past it let in. -> whether it rewrote them."""
     keys = ("minimum", "exclusiveMinimum") if low else ("maximum", "exclusiveMaximum")
     given = {k: schema[k] for k in keys if isinstance(schema.get(k), (int, float)) and not isinstance(schema[k], bool)}
     if not any(abs(v) >= 2 ** 53 for v in given.values()):
-        return
+        return False
     if low:
         bound = max(math.ceil(v) if k == "minimum" else math.floor(v) + 1 for k, v in given.items())
     else:
@@ -88,6 +87,7 @@ def _held_bounds(schema: dict, low: bool) -> None:
     for k in keys:
         schema.pop(k, None)
     schema[keys[0]] = _inward(bound, up=low)
+    return True
 
 
 def _inward(bound: int, up: bool) -> int:
