@@ -129,10 +129,15 @@ class MistralStream(WholeReplyStream):
             keep = held_back(text, TAG)
             self.held = text[len(text) - keep:]
             return chat_delta(text[:len(text) - keep], [])
+        return chat_delta(text[:at], self._open_calls(text[at:]).get("tool_calls", []))
+
+    def _open_calls(self, text: str) -> dict:
+        """The reply from its tag on (`text`) goes to a stream of its own, as a reply of calls."""
         self.calls = MistralStream(self.max_calls, self.accepts)
-        return chat_delta(text[:at], self.calls.feed(text[at:]).get("tool_calls", []))
+        return self.calls.feed(text)
 
     def finish(self, cut: bool = False) -> dict:
+        before = ""
         if self.calls is None:
             end = super().finish(cut)
             text = self.held + end.get("content", "")
@@ -140,14 +145,11 @@ class MistralStream(WholeReplyStream):
             if end.get("tool_calls") or at <= 0 or text.lstrip().startswith(TAG):
                 return chat_delta(text, end.get("tool_calls", []))
             # held as it looked like calls ('[{', '{'), it was content before a tag after all
-            self.calls = MistralStream(self.max_calls, self.accepts)
-            self.calls.feed(text[at:])
-            end = self.calls.finish(cut)
-            self.num_calls = self.calls.num_calls
-            return chat_delta(text[:at] + end.get("content", ""), end.get("tool_calls", []))
+            before = text[:at]
+            self._open_calls(text[at:])
         end = self.calls.finish(cut)
         self.num_calls = self.calls.num_calls
-        return end
+        return chat_delta(before + end.get("content", ""), end.get("tool_calls", []))
 
     def could_be(self, head: str) -> bool:
         if head.startswith("{") or re.match(r"\[\s*(\{|\Z)", head):
