@@ -30,11 +30,16 @@ class StepLayout:
     """Where one step's rows are; the device tensors live in StepInputs' buffers."""
     num_tokens: int  # T rows the model runs (padding rows included)
     num_seqs: int  # B sequences the attention sees (padding sequences included)
-    decode_only: bool  # every sequence has exactly one new token
+    num_chunk_seqs: int  # the first sequences, which have more than one new token (0: a decode-only step)
+    num_chunk_tokens: int  # their rows, the first ones
     sample_rows: int  # the first sample_rows logit rows are the sampling sequences' last rows
     sampled: list[int]  # indices into batch.seqs of those sequences, same order
     prompt_rows: int = 0  # then this many rows score prompt tokens
     prompt_spans: list[PromptSpan] = field(default_factory=list)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_chunk_seqs == 0
 
 
 class StepInputs:
@@ -111,7 +116,7 @@ class StepInputs:
                 prompt_rows.append(t + len(ids) - 1)
                 spans.append(PromptSpan(i, scored.start, 1))
             last_row[i] = t + len(ids) - 1
-        b, k = len(order), len(ids)
+        b, k, chunk_tokens = len(order), len(ids), t
         if k:
             self.ids[t:t + k] = ids
             self.positions[t:t + k] = positions
@@ -121,14 +126,13 @@ class StepInputs:
             t += k
         self.tables[:b, :width] = self._store[table_rows, :width]
         self._release_tables()
-        decode_only = t == b
         if pad_to is not None and pad_to > b:
             self._pad(b, pad_to)
             t = b = pad_to
         sampled = batch.sampled(bs)
         rows = [last_row[i] for i in sampled] + prompt_rows
         self.rows[:len(rows)] = rows
-        return StepLayout(t, b, decode_only, len(sampled), sampled, len(prompt_rows), spans)
+        return StepLayout(t, b, num_chunks, chunk_tokens, len(sampled), sampled, len(prompt_rows), spans)
 
     def _table_row(self, table: list[int], decoding: bool) -> int:
         """The store row holding the sequence's block table, kept from the step before where a list
@@ -176,7 +180,7 @@ class StepInputs:
         self.seq_lens[:n] = np.diff(self.query_start[:n + 1])
         rows = min(num_tokens, self.max_seqs)
         self.rows[:rows] = np.arange(rows)
-        return StepLayout(num_tokens, n, False, rows, list(range(rows)))
+        return StepLayout(num_tokens, n, n, num_tokens, rows, list(range(rows)))
 
     def fill_padding(self, size: int) -> None:
         """`size` padding sequences only (what a CUDA graph is captured on)."""
@@ -224,4 +228,4 @@ class StepInputs:
             block_tables=self.dev32[2 * b + 1:2 * b + 1 + s * w].view(s, w),
             seq_lens=self.dev32[:s],
             query_start=self.dev32[b:b + s + 1],
-            decode_only=layout.decode_only)
+            num_chunk_seqs=layout.num_chunk_seqs, num_chunk_tokens=layout.num_chunk_tokens)

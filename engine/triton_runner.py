@@ -52,7 +52,7 @@ class TritonModelRunner(ModelRunner):
 
     @staticmethod
     def _decode_layout(size: int) -> StepLayout:
-        return StepLayout(size, size, True, 0, [])
+        return StepLayout(size, size, 0, 0, 0, [])
 
     def _forward(self, layout: StepLayout) -> torch.Tensor:
         n = layout.num_tokens

@@ -34,7 +34,7 @@ def test_fill_lays_out_prefill_then_decodes_and_pads_for_a_graph():
     chunk = _seq(9, 2, [1, 2, 6])  # positions 2..8 of 9: a chunk after 2 computed tokens
     batch = ScheduledBatch([decode, chunk], [1, 7])
     layout = inputs.fill(batch)
-    assert (layout.num_tokens, layout.num_seqs, layout.decode_only) == (8, 2, False)
+    assert (layout.num_tokens, layout.num_seqs, layout.num_chunk_seqs, layout.num_chunk_tokens) == (8, 2, 1, 7)
     assert inputs.ids[:8].tolist() == list(range(102, 109)) + [109]  # the chunk's rows come first
     assert inputs.positions[:8].tolist() == [2, 3, 4, 5, 6, 7, 8, 9]
     assert inputs.slots[:8].tolist() == [6, 7, 8, 9, 10, 11, 24, 21]  # blocks 1, 2, 6; then 5
@@ -56,6 +56,7 @@ def test_fill_lays_out_prefill_then_decodes_and_pads_for_a_graph():
     inputs.upload(padded)
     meta = inputs.attention(padded)
     assert meta.block_tables.shape == (4, 4) and meta.slot_mapping.tolist() == [21, -1, -1, -1]
+    assert (meta.num_chunk_seqs, meta.num_chunk_tokens) == (0, 0)
 
 
 def test_profile_step_fills_the_token_budget_in_sequences_the_tables_can_hold():

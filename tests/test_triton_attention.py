@@ -100,9 +100,29 @@ def test_mixed_batch_matches_reference_fp32(device, case):
     b = make_batch(rng, seqs, block_size, kvh, d, torch.float32, device)
     q = torch.randn(b["query_start"][-1].item(), h, d, generator=torch.Generator().manual_seed(seed)).to(device)
     attention, _ = _kernels()
-    decode_only = all(ql == 1 for _, ql in seqs)
+    # In the order given (decodes among chunks), all in the prefill launch; the steps the runner
+    # builds put chunks first and the decodes in a launch of their own (test below).
     out = attention.paged_attention(q, b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"],
-                                    b["query_start"], d ** -0.5, decode_only)
+                                    b["query_start"], d ** -0.5, len(seqs), q.shape[0])
+    torch.testing.assert_close(out.double().cpu(), reference(q, b, seqs, d ** -0.5), rtol=1e-4, atol=1e-5)
+
+
+@settings(max_examples=max(1, EXAMPLES // 2), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ragged_batches(max_seqs=4), st.lists(st.integers(1, 120), min_size=1, max_size=4), st.integers(1, 16))
+def test_chunks_then_decodes_take_a_launch_each(device, case, decode_lens, num_splits):
+    """A mixed step as the runner lays it out: chunks (and single-row prompts) in the prefill
+    launch, then the decodes in their own launch at decode tiles, split over the context; each
+    launch numbers its tiles from its own first sequence and row."""
+    seqs, block_size, (h, kvh), d, seed = case
+    chunks = [s for s in seqs if s[1] > 1] or [(30, 7)]
+    seqs = chunks + [(n, 1) for n in decode_lens]
+    rng = random.Random(seed)
+    b = make_batch(rng, seqs, block_size, kvh, d, torch.float32, device)
+    q = torch.randn(b["query_start"][-1].item(), h, d, generator=torch.Generator().manual_seed(seed)).to(device)
+    attention, _ = _kernels()
+    out = attention.paged_attention(q, b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"],
+                                    b["query_start"], d ** -0.5, len(chunks), sum(ql for _, ql in chunks),
+                                    num_splits=num_splits)
     torch.testing.assert_close(out.double().cpu(), reference(q, b, seqs, d ** -0.5), rtol=1e-4, atol=1e-5)
 
 
@@ -116,7 +136,7 @@ def test_decode_tiles_match_mixed_tiles(device, lens, block_size, heads):
     q = torch.randn(len(lens), h, 64, generator=torch.Generator().manual_seed(1)).to(device)
     attention, _ = _kernels()
     args = (q, b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"], b["query_start"], 0.125)
-    small, large = attention.paged_attention(*args, True), attention.paged_attention(*args, False)
+    small, large = attention.paged_attention(*args, 0, 0), attention.paged_attention(*args, len(lens), len(lens))
     torch.testing.assert_close(small, large, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(small.double().cpu(), reference(q, b, seqs, 0.125), rtol=1e-4, atol=1e-5)
 
@@ -134,7 +154,7 @@ def test_split_decode_matches_reference(device, lens, block_size, heads, d, num_
     q = torch.randn(len(lens), h, d, generator=torch.Generator().manual_seed(len(lens))).to(device)
     attention, _ = _kernels()
     out = attention.paged_attention(q, b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"],
-                                    b["query_start"], d ** -0.5, True, num_splits=num_splits)
+                                    b["query_start"], d ** -0.5, 0, 0, num_splits=num_splits)
     expected = reference(q, b, seqs, d ** -0.5)
     for i, n in enumerate(lens):
         if n == 0:
@@ -180,7 +200,7 @@ def test_half_precision_within_its_rounding(device, dtype):
     q = torch.randn(b["query_start"][-1].item(), 6, 128, generator=torch.Generator().manual_seed(0)).to(dtype).to(device)
     attention, _ = _kernels()
     out = attention.paged_attention(q, b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"],
-                                    b["query_start"], 128 ** -0.5, False)
+                                    b["query_start"], 128 ** -0.5, 2, 46)
     assert out.dtype == dtype
     torch.testing.assert_close(out.double().cpu(), reference(q, b, seqs, 128 ** -0.5), rtol=2e-2, atol=2e-2)
 
@@ -193,7 +213,7 @@ def test_padding_sequences_read_nothing_and_come_out_zero(device):
     q = torch.randn(3, 4, 64).to(device)
     attention, _ = _kernels()
     out = attention.paged_attention(q, b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"],
-                                    b["query_start"], 0.125, True)
+                                    b["query_start"], 0.125, 0, 0)
     assert torch.equal(out[1:].cpu(), torch.zeros(2, 4, 64))
     torch.testing.assert_close(out[:1].double().cpu(), reference(q, b, seqs[:1], 0.125)[:1], rtol=1e-4, atol=1e-5)
 

@@ -51,10 +51,10 @@ def _attention_inputs(shape: str, dtype: str, num_seqs: int, num_tokens: int, bl
 def compile_attention(arch: int) -> list[dict]:
     with compile_only(arch) as aot:
         for shape, dtype in CASES[arch]:
-            for decode_only in (True, False):  # decodes split over the context: the merge kernel too
-                inputs = _attention_inputs(shape, dtype, num_seqs=4, num_tokens=4 if decode_only else 40)
-                aot.kernels.paged_attention.paged_attention(*inputs, scale=0.125, decode_only=decode_only,
-                                                            num_splits=4 if decode_only else None)
+            for chunks, tokens in ((0, 4), (4, 40)):  # decodes split over the context: the merge kernel too
+                inputs = _attention_inputs(shape, dtype, num_seqs=4, num_tokens=tokens)
+                aot.kernels.paged_attention.paged_attention(*inputs, scale=0.125, num_chunk_seqs=chunks,
+                                                            num_chunk_tokens=tokens if chunks else 0, num_splits=4)
     return [c.record() for c in aot.compiled]
 
 
@@ -83,15 +83,23 @@ def compile_elementwise(arch: int, dtype: str) -> list[dict]:
 
 def compile_batch_sizes() -> list[dict]:
     """SmolLM2's attention at decode batches 1-256, split over the context as on an H200's 132 SMs
-    (engine.kernels.paged_attention.decode_splits), and at prefill steps of 100-2048 tokens."""
+    (engine.kernels.paged_attention.decode_splits), at prefill steps of 100-2048 tokens, and at
+    mixed steps (a prefill launch, then a decode launch from a sequence and row past 0)."""
     with compile_only(90) as aot:
         for num_seqs in (1, 2, 7, 64, 256):
             inputs = _attention_inputs("smollm2-135m", "bfloat16", num_seqs=num_seqs, num_tokens=num_seqs)
             splits = max(1, min(16, 264 // (num_seqs * 3)))  # 16, 16, 12, 1, 1
-            aot.kernels.paged_attention.paged_attention(*inputs, scale=0.125, decode_only=True, num_splits=splits)
+            aot.kernels.paged_attention.paged_attention(*inputs, scale=0.125, num_chunk_seqs=0, num_chunk_tokens=0,
+                                                        num_splits=splits)
         for num_seqs, num_tokens in ((1, 100), (3, 517), (40, 2048)):
             inputs = _attention_inputs("smollm2-135m", "bfloat16", num_seqs=num_seqs, num_tokens=num_tokens)
-            aot.kernels.paged_attention.paged_attention(*inputs, scale=0.125, decode_only=False)
+            aot.kernels.paged_attention.paged_attention(*inputs, scale=0.125, num_chunk_seqs=num_seqs,
+                                                        num_chunk_tokens=num_tokens)
+        for chunks, chunk_tokens, decodes, splits in ((1, 100, 3, 16), (3, 517, 250, 1)):
+            inputs = _attention_inputs("smollm2-135m", "bfloat16", num_seqs=chunks + decodes,
+                                       num_tokens=chunk_tokens + decodes)
+            aot.kernels.paged_attention.paged_attention(*inputs, scale=0.125, num_chunk_seqs=chunks,
+                                                        num_chunk_tokens=chunk_tokens, num_splits=splits)
     return [c.record() for c in aot.compiled]
 
 
@@ -126,11 +134,14 @@ def test_elementwise_kernels_compile_fit_and_round_as_torch(arch, dtype):
 
 
 def test_one_attention_kernel_serves_every_batch_size():
-    """A decode step at any batch size and a prefill step at any size reuse their first compile:
-    CUDA graph capture compiles once, and a replay or a new batch size never waits on Triton."""
+    """A decode step at any batch size and a prefill step at any size reuse their first compile,
+    and a mixed step both: CUDA graph capture compiles once, and a replay, a new batch size or a
+    mixed step never waits on Triton."""
     kernels = in_clean_process(compile_batch_sizes)
     hashes = [k["hash"] for k in kernels if k["name"] == "_paged_attention_kernel"]
-    assert len(hashes) == 8 and len(set(hashes[:5])) == 1 and len(set(hashes[5:])) == 1, hashes
-    assert hashes[0] != hashes[5]  # decode tiles and prefill tiles are two kernels
+    assert len(hashes) == 12, hashes
+    decode, prefill = hashes[:5] + hashes[9:12:2], hashes[5:9] + hashes[10:11]  # mixed: prefill, decode, ...
+    assert len(set(decode)) == 1 and len(set(prefill)) == 1, hashes
+    assert decode[0] != prefill[0]  # decode tiles and prefill tiles are two kernels
     merges = {k["hash"] for k in kernels if k["name"] == "_merge_splits_kernel"}
     assert len(merges) == 1  # one compile for every number of splits

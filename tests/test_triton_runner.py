@@ -38,7 +38,7 @@ class Twin:
     """Runs every step on the torch runner and the Triton runner; their logits must agree."""
 
     def __init__(self, ref: ModelRunner, other: ModelRunner) -> None:
-        self.ref, self.other, self.steps = ref, other, 0
+        self.ref, self.other, self.steps, self.mixed = ref, other, 0, 0
 
     def execute(self, batch) -> RunnerOutput:
         a, b = self.ref.execute(batch), self.other.execute(batch)
@@ -48,6 +48,7 @@ class Twin:
             torch.testing.assert_close(torch.cat(list(b.prompt_rows.logits())).cpu(),
                                        torch.cat(list(a.prompt_rows.logits())), rtol=1e-4, atol=1e-4)
         self.steps += 1
+        self.mixed += 1 < max(batch.num_new_tokens) and 1 == min(batch.num_new_tokens)  # a launch each
         return a
 
 
@@ -83,6 +84,7 @@ def test_triton_runner_logits_match_torch_runner(tiny, device, kind, engine_kwar
     llm.generate(prompts[:2] + [prompts[2][:20] + [7, 8, 9]], GREEDY)  # prefix-cache hits
     assert llm.engine.stats().prefix_hit_tokens > 0
     assert twin.steps > 10
+    assert twin.mixed > 0 or "max_num_batched_tokens" not in engine_kwargs  # chunks beside decodes
     _assert_clean(llm)
 
 
