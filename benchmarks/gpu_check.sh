@@ -11,14 +11,20 @@
 #      CUDA graphs on and --enforce-eager (tests/test_engine_cuda.py: the result the run is for,
 #      before the window can close), then the Triton kernels' property tests, each new shape a
 #      compile (tests/test_triton_attention.py, test_triton_norm.py)
+#   4. last, the attention kernel alone: decode launches at every split count (what WAVES should be),
+#      and a mixed step's decodes in a launch of their own against one launch for all
+#      (benchmarks/attention_splits.py, under a minute)
 #
 # The numbers come first and the tests take the time left before $KVSERVE_GPU_DEADLINE_S (450 s
 # from the start; pytest stops itself 15 s before it, with its summary, where pytest-timeout is
-# there): GPU time comes in short windows, and a run cut short still leaves its logs.
+# there), the attention sweep at most 75 s after it: GPU time comes in short windows, and a run
+# cut short still leaves its logs (run it with a timeout of about 560 s).
 #
-# Results go to $OUT (else ./gpu_check_out): summary.txt, env.txt, tests.log, step_times.{log,json},
-# profile.txt (5 decode steps at batch 256 under torch.profiler), offline.{log,json}. The model is SmolLM2-135M's shape with random bfloat16 weights; its tokenizer
-# is copied from $KVSERVE_TOKENIZER_DIR when set, else synthesized (benchmarks/random_model.py).
+# Results go to $OUT (else ./gpu_check_out), 8 files (all the device tool brings back): summary.txt
+# (the host, then each stage's outcome and tables), tests.log, step_times.{log,json}, profile.txt
+# (5 decode steps at batch 256 under torch.profiler), offline.{log,json}, attention.log. The model
+# is SmolLM2-135M's shape with random bfloat16 weights; its tokenizer is copied from
+# $KVSERVE_TOKENIZER_DIR when set, else synthesized (benchmarks/random_model.py).
 # Modules the host lacks (llguidance; pytest and hypothesis where absent) are installed from the
 # wheels in ./.whl when that folder is there.
 #
@@ -28,7 +34,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${OUT:-$PWD/gpu_check_out}
-STAGES=${STAGES-steps offline tests}  # set but empty: none (only the set-up)
+STAGES=${STAGES-steps offline tests attention}  # set but empty: none (only the set-up)
 DEADLINE=${KVSERVE_GPU_DEADLINE_S:-450}  # seconds from the start by which the last stage ends
 PY=${PYTHON:-python3}
 WORK=${KVSERVE_GPU_WORK:-/tmp/kvserve-gpu-check}
@@ -70,8 +76,7 @@ fi
   timeout 120 $PY -c 'import sys, torch, triton, transformers; print("python", sys.version.split()[0], "torch", torch.__version__,
 "cuda", torch.version.cuda, "triton", triton.__version__, "transformers", transformers.__version__)'
   nproc
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+} 2>&1 | tee -a "$OUT/summary.txt"
 
 MODEL="$WORK/smollm2-135m-bfloat16"
 timeout 180 $PY benchmarks/random_model.py "$MODEL" --dtype bfloat16 ${KVSERVE_TOKENIZER_DIR:+--tokenizer "$KVSERVE_TOKENIZER_DIR"} \
@@ -101,6 +106,8 @@ for s in $STAGES; do
     offline)
       stage offline 170 $PY benchmarks/offline.py --preset nano-vllm --model "$MODEL" \
         --systems kvserve,hf-static --hf-num-prompts 16 --json "$OUT/offline.json" ;;
+    attention)
+      stage attention 75 $PY benchmarks/attention_splits.py ;;
     *) log "unknown stage $s" ;;
   esac
 done
@@ -110,4 +117,4 @@ if [ -f "$OUT/tests.log" ]; then  # pytest's summary line, else the count of the
   echo "${summary:-tests cut short: $(grep -c " PASSED" "$OUT/tests.log") passed, $(grep -cE " (FAILED|ERROR)" "$OUT/tests.log") failed before the cut}" \
     | tee -a "$OUT/summary.txt"
 fi
-grep -hE "^\|" "$OUT/step_times.log" "$OUT/offline.log" 2> /dev/null | tee -a "$OUT/summary.txt" || true
+grep -hE "^\|" "$OUT/step_times.log" "$OUT/offline.log" "$OUT/attention.log" 2> /dev/null | tee -a "$OUT/summary.txt" || true

@@ -4,6 +4,7 @@ crossing block boundaries, GQA ratios, several block sizes and head dims. On a C
 run under Triton's interpreter (tests/triton_interp.py), compiled on a CUDA one."""
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -275,3 +276,17 @@ def test_rope_write_kv_matches_apply_rope_then_write(device, dtype, heads, d, mo
     torch.testing.assert_close(k_cache, k_ref, **tol)
     assert torch.equal(v_cache, v_ref)
     assert grids == [(t,)]  # one program per token, all its heads (not one per (token, head))
+
+
+def test_attention_benchmark_checks_and_reports_each_case(device, tmp_path):
+    """benchmarks/attention_splits.py, which a GPU run (benchmarks/gpu_check.sh) takes its WAVES
+    and mixed-step figures from: every case's outputs agree, and each gets its row."""
+    from benchmarks import attention_splits
+
+    path = tmp_path / "attention.json"
+    attention_splits.main(["--shapes", "tiny", "--batches", "1,3", "--contexts", "20", "--splits", "1,2",
+                           "--mixed-chunk", "9", "--mixed-decodes", "2", "--mixed-context", "30", "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert [(r["batch"], r["best"] in (1, 2), set(r["ms"])) for r in result["splits"]] == \
+        [(1, True, {"1", "2"}), (3, True, {"1", "2"})]
+    assert [(r["decodes"], r["two_launches_ms"] > 0, r["one_launch_ms"] > 0) for r in result["mixed"]] == [(2, True, True)]
