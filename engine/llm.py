@@ -13,7 +13,8 @@ from engine.chat_format import as_parts, resolved
 from engine.config import EngineConfig
 from engine.generation_config import sampling_defaults
 from engine.llm_engine import LLMEngine
-from engine.model_source import model_dir
+from engine.metric_sinks import Metric
+from engine.model_source import model_dir, model_name
 from engine.outputs import Logprob, RequestOutput, StepOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.vllm_args import without_vllm_only
@@ -26,18 +27,22 @@ class LLM:
     def __init__(self, model: str | None = None, *, generation_config: str = "auto",
                  override_generation_config: dict | None = None, **engine_kwargs) -> None:
         """`engine_kwargs`: EngineConfig's fields, and vLLM's with nothing to set here
-        (engine.vllm_args: `swap_space`, `tokenizer_mode="auto"`, `quantization=None`, ...;
-        `disable_log_stats`, which an offline LLM never logs anyway). A keyword given as None takes
+        (engine.vllm_args: `swap_space`, `tokenizer_mode="auto"`, `quantization=None`, ...).
+        `disable_log_stats=False` records vLLM's metrics for `get_metrics()` (True, the default
+        offline as in vLLM, records none). A keyword given as None takes
         its default, as vLLM's (a script passes its optional arguments on as they are).
         `generation_config` (auto: the model's generation_config.json, vllm: none, or a folder) and
         `override_generation_config`: the sampling fields of `get_default_sampling_params`, which a
         call given no SamplingParams runs with (engine.generation_config)."""
-        engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None and k != "disable_log_stats"}
+        log_stats = engine_kwargs.pop("disable_log_stats", None) is False
+        engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
         config = EngineConfig(model=model, **without_vllm_only(engine_kwargs))
         # before the engine loads anything: a bad generation config costs no model load
         self.sampling_defaults = sampling_defaults(generation_config or "auto", model_dir(config),
                                                    override_generation_config)
         self.engine = LLMEngine(config)
+        if log_stats:
+            self.engine.enable_metrics(model_name(config, model_dir(config)))  # its label, as in the logs
         self._ids = itertools.count()
 
     @property
@@ -205,6 +210,11 @@ class LLM:
         finally:
             if bar:
                 bar.close()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: a snapshot of the engine's metrics (LLM(..., disable_log_stats=False)); the
+        types and names are engine.metric_sinks'."""
+        return self.engine.get_metrics()
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's: empty the prefix cache (after the weights changed, its KV is stale); False while

@@ -9,6 +9,8 @@ from engine.block_manager import BlockManager, kv_tokens
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.executor import Executor, make_executor
+from engine.metric_sinks import MemorySinks, Metric
+from engine.metrics import EngineMetrics, RequestTimer
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request
 from engine.sampler import SampleResult
@@ -43,6 +45,9 @@ class LLMEngine:
         # Grammars compile on their own thread (AsyncEngine waits for them before queueing a
         # request); matchers live here, whatever the tensor parallelism, and masks travel.
         self.structured = GrammarMatchers(GrammarCompiler(self.tokenizer, info.vocab_size, info.eos_token_ids))
+        # vLLM's stat logging (LLM(disable_log_stats=False)): each request's timeline, read by get_metrics()
+        self.metrics: EngineMetrics | None = None
+        self._timers: dict[str, RequestTimer] = {}
 
     def _check_room(self, num_blocks: int) -> None:
         """A pool sized from memory must hold one max_model_len sequence (all but its last token),
@@ -122,6 +127,8 @@ class LLMEngine:
         if grammar is not None:
             self.structured.add(req.seqs[0], grammar, gate)
         self.scheduler.add(req.seqs[0])
+        if self.metrics is not None:
+            self._timers[request_id] = self.metrics.start_request(len(ids), params.n, max_tokens)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)
@@ -132,6 +139,7 @@ class LLMEngine:
                 self.scheduler.finish(seq)
             self.structured.drop(seq)
         req.abort()
+        self._request_ended(req)
         return req.take_output()
 
     def has_unfinished(self) -> bool:
@@ -164,9 +172,12 @@ class LLMEngine:
             seq = batch.seqs[i]
             self.requests[seq.request_id].add_prompt_logprobs(seq, scored)
         touched: dict[str, Request] = {}
+        counts: dict[str, int] | None = {} if self.metrics is not None else None  # tokens per request
 
         def append(seq: Sequence, result: SampleResult) -> bool:
             req = touched.setdefault(seq.request_id, self.requests[seq.request_id])
+            if counts is not None:
+                counts[seq.request_id] = counts.get(seq.request_id, 0) + 1
             verdict = self.structured.accept(seq, result.token_id) if self.structured else None
             done = req.append_token(seq, result, self.eos_token_ids, self.max_model_len)
             if verdict is not None:
@@ -179,6 +190,9 @@ class LLMEngine:
             self.scheduler.roll_back(batch)
             self._held += [req for req in touched.values() if req.finished]
             raise
+        finally:
+            if counts:
+                self._tokens_made(touched, counts)
         outputs = []
         for req in touched.values():
             if req.finished:
@@ -191,7 +205,38 @@ class LLMEngine:
         del self.requests[req.request_id]
         for seq in req.seqs:
             self.structured.drop(seq)
+        self._request_ended(req)
         return req.take_output()
+
+    # -- metrics (on with enable_metrics) -------------------------------------------------------
+    def enable_metrics(self, model_name: str) -> None:
+        """Record vLLM's request and engine metrics from now on, for get_metrics()."""
+        if self.metrics is None:
+            self.metrics = EngineMetrics(MemorySinks(model_name))
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: every metric series now (engine.metric_sinks), the gauges read at this call."""
+        if self.metrics is None:
+            raise RuntimeError("metrics are not recorded: create the engine with LLM(..., disable_log_stats=False), "
+                               "as vLLM's get_metrics() needs")
+        self.metrics.record_stats(self.stats())
+        return self.metrics.sinks.read()
+
+    def _tokens_made(self, touched: dict[str, Request], counts: dict[str, int]) -> None:
+        for request_id, n in counts.items():
+            timer = self._timers.get(request_id)
+            if timer is not None:
+                timer.scheduled(touched[request_id].seqs[0].first_scheduled)
+                timer.tokens(n)
+
+    def _request_ended(self, req: Request) -> None:
+        """Its timeline goes to the metrics, with why it ended: abort, error, or (n > 1) the
+        last sample's reason."""
+        timer = self._timers.pop(req.request_id, None)
+        if timer is not None:
+            reasons = [c.finish_reason for c in req.completions]
+            timer.scheduled(req.seqs[0].first_scheduled)
+            timer.finish("abort" if req.aborted else "error" if "error" in reasons else reasons[-1])
 
     def _end_constrained(self, req: Request, seq: Sequence, verdict: str, done: bool) -> bool:
         """A complete grammar stops its sequence (no eos needed); one that failed ends it with an

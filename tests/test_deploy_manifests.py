@@ -323,7 +323,7 @@ def ray_exports(metric: str) -> bool:
 @functools.cache
 def kvserve_exports() -> frozenset[str]:
     """The series names our engine metrics (workers.metrics.METRICS) get in Ray's Prometheus export."""
-    from workers.metrics import METRICS
+    from engine.metrics import METRICS
 
     return frozenset(name for spec in METRICS for name in spec.exported_names)
 
@@ -350,7 +350,7 @@ def test_grafana_dashboard():
         assert not unknown, f"Ray exports no metric {unknown} ({expr})"
         assert set(re.findall(r'deployment="(\w+)"', expr)) <= deployments, expr
         assert set(re.findall(r"\$(\w+)", expr)) <= set(variables) | {"__rate_interval"}, expr
-    from workers import metrics as m
+    from engine import metrics as m
 
     charted = {name for expr in exprs for name in re.findall(r"\bray_(kvserve_\w+?)(?:_total|_bucket)?\b", expr)}
     wanted = {m.KV_USAGE, m.RUNNING, m.WAITING, m.TTFT, m.ITL, m.PREEMPTIONS, m.PREFIX_HITS, m.PREFIX_QUERIES,
@@ -608,12 +608,13 @@ def test_sizing_refuses_a_load_timeout_the_volume_cannot_meet(smollm2_path):
 def test_counters_are_exported_at_zero_from_the_start(monkeypatch):
     from ray.util import metrics as ray_util_metrics
 
-    from workers import metrics as M
+    from engine import metrics as M
+    from workers.metrics import ray_metrics
 
     recorded = []
     monkeypatch.setattr(ray_util_metrics.Metric, "_record",
                         lambda self, value, tags=None: recorded.append((self._name, value, dict(tags or {}))))
-    M.ray_metrics("m")
+    ray_metrics("m")
     counters = {s.name for s in M.METRICS if s.kind == "Counter"}
     assert {name for name, v, _ in recorded if v == 0} == counters
     assert {t[M.FINISHED_REASON] for name, _, t in recorded if name == M.REQUEST_SUCCESS} == set(M.FINISHED_REASONS)

@@ -38,7 +38,8 @@ PARAMS = st.builds(
 def engines(tmp_path_factory, smollm2_path):
     model = str(make_tiny_llama(tmp_path_factory.mktemp("stateful"), smollm2_path))
     # 14 blocks of 4 tokens: two long requests preempt each other; 8-token chunks
-    tight = LLM(model=model, block_size=4, num_gpu_blocks_override=14, max_num_seqs=3, max_num_batched_tokens=8)
+    tight = LLM(model=model, block_size=4, num_gpu_blocks_override=14, max_num_seqs=3, max_num_batched_tokens=8,
+                disable_log_stats=False)  # its metrics must count each request once, whatever its path
     ample = LLM(model=model, block_size=4, num_gpu_blocks_override=256)
     return tight.engine, ample
 
@@ -47,6 +48,7 @@ class EngineUnderInterleavings(RuleBasedStateMachine):
     engine = None  # set by the test: one engine for every example, emptied between them
     ample: LLM = None
     references: dict = {}
+    ended = generated = 0  # requests that ended, and their tokens, over all examples
 
     def __init__(self):
         super().__init__()
@@ -71,6 +73,8 @@ class EngineUnderInterleavings(RuleBasedStateMachine):
         ref = self._reference(prompt, params)
         got = [c.token_ids for c in sorted(out.outputs, key=lambda c: c.index)]
         texts = [c.text for c in sorted(out.outputs, key=lambda c: c.index)]
+        EngineUnderInterleavings.ended += 1
+        EngineUnderInterleavings.generated += sum(map(len, got))
         if not aborted:
             assert {c.finish_reason for c in out.outputs} <= {"stop", "length"}, out
         if aborted:
@@ -100,7 +104,7 @@ class EngineUnderInterleavings(RuleBasedStateMachine):
     @invariant()
     def pool_consistent(self):
         self.engine.scheduler.check_integrity()
-        assert set(self.engine.requests) == set(self.live)
+        assert set(self.engine.requests) == set(self.live) == set(self.engine._timers)
 
     def teardown(self):
         for _ in range(500):
@@ -115,6 +119,7 @@ class EngineUnderInterleavings(RuleBasedStateMachine):
 def test_random_interleavings_serve_every_request_as_alone(engines):
     EngineUnderInterleavings.engine, EngineUnderInterleavings.ample = engines
     EngineUnderInterleavings.references = {}
+    EngineUnderInterleavings.ended = EngineUnderInterleavings.generated = 0
     run = EngineUnderInterleavings.TestCase
     # The same examples in every CI run (fifteen runs of random ones passed as this was written).
     run.settings = settings(max_examples=25, stateful_step_count=30, deadline=None, derandomize=True,
@@ -122,3 +127,8 @@ def test_random_interleavings_serve_every_request_as_alone(engines):
     run().runTest()
     stats = EngineUnderInterleavings.engine.stats()  # the paths the examples took
     assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0 and stats.prefill_steps > 30, stats
+    counters = {(m.name, m.labels.get("finished_reason")): m.value
+                for m in EngineUnderInterleavings.engine.get_metrics() if m.name in ("kvserve_request_success", "kvserve_generation_tokens")}
+    assert sum(v for (name, _), v in counters.items() if name == "kvserve_request_success") \
+        == EngineUnderInterleavings.ended > 25
+    assert counters["kvserve_generation_tokens", None] == EngineUnderInterleavings.generated

@@ -10,7 +10,8 @@ import pytest
 from engine.config import EngineConfig
 from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
-from workers import metrics as M
+from engine import metrics as M
+from workers import metrics as W
 from workers.server import EngineServer
 from workers.stat_logger import StatLogger, interval_from_env
 from tests.fake_engine import FAIL_TOKEN_ID
@@ -43,9 +44,9 @@ class Clock:
         return self.t
 
 
-def recorder(clock=None) -> tuple[M.EngineMetrics, dict[str, Sink]]:
+def recorder(clock=None) -> tuple[W.ReplicaMetrics, dict[str, Sink]]:
     sinks = {spec.name: Sink() for spec in M.METRICS}
-    return M.EngineMetrics(sinks, clock or Clock()), sinks
+    return W.ReplicaMetrics(sinks, clock or Clock()), sinks
 
 
 def values(sinks: dict[str, Sink], name: str) -> list[float]:
@@ -258,7 +259,7 @@ def test_stats_line_interval_from_the_environment():
 
 def test_refresh_logs_the_stats_line_when_its_interval_ends(caplog):
     clock = Clock(0.0)
-    m = M.EngineMetrics({spec.name: Sink() for spec in M.METRICS}, clock,
+    m = W.ReplicaMetrics({spec.name: Sink() for spec in M.METRICS}, clock,
                         stat_logger=StatLogger(interval_s=2.0, clock=clock))
     caplog.set_level("INFO", logger="workers.metrics")
     m.refresh(stats())
@@ -269,7 +270,7 @@ def test_refresh_logs_the_stats_line_when_its_interval_ends(caplog):
     m.refresh(stats(num_running=1, prompt_tokens=30, generation_tokens=6))
     assert [r.getMessage().split(", Running")[0] for r in caplog.records] == [
         "Avg prompt throughput: 15.0 tokens/s, Avg generation throughput: 3.0 tokens/s"]
-    assert M.EngineMetrics({}).stat_logger is None  # none unless given
+    assert W.ReplicaMetrics({}).stat_logger is None  # none unless given
 
 
 def test_specs_and_ray_metric_objects():
@@ -281,7 +282,7 @@ def test_specs_and_ray_metric_objects():
         assert list(spec.buckets) == sorted(set(spec.buckets)), spec.name
     assert M.METRICS[[s.name for s in M.METRICS].index(M.REQUEST_SUCCESS)].exported_names == \
         ("ray_kvserve_request_success_total",)
-    objs = M.ray_metrics("my-model")  # outside Ray: real objects that record nothing
+    objs = W.ray_metrics("my-model")  # outside Ray: real objects that record nothing
     from ray.util import metrics as ray_metrics
 
     for spec in M.METRICS:
@@ -298,7 +299,7 @@ def test_specs_and_ray_metric_objects():
 # -- EngineServer's request stream ---------------------------------------------------------------------
 def engine_server(sinks: dict[str, Sink]) -> EngineServer:
     config = EngineConfig(max_model_len=64, max_num_seqs=4, num_gpu_blocks_override=64)
-    server = EngineServer(config, "tests.fake_engine:FakeEngine", metrics=M.EngineMetrics(sinks))
+    server = EngineServer(config, "tests.fake_engine:FakeEngine", metrics=W.ReplicaMetrics(sinks))
     server.engine.token_delay_s = 0.005
     return server
 

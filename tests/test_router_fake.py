@@ -76,8 +76,8 @@ def settled_samples() -> dict[str, list[tuple[dict, float]]]:
 def test_engine_metrics_reach_rays_prometheus_export(http):
     """One request moves each counter and histogram by exactly its own share. Measured against the
     settled export before it, so whatever ran on the server earlier does not count."""
-    from workers.metrics import (DECODE_TIME, E2E, INFERENCE_TIME, ITL, PARAMS_MAX_TOKENS, PARAMS_N, PREFILL_TIME,
-                                 QUEUE_TIME, REQUEST_GENERATION_TOKENS, REQUEST_PROMPT_TOKENS, REQUEST_TPOT, TTFT)
+    from engine.metrics import (DECODE_TIME, E2E, INFERENCE_TIME, ITL, PARAMS_MAX_TOKENS, PARAMS_N, PREFILL_TIME,
+                                QUEUE_TIME, REQUEST_GENERATION_TOKENS, REQUEST_PROMPT_TOKENS, REQUEST_TPOT, TTFT)
 
     counted = ("ray_kvserve_request_success_total", "ray_kvserve_prompt_tokens_total",
                "ray_kvserve_generation_tokens_total", f"ray_{TTFT}_count", f"ray_{ITL}_count", f"ray_{E2E}_count",

@@ -1,40 +1,12 @@
-"""The engine replica's Prometheus metrics, named as vLLM names its own (`vllm:x` -> `kvserve_x`).
+"""The engine replica's metrics (engine.metrics) recorded with Ray Serve's metrics API:
+workers.server.EngineServer records them, so each Ray node exports them on its metrics port
+(`metrics-export-port`) and the Ray dashboard sees them. Prometheus names gain Ray's `ray_`
+prefix, counters `_total`, histograms `_bucket` / `_sum` / `_count`; every series carries
+`model_name` and, from Serve, `deployment`, `replica` and `application`.
 
-workers.server.EngineServer records them with Ray Serve's metrics API, so each Ray node exports them on its
-metrics port (`metrics-export-port`) and the Ray dashboard sees them. Prometheus names gain
-Ray's `ray_` prefix, counters `_total`, histograms `_bucket` / `_sum` / `_count`; every series
-carries `model_name` and, from Serve, `deployment`, `replica` and `application`.
-
-    name                                   kind       source
-    kvserve_num_requests_running           gauge      EngineStats, refreshed every REFRESH_PERIOD_S
-    kvserve_num_requests_waiting           gauge        "
-    kvserve_kv_cache_usage_perc            gauge        "   (fraction of KV blocks in use, 0..1)
-    kvserve_num_preemptions                counter      "   (the engine's cumulative counters, as deltas)
-    kvserve_prefix_cache_queries           counter      "   (prompt tokens looked up)
-    kvserve_prefix_cache_hits              counter      "   (of those, found cached)
-    kvserve_engine_steps                   counter      "   by kind: prefill (computed prompt tokens) | decode
-    kvserve_engine_step_seconds            counter      "   wall time of those steps, by kind (their ratio:
-                                                            the mean step time, which a busy host stretches)
-    kvserve_prompt_tokens                  counter    RequestTimer: once its prefill is done
-    kvserve_generation_tokens              counter      "   every FLUSH_PERIOD_S and at the end
-    kvserve_time_to_first_token_seconds    histogram    "   arrival at the replica -> first token
-    kvserve_inter_token_latency_seconds    histogram    "   gap before each later engine step
-    kvserve_e2e_request_latency_seconds    histogram    "   arrival -> end, whatever the end
-    kvserve_request_queue_time_seconds     histogram    "   arrival -> first scheduled by the engine
-    kvserve_request_prefill_time_seconds   histogram    "   first scheduled -> first token
-    kvserve_request_decode_time_seconds    histogram    "   first token -> last token
-    kvserve_request_inference_time_seconds histogram    "   first scheduled -> last token
-    kvserve_request_time_per_output_token_seconds  "    "   its decode time / its steps after the first
-    kvserve_request_params_n               histogram    "   the request's n
-    kvserve_request_params_max_tokens      histogram    "   its max_tokens (resolved: the model's room if unset)
-    kvserve_request_success                counter      "   by finished_reason: stop|length|abort|error
-
-A request's `RequestTimer` lives in its own generator frame, so nothing outlives the request.
-Per engine step it reads the clock and appends one gap; Ray sees the gaps and the token count
-only when they are flushed.
-
-Each refresh also hands the snapshot to the replica's `stat_logger` (workers.stat_logger), which
-logs vLLM's periodic stats line when its interval ends.
+The gauges and engine counters come from an EngineStats snapshot every REFRESH_PERIOD_S; each
+refresh also hands the snapshot to the replica's `stat_logger` (workers.stat_logger), which logs
+vLLM's periodic stats line when its interval ends.
 """
 from __future__ import annotations
 
@@ -42,115 +14,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
+from engine.metrics import METRICS, MODEL_NAME, ZERO_TAGS, EngineMetrics
 from engine.outputs import EngineStats
 from workers.stat_logger import StatLogger
 
 logger = logging.getLogger(__name__)
 
 REFRESH_PERIOD_S = 1.0  # gauges and engine counters; Ray exports every 10 s by default anyway
-FLUSH_PERIOD_S = 1.0  # a long request's gaps and tokens reach Ray at least this often
-
-
-def _buckets(lo_exp: int, hi_exp: int, mantissas: tuple[float, ...]) -> tuple[float, ...]:
-    """mantissa x 10^e for e in lo_exp..hi_exp-1, then 10^hi_exp: (-1, 1, (1, 5)) -> 0.1 0.5 1 5 10."""
-    return tuple(round(m * 10.0 ** e, 6) for e in range(lo_exp, hi_exp) for m in mantissas) + (10.0 ** hi_exp,)
-
-
-@dataclass(frozen=True)
-class MetricSpec:
-    name: str
-    kind: str  # "Gauge" | "Counter" | "Histogram": the ray.serve.metrics class
-    description: str
-    buckets: tuple[float, ...] = ()  # histogram bucket bounds (seconds)
-    tag_keys: tuple[str, ...] = ()  # besides model_name
-
-    @property
-    def exported_names(self) -> tuple[str, ...]:
-        """The series names Ray's Prometheus export gives this metric."""
-        base = f"ray_{self.name}"
-        if self.kind == "Counter":
-            return (f"{base}_total",)
-        if self.kind == "Histogram":
-            return (f"{base}_bucket", f"{base}_sum", f"{base}_count")
-        return (base,)
-
-
-RUNNING = "kvserve_num_requests_running"
-WAITING = "kvserve_num_requests_waiting"
-KV_USAGE = "kvserve_kv_cache_usage_perc"
-PREEMPTIONS = "kvserve_num_preemptions"
-PREFIX_QUERIES = "kvserve_prefix_cache_queries"
-PREFIX_HITS = "kvserve_prefix_cache_hits"
-PROMPT_TOKENS = "kvserve_prompt_tokens"
-GENERATION_TOKENS = "kvserve_generation_tokens"
-TTFT = "kvserve_time_to_first_token_seconds"
-ITL = "kvserve_inter_token_latency_seconds"
-E2E = "kvserve_e2e_request_latency_seconds"
-REQUEST_SUCCESS = "kvserve_request_success"
-REQUEST_PROMPT_TOKENS = "kvserve_request_prompt_tokens"
-REQUEST_GENERATION_TOKENS = "kvserve_request_generation_tokens"
-QUEUE_TIME = "kvserve_request_queue_time_seconds"
-PREFILL_TIME = "kvserve_request_prefill_time_seconds"
-DECODE_TIME = "kvserve_request_decode_time_seconds"
-INFERENCE_TIME = "kvserve_request_inference_time_seconds"
-REQUEST_TPOT = "kvserve_request_time_per_output_token_seconds"
-PARAMS_N = "kvserve_request_params_n"
-PARAMS_MAX_TOKENS = "kvserve_request_params_max_tokens"
-ENGINE_STEPS = "kvserve_engine_steps"
-ENGINE_STEP_SECONDS = "kvserve_engine_step_seconds"
-FINISHED_REASON = "finished_reason"
-STEP_KIND = "kind"
-STEP_KINDS = ("prefill", "decode")
-MODEL_NAME = "model_name"
-
-PHASE_BUCKETS = _buckets(-3, 4, (1, 2, 5))  # 1 ms .. 10,000 s: a GPU's queue and prefill times are milliseconds
-
-METRICS = (
-    MetricSpec(RUNNING, "Gauge", "Requests in the engine's running batch."),
-    MetricSpec(WAITING, "Gauge", "Requests queued in the engine, waiting to be scheduled."),
-    MetricSpec(KV_USAGE, "Gauge", "Fraction of KV cache blocks in use (0..1)."),
-    MetricSpec(PREEMPTIONS, "Counter", "Sequences preempted to free KV blocks."),
-    MetricSpec(PREFIX_QUERIES, "Counter", "Prompt tokens looked up in the prefix cache."),
-    MetricSpec(PREFIX_HITS, "Counter", "Prompt tokens found in the prefix cache."),
-    MetricSpec(ENGINE_STEPS, "Counter", "Engine steps, by kind: prefill (computed prompt tokens) or decode (only decodes).",
-               tag_keys=(STEP_KIND,)),
-    MetricSpec(ENGINE_STEP_SECONDS, "Counter", "Wall-clock seconds of the engine's steps, by kind (prefill, decode).",
-               tag_keys=(STEP_KIND,)),
-    MetricSpec(PROMPT_TOKENS, "Counter", "Prompt tokens of requests whose prefill completed."),
-    MetricSpec(GENERATION_TOKENS, "Counter", "Generated tokens, all samples of a request together."),
-    MetricSpec(TTFT, "Histogram", "Seconds from a request's arrival at the replica to its first token.",
-               _buckets(-3, 3, (1, 2, 5))),
-    MetricSpec(ITL, "Histogram", "Seconds between successive engine steps that gave a request tokens.",
-               _buckets(-3, 1, (1, 1.5, 2, 3, 5, 7.5)) + (20.0, 50.0)),
-    MetricSpec(E2E, "Histogram", "Seconds from a request's arrival at the replica to its end.",
-               _buckets(-2, 4, (1, 2, 5))),
-    MetricSpec(REQUEST_SUCCESS, "Counter", "Requests that ended, by finished_reason (stop, length, abort, error).",
-               tag_keys=(FINISHED_REASON,)),
-    MetricSpec(REQUEST_PROMPT_TOKENS, "Histogram", "Prompt tokens of each request that ended.",
-               _buckets(0, 6, (1, 2, 5))),
-    MetricSpec(REQUEST_GENERATION_TOKENS, "Histogram", "Tokens each request that ended generated, its samples together.",
-               _buckets(0, 6, (1, 2, 5))),
-    MetricSpec(QUEUE_TIME, "Histogram", "Seconds from a request's arrival at the replica until the engine first "
-               "scheduled it.", PHASE_BUCKETS),
-    MetricSpec(PREFILL_TIME, "Histogram", "Seconds from the engine first scheduling a request to its first token.",
-               PHASE_BUCKETS),
-    MetricSpec(DECODE_TIME, "Histogram", "Seconds from a request's first token to its last.", PHASE_BUCKETS),
-    MetricSpec(INFERENCE_TIME, "Histogram", "Seconds from the engine first scheduling a request to its last token.",
-               PHASE_BUCKETS),
-    MetricSpec(REQUEST_TPOT, "Histogram", "Each request's mean seconds per output token after its first (0 for one token).",
-               _buckets(-3, 1, (1, 1.5, 2, 3, 5, 7.5)) + (20.0, 50.0)),
-    MetricSpec(PARAMS_N, "Histogram", "The n of each request that ended.", (1.0, 2.0, 5.0, 10.0, 20.0)),
-    MetricSpec(PARAMS_MAX_TOKENS, "Histogram", "The max_tokens of each request that ended (unset: what the model had room for).",
-               _buckets(0, 6, (1, 2, 5))),
-)
-
-
-FINISHED_REASONS = ("stop", "length", "abort", "error")
-ZERO_TAGS = {REQUEST_SUCCESS: [{FINISHED_REASON: r} for r in FINISHED_REASONS],  # series a counter starts with
-             ENGINE_STEPS: [{STEP_KIND: k} for k in STEP_KINDS],
-             ENGINE_STEP_SECONDS: [{STEP_KIND: k} for k in STEP_KINDS]}
 
 
 def ray_metrics(model_name: str) -> dict[str, object]:
@@ -177,36 +48,14 @@ def ray_metrics(model_name: str) -> dict[str, object]:
     return out
 
 
-class EngineMetrics:
-    """Turns a replica's observations into metric updates. `sinks` maps each METRICS name to an
-    object with Ray's interface: gauges `set(v)`, counters `inc(v, tags)`, histograms `observe(v)`."""
+class ReplicaMetrics(EngineMetrics):
+    """EngineMetrics with the replica's periodic refresh (and stats line)."""
 
     def __init__(self, sinks: Mapping[str, object], clock: Callable[[], float] = time.monotonic,
                  stat_logger: StatLogger | None = None) -> None:
         """`stat_logger`: the periodic log line (workers.stat_logger), written at each refresh it ends."""
-        self.sinks = sinks
-        self.clock = clock
+        super().__init__(sinks, clock)
         self.stat_logger = stat_logger
-        self._totals: dict[tuple[str, str | None], float] = {}  # (counter, step kind) -> engine total seen so far
-
-    def start_request(self, num_prompt_tokens: int, n: int = 1, max_tokens: int | None = None) -> RequestTimer:
-        """`n`, `max_tokens`: the request's parameters, for their histograms (max_tokens None: not recorded)."""
-        return RequestTimer(self, num_prompt_tokens, self.clock(), n, max_tokens)
-
-    def record_stats(self, stats: EngineStats) -> None:
-        """Gauges from one snapshot; the engine's cumulative counters become increments."""
-        self.sinks[RUNNING].set(stats.num_running)
-        self.sinks[WAITING].set(stats.num_waiting)
-        self.sinks[KV_USAGE].set(stats.kv_usage)
-        for name, kind, total in ((PREEMPTIONS, None, stats.num_preemptions),
-                                  (PREFIX_QUERIES, None, stats.prefix_query_tokens),
-                                  (PREFIX_HITS, None, stats.prefix_hit_tokens),
-                                  (ENGINE_STEPS, "prefill", stats.prefill_steps),
-                                  (ENGINE_STEP_SECONDS, "prefill", stats.prefill_step_seconds),
-                                  (ENGINE_STEPS, "decode", stats.decode_steps),
-                                  (ENGINE_STEP_SECONDS, "decode", stats.decode_step_seconds)):
-            self._inc(name, total - self._totals.get((name, kind), 0), {STEP_KIND: kind} if kind else None)
-            self._totals[name, kind] = total
 
     def refresh(self, stats: EngineStats) -> None:
         """The gauges and engine counters from one snapshot, and the stats line if one is due."""
@@ -231,105 +80,3 @@ class EngineMetrics:
         except RuntimeError:
             return None
         return loop.create_task(self.refresh_forever(stats_fn))
-
-    # -- what RequestTimer reports ---------------------------------------------------------------
-    def first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
-        self.sinks[TTFT].observe(ttft_s)
-        self._inc(PROMPT_TOKENS, num_prompt_tokens)
-
-    def tokens_generated(self, gaps_s: list[float], num_tokens: int) -> None:
-        observe = self.sinks[ITL].observe
-        for gap in gaps_s:
-            observe(gap)
-        self._inc(GENERATION_TOKENS, num_tokens)
-
-    def request_finished(self, t: RequestTimer, reason: str, end: float) -> None:
-        """One ended request's timeline, split as vLLM splits it: queue (arrival -> first scheduled),
-        prefill (-> first token), decode (-> last token), inference (first scheduled -> last token).
-        Recorded whatever the end; a phase the request never reached is not."""
-        self.sinks[E2E].observe(end - t.arrival)
-        self.sinks[REQUEST_SUCCESS].inc(1, {FINISHED_REASON: reason})
-        self.sinks[REQUEST_PROMPT_TOKENS].observe(t.num_prompt_tokens)
-        self.sinks[REQUEST_GENERATION_TOKENS].observe(t.generated)
-        self.sinks[PARAMS_N].observe(t.n)
-        if t.max_tokens is not None:
-            self.sinks[PARAMS_MAX_TOKENS].observe(t.max_tokens)
-        first, last = t.first, t.last
-        if t.scheduled_at is not None:
-            # the engine's clock and this one are the host's monotonic clock; the hop between
-            # them can put the engine's instant a hair outside the replica's interval
-            scheduled = min(max(t.scheduled_at, t.arrival), first if first is not None else end)
-            self.sinks[QUEUE_TIME].observe(scheduled - t.arrival)
-            if first is not None:
-                self.sinks[PREFILL_TIME].observe(first - scheduled)
-                self.sinks[INFERENCE_TIME].observe(last - scheduled)
-        if first is not None:
-            self.sinks[DECODE_TIME].observe(last - first)
-            self.sinks[REQUEST_TPOT].observe((last - first) / t.num_gaps if t.num_gaps else 0.0)
-
-    def _inc(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
-        if value > 0:  # Ray's Counter rejects 0
-            self.sinks[name].inc(value, tags)
-
-
-class RequestTimer:
-    """One request's timeline at the replica: arrival, when the engine first scheduled it, each
-    engine step with tokens, its end. EngineMetrics.request_finished reads the public fields."""
-    __slots__ = ("_metrics", "num_prompt_tokens", "n", "max_tokens", "arrival", "scheduled_at", "first", "last",
-                 "num_gaps", "generated", "_gaps", "_tokens", "_flushed", "_done")
-
-    def __init__(self, metrics: EngineMetrics, num_prompt_tokens: int, now: float, n: int = 1,
-                 max_tokens: int | None = None) -> None:
-        self._metrics = metrics
-        self.num_prompt_tokens, self.n, self.max_tokens = num_prompt_tokens, n, max_tokens
-        self.arrival = now
-        self.scheduled_at: float | None = None  # when the engine first scheduled it (its clock: time.monotonic)
-        self.first: float | None = None  # when its first token arrived
-        self.last: float | None = None  # when the latest step with tokens arrived
-        self.num_gaps = 0  # engine steps with tokens after the first
-        self.generated = 0  # all the request's generated tokens
-        self._gaps: list[float] = []  # inter-token gaps not observed yet
-        self._tokens = 0  # generated tokens not counted yet
-        self._flushed = now
-        self._done = False
-
-    def tokens(self, n: int, steps: int = 1) -> None:
-        """An engine output gave this request `n` new tokens (its samples together), made over
-        `steps` engine steps (more than one with a stream interval: the gap since the previous
-        output is shared out evenly over them)."""
-        if not n:
-            return
-        now = self._metrics.clock()
-        if self.last is None:
-            self.first = now
-            self._metrics.first_token(now - self.arrival, self.num_prompt_tokens)
-        else:
-            steps = max(steps, 1)
-            self._gaps.extend([(now - self.last) / steps] * steps)
-            self.num_gaps += steps
-        self.last = now
-        self._tokens += n
-        self.generated += n
-        if now - self._flushed >= FLUSH_PERIOD_S:
-            self._flush(now)
-
-    def scheduled(self, at: float | None) -> None:
-        """When the engine first scheduled the request (RequestOutput.first_scheduled_time, on the
-        metrics' clock), or None from an engine that does not say."""
-        if at is not None and self.scheduled_at is None:
-            self.scheduled_at = at
-
-    def finish(self, reason: str | None) -> None:
-        """The request ended: stop | length | abort | error, or None: refused before it ran (not
-        counted). Later calls do nothing."""
-        if self._done:
-            return
-        self._done = True
-        now = self._metrics.clock()
-        self._flush(now)
-        if reason is not None:
-            self._metrics.request_finished(self, reason, now)
-
-    def _flush(self, now: float) -> None:
-        self._metrics.tokens_generated(self._gaps, self._tokens)
-        self._gaps, self._tokens, self._flushed = [], 0, now

@@ -32,7 +32,7 @@ from engine.outputs import EngineStats, StepOutput
 from engine.protocol import EngineClient
 from engine.sampling_params import SamplingParams
 from workers.autoscale_stats import KVMetricsRecorder
-from workers.metrics import EngineMetrics, ray_metrics
+from workers.metrics import ReplicaMetrics, ray_metrics
 from workers.serve_logging import log_through_serve
 from workers.stat_logger import StatLogger, interval_from_env
 
@@ -66,7 +66,7 @@ def replica_threads(requested: int, quota: float | None) -> int:
 class EngineServer:
     def __init__(self, engine_config: EngineConfig, engine_cls: str | EngineFactory | None = None,
                  cpu_threads: int | None = None, model_name: str | None = None,
-                 metrics: EngineMetrics | None = None, log_stats: bool = True) -> None:
+                 metrics: ReplicaMetrics | None = None, log_stats: bool = True) -> None:
         """`log_stats`: log the engine's throughput and queue every interval (workers.stat_logger)."""
         if cpu_threads:
             import torch
@@ -78,8 +78,8 @@ class EngineServer:
         self.scheduling_policy = engine_config.scheduling_policy
         self._kv_metrics = KVMetricsRecorder()
         self._replica_id: str | None = None
-        self.metrics = metrics or EngineMetrics(ray_metrics(model_name or engine_config.model or "default"),
-                                                stat_logger=StatLogger(interval_from_env()) if log_stats else None)
+        self.metrics = metrics or ReplicaMetrics(ray_metrics(model_name or engine_config.model or "default"),
+                                                 stat_logger=StatLogger(interval_from_env()) if log_stats else None)
         self._metrics_task = self.metrics.start_refresh(self.engine.stats)
 
     async def info(self) -> dict:

@@ -1,0 +1,113 @@
+"""vLLM's `LLM.get_metrics()` (LLM(disable_log_stats=False)): the server's metrics, recorded in
+memory by the offline engine (engine.metrics into engine.metric_sinks), each request counted
+once however it ends, the gauges read at the call."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.metric_sinks import Counter, Gauge, Histogram, MemorySinks
+from tests.tiny_llama import make_tiny_llama
+
+PROMPTS = [[1, 17, 99, 250, 3, 42], [5, 6, 7], [9] * 11]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_path):
+    return make_tiny_llama(tmp_path_factory.mktemp("metrics"), smollm2_path, "gqa", vocab_size=49152)
+
+
+def _llm(tiny_dir, **kw) -> LLM:
+    return LLM(model=str(tiny_dir), max_model_len=64, num_gpu_blocks_override=32, disable_log_stats=False, **kw)
+
+
+def _by_name(metrics) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for m in metrics:
+        out.setdefault(m.name, []).append(m)
+    return out
+
+
+def _value(metrics, name: str, **labels) -> float:
+    [m] = [m for m in _by_name(metrics)[name] if labels.items() <= m.labels.items()]
+    return m.value
+
+
+def test_generate_counts_each_request_and_token(tiny_dir):
+    llm = _llm(tiny_dir)
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    fanned = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=4, ignore_eos=True)
+    outs = llm.generate(PROMPTS, greedy) + llm.generate(PROMPTS[:1], fanned)
+    metrics = llm.get_metrics()
+    names = _by_name(metrics)
+    assert {m.labels["model_name"] for m in metrics} == {tiny_dir.name}
+    generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    assert generated == 3 * 5 + 3 * 4
+    assert _value(metrics, "kvserve_generation_tokens") == generated
+    assert _value(metrics, "kvserve_prompt_tokens") == sum(map(len, PROMPTS)) + len(PROMPTS[0])
+    assert _value(metrics, "kvserve_request_success", finished_reason="length") == 4
+    assert _value(metrics, "kvserve_request_success", finished_reason="abort") == 0  # every reason from 0
+    assert _value(metrics, "kvserve_num_requests_running") == 0 and _value(metrics, "kvserve_kv_cache_usage_perc") == 0
+    hist = {name: ms[0] for name, ms in names.items() if isinstance(ms[0], Histogram)}
+    assert hist["kvserve_time_to_first_token_seconds"].count == 4
+    # one gap per step after the first: the fanned request's 3 samples step together
+    assert hist["kvserve_inter_token_latency_seconds"].count == 3 * 4 + 3
+    assert hist["kvserve_request_params_n"].sum == 1 + 1 + 1 + 3
+    assert hist["kvserve_request_generation_tokens"].sum == generated
+    for h in hist.values():
+        counts = list(h.buckets.values())
+        assert counts == sorted(counts) and counts[-1] == h.count and list(h.buckets)[-1] == "+Inf"
+    assert all(isinstance(m, Counter) for m in names["kvserve_engine_steps"])
+    steps = {m.labels["kind"]: m.value for m in names["kvserve_engine_steps"]}
+    assert steps["prefill"] >= 2 and steps["decode"] >= 4
+    assert llm.engine._timers == {}
+
+
+def test_gauges_are_read_at_the_call_and_an_abort_counts_once(tiny_dir):
+    llm = _llm(tiny_dir)
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    eng.add_request("a", PROMPTS[0], params)
+    eng.add_request("b", PROMPTS[1], params)
+    metrics = llm.get_metrics()
+    assert _value(metrics, "kvserve_num_requests_waiting") == 2 and _value(metrics, "kvserve_num_requests_running") == 0
+    eng.step()
+    eng.step()
+    metrics = llm.get_metrics()
+    assert _value(metrics, "kvserve_num_requests_running") == 2 and _value(metrics, "kvserve_kv_cache_usage_perc") > 0
+    eng.abort("a")
+    eng.abort("a")  # a second abort of it is nothing
+    while eng.has_unfinished():
+        eng.step()
+    metrics = llm.get_metrics()
+    assert _value(metrics, "kvserve_request_success", finished_reason="abort") == 1
+    assert _value(metrics, "kvserve_request_success", finished_reason="length") == 1
+    e2e = [m for m in metrics if m.name == "kvserve_e2e_request_latency_seconds"][0]
+    assert e2e.count == 2
+    with pytest.raises(InvalidRequestError):  # refused: not a request the engine served
+        eng.add_request("c", [], params)
+    assert _value(llm.get_metrics(), "kvserve_request_success", finished_reason="length") == 1
+    assert eng._timers == {}
+
+
+def test_off_by_default_as_in_vllm(tiny_dir):
+    llm = LLM(model=str(tiny_dir), max_model_len=64, num_gpu_blocks_override=32)
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))
+    assert llm.engine.metrics is None and llm.engine._timers == {}
+    with pytest.raises(RuntimeError, match="disable_log_stats=False"):
+        llm.get_metrics()
+
+
+def test_histogram_buckets_are_cumulative_and_inclusive():
+    sinks = MemorySinks("m")
+    prompt_tokens = sinks["kvserve_request_prompt_tokens"]  # bounds 1, 2, 5, 10, ...
+    for v in (1, 2, 3, 5, 7, 10 ** 7):
+        prompt_tokens.observe(v)
+    sinks["kvserve_num_requests_running"].set(4)
+    read = {m.name: m for m in sinks.read()}
+    h = read["kvserve_request_prompt_tokens"]
+    assert (h.count, h.sum) == (6, 1 + 2 + 3 + 5 + 7 + 10 ** 7)
+    assert [h.buckets[b] for b in ("1.0", "2.0", "5.0", "10.0", "+Inf")] == [1, 2, 4, 5, 6]  # a bound holds its value
+    assert read["kvserve_num_requests_running"] == Gauge("kvserve_num_requests_running", {"model_name": "m"}, 4)
+    assert read["kvserve_time_to_first_token_seconds"].count == 0  # there, empty, from the start
