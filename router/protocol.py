@@ -8,6 +8,7 @@ vLLM does, so that clients sending newer OpenAI fields keep working.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -196,7 +197,7 @@ class _SamplingFields(_Model):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=prompt_logprobs,
-            logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
+            logit_bias=_clamped_bias(self.logit_bias) if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, cache_salt=self.cache_salt,
             priority=self.priority,
             # a reply sent whole needs no output per token from the engine (nor one per token over Ray)
@@ -220,13 +221,19 @@ def _refuse(request: BaseModel, *names: str, where: str = "by this server") -> N
 
 
 def _check_logit_bias(bias: dict[str, float]) -> None:
-    """OpenAI's logit_bias: token id (a JSON key, so a string) -> bias in [-100, 100]."""
+    """OpenAI's logit_bias: token id (a JSON key, so a string) -> bias, a number (clamped to
+    [-100, 100] by _clamped_bias, as vLLM's server clamps it)."""
     if len(bias) > MAX_LOGIT_BIAS:
         raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
     if not all(t.isascii() and t.isdigit() and len(t) <= 12 for t in bias):
         raise ValueError("logit_bias keys must be token ids (non-negative integers, as strings)")
-    if not all(-100 <= b <= 100 for b in bias.values()):
-        raise ValueError("logit_bias values must be in [-100, 100]")
+    if not all(math.isfinite(b) for b in bias.values()):
+        raise ValueError("logit_bias values must be finite numbers")
+
+
+def _clamped_bias(bias: dict[str, float]) -> dict[int, float]:
+    """Biases past OpenAI's [-100, 100] taken at its ends, as vLLM takes them."""
+    return {int(t): min(100.0, max(-100.0, b)) for t, b in bias.items()}
 
 
 PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]

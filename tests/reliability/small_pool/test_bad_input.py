@@ -246,7 +246,8 @@ HOSTILE = [
      _j({"prompt": "a", "logit_bias": {"999999999": 5}, "max_tokens": 1}), {}, 400),
     ("logit_bias key not a token id", "POST", CMPL, _j({"prompt": "a", "logit_bias": {"abc": 5}, "max_tokens": 1}),
      {}, 400),
-    ("logit_bias value 1e9", "POST", CMPL, _j({"prompt": "a", "logit_bias": {"5": 1e9}, "max_tokens": 1}), {}, 400),
+    # taken as 100, as vLLM's server clamps it
+    ("logit_bias value 1e9", "POST", CMPL, _j({"prompt": "a", "logit_bias": {"5": 1e9}, "max_tokens": 1}), {}, 200),
     ("echo a list", "POST", CMPL, _j({"prompt": "a", "echo": [1], "max_tokens": 1}), {}, 400),
     ("best_of != n", "POST", CMPL, _j({"prompt": "a", "best_of": 3, "max_tokens": 1}), {}, 400),
     ("stream_options without stream", "POST", CMPL,
