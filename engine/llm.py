@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.generation_config import sampling_defaults
 from engine.llm_engine import LLMEngine
 from engine.metric_sinks import Metric
-from engine.model_source import model_dir, model_name
+from engine.model_source import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME, model_dir
 from engine.outputs import Logprob, RequestOutput, StepOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.vllm_args import without_vllm_only
@@ -42,7 +42,8 @@ class LLM:
                                                    override_generation_config)
         self.engine = LLMEngine(config)
         if log_stats:
-            self.engine.enable_metrics(model_name(config, model_dir(config)))  # its label, as in the logs
+            # labelled with the model as given, as vLLM's (the embedded one by its name)
+            self.engine.enable_metrics(DEFAULT_MODEL_NAME if model in DEFAULT_MODEL_ALIASES else str(model))
         self._ids = itertools.count()
 
     @property
@@ -107,7 +108,7 @@ class LLM:
                             left[part_id] = rid
         except BaseException:  # a bad prompt or params, Ctrl-C: none of the batch runs (as vLLM's LLM)
             for part_id in left:
-                self.engine.abort(part_id)
+                self.engine.abort(part_id, refused=True)
             raise
         done: dict[str, RequestOutput] = {}
         bar = _progress(len(prompts), use_tqdm)

@@ -130,7 +130,9 @@ class LLMEngine:
         if self.metrics is not None:
             self._timers[request_id] = self.metrics.start_request(len(ids), params.n, max_tokens)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, refused: bool = False) -> RequestOutput | None:
+        """`refused`: the caller takes back a request that never ran (a batch refused as a whole
+        at admission), which the metrics do not count, as the server does not count a refused one."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
@@ -138,8 +140,9 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
             self.structured.drop(seq)
+        ended = req.finished  # one held since a step that raised: it ended as it ended
         req.abort()
-        self._request_ended(req)
+        self._request_ended(req, counted=not refused, aborted=not ended)
         return req.take_output()
 
     def has_unfinished(self) -> bool:
@@ -176,12 +179,12 @@ class LLMEngine:
 
         def append(seq: Sequence, result: SampleResult) -> bool:
             req = touched.setdefault(seq.request_id, self.requests[seq.request_id])
-            if counts is not None:
-                counts[seq.request_id] = counts.get(seq.request_id, 0) + 1
             verdict = self.structured.accept(seq, result.token_id) if self.structured else None
             done = req.append_token(seq, result, self.eos_token_ids, self.max_model_len)
             if verdict is not None:
                 done = self._end_constrained(req, seq, verdict, done)
+            if counts is not None:  # kept: an append that raised is drawn again
+                counts[seq.request_id] = counts.get(seq.request_id, 0) + 1
             return done
 
         try:  # a failed draw is undone (Scheduler.update_from_output), and then the step as above
@@ -229,14 +232,15 @@ class LLMEngine:
                 timer.scheduled(touched[request_id].seqs[0].first_scheduled)
                 timer.tokens(n)
 
-    def _request_ended(self, req: Request) -> None:
-        """Its timeline goes to the metrics, with why it ended: abort, error, or (n > 1) the
-        last sample's reason."""
+    def _request_ended(self, req: Request, counted: bool = True, aborted: bool = False) -> None:
+        """Its timeline goes to the metrics (unless not `counted`), with why it ended: abort,
+        error, or (n > 1, one request as the server counts it) the last sample's reason."""
         timer = self._timers.pop(req.request_id, None)
         if timer is not None:
             reasons = [c.finish_reason for c in req.completions]
             timer.scheduled(req.seqs[0].first_scheduled)
-            timer.finish("abort" if req.aborted else "error" if "error" in reasons else reasons[-1])
+            timer.finish(None if not counted else "abort" if aborted else "error" if "error" in reasons
+                         else reasons[-1])
 
     def _end_constrained(self, req: Request, seq: Sequence, verdict: str, done: bool) -> bool:
         """A complete grammar stops its sequence (no eos needed); one that failed ends it with an

@@ -93,14 +93,23 @@ class _Histogram(_Series):
 
     def read(self) -> list[Metric]:
         out = []
+        bounds = [_go_float(b) for b in self.spec.buckets] + ["+Inf"]
         for key, (counts, total) in self.values.items():
-            bounds = [str(b) for b in self.spec.buckets] + ["+Inf"]
             cumulative, running = {}, 0
             for bound, n in zip(bounds, counts):
                 running += n
                 cumulative[bound] = running
             out.append(Histogram(self.spec.name, dict(key), running, total, cumulative))
         return out
+
+
+def _go_float(x: float) -> str:
+    """A bucket bound as Prometheus writes its `le` label (Go's shortest form: 0.005, 1.0, 1e+06)."""
+    s = repr(float(x))
+    dot = s.find(".")
+    if dot > 6 and "e" not in s:  # Go writes an exponent from 1e21 down to 1e6 where Python does not
+        return f"{(s[0] + '.' + s[1:dot] + s[dot + 1:]).rstrip('0').rstrip('.')}e+{dot - 1:02d}"
+    return s
 
 
 _KINDS = {"Gauge": _Gauge, "Counter": _Counter, "Histogram": _Histogram}

@@ -8,6 +8,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError
 from engine.metric_sinks import Counter, Gauge, Histogram, MemorySinks
+from engine.request import Request
 from tests.tiny_llama import make_tiny_llama
 
 PROMPTS = [[1, 17, 99, 250, 3, 42], [5, 6, 7], [9] * 11]
@@ -41,7 +42,7 @@ def test_generate_counts_each_request_and_token(tiny_dir):
     outs = llm.generate(PROMPTS, greedy) + llm.generate(PROMPTS[:1], fanned)
     metrics = llm.get_metrics()
     names = _by_name(metrics)
-    assert {m.labels["model_name"] for m in metrics} == {tiny_dir.name}
+    assert {m.labels["model_name"] for m in metrics} == {str(tiny_dir)}  # the model as given, as vLLM's
     generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
     assert generated == 3 * 5 + 3 * 4
     assert _value(metrics, "kvserve_generation_tokens") == generated
@@ -91,6 +92,49 @@ def test_gauges_are_read_at_the_call_and_an_abort_counts_once(tiny_dir):
     assert eng._timers == {}
 
 
+def test_a_step_that_raised_in_an_append_counts_only_what_was_kept(tiny_dir, monkeypatch):
+    """The second append of a step raises (Ctrl-C): its token is drawn again next step and counted
+    then; the first request, finished by that step and held, ends as it ended though aborted."""
+    llm = _llm(tiny_dir)
+    eng = llm.engine
+    eng.add_request("0", PROMPTS[0], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    eng.add_request("1", PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    append, calls = Request.append_token, []
+
+    def second_raises(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return append(self, *args, **kwargs)
+
+    monkeypatch.setattr(Request, "append_token", second_raises)
+    with pytest.raises(KeyboardInterrupt):
+        eng.step()
+    monkeypatch.setattr(Request, "append_token", append)
+    assert [r.request_id for r in eng._held] == ["0"]
+    held = eng.abort("0")
+    outs = [held]
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if o.finished]
+    metrics = llm.get_metrics()
+    assert _value(metrics, "kvserve_generation_tokens") == sum(len(o.outputs[0].token_ids) for o in outs) == 7
+    assert _value(metrics, "kvserve_request_success", finished_reason="length") == 2
+    assert _value(metrics, "kvserve_request_success", finished_reason="abort") == 0
+    [ttft] = [m for m in metrics if m.name == "kvserve_time_to_first_token_seconds"]
+    [itl] = [m for m in metrics if m.name == "kvserve_inter_token_latency_seconds"]
+    assert (ttft.count, itl.count) == (2, 5)
+
+
+def test_a_batch_refused_at_admission_counts_nothing(tiny_dir):
+    llm = _llm(tiny_dir)
+    with pytest.raises(InvalidRequestError):
+        llm.generate([PROMPTS[0], []], SamplingParams(max_tokens=2))
+    metrics = llm.get_metrics()
+    assert sum(m.value for m in metrics if m.name == "kvserve_request_success") == 0
+    assert [m.count for m in metrics if m.name == "kvserve_e2e_request_latency_seconds"] == [0]
+    assert llm.engine._timers == {} and not llm.engine.has_unfinished()
+
+
 def test_off_by_default_as_in_vllm(tiny_dir):
     llm = LLM(model=str(tiny_dir), max_model_len=64, num_gpu_blocks_override=32)
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))
@@ -109,5 +153,6 @@ def test_histogram_buckets_are_cumulative_and_inclusive():
     h = read["kvserve_request_prompt_tokens"]
     assert (h.count, h.sum) == (6, 1 + 2 + 3 + 5 + 7 + 10 ** 7)
     assert [h.buckets[b] for b in ("1.0", "2.0", "5.0", "10.0", "+Inf")] == [1, 2, 4, 5, 6]  # a bound holds its value
+    assert list(h.buckets)[-3:] == ["500000.0", "1e+06", "+Inf"]  # as Prometheus writes `le`
     assert read["kvserve_num_requests_running"] == Gauge("kvserve_num_requests_running", {"model_name": "m"}, 4)
     assert read["kvserve_time_to_first_token_seconds"].count == 0  # there, empty, from the start
