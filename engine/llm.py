@@ -29,8 +29,8 @@ class LLM:
         """`engine_kwargs`: EngineConfig's fields, and vLLM's with nothing to set here
         (engine.vllm_args: `swap_space`, `tokenizer_mode="auto"`, `quantization=None`, ...).
         `disable_log_stats=False` records vLLM's metrics for `get_metrics()` (True, the default
-        offline as in vLLM, records none). A keyword given as None takes
-        its default, as vLLM's (a script passes its optional arguments on as they are).
+        offline as in vLLM, records none). A keyword given as None takes its default, as vLLM's
+        (a script passes its optional arguments on as they are).
         `generation_config` (auto: the model's generation_config.json, vllm: none, or a folder) and
         `override_generation_config`: the sampling fields of `get_default_sampling_params`, which a
         call given no SamplingParams runs with (engine.generation_config)."""
