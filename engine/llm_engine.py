@@ -113,7 +113,7 @@ class LLMEngine:
         params = dataclasses.replace(params).within_logprobs_cap(self.config.max_logprobs,
                                                                   self.executor.info.vocab_size)  # -1: all
         if params.truncate_prompt_tokens is not None:
-            ids = truncated(ids, params.truncate_prompt_tokens, self.max_model_len)
+            ids = truncated(ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
         max_tokens = self.validate(ids, params, fit_model_len)
         gate = self.structured.gate(params.structured_outputs) if params.structured_outputs is not None else None
         if params.structured_outputs is not None and grammar is None:

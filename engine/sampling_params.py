@@ -210,12 +210,21 @@ class SamplingParams:
                 for first, size in zip(firsts, sizes)]
 
 
-def truncated(prompt_token_ids: list[int], keep: int, max_model_len: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len)."""
+def truncated(prompt_token_ids: list[int], keep: int, max_model_len: int, max_tokens: int | None = None,
+              side: str | None = None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (its first, `side` "right");
+    -1: as many as leave room for `max_tokens` (all of max_model_len without one)."""
     if keep > max_model_len:  # vLLM's rule
         raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens value ({keep}) is greater than "
                                   f"max_model_len ({max_model_len}). Please request a smaller truncation size.")
-    return prompt_token_ids[-(max_model_len if keep == -1 else keep):]
+    if keep == -1:
+        keep = max_model_len - (max_tokens or 0)
+        if keep < 1:
+            raise InvalidRequestError("max_tokens", f"max_tokens ({max_tokens}) leaves no room in max_model_len "
+                                      f"({max_model_len}) for the prompt that truncate_prompt_tokens -1 keeps")
+    if keep >= len(prompt_token_ids):
+        return prompt_token_ids
+    return prompt_token_ids[:keep] if side == "right" else prompt_token_ids[-keep:]
 
 
 def _unique(ids) -> list:

@@ -74,7 +74,9 @@ class _SamplingFields(_Model):
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None  # OpenAI's for chat; vLLM takes it in completions too
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the prompt's last k tokens; -1: max_model_len
+    # keep the prompt's last k tokens (first k, truncation_side "right"); -1: what leaves room for max_tokens
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
     return_tokens_as_token_ids: bool = False  # vLLM extra: logprobs name tokens "token_id:{id}", not their text
     # vLLM's structured-output fields before 0.12, which clients still send: folded into
     # structured_outputs, so that a constraint never falls away unnoticed (vLLM now ignores them)
@@ -248,6 +250,12 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = Field(None, ge=1)
     prompt_logprobs: int | None = Field(None, ge=-1)  # vLLM extra: each choice's prompt_logprobs
     add_special_tokens: bool = True  # vLLM extra: a text prompt gets the tokenizer's BOS, where it has one
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_max_tokens_is_16(cls, data):
+        """max_tokens null is the default, 16, as vLLM takes it (not "as far as the model goes")."""
+        return nulls_dropped(data, frozenset({"max_tokens"}))
 
     @model_validator(mode="after")
     def _check_unsupported(self):
@@ -498,7 +506,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _check_unsupported(self):
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs not in (None, 0) and not self.logprobs:  # 0, vLLM's default, asks nothing
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.functions or self.function_call not in (None, "none", "auto"):
             raise ValueError(f"{'functions' if self.functions else 'function_call'} (OpenAI's deprecated function "

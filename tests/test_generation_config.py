@@ -55,16 +55,19 @@ def test_a_request_takes_the_defaults_for_what_it_leaves_unset(tokenizer, model_
         await client.chat.completions.create(model="m", messages=USER, temperature=1.0, top_p=1.0, max_tokens=5,
                                              extra_body={"top_k": -1, "repetition_penalty": 1.0})
         await client.completions.create(model="m", prompt="hi")  # completions' own max_tokens default: 16
-        await client.completions.create(model="m", prompt=list(range(100, 4170)), max_tokens=None)
+        # no max_tokens in chat: the server's default, at most the room the context leaves
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi " * 4060}])
 
     _, engine = run(tokenizer, "yes", go, settings={"sampling_defaults": defaults})
-    unset, given, completion, long = (params for _, params in engine.seen)
+    unset, given, completion = (params for _, params in engine.seen[:3])
+    long_prompt, long = engine.seen[3]
     assert (unset.temperature, unset.top_p, unset.top_k, unset.repetition_penalty, unset.max_tokens) == (
         0.3, 0.5, 1, 1.3, 40)
     assert (given.temperature, given.top_p, given.top_k, given.repetition_penalty, given.max_tokens) == (
         1.0, 1.0, -1, 1.0, 5)
     assert completion.max_tokens == 16 and completion.temperature == 0.3
-    assert long.max_tokens == 4096 - 4070  # vLLM's: the default, or less where the context leaves less room
+    assert 4096 - len(long_prompt) < 40
+    assert long.max_tokens == 4096 - len(long_prompt)  # vLLM's: the default, or less where the context leaves less room
 
 
 def test_without_a_generation_config_requests_get_openais_defaults(tokenizer):

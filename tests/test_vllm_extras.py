@@ -149,6 +149,30 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(tokenizer):
     assert ids == full[-3:]
 
 
+def test_truncate_prompt_tokens_minus_one_leaves_room_for_max_tokens(tokenizer):
+    """vLLM's: -1 keeps max_model_len - max_tokens tokens (4096 here), so that a long prompt fits
+    with its reply; truncation_side "right" keeps the first tokens instead."""
+    prompt = list(range(100, 4300))
+    ids, params = sent(tokenizer, completion(prompt=prompt, max_tokens=20, extra_body={"truncate_prompt_tokens": -1}))
+    assert ids == prompt[-(4096 - 20):] and params.max_tokens == 20
+    ids, _ = sent(tokenizer, chat(messages=[{"role": "user", "content": "sky " * 5000}], max_completion_tokens=30,
+                                  extra_body={"truncate_prompt_tokens": -1}))
+    assert len(ids) == 4096 - 30
+    ids, _ = sent(tokenizer, completion(prompt=prompt[:50], max_tokens=2,
+                                        extra_body={"truncate_prompt_tokens": 5, "truncation_side": "right"}))
+    assert ids == prompt[:5]
+
+
+def test_a_null_completions_max_tokens_is_16_and_chat_top_logprobs_0_asks_nothing(tokenizer):
+    """As vLLM: completions' max_tokens null is its default (not the model's whole room), and
+    top_logprobs 0, vLLM's own default, needs no logprobs."""
+    _, params = sent(tokenizer, completion(prompt="Is the sky blue?", extra_body={"max_tokens": None}))
+    assert params.max_tokens == 16
+    _, params = sent(tokenizer, chat(logprobs=False, top_logprobs=0))
+    assert params.logprobs is None
+    assert refused(tokenizer, chat(logprobs=False, top_logprobs=2))["param"] == "top_logprobs"
+
+
 def test_an_echoed_truncated_prompt_is_the_text_that_was_kept(tokenizer):
     text = "one two three four five six seven eight"
     kept = tokenizer.encode(text, add_special_tokens=False)[-3:]
@@ -373,11 +397,14 @@ def test_a_negative_prompt_token_id_is_said_as_one(tokenizer, prompt, param):
     assert error["param"] == param and "greater than or equal to 0" in error["message"], error
 
 
-@pytest.mark.parametrize("max_tokens", [200, None])  # None runs to max_model_len (4096)
+@pytest.mark.parametrize("max_tokens", [200, None])  # None (chat): up to max_model_len (4096)
 def test_a_request_the_kv_cache_could_never_hold_is_refused_before_any_replica_sees_it(tokenizer, max_tokens):
     async def go(client):
         try:
-            await client.completions.create(model="m", prompt="hi", max_tokens=max_tokens)
+            if max_tokens is None:
+                await client.chat.completions.create(model="m", messages=USER)
+            else:
+                await client.completions.create(model="m", prompt="hi", max_tokens=max_tokens)
         except openai.BadRequestError as e:
             return e.body
 
