@@ -34,7 +34,8 @@ from pydantic import Field, TypeAdapter, ValidationError, field_validator, model
 
 from router.errors import bad_request, from_validation_error
 from router.formatting import Accumulator
-from router.protocol import ChatCompletionRequest, _Model, _schema_size_ok, nulls_dropped, object_parameters
+from router.protocol import (REQUEST_ID_PATTERN, ChatCompletionRequest, _Model, _schema_size_ok, nulls_dropped,
+                             object_parameters)
 from router.reasoning import ReasoningStream
 from router.tool_parser import CLOSE
 from router.tools import ToolPlan
@@ -218,6 +219,11 @@ class TextConfig(_Model):
 
 # sent as null: their defaults (OpenAI types them "boolean or null", vLLM Optional)
 _NULL_MEANS_DEFAULT = frozenset({"stream", "store", "parallel_tool_calls", "background", "truncation", "priority"})
+# vLLM's extra fields of a Responses request that its chat request has too: passed on as given,
+# and validated (and honoured, or refused) there
+_CHAT_EXTRAS = ("stop", "seed", "top_k", "min_p", "repetition_penalty", "logit_bias", "ignore_eos",
+                "skip_special_tokens", "include_stop_str_in_output", "structured_outputs", "cache_salt",
+                "mm_processor_kwargs", "vllm_xargs")
 
 
 class ResponsesRequest(_Model):
@@ -237,6 +243,25 @@ class ResponsesRequest(_Model):
     parallel_tool_calls: bool = True
     previous_response_id: str | None = Field(None, min_length=1, max_length=256)
     priority: int = 0  # vLLM's extra, as in chat
+    request_id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)  # vLLM's extra: the response's id, as given
+    # vLLM's extras that chat has too (_CHAT_EXTRAS): typed and checked by the chat request
+    stop: Any = None
+    seed: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    ignore_eos: Any = None
+    skip_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    structured_outputs: Any = None
+    cache_salt: Any = None
+    mm_processor_kwargs: Any = None
+    vllm_xargs: Any = None
+    # vLLM's extras for its harmony (gpt-oss) models, not implemented here: a 400 when set
+    enable_response_messages: bool = False
+    previous_input_messages: list[Any] | None = None
+    previous_response: dict[str, Any] | None = None
     # Defined by OpenAI, not implemented here: a 400 when set.
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
@@ -285,14 +310,18 @@ class ResponsesRequest(_Model):
                           ("prompt", "this server stores no prompt templates"),
                           ("include", "no extra output is available"),
                           ("background", "responses run in the foreground only"),
-                          ("top_logprobs", "use /v1/chat/completions for logprobs")):
+                          ("top_logprobs", "use /v1/chat/completions for logprobs"),
+                          ("enable_response_messages", "a reply's messages are its output items"),
+                          ("previous_input_messages", "give the items as input, or previous_response_id"),
+                          ("previous_response", "give previous_response_id (store true)")):
             if getattr(self, name):
                 raise ValueError(f"{name} is not supported in /v1/responses: {why}")
+        if self.structured_outputs is not None and self.text is not None and self.text.format is not None \
+                and self.text.format.type != "text":
+            raise ValueError("structured_outputs cannot be combined with text.format: give one of them")
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
             raise ValueError("reasoning is not supported in /v1/responses: its effort and summaries cannot be set "
                              "here (--reasoning-parser returns a thinking model's reasoning as it is)")
-        if self.truncation == "auto":
-            raise ValueError("truncation auto is not supported: a prompt over the context length is a 400")
         return self
 
     def chat_request(self, history: list[InputItem] = ()) -> ChatCompletionRequest:
@@ -308,6 +337,9 @@ class ResponsesRequest(_Model):
         body = {"model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "user": self.user,
                 "parallel_tool_calls": self.parallel_tool_calls, "priority": self.priority}
+        body.update({name: value for name in _CHAT_EXTRAS if (value := getattr(self, name)) is not None})
+        if self.truncation == "auto":  # vLLM's: the input's start dropped to leave room for max_output_tokens
+            body["truncate_prompt_tokens"] = -1
         if self.tools:
             body["tools"] = [t.to_chat() for t in self.tools]
         if isinstance(self.tool_choice, FunctionChoice):
@@ -347,7 +379,7 @@ class ResponseReply:
         inside its reasoning. `reasoning_tokens(output token ids)`: how many are reasoning."""
         self.req, self.model, self.created, self.plan, self.thinking = req, model, created, plan, thinking
         self.reasoning_tokens = reasoning_tokens
-        self.id = _new_id("resp")
+        self.id = req.request_id or _new_id("resp")  # vLLM's request_id names it as given
         self._seq = itertools.count()
         self._store = store
         self._error: dict | None = None

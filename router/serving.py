@@ -256,13 +256,16 @@ class OpenAIServing:
         """OpenAI's Responses API, run as the chat request it amounts to (router.responses)."""
         self.check_model(req.model)
         history = await self.stored.conversation(req.previous_response_id)
-        plan, params, ids, thinking = await self._chat_prompt(req.chat_request(parse_items(history)),
-                                                              field=responses_field)
+        chat = req.chat_request(parse_items(history))
+        plan, params, ids, thinking = await self._chat_prompt(chat, field=responses_field)
+        if chat.truncate_prompt_tokens is not None:  # truncation auto
+            ids = await self._truncated(ids, chat, chat.max_completion_tokens)
         counter = None if thinking is None else functools.partial(count_reasoning_tokens, decode=self.tokenizer.decode,
                                                                   in_reasoning=thinking)
         reply = ResponseReply(req, self.settings.served_model_name, int(time.time()), plan,
                               self.stored.keeper(req, history), thinking, counter)
-        first, merged = await self._start(reply.id, [ids], params, "input", "max_output_tokens")
+        engine_rid = reply.id if req.request_id is None else f"{reply.id}-{uuid.uuid4().hex[:16]}"  # unique
+        first, merged = await self._start(engine_rid, [ids], params, "input", "max_output_tokens")
         acc = Accumulator([len(ids)], 1)
         if req.stream:
             return _response_events(reply, acc, first, merged)

@@ -119,7 +119,13 @@ def test_an_error_while_streaming_is_an_error_event_then_response_failed(tokeniz
     ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
     ({"extra_body": {"priority": 3}}, "priority", "priority scheduling is not enabled"),  # fcfs
     ({"top_logprobs": 2}, "top_logprobs", "not supported"),
-    ({"truncation": "auto"}, "truncation", "not supported"),
+    ({"extra_body": {"enable_response_messages": True}}, "enable_response_messages", "not supported"),
+    ({"extra_body": {"previous_response": {"id": "resp_1"}}}, "previous_response", "not supported"),
+    ({"extra_body": {"top_k": -5}}, "top_k", "greater than or equal to -1"),  # vLLM's extras: chat's checks
+    ({"extra_body": {"vllm_xargs": {"k": 1}}}, "vllm_xargs", "not supported"),
+    ({"extra_body": {"structured_outputs": {"choice": ["a"]}}, "text": {"format": {"type": "json_object"}}},
+     "structured_outputs", "cannot be combined with text.format"),
+    ({"extra_body": {"request_id": "has space"}}, "request_id", "should match pattern"),
     ({"tool_choice": "required"}, "tool_choice", "requires tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice", "not among"),
     ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
@@ -147,6 +153,27 @@ def test_nulls_take_the_defaults(tokenizer):
     nulls = {f: None for f in ("stream", "store", "parallel_tool_calls", "background", "truncation")}
     response, _ = run(tokenizer, REPLY, create(extra_body={**nulls, "priority": None}))
     assert response.output_text == REPLY and response.store and response.truncation == "disabled"
+
+
+def test_vllms_extra_fields_reach_the_engine_as_in_chat(tokenizer):
+    """vLLM's Responses extras (they were dropped unseen): sampling and stops, a constraint, the
+    prefix cache's salt, and request_id naming the response."""
+    extras = {"stop": ["3"], "seed": 7, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "logit_bias": {"9": 500},
+              "ignore_eos": True, "skip_special_tokens": False, "include_stop_str_in_output": True,
+              "structured_outputs": {"choice": ["yes", "no"]}, "cache_salt": "s", "request_id": "resp_abc"}
+    r, engine = run(tokenizer, "yes", create(extra_body=extras))
+    ((_, params),) = engine.seen
+    assert (params.stop, params.seed, params.top_k, params.min_p, params.repetition_penalty) == (["3"], 7, 5, 0.1, 1.2)
+    assert params.logit_bias == {9: 100.0} and params.ignore_eos and not params.skip_special_tokens
+    assert params.include_stop_str_in_output and params.cache_salt == "s"
+    assert params.structured_outputs is not None and r.id == "resp_abc"
+
+
+def test_truncation_auto_drops_the_inputs_start_to_leave_room_for_the_reply(tokenizer):
+    """vLLM's truncation auto: truncate_prompt_tokens -1, max_model_len (4096) less max_output_tokens."""
+    r, engine = run(tokenizer, REPLY, create(input="sky " * 5000, truncation="auto", max_output_tokens=50))
+    ((ids, params),) = engine.seen
+    assert len(ids) == 4096 - 50 and params.max_tokens == 50 and r.truncation == "auto"
 
 
 def test_priority_reaches_an_engine_scheduling_by_priority(tokenizer):
