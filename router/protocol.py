@@ -99,6 +99,9 @@ class _SamplingFields(_Model):
     logits_processors: list[Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+    logprob_token_ids: list[Any] | None = None
+    repetition_detection: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -113,7 +116,10 @@ class _SamplingFields(_Model):
             _check_logit_bias(self.logit_bias)
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens must be positive, or -1 for the model's max_model_len")
-        _refuse(self, "logits_processors", "vllm_xargs", "mm_processor_kwargs")
+        _refuse(self, "logits_processors", "vllm_xargs", "mm_processor_kwargs", "logprob_token_ids",
+                "repetition_detection")
+        if self.thinking_token_budget is not None:  # 0 asks something too (no thinking)
+            raise ValueError("thinking_token_budget is not supported by this server")
         self._fold_guided()
         if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:
             raise ValueError("response_format cannot be combined with structured_outputs: give one of them")
@@ -497,6 +503,7 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False  # vLLM extra: the reply begins with the last message's text when it has the reply's role
     prompt_logprobs: int | None = Field(None, ge=-1)  # vLLM extra: the reply's prompt_logprobs
     documents: list[dict[str, Any]] | None = None  # vLLM extra: passed to the chat template (RAG templates)
+    include_reasoning: bool = True  # vLLM extra: false leaves the reasoning (--reasoning-parser's) out of the reply
     reasoning_effort: str | None = None  # OpenAI's, for reasoning models: a 400 here (no template reads it)
     # OpenAI's fields for what a text model served here cannot do: a 400 when set
     modalities: list[str] | None = None  # ["text"] is what every reply is

@@ -238,7 +238,7 @@ class OpenAIServing:
                 message, reasoning = choice["message"], None
                 if thinking is not None:
                     reasoning, message["content"] = split_reasoning(message["content"], thinking)
-                message.update(reasoning_fields(reasoning))
+                message.update(reasoning_fields(reasoning if req.include_reasoning else None))
             if plan.calls_tools:
                 plan.apply(choice)
             if echoed := req.echoed_text(self.settings.response_role):  # vLLM's order: after the tool calls
@@ -499,7 +499,7 @@ class OpenAIServing:
             text, finish_reason, head = c.text, c.finish_reason, {}
             if splits is not None:  # reasoning first; what follows it is the answer
                 reasoning, text = splits[i].step(c.text, final=finish_reason is not None)
-                head = reasoning_fields(reasoning) if reasoning else {}
+                head = reasoning_fields(reasoning) if reasoning and req.include_reasoning else {}
             delta = {"content": text} if text or (c.token_ids and splits is None) else {}
             if calls is not None:  # tool calls: name first, then argument fragments
                 delta, finish_reason = calls[i].step(text, c.finish_reason)

@@ -44,6 +44,14 @@ def test_reasoning_and_answer_come_apart_whole_and_streamed(tokenizer):
     assert all("<think>" not in (c.choices[0].delta.content or "") for c in chunks if c.choices)
 
 
+def test_include_reasoning_false_leaves_the_reasoning_out_as_vllm_does(tokenizer):
+    choice, _ = _whole(tokenizer, REPLY, extra_body={"include_reasoning": False})
+    msg = choice.message.model_dump()
+    assert msg["content"] == "\n\nParis is in France." and msg.get("reasoning") is None
+    reasoning, content, _ = _streamed(tokenizer, REPLY, extra_body={"include_reasoning": False})
+    assert (reasoning, content) == ("", msg["content"])
+
+
 def test_without_a_parser_the_tags_stay_in_the_content(tokenizer):
     choice, _ = _whole(tokenizer, REPLY, settings={})
     assert choice.message.content == REPLY and "reasoning" not in choice.message.model_dump()
