@@ -368,7 +368,7 @@ def object_parameters(parameters: dict | None, name: str | None) -> dict | None:
 
 
 class FunctionDefinition(_Model):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    name: str = Field(min_length=1)  # any text, as vLLM takes it (OpenAI's own API allows [A-Za-z0-9_-]{1,64})
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
     strict: bool | None = None

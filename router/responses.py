@@ -104,7 +104,7 @@ class ReasoningItem(_Model):
 
 class FunctionTool(_Model):
     type: Literal["function"]
-    name: str = Field(min_length=1, max_length=64)
+    name: str = Field(min_length=1)  # any text, as vLLM takes it
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
