@@ -14,6 +14,7 @@ from engine.structured.params import StructuredOutputsParams
 
 DEFAULT_MAX_LOGPROBS = 20  # logprobs a request may ask per token unless the engine allows more (vLLM's)
 MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias
+MAX_BIAS = 1e30  # a bias's size: float32 logits stay finite after temperature and penalties
 MAX_BAD_WORDS = 100  # entries in one request's bad_words (each is checked per step)
 MAX_BAD_WORD_CHARS = 1000  # a bad word's length (each is tokenized on the engine's step thread)
 MAX_STOP_STRINGS = 128  # entries in one request's stop (each is searched for after every token)
@@ -92,6 +93,9 @@ class SamplingParams:
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self.allowed_token_ids = None if self.allowed_token_ids is None else _unique(self.allowed_token_ids)
         self.bad_words = list(self.bad_words) if self.bad_words else None
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's: True is 1 (False 0)
+            if isinstance(getattr(self, name), bool):
+                setattr(self, name, int(getattr(self, name)))
         if self.seed == -1:  # vLLM's: -1 asks for no seed
             self.seed = None
         self._validate()
@@ -150,7 +154,10 @@ class SamplingParams:
             raise InvalidRequestError("logit_bias", f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, "
                                       f"got {len(bias)}")
         need(all(isinstance(t, int) and t >= 0 for t in bias), "logit_bias", "keyed by non-negative token ids")
-        need(all(-100 <= b <= 100 for b in bias.values()), "logit_bias", "biases in [-100, 100]")
+        # Applied as given, as vLLM's offline params take it (the server clamps to OpenAI's [-100, 100]);
+        # finite, so that a row the request bans whole is uniform rather than NaN
+        need(all(isinstance(b, numbers.Real) and abs(b) <= MAX_BIAS for b in bias.values()), "logit_bias",
+             f"finite biases (at most {MAX_BIAS:g} either way; to ban a token, use a large negative one or bad_words)")
         need(self.allowed_token_ids is None or (self.allowed_token_ids and all(
             isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)), "allowed_token_ids",
              "a non-empty list of token ids")

@@ -52,7 +52,7 @@ class _SamplingFields(_Model):
 
     model: str | None = None  # None: the served model
     n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0.0)  # None: 1.0, as OpenAI; no upper bound, as vLLM
+    temperature: float | None = Field(None, ge=0.0)  # None: 1.0, as OpenAI; no upper bound (vLLM now refuses > 2)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
     stream_options: StreamOptions | None = None

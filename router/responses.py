@@ -231,7 +231,7 @@ class ResponsesRequest(_Model):
     input: str | list[InputItem] = Field(min_length=1)
     instructions: str | None = None  # the system message before the input
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)  # no upper bound, as vLLM
+    temperature: float | None = Field(None, ge=0.0)  # no upper bound (vLLM now refuses > 2)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
     text: TextConfig | None = None

@@ -158,11 +158,18 @@ def test_logit_bias_and_prompt_logprobs_are_validated(tiny):
     with pytest.raises(InvalidRequestError) as e:
         llm.generate([[5, 6]], SamplingParams(logit_bias={512: 1.0}))
     assert e.value.param == "logit_bias"
-    for bad in [dict(logit_bias={1: 101.0}), dict(logit_bias={-1: 1.0}), dict(logit_bias=dict.fromkeys(range(301), 1.0)),
+    for bad in [dict(logit_bias={1: float("inf")}), dict(logit_bias={1: float("nan")}), dict(logit_bias={1: 1e31}),
+                dict(logit_bias={-1: 1.0}), dict(logit_bias=dict.fromkeys(range(301), 1.0)),
                 dict(prompt_logprobs=-2), dict(logprobs=-2)]:
         with pytest.raises(InvalidRequestError) as e:
             SamplingParams(**bad)
         assert e.value.param == next(iter(bad))
+    # vLLM's offline params: a bias past OpenAI's [-100, 100] applies as given, and True is 1
+    banned = SamplingParams(temperature=0, max_tokens=1, logit_bias={7: -1e9})
+    free = SamplingParams(temperature=0, max_tokens=1, logit_bias={7: 1e9}, logprobs=True, prompt_logprobs=True)
+    assert (free.logprobs, free.prompt_logprobs) == (1, 1)
+    picked, avoided = (o.outputs[0].token_ids for o in (llm.generate([[5, 6]], free)[0], llm.generate([[5, 6]], banned)[0]))
+    assert picked == [7] and avoided != [7]
 
 
 def test_max_logprobs_bounds_offline_requests_and_minus_one_asks_the_whole_vocabulary(tiny):
