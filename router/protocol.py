@@ -110,7 +110,7 @@ class _SamplingFields(_Model):
 
     @model_validator(mode="after")
     def _check_common(self):
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:  # {}: none
             raise ValueError("stream_options is only allowed when stream is true")
         if self.logit_bias is not None:
             _check_logit_bias(self.logit_bias)
@@ -525,7 +525,7 @@ class ChatCompletionRequest(_SamplingFields):
         for name in ("audio", "prediction", "web_search_options"):  # an empty one asks for it too ({}: search)
             if getattr(self, name) is not None:
                 raise ValueError(f"{name} is not supported by this server")
-        if self.stream and self.prompt_logprobs is not None:  # vLLM's rule: the field is on the whole reply
+        if self.stream and self.prompt_logprobs not in (None, 0):  # vLLM's rule: the field is on the whole reply
             raise ValueError("prompt_logprobs is not available when stream is true")
         _check_template_options(self)
         self._check_tools()
@@ -558,7 +558,8 @@ class ChatCompletionRequest(_SamplingFields):
     def sampling_params(self, defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, defaults or {})
+        prompt_logprobs = None if self.stream else self.prompt_logprobs  # 0 streamed: nothing to send
+        return self._sampling_params(max_tokens, logprobs, prompt_logprobs, defaults or {})
 
 
 class TokenizeRequest(_Model):

@@ -166,6 +166,20 @@ def test_truncate_prompt_tokens_minus_one_leaves_room_for_max_tokens(tokenizer):
     assert ids == prompt[:5]
 
 
+def test_empty_stream_options_and_streamed_prompt_logprobs_0_ask_nothing_as_in_vllm(tokenizer):
+    _, params = sent(tokenizer, chat(extra_body={"stream_options": {}}))
+    assert params.output_kind.name == "FINAL_ONLY"
+
+    async def go(client):
+        stream = await client.chat.completions.create(model="m", messages=USER, stream=True,
+                                                      extra_body={"prompt_logprobs": 0})
+        return [c async for c in stream]
+    _, engine = run(tokenizer, "yes", go)
+    assert engine.seen[0][1].prompt_logprobs is None
+    assert refused(tokenizer, chat(extra_body={"stream_options": {"include_usage": False}}))["param"] == \
+        "stream_options"
+
+
 def test_a_null_completions_max_tokens_is_16_and_chat_top_logprobs_0_asks_nothing(tokenizer):
     """As vLLM: completions' max_tokens null is its default (not the model's whole room), and
     top_logprobs 0, vLLM's own default, needs no logprobs."""
