@@ -425,7 +425,9 @@ class TextPart(_Model):
 
 
 class ChatMessage(_Model):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # OpenAI's system, developer, user, assistant, tool, or any other the chat template knows
+    # (Llama 3's ipython), as vLLM takes them; one the template rejects is its 400
+    role: NonEmptyStr
     content: str | list[TextPart | str] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools

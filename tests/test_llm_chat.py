@@ -124,8 +124,9 @@ def test_a_prompt_generate_cannot_take_is_an_error_naming_what_it_takes(llm, pro
 
 
 def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens_offline(llm):
-    """vLLM's SamplingParams.truncate_prompt_tokens: the last k tokens (-1: max_model_len) are the
-    prompt, the answer the one those tokens alone give; more than max_model_len is refused."""
+    """vLLM's SamplingParams.truncate_prompt_tokens: the last k tokens (-1: as many as leave room for
+    max_tokens) are the prompt, the answer the one those tokens alone give; more than
+    max_model_len is refused."""
     from engine.errors import InvalidRequestError
 
     ids = llm.tokenizer.encode("Paris is lovely in spring. " * 40 + "The capital of France is")
@@ -134,8 +135,8 @@ def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens_offline(llm):
     whole, = llm.generate([ids[-12:]], SamplingParams(**greedy))
     assert cut.prompt_token_ids == ids[-12:] and cut.outputs[0].token_ids == whole.outputs[0].token_ids
     assert len(ids) < 512 and llm.generate([ids], SamplingParams(truncate_prompt_tokens=-1, **greedy))[0].prompt_token_ids == ids
-    with pytest.raises(InvalidRequestError, match="prompt has 512 tokens"):  # cut to max_model_len: no room left
-        llm.generate([ids * 3], SamplingParams(truncate_prompt_tokens=-1, **greedy))
+    long, = llm.generate([ids * 3], SamplingParams(truncate_prompt_tokens=-1, **greedy))  # room for 4 tokens left
+    assert long.prompt_token_ids == (ids * 3)[-(512 - 4):] and len(long.outputs[0].token_ids) == 4
     with pytest.raises(InvalidRequestError, match="greater than max_model_len"):
         llm.generate([ids], SamplingParams(truncate_prompt_tokens=513))
     with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens must be"):

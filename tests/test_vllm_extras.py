@@ -132,6 +132,20 @@ def test_continue_final_message_renders_the_last_message_open(tokenizer):
     assert run(tokenizer, "yes", tokenize)[0] == ids
 
 
+def test_a_role_beyond_openais_reaches_the_template_as_vllm_passes_it(tokenizer):
+    """Llama 3's `ipython` tool turns and other template roles (vLLM's custom roles); a role the
+    template rejects is its 400."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] not in ['user', 'ipython'] %}"
+                         "{{ raise_exception('no role ' + m['role']) }}{% endif %}[{{ m['role'] }}]{{ m['content'] }}"
+                         "{% endfor %}")
+    turns = USER + [{"role": "ipython", "content": "42"}]
+    ids, _ = sent(tok, chat(messages=turns))
+    assert tok.decode(ids) == "[user]Is the sky blue?[ipython]42"
+    error = refused(tok, chat(messages=USER + [{"role": "robot", "content": "x"}]))
+    assert error["param"] == "messages" and "no role robot" in error["message"]
+
+
 def test_chat_template_kwargs_reach_the_template(tokenizer):
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ tail | default('') }}"
