@@ -118,13 +118,20 @@ def _step_out(eng, max_steps: int = 200) -> list:
 def _second_append_interrupted(tiny, monkeypatch, first: SamplingParams) -> tuple[LLM, object]:
     """An engine whose first step raised (Ctrl-C) in its second append: request "0" (`first`)
     had its token appended, request "1" (GREEDY) not."""
-    from engine.request import Request
-
     d, prompts, _ = tiny
     llm = LLM(model=str(d), block_size=4, num_gpu_blocks_override=64)
     eng = llm.engine
     eng.add_request("0", prompts[0], first)
     eng.add_request("1", prompts[1], GREEDY)
+    step_interrupted_in_second_append(eng, monkeypatch)
+    return llm, eng
+
+
+def step_interrupted_in_second_append(eng, monkeypatch) -> None:
+    """One step of `eng` whose second Request.append_token raises KeyboardInterrupt (a Ctrl-C
+    while detokenizing); later appends run as usual."""
+    from engine.request import Request
+
     append_token, calls = Request.append_token, []
 
     def second_raises(self, *args, **kwargs):
@@ -136,7 +143,7 @@ def _second_append_interrupted(tiny, monkeypatch, first: SamplingParams) -> tupl
     monkeypatch.setattr(Request, "append_token", second_raises)
     with pytest.raises(KeyboardInterrupt):
         eng.step()
-    return llm, eng
+    monkeypatch.setattr(Request, "append_token", append_token)
 
 
 @pytest.mark.parametrize("n,max_tokens", [(1, 1), (2, 8)])

@@ -8,7 +8,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError
 from engine.metric_sinks import Counter, Gauge, Histogram, MemorySinks
-from engine.request import Request
+from tests.test_llm_interrupted import step_interrupted_in_second_append
 from tests.tiny_llama import make_tiny_llama
 
 PROMPTS = [[1, 17, 99, 250, 3, 42], [5, 6, 7], [9] * 11]
@@ -99,18 +99,7 @@ def test_a_step_that_raised_in_an_append_counts_only_what_was_kept(tiny_dir, mon
     eng = llm.engine
     eng.add_request("0", PROMPTS[0], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     eng.add_request("1", PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    append, calls = Request.append_token, []
-
-    def second_raises(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return append(self, *args, **kwargs)
-
-    monkeypatch.setattr(Request, "append_token", second_raises)
-    with pytest.raises(KeyboardInterrupt):
-        eng.step()
-    monkeypatch.setattr(Request, "append_token", append)
+    step_interrupted_in_second_append(eng, monkeypatch)
     assert [r.request_id for r in eng._held] == ["0"]
     held = eng.abort("0")
     outs = [held]
