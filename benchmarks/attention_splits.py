@@ -135,7 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="default: bfloat16 on CUDA, float32 elsewhere")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--batches", default="1,4,16,32,64,128,256", help="decode batch sizes")
+    p.add_argument("--batches", default="1,4,16,64,128,256", help="decode batch sizes")
     p.add_argument("--contexts", default="512,2048", help="decode context lengths")
     p.add_argument("--splits", default="1,2,4,8,16")
     p.add_argument("--mixed-chunk", type=int, default=512, help="the mixed step's prefill chunk")
@@ -153,25 +153,31 @@ def main(argv=None) -> dict:
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     result = {"machine": machine_info(), "args": vars(args), "splits": [], "mixed": []}
-    for shape in args.shapes.split(","):
+    for shape in args.shapes.split(","):  # a shape's tables as soon as it is done: a run cut short keeps them
         print(f"{shape} ({dtype}, {device}): decode launches", flush=True)
-        result["splits"] += sweep_splits(shape, ints(args.batches), ints(args.contexts), ints(args.splits),
-                                         args.block_size, dtype, device)
+        splits = sweep_splits(shape, ints(args.batches), ints(args.contexts), ints(args.splits), args.block_size,
+                              dtype, device)
         print(f"{shape}: mixed steps", flush=True)
-        result["mixed"] += sweep_mixed(shape, args.mixed_chunk, ints(args.mixed_decodes), args.mixed_context,
-                                       args.block_size, dtype, device)
+        mixed = sweep_mixed(shape, args.mixed_chunk, ints(args.mixed_decodes), args.mixed_context, args.block_size,
+                            dtype, device)
+        report(splits, mixed)
+        result["splits"] += splits
+        result["mixed"] += mixed
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def report(splits: list[dict], mixed: list[dict]) -> None:
     print("\n" + markdown_table(
         ["shape", "batch", "context", "fastest splits (ms)", "decode_splits (ms)", "slower by", "programs/SM at fastest"],
         [[r["shape"], r["batch"], r["context"], f"{r['best']} ({r['ms'][r['best']]:.3f})",
           f"{r['chosen']} ({r['chosen_over_best'] * r['ms'][r['best']]:.3f})", f"{r['chosen_over_best']:.2f}x",
-          f"{r['best_programs_per_sm']:.1f}"] for r in result["splits"]]))
+          f"{r['best_programs_per_sm']:.1f}"] for r in splits]))
     print("\n" + markdown_table(
         ["shape", "mixed step", "decodes apart (ms)", "one launch (ms)", "speedup"],
         [[r["shape"], f"{r['chunk']} + {r['decodes']} x {r['context']}", f"{r['two_launches_ms']:.3f}",
-          f"{r['one_launch_ms']:.3f}", f"{r['speedup']:.2f}x"] for r in result["mixed"]]), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+          f"{r['one_launch_ms']:.3f}", f"{r['speedup']:.2f}x"] for r in mixed]), flush=True)
 
 
 if __name__ == "__main__":

@@ -6,19 +6,18 @@
 #      (benchmarks/step_times.py)
 #   2. the nano-vllm workload against HF generate static batching in the same run
 #      (benchmarks/offline.py --preset nano-vllm)
-#   3. tests: the Triton runner against the torch runner (tests/test_triton_runner.py: quick, and
+#   3. the attention kernel alone: decode launches at every split count (what WAVES should be),
+#      and a mixed step's decodes in a launch of their own against one launch for all
+#      (benchmarks/attention_splits.py, under a minute)
+#   4. tests: the Triton runner against the torch runner (tests/test_triton_runner.py: quick, and
 #      it names the layer at fault), greedy output token-exact against HF in float32 and bfloat16,
 #      CUDA graphs on and --enforce-eager (tests/test_engine_cuda.py: the result the run is for,
 #      before the window can close), then the Triton kernels' property tests, each new shape a
 #      compile (tests/test_triton_attention.py, test_triton_norm.py)
-#   4. last, the attention kernel alone: decode launches at every split count (what WAVES should be),
-#      and a mixed step's decodes in a launch of their own against one launch for all
-#      (benchmarks/attention_splits.py, under a minute)
 #
 # The numbers come first and the tests take the time left before $KVSERVE_GPU_DEADLINE_S (450 s
 # from the start; pytest stops itself 15 s before it, with its summary, where pytest-timeout is
-# there), the attention sweep at most 75 s after it: GPU time comes in short windows, and a run
-# cut short still leaves its logs (run it with a timeout of about 560 s).
+# there): GPU time comes in short windows, and a run cut short still leaves its logs.
 #
 # Results go to $OUT (else ./gpu_check_out), 8 files (all the device tool brings back): summary.txt
 # (the host, then each stage's outcome and tables), tests.log, step_times.{log,json}, profile.txt
@@ -34,7 +33,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${OUT:-$PWD/gpu_check_out}
-STAGES=${STAGES-steps offline tests attention}  # set but empty: none (only the set-up)
+STAGES=${STAGES-steps offline attention tests}  # set but empty: none (only the set-up)
 DEADLINE=${KVSERVE_GPU_DEADLINE_S:-450}  # seconds from the start by which the last stage ends
 PY=${PYTHON:-python3}
 WORK=${KVSERVE_GPU_WORK:-/tmp/kvserve-gpu-check}
@@ -107,7 +106,7 @@ for s in $STAGES; do
       stage offline 170 $PY benchmarks/offline.py --preset nano-vllm --model "$MODEL" \
         --systems kvserve,hf-static --hf-num-prompts 16 --json "$OUT/offline.json" ;;
     attention)
-      stage attention 75 $PY benchmarks/attention_splits.py ;;
+      stage attention 60 $PY benchmarks/attention_splits.py ;;
     *) log "unknown stage $s" ;;
   esac
 done
