@@ -66,7 +66,7 @@ class SamplingParams:
     cache_salt: str | None = None  # prefix-cache blocks are shared only between requests with the same salt
     # Under scheduling_policy "priority": lower runs first (vLLM's); must be 0 under "fcfs".
     priority: int = 0
-    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len (vLLM's)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: what leaves room for max_tokens
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's name before 0.10.2: becomes structured_outputs
     extra_args: dict | None = None  # vLLM's, for plugins' sampling: kept, read by nothing here (as in vLLM)
 
@@ -169,7 +169,7 @@ class SamplingParams:
         need(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt), "cache_salt",
              "a non-empty string or None")
         need(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1,
-             "truncate_prompt_tokens", ">= 1, or -1 for max_model_len")
+             "truncate_prompt_tokens", ">= 1, or -1 (as many as leave room for max_tokens)")
 
     def check_token_ids(self, vocab: int) -> None:
         """InvalidRequestError naming the field that holds a token id the model lacks (>= vocab;
@@ -218,17 +218,22 @@ class SamplingParams:
 
 
 def truncated(prompt_token_ids: list[int], keep: int, max_model_len: int, max_tokens: int | None = None,
-              side: str | None = None) -> list[int]:
+              side: str | None = None, max_param: str = "max_tokens") -> list[int]:
     """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (its first, `side` "right");
-    -1: as many as leave room for `max_tokens` (all of max_model_len without one)."""
+    -1: as many as leave room for `max_tokens` (all of max_model_len without one, as vLLM's, which
+    leaves a prompt that long no room: refused here naming `max_param`, the field to give)."""
     if keep > max_model_len:  # vLLM's rule
         raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens value ({keep}) is greater than "
                                   f"max_model_len ({max_model_len}). Please request a smaller truncation size.")
     if keep == -1:
         keep = max_model_len - (max_tokens or 0)
         if keep < 1:
-            raise InvalidRequestError("max_tokens", f"max_tokens ({max_tokens}) leaves no room in max_model_len "
+            raise InvalidRequestError(max_param, f"{max_param} ({max_tokens}) leaves no room in max_model_len "
                                       f"({max_model_len}) for the prompt that truncate_prompt_tokens -1 keeps")
+        if max_tokens is None and len(prompt_token_ids) >= max_model_len:
+            raise InvalidRequestError(max_param, f"the prompt has {len(prompt_token_ids)} tokens; truncate_prompt_tokens "
+                                      f"-1 without {max_param} keeps max_model_len ({max_model_len}) of them, which "
+                                      f"leaves no room for a reply: give {max_param}", code="context_length_exceeded")
     if keep >= len(prompt_token_ids):
         return prompt_token_ids
     return prompt_token_ids[:keep] if side == "right" else prompt_token_ids[-keep:]

@@ -23,7 +23,7 @@ from router.tool_calls import WholeReplyStream, call_of, chat_delta, held_back
 
 TAG = "[TOOL_CALLS]"
 ARGS, CALL_ID = "[ARGS]", "[CALL_ID]"
-_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+_NAME = re.compile(r"[^\s\[\]{}]+")  # a name without spaces or brackets: MCP's "srv:tool/x", non-English ones
 _DECODER = json.JSONDecoder()
 
 

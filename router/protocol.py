@@ -115,10 +115,10 @@ class _SamplingFields(_Model):
         if self.logit_bias is not None:
             _check_logit_bias(self.logit_bias)
         if self.truncate_prompt_tokens == 0:
-            raise ValueError("truncate_prompt_tokens must be positive, or -1 for the model's max_model_len")
+            raise ValueError("truncate_prompt_tokens must be positive, or -1 (as many as leave room for max_tokens)")
         _refuse(self, "logits_processors", "vllm_xargs", "mm_processor_kwargs", "logprob_token_ids",
                 "repetition_detection")
-        if self.thinking_token_budget is not None:  # 0 asks something too (no thinking)
+        if self.thinking_token_budget not in (None, -1):  # -1 is vLLM's "no budget"; 0 asks something (none)
             raise ValueError("thinking_token_budget is not supported by this server")
         self._fold_guided()
         if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:

@@ -243,7 +243,8 @@ class ResponsesRequest(_Model):
     parallel_tool_calls: bool = True
     previous_response_id: str | None = Field(None, min_length=1, max_length=256)
     priority: int = 0  # vLLM's extra, as in chat
-    request_id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)  # vLLM's extra: the response's id, as given
+    # vLLM's extra: the response's id, as given (a path segment: no "/", not "." or "..")
+    request_id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
     # vLLM's extras that chat has too (_CHAT_EXTRAS): typed and checked by the chat request
     stop: Any = None
     seed: Any = None
@@ -275,6 +276,14 @@ class ResponsesRequest(_Model):
     @classmethod
     def _nulls_are_defaults(cls, data):
         return nulls_dropped(data, _NULL_MEANS_DEFAULT)
+
+    @field_validator("request_id")
+    @classmethod
+    def _a_path_segment(cls, request_id):
+        """GET /v1/responses/{id} must find it: the path would read a "/" as two segments."""
+        if request_id is not None and ("/" in request_id or request_id in (".", "..")):
+            raise ValueError("a response's request_id may not contain '/' or be '.' or '..'")
+        return request_id
 
     @field_validator("input", mode="before")
     @classmethod

@@ -194,7 +194,7 @@ class OpenAIServing:
                               f"sequences; this server allows at most {limit} per request", param="prompt")
         prompts = await off_loop(self._encoded, texts, req.add_special_tokens)
         if req.truncate_prompt_tokens is not None:
-            kept = [await self._truncated(p, req, req.max_tokens) for p in prompts]
+            kept = [await self._truncated(p, req, req.max_tokens, "max_tokens") for p in prompts]
             texts = [t if len(k) == len(p) else k for t, p, k in zip(texts, prompts, kept)]  # echo: what was kept
             prompts = kept
         rid, engine_rid = _request_ids("cmpl", req.request_id)
@@ -221,7 +221,8 @@ class OpenAIServing:
         req = await self._logprobs_within_cap(req, "top_logprobs")
         plan, params, ids, thinking = await self._chat_prompt(req)
         if req.truncate_prompt_tokens is not None:
-            ids = await self._truncated(ids, req, req.max_completion_tokens or req.max_tokens)
+            ids = await self._truncated(ids, req, req.max_completion_tokens or req.max_tokens,
+                                        "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
         rid, engine_rid = _request_ids("chatcmpl", req.request_id)
         max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         first, merged = await self._start(engine_rid, [ids], params, "messages", max_param, req.beam_search())
@@ -259,7 +260,7 @@ class OpenAIServing:
         chat = req.chat_request(parse_items(history))
         plan, params, ids, thinking = await self._chat_prompt(chat, field=responses_field)
         if chat.truncate_prompt_tokens is not None:  # truncation auto
-            ids = await self._truncated(ids, chat, chat.max_completion_tokens)
+            ids = await self._truncated(ids, chat, chat.max_completion_tokens, "max_output_tokens")
         counter = None if thinking is None else functools.partial(count_reasoning_tokens, decode=self.tokenizer.decode,
                                                                   in_reasoning=thinking)
         reply = ResponseReply(req, self.settings.served_model_name, int(time.time()), plan,
@@ -300,11 +301,12 @@ class OpenAIServing:
         return dataclasses.replace(params, structured_outputs=await checked(spec, param))
 
     async def _truncated(self, ids: list[int], req: CompletionRequest | ChatCompletionRequest,
-                         max_tokens: int | None) -> list[int]:
-        """The prompt the request's truncate_prompt_tokens keeps (-1: what leaves room for max_tokens)."""
+                         max_tokens: int | None, max_param: str) -> list[int]:
+        """The prompt the request's truncate_prompt_tokens keeps (-1: what leaves room for max_tokens,
+        the request's `max_param`)."""
         try:
             return truncated(ids, req.truncate_prompt_tokens, (await self.limits())["max_model_len"], max_tokens,
-                             req.truncation_side)
+                             req.truncation_side, max_param)
         except InvalidRequestError as e:
             raise from_invalid_request(e) from None
 

@@ -265,7 +265,9 @@ def required_grammar(tools: tuple[ToolDefinition, ...], parallel: bool, fmt: Too
     for i, tool in enumerate(tools):
         schema = closed_objects(enforceable(_arguments_schema(tool)))
         schema.setdefault("x-guidance", {**JSON_DEFAULTS, "lenient": not tool.function.strict})
-        head = json.dumps(f'{{"name": {json.dumps(tool.function.name)}, {json.dumps(fmt.key)}: ')
+        # the name as the prompt shows it (a non-ASCII one raw, not as \u escapes)
+        head = json.dumps(f'{{"name": {json.dumps(tool.function.name, ensure_ascii=False)}, {json.dumps(fmt.key)}: ',
+                          ensure_ascii=False)
         rules.append(f"call_{i}: {head} args_{i} \"}}\"\nargs_{i}: %json {json.dumps(schema)}")
         names.append(f"call_{i}")
     calls = f"call ({json.dumps(fmt.separator)} call)*" if parallel else "call"

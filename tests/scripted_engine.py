@@ -37,6 +37,8 @@ class ScriptedEngine:
             await asyncio.sleep(0)
             text = self.tokenizer.decode(sum(steps[:k + 1], []))
             last = k == len(steps) - 1
+            if not last and text.endswith("\ufffd"):  # a character cut between steps: its text waits, as the engine's
+                text = sent
             # asked for logprobs: each token at -0.5, with token 7 as the runner-up at -2.0
             lps = [{t: -0.5, 7: -2.0} for t in step] if params.logprobs is not None else None
             outs = [CompletionOutput(index=i, delta_text=text[len(sent):], delta_token_ids=step, delta_logprobs=lps,

@@ -52,6 +52,12 @@ def test_anything_else_is_content_as_written(text):
     assert parse(text) == (text or None, [])
 
 
+def test_a_name_past_openais_pattern_is_a_call():
+    """Tool names are any text (as vLLM takes them): MCP-style and non-English ones are calls."""
+    assert parse('[TOOL_CALLS]mcp:weather/get[ARGS]{"a": 1}') == (None, [("mcp:weather/get", {"a": 1})])
+    assert parse('[TOOL_CALLS]查询天气[ARGS]{}') == (None, [("查询天气", {})])
+
+
 def test_text_before_the_tag_is_content_and_the_tag_starts_calls():
     """Mistral Small writes a sentence before its calls: content, as in vLLM's parser."""
     assert parse(f"Sure: [TOOL_CALLS][{WEATHER}]") == ("Sure: ", [WEATHER_CALL])

@@ -27,7 +27,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": WEATHER_ARGS}},
          {"type": "function", "function": {"name": "now", "description": "The time"}}]
 USER = [{"role": "user", "content": "Weather in Paris?"}]
-CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+CALL_ARGS = '{"city": "Paris", "unit": "celsius"}'
+CALL = f'{{"name": "get_weather", "arguments": {CALL_ARGS}}}'
 HERMES = f"Let me look.\n<tool_call>\n{CALL}\n</tool_call>"
 
 
@@ -189,10 +190,11 @@ def test_a_tool_name_past_openais_pattern_is_taken_as_vllm_takes_it(tokenizer):
     the required grammar compiles with them and the call comes back under its name."""
     name = "weather:查询 天气/" + "x" * 70
     tools = [{"type": "function", "function": {"name": name, "parameters": WEATHER_ARGS}}]
-    block = f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {{"city": "Paris"}}}}\n</tool_call>'
+    block = f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {CALL_ARGS}}}\n</tool_call>'
     r, engine = run(tokenizer, block, create(tools=tools, tool_choice="required"))
     assert [tc.function.name for tc in r.choices[0].message.tool_calls] == [name]
-    assert engine.seen[0][1].structured_outputs.grammar is not None
+    grammar = engine.seen[0][1].structured_outputs.grammar
+    assert _grammar_accepts(tokenizer, grammar, block)  # the name raw, as the prompt shows it
 
 
 def test_a_required_reply_a_stop_string_cut_gives_its_whole_calls_and_no_markup(tokenizer):
@@ -418,30 +420,32 @@ def test_message_shapes_this_server_cannot_render_are_400s_saying_why(tokenizer,
     assert e.value.body["param"] == param and says in e.value.body["message"], e.value.body
 
 
-def test_the_required_grammar_accepts_calls_and_nothing_else(tokenizer):
+def _grammar_accepts(tokenizer, grammar: str, text: str) -> bool:
     from engine.structured.compiler import GrammarCompiler
     from engine.structured.params import StructuredOutputsParams
 
+    matcher = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).compile(
+        StructuredOutputsParams(grammar=grammar)).matcher()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return matcher.try_consume_tokens(ids) == len(ids) and not matcher.is_error()
+
+
+def test_the_required_grammar_accepts_calls_and_nothing_else(tokenizer):
     tools = tuple(ChatCompletionRequest.model_validate({"messages": USER, "tools": TOOLS}).tools)
-    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
     for parallel, text, ok in [(True, f"<tool_call>\n{CALL}\n</tool_call>", True),
                                (True, f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n"
                                       '{"name": "now", "arguments": {}}\n</tool_call>', True),
                                (False, f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>", False),
                                (True, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}', False),
                                (True, "Hello", False)]:
-        matcher = compiler.compile(StructuredOutputsParams(grammar=required_grammar(tools, parallel))).matcher()
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        assert (matcher.try_consume_tokens(ids) == len(ids) and not matcher.is_error()) == ok, text
+        assert _grammar_accepts(tokenizer, required_grammar(tools, parallel), text) == ok, text
     # a tool whose schema says nothing of other keys gets none invented (vLLM's default backend)
     open_args = {k: v for k, v in WEATHER_ARGS.items() if k != "additionalProperties"}
     tools = tuple(ChatCompletionRequest.model_validate({"messages": USER, "tools": [
         {"type": "function", "function": {"name": "get_weather", "parameters": open_args}}]}).tools)
     for args, ok in [('{"city": "Paris", "unit": "celsius"}', True), ('{"city": "Paris", "unit": "celsius", "x": 1}', False)]:
-        matcher = compiler.compile(StructuredOutputsParams(grammar=required_grammar(tools, False))).matcher()
-        ids = tokenizer.encode(f'<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>',
-                               add_special_tokens=False)
-        assert (matcher.try_consume_tokens(ids) == len(ids) and not matcher.is_error()) == ok, args
+        text = f'<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>'
+        assert _grammar_accepts(tokenizer, required_grammar(tools, False), text) == ok, args
 
 
 # -- the parser ------------------------------------------------------------------------------------
