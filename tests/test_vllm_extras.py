@@ -178,6 +178,9 @@ def test_truncate_prompt_tokens_minus_one_leaves_room_for_max_tokens(tokenizer):
     ids, _ = sent(tokenizer, completion(prompt=prompt[:50], max_tokens=2,
                                         extra_body={"truncate_prompt_tokens": 5, "truncation_side": "right"}))
     assert ids == prompt[:5]
+    error = refused(tokenizer, chat(messages=[{"role": "user", "content": "sky " * 5000}],
+                                    extra_body={"truncate_prompt_tokens": -1}))
+    assert error["param"] == "max_tokens" and "give max_tokens" in error["message"]  # vLLM's -1 keeps 4096 then
 
 
 def test_empty_stream_options_and_streamed_prompt_logprobs_0_ask_nothing_as_in_vllm(tokenizer):
@@ -202,6 +205,7 @@ def test_a_null_completions_max_tokens_is_16_and_chat_top_logprobs_0_asks_nothin
     _, params = sent(tokenizer, chat(logprobs=False, top_logprobs=0))
     assert params.logprobs is None
     assert refused(tokenizer, chat(logprobs=False, top_logprobs=2))["param"] == "top_logprobs"
+    sent(tokenizer, chat(extra_body={"thinking_token_budget": -1}))  # vLLM's "no budget"
 
 
 def test_an_echoed_truncated_prompt_is_the_text_that_was_kept(tokenizer):
