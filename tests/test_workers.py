@@ -227,6 +227,27 @@ def test_tp2_sampling_on_the_sampling_rank_matches_tp1(tp2):
     assert len(records) <= 1 and all(isinstance(k, int) for k in records)
 
 
+def test_tp2_a_step_that_raised_in_an_append_leaves_no_record_a_token_ahead(tp2, monkeypatch):
+    """Ctrl-C in an append after the sampling rank drew: the record of the sequence the append
+    never reached is cut back to the engine's tokens (its penalties read them), so stepping on gives
+    what an uninterrupted run gives, as at tp=1."""
+    from tests.test_llm_interrupted import step_interrupted_in_second_append
+
+    d, llm, prompts, _, _ = tp2
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, frequency_penalty=2.0)
+    want = [o.outputs[0].token_ids for o in LLM(model=str(d), **ENGINE).generate(prompts[:2], params)]
+    eng, done = llm.engine, {}
+    eng.add_request("r0", prompts[0], params)
+    eng.add_request("r1", prompts[1], params)
+    while min(eng.requests[r].seqs[0].num_output_tokens for r in ("r0", "r1")) < 2:  # both decoding
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    step_interrupted_in_second_append(eng, monkeypatch)  # r0's token kept, r1's drawn but not appended
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert [done[r].outputs[0].token_ids for r in ("r0", "r1")] == want
+    _assert_clean(llm)
+
+
 def test_tp2_forks_copy_on_write(tp2):
     _, llm, prompts, ref, _ = tp2
     encoder, copies = llm.engine.executor.encoder, []

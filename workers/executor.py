@@ -76,6 +76,7 @@ class RankDraws:
             raise RuntimeError(f"the engine samples rows {rows}, the sampling rank drew rows {d.rows}")
         parent_of: dict[int, int] = {}  # row -> seq id of the sequence that owns it
         results = []
+        self.encoder.drawn = [(seq, seq.num_output_tokens + 1) for seq in seqs]  # before the engine appends
         for i, (row, seq) in enumerate(zip(rows, seqs)):
             if row in parent_of:
                 self.encoder.add_fork(parent_of[row], seq)

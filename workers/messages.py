@@ -57,6 +57,9 @@ class SamplingDelta:
     """The sampling rank's part of a step message, applied in field order."""
     forked: list[tuple[int, int, int]]  # (parent seq id, index, child seq id): children drawn for last step
     finished: list[int]  # seq ids whose sampling records to drop
+    # (seq id, output tokens): records one draw ahead of the engine's sequence, whose append a
+    # step that raised never reached (the engine drew it again), cut back to that many
+    rewound: list[tuple[int, int]]
     new: list[NewSample]
     grammar_mask: GrammarMask | None = None  # this step's constrained rows' allowed tokens (~6 KB a row),
     # set by the executor on the encoded message
@@ -102,6 +105,9 @@ class StepEncoder:
         self.sent: dict[int, list[int]] = {}  # seq_id -> block table as the ranks have it
         self.sampling: dict[int, Sequence] = {}  # seq_id -> sequence the sampling rank keeps a record of
         self.forked: list[tuple[int, int, int]] = []  # (parent id, index, child id) not yet sent
+        # Each sequence the sampling rank drew for last step, and the output tokens its record then
+        # holds: the engine's sequence holds as many unless the step raised before its append.
+        self.drawn: list[tuple[Sequence, int]] = []
         self.step = 0
 
     def encode(self, batch: ScheduledBatch) -> StepMessage:
@@ -131,7 +137,10 @@ class StepEncoder:
                 self.sampling[seq.seq_id] = seq
                 new.append(NewSample(seq.seq_id, seq.index, seq.params, seq.prompt_token_ids, seq.pending_forks))
         forked, self.forked = self.forked, []
-        return SamplingDelta(forked, finished, new)
+        rewound = [(s.seq_id, s.num_output_tokens) for s, held in self.drawn
+                   if s.num_output_tokens != held and not s.is_finished]
+        self.drawn = []
+        return SamplingDelta(forked, finished, rewound, new)
 
     def add_fork(self, parent_id: int, child: Sequence) -> None:
         """The sampling rank forked `child` from its parent and drew for it under the name

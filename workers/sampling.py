@@ -9,6 +9,7 @@ deltas, and each step's draws made by the engine's own SequenceSampler on the ga
                                                named (parent id, index), and draws for them too
     the engine forked the same children ---->  renamed to the children's seq ids
     a sequence finished or was aborted  ---->  its record (and seeded generator) dropped
+    a step raised before an append      ---->  that record cut back to the engine's tokens
 
 Records mirror, at tp > 1, what the engine's Sequences are to the sampler at tp=1, so the draws
 (seeds, penalties, min_tokens, forks) are the same.
@@ -51,6 +52,9 @@ class RankSampler:
             self.records[child] = self.records.pop((parent, index))
         for seq_id in delta.finished:
             self.records.pop(seq_id, None)
+        for seq_id, kept in delta.rewound:
+            if (record := self.records.get(seq_id)) is not None:
+                del record.output_token_ids[kept:]
         for s in delta.new:
             self.records[s.seq_id] = SampleRecord(s.index, s.params, s.prompt_token_ids, [], s.forks)
 
