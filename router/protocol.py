@@ -17,9 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from engine.sampling_params import MAX_LOGIT_BIAS, RequestOutputKind, SamplingParams
 from engine.beam_search import MAX_BEAM_WIDTH, BeamSearch
 
-MAX_N = 128
+MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES; the server's --max-sequences-per-request (256) bounds prompts x n
 REQUEST_ID_PATTERN = r"^[\x21-\x7e]{1,256}$"  # printable ASCII, no spaces: it goes into ids and log lines
-MAX_SEED = (1 << 63) - 1 - MAX_N  # the engine seeds sample i with seed + i
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
@@ -59,7 +58,8 @@ class _SamplingFields(_Model):
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=-(1 << 63), le=MAX_SEED)  # any 64-bit seed, as vLLM; -1: none (vLLM's)
+    # any 64-bit seed, as vLLM; -1: none (vLLM's); the engine seeds sample i with seed + i (<= 2**63 - n)
+    seed: int | None = Field(None, ge=-(1 << 63), le=(1 << 63) - 1)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extra sampling fields (the openai client sends them with `extra_body`)

@@ -188,10 +188,7 @@ class OpenAIServing:
         req = await self._logprobs_within_cap(req, "logprobs")
         params = await self._constrained(self._params(req), *self._output_constraint(req))
         texts = req.prompts()
-        limit = self.settings.max_sequences_per_request
-        if len(texts) * req.n > limit:
-            raise bad_request(f"this request asks for {len(texts)} prompts x n={req.n} = {len(texts) * req.n} "
-                              f"sequences; this server allows at most {limit} per request", param="prompt")
+        self._check_sequences(len(texts), req.n)
         prompts = await off_loop(self._encoded, texts, req.add_special_tokens)
         if req.truncate_prompt_tokens is not None:
             kept = [await self._truncated(p, req, req.max_tokens, "max_tokens") for p in prompts]
@@ -218,6 +215,7 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
+        self._check_sequences(1, req.n)
         req = await self._logprobs_within_cap(req, "top_logprobs")
         plan, params, ids, thinking = await self._chat_prompt(req)
         if req.truncate_prompt_tokens is not None:
@@ -274,6 +272,13 @@ class OpenAIServing:
         return await reply.whole(acc)
 
     # -- shared steps ----------------------------------------------------------------------------
+    def _check_sequences(self, num_prompts: int, n: int) -> None:
+        """--max-sequences-per-request bounds a request's prompts x n (n alone goes up to vLLM's 16,384)."""
+        limit = self.settings.max_sequences_per_request
+        if num_prompts * n > limit:
+            raise bad_request(f"this request asks for {num_prompts} prompts x n={n} = {num_prompts * n} sequences; "
+                              f"this server allows at most {limit} per request (--max-sequences-per-request)",
+                              param="n" if num_prompts == 1 else "prompt")
     def _params(self, req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
         try:
             return req.sampling_params(self.settings.sampling_defaults)

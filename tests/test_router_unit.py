@@ -646,6 +646,12 @@ def test_prompts_times_n_per_request_is_capped(tokenizer):
     assert "300 prompts x n=1 = 300 sequences" in r.json()["error"]["message"]
     r = call(tokenizer, "POST", "/v1/completions", json={"prompt": ["hi"] * 100, "n": 3, "max_tokens": 1})
     assert r.status_code == 400 and "at most 256" in r.json()["error"]["message"]
+    # n alone: up to vLLM's 16,384 as a field, this server's limit as a request (the 400 names n)
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": [
+            {"role": "user", "content": "hi"}]})):
+        r = call(tokenizer, "POST", path, json={**body, "n": 300, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert "1 prompts x n=300" in r.json()["error"]["message"]
 
 
 def test_openapi_document_and_docs_page_are_served_without_a_key(tokenizer):
@@ -655,7 +661,7 @@ def test_openapi_document_and_docs_page_are_served_without_a_key(tokenizer):
     body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/ChatCompletionRequest"}
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]
-    assert "messages" in chat["required"] and chat["properties"]["n"]["maximum"] == 128
+    assert "messages" in chat["required"] and chat["properties"]["n"]["maximum"] == 16384
     assert {"/v1/completions", "/tokenize", "/detokenize", "/v1/models", "/health"} <= set(doc["paths"])
     refs = {m.group(1) for m in __import__("re").finditer(r'"#/components/schemas/(\w+)"', r.text)}
     assert refs <= set(doc["components"]["schemas"])  # every reference resolves
