@@ -231,9 +231,10 @@ def truncated(prompt_token_ids: list[int], keep: int, max_model_len: int, max_to
             raise InvalidRequestError(max_param, f"{max_param} ({max_tokens}) leaves no room in max_model_len "
                                       f"({max_model_len}) for the prompt that truncate_prompt_tokens -1 keeps")
         if max_tokens is None and len(prompt_token_ids) >= max_model_len:
-            raise InvalidRequestError(max_param, f"the prompt has {len(prompt_token_ids)} tokens; truncate_prompt_tokens "
-                                      f"-1 without {max_param} keeps max_model_len ({max_model_len}) of them, which "
-                                      f"leaves no room for a reply: give {max_param}", code="context_length_exceeded")
+            raise InvalidRequestError(max_param, f"the prompt has {len(prompt_token_ids)} tokens; "
+                                      f"truncate_prompt_tokens -1 without {max_param} keeps max_model_len "
+                                      f"({max_model_len}) of them, which leaves no room for a reply: give {max_param}",
+                                      code="context_length_exceeded")
     if keep >= len(prompt_token_ids):
         return prompt_token_ids
     return prompt_token_ids[:keep] if side == "right" else prompt_token_ids[-keep:]

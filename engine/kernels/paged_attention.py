@@ -3,16 +3,15 @@
 Per layer, one launch covers a step's prefill chunks (with or without a cached prefix before
 them) and one its single-token decodes, each launch every sequence of its kind; either kernel
 handles any mix, but a decode's one query fills a fourth of a prefill tile. Sequence i owns the
-query rows
-query_start[i] .. query_start[i + 1] and a context of seq_lens[i] tokens, whose last q_len are
-its new tokens (already written to the pool):
+query rows query_start[i] .. query_start[i + 1] and a context of seq_lens[i] tokens, whose last
+q_len are its new tokens (already written to the pool):
 
     context  0 ........................ seq_len - q_len ............ seq_len
              [ cached / earlier chunks  |  this step's q_len tokens ]
     query j (0-based within the sequence) sees keys 0 .. seq_len - q_len + j
 
-Program (tile, kv_head) of a launch takes BLOCK_Q consecutive query tokens of one sequence and all G query
-heads sharing that KV head, packed as BLOCK_M = BLOCK_Q * G rows (rounded up to a power of two,
+Program (tile, kv_head) of a launch takes BLOCK_Q consecutive query tokens of one sequence and
+all G query heads sharing that KV head, packed as BLOCK_M = BLOCK_Q * G rows (rounded up to a power of two,
 so a few trailing rows may idle), and streams the context in TILE_N-key tiles with an online
 softmax. Tiles are numbered per sequence from a host-free formula, so the grid depends only on
 the launch's (num tokens, num seqs), which a CUDA graph keeps fixed. Numbered from the launch's
@@ -167,7 +166,8 @@ def _merge_splits_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row0
                   other=0.0)  # (SPLITS_PAD, HEAD_DIM_PAD)
     total = tl.sum(l * weight, axis=0)
     acc = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # no keys at all: 0
-    tl.store(out_ptr + (row0 + t).to(tl.int64) * out_stride_t + head * out_stride_h + dims, acc.to(out_ptr.dtype.element_ty), mask=dim_ok)
+    row = (row0 + t).to(tl.int64)
+    tl.store(out_ptr + row * out_stride_t + head * out_stride_h + dims, acc.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 def tile_rows(num_heads: int, num_kv_heads: int, decode: bool) -> tuple[int, int]:
