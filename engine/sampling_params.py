@@ -218,10 +218,12 @@ class SamplingParams:
 
 
 def truncated(prompt_token_ids: list[int], keep: int, max_model_len: int, max_tokens: int | None = None,
-              side: str | None = None, max_param: str = "max_tokens") -> list[int]:
+              side: str | None = None, max_param: str = "max_tokens",
+              asked: str = "truncate_prompt_tokens -1") -> list[int]:
     """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (its first, `side` "right");
     -1: as many as leave room for `max_tokens` (all of max_model_len without one, as vLLM's, which
-    leaves a prompt that long no room: refused here naming `max_param`, the field to give)."""
+    leaves a prompt that long no room: refused here naming `max_param`, the field to give, and
+    `asked`, what the request said)."""
     if keep > max_model_len:  # vLLM's rule
         raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens value ({keep}) is greater than "
                                   f"max_model_len ({max_model_len}). Please request a smaller truncation size.")
@@ -229,10 +231,10 @@ def truncated(prompt_token_ids: list[int], keep: int, max_model_len: int, max_to
         keep = max_model_len - (max_tokens or 0)
         if keep < 1:
             raise InvalidRequestError(max_param, f"{max_param} ({max_tokens}) leaves no room in max_model_len "
-                                      f"({max_model_len}) for the prompt that truncate_prompt_tokens -1 keeps")
+                                      f"({max_model_len}) for the prompt that {asked} keeps")
         if max_tokens is None and len(prompt_token_ids) >= max_model_len:
             raise InvalidRequestError(max_param, f"the prompt has {len(prompt_token_ids)} tokens; "
-                                      f"truncate_prompt_tokens -1 without {max_param} keeps max_model_len "
+                                      f"{asked} without {max_param} keeps max_model_len "
                                       f"({max_model_len}) of them, which leaves no room for a reply: give {max_param}",
                                       code="context_length_exceeded")
     if keep >= len(prompt_token_ids):

@@ -258,7 +258,8 @@ class OpenAIServing:
         chat = req.chat_request(parse_items(history))
         plan, params, ids, thinking = await self._chat_prompt(chat, field=responses_field)
         if chat.truncate_prompt_tokens is not None:  # truncation auto
-            ids = await self._truncated(ids, chat, chat.max_completion_tokens, "max_output_tokens")
+            ids = await self._truncated(ids, chat, chat.max_completion_tokens, "max_output_tokens",
+                                        'truncation "auto"')
         counter = None if thinking is None else functools.partial(count_reasoning_tokens, decode=self.tokenizer.decode,
                                                                   in_reasoning=thinking)
         reply = ResponseReply(req, self.settings.served_model_name, int(time.time()), plan,
@@ -306,12 +307,12 @@ class OpenAIServing:
         return dataclasses.replace(params, structured_outputs=await checked(spec, param))
 
     async def _truncated(self, ids: list[int], req: CompletionRequest | ChatCompletionRequest,
-                         max_tokens: int | None, max_param: str) -> list[int]:
+                         max_tokens: int | None, max_param: str, asked: str = "truncate_prompt_tokens -1") -> list[int]:
         """The prompt the request's truncate_prompt_tokens keeps (-1: what leaves room for max_tokens,
-        the request's `max_param`)."""
+        the request's `max_param`; `asked`: how the request said -1, for the errors)."""
         try:
             return truncated(ids, req.truncate_prompt_tokens, (await self.limits())["max_model_len"], max_tokens,
-                             req.truncation_side, max_param)
+                             req.truncation_side, max_param, asked)
         except InvalidRequestError as e:
             raise from_invalid_request(e) from None
 

@@ -127,7 +127,8 @@ def test_an_error_while_streaming_is_an_error_event_then_response_failed(tokeniz
      "structured_outputs", "cannot be combined with text.format"),
     ({"extra_body": {"request_id": "has space"}}, "request_id", "should match pattern"),
     ({"extra_body": {"request_id": "a/b"}}, "request_id", "may not contain '/'"),  # GET could not find it
-    ({"input": "sky " * 5000, "truncation": "auto"}, "max_output_tokens", "give max_output_tokens"),
+    ({"input": "sky " * 5000, "truncation": "auto"}, "max_output_tokens",
+     'truncation "auto" without max_output_tokens keeps max_model_len'),
     ({"tool_choice": "required"}, "tool_choice", "requires tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice", "not among"),
     ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
