@@ -280,6 +280,7 @@ class OpenAIServing:
             raise bad_request(f"this request asks for {num_prompts} prompts x n={n} = {num_prompts * n} sequences; "
                               f"this server allows at most {limit} per request (--max-sequences-per-request)",
                               param="n" if num_prompts == 1 else "prompt")
+
     def _params(self, req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
         try:
             return req.sampling_params(self.settings.sampling_defaults)
