@@ -264,7 +264,8 @@ ERROR_ROWS = [
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "invalid_value"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "invalid_value"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "invalid_value"),
-    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", "invalid_value"),
+    # any other role is the chat template's to refuse, as in vLLM (tests/test_vllm_extras.py)
+    ("/v1/chat/completions", {"messages": [{"role": "", "content": "x"}]}, 400, "messages.0.role", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "invalid_value"),
     ("/v1/completions", [1, 2], 400, None, "invalid_value"),
     ("/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 1}, 400, "prompt", "context_length_exceeded"),
@@ -279,7 +280,9 @@ ERROR_ROWS = [
     ("/v1/completions", {"prompt": "x", "temperature": "inf"}, 400, "temperature", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "invalid_value"),
-    ("/v1/completions", {"prompt": "x", "n": 129}, 400, "n", "invalid_value"),  # more than 128 (> max_num_seqs is served)
+    # more than --max-sequences-per-request (256; > max_num_seqs is served)
+    ("/v1/completions", {"prompt": "x", "n": 300}, 400, "n", None),
+    ("/v1/completions", {"prompt": "x", "n": 16385}, 400, "n", "invalid_value"),  # vLLM's cap on the field
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "frequency_penalty": -2.5}, 400, "frequency_penalty", "invalid_value"),
