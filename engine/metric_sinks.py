@@ -78,18 +78,18 @@ class _Counter(_Series):
 class _Histogram(_Series):
     def __init__(self, spec: MetricSpec, model_name: str) -> None:
         super().__init__(spec, model_name)
-        self._new(self._key(None))  # empty from the start, as vLLM's are
+        self._entry(self._key(None))  # empty from the start, as vLLM's are
 
-    def _new(self, key: tuple[tuple[str, str], ...]) -> None:
-        self.values[key] = [[0] * (len(self.spec.buckets) + 1), 0.0]  # per bucket (+Inf last), sum
+    def _entry(self, key: tuple[tuple[str, str], ...]) -> list:
+        """[count per bucket (+Inf last), sum] of one series, made on first use."""
+        if key not in self.values:
+            self.values[key] = [[0] * (len(self.spec.buckets) + 1), 0.0]
+        return self.values[key]
 
     def observe(self, value: float, tags: dict[str, str] | None = None) -> None:
-        key = self._key(tags)
-        if key not in self.values:
-            self._new(key)
-        counts, total = self.values[key]
-        counts[bisect.bisect_left(self.spec.buckets, value)] += 1  # the first bound >= value
-        self.values[key][1] = total + value
+        entry = self._entry(self._key(tags))
+        entry[0][bisect.bisect_left(self.spec.buckets, value)] += 1  # the first bound >= value
+        entry[1] += value
 
     def read(self) -> list[Metric]:
         out = []

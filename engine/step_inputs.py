@@ -37,10 +37,6 @@ class StepLayout:
     prompt_rows: int = 0  # then this many rows score prompt tokens
     prompt_spans: list[PromptSpan] = field(default_factory=list)
 
-    @property
-    def decode_only(self) -> bool:
-        return self.num_chunk_seqs == 0
-
 
 class StepInputs:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,

@@ -50,7 +50,7 @@ def test_fill_lays_out_prefill_then_decodes_and_pads_for_a_graph():
     assert set(inputs.dev64[26:].tolist()) == {-7}
 
     padded = inputs.fill(ScheduledBatch([decode], [1]), pad_to=4)
-    assert (padded.num_tokens, padded.num_seqs, padded.decode_only, padded.sample_rows) == (4, 4, True, 1)
+    assert (padded.num_tokens, padded.num_seqs, padded.num_chunk_seqs, padded.sample_rows) == (4, 4, 0, 1)
     assert inputs.slots[:4].tolist() == [21, -1, -1, -1]  # padding rows write nothing
     assert inputs.seq_lens[:4].tolist() == [10, 0, 0, 0] and inputs.query_start[:5].tolist() == [0, 1, 2, 3, 4]
     inputs.upload(padded)

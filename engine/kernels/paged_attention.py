@@ -11,8 +11,8 @@ q_len are its new tokens (already written to the pool):
     query j (0-based within the sequence) sees keys 0 .. seq_len - q_len + j
 
 Program (tile, kv_head) of a launch takes BLOCK_Q consecutive query tokens of one sequence and
-all G query heads sharing that KV head, packed as BLOCK_M = BLOCK_Q * G rows (rounded up to a power of two,
-so a few trailing rows may idle), and streams the context in TILE_N-key tiles with an online
+all G query heads sharing that KV head, packed as BLOCK_M = BLOCK_Q * G rows (rounded up to a
+power of two, so a few trailing rows may idle), and streams the context in TILE_N-key tiles with an online
 softmax. Tiles are numbered per sequence from a host-free formula, so the grid depends only on
 the launch's (num tokens, num seqs), which a CUDA graph keeps fixed. Numbered from the launch's
 first sequence s0 (its first row r0 = query_start[s0]):
