@@ -271,10 +271,14 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
         return _reply(await serving.responses(body))
 
     @api.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str, stream: bool = False):
-        if stream:
-            raise OpenAIError(400, "a stored response is retrieved whole here, not streamed", param="stream")
+    async def retrieve_response(response_id: str, stream: bool = False, starting_after: int | None = None):
+        if stream:  # a background stream's events (router.background)
+            return _reply(await serving.background.events(response_id, starting_after))
         return await serving.stored.retrieve(response_id)
+
+    @api.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return await serving.background.cancel(response_id)
 
     @api.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):

@@ -259,8 +259,8 @@ class HandleResponseStore:
     def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = started(handle)
 
-    async def put(self, response_id: str, record: dict) -> bool:
-        return await self._handle.put.remote(response_id, record)
+    async def put(self, response_id: str, record: dict, if_running: bool = False) -> bool:
+        return await self._handle.put.remote(response_id, record, if_running)
 
     async def get(self, response_id: str) -> dict | None:
         return await self._handle.get.remote(response_id)
@@ -298,9 +298,9 @@ class OpenAIIngress:
         """Stop taking requests (503 + Retry-After, /ready 503); -> this replica's id and how many
         requests it has in flight. `kvserve serve` calls it on SIGTERM / SIGINT, on every ingress
         replica (`exclude`: the ones it has asked, which cluster.ingress_router then skips), and
-        waits for 0 before stopping Serve."""
+        waits for 0 before stopping Serve. Background responses running here count as in flight."""
         return {"replica": serve.get_replica_context().replica_id.to_full_id_str(),
-                "in_flight": self._admission.drain()}
+                "in_flight": self._admission.drain() + len(self._serving.background)}
 
     async def cut(self, exclude: list[str] = ()) -> dict:
         """`kvserve serve`, when the drain runs out of time: end every request still in flight

@@ -1,5 +1,6 @@
 """Stored responses of the Responses API (`store: true`, OpenAI's default), for
-`previous_response_id`, `GET /v1/responses/{id}`, its `/input_items` and `DELETE`.
+`previous_response_id`, `GET /v1/responses/{id}`, its `/input_items`, `DELETE` and (a
+background one's) `/cancel`.
 
 `ResponseStore` keeps them; `StoredResponses` is what the API does with them. A record is one
 response's JSON: the response object, its input items, and the conversation
@@ -17,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 from router.errors import OpenAIError, bad_request
-from router.responses import ResponsesRequest, item_dicts
+from router.responses import RUNNING, ResponsesRequest, item_dicts
 
 
 class ResponseStore:
@@ -26,22 +27,26 @@ class ResponseStore:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.max_bytes = max_bytes
         self.num_bytes = 0
-        self._records: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (JSON, bytes), LRU first
+        self._records: OrderedDict[str, tuple[str, int, str]] = OrderedDict()  # id -> (JSON, bytes, status), LRU first
 
     def __len__(self) -> int:
         return len(self._records)
 
-    async def put(self, response_id: str, record: dict) -> bool:
-        """Stores `record` under `response_id` (newest); False when it alone is over max_bytes."""
+    async def put(self, response_id: str, record: dict, if_running: bool = False) -> bool:
+        """Stores `record` under `response_id` (newest); False when it alone is over max_bytes, or
+        when `if_running` and the record there is not a running background response's (it was
+        cancelled, deleted or evicted): a background run's updates never undo those."""
+        if if_running and self._records.get(response_id, (None, 0, None))[2] not in RUNNING:
+            return False
         text = json.dumps(record, separators=(",", ":"), ensure_ascii=False)
         size = len(text.encode())
         if size > self.max_bytes:
             return False
         await self.delete(response_id)
-        self._records[response_id] = text, size
+        self._records[response_id] = text, size, record["response"]["status"]
         self.num_bytes += size
         while self.num_bytes > self.max_bytes:
-            _, (_, old) = self._records.popitem(last=False)
+            _, (_, old, _) = self._records.popitem(last=False)
             self.num_bytes -= old
         return True
 
@@ -75,7 +80,9 @@ class StoredResponses:
 
         async def keep(response: dict) -> bool:
             record = {"response": response, "input": inputs, "conversation": history + inputs + response["output"]}
-            return await self.store.put(response["id"], record)
+            # a background run's later records replace only its running one (router.background)
+            return await self.store.put(response["id"], record, if_running=response["status"] != "queued"
+                                        and req.background)
         return keep
 
     async def conversation(self, previous_response_id: str | None) -> list[dict]:
@@ -89,11 +96,14 @@ class StoredResponses:
         if record is None:
             raise OpenAIError(400, f"Previous response with id '{previous_response_id}' not found.",
                               param="previous_response_id", code="previous_response_not_found")
+        if (status := record["response"]["status"]) in RUNNING:
+            raise bad_request(f"Previous response with id '{previous_response_id}' has not finished (it is "
+                              f"{status}): wait for it to complete, or cancel it", "previous_response_id")
         return record["conversation"]
 
     async def retrieve(self, response_id: str) -> dict:
         """`GET /v1/responses/{id}`: a stored response as it was returned."""
-        return (await self._record(response_id))["response"]
+        return (await self.record(response_id))["response"]
 
     async def delete(self, response_id: str) -> dict:
         if self.store is None or not await self.store.delete(response_id):
@@ -108,7 +118,7 @@ class StoredResponses:
             raise bad_request("order must be 'asc' or 'desc'", "order")
         if not 1 <= limit <= 100:
             raise bad_request("limit must be between 1 and 100", "limit")
-        items = (await self._record(response_id))["input"]
+        items = (await self.record(response_id))["input"]
         items = items if order == "asc" else items[::-1]
         if after is not None:
             ids = [item["id"] for item in items]
@@ -119,7 +129,7 @@ class StoredResponses:
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
-    async def _record(self, response_id: str) -> dict:
+    async def record(self, response_id: str) -> dict:
         record = await self.store.get(response_id) if self.store is not None else None
         if record is None:
             raise _not_found(response_id)

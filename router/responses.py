@@ -18,9 +18,10 @@ tool_calls and the tool turns of the chat.
 A response is stored (router.response_store) unless the request says `store: false` or the
 store is off: `previous_response_id` then continues its conversation (its input and output items
 come before the new input; its instructions do not carry over, as OpenAI's do not), and it can
-be fetched, listed (its input items) and deleted. A stored conversation (`conversation`) is a
-400, as are fields for features this server lacks (built-in tools, reasoning, background runs),
-rather than a reply that looks fine without them.
+be fetched, listed (its input items) and deleted. `background: true` answers at once with the
+response queued, and runs it here (router.background). A stored conversation (`conversation`) is
+a 400, as are fields for features this server lacks (built-in tools, reasoning), rather than a
+reply that looks fine without them.
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ from router.protocol import (REQUEST_ID_PATTERN, ChatCompletionRequest, _Model, 
 from router.reasoning import ReasoningStream
 from router.tool_parser import CLOSE
 from router.tools import ToolPlan
+
+
+RUNNING = ("queued", "in_progress")  # a background response's statuses before it ends
 
 
 class InputText(_Model):
@@ -318,13 +322,14 @@ class ResponsesRequest(_Model):
         for name, why in (("conversation", "this server stores no conversations (use previous_response_id)"),
                           ("prompt", "this server stores no prompt templates"),
                           ("include", "no extra output is available"),
-                          ("background", "responses run in the foreground only"),
                           ("top_logprobs", "use /v1/chat/completions for logprobs"),
                           ("enable_response_messages", "a reply's messages are its output items"),
                           ("previous_input_messages", "give the items as input, or previous_response_id"),
                           ("previous_response", "give previous_response_id (store true)")):
             if getattr(self, name):
                 raise ValueError(f"{name} is not supported in /v1/responses: {why}")
+        if self.background and not self.store:  # vLLM's words
+            raise ValueError("background can only be used when `store` is true")
         if self.structured_outputs is not None and self.text is not None and self.text.format is not None \
                 and self.text.format.type != "text":
             raise ValueError("structured_outputs cannot be combined with text.format: give one of them")
@@ -383,7 +388,8 @@ class ResponseReply:
                  store: Callable[[dict], Awaitable[bool]] | None = None, thinking: bool | None = None,
                  reasoning_tokens: Callable[[list[int]], int] | None = None) -> None:
         """`store(response)`: keeps the finished response (before a stream's last event goes out,
-        so a follow-up sent on that event finds it) and says whether it did. `thinking`: as the
+        so a follow-up sent on that event finds it; a background one's record at every change of
+        its status) and says whether it did. `thinking`: as the
         chat path's (router.reasoning): None, the reply is not split; else whether it opens
         inside its reasoning. `reasoning_tokens(output token ids)`: how many are reasoning."""
         self.req, self.model, self.created, self.plan, self.thinking = req, model, created, plan, thinking
@@ -413,6 +419,23 @@ class ResponseReply:
             response["store"] = await self._store(response)
         return response
 
+    # -- a background run's record -----------------------------------------------------------------
+    async def queued(self) -> dict:
+        """The response as a background request is answered: queued, stored (False: not)."""
+        return await self._finished(self._response("queued", []))
+
+    async def running(self) -> dict:
+        """The response, and the stored record, of a background run whose first output came."""
+        return await self._finished(self._response("in_progress", []))
+
+    async def failed(self, body: dict, output: list[dict] = (), acc: Accumulator | None = None) -> dict:
+        """The response of a reply ended by an error (OpenAI error JSON): failed, and why; a
+        background run's record says so too."""
+        e = body["error"]
+        response = {**self._response("failed", list(output), acc),
+                    "error": {"code": e.get("code") or e.get("type"), "message": e["message"]}}
+        return await self._finished(response) if self.req.background else response
+
     # -- the stream ------------------------------------------------------------------------------
     def event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": next(self._seq), **fields}
@@ -421,20 +444,22 @@ class ResponseReply:
     def error_event(self, body: dict) -> str:
         """An error while streaming: Responses' `error` event (OpenAI error JSON's fields)."""
         e = body["error"]
-        self._error = {"code": e.get("code"), "message": e["message"]}  # for the response.failed that follows
+        self._error = body  # for the response.failed that follows
         return self.event("error", code=e.get("code"), message=e["message"], param=e.get("param"))
 
-    async def events(self, steps: AsyncIterator[tuple[int, object]], acc: Accumulator) -> AsyncIterator[str]:
-        """The stream: `steps` are the chat path's outputs (an error ends them as one string)."""
-        yield self.event("response.created", response=self._response("in_progress", []))
-        yield self.event("response.in_progress", response=self._response("in_progress", []))
+    async def events(self, steps: AsyncIterator[tuple[int, object]], acc: Accumulator,
+                     head: bool = True) -> AsyncIterator[str]:
+        """The stream: `steps` are the chat path's outputs (an error ends them as one string).
+        `head`: begin with response.created and response.in_progress (a background run sends its own)."""
+        if head:
+            yield self.event("response.created", response=self._response("in_progress", []))
+            yield self.event("response.in_progress", response=self._response("in_progress", []))
         out = _StreamedOutput(self)
         finish = None
         async for _, step in steps:
             if isinstance(step, str):  # the error event, then the response failed (OpenAI's two)
                 yield step
-                yield self.event("response.failed", response={**self._response("failed", out.items, acc),
-                                                              "error": self._error})
+                yield self.event("response.failed", response=await self.failed(self._error, out.items, acc))
                 return
             for c in step.choices:
                 finish = c.finish_reason or finish
@@ -472,7 +497,7 @@ class ResponseReply:
                "tools": [t.model_dump(exclude_none=True) for t in r.tools or ()],
                "text": {"format": text_format}, "truncation": r.truncation, "store": self._store is not None,
                "previous_response_id": r.previous_response_id, "metadata": r.metadata or {}, "user": r.user,
-               "usage": None}
+               "background": r.background, "usage": None}
         if acc is not None:
             u, (choice,) = acc.usage(), acc.choices
             thought = self.reasoning_tokens(choice.token_ids) if self.reasoning_tokens and choice.token_ids else 0

@@ -33,6 +33,7 @@ from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import SamplingParams, priority_refusal, truncated
 from engine.structured.params import StructuredOutputsParams
 from engine.beam_search import BeamSearch, BeamSearchAborted, Generate, beam_search
+from router.background import BackgroundRuns, EventLog, check_id_free, run_in_background, stream_in_background
 from router.engine_streams import collect, events, map_steps, merge_streams, renumbered, sample_calls
 from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error, unavailable
 from router.formatting import (SSE_DONE, Accumulator, PromptEcho, chat_logprobs, chat_response,
@@ -84,6 +85,7 @@ class OpenAIServing:
         if store is None and settings.responses_store_max_bytes:
             store = ResponseStore(settings.responses_store_max_bytes)
         self.stored = StoredResponses(store)  # GET / DELETE /v1/responses/{id} and previous_response_id
+        self.background = BackgroundRuns(self.stored)  # this replica's background responses
         self._info: dict | None = None
         self._info_at = 0.0  # time.monotonic() of the engine info in _info
         self._info_lock = asyncio.Lock()
@@ -265,12 +267,38 @@ class OpenAIServing:
         reply = ResponseReply(req, self.settings.served_model_name, int(time.time()), plan,
                               self.stored.keeper(req, history), thinking, counter)
         engine_rid = reply.id if req.request_id is None else f"{reply.id}-{uuid.uuid4().hex[:16]}"  # unique
+        if req.request_id is not None and req.store and self.stored.store is not None:
+            check_id_free(self.background, await self.stored.store.get(reply.id), reply.id)
+        if req.background:
+            return await self._in_background(reply, engine_rid, ids, params)
         first, merged = await self._start(engine_rid, [ids], params, "input", "max_output_tokens")
         acc = Accumulator([len(ids)], 1)
         if req.stream:
             return _response_events(reply, acc, first, merged)
         await collect(acc, first, merged)
         return await reply.whole(acc)
+
+    async def _in_background(self, reply: ResponseReply, rid: str, ids: list[int],
+                             params: SamplingParams) -> dict | AsyncIterator[str]:
+        """A background response (router.background): checked now, answered queued (a stream: its
+        events, from response.created with the response queued), run later."""
+        if self.stored.store is None:
+            raise bad_request("background needs the response store, which is off on this server "
+                              "(--responses-store-max-bytes 0)", "background")
+        params = await self._checked([ids], params, "input", "max_output_tokens")  # a 400 now, not a failed run
+        queued = await reply.queued()
+        if not queued["store"]:
+            raise bad_request("this request is larger than the response store holds (--responses-store-max-bytes), "
+                              "so its background run could not be followed", "input")
+        start = functools.partial(self._start, rid, [ids], params, "input", "max_output_tokens")
+        acc = Accumulator([len(ids)], 1)
+        if not reply.req.stream:
+            self.background.start(reply.id, run_in_background(reply, start, acc))
+            return queued
+        log = EventLog()
+        await log.add(reply.event("response.created", response=queued))
+        self.background.start(reply.id, stream_in_background(reply, start, acc, log), log)
+        return log.follow()
 
     # -- shared steps ----------------------------------------------------------------------------
     def _check_sequences(self, num_prompts: int, n: int) -> None:
@@ -415,11 +443,7 @@ class OpenAIServing:
                      max_param: str, beam: BeamSearch | None = None) -> tuple[tuple[int, StepOutput], AsyncIterator]:
         """Send every prompt to the engine (or to a beam search over it); returns its first output
         and the rest of the merged stream."""
-        default = self.settings.sampling_defaults.get("max_tokens")
-        if params.max_tokens is None and default is not None:  # vLLM's: the room left, at most the default
-            room = (await self.limits())["max_model_len"] - max(map(len, prompts))
-            params = dataclasses.replace(params, max_tokens=max(1, min(default, room)))
-        await self._check_prompts(prompts, params, prompt_param, max_param)
+        params = await self._checked(prompts, params, prompt_param, max_param)
         if self.settings.enable_log_requests:
             logger.info("%s: prompt token ids %s, %s", rid, prompts, params)
         # The first engine call lets the request in or refuses it (a full queue); the rest, more
@@ -450,6 +474,17 @@ class OpenAIServing:
             await merged.aclose()
             raise
         return first, merged
+
+    async def _checked(self, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
+                       max_param: str) -> SamplingParams:
+        """The params the prompts run with (max_tokens None: vLLM's default); a 400 for what the
+        engine would refuse."""
+        default = self.settings.sampling_defaults.get("max_tokens")
+        if params.max_tokens is None and default is not None:  # vLLM's: the room left, at most the default
+            room = (await self.limits())["max_model_len"] - max(map(len, prompts))
+            params = dataclasses.replace(params, max_tokens=max(1, min(default, room)))
+        await self._check_prompts(prompts, params, prompt_param, max_param)
+        return params
 
     async def _beam_search(self, generate: Generate, rid: str, ids: list[int], params: SamplingParams,
                            beam: BeamSearch) -> AsyncIterator[StepOutput]:

@@ -139,17 +139,17 @@ def test_bad_input_item_queries_are_a_400_naming_the_parameter(tokenizer, query,
 
 def test_the_store_keeps_the_most_recently_used_within_its_bytes():
     async def go():
-        store = ResponseStore(max_bytes=300)
-        record = {"text": "x" * 80}  # 93 bytes as JSON
+        store = ResponseStore(max_bytes=400)
+        record = {"response": {"status": "completed"}, "text": "x" * 80}  # 125 bytes as JSON
         size = len(json.dumps(record, separators=(",", ":")))
         for i in range(3):
             assert await store.put(f"r{i}", record)
         assert store.num_bytes == 3 * size
         assert await store.get("r0") == record  # r0 is now the most recently used
-        assert await store.put("r3", record)  # over 300 bytes: the least recently used (r1) goes
+        assert await store.put("r3", record)  # over 400 bytes: the least recently used (r1) goes
         kept = [k for k in ("r0", "r1", "r2", "r3") if await store.get(k) is not None]
         assert kept == ["r0", "r2", "r3"] and store.num_bytes == 3 * size
-        assert not await store.put("big", {"text": "x" * 400})  # alone over the bound: not kept
+        assert not await store.put("big", {"response": {"status": "completed"}, "text": "x" * 400})  # alone over the bound: not kept
         assert await store.delete("r2") and not await store.delete("r2") and store.num_bytes == 2 * size
         return len(store)
 

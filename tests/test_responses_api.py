@@ -115,7 +115,6 @@ def test_an_error_while_streaming_is_an_error_event_then_response_failed(tokeniz
     ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "18 C"}]}, "input",
      "No tool call found for function call output with call_id call_9"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "effort and summaries cannot be set"),
-    ({"background": True}, "background", "foreground only"),
     ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
     ({"extra_body": {"priority": 3}}, "priority", "priority scheduling is not enabled"),  # fcfs
     ({"top_logprobs": 2}, "top_logprobs", "not supported"),

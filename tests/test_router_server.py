@@ -388,6 +388,26 @@ def test_disconnect_mid_stream_frees_kv_blocks(http, engine_stats):
     wait_until_free(engine_stats)
 
 
+def test_a_background_response_runs_on_and_a_cancel_frees_its_kv_blocks(client, oracle, engine_stats):
+    """Through Serve, a background run outlives its HTTP request, and its reply is the offline
+    engine's; a cancelled one ends its engine request."""
+    queued = client.responses.create(model=MODEL, input=CHAT[0]["content"], max_output_tokens=MAX_TOKENS,
+                                     temperature=0, background=True)
+    deadline = time.monotonic() + 60
+    while (done := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert queued.status == "queued" and done.output_text == oracle["chat"]
+    long = client.responses.create(model=MODEL, input=CHAT[0]["content"], max_output_tokens=400, temperature=0,
+                                   background=True, extra_body={"ignore_eos": True})
+    while client.responses.retrieve(long.id).status != "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert client.responses.cancel(long.id).status == "cancelled"
+    wait_until_free(engine_stats)
+    assert client.responses.retrieve(long.id).status == "cancelled"
+
+
 def test_disconnect_while_waiting_for_a_reply_frees_kv_blocks(server, engine_stats):
     body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
     client_gone = threading.Event()

@@ -1,0 +1,200 @@
+"""Background responses (`background: true`, OpenAI's Responses API): the request is answered at
+once with its response `queued`, and runs in a task of the ingress replica that took it. Its
+stored record follows the run: in_progress once the first output comes, then completed,
+incomplete or failed (router.responses.ResponseReply), each write replacing only a running
+record, so that a cancel or a delete is never undone.
+
+`POST /v1/responses/{id}/cancel` reaches whichever ingress replica the load balancer picks: it
+marks the record cancelled, and stops the run at once when it is here. The replica that runs it
+reads its record every `poll_s` and stops it when the record is no longer running (cancelled
+elsewhere, deleted, or evicted from the store). A drain counts the runs here as requests in
+flight; a cut ends their engine calls as it ends the others', and the runs end failed.
+
+A background stream (`stream: true` too) runs the same way, its events kept here as they come
+(`EventLog`): the request that started it follows them, and a client that lost it picks them up
+again with `GET /v1/responses/{id}?stream=true&starting_after=N` (OpenAI's), on this replica,
+while the run goes on and for the last FINISHED_LOGS runs after. Leaving the stream does not stop
+the run; a cancel ends the stream where the run stopped.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+
+from router.engine_streams import collect, events
+from router.errors import OpenAIError, bad_request, internal_error
+from router.formatting import Accumulator
+from router.response_store import StoredResponses
+from router.responses import RUNNING, ResponseReply
+
+logger = logging.getLogger(__name__)
+
+CANCEL_POLL_S = 1.0  # how often a run reads its record, for a cancel or delete sent to another replica
+FINISHED_LOGS = 64  # finished background streams whose events are kept for GET ?stream=true
+
+
+class EventLog:
+    """A background stream's events (SSE text; event k has sequence_number k), for its followers."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.done = False
+        self._changed = asyncio.Condition()
+
+    async def add(self, event: str) -> None:
+        async with self._changed:
+            self.events.append(event)
+            self._changed.notify_all()
+
+    async def close(self) -> None:
+        async with self._changed:
+            self.done = True
+            self._changed.notify_all()
+
+    async def follow(self, starting_after: int = -1) -> AsyncIterator[str]:
+        """The events after sequence number `starting_after`, then each as it comes, to the end."""
+        i = max(starting_after + 1, 0)
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda: i < len(self.events) or self.done)
+                new = self.events[i:]
+            if not new:
+                return
+            for event in new:
+                yield event
+            i += len(new)
+
+
+class BackgroundRuns:
+    """The background runs of this ingress replica, by response id."""
+
+    def __init__(self, stored: StoredResponses, poll_s: float = CANCEL_POLL_S) -> None:
+        self.stored = stored
+        self.poll_s = poll_s
+        self._runs: dict[str, asyncio.Task] = {}
+        self._logs: OrderedDict[str, EventLog] = OrderedDict()  # background streams' events, oldest first
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def __contains__(self, response_id: str) -> bool:
+        return response_id in self._runs
+
+    def start(self, response_id: str, run: Coroutine, log: EventLog | None = None) -> None:
+        """Runs `run` (which records its own end) until it returns or the response stops running;
+        `log`: a background stream's, closed when the run ends."""
+        task = asyncio.create_task(self._watched(response_id, run, log), name=f"background {response_id}")
+        self._runs[response_id] = task
+        task.add_done_callback(lambda _: self._runs.pop(response_id, None))
+        if log is not None:
+            self._logs[response_id] = log
+            self._logs.move_to_end(response_id)
+            finished = [rid for rid, kept in self._logs.items() if kept.done]
+            for rid in finished[:max(0, len(finished) - FINISHED_LOGS)]:
+                del self._logs[rid]
+
+    async def events(self, response_id: str, starting_after: int | None) -> AsyncIterator[str]:
+        """`GET /v1/responses/{id}?stream=true`: a background stream's events after
+        `starting_after` (all, without), as they come."""
+        await self.stored.record(response_id)  # a 404 for one deleted, or never stored
+        log = self._logs.get(response_id)
+        if log is None:
+            raise bad_request(f"The events of response '{response_id}' are not kept here: only a background "
+                              "response created with stream true can be streamed again, from the ingress "
+                              "replica that runs it, while it runs and for a while after", "stream")
+        return log.follow(-1 if starting_after is None else starting_after)
+
+    async def _watched(self, response_id: str, run: Coroutine, log: EventLog | None) -> None:
+        work = asyncio.ensure_future(run)
+        try:
+            while not work.done():
+                await asyncio.wait([work], timeout=self.poll_s)
+                if not work.done() and not await self._still_running(response_id):
+                    work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+        finally:  # cancelled here (a cancel sent to this replica): the run ends with it
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+            if log is not None:
+                await log.close()
+
+    async def _still_running(self, response_id: str) -> bool:
+        try:
+            record = await self.stored.store.get(response_id)
+        except Exception:  # the store did not answer: the run goes on, and is asked again
+            logger.warning("background response %s: its record could not be read", response_id, exc_info=True)
+            return True
+        return record is not None and record["response"]["status"] in RUNNING
+
+    async def cancel(self, response_id: str) -> dict:
+        """`POST /v1/responses/{id}/cancel` (OpenAI's): the response, cancelled. Cancelling a
+        cancelled one gives it again; a finished one, or one that did not run in the background,
+        is a 400."""
+        response = (await self.stored.record(response_id))["response"]
+        if not response.get("background"):
+            raise bad_request("Cannot cancel a synchronous response.", "response_id")
+        if response["status"] == "cancelled":
+            return response
+        if response["status"] not in RUNNING:
+            raise bad_request(f"Cannot cancel a response that is already {response['status']}.", "response_id")
+        task = self._runs.get(response_id)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        record = await self.stored.record(response_id)  # as the run left it
+        cancelled = {**record["response"], "status": "cancelled"}
+        if await self.stored.store.put(response_id, {**record, "response": cancelled}, if_running=True):
+            return cancelled
+        return await self.cancel(response_id)  # it ended meanwhile: say how
+
+
+async def run_in_background(reply: ResponseReply, start: Callable[[], Awaitable[tuple]], acc: Accumulator) -> None:
+    """A background response's run: `start()` sends it to the engine (router.serving's _start);
+    its record goes in_progress with the first output, and ends as the reply does, or failed."""
+    try:
+        first, merged = await start()
+        await reply.running()
+        await collect(acc, first, merged)
+        if not (await reply.whole(acc))["store"]:  # too large, or no longer running: kept only if still running
+            await reply.failed(_too_large().body())
+    except OpenAIError as e:
+        await reply.failed(e.body())
+    except Exception:
+        logger.exception("background response %s failed", reply.id)
+        await reply.failed(internal_error().body())
+
+
+async def stream_in_background(reply: ResponseReply, start: Callable[[], Awaitable[tuple]], acc: Accumulator,
+                               log: EventLog) -> None:
+    """A background stream's run: as run_in_background, its events into `log` (the first,
+    response.created with the response queued, is there before it starts)."""
+    try:
+        first, merged = await start()
+    except OpenAIError as e:
+        await log.add(reply.error_event(e.body()))
+        await log.add(reply.event("response.failed", response=await reply.failed(e.body())))
+        return
+    await log.add(reply.event("response.in_progress", response=await reply.running()))
+    async with contextlib.aclosing(merged):
+        async for event in reply.events(events(first, merged, acc, reply.error_event), acc, head=False):
+            await log.add(event)
+    await reply.failed(_too_large().body())  # only where the store could not keep the end: still running
+
+
+def _too_large() -> OpenAIError:
+    return OpenAIError(500, "The response is larger than this server's response store holds "
+                            "(--responses-store-max-bytes).", type="server_error", code="response_too_large")
+
+
+def check_id_free(runs: BackgroundRuns, record: dict | None, response_id: str) -> None:
+    """A background request may not take the id (vLLM's request_id) of a response still running."""
+    if response_id in runs or record is not None and record["response"]["status"] in RUNNING:
+        raise OpenAIError(409, f"A response with id '{response_id}' is still running: cancel it, or give "
+                               "another request_id", param="request_id", code="conflict")
