@@ -13,7 +13,7 @@ flight; a cut ends their engine calls as it ends the others', and the runs end f
 A background stream (`stream: true` too) runs the same way, its events kept here as they come
 (`EventLog`): the request that started it follows them, and a client that lost it picks them up
 again with `GET /v1/responses/{id}?stream=true&starting_after=N` (OpenAI's), on this replica,
-while the run goes on and for the last FINISHED_LOGS runs after. Leaving the stream does not stop
+while the run goes on and after, for the last FINISHED_LOGS runs within FINISHED_LOG_BYTES. Leaving the stream does not stop
 the run; a cancel ends the stream where the run stopped.
 """
 from __future__ import annotations
@@ -33,7 +33,8 @@ from router.responses import RUNNING, ResponseReply
 logger = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 1.0  # how often a run reads its record, for a cancel or delete sent to another replica
-FINISHED_LOGS = 64  # finished background streams whose events are kept for GET ?stream=true
+FINISHED_LOGS = 64  # finished background streams whose events are kept for GET ?stream=true,
+FINISHED_LOG_BYTES = 32 << 20  # at most this much of their events' text
 
 
 class EventLog:
@@ -41,12 +42,14 @@ class EventLog:
 
     def __init__(self) -> None:
         self.events: list[str] = []
+        self.num_bytes = 0
         self.done = False
         self._changed = asyncio.Condition()
 
     async def add(self, event: str) -> None:
         async with self._changed:
             self.events.append(event)
+            self.num_bytes += len(event)
             self._changed.notify_all()
 
     async def close(self) -> None:
@@ -92,9 +95,14 @@ class BackgroundRuns:
         if log is not None:
             self._logs[response_id] = log
             self._logs.move_to_end(response_id)
-            finished = [rid for rid, kept in self._logs.items() if kept.done]
-            for rid in finished[:max(0, len(finished) - FINISHED_LOGS)]:
-                del self._logs[rid]
+            self._forget_finished()
+
+    def _forget_finished(self) -> None:
+        """The oldest finished logs go, past FINISHED_LOGS of them or FINISHED_LOG_BYTES."""
+        finished = [rid for rid, kept in self._logs.items() if kept.done]
+        size = sum(self._logs[rid].num_bytes for rid in finished)
+        while finished and (len(finished) > FINISHED_LOGS or size > FINISHED_LOG_BYTES):
+            size -= self._logs.pop(finished.pop(0)).num_bytes
 
     async def events(self, response_id: str, starting_after: int | None) -> AsyncIterator[str]:
         """`GET /v1/responses/{id}?stream=true`: a background stream's events after

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from engine.config import EngineConfig
+from router import background
 from router.api import build_api
 from router.response_store import ResponseStore
 from router.serving import OpenAIServing
@@ -230,3 +231,25 @@ def test_a_cancel_ends_a_background_stream_and_only_those_are_streamed_again(tok
     assert 0 < list(engine.ended.values())[0] < steps
     assert errors[0]["param"] == "stream" and "not kept here" in errors[0]["message"]
     assert "not found" in errors[1]["message"]
+
+
+@pytest.mark.parametrize("limits", [{"FINISHED_LOGS": 1}, {"FINISHED_LOG_BYTES": 1}])
+def test_the_oldest_finished_streams_events_go_past_the_limits(tokenizer, monkeypatch, limits):
+    for name, value in limits.items():
+        monkeypatch.setattr(background, name, value)
+
+    async def go(client):
+        ids = []
+        for _ in range(3):
+            ids.append([e async for e in await create(client, stream=True)][0].response.id)
+            await asyncio.sleep(0.05)  # its run has ended
+        kept = []
+        for rid in ids:
+            try:
+                kept.append(len([e async for e in await client.responses.retrieve(rid, stream=True)]) > 0)
+            except openai.BadRequestError:
+                kept.append(False)
+        return kept
+
+    kept, _ = run(tokenizer, REPLY, go)
+    assert kept == ([False, True, True] if "FINISHED_LOGS" in limits else [False, False, True])
