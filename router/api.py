@@ -8,6 +8,8 @@
     POST /v1/chat/completions
     POST /v1/responses          OpenAI's Responses API over the chat path; streams its typed events
     GET, DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items   stored responses
+    POST /v1/responses/{id}/cancel   a background response (router.background)
+    POST /invocations           SageMaker's (vLLM's): a chat request (messages) or a completion (prompt)
     POST /tokenize, /detokenize
 
 Bodies are read here (at most `max_request_body_bytes`, else 413) and validated by the pydantic
@@ -34,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.version import kvserve_version
 from router.cluster_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from router.errors import OpenAIError, from_validation_error, internal_error
+from router.errors import OpenAIError, bad_request, from_validation_error, internal_error
 from router.off_loop import off_loop
 from router.protocol import (REQUEST_ID_PATTERN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              TokenizeRequest)
@@ -104,7 +106,9 @@ def error_response(e: OpenAIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-async def read_json(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+async def read_json(request: Request, model: type[BaseModel] | Callable[[object], type[BaseModel]],
+                    limit: int) -> BaseModel:
+    """The body, validated as `model` (or as the model that `model(parsed body)` picks)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise OpenAIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
@@ -129,8 +133,10 @@ OFF_LOOP_BYTES = 64 << 10  # a body this large is parsed and validated on router
 BODY_READ_TIMEOUT_S = 60.0
 
 
-def _validated(body: bytes, model: type[BaseModel]) -> BaseModel:
+def _validated(body: bytes, model: type[BaseModel] | Callable[[object], type[BaseModel]]) -> BaseModel:
     data = parse_json(body)
+    if not isinstance(model, type):
+        model = model(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -193,6 +199,16 @@ def _too_deep() -> OpenAIError:
     """Valid JSON, but deeper than a request needs."""
     return OpenAIError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels, this server's limit",
                        code="invalid_json")
+
+
+def _invocation(data) -> type[BaseModel]:
+    """Which API a `POST /invocations` body is for, as vLLM tells them apart (chat first)."""
+    if isinstance(data, dict) and "messages" in data:
+        return ChatCompletionRequest
+    if isinstance(data, dict) and "prompt" in data:
+        return CompletionRequest
+    raise bad_request("Cannot find suitable handler for request. Expected one of: ChatCompletionRequest "
+                      "(a body with messages), CompletionRequest (a body with prompt)")
 
 
 def _digest(key: str) -> bytes:
@@ -263,6 +279,13 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
         body = _with_request_id(request, await read_json(request, ChatCompletionRequest, limit))
         set_session(request.headers.get(SESSION_HEADER), body.user)
         return _reply(await serving.chat(body))
+
+    @api.post("/invocations", include_in_schema=False)  # vLLM's, for SageMaker (its /ping is above)
+    async def invocations(request: Request):
+        body = _with_request_id(request, await read_json(request, _invocation, limit))
+        set_session(request.headers.get(SESSION_HEADER), body.user)
+        return _reply(await (serving.chat(body) if isinstance(body, ChatCompletionRequest) else
+                             serving.completions(body)))
 
     @api.post("/v1/responses", openapi_extra=_json_body(ResponsesRequest))
     async def responses(request: Request):

@@ -576,3 +576,29 @@ def test_a_template_that_loops_over_content_parts_gets_them(tokenizer, content_f
 def test_a_json_constraint_takes_vllm_s_whitespace_pattern(tokenizer, extra):
     _, params = sent(tokenizer, chat(extra_body=extra))
     assert params.structured_outputs.whitespace_pattern == "[ ]?" and params.structured_outputs.kind == "json"
+
+
+def test_sagemakers_invocations_route_is_chat_or_completions_by_the_bodys_fields(tokenizer):
+    """vLLM's POST /invocations: a body with messages is a chat request, one with a prompt a
+    completion request (each validated as such), anything else a 400; the API key holds there too."""
+    async def go(client):
+        post = client._client.post
+        keyed = {"Authorization": "Bearer k"}
+        as_chat = await post("http://t/invocations", json={"messages": USER, "max_tokens": 5}, headers=keyed)
+        as_completion = await post("http://t/invocations", json={"prompt": "Is the sky", "max_tokens": 5},
+                                   headers=keyed)
+        streamed = await post("http://t/invocations", json={"prompt": "Is", "stream": True}, headers=keyed)
+        bad = [await post("http://t/invocations", json=body, headers=keyed)
+               for body in ({"input": "hi"}, [1], {"messages": USER, "n": 0})]
+        unkeyed = await post("http://t/invocations", json={"prompt": "Is"})
+        return as_chat, as_completion, streamed, bad, unkeyed
+
+    (as_chat, as_completion, streamed, bad, unkeyed), engine = run(tokenizer, "yes", go, settings={"api_key": "k"})
+    assert as_chat.json()["object"] == "chat.completion" and as_chat.json()["choices"][0]["message"]["content"] == "yes"
+    assert as_completion.json()["object"] == "text_completion" and as_completion.json()["choices"][0]["text"] == "yes"
+    assert streamed.text.endswith("data: [DONE]\n\n")
+    chat_prompt = tokenizer.apply_chat_template(USER, tokenize=False, add_generation_prompt=True)
+    assert [tokenizer.decode(ids) for ids, _ in engine.seen[:2]] == [chat_prompt, "Is the sky"]
+    assert [r.status_code for r in bad] == [400, 400, 400] and "Cannot find suitable handler" in bad[0].json()[
+        "error"]["message"]
+    assert bad[2].json()["error"]["param"] == "n" and unkeyed.status_code == 401
