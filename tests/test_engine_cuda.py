@@ -149,10 +149,13 @@ def test_the_engine_core_in_its_own_process_serves_on_cuda(tmp_path, tokenizer_d
     from engine.process_engine import ProcessEngine
 
     d, prompts = make_tiny_llama(tmp_path, tokenizer_dir, "gqa"), _prompts()
-    ref = _tokens(LLM(model=str(d), device="cuda", max_num_seqs=8).generate(prompts, GREEDY))
+    # A pool of its own size in each: sized from the GPU's free memory, the child would find the
+    # parent's (cached by its allocator) taken, and no room left.
+    ref = _tokens(LLM(model=str(d), device="cuda", max_num_seqs=8, num_gpu_blocks_override=128).generate(prompts,
+                                                                                                        GREEDY))
 
     async def main():
-        engine = ProcessEngine(model=str(d), device="cuda", max_num_seqs=8)
+        engine = ProcessEngine(model=str(d), device="cuda", max_num_seqs=8, num_gpu_blocks_override=128)
 
         async def stream(i: int, prompt: list[int]) -> list[int]:
             outs = [out async for out in engine.generate(str(i), prompt, GREEDY)]
