@@ -8,7 +8,8 @@ record, so that a cancel or a delete is never undone.
 marks the record cancelled, and stops the run at once when it is here. The replica that runs it
 reads its record every `poll_s` and stops it when the record is no longer running (cancelled
 elsewhere, deleted, or evicted from the store). A drain counts the runs here as requests in
-flight; a cut ends their engine calls as it ends the others', and the runs end failed.
+flight; a cut ends their engine calls as it ends the others', and the runs end failed; a replica
+that Serve stops (a scale-down) ends its runs failed too, rather than leave them running for good.
 
 A background stream (`stream: true` too) runs the same way, its events kept here as they come
 (`EventLog`): the request that started it follows them, and a client that lost it picks them up
@@ -139,6 +140,21 @@ class BackgroundRuns:
             logger.warning("background response %s: its record could not be read", response_id, exc_info=True)
             return True
         return record is not None and record["response"]["status"] in RUNNING
+
+    async def shutdown(self) -> None:
+        """This replica is stopping: its runs end, and their records say failed."""
+        runs = list(self._runs.items())
+        for _, task in runs:
+            task.cancel()
+        for response_id, task in runs:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            with contextlib.suppress(Exception):  # gone from the store, or the store is stopping too
+                record = await self.stored.record(response_id)
+                error = {"code": "server_shutdown", "message": "The server stopped before this background response "
+                                                               "finished. Create it again."}
+                failed = {**record["response"], "status": "failed", "error": error}
+                await self.stored.store.put(response_id, {**record, "response": failed}, if_running=True)
 
     async def cancel(self, response_id: str) -> dict:
         """`POST /v1/responses/{id}/cancel` (OpenAI's): the response, cancelled. Cancelling a

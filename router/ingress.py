@@ -309,6 +309,10 @@ class OpenAIIngress:
         return {"replica": serve.get_replica_context().replica_id.to_full_id_str(),
                 "in_flight": self._client.cut_all()}
 
+    async def __del__(self) -> None:
+        # Serve calls this when it stops the replica, after its HTTP requests (not its background runs)
+        await self._serving.background.shutdown()
+
     async def ready(self) -> tuple[bool, dict]:
         """True when every replica of the engine deployment is running (its engine loaded); also
         when Serve has scaled it to zero (autoscaling from min_replicas 0: a request starts one),

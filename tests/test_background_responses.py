@@ -253,3 +253,19 @@ def test_the_oldest_finished_streams_events_go_past_the_limits(tokenizer, monkey
 
     kept, _ = run(tokenizer, REPLY, go)
     assert kept == ([False, True, True] if "FINISHED_LOGS" in limits else [False, False, True])
+
+
+def test_a_replica_that_stops_ends_its_runs_failed(tokenizer):
+    """What the ingress does when Serve stops it (its __del__): no record stays running for good."""
+    async def go(clients, servings):
+        a, b = clients
+        queued = await create(a)
+        while (await b.responses.retrieve(queued.id)).status != "in_progress":
+            await asyncio.sleep(0.01)
+        await servings[0].background.shutdown()
+        return len(servings[0].background), await b.responses.retrieve(queued.id)
+
+    (running, stopped), engine = replicas(tokenizer, LONG, go, step_s=0.02)
+    steps = -(-len(tokenizer.encode(LONG, add_special_tokens=False)) // 3)
+    assert running == 0 and stopped.status == "failed" and stopped.error.code == "server_shutdown"
+    assert 0 < list(engine.ended.values())[0] < steps
