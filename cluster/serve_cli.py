@@ -29,7 +29,7 @@ from workers.serve_logging import UVICORN_LOG_LEVELS
 
 _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_replicas", "max_ongoing_requests",
                 "max_queued_requests", "max_request_body_bytes", "max_sequences_per_request",
-                "responses_store_max_bytes", "enable_log_requests", "disable_log_stats", "disable_uvicorn_access_log",
+                "responses_store_max_bytes", "max_background_responses", "enable_log_requests", "disable_log_stats", "disable_uvicorn_access_log",
                 "uvicorn_log_level",
                 "routing", "routing_stats_period_s", "autoscale", "min_replicas", "max_replicas", "upscale_delay_s",
                 "downscale_delay_s", "target_kv_usage", "target_ongoing_requests", "look_back_period_s",
@@ -63,6 +63,9 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     http.add_argument("--responses-store-max-bytes", type=parse_bytes, metavar="BYTES",
                       help="memory for stored /v1/responses (previous_response_id, GET /v1/responses/{id}); "
                            "the least recently used go beyond it; 0 stores none (default: 64M)")
+    http.add_argument("--max-background-responses", type=int, metavar="N",
+                      help="background /v1/responses each ingress replica runs at once; more get a 503 "
+                           "(429 with --overload-status 429); 0 refuses them all (default: 256)")
     http.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=None,
                       help="log each request's prompt token ids and sampling params (off by default)")
     http.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false", default=None,

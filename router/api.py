@@ -305,7 +305,7 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
 
     @api.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
-        return await serving.stored.delete(response_id)
+        return await serving.background.delete(response_id)
 
     @api.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(response_id: str, order: str = "desc", limit: int = 20, after: str | None = None):

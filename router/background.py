@@ -92,7 +92,7 @@ class BackgroundRuns:
         `log`: a background stream's, closed when the run ends."""
         task = asyncio.create_task(self._watched(response_id, run, log), name=f"background {response_id}")
         self._runs[response_id] = task
-        task.add_done_callback(lambda _: self._runs.pop(response_id, None))
+        task.add_done_callback(lambda t: self._runs.pop(response_id) if self._runs.get(response_id) is t else None)
         if log is not None:
             self._logs[response_id] = log
             self._logs.move_to_end(response_id)
@@ -134,27 +134,38 @@ class BackgroundRuns:
                 await log.close()
 
     async def _still_running(self, response_id: str) -> bool:
+        """Whether the record still says running; asking renews the run's lease on it
+        (router.response_store: a record whose run goes silent for RUN_LEASE_S is failed)."""
         try:
-            record = await self.stored.store.get(response_id)
+            return await self.stored.store.beat(response_id) in RUNNING
         except Exception:  # the store did not answer: the run goes on, and is asked again
             logger.warning("background response %s: its record could not be read", response_id, exc_info=True)
             return True
-        return record is not None and record["response"]["status"] in RUNNING
+
+    async def stop(self, response_id: str) -> None:
+        """Ends the run of `response_id` here, if there is one."""
+        task = self._runs.get(response_id)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def delete(self, response_id: str) -> dict:
+        """`DELETE /v1/responses/{id}`: a run here stops at once (elsewhere, at its next poll)."""
+        await self.stop(response_id)
+        return await self.stored.delete(response_id)
 
     async def shutdown(self) -> None:
         """This replica is stopping: its runs end, and their records say failed."""
-        runs = list(self._runs.items())
-        for _, task in runs:
-            task.cancel()
-        for response_id, task in runs:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        runs = list(self._runs)
+        for response_id in runs:
+            await self.stop(response_id)
             with contextlib.suppress(Exception):  # gone from the store, or the store is stopping too
                 record = await self.stored.record(response_id)
                 error = {"code": "server_shutdown", "message": "The server stopped before this background response "
                                                                "finished. Create it again."}
                 failed = {**record["response"], "status": "failed", "error": error}
-                await self.stored.store.put(response_id, {**record, "response": failed}, if_running=True)
+                await self.stored.store.put(response_id, {**record, "response": failed}, run_update=True)
 
     async def cancel(self, response_id: str) -> dict:
         """`POST /v1/responses/{id}/cancel` (OpenAI's): the response, cancelled. Cancelling a
@@ -167,14 +178,10 @@ class BackgroundRuns:
             return response
         if response["status"] not in RUNNING:
             raise bad_request(f"Cannot cancel a response that is already {response['status']}.", "response_id")
-        task = self._runs.get(response_id)
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self.stop(response_id)
         record = await self.stored.record(response_id)  # as the run left it
         cancelled = {**record["response"], "status": "cancelled"}
-        if await self.stored.store.put(response_id, {**record, "response": cancelled}, if_running=True):
+        if await self.stored.store.put(response_id, {**record, "response": cancelled}, run_update=True):
             return cancelled
         return await self.cancel(response_id)  # it ended meanwhile: say how
 
@@ -197,13 +204,16 @@ async def run_in_background(reply: ResponseReply, start: Callable[[], Awaitable[
 
 async def stream_in_background(reply: ResponseReply, start: Callable[[], Awaitable[tuple]], acc: Accumulator,
                                log: EventLog) -> None:
-    """A background stream's run: as run_in_background, its events into `log` (the first,
-    response.created with the response queued, is there before it starts)."""
+    """A background stream's run: as run_in_background, its events into `log` (the first two,
+    response.created and response.queued, are there before it starts)."""
     try:
         first, merged = await start()
-    except OpenAIError as e:
-        await log.add(reply.error_event(e.body()))
-        await log.add(reply.event("response.failed", response=await reply.failed(e.body())))
+    except Exception as e:
+        if not isinstance(e, OpenAIError):
+            logger.exception("background response %s failed", reply.id)
+        body = (e if isinstance(e, OpenAIError) else internal_error()).body()
+        await log.add(reply.error_event(body))
+        await log.add(reply.event("response.failed", response=await reply.failed(body)))
         return
     await log.add(reply.event("response.in_progress", response=await reply.running()))
     async with contextlib.aclosing(merged):

@@ -259,8 +259,11 @@ class HandleResponseStore:
     def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = started(handle)
 
-    async def put(self, response_id: str, record: dict, if_running: bool = False) -> bool:
-        return await self._handle.put.remote(response_id, record, if_running)
+    async def put(self, response_id: str, record: dict, run_update: bool = False) -> bool:
+        return await self._handle.put.remote(response_id, record, run_update)
+
+    async def beat(self, response_id: str) -> str | None:
+        return await self._handle.beat.remote(response_id)
 
     async def get(self, response_id: str) -> dict | None:
         return await self._handle.get.remote(response_id)

@@ -14,60 +14,103 @@ the process that holds them: the ingress when there is one ingress replica, else
 from __future__ import annotations
 
 import json
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from router.errors import OpenAIError, bad_request
 from router.responses import RUNNING, ResponsesRequest, item_dicts
 
 
+RUN_LEASE_S = 30.0  # a running record whose run was not heard of for this long is failed: its replica is gone
+_LOST = {"code": "server_error", "message": "The server running this background response stopped before it "
+                                           "finished. Create it again."}
+
+
+@dataclass
+class _Entry:
+    text: str  # the record's JSON
+    size: int  # its bytes
+    status: str  # its response's
+    beat_at: float  # time.monotonic() of the last word from its run (a background response's)
+
+
 class ResponseStore:
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, lease_s: float = RUN_LEASE_S) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.max_bytes = max_bytes
+        self.lease_s = lease_s
         self.num_bytes = 0
-        self._records: OrderedDict[str, tuple[str, int, str]] = OrderedDict()  # id -> (JSON, bytes, status), LRU first
+        self._records: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
 
     def __len__(self) -> int:
         return len(self._records)
 
-    async def put(self, response_id: str, record: dict, if_running: bool = False) -> bool:
-        """Stores `record` under `response_id` (newest); False when it alone is over max_bytes, or
-        when `if_running` and the record there is not a running background response's (it was
-        cancelled, deleted or evicted): a background run's updates never undo those."""
-        if if_running and self._records.get(response_id, (None, 0, None))[2] not in RUNNING:
+    async def put(self, response_id: str, record: dict, run_update: bool = False) -> bool:
+        """Stores `record` under `response_id` (newest); False when it alone is over max_bytes,
+        and where it would change who holds the id: a running background response's record is
+        replaced only by its run's (`run_update`: its progress, its end, a cancel of it), and a
+        run's replaces nothing else (its record was cancelled, deleted or evicted, which a run
+        never undoes). Atomic here, in the one process that holds the store."""
+        entry = self._current(response_id)
+        if (entry is not None and entry.status in RUNNING) != run_update:
             return False
-        text = json.dumps(record, separators=(",", ":"), ensure_ascii=False)
-        size = len(text.encode())
-        if size > self.max_bytes:
-            return False
-        await self.delete(response_id)
-        self._records[response_id] = text, size, record["response"]["status"]
-        self.num_bytes += size
-        while self.num_bytes > self.max_bytes:
-            _, (_, old, _) = self._records.popitem(last=False)
-            self.num_bytes -= old
-        return True
+        return self._write(response_id, record)
 
     async def get(self, response_id: str) -> dict | None:
-        entry = self._records.get(response_id)
+        entry = self._current(response_id)
         if entry is None:
             return None
         self._records.move_to_end(response_id)
-        return json.loads(entry[0])
+        return json.loads(entry.text)
+
+    async def beat(self, response_id: str) -> str | None:
+        """A background run's word that it goes on (router.background, every poll) -> its
+        record's status; None: the record is gone."""
+        entry = self._current(response_id)
+        if entry is None:
+            return None
+        entry.beat_at = time.monotonic()
+        return entry.status
 
     async def delete(self, response_id: str) -> bool:
         entry = self._records.pop(response_id, None)
         if entry is None:
             return False
-        self.num_bytes -= entry[1]
+        self.num_bytes -= entry.size
         return True
+
+    def _write(self, response_id: str, record: dict) -> bool:
+        text = json.dumps(record, separators=(",", ":"), ensure_ascii=False)
+        size = len(text.encode())
+        if size > self.max_bytes:
+            return False
+        old = self._records.pop(response_id, None)
+        self.num_bytes -= old.size if old is not None else 0
+        self._records[response_id] = _Entry(text, size, record["response"]["status"], time.monotonic())
+        self.num_bytes += size
+        while self.num_bytes > self.max_bytes:
+            _, gone = self._records.popitem(last=False)
+            self.num_bytes -= gone.size
+        return True
+
+    def _current(self, response_id: str) -> _Entry | None:
+        """The id's entry; a running one whose run went silent past the lease is failed first
+        (its ingress replica died: nothing else would ever end it)."""
+        entry = self._records.get(response_id)
+        if entry is not None and entry.status in RUNNING and time.monotonic() - entry.beat_at > self.lease_s:
+            record = json.loads(entry.text)
+            record["response"] = {**record["response"], "status": "failed", "error": _LOST}
+            self._write(response_id, record)
+            entry = self._records.get(response_id)
+        return entry
 
 
 class StoredResponses:
     """The Responses API's use of a store (any object with ResponseStore's async put / get /
-    delete; None: the store is off, nothing is kept)."""
+    beat / delete; None: the store is off, nothing is kept)."""
 
     def __init__(self, store: ResponseStore | None) -> None:
         self.store = store
@@ -81,8 +124,8 @@ class StoredResponses:
         async def keep(response: dict) -> bool:
             record = {"response": response, "input": inputs, "conversation": history + inputs + response["output"]}
             # a background run's later records replace only its running one (router.background)
-            return await self.store.put(response["id"], record, if_running=response["status"] != "queued"
-                                        and req.background)
+            return await self.store.put(response["id"], record,
+                                        run_update=req.background and response["status"] != "queued")
         return keep
 
     async def conversation(self, previous_response_id: str | None) -> list[dict]:

@@ -285,18 +285,28 @@ class OpenAIServing:
         if self.stored.store is None:
             raise bad_request("background needs the response store, which is off on this server "
                               "(--responses-store-max-bytes 0)", "background")
+        if len(self.background) >= self.settings.max_background_responses:
+            raise OpenAIError(self.settings.overload_status, f"This server runs at most "
+                              f"{self.settings.max_background_responses} background responses at once "
+                              "(--max-background-responses). Retry later.",
+                              type="server_overloaded" if self.settings.overload_status == 503 else
+                              "rate_limit_exceeded", code="too_many_background_responses",
+                              headers={"Retry-After": str(max(1, round(self.settings.retry_after_s)))})
         params = await self._checked([ids], params, "input", "max_output_tokens")  # a 400 now, not a failed run
-        queued = await reply.queued()
+        queued = await reply.queued()  # taking its id: refused where a run holds it
         if not queued["store"]:
+            check_id_free(self.background, await self.stored.store.get(reply.id), reply.id)
             raise bad_request("this request is larger than the response store holds (--responses-store-max-bytes), "
                               "so its background run could not be followed", "input")
-        start = functools.partial(self._start, rid, [ids], params, "input", "max_output_tokens")
+        # accepted: the run waits for room in a full engine queue, where a new request is refused
+        start = functools.partial(self._start, rid, [ids], params, "input", "max_output_tokens", admitted=True)
         acc = Accumulator([len(ids)], 1)
         if not reply.req.stream:
             self.background.start(reply.id, run_in_background(reply, start, acc))
             return queued
         log = EventLog()
-        await log.add(reply.event("response.created", response=queued))
+        for kind in ("response.created", "response.queued"):  # OpenAI's two, then in_progress when it starts
+            await log.add(reply.event(kind, response=queued))
         self.background.start(reply.id, stream_in_background(reply, start, acc, log), log)
         return log.follow()
 
@@ -440,9 +450,11 @@ class OpenAIServing:
             _check_fits_kv_cache(len(ids), params.max_tokens, info, max_param)
 
     async def _start(self, rid: str, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
-                     max_param: str, beam: BeamSearch | None = None) -> tuple[tuple[int, StepOutput], AsyncIterator]:
+                     max_param: str, beam: BeamSearch | None = None,
+                     admitted: bool = False) -> tuple[tuple[int, StepOutput], AsyncIterator]:
         """Send every prompt to the engine (or to a beam search over it); returns its first output
-        and the rest of the merged stream."""
+        and the rest of the merged stream. `admitted`: accepted already (a background run), its
+        first call waits for room in a full queue as the later ones do."""
         params = await self._checked(prompts, params, prompt_param, max_param)
         if self.settings.enable_log_requests:
             logger.info("%s: prompt token ids %s, %s", rid, prompts, params)
@@ -451,7 +463,7 @@ class OpenAIServing:
         sent = itertools.count()
 
         def generate(request_id: str, ids: list[int], p: SamplingParams) -> AsyncIterator[StepOutput]:
-            return self.engine.generate(request_id, ids, p, admitted=next(sent) > 0)
+            return self.engine.generate(request_id, ids, p, admitted=next(sent) > 0 or admitted)
 
         if beam is None:
             calls = sample_calls(len(prompts), params, (await self.limits())["max_num_seqs"])

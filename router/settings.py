@@ -29,6 +29,9 @@ class RouterSettings:
     # Memory for stored /v1/responses (previous_response_id, GET /v1/responses/{id}); the least
     # recently used go beyond it. 0: nothing is stored.
     responses_store_max_bytes: int = 64 << 20
+    # Background responses (router.background) one ingress replica runs at once; more get the
+    # overload status (a run waits for room in the engine queue, where a request is refused).
+    max_background_responses: int = 256
     # Where the defaults of the sampling fields a request leaves unset come from (vLLM's
     # --generation-config, engine.generation_config): auto (the model's generation_config.json) |
     # vllm (none: OpenAI's) | a directory; then override_generation_config's fields on top.
@@ -68,6 +71,8 @@ class RouterSettings:
             raise ValueError(f"max_sequences_per_request must be >= 1, got {self.max_sequences_per_request}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.max_background_responses < 0:
+            raise ValueError(f"max_background_responses must be >= 0, got {self.max_background_responses}")
         if self.responses_store_max_bytes < 0:
             raise ValueError(f"responses_store_max_bytes must be >= 0, got {self.responses_store_max_bytes}")
         if self.chat_template is not None:

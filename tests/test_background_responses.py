@@ -35,12 +35,13 @@ async def until_done(client, response_id: str, timeout_s: float = 10.0):
     return r
 
 
-def replicas(tokenizer, script: str, go, count: int = 2, poll_s: float = 0.05, **engine_kwargs):
+def replicas(tokenizer, script: str, go, count: int = 2, poll_s: float = 0.05, store: ResponseStore | None = None,
+             engine: ScriptedEngine | None = None, **engine_kwargs):
     """go(clients, servings) against `count` apps (ingress replicas) over one engine and one
     response store; -> (its result, the engine)."""
-    engine = ScriptedEngine(tokenizer, script, **engine_kwargs)
+    engine = engine or ScriptedEngine(tokenizer, script, **engine_kwargs)
     server = EngineServer(EngineConfig(max_model_len=4096, max_num_seqs=4), lambda config: engine)
-    store = ResponseStore(1 << 20)
+    store = store if store is not None else ResponseStore(1 << 20)  # (an empty one is falsy)
     servings = [OpenAIServing(tokenizer, server, RouterSettings(served_model_name="m"), store) for _ in range(count)]
     for serving in servings:
         serving.background.poll_s = poll_s
@@ -178,9 +179,10 @@ def test_a_background_stream_starts_queued_and_is_stored_at_its_end(tokenizer):
 
     (events, stored), _ = run(tokenizer, REPLY, go)
     kinds = [e.type for e in events]
-    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
-    assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert events[0].response.status == "queued" and events[1].response.status == "in_progress"
+    assert kinds[:3] == ["response.created", "response.queued", "response.in_progress"]
+    assert kinds[-1] == "response.completed" and [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].response.status == events[1].response.status == "queued"
+    assert events[2].response.status == "in_progress"
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == REPLY
     assert stored.status == "completed" and stored.output_text == REPLY and stored.background
     assert stored.model_dump() == events[-1].response.model_dump()
@@ -212,11 +214,11 @@ def test_a_client_that_left_a_background_stream_picks_it_up_where_it_left(tokeni
 def test_a_cancel_ends_a_background_stream_and_only_those_are_streamed_again(tokenizer):
     async def go(client):
         stream = await create(client, stream=True)
-        seen = []
+        seen, cancelled = [], None
         async for event in stream:
             seen.append(event)
-            if event.type == "response.output_text.delta" and len(seen) < 6:
-                await client.responses.cancel(seen[0].response.id)
+            if event.type == "response.output_text.delta" and not cancelled:
+                cancelled = await client.responses.cancel(seen[0].response.id)
         whole = await create(client, background=False)
         errors = []
         for rid, error in ((whole.id, openai.BadRequestError), ("resp_unknown", openai.NotFoundError)):
@@ -269,3 +271,104 @@ def test_a_replica_that_stops_ends_its_runs_failed(tokenizer):
     steps = -(-len(tokenizer.encode(LONG, add_special_tokens=False)) // 3)
     assert running == 0 and stopped.status == "failed" and stopped.error.code == "server_shutdown"
     assert 0 < list(engine.ended.values())[0] < steps
+
+
+# -- what a review of the above found --------------------------------------------------------------
+
+class _FailingEngine(ScriptedEngine):
+    """Its calls fail with an error of its own (not an OpenAIError), as an engine's bug would."""
+
+    async def generate(self, request_id, prompt, params):
+        raise RuntimeError("an engine bug")
+        yield
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_run_whose_engine_call_fails_ends_failed(tokenizer, stream):
+    async def go(clients, servings):
+        (client,) = clients
+        if stream:
+            events = [e async for e in await create(client, stream=True)]
+            return [e.type for e in events], await client.responses.retrieve(events[0].response.id)
+        return None, await until_done(client, (await create(client)).id)
+
+    (kinds, stored), _ = replicas(tokenizer, REPLY, go, count=1, engine=_FailingEngine(tokenizer, REPLY))
+    assert stored.status == "failed" and stored.error.code == "internal_error"
+    assert kinds in (None, ["response.created", "response.queued", "error", "response.failed"])
+
+
+class _SlowStore(ResponseStore):
+    """A store each call of which waits, as one in another process does (more than one ingress replica)."""
+
+    async def get(self, response_id):
+        await asyncio.sleep(0.002)
+        return await super().get(response_id)
+
+    async def put(self, response_id, record, run_update=False):
+        await asyncio.sleep(0.002)
+        return await super().put(response_id, record, run_update)
+
+
+def test_requests_racing_for_one_id_start_one_run(tokenizer):
+    async def go(clients, servings):
+        tries = [create(client, extra_body={"request_id": "resp_one"}) for client in clients for _ in range(3)]
+        got = await asyncio.gather(*tries, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        running = sum(len(serving.background) for serving in servings)
+        await clients[0].responses.cancel("resp_one")
+        return got, running
+
+    (got, running), engine = replicas(tokenizer, LONG, go, store=_SlowStore(1 << 20), step_s=0.02)
+    assert sum(isinstance(r, openai.ConflictError) for r in got) == 5 and running == 1 and len(engine.seen) == 1
+
+
+def test_a_delete_stops_the_run_here_at_once(tokenizer):
+    async def go(clients, servings):
+        (client,) = clients
+        queued = await create(client)
+        while (await client.responses.retrieve(queued.id)).status != "in_progress":
+            await asyncio.sleep(0.01)
+        await client.responses.delete(queued.id)
+        return len(servings[0].background)
+
+    running, engine = replicas(tokenizer, LONG, go, count=1, poll_s=1.0, step_s=0.02)  # a poll would come late
+    steps = -(-len(tokenizer.encode(LONG, add_special_tokens=False)) // 3)
+    assert running == 0 and 0 < list(engine.ended.values())[0] < steps
+
+
+def test_a_run_whose_replica_died_is_failed_once_its_lease_runs_out(tokenizer):
+    async def go(clients, servings):
+        a, b = clients
+        died, lives = (await create(a)).id, (await create(a)).id
+        await asyncio.sleep(0.1)
+        servings[0].background._runs.pop(died).cancel()  # ended without a word, as a dead process's
+        await asyncio.sleep(0.5)  # past the lease; the live run's polls renew its own
+        return await b.responses.retrieve(died), await until_done(b, lives)
+
+    (died, lives), _ = replicas(tokenizer, LONG, go, store=ResponseStore(1 << 20, lease_s=0.3), step_s=0.01)
+    assert died.status == "failed" and "stopped before it finished" in died.error.message
+    assert lives.status == "completed" and lives.output_text == LONG
+
+
+def test_background_runs_past_the_limit_are_refused_and_a_run_waits_for_room(tokenizer, monkeypatch):
+    admitted = []
+    generate = EngineServer.generate
+
+    def spy(self, request_id, prompt_token_ids, params, admitted_=False, **kwargs):
+        admitted.append(kwargs.get("admitted", admitted_))
+        return generate(self, request_id, prompt_token_ids, params)
+
+    monkeypatch.setattr(EngineServer, "generate", spy)
+
+    async def go(client):
+        first = await create(client)
+        with pytest.raises(openai.APIStatusError) as e:
+            await create(client)
+        await client.responses.cancel(first.id)
+        await create(client, background=False)
+        return e.value
+
+    refused, _ = run(tokenizer, LONG, go, settings={"max_background_responses": 1}, step_s=0.02)
+    assert refused.status_code == 503 and refused.body["code"] == "too_many_background_responses"
+    assert "Retry-After" in refused.response.headers
+    assert admitted == [True, False]  # the run's call waits for room in a full queue; a request's is refused
