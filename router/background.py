@@ -14,8 +14,8 @@ that Serve stops (a scale-down) ends its runs failed too, rather than leave them
 A background stream (`stream: true` too) runs the same way, its events kept here as they come
 (`EventLog`): the request that started it follows them, and a client that lost it picks them up
 again with `GET /v1/responses/{id}?stream=true&starting_after=N` (OpenAI's), on this replica,
-while the run goes on and after, for the last FINISHED_LOGS runs within FINISHED_LOG_BYTES. Leaving the stream does not stop
-the run; a cancel ends the stream where the run stopped.
+while the run goes on and after, for the last FINISHED_LOGS runs within FINISHED_LOG_BYTES.
+Leaving the stream does not stop the run; a cancel ends the stream where the run stopped.
 """
 from __future__ import annotations
 

@@ -6,6 +6,9 @@ choice comes back as a response object, or as the Responses stream's typed event
     response.content_part.added, response.output_text.delta ..., response.output_text.done,
     response.content_part.done, response.output_item.done, response.completed (or .incomplete)
 
+`include: ["message.output_text.logprobs"]` (with `top_logprobs`) puts the output tokens'
+logprobs in the message's output_text part, and each text delta's in its event.
+
 With a reasoning parser (router.reasoning) the reply's reasoning comes first, as a `reasoning`
 item with one `reasoning_text` part (response.reasoning_text.delta events); given back as input,
 such items are accepted and left out of the prompt.
@@ -43,6 +46,12 @@ from router.tools import ToolPlan
 
 
 RUNNING = ("queued", "in_progress")  # a background response's statuses before it ends
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the `include` that asks for the reply's logprobs
+# OpenAI's other includables: outputs of built-in tools (which this server refuses) and encrypted
+# reasoning (there is none here; reasoning items given back are left out of the prompt anyway)
+_INCLUDABLE = Literal["message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+                      "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+                      "computer_call_output.output.image_url", "code_interpreter_call.outputs"]
 
 
 class InputText(_Model):
@@ -270,10 +279,10 @@ class ResponsesRequest(_Model):
     # Defined by OpenAI, not implemented here: a 400 when set.
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
-    include: list[str] | None = None
+    include: list[_INCLUDABLE] | None = None  # OUTPUT_LOGPROBS: the reply's logprobs; the others have none here
     reasoning: dict[str, Any] | None = None
     background: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # with include OUTPUT_LOGPROBS (OpenAI's range)
     truncation: Literal["auto", "disabled"] = "disabled"
 
     @model_validator(mode="before")
@@ -321,8 +330,6 @@ class ResponsesRequest(_Model):
     def _check_unsupported(self):
         for name, why in (("conversation", "this server stores no conversations (use previous_response_id)"),
                           ("prompt", "this server stores no prompt templates"),
-                          ("include", "no extra output is available"),
-                          ("top_logprobs", "use /v1/chat/completions for logprobs"),
                           ("enable_response_messages", "a reply's messages are its output items"),
                           ("previous_input_messages", "give the items as input, or previous_response_id"),
                           ("previous_response", "give previous_response_id (store true)")):
@@ -338,6 +345,10 @@ class ResponsesRequest(_Model):
                              "here (--reasoning-parser returns a thinking model's reasoning as it is)")
         return self
 
+    @property
+    def logprobs_asked(self) -> bool:
+        return OUTPUT_LOGPROBS in (self.include or ())
+
     def chat_request(self, history: list[InputItem] = ()) -> ChatCompletionRequest:
         """The same request on the chat path (400 for what the chat path refuses); `history`: the
         items of the conversation before this input (previous_response_id's)."""
@@ -352,6 +363,8 @@ class ResponsesRequest(_Model):
                 "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "user": self.user,
                 "parallel_tool_calls": self.parallel_tool_calls, "priority": self.priority}
         body.update({name: value for name in _CHAT_EXTRAS if (value := getattr(self, name)) is not None})
+        if self.logprobs_asked:
+            body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.truncation == "auto":  # vLLM's: the input's start dropped to leave room for max_output_tokens
             body["truncate_prompt_tokens"] = -1
         if self.tools:
@@ -386,14 +399,18 @@ class ResponseReply:
 
     def __init__(self, req: ResponsesRequest, model: str, created: int, plan: ToolPlan,
                  store: Callable[[dict], Awaitable[bool]] | None = None, thinking: bool | None = None,
-                 reasoning_tokens: Callable[[list[int]], int] | None = None) -> None:
+                 reasoning_tokens: Callable[[list[int]], int] | None = None,
+                 logprobs: Callable[[list[int], list[dict[int, float]]], list[dict]] | None = None) -> None:
         """`store(response)`: keeps the finished response (before a stream's last event goes out,
         so a follow-up sent on that event finds it; a background one's record at every change of
         its status) and says whether it did. `thinking`: as the
         chat path's (router.reasoning): None, the reply is not split; else whether it opens
-        inside its reasoning. `reasoning_tokens(output token ids)`: how many are reasoning."""
+        inside its reasoning. `reasoning_tokens(output token ids)`: how many are reasoning.
+        `logprobs(token ids, their logprob entries)`: their items in the message's output_text
+        (include message.output_text.logprobs), which get the logprobs of every output token,
+        as chat's content does; each text delta those of the tokens since the one before."""
         self.req, self.model, self.created, self.plan, self.thinking = req, model, created, plan, thinking
-        self.reasoning_tokens = reasoning_tokens
+        self.reasoning_tokens, self.logprobs = reasoning_tokens, logprobs
         self.id = req.request_id or _new_id("resp")  # vLLM's request_id names it as given
         self._seq = itertools.count()
         self._store = store
@@ -407,6 +424,7 @@ class ResponseReply:
         (choice,) = acc.choices
         text, finish = "".join(choice.text), choice.finish_reason
         out, pieces = _StreamedOutput(self), text.split(CLOSE)
+        out.scored(choice.token_ids, choice.logprobs)
         pieces = [p + CLOSE for p in pieces[:-1]] + pieces[-1:]
         for i, piece in enumerate(pieces):
             out.feed(piece, finish if i == len(pieces) - 1 else None)
@@ -463,6 +481,7 @@ class ResponseReply:
                 return
             for c in step.choices:
                 finish = c.finish_reason or finish
+                out.scored(c.token_ids, c.logprobs)
                 for event in out.feed(c.text, c.finish_reason):
                     yield event
         status = _status(finish)
@@ -497,7 +516,8 @@ class ResponseReply:
                "tools": [t.model_dump(exclude_none=True) for t in r.tools or ()],
                "text": {"format": text_format}, "truncation": r.truncation, "store": self._store is not None,
                "previous_response_id": r.previous_response_id, "metadata": r.metadata or {}, "user": r.user,
-               "background": r.background, "usage": None}
+               "background": r.background, "top_logprobs": r.top_logprobs or 0 if r.logprobs_asked else None,
+               "usage": None}
         if acc is not None:
             u, (choice,) = acc.usage(), acc.choices
             thought = self.reasoning_tokens(choice.token_ids) if self.reasoning_tokens and choice.token_ids else 0
@@ -522,6 +542,13 @@ class _StreamedOutput:
         self.message: dict | None = None
         self.text: list[str] = []
         self.calls: dict[int, dict] = {}  # chat's tool call index -> its item
+        self.logprobs: list[dict] = []  # the output's tokens' items, when asked
+        self.unsent = 0  # of which the text deltas have not carried yet
+
+    def scored(self, token_ids: list[int], entries: list[dict[int, float]] | None) -> None:
+        """Output tokens and their logprob entries (none unless the request asked for them)."""
+        if self.reply.logprobs is not None and entries:
+            self.logprobs += self.reply.logprobs(token_ids, entries)
 
     def feed(self, text: str, finish_reason: str | None) -> list[str]:
         """One piece of the reply's text -> its events."""
@@ -558,7 +585,9 @@ class _StreamedOutput:
         if self.message is None:
             events += self._open_message()
         self.text.append(text)
-        events.append(event("response.output_text.delta", **self._where(), delta=text, logprobs=[]))
+        events.append(event("response.output_text.delta", **self._where(), delta=text,
+                            logprobs=self.logprobs[self.unsent:]))
+        self.unsent = len(self.logprobs)
         return events
 
     def _close_reasoning(self, status: str = "completed") -> list[str]:
@@ -611,9 +640,10 @@ class _StreamedOutput:
         if self.message is not None:
             text = "".join(self.text)
             where = self._where()
-            events += [event("response.output_text.done", **where, text=text, logprobs=[]),
-                       event("response.content_part.done", **where, part=_text_part(text))]
-            self.message.update(status=status, content=[_text_part(text)])
+            part = _text_part(text, self.logprobs)
+            events += [event("response.output_text.done", **where, text=text, logprobs=self.logprobs),
+                       event("response.content_part.done", **where, part=part)]
+            self.message.update(status=status, content=[part])
         for index, item in enumerate(self.items):
             if item is self.reasoning:  # done when the answer began, or just above
                 continue
@@ -629,8 +659,8 @@ def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict] = ()) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
 
 
 def _reasoning_part(text: str) -> dict:

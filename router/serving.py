@@ -264,8 +264,11 @@ class OpenAIServing:
                                         'truncation "auto"')
         counter = None if thinking is None else functools.partial(count_reasoning_tokens, decode=self.tokenizer.decode,
                                                                   in_reasoning=thinking)
+        scored = None if params.logprobs is None else (  # include message.output_text.logprobs
+            lambda ids, entries: chat_logprobs(ids, entries, params.logprobs, self.token_str,
+                                               self.token_bytes)["content"])
         reply = ResponseReply(req, self.settings.served_model_name, int(time.time()), plan,
-                              self.stored.keeper(req, history), thinking, counter)
+                              self.stored.keeper(req, history), thinking, counter, scored)
         engine_rid = reply.id if req.request_id is None else f"{reply.id}-{uuid.uuid4().hex[:16]}"  # unique
         if req.request_id is not None and req.store and self.stored.store is not None:
             check_id_free(self.background, await self.stored.store.get(reply.id), reply.id)

@@ -115,9 +115,9 @@ def test_an_error_while_streaming_is_an_error_event_then_response_failed(tokeniz
     ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "18 C"}]}, "input",
      "No tool call found for function call output with call_id call_9"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "effort and summaries cannot be set"),
-    ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
+    ({"include": ["message.output_text.tokens"]}, "include.0", "message.output_text.logprobs"),
     ({"extra_body": {"priority": 3}}, "priority", "priority scheduling is not enabled"),  # fcfs
-    ({"top_logprobs": 2}, "top_logprobs", "not supported"),
+    ({"top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs", "less than or equal to 20"),
     ({"extra_body": {"enable_response_messages": True}}, "enable_response_messages", "not supported"),
     ({"extra_body": {"previous_response": {"id": "resp_1"}}}, "previous_response", "not supported"),
     ({"extra_body": {"top_k": -5}}, "top_k", "greater than or equal to -1"),  # vLLM's extras: chat's checks
@@ -284,3 +284,26 @@ def test_a_named_tool_choice_constrains_as_chats_does(tokenizer):
     (call,) = r.output
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
     assert r.tool_choice.name == "get_weather"
+
+
+def test_include_output_logprobs_gives_the_replys_logprobs_whole_and_streamed(tokenizer):
+    """OpenAI's `include: ["message.output_text.logprobs"]` (and `top_logprobs`): the message's
+    output_text carries every output token's logprob, as chat's content does; streamed, each
+    text delta carries those of the tokens since the one before, and the done event all."""
+    asked = {"include": ["message.output_text.logprobs"], "top_logprobs": 1}
+    r, engine = run(tokenizer, REPLY, create(**asked))
+    ids = tokenizer.encode(REPLY, add_special_tokens=False)
+    assert engine.seen[0][1].logprobs == 1 and r.top_logprobs == 1
+    (part,) = r.output[0].content
+    assert [lp.token for lp in part.logprobs] == [tokenizer.decode([t]) for t in ids]
+    assert all(lp.logprob == -0.5 and len(lp.top_logprobs) == 1 for lp in part.logprobs)
+    assert b"".join(bytes(lp.bytes) for lp in part.logprobs).decode() == REPLY
+    events, _ = run(tokenizer, REPLY, streamed(**asked))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [lp.token for e in deltas for lp in e.logprobs] == [lp.token for lp in part.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    final = events[-1].response.output[0].content[0].logprobs
+    assert len(done.logprobs) == len(ids) and [lp.model_dump() for lp in final] == [lp.model_dump() for lp in done.logprobs]
+    plain, engine = run(tokenizer, REPLY, create(top_logprobs=3, include=["reasoning.encrypted_content"]))
+    assert engine.seen[0][1].logprobs is None and plain.output[0].content[0].logprobs == []
+    assert plain.top_logprobs is None  # OpenAI's: top_logprobs counts only with the include
