@@ -638,6 +638,8 @@ class _StreamedOutput:
             events += self._open_message()
         events += self._close_reasoning(status)  # still open: the reply ended inside it, with no answer
         if self.message is not None:
+            if self.unsent < len(self.logprobs):  # tokens with no text of their own (the eos): their delta
+                events += self._text("")
             text = "".join(self.text)
             where = self._where()
             part = _text_part(text, self.logprobs)

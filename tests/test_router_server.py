@@ -113,6 +113,23 @@ def test_responses_api_equals_offline_engine(client, oracle):
     assert events[-1].response.output_text == oracle["chat"]
 
 
+def test_responses_logprobs_are_chats(client):
+    """include message.output_text.logprobs: the same tokens and logprobs as chat's for the same
+    greedy request (its eos's too), whole and streamed."""
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
+                                          logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    asked = dict(model=MODEL, input=CHAT, max_output_tokens=MAX_TOKENS, temperature=0, top_logprobs=2,
+                 include=["message.output_text.logprobs"])
+    whole = client.responses.create(**asked).output[0].content[0].logprobs
+    events = list(client.responses.create(**asked, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    want = [(lp.token, lp.bytes, round(lp.logprob, 4), [(t.token, round(t.logprob, 4)) for t in lp.top_logprobs])
+            for lp in chat]
+    for got in (whole, streamed):
+        assert [(lp.token, lp.bytes, round(lp.logprob, 4), [(t.token, round(t.logprob, 4)) for t in lp.top_logprobs])
+                for lp in got] == want
+
+
 def test_streamed_chat_equals_offline_engine(client, oracle, http):
     stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=MAX_TOKENS,
                                             temperature=0, stream=True, stream_options={"include_usage": True})
