@@ -506,7 +506,8 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_logprobs: int | None = Field(None, ge=-1)  # vLLM extra: the reply's prompt_logprobs
     documents: list[dict[str, Any]] | None = None  # vLLM extra: passed to the chat template (RAG templates)
     include_reasoning: bool = True  # vLLM extra: false leaves the reasoning (--reasoning-parser's) out of the reply
-    reasoning_effort: str | None = None  # OpenAI's, for reasoning models: a 400 here (no template reads it)
+    # OpenAI's, for reasoning models: the chat template's variable (as vLLM passes it); a 400 where it reads none
+    reasoning_effort: str | None = Field(None, min_length=1, max_length=64)
     # OpenAI's fields for what a text model served here cannot do: a 400 when set
     modalities: list[str] | None = None  # ["text"] is what every reply is
     audio: dict[str, Any] | None = None
@@ -521,7 +522,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError(f"{'functions' if self.functions else 'function_call'} (OpenAI's deprecated function "
                              "calling) is not supported: send tools and tool_choice")
         _refuse(self, "chat_template", where="in chat completions")
-        _refuse(self, "reasoning_effort", where="for this model")
         if any(m != "text" for m in self.modalities or ()):
             raise ValueError("modalities: this model's replies are text only")
         for name in ("audio", "prediction", "web_search_options"):  # an empty one asks for it too ({}: search)

@@ -340,9 +340,9 @@ class ResponsesRequest(_Model):
         if self.structured_outputs is not None and self.text is not None and self.text.format is not None \
                 and self.text.format.type != "text":
             raise ValueError("structured_outputs cannot be combined with text.format: give one of them")
-        if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            raise ValueError("reasoning is not supported in /v1/responses: its effort and summaries cannot be set "
-                             "here (--reasoning-parser returns a thinking model's reasoning as it is)")
+        if self.reasoning and any(v is not None for k, v in self.reasoning.items() if k != "effort"):
+            raise ValueError("reasoning: only its effort is supported in /v1/responses (no summaries are made "
+                             "here: --reasoning-parser returns a thinking model's reasoning as it is)")
         return self
 
     @property
@@ -365,6 +365,8 @@ class ResponsesRequest(_Model):
         body.update({name: value for name in _CHAT_EXTRAS if (value := getattr(self, name)) is not None})
         if self.logprobs_asked:
             body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
+        if self.reasoning and self.reasoning.get("effort") is not None:
+            body["reasoning_effort"] = self.reasoning["effort"]
         if self.truncation == "auto":  # vLLM's: the input's start dropped to leave room for max_output_tokens
             body["truncate_prompt_tokens"] = -1
         if self.tools:
@@ -382,7 +384,8 @@ class ResponsesRequest(_Model):
 
 
 # The chat request's fields that this request names otherwise, for the errors about them.
-_CHAT_FIELDS = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
+_CHAT_FIELDS = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens",
+                "reasoning_effort": "reasoning.effort"}
 
 
 def responses_field(chat_field: str) -> str:

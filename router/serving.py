@@ -371,7 +371,7 @@ class OpenAIServing:
         await check_all([(spec, field(param)) for spec, param in plan.tool_specs()])
         for spec, param in (self._output_constraint(req), (plan.spec(), "tools")):
             params = await self._constrained(params, spec, field(param))
-        ids = await off_loop(self._chat_ids, req, plan, field("messages"))
+        ids = await off_loop(self._chat_ids, req, plan, field)
         parser = self.settings.reasoning_parser
         if parser is None:
             return plan, params, ids, None
@@ -395,10 +395,18 @@ class OpenAIServing:
                 for p in prompts]
 
     def _chat_ids(self, req: ChatCompletionRequest | TokenizeRequest, plan: ToolPlan,
-                  param: str = "messages") -> list[int]:
+                  field: Callable[[str], str] = str) -> list[int]:
+        """`field` names a chat field as the caller's request names it."""
+        param = field("messages")
         template = self.settings.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise bad_request("this model has no chat template; use /v1/completions", param=param)
+        variables = dict(req.chat_template_kwargs or {})
+        if effort := getattr(req, "reasoning_effort", None):  # vLLM passes it to the template, which decides
+            if "reasoning_effort" not in template:
+                raise bad_request(f"{field('reasoning_effort')} is not supported for this model: its chat template "
+                                  "does not read it", param=field("reasoning_effort"))
+            variables.setdefault("reasoning_effort", effort)
         msgs, tools = render(req.messages, plan, template_knows_tools(template))
         if resolved(self.settings.chat_template_content_format, template) == "openai":
             msgs = [as_parts(m) for m in msgs]
@@ -406,7 +414,7 @@ class OpenAIServing:
             text = self.tokenizer.apply_chat_template(
                 msgs, tools=tools, chat_template=self.settings.chat_template, tokenize=False,
                 add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-                documents=getattr(req, "documents", None), **(req.chat_template_kwargs or {}))
+                documents=getattr(req, "documents", None), **variables)
         except Exception as e:  # jinja raises on conversations its template rejects
             raise bad_request(f"the chat template rejected these messages: {e}", param=param) from None
         return self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
