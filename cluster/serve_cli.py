@@ -64,8 +64,8 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                       help="memory for stored /v1/responses (previous_response_id, GET /v1/responses/{id}); "
                            "the least recently used go beyond it; 0 stores none (default: 64M)")
     http.add_argument("--max-background-responses", type=int, metavar="N",
-                      help="background /v1/responses each ingress replica runs at once; more get a 503 "
-                           "(429 with --overload-status 429); 0 refuses them all (default: 256)")
+                      help="background /v1/responses each ingress replica runs at once; more get the overload "
+                           "status (503 with Retry-After, as a full queue); 0 turns them off, a 400 (default: 256)")
     http.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=None,
                       help="log each request's prompt token ids and sampling params (off by default)")
     http.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false", default=None,

@@ -73,26 +73,50 @@ class EventLog:
 
 
 class BackgroundRuns:
-    """The background runs of this ingress replica, by response id."""
+    """The background runs of this ingress replica, by response id; each has a token of its own
+    (the record's "run"), so that a run's writes and polls take only its own record, never one
+    that a later request under the same id made."""
 
     def __init__(self, stored: StoredResponses, poll_s: float = CANCEL_POLL_S) -> None:
         self.stored = stored
         self.poll_s = poll_s
-        self._runs: dict[str, asyncio.Task] = {}
+        self._runs: dict[str, tuple[asyncio.Task, str]] = {}  # response id -> (its task, its run token)
+        self._reserved = 0  # requests past the limit's check, not yet started (or refused)
         self._logs: OrderedDict[str, EventLog] = OrderedDict()  # background streams' events, oldest first
 
     def __len__(self) -> int:
-        return len(self._runs)
+        return len(self._runs) + self._reserved
 
     def __contains__(self, response_id: str) -> bool:
         return response_id in self._runs
 
-    def start(self, response_id: str, run: Coroutine, log: EventLog | None = None) -> None:
-        """Runs `run` (which records its own end) until it returns or the response stops running;
-        `log`: a background stream's, closed when the run ends."""
-        task = asyncio.create_task(self._watched(response_id, run, log), name=f"background {response_id}")
-        self._runs[response_id] = task
-        task.add_done_callback(lambda t: self._runs.pop(response_id) if self._runs.get(response_id) is t else None)
+    @contextlib.contextmanager
+    def reserved(self, limit: int, status: int = 503, retry_after_s: float = 1.0):
+        """A place among at most `limit` runs here, held from the check (with no await between
+        them, so requests that come together cannot all pass it) until the run starts or the
+        request is refused; past the limit, `status` (the server's overload status)."""
+        if limit == 0:
+            raise bad_request("background responses are off on this server (--max-background-responses 0)",
+                              "background")
+        if len(self) >= limit:
+            raise OpenAIError(status, f"This server runs at most {limit} background responses at once "
+                                      "(--max-background-responses). Retry later.",
+                              type="server_overloaded" if status == 503 else "rate_limit_exceeded",
+                              code="too_many_background_responses",
+                              headers={"Retry-After": str(max(1, round(retry_after_s)))})
+        self._reserved += 1
+        try:
+            yield
+        finally:
+            self._reserved -= 1
+
+    def start(self, response_id: str, run: str, work: Coroutine, log: EventLog | None = None) -> None:
+        """Runs `work` (which records its own end) until it returns or the record is no longer
+        this run's; `log`: a background stream's, closed when the run ends."""
+        task = asyncio.create_task(self._watched(response_id, run, work, log), name=f"background {response_id}")
+        self._runs[response_id] = task, run
+        task.add_done_callback(lambda t: self._runs.pop(response_id) if self._runs.get(response_id, (None,))[0] is t
+                               else None)
         if log is not None:
             self._logs[response_id] = log
             self._logs.move_to_end(response_id)
@@ -116,35 +140,37 @@ class BackgroundRuns:
                               "replica that runs it, while it runs and for a while after", "stream")
         return log.follow(-1 if starting_after is None else starting_after)
 
-    async def _watched(self, response_id: str, run: Coroutine, log: EventLog | None) -> None:
-        work = asyncio.ensure_future(run)
+    async def _watched(self, response_id: str, run: str, work: Coroutine, log: EventLog | None) -> None:
+        task = asyncio.ensure_future(work)
         try:
-            while not work.done():
-                await asyncio.wait([work], timeout=self.poll_s)
-                if not work.done() and not await self._still_running(response_id):
-                    work.cancel()
+            while not task.done():
+                await asyncio.wait([task], timeout=self.poll_s)
+                if not task.done() and not await self._still_running(response_id, run):
+                    task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await work
+                await task
+        except Exception:  # the run's own failure (its record fails when its lease runs out)
+            logger.exception("background response %s failed", response_id)
         finally:  # cancelled here (a cancel sent to this replica): the run ends with it
-            if not work.done():
-                work.cancel()
+            if not task.done():
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await work
+                    await task
             if log is not None:
                 await log.close()
 
-    async def _still_running(self, response_id: str) -> bool:
-        """Whether the record still says running; asking renews the run's lease on it
+    async def _still_running(self, response_id: str, run: str) -> bool:
+        """Whether the record is still this run's, running; asking renews the run's lease on it
         (router.response_store: a record whose run goes silent for RUN_LEASE_S is failed)."""
         try:
-            return await self.stored.store.beat(response_id) in RUNNING
+            return await self.stored.store.beat(response_id, run) in RUNNING
         except Exception:  # the store did not answer: the run goes on, and is asked again
             logger.warning("background response %s: its record could not be read", response_id, exc_info=True)
             return True
 
     async def stop(self, response_id: str) -> None:
         """Ends the run of `response_id` here, if there is one."""
-        task = self._runs.get(response_id)
+        task, _ = self._runs.get(response_id, (None, None))
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -157,33 +183,34 @@ class BackgroundRuns:
 
     async def shutdown(self) -> None:
         """This replica is stopping: its runs end, and their records say failed."""
-        runs = list(self._runs)
-        for response_id in runs:
+        for response_id, (_, run) in list(self._runs.items()):
             await self.stop(response_id)
             with contextlib.suppress(Exception):  # gone from the store, or the store is stopping too
                 record = await self.stored.record(response_id)
-                error = {"code": "server_shutdown", "message": "The server stopped before this background response "
-                                                               "finished. Create it again."}
-                failed = {**record["response"], "status": "failed", "error": error}
-                await self.stored.store.put(response_id, {**record, "response": failed}, run_update=True)
+                if record.get("run") == run:
+                    error = {"code": "server_shutdown", "message": "The server stopped before this background "
+                                                                   "response finished. Create it again."}
+                    failed = {**record["response"], "status": "failed", "error": error}
+                    await self.stored.store.put(response_id, {**record, "response": failed}, run_update=True)
 
     async def cancel(self, response_id: str) -> dict:
         """`POST /v1/responses/{id}/cancel` (OpenAI's): the response, cancelled. Cancelling a
         cancelled one gives it again; a finished one, or one that did not run in the background,
         is a 400."""
-        response = (await self.stored.record(response_id))["response"]
-        if not response.get("background"):
-            raise bad_request("Cannot cancel a synchronous response.", "response_id")
-        if response["status"] == "cancelled":
-            return response
-        if response["status"] not in RUNNING:
-            raise bad_request(f"Cannot cancel a response that is already {response['status']}.", "response_id")
-        await self.stop(response_id)
-        record = await self.stored.record(response_id)  # as the run left it
-        cancelled = {**record["response"], "status": "cancelled"}
-        if await self.stored.store.put(response_id, {**record, "response": cancelled}, run_update=True):
-            return cancelled
-        return await self.cancel(response_id)  # it ended meanwhile: say how
+        for _ in range(2):  # again where the run ended between the read and the write
+            response = (await self.stored.record(response_id))["response"]
+            if not response.get("background"):
+                raise bad_request("Cannot cancel a synchronous response.", "response_id")
+            if response["status"] == "cancelled":
+                return response
+            if response["status"] not in RUNNING:
+                raise bad_request(f"Cannot cancel a response that is already {response['status']}.", "response_id")
+            await self.stop(response_id)
+            record = await self.stored.record(response_id)  # as the run left it
+            cancelled = {**record["response"], "status": "cancelled"}
+            if await self.stored.store.put(response_id, {**record, "response": cancelled}, run_update=True):
+                return cancelled
+        raise internal_error()
 
 
 async def run_in_background(reply: ResponseReply, start: Callable[[], Awaitable[tuple]], acc: Accumulator) -> None:

@@ -260,16 +260,24 @@ class HandleResponseStore:
         self._handle = started(handle)
 
     async def put(self, response_id: str, record: dict, run_update: bool = False) -> bool:
-        return await self._handle.put.remote(response_id, record, run_update)
+        return await self._call("put", response_id, record, run_update)
 
-    async def beat(self, response_id: str) -> str | None:
-        return await self._handle.beat.remote(response_id)
+    async def beat(self, response_id: str, run: str) -> str | None:
+        return await self._call("beat", response_id, run)
 
     async def get(self, response_id: str) -> dict | None:
-        return await self._handle.get.remote(response_id)
+        return await self._call("get", response_id)
 
     async def delete(self, response_id: str) -> bool:
-        return await self._handle.delete.remote(response_id)
+        return await self._call("delete", response_id)
+
+    def _call(self, method: str, *args):
+        """Each call with a request id of its own (as HandleReplicaClient._call_generate's): a
+        background run's poll and its writes go at once, from one HTTP request's context."""
+        def call():
+            _set_request_context(_internal_request_id=uuid.uuid4().hex)
+            return getattr(self._handle, method).remote(*args)
+        return contextvars.copy_context().run(call)
 
 
 class OpenAIIngress:

@@ -33,7 +33,8 @@ class _Entry:
     text: str  # the record's JSON
     size: int  # its bytes
     status: str  # its response's
-    beat_at: float  # time.monotonic() of the last word from its run (a background response's)
+    run: str | None  # a background response's run (the record's "run"), whose writes and polls it takes
+    beat_at: float  # time.monotonic() of the last word from that run
 
 
 class ResponseStore:
@@ -51,11 +52,13 @@ class ResponseStore:
     async def put(self, response_id: str, record: dict, run_update: bool = False) -> bool:
         """Stores `record` under `response_id` (newest); False when it alone is over max_bytes,
         and where it would change who holds the id: a running background response's record is
-        replaced only by its run's (`run_update`: its progress, its end, a cancel of it), and a
-        run's replaces nothing else (its record was cancelled, deleted or evicted, which a run
-        never undoes). Atomic here, in the one process that holds the store."""
+        replaced only by its run's (`run_update`, with the record's "run": its progress, its end,
+        a cancel of it), and a run's replaces nothing else (its record was cancelled, deleted,
+        evicted, or taken by another run since, which a run never undoes). Atomic here, in the
+        one process that holds the store."""
         entry = self._current(response_id)
-        if (entry is not None and entry.status in RUNNING) != run_update:
+        running = entry is not None and entry.status in RUNNING
+        if running != run_update or run_update and entry.run != record.get("run"):
             return False
         return self._write(response_id, record)
 
@@ -66,11 +69,11 @@ class ResponseStore:
         self._records.move_to_end(response_id)
         return json.loads(entry.text)
 
-    async def beat(self, response_id: str) -> str | None:
+    async def beat(self, response_id: str, run: str) -> str | None:
         """A background run's word that it goes on (router.background, every poll) -> its
-        record's status; None: the record is gone."""
+        record's status; None: the record is gone, or another run's."""
         entry = self._current(response_id)
-        if entry is None:
+        if entry is None or entry.run != run:
             return None
         entry.beat_at = time.monotonic()
         return entry.status
@@ -89,7 +92,8 @@ class ResponseStore:
             return False
         old = self._records.pop(response_id, None)
         self.num_bytes -= old.size if old is not None else 0
-        self._records[response_id] = _Entry(text, size, record["response"]["status"], time.monotonic())
+        self._records[response_id] = _Entry(text, size, record["response"]["status"], record.get("run"),
+                                            time.monotonic())
         self.num_bytes += size
         while self.num_bytes > self.max_bytes:
             _, gone = self._records.popitem(last=False)
@@ -115,14 +119,17 @@ class StoredResponses:
     def __init__(self, store: ResponseStore | None) -> None:
         self.store = store
 
-    def keeper(self, req: ResponsesRequest, history: list[dict]) -> Callable[[dict], Awaitable[bool]] | None:
-        """What stores the request's finished response, or None when it is not to be stored."""
+    def keeper(self, req: ResponsesRequest, history: list[dict],
+               run: str | None = None) -> Callable[[dict], Awaitable[bool]] | None:
+        """What stores the request's finished response, or None when it is not to be stored;
+        `run`: a background request's run, which its records name."""
         if self.store is None or not req.store:
             return None
         inputs = item_dicts(req.input)
 
         async def keep(response: dict) -> bool:
-            record = {"response": response, "input": inputs, "conversation": history + inputs + response["output"]}
+            record = {"response": response, "input": inputs, "conversation": history + inputs + response["output"],
+                      "run": run}
             # a background run's later records replace only its running one (router.background)
             return await self.store.put(response["id"], record,
                                         run_update=req.background and response["status"] != "queued")

@@ -6,8 +6,9 @@ choice comes back as a response object, or as the Responses stream's typed event
     response.content_part.added, response.output_text.delta ..., response.output_text.done,
     response.content_part.done, response.output_item.done, response.completed (or .incomplete)
 
-`include: ["message.output_text.logprobs"]` (with `top_logprobs`) puts the output tokens'
-logprobs in the message's output_text part, and each text delta's in its event.
+`include: ["message.output_text.logprobs"]` (with `top_logprobs`) puts the logprobs of the
+output's tokens after its reasoning in the message's output_text part, and each text delta's in
+its event.
 
 With a reasoning parser (router.reasoning) the reply's reasoning comes first, as a `reasoning`
 item with one `reasoning_text` part (response.reasoning_text.delta events); given back as input,
@@ -340,6 +341,9 @@ class ResponsesRequest(_Model):
         if self.structured_outputs is not None and self.text is not None and self.text.format is not None \
                 and self.text.format.type != "text":
             raise ValueError("structured_outputs cannot be combined with text.format: give one of them")
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None and not (isinstance(effort, str) and 0 < len(effort) <= 64):
+            raise ValueError("reasoning: its effort must be a string of 1 to 64 characters")
         if self.reasoning and any(v is not None for k, v in self.reasoning.items() if k != "effort"):
             raise ValueError("reasoning: only its effort is supported in /v1/responses (no summaries are made "
                              "here: --reasoning-parser returns a thinking model's reasoning as it is)")
@@ -410,8 +414,9 @@ class ResponseReply:
         chat path's (router.reasoning): None, the reply is not split; else whether it opens
         inside its reasoning. `reasoning_tokens(output token ids)`: how many are reasoning.
         `logprobs(token ids, their logprob entries)`: their items in the message's output_text
-        (include message.output_text.logprobs), which get the logprobs of every output token,
-        as chat's content does; each text delta those of the tokens since the one before."""
+        (include message.output_text.logprobs), which gets those of the output's tokens after its
+        reasoning (as chat's content logprobs, a tool call's tokens too); each text delta those
+        of the tokens since the one before."""
         self.req, self.model, self.created, self.plan, self.thinking = req, model, created, plan, thinking
         self.reasoning_tokens, self.logprobs = reasoning_tokens, logprobs
         self.id = req.request_id or _new_id("resp")  # vLLM's request_id names it as given
@@ -545,12 +550,15 @@ class _StreamedOutput:
         self.message: dict | None = None
         self.text: list[str] = []
         self.calls: dict[int, dict] = {}  # chat's tool call index -> its item
-        self.logprobs: list[dict] = []  # the output's tokens' items, when asked
-        self.unsent = 0  # of which the text deltas have not carried yet
+        self.token_ids: list[int] = []  # the output's, when logprobs are asked
+        self.logprobs: list[dict] = []  # their items
+        self.skip = 0  # of which the reasoning's (not the message's): known once the message opens
+        self.unsent = 0  # of which the text deltas have carried up to here
 
     def scored(self, token_ids: list[int], entries: list[dict[int, float]] | None) -> None:
         """Output tokens and their logprob entries (none unless the request asked for them)."""
         if self.reply.logprobs is not None and entries:
+            self.token_ids += token_ids
             self.logprobs += self.reply.logprobs(token_ids, entries)
 
     def feed(self, text: str, finish_reason: str | None) -> list[str]:
@@ -604,6 +612,8 @@ class _StreamedOutput:
                 event("response.output_item.done", output_index=where["output_index"], item=self.reasoning)]
 
     def _open_message(self) -> list[str]:
+        if self.logprobs and self.reply.reasoning_tokens is not None:  # its close tag is in: they are counted
+            self.skip = self.unsent = self.reply.reasoning_tokens(self.token_ids)
         events = self._close_reasoning()
         self.message = self.reply._message(_new_id("msg"), None, "in_progress")
         self.items.append(self.message)
@@ -645,8 +655,8 @@ class _StreamedOutput:
                 events += self._text("")
             text = "".join(self.text)
             where = self._where()
-            part = _text_part(text, self.logprobs)
-            events += [event("response.output_text.done", **where, text=text, logprobs=self.logprobs),
+            part = _text_part(text, self.logprobs[self.skip:])
+            events += [event("response.output_text.done", **where, text=text, logprobs=part["logprobs"]),
                        event("response.content_part.done", **where, part=part)]
             self.message.update(status=status, content=[part])
         for index, item in enumerate(self.items):

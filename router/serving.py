@@ -257,7 +257,7 @@ class OpenAIServing:
         """OpenAI's Responses API, run as the chat request it amounts to (router.responses)."""
         self.check_model(req.model)
         history = await self.stored.conversation(req.previous_response_id)
-        chat = req.chat_request(parse_items(history))
+        chat = await self._logprobs_within_cap(req.chat_request(parse_items(history)), "top_logprobs")
         plan, params, ids, thinking = await self._chat_prompt(chat, field=responses_field)
         if chat.truncate_prompt_tokens is not None:  # truncation auto
             ids = await self._truncated(ids, chat, chat.max_completion_tokens, "max_output_tokens",
@@ -267,13 +267,14 @@ class OpenAIServing:
         scored = None if params.logprobs is None else (  # include message.output_text.logprobs
             lambda ids, entries: chat_logprobs(ids, entries, params.logprobs, self.token_str,
                                                self.token_bytes)["content"])
+        run = uuid.uuid4().hex if req.background else None  # the run's token (router.background)
         reply = ResponseReply(req, self.settings.served_model_name, int(time.time()), plan,
-                              self.stored.keeper(req, history), thinking, counter, scored)
+                              self.stored.keeper(req, history, run), thinking, counter, scored)
         engine_rid = reply.id if req.request_id is None else f"{reply.id}-{uuid.uuid4().hex[:16]}"  # unique
         if req.request_id is not None and req.store and self.stored.store is not None:
             check_id_free(self.background, await self.stored.store.get(reply.id), reply.id)
         if req.background:
-            return await self._in_background(reply, engine_rid, ids, params)
+            return await self._in_background(reply, run, engine_rid, ids, params)
         first, merged = await self._start(engine_rid, [ids], params, "input", "max_output_tokens")
         acc = Accumulator([len(ids)], 1)
         if req.stream:
@@ -281,37 +282,32 @@ class OpenAIServing:
         await collect(acc, first, merged)
         return await reply.whole(acc)
 
-    async def _in_background(self, reply: ResponseReply, rid: str, ids: list[int],
+    async def _in_background(self, reply: ResponseReply, run: str, rid: str, ids: list[int],
                              params: SamplingParams) -> dict | AsyncIterator[str]:
         """A background response (router.background): checked now, answered queued (a stream: its
         events, from response.created with the response queued), run later."""
         if self.stored.store is None:
             raise bad_request("background needs the response store, which is off on this server "
                               "(--responses-store-max-bytes 0)", "background")
-        if len(self.background) >= self.settings.max_background_responses:
-            raise OpenAIError(self.settings.overload_status, f"This server runs at most "
-                              f"{self.settings.max_background_responses} background responses at once "
-                              "(--max-background-responses). Retry later.",
-                              type="server_overloaded" if self.settings.overload_status == 503 else
-                              "rate_limit_exceeded", code="too_many_background_responses",
-                              headers={"Retry-After": str(max(1, round(self.settings.retry_after_s)))})
-        params = await self._checked([ids], params, "input", "max_output_tokens")  # a 400 now, not a failed run
-        queued = await reply.queued()  # taking its id: refused where a run holds it
-        if not queued["store"]:
-            check_id_free(self.background, await self.stored.store.get(reply.id), reply.id)
-            raise bad_request("this request is larger than the response store holds (--responses-store-max-bytes), "
-                              "so its background run could not be followed", "input")
-        # accepted: the run waits for room in a full engine queue, where a new request is refused
-        start = functools.partial(self._start, rid, [ids], params, "input", "max_output_tokens", admitted=True)
-        acc = Accumulator([len(ids)], 1)
-        if not reply.req.stream:
-            self.background.start(reply.id, run_in_background(reply, start, acc))
-            return queued
-        log = EventLog()
-        for kind in ("response.created", "response.queued"):  # OpenAI's two, then in_progress when it starts
-            await log.add(reply.event(kind, response=queued))
-        self.background.start(reply.id, stream_in_background(reply, start, acc, log), log)
-        return log.follow()
+        with self.background.reserved(self.settings.max_background_responses, self.settings.overload_status,
+                                      self.settings.retry_after_s):
+            params = await self._checked([ids], params, "input", "max_output_tokens")  # a 400 now, not a failed run
+            queued = await reply.queued()  # taking its id: refused where a run holds it
+            if not queued["store"]:
+                check_id_free(self.background, await self.stored.store.get(reply.id), reply.id)
+                raise bad_request("this request is larger than the response store holds "
+                                  "(--responses-store-max-bytes), so its background run could not be followed", "input")
+            # accepted: the run waits for room in a full engine queue, where a new request is refused
+            start = functools.partial(self._start, rid, [ids], params, "input", "max_output_tokens", admitted=True)
+            acc = Accumulator([len(ids)], 1)
+            if not reply.req.stream:
+                self.background.start(reply.id, run, run_in_background(reply, start, acc))
+                return queued
+            log = EventLog()
+            for kind in ("response.created", "response.queued"):  # OpenAI's two, then in_progress when it starts
+                await log.add(reply.event(kind, response=queued))
+            self.background.start(reply.id, run, stream_in_background(reply, start, acc, log), log)
+            return log.follow()
 
     # -- shared steps ----------------------------------------------------------------------------
     def _check_sequences(self, num_prompts: int, n: int) -> None:

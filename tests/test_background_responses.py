@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 
 import openai
 import pytest
@@ -161,6 +162,7 @@ def test_a_running_response_cannot_be_continued_nor_its_id_taken(tokenizer):
 @pytest.mark.parametrize("kwargs, settings, param, says", [
     ({"store": False}, {}, "background", "background can only be used when `store` is true"),
     ({}, {"responses_store_max_bytes": 0}, "background", "needs the response store"),
+    ({}, {"max_background_responses": 0}, "background", "off on this server"),
     ({"max_output_tokens": 5000}, {}, "max_output_tokens", ""),  # checked now, not a failed run later
 ])
 def test_what_a_background_run_cannot_do_is_a_400_at_once(tokenizer, kwargs, settings, param, says):
@@ -341,7 +343,7 @@ def test_a_run_whose_replica_died_is_failed_once_its_lease_runs_out(tokenizer):
         a, b = clients
         died, lives = (await create(a)).id, (await create(a)).id
         await asyncio.sleep(0.1)
-        servings[0].background._runs.pop(died).cancel()  # ended without a word, as a dead process's
+        servings[0].background._runs.pop(died)[0].cancel()  # ended without a word, as a dead process's
         await asyncio.sleep(0.5)  # past the lease; the live run's polls renew its own
         return await b.responses.retrieve(died), await until_done(b, lives)
 
@@ -372,3 +374,35 @@ def test_background_runs_past_the_limit_are_refused_and_a_run_waits_for_room(tok
     assert refused.status_code == 503 and refused.body["code"] == "too_many_background_responses"
     assert "Retry-After" in refused.response.headers
     assert admitted == [True, False]  # the run's call waits for room in a full queue; a request's is refused
+
+
+def test_a_cancelled_run_does_not_take_the_record_of_a_request_that_reuses_its_id(tokenizer):
+    """A later request under a cancelled run's id (before that run's next poll, on another
+    replica) makes a record of its own run: the old run's writes and polls no longer take it."""
+    async def go(clients, servings):
+        a, b = clients
+        await create(a, extra_body={"request_id": "resp_x"}, metadata={"run": "old"})
+        await asyncio.sleep(0.1)
+        await b.responses.cancel("resp_x")
+        await create(b, extra_body={"request_id": "resp_x"}, metadata={"run": "new"})
+        return await until_done(b, "resp_x")
+
+    final, engine = replicas(tokenizer, LONG, go, poll_s=0.5, step_s=0.02)
+    steps = -(-len(tokenizer.encode(LONG, add_special_tokens=False)) // 3)
+    assert final.status == "completed" and final.metadata == {"run": "new"} and final.output_text == LONG
+    assert sorted(engine.ended.values())[0] < steps  # the old run stopped at its next poll
+
+
+def test_requests_that_come_together_cannot_pass_the_limit_together(tokenizer):
+    async def go(clients, servings):
+        (client,) = clients
+        servings[0].settings = dataclasses.replace(servings[0].settings, max_background_responses=1)
+        got = await asyncio.gather(*(create(client) for _ in range(4)), return_exceptions=True)
+        running = len(servings[0].background)
+        for r in got:
+            if not isinstance(r, Exception):
+                await client.responses.cancel(r.id)
+        return got, running
+
+    (got, running), _ = replicas(tokenizer, LONG, go, count=1, store=_SlowStore(1 << 20), step_s=0.02)
+    assert running == 1 and sum(isinstance(r, openai.InternalServerError) for r in got) == 3

@@ -116,6 +116,7 @@ def test_an_error_while_streaming_is_an_error_event_then_response_failed(tokeniz
      "No tool call found for function call output with call_id call_9"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort", "its chat template does not read it"),  # SmolLM2's
     ({"reasoning": {"summary": "auto"}}, "reasoning", "only its effort is supported"),
+    ({"reasoning": {"effort": ""}}, "reasoning", "effort must be a string of 1 to 64 characters"),
     ({"include": ["message.output_text.tokens"]}, "include.0", "message.output_text.logprobs"),
     ({"extra_body": {"priority": 3}}, "priority", "priority scheduling is not enabled"),  # fcfs
     ({"top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs", "less than or equal to 20"),
@@ -308,3 +309,29 @@ def test_include_output_logprobs_gives_the_replys_logprobs_whole_and_streamed(to
     plain, engine = run(tokenizer, REPLY, create(top_logprobs=3, include=["reasoning.encrypted_content"]))
     assert engine.seen[0][1].logprobs is None and plain.output[0].content[0].logprobs == []
     assert plain.top_logprobs is None  # OpenAI's: top_logprobs counts only with the include
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_messages_logprobs_leave_its_reasoning_out(tokenizer, stream):
+    """With a reasoning parser, the message's logprobs are its own tokens', not the reasoning's
+    before it (the count its usage gives as reasoning tokens), whole and streamed."""
+    asked = {"include": ["message.output_text.logprobs"], "top_logprobs": 1}
+    go = streamed(**asked) if stream else create(**asked)
+    got, _ = run(tokenizer, "The sky scatters blue light.</think>Yes, it is.", go,
+                 settings={"reasoning_parser": "deepseek_r1"})
+    response = got[-1].response if stream else got
+    (message,) = [item for item in response.output if item.type == "message"]
+    logprobs = message.content[0].logprobs
+    assert b"".join(bytes(lp.bytes) for lp in logprobs).decode() == message.content[0].text == "Yes, it is."
+    if stream:
+        deltas = [e for e in got if e.type == "response.output_text.delta"]
+        assert [lp.token for e in deltas for lp in e.logprobs] == [lp.token for lp in logprobs]
+
+
+def test_responses_logprobs_are_bounded_as_chats(tokenizer):
+    """--max-logprobs bounds top_logprobs here as in chat: a 400 at once, a background one's too."""
+    asked = {"include": ["message.output_text.logprobs"], "top_logprobs": 10}
+    for extra in ({}, {"background": True}):
+        with pytest.raises(openai.BadRequestError) as e:
+            run(tokenizer, REPLY, create(**asked, **extra), config={"max_logprobs": 5})
+        assert e.value.body["param"] == "top_logprobs" and "max_logprobs" in e.value.body["message"]
