@@ -465,6 +465,8 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(tmp_path, smo
         follow = httpx.post(f"{url}/v1/responses", json={"input": "And?", "previous_response_id": r.json()["id"],
                                                           "max_output_tokens": 4}, timeout=60)
         assert follow.status_code == 200 and follow.json()["usage"]["input_tokens"] > r.json()["usage"]["input_tokens"]
+        if engine_cls is None:  # background responses through the shared store, polled from either replica
+            _background_across_ingress_replicas(url)
         ray_procs = psutil.Process(proc.pid).children(recursive=True)
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
         for t in threads:
@@ -502,6 +504,30 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(tmp_path, smo
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _background_across_ingress_replicas(url: str) -> None:
+    """A background response runs in the ingress replica that took it; every poll (on either
+    replica) follows it to its end, and a cancel on either stops a long one for good."""
+    import httpx
+
+    def create(**body):
+        r = httpx.post(f"{url}/v1/responses", json={"input": "Hi", "background": True, **body}, timeout=60)
+        assert r.status_code == 200 and r.json()["status"] == "queued", r.text
+        return r.json()["id"]
+
+    def status(rid: str) -> str:
+        return httpx.get(f"{url}/v1/responses/{rid}", timeout=30).json()["status"]
+
+    short, long = create(max_output_tokens=4), create(max_output_tokens=400, ignore_eos=True)
+    deadline = time.monotonic() + 60
+    while status(short) in ("queued", "in_progress") or status(long) == "queued":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert status(short) in ("completed", "incomplete")
+    assert httpx.post(f"{url}/v1/responses/{long}/cancel", timeout=30).json()["status"] == "cancelled"
+    time.sleep(2.5)  # past the run's next poll, had the cancel gone to the other replica
+    assert [status(long) for _ in range(4)] == ["cancelled"] * 4
 
 
 def engine_flag(engine_cls: str | None) -> list[str]:
