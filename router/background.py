@@ -1,8 +1,10 @@
 """Background responses (`background: true`, OpenAI's Responses API): the request is answered at
 once with its response `queued`, and runs in a task of the ingress replica that took it. Its
 stored record follows the run: in_progress once the first output comes, then completed,
-incomplete or failed (router.responses.ResponseReply), each write replacing only a running
-record, so that a cancel or a delete is never undone.
+incomplete or failed (router.responses.ResponseReply). The record names its run (a token), and
+the store takes a run's writes only over its own running record, so that a cancel, a delete or
+a later request under the same id is never undone; each poll renews the run's lease on it, and a
+record whose run went silent (its replica died) reads failed (router.response_store).
 
 `POST /v1/responses/{id}/cancel` reaches whichever ingress replica the load balancer picks: it
 marks the record cancelled, and stops the run at once when it is here. The replica that runs it
@@ -255,7 +257,7 @@ def _too_large() -> OpenAIError:
 
 
 def check_id_free(runs: BackgroundRuns, record: dict | None, response_id: str) -> None:
-    """A background request may not take the id (vLLM's request_id) of a response still running."""
+    """A stored request may not take the id (vLLM's request_id) of a background response still running."""
     if response_id in runs or record is not None and record["response"]["status"] in RUNNING:
         raise OpenAIError(409, f"A response with id '{response_id}' is still running: cancel it, or give "
                                "another request_id", param="request_id", code="conflict")
