@@ -24,8 +24,9 @@ store is off: `previous_response_id` then continues its conversation (its input 
 come before the new input; its instructions do not carry over, as OpenAI's do not), and it can
 be fetched, listed (its input items) and deleted. `background: true` answers at once with the
 response queued, and runs it here (router.background). A stored conversation (`conversation`) is
-a 400, as are fields for features this server lacks (built-in tools, reasoning), rather than a
-reply that looks fine without them.
+a 400, as are fields for features this server lacks (built-in tools, reasoning summaries),
+rather than a reply that looks fine without them; `reasoning.effort` is the chat template's
+`reasoning_effort`, as in chat.
 """
 from __future__ import annotations
 
