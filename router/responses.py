@@ -530,7 +530,10 @@ class ResponseReply:
         if acc is not None:
             u, (choice,) = acc.usage(), acc.choices
             thought = self.reasoning_tokens(choice.token_ids) if self.reasoning_tokens and choice.token_ids else 0
-            out["usage"] = {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
+            # cache_write_tokens (a field OpenAI's type requires): not counted here, the engine does not
+            # report which of a prompt's blocks it newly cached
+            details = {**u["prompt_tokens_details"], "cache_write_tokens": 0}
+            out["usage"] = {"input_tokens": u["prompt_tokens"], "input_tokens_details": details,
                             "output_tokens": u["completion_tokens"],
                             "output_tokens_details": {"reasoning_tokens": thought}, "total_tokens": u["total_tokens"]}
         return out

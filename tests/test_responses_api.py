@@ -4,6 +4,7 @@ response object or the Responses stream's typed events; what this server does no
 naming the field. Stored responses: tests/test_response_store.py."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
@@ -335,3 +336,27 @@ def test_responses_logprobs_are_bounded_as_chats(tokenizer):
         with pytest.raises(openai.BadRequestError) as e:
             run(tokenizer, REPLY, create(**asked, **extra), config={"max_logprobs": 5})
         assert e.value.body["param"] == "top_logprobs" and "max_logprobs" in e.value.body["message"]
+
+
+@pytest.mark.parametrize("extra", [{}, {"include": ["message.output_text.logprobs"], "top_logprobs": 2},
+                                   {"tools": [WEATHER]}, {"background": True}])
+def test_responses_and_events_validate_as_openais_types(tokenizer, extra):
+    """Strictly, as a client that validates would read them (the openai client does not): every
+    field OpenAI's types require is there, whole and in every streamed event."""
+    from pydantic import TypeAdapter
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    async def go(client):
+        body = {"model": "m", "input": "Is the sky blue?", **extra}
+        whole = (await client._client.post("http://t/v1/responses", json=body)).json()
+        stream = await client._client.post("http://t/v1/responses", json={**body, "stream": True})
+        events = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: ")]
+        while whole["status"] in ("queued", "in_progress"):  # a background one's end, as a poll gets it
+            await asyncio.sleep(0.01)
+            whole = (await client._client.get(f"http://t/v1/responses/{whole['id']}")).json()
+        return whole, events
+
+    (whole, events), _ = run(tokenizer, CALL if "tools" in extra else REPLY, go)
+    Response.model_validate(whole)
+    kinds = [TypeAdapter(ResponseStreamEvent).validate_python(e).type for e in events]
+    assert kinds[-1] == "response.completed" and whole["status"] == "completed"
