@@ -1,7 +1,7 @@
 """Background responses (`background: true`, OpenAI's Responses API): the request is answered at
 once with its response `queued`, and runs in a task of the ingress replica that took it. Its
 stored record follows the run: in_progress once the first output comes, then completed,
-incomplete or failed (router.responses.ResponseReply). The record names its run (a token), and
+incomplete or failed (router.response_reply.ResponseReply). The record names its run (a token), and
 the store takes a run's writes only over its own running record, so that a cancel, a delete or
 a later request under the same id is never undone; each poll renews the run's lease on it, and a
 record whose run went silent (its replica died) reads failed (router.response_store).
@@ -31,7 +31,8 @@ from router.engine_streams import collect, events
 from router.errors import OpenAIError, bad_request, internal_error
 from router.formatting import Accumulator
 from router.response_store import StoredResponses
-from router.responses import RUNNING, ResponseReply
+from router.response_reply import ResponseReply
+from router.responses import RUNNING
 
 logger = logging.getLogger(__name__)
 

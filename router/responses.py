@@ -1,23 +1,13 @@
-"""OpenAI's Responses API (`POST /v1/responses`) over the chat path: a request becomes a chat
-request (instructions as the system message, then the input messages), runs as one, and its one
-choice comes back as a response object, or as the Responses stream's typed events.
+"""OpenAI's Responses API (`POST /v1/responses`) over the chat path, its request side: a request
+becomes a chat request (instructions as the system message, then the input messages) and runs as
+one; its one choice comes back as router.response_reply makes it, a response object or the
+Responses stream's typed events. `include: ["message.output_text.logprobs"]` (with
+`top_logprobs`) asks the chat path for logprobs.
 
-    response.created, response.in_progress, response.output_item.added,
-    response.content_part.added, response.output_text.delta ..., response.output_text.done,
-    response.content_part.done, response.output_item.done, response.completed (or .incomplete)
-
-`include: ["message.output_text.logprobs"]` (with `top_logprobs`) puts the logprobs of the
-output's tokens after its reasoning in the message's output_text part, and each text delta's in
-its event.
-
-With a reasoning parser (router.reasoning) the reply's reasoning comes first, as a `reasoning`
-item with one `reasoning_text` part (response.reasoning_text.delta events); given back as input,
-such items are accepted and left out of the prompt.
-
-Function tools run as chat's tools (router.tools): a call in the reply becomes a `function_call`
-output item (streamed as response.function_call_arguments.delta events), and the next request
-gives back `function_call` and `function_call_output` input items, which become the assistant's
-tool_calls and the tool turns of the chat.
+Input items given back (router.response_reply makes them): an earlier reply's `reasoning` item is
+accepted and left out of the prompt; `function_call` and `function_call_output` items become the
+assistant's tool_calls and the tool turns of the chat (function tools run as chat's tools,
+router.tools).
 
 A response is stored (router.response_store) unless the request says `store: false` or the
 store is off: `previous_response_id` then continues its conversation (its input and output items
@@ -30,21 +20,14 @@ rather than a reply that looks fine without them; `reasoning.effort` is the chat
 """
 from __future__ import annotations
 
-import itertools
-import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from router.errors import bad_request, from_validation_error
-from router.formatting import Accumulator
 from router.protocol import (REQUEST_ID_PATTERN, ChatCompletionRequest, _Model, _schema_size_ok, nulls_dropped,
                              object_parameters)
-from router.reasoning import ReasoningStream
-from router.tool_parser import CLOSE
-from router.tools import ToolPlan
 
 
 RUNNING = ("queued", "in_progress")  # a background response's statuses before it ends
@@ -159,7 +142,7 @@ def item_dicts(items: str | list[InputItem]) -> list[dict]:
         if isinstance(item, InputMessage):
             parts = [InputText(type="input_text", text=item.content)] if isinstance(item.content, str) else item.content
             d.update(content=[p.model_dump() for p in parts], status="completed")
-        d["id"] = d.get("id") or _new_id({InputMessage: "msg", ReasoningItem: "rs"}.get(type(item), "fc"))
+        d["id"] = d.get("id") or new_id({InputMessage: "msg", ReasoningItem: "rs"}.get(type(item), "fc"))
         out.append(d)
     return out
 
@@ -399,292 +382,5 @@ def responses_field(chat_field: str) -> str:
     return _CHAT_FIELDS.get(chat_field, chat_field)
 
 
-class ResponseReply:
-    """One request's response object and stream events. Its output items, in the order they
-    form: a reasoning item (one reasoning_text part) when a reasoning parser found reasoning, the
-    message (one output_text part) when the reply has text, and a function_call item per call
-    the reply made (chat's tool plan parses them out of the text)."""
-
-    def __init__(self, req: ResponsesRequest, model: str, created: int, plan: ToolPlan,
-                 store: Callable[[dict], Awaitable[bool]] | None = None, thinking: bool | None = None,
-                 reasoning_tokens: Callable[[list[int]], int] | None = None,
-                 logprobs: Callable[[list[int], list[dict[int, float]]], list[dict]] | None = None) -> None:
-        """`store(response)`: keeps the finished response (before a stream's last event goes out,
-        so a follow-up sent on that event finds it; a background one's record at every change of
-        its status) and says whether it did. `thinking`: as the
-        chat path's (router.reasoning): None, the reply is not split; else whether it opens
-        inside its reasoning. `reasoning_tokens(output token ids)`: how many are reasoning.
-        `logprobs(token ids, their logprob entries)`: their items in the message's output_text
-        (include message.output_text.logprobs), which gets those of the output's tokens after its
-        reasoning (as chat's content logprobs, a tool call's tokens too); each text delta those
-        of the tokens since the one before."""
-        self.req, self.model, self.created, self.plan, self.thinking = req, model, created, plan, thinking
-        self.reasoning_tokens, self.logprobs = reasoning_tokens, logprobs
-        self.id = req.request_id or _new_id("resp")  # vLLM's request_id names it as given
-        self._seq = itertools.count()
-        self._store = store
-        self._error: dict | None = None
-
-    # -- a whole reply ---------------------------------------------------------------------------
-    async def whole(self, acc: Accumulator) -> dict:
-        """The reply's output items exactly as its stream would have them: its text goes through
-        the stream's parser in pieces cut after each tool call block, so the items come in the
-        order their text did (a message after a call it follows)."""
-        (choice,) = acc.choices
-        text, finish = "".join(choice.text), choice.finish_reason
-        out, pieces = _StreamedOutput(self), text.split(CLOSE)
-        out.scored(choice.token_ids, choice.logprobs)
-        pieces = [p + CLOSE for p in pieces[:-1]] + pieces[-1:]
-        for i, piece in enumerate(pieces):
-            out.feed(piece, finish if i == len(pieces) - 1 else None)
-        status = _status(finish)
-        out.finish(status)
-        return await self._finished(self._response(status, out.items, acc, finish))
-
-    async def _finished(self, response: dict) -> dict:
-        if self._store is not None:
-            response["store"] = await self._store(response)
-        return response
-
-    # -- a background run's record -----------------------------------------------------------------
-    async def queued(self) -> dict:
-        """The response as a background request is answered: queued, stored (False: not)."""
-        return await self._finished(self._response("queued", []))
-
-    async def running(self) -> dict:
-        """The response, and the stored record, of a background run whose first output came."""
-        return await self._finished(self._response("in_progress", []))
-
-    async def failed(self, body: dict, output: list[dict] = (), acc: Accumulator | None = None) -> dict:
-        """The response of a reply ended by an error (OpenAI error JSON): failed, and why; a
-        background run's record says so too."""
-        e = body["error"]
-        response = {**self._response("failed", list(output), acc),
-                    "error": {"code": e.get("code") or e.get("type"), "message": e["message"]}}
-        return await self._finished(response) if self.req.background else response
-
-    # -- the stream ------------------------------------------------------------------------------
-    def event(self, kind: str, **fields) -> str:
-        data = {"type": kind, "sequence_number": next(self._seq), **fields}
-        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
-
-    def error_event(self, body: dict) -> str:
-        """An error while streaming: Responses' `error` event (OpenAI error JSON's fields)."""
-        e = body["error"]
-        self._error = body  # for the response.failed that follows
-        return self.event("error", code=e.get("code"), message=e["message"], param=e.get("param"))
-
-    async def events(self, steps: AsyncIterator[tuple[int, object]], acc: Accumulator,
-                     head: bool = True) -> AsyncIterator[str]:
-        """The stream: `steps` are the chat path's outputs (an error ends them as one string).
-        `head`: begin with response.created and response.in_progress (a background run sends its own)."""
-        if head:
-            yield self.event("response.created", response=self._response("in_progress", []))
-            yield self.event("response.in_progress", response=self._response("in_progress", []))
-        out = _StreamedOutput(self)
-        finish = None
-        async for _, step in steps:
-            if isinstance(step, str):  # the error event, then the response failed (OpenAI's two)
-                yield step
-                yield self.event("response.failed", response=await self.failed(self._error, out.items, acc))
-                return
-            for c in step.choices:
-                finish = c.finish_reason or finish
-                out.scored(c.token_ids, c.logprobs)
-                for event in out.feed(c.text, c.finish_reason):
-                    yield event
-        status = _status(finish)
-        for event in out.finish(status):
-            yield event
-        response = await self._finished(self._response(status, out.items, acc, finish))
-        yield self.event(f"response.{status}", response=response)
-
-    # -- the objects -----------------------------------------------------------------------------
-    @staticmethod
-    def _message(item_id: str, text: str | None, status: str) -> dict:
-        content = [] if text is None else [_text_part(text)]
-        return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
-
-    @staticmethod
-    def _function_call(item_id: str, call: dict, status: str) -> dict:
-        fn = call["function"]
-        return {"type": "function_call", "id": item_id, "call_id": call["id"], "name": fn["name"],
-                "arguments": fn["arguments"], "status": status}
-
-    def _response(self, status: str, output: list[dict], acc: Accumulator | None = None,
-                  finish: str | None = None) -> dict:
-        r = self.req
-        text_format = r.text.format.echoed() if r.text is not None and r.text.format is not None else {"type": "text"}
-        choice = r.tool_choice.model_dump() if isinstance(r.tool_choice, FunctionChoice) else r.tool_choice or "auto"
-        out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-               "error": None, "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
-               "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
-               "output": output, "parallel_tool_calls": r.parallel_tool_calls,
-               "temperature": 1.0 if r.temperature is None else r.temperature,
-               "top_p": 1.0 if r.top_p is None else r.top_p, "tool_choice": choice,
-               "tools": [t.model_dump(exclude_none=True) for t in r.tools or ()],
-               "text": {"format": text_format}, "truncation": r.truncation, "store": self._store is not None,
-               "previous_response_id": r.previous_response_id, "metadata": r.metadata or {}, "user": r.user,
-               "background": r.background, "top_logprobs": r.top_logprobs or 0 if r.logprobs_asked else None,
-               "usage": None}
-        if acc is not None:
-            u, (choice,) = acc.usage(), acc.choices
-            thought = self.reasoning_tokens(choice.token_ids) if self.reasoning_tokens and choice.token_ids else 0
-            # cache_write_tokens (a field OpenAI's type requires): not counted here, the engine does not
-            # report which of a prompt's blocks it newly cached
-            details = {**u["prompt_tokens_details"], "cache_write_tokens": 0}
-            out["usage"] = {"input_tokens": u["prompt_tokens"], "input_tokens_details": details,
-                            "output_tokens": u["completion_tokens"],
-                            "output_tokens_details": {"reasoning_tokens": thought}, "total_tokens": u["total_tokens"]}
-        return out
-
-
-class _StreamedOutput:
-    """The output items of a stream as its text arrives (through the chat path's tool call parser
-    when the request has tools): the message is added with its first text, each function call
-    with its first fragment; all are done at the end."""
-
-    def __init__(self, reply: ResponseReply) -> None:
-        self.reply = reply
-        self.parser = reply.plan.stream() if reply.plan.calls_tools else None
-        self.splitter = ReasoningStream(reply.thinking) if reply.thinking is not None else None
-        self.reasoning: dict | None = None  # its item, once reasoning came
-        self.reasoning_text: list[str] = []  # closed when the answer's first item opens, as OpenAI's
-        self.items: list[dict] = []
-        self.message: dict | None = None
-        self.text: list[str] = []
-        self.calls: dict[int, dict] = {}  # chat's tool call index -> its item
-        self.token_ids: list[int] = []  # the output's, when logprobs are asked
-        self.logprobs: list[dict] = []  # their items
-        self.skip = 0  # of which the reasoning's (not the message's): known once the message opens
-        self.unsent = 0  # of which the text deltas have carried up to here
-
-    def scored(self, token_ids: list[int], entries: list[dict[int, float]] | None) -> None:
-        """Output tokens and their logprob entries (none unless the request asked for them)."""
-        if self.reply.logprobs is not None and entries:
-            self.token_ids += token_ids
-            self.logprobs += self.reply.logprobs(token_ids, entries)
-
-    def feed(self, text: str, finish_reason: str | None) -> list[str]:
-        """One piece of the reply's text -> its events."""
-        events = []
-        if self.splitter is not None:
-            reasoning, text = self.splitter.step(text, final=finish_reason is not None)
-            if reasoning:
-                events += self._reason(reasoning)
-        return events + self.add(self.parser.step(text, finish_reason)[0] if self.parser is not None
-                                 else {"content": text})
-
-    def _reason(self, text: str) -> list[str]:
-        event, events = self.reply.event, []
-        if self.reasoning is None:
-            self.reasoning = {"type": "reasoning", "id": _new_id("rs"), "summary": [], "content": [],
-                              "status": "in_progress"}
-            self.items.append(self.reasoning)
-            events += [event("response.output_item.added", output_index=len(self.items) - 1, item=dict(self.reasoning)),
-                       event("response.content_part.added", **self._at(self.reasoning), part=_reasoning_part(""))]
-        self.reasoning_text.append(text)
-        events.append(event("response.reasoning_text.delta", **self._at(self.reasoning), delta=text))
-        return events
-
-    def add(self, delta: dict) -> list[str]:
-        events = []
-        if delta.get("content"):
-            events += self._text(delta["content"])
-        for fragment in delta.get("tool_calls", ()):
-            events += self._call(fragment)
-        return events
-
-    def _text(self, text: str) -> list[str]:
-        event, events = self.reply.event, []
-        if self.message is None:
-            events += self._open_message()
-        self.text.append(text)
-        events.append(event("response.output_text.delta", **self._where(), delta=text,
-                            logprobs=self.logprobs[self.unsent:]))
-        self.unsent = len(self.logprobs)
-        return events
-
-    def _close_reasoning(self, status: str = "completed") -> list[str]:
-        """`status`: the reply's, where it ended inside its reasoning."""
-        if self.reasoning is None or self.reasoning["status"] != "in_progress":
-            return []
-        event, text, where = self.reply.event, "".join(self.reasoning_text), self._at(self.reasoning)
-        self.reasoning.update(status=status, content=[_reasoning_part(text)])
-        return [event("response.reasoning_text.done", **where, text=text),
-                event("response.content_part.done", **where, part=_reasoning_part(text)),
-                event("response.output_item.done", output_index=where["output_index"], item=self.reasoning)]
-
-    def _open_message(self) -> list[str]:
-        if self.logprobs and self.reply.reasoning_tokens is not None:  # its close tag is in: they are counted
-            self.skip = self.unsent = self.reply.reasoning_tokens(self.token_ids)
-        events = self._close_reasoning()
-        self.message = self.reply._message(_new_id("msg"), None, "in_progress")
-        self.items.append(self.message)
-        index = len(self.items) - 1
-        return events + [self.reply.event("response.output_item.added", output_index=index, item=self.message),
-                         self.reply.event("response.content_part.added", **self._where(), part=_text_part(""))]
-
-    def _where(self) -> dict:
-        return self._at(self.message)
-
-    def _at(self, item: dict) -> dict:
-        return {"item_id": item["id"], "output_index": self.items.index(item), "content_index": 0}
-
-    def _call(self, fragment: dict) -> list[str]:
-        event = self.reply.event
-        item = self.calls.get(fragment["index"])
-        if item is None:
-            events = self._close_reasoning()
-            first = {"id": fragment["id"], "function": {"name": fragment["function"]["name"], "arguments": ""}}
-            item = self.calls[fragment["index"]] = self.reply._function_call(_new_id("fc"), first, "in_progress")
-            self.items.append(item)
-            events.append(event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item)))
-        else:
-            events = []
-        arguments = fragment.get("function", {}).get("arguments", "")
-        if arguments:
-            item["arguments"] += arguments
-            events.append(event("response.function_call_arguments.delta", item_id=item["id"],
-                                output_index=self.items.index(item), delta=arguments))
-        return events
-
-    def finish(self, status: str) -> list[str]:
-        event, events = self.reply.event, []
-        if self.message is None and not self.calls and self.reasoning is None:  # an empty reply is still a message
-            events += self._open_message()
-        events += self._close_reasoning(status)  # still open: the reply ended inside it, with no answer
-        if self.message is not None:
-            if self.unsent < len(self.logprobs):  # tokens with no text of their own (the eos): their delta
-                events += self._text("")
-            text = "".join(self.text)
-            where = self._where()
-            part = _text_part(text, self.logprobs[self.skip:])
-            events += [event("response.output_text.done", **where, text=text, logprobs=part["logprobs"]),
-                       event("response.content_part.done", **where, part=part)]
-            self.message.update(status=status, content=[part])
-        for index, item in enumerate(self.items):
-            if item is self.reasoning:  # done when the answer began, or just above
-                continue
-            if item["type"] == "function_call":
-                item["status"] = "completed"
-                events.append(event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                    name=item["name"], arguments=item["arguments"]))
-            events.append(event("response.output_item.done", output_index=index, item=item))
-        return events
-
-
-def _status(finish_reason: str | None) -> str:
-    return "incomplete" if finish_reason == "length" else "completed"
-
-
-def _text_part(text: str, logprobs: list[dict] = ()) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
-
-
-def _reasoning_part(text: str) -> dict:
-    return {"type": "reasoning_text", "text": text}
-
-
-def _new_id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"

@@ -43,7 +43,8 @@ from router.protocol import ChatCompletionRequest, CompletionRequest, Detokenize
 from router.reasoning import (END, ReasoningStream, count_reasoning_tokens, grammar_gate, opens_in_reasoning,
                               reasoning_fields, reply_start, split_reasoning)
 from router.response_store import ResponseStore, StoredResponses
-from router.responses import ResponseReply, ResponsesRequest, parse_items, responses_field
+from router.response_reply import ResponseReply
+from router.responses import ResponsesRequest, parse_items, responses_field
 from router.settings import RouterSettings
 from router.structured import check_all, checked, from_response_format, from_structured_outputs
 from router.tools import ToolPlan, render, template_knows_tools
