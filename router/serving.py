@@ -34,14 +34,15 @@ from engine.sampling_params import SamplingParams, priority_refusal, truncated
 from engine.structured.params import StructuredOutputsParams
 from engine.beam_search import BeamSearch, BeamSearchAborted, Generate, beam_search
 from router.background import BackgroundRuns, EventLog, check_id_free, run_in_background, stream_in_background
+from router.chunk_streams import ChunkStreams
 from router.engine_streams import collect, events, map_steps, merge_streams, renumbered, sample_calls
 from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error, unavailable
-from router.formatting import (SSE_DONE, Accumulator, PromptEcho, chat_logprobs, chat_response,
-                               completion_logprobs, completion_response, sse, vllm_prompt_logprobs)
+from router.formatting import (Accumulator, PromptEcho, chat_logprobs, chat_response, completion_response,
+                               vllm_prompt_logprobs)
 from router.off_loop import off_loop
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from router.reasoning import (END, ReasoningStream, count_reasoning_tokens, grammar_gate, opens_in_reasoning,
-                              reasoning_fields, reply_start, split_reasoning)
+from router.reasoning import (END, count_reasoning_tokens, grammar_gate, opens_in_reasoning, reasoning_fields,
+                              reply_start, split_reasoning)
 from router.response_store import ResponseStore, StoredResponses
 from router.response_reply import ResponseReply
 from router.responses import ResponsesRequest, parse_items, responses_field
@@ -94,6 +95,7 @@ class OpenAIServing:
         self._created = int(time.time())  # the model objects' `created`: when this server started serving it
         self.token_str = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
         self.token_bytes = functools.lru_cache(maxsize=1 << 16)(self._token_bytes)
+        self.chunks = ChunkStreams(settings.served_model_name, settings.response_role, self.token_bytes)
 
     @functools.cached_property
     def _byte_tokenizer(self):
@@ -207,7 +209,7 @@ class OpenAIServing:
             texts = [t if isinstance(t, str) else self.tokenizer.decode(t) for t in texts] if req.echo else None
             echo = PromptEcho(texts, prompts, req.prompt_logprobs, self.token_str)
         if req.stream:
-            return self._completion_events(rid, req, acc, first, merged, echo, prompts)
+            return self.chunks.completion(rid, req, acc, first, merged, echo, prompts, self._token_str(req))
         await collect(acc, first, merged)
         response = completion_response(rid, int(time.time()), self.settings.served_model_name, acc, req.logprobs,
                                        self._token_str(req), echo)
@@ -229,7 +231,7 @@ class OpenAIServing:
         first, merged = await self._start(engine_rid, [ids], params, "messages", max_param, req.beam_search())
         acc = Accumulator([len(ids)], req.n)
         if req.stream:
-            return self._chat_events(rid, req, acc, first, merged, plan, ids, thinking)
+            return self.chunks.chat(rid, req, acc, first, merged, plan, ids, thinking, self._token_str(req))
         await collect(acc, first, merged)
         k = (req.top_logprobs or 0) if req.logprobs else None
         token_str = self._token_str(req)
@@ -515,119 +517,6 @@ class OpenAIServing:
         eos = set(eos) if eos is not None else {self.tokenizer.eos_token_id} - {None}
         return beam_replies(beam_search(generate, rid, ids, params, beam, eos,
                                         lambda tokens, skip: self.tokenizer.decode(tokens, skip_special_tokens=skip)))
-
-    # -- streaming -------------------------------------------------------------------------------
-    def _chunk_base(self, rid: str, obj: str, include_usage: bool) -> dict:
-        """Fields every chunk of one stream shares; `usage` is null until the final usage chunk
-        (unless continuous usage stats replace it in each)."""
-        base = {"id": rid, "object": obj, "created": int(time.time()), "model": self.settings.served_model_name}
-        if include_usage:
-            base["usage"] = None
-        return base
-
-    def _completion_events(self, rid: str, req: CompletionRequest, acc: Accumulator, first,
-                           merged: AsyncIterator, echo: PromptEcho | None,
-                           prompts: list[list[int]]) -> AsyncIterator[str]:
-        offsets = [0] * len(acc.choices)  # per choice: text offset of its next logprobs token
-        token_str = self._token_str(req)
-        started = [False] * len(acc.choices)  # the prompt's part goes with each choice's first chunk
-
-        def choice(i: int, c: ChoiceDelta) -> dict:
-            text, ids, entries, extra = "", [], [], {}
-            if echo is not None and not started[i]:
-                text, ids, entries, extra = echo.head(acc, i, req.logprobs is not None)
-            if req.return_token_ids:  # vLLM's: the prompt's ids with a choice's first chunk, then its new ids
-                extra = {**extra, "token_ids": c.token_ids}
-                if not started[i]:
-                    extra["prompt_token_ids"] = prompts[i // req.n]
-            started[i] = True
-            lps = None
-            if req.logprobs is not None:
-                lps = completion_logprobs(ids + c.token_ids, entries + (c.logprobs or []), req.logprobs,
-                                          token_str, offsets[i])
-                offsets[i] += sum(len(t) for t in lps["tokens"])
-            return [{"index": i, "text": text + c.text, "logprobs": lps, "finish_reason": c.finish_reason,
-                     "stop_reason": c.stop_reason, **extra}]
-
-        return self._sse(rid, "text_completion", req.stream_usage, acc, first, merged, [], choice)
-
-    def _chat_events(self, rid: str, req: ChatCompletionRequest, acc: Accumulator, first, merged: AsyncIterator,
-                     plan: ToolPlan, prompt_ids: list[int], thinking: bool | None) -> AsyncIterator[str]:
-        k = (req.top_logprobs or 0) if req.logprobs else None
-        token_str = self._token_str(req)
-        calls = [plan.stream() for _ in acc.choices] if plan.calls_tools else None
-        splits = [ReasoningStream(thinking) for _ in acc.choices] if thinking is not None else None
-
-        def choice(i: int, c: ChoiceDelta) -> list[dict]:
-            lps = None if k is None else chat_logprobs(c.token_ids, c.logprobs or [], k, token_str, self.token_bytes)
-            text, finish_reason, head = c.text, c.finish_reason, {}
-            if splits is not None:  # reasoning first; what follows it is the answer
-                reasoning, text = splits[i].step(c.text, final=finish_reason is not None)
-                head = reasoning_fields(reasoning) if reasoning and req.include_reasoning else {}
-            delta = {"content": text} if text or (c.token_ids and splits is None) else {}
-            if calls is not None:  # tool calls: name first, then argument fragments
-                delta, finish_reason = calls[i].step(text, c.finish_reason)
-            delta = {**head, **delta}
-            if (calls is not None or splits is not None) and not delta and finish_reason is None \
-                    and lps is None and not req.return_token_ids:
-                return []  # text held back (it may be a call or a tag): no empty chunk, as vLLM
-            out = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish_reason,
-                   "stop_reason": c.stop_reason}
-            if req.return_token_ids:  # every token's id, held-back text's too
-                out["token_ids"] = c.token_ids
-            if "tool_calls" in delta and finish_reason is not None:
-                # The finish in a chunk of its own: the openai SDK's stream helper reads a chunk's
-                # finish_reason before its tool calls, and would never close a call sent with it.
-                last = {"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason,
-                        "stop_reason": c.stop_reason}
-                return [{**out, "finish_reason": None, "stop_reason": None},
-                        {**last, "token_ids": []} if req.return_token_ids else last]
-            return [out]
-
-        n = len(acc.choices)
-        role = self.settings.response_role
-        preamble = [{"index": i, "delta": {"role": req.reply_role(role), "content": ""}, "logprobs": None,
-                     "finish_reason": None} for i in range(n)]
-        if echoed := req.echoed_text(role):  # as vLLM streams it: one chunk per choice after the roles
-            preamble += [{"index": i, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}
-                         for i in range(n)]
-        head = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}  # vLLM's: on the first chunk
-        return self._sse(rid, "chat.completion.chunk", req.stream_usage, acc, first, merged, preamble, choice, head)
-
-    async def _sse(self, rid: str, obj: str, usage: tuple[bool, bool], acc: Accumulator, first,
-                   merged: AsyncIterator, preamble: list[dict],
-                   choice: Callable[[int, ChoiceDelta], list[dict]], head: dict | None = None) -> AsyncIterator[str]:
-        """The SSE body of a stream: `preamble` chunks, then the chunks `choice` makes of each sample
-        delta of every engine output that made tokens, text or not (see module doc; usually one, none
-        for text held back),
-        the usage chunk if asked for, and [DONE]. `usage`: (include_usage, continuous_usage_stats);
-        `head`: fields of the first chunk only."""
-        include_usage, continuous = usage
-        base = self._chunk_base(rid, obj, include_usage)
-        first_fields = dict(head or {})
-
-        def chunk(c: dict) -> str:
-            extra = first_fields.copy()
-            first_fields.clear()
-            return sse({**base, **extra, "choices": [c], "usage": acc.usage()} if continuous
-                       else {**base, **extra, "choices": [c]})
-
-        failed = False
-        acc.cached[first[0]] = first[1].num_cached_tokens  # the preamble's usage counts the cache hit too
-        async with contextlib.aclosing(merged):  # however this generator ends, the engine requests end
-            for c in preamble:
-                yield chunk(c)
-            async for prompt, step in events(first, merged, acc):
-                if isinstance(step, str):  # the error event that ends a failed stream
-                    failed = True
-                    yield step
-                    continue
-                for c in step.choices:
-                    for out in choice(acc.index(prompt, c), c):
-                        yield chunk(out)
-        if include_usage and not failed:  # as vLLM: a failed stream ends with its error, then [DONE]
-            yield sse({**base, "choices": [], "usage": acc.usage()})
-        yield SSE_DONE
 
 
 async def _response_events(reply: ResponseReply, acc: Accumulator, first, merged: AsyncIterator) -> AsyncIterator[str]:
