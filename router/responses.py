@@ -328,9 +328,12 @@ class ResponsesRequest(_Model):
         effort = (self.reasoning or {}).get("effort")
         if effort is not None and not (isinstance(effort, str) and 0 < len(effort) <= 64):
             raise ValueError("reasoning: its effort must be a string of 1 to 64 characters")
-        if self.reasoning and any(v is not None for k, v in self.reasoning.items() if k != "effort"):
-            raise ValueError("reasoning: only its effort is supported in /v1/responses (no summaries are made "
-                             "here: --reasoning-parser returns a thinking model's reasoning as it is)")
+        # a summary of "auto" leaves the kind to the server, and here it is none: the reasoning comes whole
+        if self.reasoning and any(v not in (None, "auto") if k in ("summary", "generate_summary") else v is not None
+                                  for k, v in self.reasoning.items() if k != "effort"):
+            raise ValueError("reasoning: only its effort, and a summary of \"auto\", are supported in /v1/responses "
+                             "(no summaries are made here: --reasoning-parser returns a thinking model's reasoning "
+                             "whole, as reasoning_text)")
         return self
 
     @property

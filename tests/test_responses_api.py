@@ -116,7 +116,7 @@ def test_an_error_while_streaming_is_an_error_event_then_response_failed(tokeniz
     ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "18 C"}]}, "input",
      "No tool call found for function call output with call_id call_9"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort", "its chat template does not read it"),  # SmolLM2's
-    ({"reasoning": {"summary": "auto"}}, "reasoning", "only its effort is supported"),
+    ({"reasoning": {"summary": "detailed"}}, "reasoning", "only its effort, and a summary of \"auto\""),
     ({"reasoning": {"effort": ""}}, "reasoning", "effort must be a string of 1 to 64 characters"),
     ({"include": ["message.output_text.tokens"]}, "include.0", "message.output_text.logprobs"),
     ({"extra_body": {"priority": 3}}, "priority", "priority scheduling is not enabled"),  # fcfs
@@ -360,3 +360,12 @@ def test_responses_and_events_validate_as_openais_types(tokenizer, extra):
     Response.model_validate(whole)
     kinds = [TypeAdapter(ResponseStreamEvent).validate_python(e).type for e in events]
     assert kinds[-1] == "response.completed" and whole["status"] == "completed"
+
+
+def test_a_reasoning_summary_left_to_the_server_is_none(tokenizer):
+    """reasoning.summary "auto" (what agents such as Codex send) is taken: no summary is made,
+    the reasoning comes whole as its reasoning_text."""
+    r, _ = run(tokenizer, "Blue light scatters.</think>Yes.", create(reasoning={"summary": "auto"}),
+               settings={"reasoning_parser": "deepseek_r1"})
+    reasoning, message = r.output
+    assert reasoning.summary == [] and reasoning.content[0].text == "Blue light scatters." and r.output_text == "Yes."
