@@ -29,8 +29,8 @@ from workers.serve_logging import UVICORN_LOG_LEVELS
 
 _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_replicas", "max_ongoing_requests",
                 "max_queued_requests", "max_request_body_bytes", "max_sequences_per_request",
-                "responses_store_max_bytes", "max_background_responses", "enable_log_requests", "disable_log_stats", "disable_uvicorn_access_log",
-                "uvicorn_log_level",
+                "responses_store_max_bytes", "max_background_responses", "enable_log_requests", "disable_log_stats",
+                "disable_uvicorn_access_log", "uvicorn_log_level",
                 "routing", "routing_stats_period_s", "autoscale", "min_replicas", "max_replicas", "upscale_delay_s",
                 "downscale_delay_s", "target_kv_usage", "target_ongoing_requests", "look_back_period_s",
                 "graceful_shutdown_timeout_s", "engine_cls", "cpu_threads", "generation_config",

@@ -321,8 +321,10 @@ class OpenAIIngress:
                 "in_flight": self._client.cut_all()}
 
     async def __del__(self) -> None:
-        # Serve calls this when it stops the replica, after its HTTP requests (not its background runs)
-        await self._serving.background.shutdown()
+        # Serve calls this when it stops the replica, after its HTTP requests (not its background
+        # runs); also when __init__ failed, before there was anything to stop
+        if (serving := getattr(self, "_serving", None)) is not None:
+            await serving.background.shutdown()
 
     async def ready(self) -> tuple[bool, dict]:
         """True when every replica of the engine deployment is running (its engine loaded); also
