@@ -219,3 +219,25 @@ def test_every_handle_the_ingress_calls_has_its_router_started_when_the_replica_
     assert engine.started and store.started
     assert [(h.deployment_name, h.app_name, h.started) for h in made] == [("EngineServer", "kvserve", True)]
     assert client._info_handle is made[0]
+
+
+def test_the_ingress_stops_its_background_runs_and_stands_a_failed_init():
+    """Serve calls an ingress replica's __del__ when it stops it, and also when its __init__
+    raised: the runs end (router.background.BackgroundRuns.shutdown), and a replica that never
+    got as far as having them stops without an error of its own."""
+    stopped = []
+
+    class Runs:
+        async def shutdown(self):
+            stopped.append(True)
+
+    class Replica(ingress.OpenAIIngress):
+        def __del__(self):  # Python's own, when the test lets go of it: Serve awaits the real one
+            pass
+
+    stop = ingress.OpenAIIngress.__del__
+    asyncio.run(stop(Replica.__new__(Replica)))
+    made = Replica.__new__(Replica)
+    made._serving = type("Serving", (), {"background": Runs()})()
+    asyncio.run(stop(made))
+    assert stopped == [True]
