@@ -153,6 +153,7 @@ class ResponseReply:
                "text": {"format": text_format}, "truncation": r.truncation, "store": self._store is not None,
                "previous_response_id": r.previous_response_id, "metadata": r.metadata or {}, "user": r.user,
                "background": r.background, "top_logprobs": r.top_logprobs or 0 if r.logprobs_asked else None,
+               "reasoning": r.reasoning or None,
                "usage": None}
         if acc is not None:
             u, (choice,) = acc.usage(), acc.choices

@@ -612,8 +612,9 @@ def test_reasoning_effort_reaches_a_template_that_reads_it(tokenizer):
     settings = {"chat_template": template}
     _, effort = run(tokenizer, "yes", chat(reasoning_effort="low"), settings=settings)
     _, plain = run(tokenizer, "yes", chat(), settings=settings)
-    _, responses = run(tokenizer, "yes", lambda client: client.responses.create(
+    reply, responses = run(tokenizer, "yes", lambda client: client.responses.create(
         model="m", input="Is the sky blue?", reasoning={"effort": "high"}), settings=settings)
     assert tokenizer.decode(effort.seen[0][0]) == "effort=low\nuser: Is the sky blue?\n"
     assert tokenizer.decode(plain.seen[0][0]) == "user: Is the sky blue?\n"
     assert tokenizer.decode(responses.seen[0][0]) == "effort=high\nuser: Is the sky blue?\n"
+    assert reply.reasoning.effort == "high"  # echoed, as OpenAI's response object does
