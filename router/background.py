@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 
 from router.engine_streams import collect, events
-from router.errors import OpenAIError, bad_request, internal_error
+from router.errors import OpenAIError, bad_request, internal_error, overloaded
 from router.formatting import Accumulator
 from router.response_store import StoredResponses
 from router.response_reply import ResponseReply
@@ -102,11 +102,9 @@ class BackgroundRuns:
             raise bad_request("background responses are off on this server (--max-background-responses 0)",
                               "background")
         if len(self) >= limit:
-            raise OpenAIError(status, f"This server runs at most {limit} background responses at once "
-                                      "(--max-background-responses). Retry later.",
-                              type="server_overloaded" if status == 503 else "rate_limit_exceeded",
-                              code="too_many_background_responses",
-                              headers={"Retry-After": str(max(1, round(retry_after_s)))})
+            raise overloaded(retry_after_s, status, f"This server runs at most {limit} background responses at "
+                                                    "once (--max-background-responses). Retry later.",
+                             code="too_many_background_responses")
         self._reserved += 1
         try:
             yield
@@ -217,7 +215,7 @@ class BackgroundRuns:
 
 
 async def run_in_background(reply: ResponseReply, start: Callable[[], Awaitable[tuple]], acc: Accumulator) -> None:
-    """A background response's run: `start()` sends it to the engine (router.serving's _start);
+    """A background response's run: `start()` sends it to the engine (router.serving's _send);
     its record goes in_progress with the first output, and ends as the reply does, or failed."""
     try:
         first, merged = await start()

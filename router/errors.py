@@ -40,11 +40,12 @@ def internal_error() -> OpenAIError:
                        code="internal_error")
 
 
-def overloaded(retry_after_s: float | None, status: int = 503) -> OpenAIError:
+def overloaded(retry_after_s: float | None, status: int = 503,
+               message: str = "The server is overloaded: too many requests are queued. Retry later.",
+               code: str = "queue_full") -> OpenAIError:
     headers = {"Retry-After": str(max(1, math.ceil(retry_after_s or 1)))}
-    return OpenAIError(status, "The server is overloaded: too many requests are queued. Retry later.",
-                       type="server_overloaded" if status == 503 else "rate_limit_exceeded",
-                       code="queue_full", headers=headers)
+    return OpenAIError(status, message, type="server_overloaded" if status == 503 else "rate_limit_exceeded",
+                       code=code, headers=headers)
 
 
 def unavailable(message: str, retry_after_s: int = 2) -> OpenAIError:

@@ -223,11 +223,10 @@ class OpenAIServing:
         self._check_sequences(1, req.n)
         req = await self._logprobs_within_cap(req, "top_logprobs")
         plan, params, ids, thinking = await self._chat_prompt(req)
-        if req.truncate_prompt_tokens is not None:
-            ids = await self._truncated(ids, req, req.max_completion_tokens or req.max_tokens,
-                                        "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
-        rid, engine_rid = _request_ids("chatcmpl", req.request_id)
         max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        if req.truncate_prompt_tokens is not None:
+            ids = await self._truncated(ids, req, req.max_completion_tokens or req.max_tokens, max_param)
+        rid, engine_rid = _request_ids("chatcmpl", req.request_id)
         first, merged = await self._start(engine_rid, [ids], params, "messages", max_param, req.beam_search())
         acc = Accumulator([len(ids)], req.n)
         if req.stream:
@@ -301,7 +300,7 @@ class OpenAIServing:
                 raise bad_request("this request is larger than the response store holds "
                                   "(--responses-store-max-bytes), so its background run could not be followed", "input")
             # accepted: the run waits for room in a full engine queue, where a new request is refused
-            start = functools.partial(self._start, rid, [ids], params, "input", "max_output_tokens", admitted=True)
+            start = functools.partial(self._send, rid, [ids], params, admitted=True)
             acc = Accumulator([len(ids)], 1)
             if not reply.req.stream:
                 self.background.start(reply.id, run, run_in_background(reply, start, acc))
@@ -460,12 +459,16 @@ class OpenAIServing:
             _check_fits_kv_cache(len(ids), params.max_tokens, info, max_param)
 
     async def _start(self, rid: str, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
-                     max_param: str, beam: BeamSearch | None = None,
-                     admitted: bool = False) -> tuple[tuple[int, StepOutput], AsyncIterator]:
-        """Send every prompt to the engine (or to a beam search over it); returns its first output
-        and the rest of the merged stream. `admitted`: accepted already (a background run), its
-        first call waits for room in a full queue as the later ones do."""
-        params = await self._checked(prompts, params, prompt_param, max_param)
+                     max_param: str, beam: BeamSearch | None = None) -> tuple[tuple[int, StepOutput], AsyncIterator]:
+        """Check the prompts and params (_checked), then send them (_send)."""
+        return await self._send(rid, prompts, await self._checked(prompts, params, prompt_param, max_param), beam)
+
+    async def _send(self, rid: str, prompts: list[list[int]], params: SamplingParams, beam: BeamSearch | None = None,
+                    admitted: bool = False) -> tuple[tuple[int, StepOutput], AsyncIterator]:
+        """Send every prompt (its params as _checked made them) to the engine, or to a beam search
+        over it; returns its first output and the rest of the merged stream. `admitted`: accepted
+        already (a background run), its first call waits for room in a full queue as the later
+        ones do."""
         if self.settings.enable_log_requests:
             logger.info("%s: prompt token ids %s, %s", rid, prompts, params)
         # The first engine call lets the request in or refuses it (a full queue); the rest, more
