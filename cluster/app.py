@@ -89,6 +89,9 @@ class ServeOptions:
     exclude_tools_when_tool_choice_none: bool | None = None  # vLLM's: tool_choice none hides the tools
     response_role: str | None = None  # vLLM's: a chat reply's role when it opens a new turn (default: assistant)
     chat_template_content_format: str | None = None  # vLLM's: auto | string | openai (engine.chat_format)
+    # vLLM's --lora-modules: `name=path` strings, or {"name", "path", "base_model_name"} dicts (or
+    # their JSON); a request's `model` names one (needs the engine's enable_lora)
+    lora_modules: list | None = None
     engine_cls: str | Callable | None = None  # "module:Class" built as cls(EngineConfig); default AsyncEngine
     cpu_threads: int | None = None  # torch threads per engine replica on CPU; default: cores // replicas
     num_ingress_replicas: int = 1
@@ -324,6 +327,7 @@ def served_model_name(engine: EngineConfig, options: ServeOptions) -> str:
 
 def router_settings(engine: EngineConfig, options: ServeOptions):
     """The ingress's settings: the options named like RouterSettings fields, where given."""
+    from engine.lora_request import lora_modules
     from router.settings import RouterSettings, load_chat_template
 
     given = {f.name: getattr(options, f.name) for f in dataclasses.fields(RouterSettings)
@@ -332,6 +336,10 @@ def router_settings(engine: EngineConfig, options: ServeOptions):
     given.update({k: tuple(v) for k, v in given.items() if k.startswith("allowed_")})  # JSON lists
     if options.chat_template is not None:  # read here: its text travels to the ingress with the settings
         given["chat_template"] = load_chat_template(options.chat_template)
+    if options.lora_modules:
+        if not engine.enable_lora:
+            raise ValueError("lora_modules (--lora-modules) needs the engine's enable_lora (--enable-lora)")
+        given["lora_modules"] = lora_modules(options.lora_modules, engine.max_lora_rank)
     return RouterSettings(**{**given, "served_model_name": first, "served_model_aliases": tuple(others),
                              "model_root": engine.model or first})
 

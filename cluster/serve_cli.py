@@ -36,7 +36,7 @@ _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_rep
                 "graceful_shutdown_timeout_s", "engine_cls", "cpu_threads", "generation_config",
                 "override_generation_config", "chat_template", "allowed_origins", "allowed_methods",
                 "allowed_headers", "allow_credentials", "reasoning_parser", "tool_call_parser",
-                "exclude_tools_when_tool_choice_none", "response_role", "chat_template_content_format")
+                "exclude_tools_when_tool_choice_none", "response_role", "chat_template_content_format", "lora_modules")
 
 
 def add_serve_parser(commands) -> argparse.ArgumentParser:
@@ -56,6 +56,10 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     http.add_argument("--served-model-name", nargs="+", metavar="NAME",
                       help="the model names clients may send; replies name the first (default: --model as "
                            "given, or the embedded model's)")
+    http.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                      help="LoRA adapters (PEFT directories) requests may name as their `model`, with "
+                           "--enable-lora: name=path, or JSON {\"name\": ..., \"path\": ..., \"base_model_name\": ...} "
+                           "(vLLM's flag); /v1/models lists them")
     http.add_argument("--max-request-body-bytes", type=parse_bytes, metavar="BYTES",
                       help="larger request bodies get a 413 (default: 8M)")
     http.add_argument("--max-sequences-per-request", type=int, metavar="N",

@@ -43,7 +43,7 @@ from cluster.policy import (ROUTERS, CacheAwareRouter, KVPolicyConfig, PrefixAff
                             SeenSessions, choose_kv, rank_key, record_dispatch)
 from cluster.stats import ReplicaStats
 from engine.config import EngineConfig
-from engine.hashing import root_hash
+from engine.hashing import request_root
 
 ROUTER_CLASSES = {name: policy.serve_router for name, policy in ROUTERS.items()}
 GENERATE_METHOD = "generate"  # workers.server.EngineServer.generate, called with keyword arguments
@@ -61,7 +61,7 @@ def route_request_from(pending: PendingRequest | None, default_max_tokens: int,
     # Unset: what the engine resolves it to, the rest of the context window.
     max_tokens = getattr(params, "max_tokens", None) or max(1, default_max_tokens - len(token_ids))
     return RouteRequest(token_ids, max_tokens, session=pending.metadata.session_id or None, detokenize=detokenize,
-                        root=root_hash(getattr(params, "cache_salt", None)))
+                        root=request_root(params))
 
 
 def replica_key(replica_id) -> str:

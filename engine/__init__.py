@@ -1,11 +1,12 @@
 """kvserve's paged-KV continuous-batching inference engine (no Ray, no HTTP)."""
 from engine.beam_search import BeamSearchParams
 from engine.config import EngineConfig
+from engine.lora_request import LoRARequest
 from engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "AsyncEngine", "ProcessEngine", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput", "Logprob",
-           "CompletionOutput", "EngineStats", "BeamSearchParams"]
+           "CompletionOutput", "EngineStats", "BeamSearchParams", "LoRARequest"]
 
 
 def __getattr__(name: str):

@@ -135,10 +135,11 @@ async def search(generate: Generate, request_id: str, prompt: list[int], params:
                  beam: BeamSearch, eos_token_ids: set[int]) -> tuple[StepOutput, list[_Beam]]:
     """-> the first round's first output (cached tokens, prompt logprobs) and the `beam.width`
     best beams, best first. `params` gives max_tokens, ignore_eos, stop_token_ids (which end a
-    beam too), logprobs and prompt_logprobs, and cache_salt."""
+    beam too), logprobs and prompt_logprobs, cache_salt and lora_request."""
     k, enders = beam.width, set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
     round_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
                                   logprobs=max(2 * k, params.logprobs or 0), cache_salt=params.cache_salt,
+                                  lora_request=params.lora_request,
                                   output_kind=RequestOutputKind.FINAL_ONLY)
     live, done, head = [_Beam(())], [], None
 

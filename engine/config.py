@@ -51,6 +51,13 @@ class EngineConfig:
     # What logprobs report, vLLM's --logprobs-mode (LOGPROBS_MODES): raw_logprobs,
     # raw_logits, processed_logprobs, processed_logits (after penalties, bias, temperature, top_k...).
     logprobs_mode: str = "raw_logprobs"
+    # LoRA adapters (vLLM's flags; engine.lora): a request names its adapter (LLM.generate's
+    # lora_request, the server's model name); at most max_loras adapters run in one step, of rank
+    # at most max_lora_rank, and max_cpu_loras stay loaded (default: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str) and str(self.dtype).startswith("torch."):  # a torch.dtype, as vLLM takes
@@ -103,6 +110,12 @@ class EngineConfig:
              f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         need(self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        need(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        need(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        need(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+             f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        need(not self.enable_lora or self.tensor_parallel_size == 1,
+             "enable_lora needs tensor_parallel_size 1: LoRA adapters are not sharded across ranks here")
         need(self.distributed_executor_backend == "ray" or ":" in self.distributed_executor_backend,
              f"distributed_executor_backend must be 'ray' or 'package.module:Class' (vLLM's 'mp' and 'uni' "
              f"only with tensor_parallel_size 1), got {self.distributed_executor_backend!r}")

@@ -12,6 +12,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
+from engine.lora import LoRAState, attach, load_adapter
+from engine.lora_request import LoRARequest
 from engine.model.llama import ModelArch
 from engine.model.loader import build_model, load_arch
 from engine.model_source import load_tokenizer, model_dir as find_model_dir, model_name, tokenizer_dir
@@ -141,6 +143,9 @@ class LocalExecutor:
         kv = allocate_kv_cache(arch.num_layers, num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim,
                                dtype, device)
         self.runner = make_runner(self.model, kv, config, max_model_len, device)
+        self.dtype, self.max_lora_rank = dtype, config.max_lora_rank
+        if config.enable_lora:
+            attach(self.model, LoRAState())
         self.sampler = SequenceSampler(config.seed, spec.eos_token_ids, config.logprobs_mode)
         self.info = ModelInfo(model_dir, spec.tokenizer, spec.eos_token_ids, arch.vocab_size,
                               arch.max_position_embeddings, num_blocks, device, dtype)
@@ -154,6 +159,15 @@ class LocalExecutor:
             prompt = prompt_logprobs(out.prompt_rows.logits(), out.prompt_spans,
                                      [batch.seqs[s.index] for s in out.prompt_spans])
         return LocalDraws(out.logits, out.sampled, self.sampler, grammar_mask, prompt)
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter (engine.lora) for requests whose params name it; InvalidRequestError
+        for one that does not fit the model."""
+        self.model.lora.adapters[lora.lora_int_id] = load_adapter(lora, self.model.arch, self.dtype,
+                                                                  self.info.device, self.max_lora_rank)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.model.lora.adapters.pop(lora_int_id, None)
 
     def shutdown(self) -> None:
         pass

@@ -13,13 +13,21 @@ from collections.abc import Sequence
 NONE_HASH = 0  # parent hash of a sequence's first block
 
 
-def root_hash(cache_salt: str | None) -> int:
+def root_hash(cache_salt: str | None, lora_id: int | None = None) -> int:
     """The parent hash of a sequence's first block: NONE_HASH, or one of the request's cache_salt
-    (vLLM's field), so that only requests with the same salt share cached blocks. sha256, not
-    hash(): a string's hash differs between processes."""
-    if cache_salt is None:
+    (vLLM's field) and LoRA adapter id, so that only requests with the same salt and adapter share
+    cached blocks (an adapter's KV is not the base model's). sha256, not hash(): a string's hash
+    differs between processes."""
+    if cache_salt is None and lora_id is None:
         return NONE_HASH
-    return int.from_bytes(hashlib.sha256(cache_salt.encode()).digest()[:8], "little", signed=True) or 1
+    key = cache_salt if lora_id is None else f"{cache_salt!r}\0lora:{lora_id}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little", signed=True) or 1
+
+
+def request_root(params) -> int:
+    """root_hash of a request's SamplingParams (its cache_salt and LoRA adapter: lora_request's id)."""
+    lora = getattr(params, "lora_request", None)
+    return root_hash(getattr(params, "cache_salt", None), getattr(lora, "lora_int_id", None))
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:

@@ -13,6 +13,7 @@ from engine.chat_format import as_parts, resolved
 from engine.config import EngineConfig
 from engine.generation_config import sampling_defaults
 from engine.llm_engine import LLMEngine
+from engine.lora_request import LoRARequest
 from engine.metric_sinks import Metric
 from engine.model_source import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME, model_dir
 from engine.outputs import Logprob, RequestOutput, StepOutput
@@ -72,8 +73,8 @@ class LLM:
         one call gives. `priority`: one per prompt, under scheduling_policy="priority" (vLLM's).
         A max_tokens that would run past max_model_len ends that prompt's outputs "length" there
         (vLLM's); a prompt that leaves no room is refused. `use_tqdm`: a progress bar, or the tqdm
-        class to make it with."""
-        _no_lora(lora_request)
+        class to make it with. `lora_request`: a LoRARequest (engine.lora_request) for every prompt,
+        or a list of one (or None) per prompt, with enable_lora."""
         if tokenization_kwargs:
             raise ValueError("tokenization_kwargs is not supported: give token ids, or truncate_prompt_tokens "
                              "in the SamplingParams")
@@ -88,6 +89,7 @@ class LLM:
             params = [dataclasses.replace(p, priority=k) for p, k in zip(params, priority)]
         prompts, salts = zip(*map(_unwrapped, prompts)) if prompts else ((), ())
         params = [p if salt is None else dataclasses.replace(p, cache_salt=salt) for p, salt in zip(params, salts)]
+        params = _with_lora(params, lora_request)
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         # A prompt's n samples in calls that fit max_num_seqs (SamplingParams.split): parts[rid]
         # holds (the part's request id, its first sample's index) for each.
@@ -140,8 +142,7 @@ class LLM:
         `chat_template_kwargs` go to the template, over the arguments named here (vLLM's order).
         `chat_template_content_format`: "string" gives a message's text parts joined by newlines,
         "openai" the parts as a list; "auto" the latter for a template that loops over a message's
-        content (vLLM's detection)."""
-        _no_lora(lora_request)
+        content (vLLM's detection). `lora_request`: as `generate`'s."""
         if mm_processor_kwargs:
             raise ValueError("mm_processor_kwargs is not supported: the engine serves text models")
         template_kwargs = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
@@ -158,7 +159,7 @@ class LLM:
         texts = [self.tokenizer.apply_chat_template([content(m) for m in conversation], tokenize=False,
                                                     **template_kwargs) for conversation in conversations]
         prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         return [dataclasses.replace(out, prompt=text) for out, text in zip(outs, texts)]
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams, lora_request=None,
@@ -167,8 +168,8 @@ class LLM:
         search the server's `use_beam_search` runs (engine.beam_search). The prompts' searches
         run together, each round's beams batched by the engine; `concurrency_limit` of them at
         most. A beam that drew an end token keeps it, in its tokens and its text (vLLM's offline
-        search); max_tokens is cut to what max_model_len leaves after the prompt."""
-        _no_lora(lora_request)
+        search); max_tokens is cut to what max_model_len leaves after the prompt. `lora_request`:
+        one LoRARequest for every prompt, or one per prompt, as `generate` takes it."""
         if concurrency_limit is not None and concurrency_limit < 1:
             raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
         cap = self.engine.config.max_logprobs
@@ -177,10 +178,12 @@ class LLM:
                              f"got {params.beam_width}")
         prompts = _listed(prompts)
         asked = []
-        for prompt in prompts:
+        loras = [p.lora_request for p in _with_lora([SamplingParams()] * len(prompts), lora_request)]
+        for prompt, lora in zip(prompts, loras):
             prompt, salt = _unwrapped(prompt)
             ids = self.engine.tokenize(prompt)[1]
-            sampling = SamplingParams(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos, cache_salt=salt)
+            sampling = SamplingParams(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos, cache_salt=salt,
+                                      lora_request=lora)
             fitted = self.engine.validate(ids, sampling, fit_model_len=True)  # before any round runs
             asked.append((ids, dataclasses.replace(sampling, max_tokens=fitted)))
         beam = BeamSearch(params.beam_width, params.length_penalty, include_stop_str_in_output=True)
@@ -300,9 +303,17 @@ def _texts(parts: list) -> list[str]:
     return [p["text"] for p in parts]
 
 
-def _no_lora(lora_request) -> None:
-    if lora_request is not None:
-        raise ValueError("lora_request is not supported: kvserve serves no LoRA adapters")
+def _with_lora(params: list[SamplingParams], lora_request) -> list[SamplingParams]:
+    """Each prompt's params with its adapter: `lora_request` one LoRARequest for all, or a list
+    of one (or None) per prompt, as vLLM's LLM takes it."""
+    if lora_request is None:
+        return params
+    loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(params)
+    if len(loras) != len(params):
+        raise ValueError(f"{len(loras)} lora requests for {len(params)} prompts")
+    if any(lora is not None and not isinstance(lora, LoRARequest) for lora in loras):
+        raise TypeError("lora_request must be a LoRARequest (engine.lora_request), a list of them, or None")
+    return [p if lora is None else dataclasses.replace(p, lora_request=lora) for p, lora in zip(params, loras)]
 
 
 def _listed(prompts: Prompt | list[Prompt]) -> list[Prompt]:
@@ -372,7 +383,7 @@ class _Logprobs:
         if prompt_logprobs is not None:
             prompt_logprobs = [None if p is None else self.entry(p.token_id, p.logprob, p.rank, p.top)
                                for p in prompt_logprobs]
-        return dataclasses.replace(out, outputs=outputs, prompt_logprobs=prompt_logprobs)
+        return dataclasses.replace(out, outputs=outputs, prompt_logprobs=prompt_logprobs, lora_request=params.lora_request)
 
     def beam(self, seq: BeamSearchSequence, num_prompt_tokens: int) -> BeamSearchSequence:
         """A beam's round logprobs (its token among the round's best, ranked where it stands)."""

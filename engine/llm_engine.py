@@ -8,6 +8,8 @@ import time
 from engine.block_manager import BlockManager, kv_tokens
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.lora import LoadedAdapters
+from engine.lora_request import lora_id
 from engine.executor import Executor, make_executor
 from engine.metric_sinks import MemorySinks, Metric
 from engine.metrics import EngineMetrics, RequestTimer
@@ -36,8 +38,10 @@ class LLMEngine:
         self._check_room(info.num_blocks)
         self.block_manager = BlockManager(info.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.enable_chunked_prefill, config.scheduling_policy),
+                                                   config.enable_chunked_prefill, config.scheduling_policy,
+                                                   config.max_loras if config.enable_lora else None),
                                    self.block_manager)
+        self.adapters = LoadedAdapters(self.executor, config.max_cpu_loras or config.max_loras)
         self.requests: dict[str, Request] = {}
         # Requests that finished in a step that raised after their last token: their outputs go
         # out with the next step's (they stay in `requests` until then, so has_unfinished says so).
@@ -83,6 +87,9 @@ class LLMEngine:
         params.within_logprobs_cap(self.config.max_logprobs, vocab)  # more than --max-logprobs: raises
         if params.priority != 0 and self.config.scheduling_policy != "priority":
             raise InvalidRequestError("priority", priority_refusal(params.priority))
+        if params.lora_request is not None and not self.config.enable_lora:
+            raise InvalidRequestError("lora_request", f"LoRA adapter {params.lora_request.lora_name!r}: LoRA is not "
+                                      "enabled (start the engine with enable_lora, --enable-lora)")
         if n >= self.max_model_len:
             raise InvalidRequestError("prompt", f"prompt has {n} tokens; max_model_len is {self.max_model_len} "
                                       "(the prompt must leave room for at least one generated token)",
@@ -122,6 +129,8 @@ class LLMEngine:
             vocab = self.executor.info.vocab_size  # a word the model cannot write needs no ban
             words = [w for w in bad_words_token_ids(self.tokenizer, params.bad_words) if max(w) < vocab]
             params = dataclasses.replace(params, bad_words_token_ids=words)
+        if params.lora_request is not None:  # loaded now, or refused: an adapter that does not fit the model
+            self.adapters.use(params.lora_request, {lora_id(r.params) for r in self.requests.values()})
         req = Request(request_id, text, ids, params, max_tokens, self.tokenizer)
         self.requests[request_id] = req
         if grammar is not None:

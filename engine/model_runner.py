@@ -10,6 +10,7 @@ from engine import cpu_kernels
 from engine.attention import AttentionMetadata, DecodeGroup, NativeDecodes, PrefillChunk
 from engine.decode_step import NativeDecodeStep
 from engine.device_copy import to_device
+from engine.lora import adapters_of
 from engine.model.llama import LlamaModel
 from engine.prompt_logprobs import PromptRows, PromptSpan
 from engine.scheduler import ScheduledBatch
@@ -155,10 +156,12 @@ class ModelRunner:
         self._zero_new_blocks(batch)
         self._copy_blocks(batch.copies)
         p = self.prepare(batch)
-        if self.native_step is not None and self.native_step.runs(p.attn, p.input_ids.shape[0]):
-            hidden = self.native_step.forward(p.input_ids, p.positions, p.attn)
-        else:
-            hidden = self.model(p.input_ids, p.positions, self.kv_caches, p.attn)
+        adapters, adapted = adapters_of(self.model, batch, self.block_size, self.device)
+        with adapters:  # the native step knows no adapters
+            if not adapted and self.native_step is not None and self.native_step.runs(p.attn, p.input_ids.shape[0]):
+                hidden = self.native_step.forward(p.input_ids, p.positions, p.attn)
+            else:
+                hidden = self.model(p.input_ids, p.positions, self.kv_caches, p.attn)
         logits = self.model.compute_logits(hidden.index_select(0, self._tensor(p.sample_rows)))
         if not p.prompt_rows:
             return RunnerOutput(logits, p.sampled)

@@ -69,9 +69,9 @@ class RequestOutput:
     # time.monotonic() on the engine's host when the engine first scheduled the request (vLLM V0's
     # RequestMetrics.first_scheduled_time): where its queue time ends and its prefill starts
     first_scheduled_time: float | None = None
-    # vLLM's, always None here (no per-request stats object, no LoRA), so that code reading them runs
+    # vLLM's: always None here (no per-request stats object), so that code reading it runs
     metrics: None = None
-    lora_request: None = None
+    lora_request: object = None  # the request's engine.lora_request.LoRARequest (LLM's outputs), as vLLM's
 
 
 @dataclass(frozen=True)

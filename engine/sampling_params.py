@@ -10,6 +10,7 @@ import warnings
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
+from engine.lora_request import LoRARequest
 from engine.structured.params import StructuredOutputsParams
 
 DEFAULT_MAX_LOGPROBS = 20  # logprobs a request may ask per token unless the engine allows more (vLLM's)
@@ -69,6 +70,9 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: what leaves room for max_tokens
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's name before 0.10.2: becomes structured_outputs
     extra_args: dict | None = None  # vLLM's, for plugins' sampling: kept, read by nothing here (as in vLLM)
+    # The LoRA adapter the request runs with (engine.lora_request; None: the base model). vLLM passes
+    # it beside the params; here `LLM.generate(lora_request=...)` and the server's model name set it.
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if self.guided_decoding is not None:
@@ -166,6 +170,8 @@ class SamplingParams:
              f"words of at most {MAX_BAD_WORD_CHARS} characters")
         need(all(isinstance(w, str) and w.strip() for w in self.bad_words or ()), "bad_words", "non-blank strings")
         need(isinstance(self.priority, int) and not isinstance(self.priority, bool), "priority", "an integer")
+        need(self.lora_request is None or isinstance(self.lora_request, LoRARequest), "lora_request",
+             "a LoRARequest or None")
         need(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt), "cache_salt",
              "a non-empty string or None")
         need(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1,

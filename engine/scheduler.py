@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from engine.block_manager import BlockManager
+from engine.lora_request import lora_id
 from engine.sequence import Sequence, SequenceStatus
 
 T = TypeVar("T")  # what the caller samples per sequence: a token id, or the sampler's result
@@ -31,6 +32,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # or "priority": engine.config.EngineConfig.scheduling_policy
+    max_loras: int | None = None  # LoRA adapters running at once (EngineConfig.max_loras, with enable_lora)
 
 
 @dataclass
@@ -169,10 +171,16 @@ class Scheduler:
         bm = self.block_manager
         # Sequences that will fork after their prefill already hold seats for their siblings.
         seats = len(self.running) + sum(s.pending_forks for s in self.running)
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        loras = {lora_id(s.params) for s in self.running} - {None} if self.config.max_loras else set()
+        skipped = 0  # waiting sequences passed over, first in line: their adapter cannot run yet
+        while len(self.waiting) > skipped and budget > 0:
+            seq = self.waiting[skipped]
             if seats + 1 + seq.pending_forks > self.config.max_num_seqs:
                 break
+            adapter = lora_id(seq.params)
+            if adapter is not None and adapter not in loras and len(loras) >= (self.config.max_loras or 1 << 30):
+                skipped += 1  # as vLLM: later requests of the running adapters (or none) go ahead
+                continue
             hits = bm.get_computed_blocks(seq)
             num_cached = len(hits) * bm.block_size
             num_new = seq.num_tokens - num_cached
@@ -182,7 +190,9 @@ class Scheduler:
                 num_new = budget
             if not bm.allocate_slots(seq, num_new, hits):
                 break
-            self.waiting.popleft()
+            del self.waiting[skipped]
+            if adapter is not None:
+                loras.add(adapter)
             if seq.first_scheduled is None:  # its first admission (not after a preemption or roll_back)
                 seq.num_cached_tokens = num_cached
                 seq.first_scheduled = self.clock()  # its queue time ends (vLLM's scheduled_ts)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import itertools
 
-from engine.hashing import root_hash
+from engine.hashing import request_root
 from engine.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -38,7 +38,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks, filled lazily
-        self.root_hash = root_hash(params.cache_salt)  # the first block's parent (engine.hashing)
+        self.root_hash = request_root(params)  # the first block's parent: its salt's and adapter's (engine.hashing)
         self.status = SequenceStatus.WAITING
         self.num_preemptions = 0
         self.pending_forks = params.n - 1 if index == 0 else 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from engine.lora import adapters_of
 from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner, RunnerOutput
 from engine.scheduler import ScheduledBatch
@@ -62,13 +63,15 @@ class TritonModelRunner(ModelRunner):
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         self._copy_blocks(batch.copies)
-        size = self._graph_size(batch)
+        adapters, adapted = adapters_of(self.model, batch, self.block_size, self.device)
+        size = None if adapted else self._graph_size(batch)  # the graphs know no adapters
         layout = self.inputs.fill(batch, pad_to=size)
         self.inputs.upload(layout)
         if size is not None and layout.prompt_rows == 0:
             hidden = self.graphs.replay(size)  # (size, hidden), static output
         else:
-            hidden = self._forward(layout)
+            with adapters:
+                hidden = self._forward(layout)
         rows = self.inputs.logit_rows(layout, 0, layout.sample_rows)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         if not layout.prompt_rows:

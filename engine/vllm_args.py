@@ -27,7 +27,6 @@ AT_DEFAULT = {
     "runner": (("auto", "generate"), "text generation only"),
     "convert": (("auto", "none"), "text generation only"),
     "cpu_offload_gb": ((0,), "weights stay on the device"),
-    "enable_lora": ((False,), "no LoRA adapters"),
     "skip_tokenizer_init": ((False,), "the engine detokenizes with the model's tokenizer"),
     "speculative_config": (({},), "no speculative decoding"),
     "enable_sleep_mode": ((False,), "no sleep mode"),

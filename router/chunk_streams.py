@@ -19,14 +19,14 @@ from router.tools import ToolPlan
 
 @dataclass(frozen=True)
 class ChunkStreams:
-    model: str  # the name chunks give the model (the server's served name)
+    reply_model: Callable[[str | None], str]  # the name chunks give the model, for the request's `model`
     response_role: str  # a chat reply's role when it opens a new turn (--response-role)
     token_bytes: TokenBytes  # a token's own bytes, for chat logprobs
 
-    def _chunk_base(self, rid: str, obj: str, include_usage: bool) -> dict:
+    def _chunk_base(self, rid: str, obj: str, model: str, include_usage: bool) -> dict:
         """Fields every chunk of one stream shares; `usage` is null until the final usage chunk
         (unless continuous usage stats replace it in each)."""
-        base = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model}
+        base = {"id": rid, "object": obj, "created": int(time.time()), "model": model}
         if include_usage:
             base["usage"] = None
         return base
@@ -54,7 +54,8 @@ class ChunkStreams:
             return [{"index": i, "text": text + c.text, "logprobs": lps, "finish_reason": c.finish_reason,
                      "stop_reason": c.stop_reason, **extra}]
 
-        return self._sse(rid, "text_completion", req.stream_usage, acc, first, merged, [], choice)
+        return self._sse(rid, ("text_completion", self.reply_model(req.model)), req.stream_usage, acc, first, merged,
+                         [], choice)
 
     def chat(self, rid: str, req: ChatCompletionRequest, acc: Accumulator, first, merged: AsyncIterator,
              plan: ToolPlan, prompt_ids: list[int], thinking: bool | None, token_str: TokenStr) -> AsyncIterator[str]:
@@ -98,18 +99,19 @@ class ChunkStreams:
             preamble += [{"index": i, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}
                          for i in range(n)]
         head = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}  # vLLM's: on the first chunk
-        return self._sse(rid, "chat.completion.chunk", req.stream_usage, acc, first, merged, preamble, choice, head)
+        return self._sse(rid, ("chat.completion.chunk", self.reply_model(req.model)), req.stream_usage, acc, first,
+                         merged, preamble, choice, head)
 
-    async def _sse(self, rid: str, obj: str, usage: tuple[bool, bool], acc: Accumulator, first,
+    async def _sse(self, rid: str, kind: tuple[str, str], usage: tuple[bool, bool], acc: Accumulator, first,
                    merged: AsyncIterator, preamble: list[dict],
                    choice: Callable[[int, ChoiceDelta], list[dict]], head: dict | None = None) -> AsyncIterator[str]:
         """The SSE body of a stream: `preamble` chunks, then the chunks `choice` makes of each sample
         delta of every engine output that made tokens, text or not (see module doc; usually one, none
         for text held back),
-        the usage chunk if asked for, and [DONE]. `usage`: (include_usage, continuous_usage_stats);
-        `head`: fields of the first chunk only."""
+        the usage chunk if asked for, and [DONE]. `kind`: the chunks' object and model names; `usage`:
+        (include_usage, continuous_usage_stats); `head`: fields of the first chunk only."""
         include_usage, continuous = usage
-        base = self._chunk_base(rid, obj, include_usage)
+        base = self._chunk_base(rid, *kind, include_usage)
         first_fields = dict(head or {})
 
         def chunk(c: dict) -> str:

@@ -95,7 +95,8 @@ class OpenAIServing:
         self._created = int(time.time())  # the model objects' `created`: when this server started serving it
         self.token_str = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
         self.token_bytes = functools.lru_cache(maxsize=1 << 16)(self._token_bytes)
-        self.chunks = ChunkStreams(settings.served_model_name, settings.response_role, self.token_bytes)
+        self.adapters = {m.lora_name: m for m in settings.lora_modules}  # --lora-modules, by the name requests send
+        self.chunks = ChunkStreams(self.reply_model, settings.response_role, self.token_bytes)
 
     @functools.cached_property
     def _byte_tokenizer(self):
@@ -116,7 +117,13 @@ class OpenAIServing:
 
     @property
     def served_names(self) -> tuple[str, ...]:
-        return (self.settings.served_model_name, *self.settings.served_model_aliases)
+        """The `model` names requests may send: the served model's, then its LoRA adapters'."""
+        return (self.settings.served_model_name, *self.settings.served_model_aliases, *self.adapters)
+
+    def reply_model(self, model: str | None) -> str:
+        """The name a reply gives the model: the LoRA adapter's where the request named one (as
+        vLLM's), else the served model's first name."""
+        return model if model in self.adapters else self.settings.served_model_name
 
     async def limits(self) -> dict:
         """The engine's limits (its max_model_len is the resolved one). The first request waits
@@ -159,9 +166,12 @@ class OpenAIServing:
         """OpenAI's model object (`client.models.retrieve`); 404 for a name not served here."""
         self.check_model(name)
         info = await self.limits()
+        root, parent = self.settings.model_root or self.settings.served_model_name, None
+        if (lora := self.adapters.get(name)) is not None:  # vLLM's: an adapter's directory, and its base model
+            root, parent = lora.lora_path, lora.base_model_name or self.settings.served_model_name
         # vLLM's ModelCard: the model it serves (`root`), and OpenAI's old permission object
         return {"id": name, "object": "model", "created": self._created, "owned_by": "kvserve",
-                "root": self.settings.model_root or self.settings.served_model_name, "parent": None,
+                "root": root, "parent": parent,
                 "max_model_len": info["max_model_len"], "permission": [{
                     "id": f"modelperm-{name}", "object": "model_permission", "created": self._created,
                     "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
@@ -211,7 +221,7 @@ class OpenAIServing:
         if req.stream:
             return self.chunks.completion(rid, req, acc, first, merged, echo, prompts, self._token_str(req))
         await collect(acc, first, merged)
-        response = completion_response(rid, int(time.time()), self.settings.served_model_name, acc, req.logprobs,
+        response = completion_response(rid, int(time.time()), self.reply_model(req.model), acc, req.logprobs,
                                        self._token_str(req), echo)
         if req.return_token_ids:
             for i, choice in enumerate(response["choices"]):
@@ -234,7 +244,7 @@ class OpenAIServing:
         await collect(acc, first, merged)
         k = (req.top_logprobs or 0) if req.logprobs else None
         token_str = self._token_str(req)
-        response = chat_response(rid, int(time.time()), self.settings.served_model_name, acc, k, token_str,
+        response = chat_response(rid, int(time.time()), self.reply_model(req.model), acc, k, token_str,
                                  self.token_bytes, req.reply_role(self.settings.response_role))
         for choice in response["choices"]:
             if self.settings.reasoning_parser is not None:  # the answer, not the reasoning, may hold tool calls
@@ -270,7 +280,7 @@ class OpenAIServing:
             lambda ids, entries: chat_logprobs(ids, entries, params.logprobs, self.token_str,
                                                self.token_bytes)["content"])
         run = uuid.uuid4().hex if req.background else None  # the run's token (router.background)
-        reply = ResponseReply(req, self.settings.served_model_name, int(time.time()), plan,
+        reply = ResponseReply(req, self.reply_model(req.model), int(time.time()), plan,
                               self.stored.keeper(req, history, run), thinking, counter, scored)
         engine_rid = reply.id if req.request_id is None else f"{reply.id}-{uuid.uuid4().hex[:16]}"  # unique
         if req.request_id is not None and req.store and self.stored.store is not None:
@@ -321,10 +331,13 @@ class OpenAIServing:
                               param="n" if num_prompts == 1 else "prompt")
 
     def _params(self, req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+        """The request's sampling params, with the LoRA adapter its `model` names."""
         try:
-            return req.sampling_params(self.settings.sampling_defaults)
+            params = req.sampling_params(self.settings.sampling_defaults)
         except InvalidRequestError as e:
             raise from_invalid_request(e) from None
+        lora = self.adapters.get(req.model)
+        return params if lora is None else dataclasses.replace(params, lora_request=lora)
 
     def _token_str(self, req: CompletionRequest | ChatCompletionRequest) -> Callable[[int], str]:
         """How logprobs name a token: its text, or vLLM's "token_id:{id}" (return_tokens_as_token_ids)."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine.chat_format import FORMATS
+from engine.lora_request import LoRARequest
 from router.reasoning import PARSERS as REASONING_PARSERS
 from router.tool_calls import PARSERS as TOOL_FORMATS
 
@@ -57,10 +58,19 @@ class RouterSettings:
     response_role: str = "assistant"  # vLLM's --response-role: a chat reply's role when it opens a new turn
     # vLLM's --chat-template-content-format (engine.chat_format): auto | string | openai
     chat_template_content_format: str = "auto"
+    # vLLM's --lora-modules (engine.lora_request.lora_modules): a request whose `model` names one
+    # runs with that adapter; /v1/models lists them after the served names
+    lora_modules: tuple[LoRARequest, ...] = ()
 
     def __post_init__(self) -> None:
         if not all(isinstance(n, str) and n for n in (self.served_model_name, *self.served_model_aliases)):
             raise ValueError("served_model_name must be a non-empty string, or a list of them")
+        if not all(isinstance(m, LoRARequest) for m in self.lora_modules):
+            raise ValueError("lora_modules must be LoRARequests (engine.lora_request.lora_modules)")
+        names = [self.served_model_name, *self.served_model_aliases, *(m.lora_name for m in self.lora_modules)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a LoRA module's name must differ from the served model names and the other modules', "
+                             f"got {names}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when given")
         if self.api_key is not None and self.api_key_env is not None:

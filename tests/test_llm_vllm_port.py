@@ -52,8 +52,7 @@ def test_vllm_keywords_at_their_defaults_are_taken_and_others_refused_saying_why
                hf_token="hf_x", compilation_config={"level": 3}, async_scheduling=True)
     assert port.engine.config == EngineConfig(**{**vars(llm.engine.config), "dtype": "float32"})
     assert _tokens(port.generate([PROMPT], GREEDY)) == _tokens(llm.generate([PROMPT], GREEDY))
-    for kwargs, says in [(dict(enable_lora=True), "enable_lora=True is not supported: no LoRA adapters"),
-                         (dict(quantization="awq"), "quantization='awq' is not supported: weights are served"),
+    for kwargs, says in [(dict(quantization="awq"), "quantization='awq' is not supported: weights are served"),
                          (dict(task="embed"), "task='embed' is not supported: text generation only")]:
         with pytest.raises(ValueError, match=says):
             LLM(str(tiny_dir), **kwargs)
@@ -134,7 +133,7 @@ def test_the_output_fields_and_method_keywords_vllm_code_reads(llm):
     assert out.outputs[0].finished() and out.finished
     assert out.metrics is None and out.lora_request is None and llm.llm_engine is llm.engine
     assert [(b.total, b.done) for b in bars] == [(1, 1)]
-    with pytest.raises(ValueError, match="lora_request is not supported"):
+    with pytest.raises(TypeError, match="lora_request must be a LoRARequest"):
         llm.generate([PROMPT], GREEDY, lora_request=object())
     with pytest.raises(ValueError, match="tokenization_kwargs is not supported"):
         llm.generate(["hi"], GREEDY, tokenization_kwargs={"truncation": True, "max_length": 4})

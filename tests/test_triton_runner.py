@@ -88,6 +88,29 @@ def test_triton_runner_logits_match_torch_runner(tiny, device, kind, engine_kwar
     _assert_clean(llm)
 
 
+def test_lora_adapters_match_torch_runner(tiny, device, tmp_path):
+    """Adapted rows beside base-model rows, in prefill chunks and decodes: the Triton runner adds
+    the same deltas (engine.lora), and its decode graphs step aside for them."""
+    from engine import LoRARequest
+    from engine.lora import attach, load_adapter
+    from tests.tiny_lora import make_adapter
+
+    llm, twin = _twin_llm(tiny["gqa"], device, num_gpu_blocks_override=64, max_num_batched_tokens=24, block_size=4,
+                          enable_lora=True, max_loras=2)
+    loras = [LoRARequest(f"a{i}", i, make_adapter(tiny["gqa"], tmp_path / f"a{i}", seed=i)) for i in (1, 2)]
+    if device.type != "cpu":  # the Triton runner's own model, on the device: its own copy of the adapters
+        attach(twin.other.model, type(llm.engine.executor.model.lora)())
+        for lora in loras:
+            twin.other.model.lora.adapters[lora.lora_int_id] = load_adapter(lora, twin.other.model.arch,
+                                                                            torch.float32, device)
+    prompts = _prompts(lens=(5, 17, 33, 40))
+    outs = llm.generate(prompts, GREEDY, lora_request=[None, loras[0], loras[1], loras[0]])
+    assert twin.steps >= 8 and twin.mixed > 0
+    base = llm.generate(prompts[1:3], GREEDY)  # the adapters changed what the model says
+    assert [o.outputs[0].token_ids for o in base] != [o.outputs[0].token_ids for o in outs[1:3]]
+    _assert_clean(llm)
+
+
 def test_preemption_and_recompute(tiny, device):
     llm, twin = _twin_llm(tiny["gqa"], device, num_gpu_blocks_override=14, max_num_batched_tokens=16, block_size=4)
     llm.generate(_prompts(lens=(5, 17, 33, 40)), GREEDY)

@@ -14,15 +14,17 @@ from router.settings import RouterSettings
 from workers.server import EngineServer
 
 
-def serve_tiny(model_dir: str, go, server_cls=EngineServer, max_num_seqs: int = 16):
-    """-> go(openai client, engine server)'s result, the app serving `model_dir` as model "m"."""
+def serve_tiny(model_dir: str, go, server_cls=EngineServer, max_num_seqs: int = 16, engine_kwargs: dict | None = None,
+               settings_kwargs: dict | None = None):
+    """-> go(openai client, engine server)'s result, the app serving `model_dir` as model "m"
+    (the engine's and the ingress's other settings from the kwargs)."""
     from transformers import AutoTokenizer
 
     async def main():
         server = server_cls(EngineConfig(model=model_dir, max_model_len=256, num_gpu_blocks_override=64,
-                                           max_num_seqs=max_num_seqs, block_size=16))
+                                           max_num_seqs=max_num_seqs, block_size=16, **(engine_kwargs or {})))
         app = build_api(OpenAIServing(AutoTokenizer.from_pretrained(model_dir), server,
-                                      RouterSettings(served_model_name="m")))
+                                      RouterSettings(served_model_name="m", **(settings_kwargs or {}))))
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:

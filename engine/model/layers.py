@@ -163,6 +163,8 @@ class ColumnParallelLinear(ShardedModule):
         checkpoint gate (I, H)  rank r's rows [r * I/tp, (r+1) * I/tp) -> parameter rows [0, I/tp)
         checkpoint up   (I, H)  rank r's rows [r * I/tp, (r+1) * I/tp) -> parameter rows [I/tp, 2 I/tp)
     """
+    lora = None  # engine.lora.LoRAState, where LoRA is enabled (tp 1), and this layer's key in it
+    lora_key = None
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPContext,
                  dtype: torch.dtype, shard_ids: list | None = None) -> None:
@@ -198,7 +200,10 @@ class ColumnParallelLinear(ShardedModule):
         return rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_codes, self.weight_prepacked)
+        y = linear(x, self.weight, self.bias, self.weight_codes, self.weight_prepacked)
+        if self.lora is not None and self.lora.step:  # LoRA adapters of the step's rows (engine.lora)
+            self.lora.apply(self.lora_key, x, y)
+        return y
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -219,6 +224,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(ShardedModule):
     """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
+    lora = None  # as ColumnParallelLinear's
+    lora_key = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, dtype: torch.dtype) -> None:
         super().__init__(tp)
@@ -246,7 +253,10 @@ class RowParallelLinear(ShardedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, codes=self.weight_codes, prepacked=self.weight_prepacked)
         y = self.tp.all_reduce(y)
-        return y + self.bias if self.bias is not None else y
+        y = y + self.bias if self.bias is not None else y
+        if self.lora is not None and self.lora.step:  # after the bias, as PEFT adds it (tp 1 only)
+            self.lora.apply(self.lora_key, x, y)
+        return y
 
 
 class VocabParallelEmbedding(ShardedModule):

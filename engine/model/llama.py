@@ -217,6 +217,7 @@ class LlamaModel(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         head.weight_codes = None  # its logits GEMM, like the linear layers', may read 4/8-bit codes (codes.py)
         head.weight_prepacked = None
+        self.lora = None  # engine.lora.LoRAState where LoRA adapters are enabled (engine.lora.attach)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: StepAttention) -> torch.Tensor:

@@ -1,0 +1,187 @@
+"""LoRA adapters beside the base weights, as vLLM's --enable-lora serves them.
+
+An adapter is a PEFT directory (`adapter_config.json` and `adapter_model.safetensors`, what
+`peft`'s `save_pretrained` writes). Each adapted projection adds, for the rows of the step that
+belong to requests of that adapter, PEFT's own delta to the base layer's output:
+
+    y[rows] += ((x[rows] @ A^T) @ B^T) * scaling        scaling = lora_alpha / r  (or / sqrt(r), rsLoRA)
+
+Our q/k/v and gate/up projections are packed into one linear each, so an adapter's A matrices of
+the packed parts are stacked (R = r_q + r_k + r_v rows) and its B matrices placed block-diagonally
+in the packed output rows; a part the adapter leaves alone has no rows in either. The base
+weights are untouched: one batch mixes requests of the base model and of several adapters, each
+row seeing only its own. A step with no adapted row costs nothing.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import OrderedDict
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.lora_request import ADAPTER_WEIGHTS, LoRARequest, lora_id, read_adapter_config
+
+# A checkpoint projection -> (our module in the decoder layer, the part of it when packed)
+TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+           "down_proj": ("down_proj", 0)}
+_NAMES = {where: name for name, where in TARGETS.items()}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+@dataclass
+class LoRAWeights:
+    """One adapter, ready to apply: (layer index, our module name) -> (A (R, in), B (out, R))."""
+    lora_int_id: int
+    scaling: float
+    modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def load_adapter(lora: LoRARequest, arch, dtype: torch.dtype, device: torch.device,
+                 max_rank: int | None = None) -> LoRAWeights:
+    """Read `lora`'s adapter for a model of `arch` (engine.model.llama.ModelArch), checking every
+    tensor's shape against the model; InvalidRequestError for anything that does not fit."""
+    from safetensors.torch import load_file
+
+    path = Path(lora.lora_path)
+    cfg = read_adapter_config(path, max_rank)
+    r = cfg["r"]
+    scaling = cfg.get("lora_alpha", 8) / (math.sqrt(r) if cfg.get("use_rslora") else r)
+
+    def refuse(why: str) -> InvalidRequestError:
+        return InvalidRequestError("model", f"LoRA adapter {str(path)!r}: {why}")
+
+    q, kv, h, inter = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.hidden_size, \
+        arch.intermediate_size
+    # our module -> (its input features, its parts' output rows)
+    shapes = {"qkv_proj": (h, [q, kv, kv]), "o_proj": (q, [h]), "gate_up_proj": (h, [inter, inter]),
+              "down_proj": (inter, [h])}
+    parts: dict[tuple[int, str], dict[int, dict[str, torch.Tensor]]] = {}
+    try:
+        tensors = load_file(str(path / ADAPTER_WEIGHTS))
+    except Exception as e:  # a damaged or foreign file: safetensors' own error types
+        raise refuse(f"cannot read {ADAPTER_WEIGHTS}: {e}") from None
+    for key, tensor in tensors.items():
+        m = _KEY.search(key)
+        if m is not None and int(m.group(1)) >= arch.num_layers:
+            raise refuse(f"tensor {key!r} adapts layer {m.group(1)}, and this model has {arch.num_layers} layers "
+                         "(an adapter made for another model)")
+        if m is None or m.group(2) not in TARGETS:
+            raise refuse(f"tensor {key!r} adapts nothing kvserve's model can (LoRA on the decoder layers' "
+                         f"{', '.join(TARGETS)} is served)")
+        module, part = TARGETS[m.group(2)]
+        parts.setdefault((int(m.group(1)), module), {}).setdefault(part, {})[m.group(3)] = tensor
+    if not parts:
+        raise refuse(f"{ADAPTER_WEIGHTS} holds no LoRA weights")
+    weights = LoRAWeights(lora.lora_int_id, scaling)
+    for (layer, module), found in sorted(parts.items()):
+        in_features, outs = shapes[module]
+        a_parts, b = [], torch.zeros(sum(outs), sum(f["A"].shape[0] for f in found.values() if "A" in f))
+        col = 0
+        for part, ab in sorted(found.items()):
+            name = _NAMES[module, part]
+            if set(ab) != {"A", "B"}:
+                raise refuse(f"layer {layer}'s {name} has no lora_{''.join(sorted(set('AB') - set(ab)))}")
+            a, b_part = ab["A"], ab["B"]
+            if a.shape != (r, in_features) or b_part.shape != (outs[part], r):
+                raise refuse(f"layer {layer}'s {name} has A {tuple(a.shape)} and B {tuple(b_part.shape)}, "
+                             f"where this model needs ({r}, {in_features}) and ({outs[part]}, {r})")
+            a_parts.append(a)
+            row = sum(outs[:part])
+            b[row:row + outs[part], col:col + r] = b_part
+            col += r
+        weights.modules[(layer, module)] = (torch.cat(a_parts).to(dtype=dtype, device=device).contiguous(),
+                                            b.to(dtype=dtype, device=device).contiguous())
+    return weights
+
+
+class LoRAState:
+    """The adapters a model holds, and the step's rows of each: shared by every adapted layer,
+    which calls `apply` after its base projection."""
+
+    def __init__(self) -> None:
+        self.adapters: dict[int, LoRAWeights] = {}
+        self.step: list[tuple[LoRAWeights, torch.Tensor]] = []  # (adapter, its rows) for the running step
+
+    def apply(self, key: tuple[int, str], x: torch.Tensor, y: torch.Tensor) -> None:
+        """y[rows] += the adapter's delta of x[rows], for each adapter of the step."""
+        for weights, rows in self.step:
+            ab = weights.modules.get(key)
+            if ab is not None:
+                a, b = ab
+                y.index_add_(0, rows, ((x.index_select(0, rows) @ a.t()) @ b.t()) * weights.scaling)
+
+    @contextmanager
+    def running(self, rows: dict[int, list[int]], device: torch.device):
+        """While a step runs: adapter id -> the flat rows of its sequences (lora_rows)."""
+        self.step = [(self.adapters[i], torch.tensor(r, dtype=torch.long).to(device, non_blocking=True))
+                     for i, r in rows.items()]
+        try:
+            yield
+        finally:
+            self.step = []
+
+
+def attach(model, state: LoRAState) -> None:
+    """Let every projection LoRA can adapt read `state` (engine.model.layers' linear layers)."""
+    model.lora = state
+    for i, layer in enumerate(model.layers):
+        for name, module in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
+                             ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
+            module.lora, module.lora_key = state, (i, name)
+
+
+def adapters_of(model, batch, block_size: int, device: torch.device):
+    """-> (a context the model's forward runs in, whether any row of `batch` is adapted): the
+    step's rows of each adapter, where `model` serves LoRA and `batch` runs any."""
+    state = model.lora
+    rows = lora_rows(batch, block_size) if state is not None else {}
+    return (state.running(rows, device) if rows else nullcontext()), bool(rows)
+
+
+def lora_rows(batch, block_size: int) -> dict[int, list[int]]:
+    """Adapter id -> the flat rows (engine.scheduler.ScheduledBatch.row_order) of its sequences'
+    new tokens in `batch`; empty when no sequence runs with an adapter."""
+    rows: dict[int, list[int]] = {}
+    row = 0
+    for i in batch.row_order(block_size):
+        n = batch.num_new_tokens[i]
+        adapter = lora_id(batch.seqs[i].params)
+        if adapter is not None:
+            rows.setdefault(adapter, []).extend(range(row, row + n))
+        row += n
+    return rows
+
+
+class LoadedAdapters:
+    """The adapters an engine's executor holds (by lora_int_id, least recently used first): at
+    most max_cpu_loras, beyond those its unfinished requests run with."""
+
+    def __init__(self, executor, capacity: int) -> None:
+        self.executor = executor
+        self.capacity = capacity
+        self.loaded: OrderedDict[int, LoRARequest] = OrderedDict()
+
+    def use(self, lora: LoRARequest, in_use: set[int | None]) -> None:
+        """Load `lora` where it is not loaded yet (InvalidRequestError for an adapter that does
+        not fit the model), unloading the least recently used ones no request runs with."""
+        known = self.loaded.get(lora.lora_int_id)
+        if known is not None:
+            if Path(known.lora_path) != Path(lora.lora_path):
+                raise InvalidRequestError("lora_request", f"LoRA adapter id {lora.lora_int_id} is loaded from "
+                                          f"{known.lora_path!r}, not {lora.lora_path!r}: each adapter needs its own "
+                                          "lora_int_id")
+            self.loaded.move_to_end(lora.lora_int_id)
+            return
+        self.executor.add_lora(lora)
+        self.loaded[lora.lora_int_id] = lora
+        for old in [i for i in self.loaded if i != lora.lora_int_id and i not in in_use]:
+            if len(self.loaded) <= self.capacity:
+                break
+            self.executor.remove_lora(old)
+            del self.loaded[old]

@@ -1,0 +1,113 @@
+"""Which LoRA adapter a request runs with (vLLM's LoRARequest), and an adapter directory's
+config as kvserve reads it. No torch here: SamplingParams and the CLI import it; the weights are
+engine.lora's."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import InvalidRequestError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's: which adapter a request runs with. `lora_int_id` (> 0) names the adapter in the
+    engine (its loaded weights and its own prefix-cache blocks), `lora_path` is its directory."""
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise InvalidRequestError("lora_request", f"lora_name must be a non-empty string, got {self.lora_name!r}")
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise InvalidRequestError("lora_request", f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise InvalidRequestError("lora_request", f"lora_path must be the adapter's directory, got {self.lora_path!r}")
+
+    # vLLM's other names for the same fields
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
+
+
+def read_adapter_config(path: str | Path, max_rank: int | None = None) -> dict:
+    """The adapter's PEFT config, refused (InvalidRequestError) where kvserve cannot serve it as
+    PEFT computes it. Reads no weights: the CLI checks its --lora-modules with it at start-up."""
+    path = Path(path)
+
+    def refuse(why: str) -> InvalidRequestError:
+        return InvalidRequestError("model", f"LoRA adapter {str(path)!r}: {why}")
+
+    try:
+        cfg = json.loads((path / ADAPTER_CONFIG).read_text())
+    except FileNotFoundError:
+        raise refuse(f"no {ADAPTER_CONFIG} there (a PEFT adapter directory, as save_pretrained writes it)") from None
+    except (OSError, ValueError) as e:
+        raise refuse(f"cannot read {ADAPTER_CONFIG}: {e}") from None
+    if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
+        raise refuse(f"not a LoRA adapter (peft_type {cfg.get('peft_type') if isinstance(cfg, dict) else cfg!r})")
+    r = cfg.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise refuse(f"its rank r must be a positive integer, got {r!r}")
+    if max_rank is not None and r > max_rank:
+        raise refuse(f"its rank {r} is more than --max-lora-rank {max_rank}")
+    unsupported = [(what, cfg.get(key)) for key, what in (
+        ("use_dora", "DoRA"), ("modules_to_save", "modules_to_save"), ("rank_pattern", "per-module ranks"),
+        ("alpha_pattern", "per-module alphas"), ("fan_in_fan_out", "fan_in_fan_out"),
+        ("layer_replication", "layer replication"), ("use_qalora", "QA-LoRA"))
+        if cfg.get(key)]
+    if cfg.get("bias", "none") != "none":
+        unsupported.append(("trained biases", cfg["bias"]))
+    if unsupported:
+        raise refuse("uses what kvserve does not serve: " + ", ".join(f"{what} ({value!r})" for what, value in unsupported))
+    if not (path / ADAPTER_WEIGHTS).exists():
+        raise refuse(f"no {ADAPTER_WEIGHTS} there")
+    return cfg
+
+
+def lora_id(params) -> int | None:
+    """The adapter a request's SamplingParams run with, by id; None for the base model."""
+    lora = getattr(params, "lora_request", None)
+    return None if lora is None else lora.lora_int_id
+
+
+def lora_modules(specs, max_rank: int | None = None) -> tuple[LoRARequest, ...]:
+    """vLLM's --lora-modules: each `name=path`, or JSON (or a dict) with `name`, `path` and an
+    optional `base_model_name`, as LoRARequests numbered from 1 in order; each adapter's config
+    checked (read_adapter_config), the paths made absolute. ValueError for what cannot be served."""
+    out: list[LoRARequest] = []
+    for spec in specs or ():
+        if isinstance(spec, str) and spec.lstrip().startswith("{"):
+            try:
+                spec = json.loads(spec)
+            except ValueError as e:
+                raise ValueError(f"--lora-modules {spec!r}: not JSON ({e})") from None
+        if isinstance(spec, str):
+            name, sep, path = spec.partition("=")
+            spec = {"name": name, "path": path} if sep else {}
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str) \
+                or not spec["name"] or not spec["path"] or set(spec) - {"name", "path", "base_model_name"}:
+            raise ValueError(f"--lora-modules takes name=path or JSON with name, path and base_model_name, got {spec!r}")
+        if any(m.lora_name == spec["name"] for m in out):
+            raise ValueError(f"--lora-modules names {spec['name']!r} twice")
+        path = str(Path(spec["path"]).expanduser().absolute())
+        try:
+            read_adapter_config(path, max_rank)
+        except InvalidRequestError as e:
+            raise ValueError(f"--lora-modules {spec['name']}: {e.message}") from None
+        out.append(LoRARequest(spec["name"], len(out) + 1, path, spec.get("base_model_name")))
+    return tuple(out)

@@ -1,0 +1,260 @@
+"""LoRA adapters (engine.lora, --enable-lora): greedy output token-exact against PEFT's model on
+the same base weights, alone and with the base model and other adapters in one batch, under
+chunked prefill, preemption, the prefix cache and max_loras; adapters that cannot be served are
+refused, naming why."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, EngineConfig, LoRARequest, SamplingParams
+from engine.errors import InvalidRequestError
+from tests.test_engine_exact import _assert_clean
+from tests.tiny_llama import make_tiny_llama
+from tests.tiny_lora import make_adapter, peft_greedy
+
+MAX_NEW = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def _prompts(n: int = 5, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+PROMPTS = _prompts()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, smollm2_path):
+    """kind -> (base dir, {adapter name: dir}, {adapter name or None: PEFT's greedy tokens}).
+    "gqa": a1 adapts all seven projections (r 8), a2 only q and v (r 4, rsLoRA); "bias": every
+    linear with a bias (the delta comes after it, as PEFT adds it)."""
+    out = {}
+    for kind in ("gqa", "bias"):
+        root = tmp_path_factory.mktemp(f"lora-{kind}")
+        base = make_tiny_llama(root / "base", smollm2_path, kind)
+        adapters = {"a1": make_adapter(base, root / "a1", seed=1)}
+        if kind == "gqa":
+            adapters["a2"] = make_adapter(base, root / "a2", ["q_proj", "v_proj"], r=4, alpha=8, seed=2,
+                                          use_rslora=True)
+        expected = {name: peft_greedy(base, path, PROMPTS, MAX_NEW) for name, path in [(None, None), *adapters.items()]}
+        out[kind] = base, adapters, expected
+    return out
+
+
+def _requests(adapters: dict[str, str]) -> dict[str, LoRARequest]:
+    return {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(sorted(adapters.items()))}
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("kind", ["gqa", "bias"])
+def test_each_adapter_alone_is_peft_exact(models, kind):
+    base, adapters, expected = models[kind]
+    llm = LLM(model=str(base), enable_lora=True, num_gpu_blocks_override=128, max_model_len=256)
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected[None]
+    for name, lora in _requests(adapters).items():
+        assert expected[name] != expected[None]  # the adapter changes the output, so the test can fail
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora)
+        assert _tokens(outs) == expected[name], name
+        assert all(o.lora_request == lora for o in outs)  # as vLLM's RequestOutput names it
+    _assert_clean(llm)
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    dict(num_gpu_blocks_override=128),
+    dict(num_gpu_blocks_override=128, max_num_batched_tokens=16, block_size=4),  # prompts in chunks beside decodes
+    dict(num_gpu_blocks_override=16, max_num_batched_tokens=32, block_size=4),  # too few blocks: preemptions
+], ids=["batch", "chunked", "preempted"])
+def test_a_batch_mixes_the_base_model_and_adapters(models, engine_kwargs):
+    base, adapters, expected = models["gqa"]
+    reqs = _requests(adapters)
+    names = [None, "a1", "a2", "a1", "a2"]
+    llm = LLM(model=str(base), enable_lora=True, max_loras=2, max_model_len=256, **engine_kwargs)
+    seen = _record_adapters(llm)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=[reqs.get(n) for n in names])
+    assert _tokens(outs) == [expected[n][i] for i, n in enumerate(names)]
+    assert {frozenset({1, 2}), frozenset({None, 1, 2})} & set(seen)  # both adapters in one step
+    if engine_kwargs["num_gpu_blocks_override"] == 16:
+        assert llm.engine.stats().num_preemptions > 0
+    _assert_clean(llm)
+
+
+def _record_adapters(llm: LLM) -> list[frozenset]:
+    """The adapter ids (None: the base model) of every step the engine runs, as they run."""
+    ex, seen = llm.engine.executor, []
+    execute = ex.execute
+
+    def recording(batch, mask=None):
+        seen.append(frozenset(s.params.lora_request and s.params.lora_request.lora_int_id for s in batch.seqs))
+        return execute(batch, mask)
+
+    ex.execute = recording
+    return seen
+
+
+def test_max_loras_bounds_the_adapters_of_a_step(models):
+    """max_loras 1 (vLLM's default): requests of a second adapter wait, while those of the running
+    adapter and of the base model go ahead of them; every output is still its adapter's."""
+    base, adapters, expected = models["gqa"]
+    reqs = _requests(adapters)
+    names = ["a1", "a2", None, "a1", "a2"]
+    llm = LLM(model=str(base), enable_lora=True, max_model_len=256, num_gpu_blocks_override=128)
+    seen = _record_adapters(llm)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=[reqs.get(n) for n in names])
+    assert _tokens(outs) == [expected[n][i] for i, n in enumerate(names)]
+    assert all(len(step - {None}) <= 1 for step in seen)
+    assert seen[0] == {1, None}  # a2's first request waited; the base model's went ahead of it
+    assert {2} <= set().union(*seen)
+    _assert_clean(llm)
+
+
+def test_the_prefix_cache_is_kept_apart_per_adapter(models):
+    """The same prompt under the base model, then an adapter, then another: no one reads another's
+    KV blocks, and the adapter's own repeat hits its own."""
+    base, adapters, expected = models["gqa"]
+    reqs = _requests(adapters)
+    llm = LLM(model=str(base), enable_lora=True, max_model_len=256, num_gpu_blocks_override=128, block_size=4)
+    prompt = [PROMPTS[4]]
+    for name in (None, "a1", "a2"):
+        hits = llm.engine.stats().prefix_hit_tokens
+        assert _tokens(llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=reqs.get(name))) == [expected[name][4]]
+        assert llm.engine.stats().prefix_hit_tokens == hits, name
+    assert _tokens(llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=reqs["a1"])) == [expected["a1"][4]]
+    assert llm.engine.stats().prefix_hit_tokens > hits
+    _assert_clean(llm)
+
+
+def test_loaded_adapters_are_bounded_by_max_cpu_loras(models):
+    base, adapters, expected = models["gqa"]
+    reqs = _requests(adapters)
+    llm = LLM(model=str(base), enable_lora=True, max_model_len=256, num_gpu_blocks_override=128)  # max_cpu_loras 1
+    held = llm.engine.executor.model.lora.adapters
+    for name in ("a1", "a2", "a1"):
+        assert _tokens(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=reqs[name])) == expected[name][:2]
+        assert list(held) == [reqs[name].lora_int_id]
+    # Both at once: the one in use stays, beyond the bound, until its requests end.
+    outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=[reqs["a1"], reqs["a2"]])
+    assert _tokens(outs) == [expected["a1"][0], expected["a2"][1]]
+    _assert_clean(llm)
+
+
+def test_beam_search_and_chat_take_an_adapter(models):
+    base, adapters, expected = models["gqa"]
+    lora = _requests(adapters)["a1"]
+    llm = LLM(model=str(base), enable_lora=True, max_model_len=256, num_gpu_blocks_override=128)
+    from engine import BeamSearchParams
+
+    with_adapter = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], BeamSearchParams(beam_width=2, max_tokens=6),
+                                   lora_request=lora)
+    without = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], BeamSearchParams(beam_width=2, max_tokens=6))
+    assert with_adapter[0].sequences[0].tokens != without[0].sequences[0].tokens
+    _assert_clean(llm)
+
+
+def test_what_cannot_be_served_is_refused(models, tmp_path):
+    base, adapters, _ = models["gqa"]
+    a1 = adapters["a1"]
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        EngineConfig(enable_lora=True, tensor_parallel_size=2)
+    plain = LLM(model=str(base), max_model_len=256, num_gpu_blocks_override=64)
+    with pytest.raises(InvalidRequestError, match="LoRA is not enabled"):
+        plain.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("a1", 1, a1))
+    with pytest.raises(InvalidRequestError, match="lora_int_id must be an integer >= 1"):
+        LoRARequest("a1", 0, a1)
+
+    llm = LLM(model=str(base), enable_lora=True, max_lora_rank=4, max_model_len=256, num_gpu_blocks_override=64)
+
+    def refused(lora: LoRARequest, match: str) -> None:
+        with pytest.raises(InvalidRequestError, match=match):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=lora)
+        _assert_clean(llm)
+
+    refused(LoRARequest("a1", 1, a1), "rank 8 is more than --max-lora-rank 4")
+    refused(LoRARequest("none", 2, str(tmp_path / "missing")), "no adapter_config.json")
+    dora = Path(make_adapter(base, tmp_path / "dora", r=4, use_dora=True))
+    refused(LoRARequest("dora", 3, str(dora)), "DoRA")
+    # adapters made for other models: more layers, other shapes
+    deeper = make_tiny_llama(tmp_path / "deeper", str(Path(base)), "tied")
+    refused(LoRARequest("deeper", 4, make_adapter(deeper, tmp_path / "deeper-a", r=4)), "this model has 2 layers")
+    wider = make_tiny_llama(tmp_path / "wider", str(Path(base)), "qwen3")
+    refused(LoRARequest("wider", 4, make_adapter(wider, tmp_path / "wider-a", r=4)),
+            r"layer 0's o_proj has A \(4, 128\) and B \(64, 4\), where this model needs \(4, 64\) and \(64, 4\)")
+    embed = Path(make_adapter(base, tmp_path / "embed", ["embed_tokens", "q_proj"], r=4))
+    refused(LoRARequest("embed", 5, str(embed)), "adapts nothing kvserve's model can")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    (tmp_path / "bad" / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    refused(LoRARequest("bad", 6, str(tmp_path / "bad")), "cannot read adapter_model.safetensors")
+    # an id already loaded from another directory
+    a2 = adapters["a2"]
+    assert _tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("a2", 7, a2)))
+    refused(LoRARequest("a2-again", 7, str(dora)), "each adapter needs its own lora_int_id")
+
+
+def test_the_server_runs_the_adapter_a_request_names(models):
+    """--lora-modules: `model` names an adapter (vLLM's); /v1/models lists it with its directory
+    and base model; replies and chunks name it; another name is a 404."""
+    import openai
+
+    from engine.lora_request import lora_modules
+    from tests.tiny_app import serve_tiny
+
+    base, adapters, expected = models["gqa"]
+    modules = lora_modules([f"{name}={path}" for name, path in sorted(adapters.items())], max_rank=16)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+
+    async def go(client, server):
+        cards = {m.id: m for m in (await client.models.list()).data}
+        assert list(cards) == ["m", "a1", "a2"]
+        assert (cards["a1"].root, cards["a1"].parent, cards["m"].parent) == (adapters["a1"], "m", None)
+        for name in (None, "a1", "a2"):
+            r = await client.completions.create(model=name or "m", prompt=PROMPTS[1], max_tokens=MAX_NEW,
+                                                temperature=0, extra_body=extra)
+            assert r.model == (name or "m") and r.model_dump()["choices"][0]["token_ids"] == expected[name][1]
+        stream = await client.completions.create(model="a2", prompt=PROMPTS[2], max_tokens=MAX_NEW, temperature=0,
+                                                 stream=True, extra_body=extra)
+        chunks = [c async for c in stream]
+        assert {c.model for c in chunks} == {"a2"}
+        assert [t for c in chunks for t in c.model_dump()["choices"][0]["token_ids"]] == expected["a2"][2]
+        try:
+            await client.completions.create(model="a3", prompt="hi", max_tokens=2)
+        except openai.NotFoundError as e:
+            assert e.body["code"] == "model_not_found"
+        else:
+            raise AssertionError("an unknown model name was served")
+        return server
+
+    serve_tiny(str(base), go, engine_kwargs=dict(enable_lora=True, max_loras=2),
+               settings_kwargs=dict(lora_modules=modules))
+
+
+def test_lora_modules_are_checked_at_start_up(models, tmp_path):
+    from cluster.app import ServeOptions, router_settings
+    from cluster.cli import build_parser
+    from engine.lora_request import lora_modules
+
+    base, adapters, _ = models["gqa"]
+    a1 = adapters["a1"]
+    spec = json.dumps({"name": "sql", "path": a1, "base_model_name": "base"})
+    assert lora_modules([f"x={a1}", spec]) == (LoRARequest("x", 1, a1), LoRARequest("sql", 2, a1, "base"))
+    for specs, says in [([f"x={a1}", f"x={a1}"], "names 'x' twice"), (["x"], "takes name=path"),
+                        (["{not json"], "not JSON"), ([f"x={tmp_path}"], "x: LoRA adapter .* no adapter_config.json")]:
+        with pytest.raises(ValueError, match=says):
+            lora_modules(specs)
+    with pytest.raises(ValueError, match="rank 8 is more than --max-lora-rank 4"):
+        lora_modules([f"x={a1}"], max_rank=4)
+    with pytest.raises(ValueError, match="needs the engine's enable_lora"):
+        router_settings(EngineConfig(model=str(base)), ServeOptions(lora_modules=[f"x={a1}"]))
+    with pytest.raises(ValueError, match="must differ from the served model names"):
+        router_settings(EngineConfig(model=str(base), enable_lora=True),
+                        ServeOptions(served_model_name="x", lora_modules=[f"x={a1}"]))
+    args = build_parser().parse_args(["serve", "--model", str(base), "--enable-lora", "--max-loras", "2",
+                                      "--lora-modules", f"a1={a1}", spec])
+    assert (args.enable_lora, args.max_loras, args.lora_modules) == (True, 2, [f"a1={a1}", spec])
