@@ -23,19 +23,26 @@ BODY_LIMIT = 64 << 10
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 12
+LORA = "smol-lora"  # the LoRA module the server serves beside the model (--lora-modules)
 
 
 @pytest.fixture(scope="module")
-def oracle(smollm2_path):
-    """Greedy reference texts from the offline engine, computed before the server starts."""
-    from engine import LLM, SamplingParams
+def oracle(smollm2_path, tmp_path_factory):
+    """Greedy reference texts from the offline engine, computed before the server starts; the
+    same with a LoRA adapter (random, PEFT's) that the server serves as LORA."""
+    from engine import LLM, LoRARequest, SamplingParams
+    from tests.tiny_lora import make_adapter
 
-    llm = LLM(model=smollm2_path, max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=256)
+    adapter = make_adapter(smollm2_path, tmp_path_factory.mktemp("lora") / LORA, ["q_proj", "v_proj", "down_proj"],
+                           r=4, seed=3)
+    llm = LLM(model=smollm2_path, max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=256, enable_lora=True)
     chat_text = llm.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     completion, chat = llm.generate([PROMPT, chat_text], params)
+    adapted = llm.generate([PROMPT, chat_text], params, lora_request=LoRARequest(LORA, 1, adapter))
     return {"completion": completion.outputs[0].text, "chat": chat.outputs[0].text, "tokenizer": llm.tokenizer,
-            "chat_tokens": len(chat.outputs[0].token_ids), "chat_finish": chat.outputs[0].finish_reason}
+            "chat_tokens": len(chat.outputs[0].token_ids), "chat_finish": chat.outputs[0].finish_reason,
+            "adapter": adapter, "lora": {"completion": adapted[0].outputs[0].text, "chat": adapted[1].outputs[0].text}}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +50,8 @@ def server(oracle):
     # Requests that set no temperature are greedy here: a sampling default, as a model's
     # generation_config.json would give one (test_a_generation_config_default_reaches_the_server)
     args = dict(max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=256, max_num_seqs=32, api_key=API_KEY,
-                max_request_body_bytes=BODY_LIMIT, override_generation_config={"temperature": 0})
+                max_request_body_bytes=BODY_LIMIT, override_generation_config={"temperature": 0},
+                enable_lora=True, lora_modules=[f"{LORA}={oracle['adapter']}"])
     with running_server(args) as url:
         yield url
 
@@ -232,9 +240,22 @@ def test_the_bodys_request_id_names_the_reply_behind_serves_proxy(client):
 
 # -- other endpoints -------------------------------------------------------------------------------
 
-def test_models(client):
+def test_a_lora_module_runs_where_a_request_names_it(client, oracle):
+    """Through Serve: completion, chat and Responses with `model` naming the adapter equal the
+    offline engine's with that adapter, and name it."""
+    assert oracle["lora"] != {"completion": oracle["completion"], "chat": oracle["chat"]}
+    r = client.completions.create(model=LORA, prompt=PROMPT, max_tokens=MAX_TOKENS)
+    assert (r.model, r.choices[0].text) == (LORA, oracle["lora"]["completion"])
+    r = client.chat.completions.create(model=LORA, messages=CHAT, max_tokens=MAX_TOKENS)
+    assert (r.model, r.choices[0].message.content) == (LORA, oracle["lora"]["chat"])
+    r = client.responses.create(model=LORA, input=CHAT[0]["content"], max_output_tokens=MAX_TOKENS)
+    assert (r.model, r.output_text) == (LORA, oracle["lora"]["chat"])
+
+
+def test_models(client, oracle):
     models = client.models.list().data
-    assert [m.id for m in models] == [MODEL]
+    assert [m.id for m in models] == [MODEL, LORA]
+    assert (models[1].root, models[1].parent) == (oracle["adapter"], MODEL)
     assert client.models.retrieve(MODEL).id == MODEL
     card = models[0].model_dump()  # vLLM's ModelCard fields
     assert card["root"] == MODEL and card["max_model_len"] == MAX_MODEL_LEN and card["parent"] is None
