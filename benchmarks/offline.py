@@ -14,6 +14,10 @@ Each system is loaded (timed apart), warmed up on a tiny workload, then timed on
     python benchmarks/offline.py                                   # 64 prompts, all systems
     python benchmarks/offline.py --num-prompts 4 --max-output 8 --systems kvserve,hf-batch
     python benchmarks/offline.py --preset nano-vllm --systems kvserve,hf-static   # on a GPU
+    python benchmarks/offline.py --systems kvserve,kvserve-lora --lora-adapters 2  # what adapters cost
+
+kvserve-lora is kvserve with every prompt running under one of --lora-adapters random LoRA
+adapters (rank --lora-rank, all seven projections; benchmarks/random_model.py), in turn.
 
 Presets set a workload's defaults (explicit flags still win). `nano-vllm` is the workload nano-vllm
 and mini-sglang report: 256 sequences, random prompt ids of 100-1024 tokens, 100-1024 output
@@ -41,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from benchmarks.common import machine_info, markdown_table, print_machine, step_means, step_totals  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 
-SYSTEMS = ("kvserve", "hf-static", "hf-batch")
+SYSTEMS = ("kvserve", "kvserve-lora", "hf-static", "hf-batch")
 FIRST_PROMPT_TOKEN = 100  # random prompt ids skip the special tokens at the start of the vocab
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_gpu_blocks_override",
                 "kv_cache_memory", "enforce_eager")
@@ -101,15 +105,23 @@ def check_lengths(system: str, outputs: list[list[int]], work: Workload) -> None
 
 # --- kvserve ---------------------------------------------------------------------------------
 
-def bench_kvserve(args, model_path: Path, work: Workload, warm: Workload) -> Result:
-    from engine import LLM, SamplingParams
+def bench_kvserve(args, model_path: Path, work: Workload, warm: Workload, lora: bool = False) -> Result:
+    """`lora`: every prompt runs with one of --lora-adapters random adapters of rank --lora-rank,
+    in turn (kvserve-lora)."""
+    from engine import LLM, LoRARequest, SamplingParams
 
     flags = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) not in (None, False)}
+    if lora:
+        flags.update(enable_lora=True, max_loras=args.lora_adapters, max_lora_rank=max(16, args.lora_rank))
     llm, load_s = timed(lambda: LLM(model=str(model_path), dtype=args.dtype, device=args.device, **flags))
+    adapters = [LoRARequest(f"a{i}", i + 1, str(adapter_dir(args, model_path, i)))
+                for i in range(args.lora_adapters if lora else 0)]
 
     def generate(w: Workload, progress: bool) -> list[list[int]]:
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in w.output_lens]
-        return [list(o.outputs[0].token_ids) for o in llm.generate(w.prompts, params, use_tqdm=progress)]
+        loras = [adapters[i % len(adapters)] for i in range(len(w.prompts))] if lora else None
+        outs = llm.generate(w.prompts, params, use_tqdm=progress, lora_request=loras)
+        return [list(o.outputs[0].token_ids) for o in outs]
 
     generate(warm, False)
     warm_steps = step_totals(llm.engine.stats())
@@ -122,7 +134,18 @@ def bench_kvserve(args, model_path: Path, work: Workload, warm: Workload) -> Res
     graphs = getattr(llm.engine.executor.runner, "graphs", None)
     if graphs is not None:
         note += f"; {graphs.replays} decode steps as CUDA graphs (incl. warm-up)"
-    return Result("kvserve", load_s, seconds, work.output_tokens, work.output_tokens, outputs, [note])
+    if lora:
+        note += f"; {args.lora_adapters} LoRA adapters of rank {args.lora_rank}, the prompts in turn"
+    return Result("kvserve-lora" if lora else "kvserve", load_s, seconds, work.output_tokens, work.output_tokens,
+                  outputs, [note])
+
+
+def adapter_dir(args, model_path: Path, i: int) -> Path:
+    from benchmarks.random_model import make_random_adapter
+    from engine.model_source import cache_dir
+
+    out = cache_dir() / "random-adapters" / f"{model_path.name}-r{args.lora_rank}-{i}"
+    return make_random_adapter(out, model_path, args.lora_rank, seed=i)
 
 
 # --- Hugging Face: shared ----------------------------------------------------------------------
@@ -233,7 +256,8 @@ def cb_generate(manager, work: Workload, label: str, progress: bool) -> list[lis
     return [list(done[rid]) for rid in ids]
 
 
-BENCHES = {"kvserve": bench_kvserve, "hf-static": bench_hf_static, "hf-batch": bench_hf_batch}
+BENCHES = {"kvserve": bench_kvserve, "kvserve-lora": lambda *a: bench_kvserve(*a, lora=True),
+           "hf-static": bench_hf_static, "hf-batch": bench_hf_batch}
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -297,7 +321,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where --random-weights models are made (default: $KVSERVE_CACHE/random-models)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="--random-weights: copy this tokenizer (default: a synthesized one, one token per id)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
+    p.add_argument("--systems", default="kvserve,hf-static,hf-batch", help=f"comma list of {', '.join(SYSTEMS)}")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--min-input", type=int, default=32)
     p.add_argument("--max-input", type=int, default=256)
@@ -308,6 +332,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
+    p.add_argument("--lora-rank", type=int, default=16, help="kvserve-lora: the random adapters' rank")
+    p.add_argument("--lora-adapters", type=int, default=1, help="kvserve-lora: how many adapters (max_loras)")
     engine = p.add_argument_group("kvserve engine (vLLM names); hf-batch shares the two scheduler limits")
     engine.add_argument("--max-num-seqs", type=int, default=engine_default("max_num_seqs"))
     engine.add_argument("--max-num-batched-tokens", type=int, default=engine_default("max_num_batched_tokens"))
@@ -379,7 +405,7 @@ def main(argv=None) -> None:
     results, agreements = [], []
     for system in args.systems.split(","):
         print(f"\n== {system}", flush=True)
-        own = work if system == "kvserve" or not args.hf_num_prompts else head(work, args.hf_num_prompts)
+        own = work if system.startswith("kvserve") or not args.hf_num_prompts else head(work, args.hf_num_prompts)
         try:  # one system that fails (a peer's version, its time box) leaves the others' figures
             result = BENCHES[system](args, model_path, own, warm)
             check_lengths(system, result.outputs, own)
@@ -391,7 +417,7 @@ def main(argv=None) -> None:
               f"(load {result.load_s:.1f}s); " + "; ".join(result.notes), flush=True)
         results.append(result)
         ref = next((r for r in results if r.system == "kvserve"), None)
-        agreements = [agreement(ref, r) for r in results if ref and r is not ref]
+        agreements = [agreement(ref, r) for r in results if ref and r is not ref and r.system != "kvserve-lora"]
         if args.json:  # after each system: a run cut short keeps what it measured
             write_json(args.json, args, info, work, results, agreements)
         gc.collect()  # the previous system's model and KV cache, before the next one loads

@@ -60,6 +60,39 @@ def make_random_model(out_dir: Path, shape: str = "smollm2-135m", dtype: str = "
     return out_dir
 
 
+def make_random_adapter(out_dir: Path, model_dir: Path, rank: int, seed: int = 0) -> Path:
+    """A random LoRA adapter in PEFT's format (adapter_config.json, adapter_model.safetensors) for
+    the checkpoint in `model_dir`, adapting all seven projections of every layer (made once)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    if (out_dir / "adapter_model.safetensors").exists():
+        return out_dir
+    cfg = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, (cfg.num_key_value_heads or cfg.num_attention_heads) * head_dim
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+              "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
+              "mlp.down_proj": (inter, h)}  # (in, out)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        for name, (n_in, n_out) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) / n_in ** 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.01
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    (out_dir / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
+        "target_modules": [n.split(".")[1] for n in shapes]}))
+    return out_dir
+
+
 def _vocab_fits(tokenizer_dir: str, vocab_size: int) -> bool:
     from transformers import AutoTokenizer
 

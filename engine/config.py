@@ -114,8 +114,6 @@ class EngineConfig:
         need(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         need(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
              f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
-        need(not self.enable_lora or self.tensor_parallel_size == 1,
-             "enable_lora needs tensor_parallel_size 1: LoRA adapters are not sharded across ranks here")
         need(self.distributed_executor_backend == "ray" or ":" in self.distributed_executor_backend,
              f"distributed_executor_backend must be 'ray' or 'package.module:Class' (vLLM's 'mp' and 'uni' "
              f"only with tensor_parallel_size 1), got {self.distributed_executor_backend!r}")

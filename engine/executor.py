@@ -143,7 +143,7 @@ class LocalExecutor:
         kv = allocate_kv_cache(arch.num_layers, num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim,
                                dtype, device)
         self.runner = make_runner(self.model, kv, config, max_model_len, device)
-        self.dtype, self.max_lora_rank = dtype, config.max_lora_rank
+        self.max_lora_rank = config.max_lora_rank
         if config.enable_lora:
             attach(self.model, LoRAState())
         self.sampler = SequenceSampler(config.seed, spec.eos_token_ids, config.logprobs_mode)
@@ -163,8 +163,7 @@ class LocalExecutor:
     def add_lora(self, lora: LoRARequest) -> None:
         """Load an adapter (engine.lora) for requests whose params name it; InvalidRequestError
         for one that does not fit the model."""
-        self.model.lora.adapters[lora.lora_int_id] = load_adapter(lora, self.model.arch, self.dtype,
-                                                                  self.info.device, self.max_lora_rank)
+        self.model.lora.adapters[lora.lora_int_id] = load_adapter(lora, self.model, self.max_lora_rank)
 
     def remove_lora(self, lora_int_id: int) -> None:
         self.model.lora.adapters.pop(lora_int_id, None)

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.lora_request import ADAPTER_WEIGHTS, LoRARequest, lora_id, read_adapter_config
+from engine.lora_request import ADAPTER_WEIGHTS, LoRARequest, read_adapter_config
+from engine.model.layers import RowParallelLinear
 
 # A checkpoint projection -> (our module in the decoder layer, the part of it when packed)
 TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -42,13 +43,14 @@ class LoRAWeights:
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
-def load_adapter(lora: LoRARequest, arch, dtype: torch.dtype, device: torch.device,
-                 max_rank: int | None = None) -> LoRAWeights:
-    """Read `lora`'s adapter for a model of `arch` (engine.model.llama.ModelArch), checking every
-    tensor's shape against the model; InvalidRequestError for anything that does not fit."""
+def load_adapter(lora: LoRARequest, model, max_rank: int | None = None) -> LoRAWeights:
+    """Read `lora`'s adapter for `model` (engine.model.llama.LlamaModel, on its device and in its
+    dtype), each tensor cut to the model's tensor-parallel shard as the layer's weight is (B's rows
+    of a column-parallel layer, A's columns of a row-parallel one), after checking its shape
+    against the model; InvalidRequestError for anything that does not fit."""
     from safetensors.torch import load_file
 
-    path = Path(lora.lora_path)
+    path, arch = Path(lora.lora_path), model.arch
     cfg = read_adapter_config(path, max_rank)
     r = cfg["r"]
     scaling = cfg.get("lora_alpha", 8) / (math.sqrt(r) if cfg.get("use_rslora") else r)
@@ -56,11 +58,6 @@ def load_adapter(lora: LoRARequest, arch, dtype: torch.dtype, device: torch.devi
     def refuse(why: str) -> InvalidRequestError:
         return InvalidRequestError("model", f"LoRA adapter {str(path)!r}: {why}")
 
-    q, kv, h, inter = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.hidden_size, \
-        arch.intermediate_size
-    # our module -> (its input features, its parts' output rows)
-    shapes = {"qkv_proj": (h, [q, kv, kv]), "o_proj": (q, [h]), "gate_up_proj": (h, [inter, inter]),
-              "down_proj": (inter, [h])}
     parts: dict[tuple[int, str], dict[int, dict[str, torch.Tensor]]] = {}
     try:
         tensors = load_file(str(path / ADAPTER_WEIGHTS))
@@ -78,26 +75,38 @@ def load_adapter(lora: LoRARequest, arch, dtype: torch.dtype, device: torch.devi
         parts.setdefault((int(m.group(1)), module), {}).setdefault(part, {})[m.group(3)] = tensor
     if not parts:
         raise refuse(f"{ADAPTER_WEIGHTS} holds no LoRA weights")
+    param = next(model.parameters())
     weights = LoRAWeights(lora.lora_int_id, scaling)
-    for (layer, module), found in sorted(parts.items()):
-        in_features, outs = shapes[module]
-        a_parts, b = [], torch.zeros(sum(outs), sum(f["A"].shape[0] for f in found.values() if "A" in f))
-        col = 0
-        for part, ab in sorted(found.items()):
-            name = _NAMES[module, part]
+    for (layer, name), found in sorted(parts.items()):
+        module = _adapted(model, layer)[name]
+        row_parallel = isinstance(module, RowParallelLinear)
+        outs = [module.weight.shape[0]] if row_parallel else module.full_sizes  # each part's rows, whole
+        a_parts, b = [], torch.zeros(module.weight.shape[0], r * len(found))
+        for col, (part, ab) in enumerate(sorted(found.items())):
+            what = _NAMES[name, part]
             if set(ab) != {"A", "B"}:
-                raise refuse(f"layer {layer}'s {name} has no lora_{''.join(sorted(set('AB') - set(ab)))}")
+                raise refuse(f"layer {layer}'s {what} has no lora_{''.join(sorted(set('AB') - set(ab)))}")
             a, b_part = ab["A"], ab["B"]
-            if a.shape != (r, in_features) or b_part.shape != (outs[part], r):
-                raise refuse(f"layer {layer}'s {name} has A {tuple(a.shape)} and B {tuple(b_part.shape)}, "
-                             f"where this model needs ({r}, {in_features}) and ({outs[part]}, {r})")
-            a_parts.append(a)
-            row = sum(outs[:part])
-            b[row:row + outs[part], col:col + r] = b_part
-            col += r
-        weights.modules[(layer, module)] = (torch.cat(a_parts).to(dtype=dtype, device=device).contiguous(),
-                                            b.to(dtype=dtype, device=device).contiguous())
+            if a.shape != (r, module.in_features) or b_part.shape != (outs[part], r):
+                raise refuse(f"layer {layer}'s {what} has A {tuple(a.shape)} and B {tuple(b_part.shape)}, "
+                             f"where this model needs ({r}, {module.in_features}) and ({outs[part]}, {r})")
+            if row_parallel:  # the rank's input columns, as its weight's; B whole
+                a_parts.append(module.shard("weight").take(a))
+                b[:, :r] = b_part
+            else:  # the rank's output rows of the part, where its weight holds them; A whole
+                shard = module.shard("weight", module.shard_ids[part])
+                a_parts.append(a)
+                b[shard.offset:shard.offset + shard.size, col * r:(col + 1) * r] = shard.take(b_part)
+        weights.modules[(layer, name)] = (torch.cat(a_parts).to(param.device, param.dtype).contiguous(),
+                                          b.to(param.device, param.dtype).contiguous())
     return weights
+
+
+def _adapted(model, layer: int) -> dict:
+    """Decoder layer `layer`'s projections LoRA adapts, by our module names."""
+    block = model.layers[layer]
+    return {"qkv_proj": block.self_attn.qkv_proj, "o_proj": block.self_attn.o_proj,
+            "gate_up_proj": block.mlp.gate_up_proj, "down_proj": block.mlp.down_proj}
 
 
 class LoRAState:
@@ -130,9 +139,8 @@ class LoRAState:
 def attach(model, state: LoRAState) -> None:
     """Let every projection LoRA can adapt read `state` (engine.model.layers' linear layers)."""
     model.lora = state
-    for i, layer in enumerate(model.layers):
-        for name, module in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
-                             ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
+    for i in range(len(model.layers)):
+        for name, module in _adapted(model, i).items():
             module.lora, module.lora_key = state, (i, name)
 
 
@@ -151,7 +159,7 @@ def lora_rows(batch, block_size: int) -> dict[int, list[int]]:
     row = 0
     for i in batch.row_order(block_size):
         n = batch.num_new_tokens[i]
-        adapter = lora_id(batch.seqs[i].params)
+        adapter = batch.seqs[i].lora_int_id
         if adapter is not None:
             rows.setdefault(adapter, []).extend(range(row, row + n))
         row += n

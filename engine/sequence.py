@@ -46,6 +46,12 @@ class Sequence:
         self.first_scheduled: float | None = None  # the scheduler's clock when it first admitted it
 
     @property
+    def lora_int_id(self) -> int | None:
+        """The LoRA adapter it runs with (engine.lora), by id; None: the base model."""
+        lora = self.params.lora_request
+        return None if lora is None else lora.lora_int_id
+
+    @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[:self.num_prompt_tokens]
 

@@ -161,8 +161,8 @@ def test_beam_search_and_chat_take_an_adapter(models):
 def test_what_cannot_be_served_is_refused(models, tmp_path):
     base, adapters, _ = models["gqa"]
     a1 = adapters["a1"]
-    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        EngineConfig(enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be >= max_loras \(2\)"):
+        EngineConfig(enable_lora=True, max_loras=2, max_cpu_loras=1)
     plain = LLM(model=str(base), max_model_len=256, num_gpu_blocks_override=64)
     with pytest.raises(InvalidRequestError, match="LoRA is not enabled"):
         plain.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("a1", 1, a1))
@@ -258,3 +258,16 @@ def test_lora_modules_are_checked_at_start_up(models, tmp_path):
     args = build_parser().parse_args(["serve", "--model", str(base), "--enable-lora", "--max-loras", "2",
                                       "--lora-modules", f"a1={a1}", spec])
     assert (args.enable_lora, args.max_loras, args.lora_modules) == (True, 2, [f"a1={a1}", spec])
+
+
+def test_the_benchmarks_random_adapter_is_served(models, tmp_path):
+    """benchmarks/offline.py's kvserve-lora runs on adapters benchmarks/random_model.py writes in
+    PEFT's format, without peft: PEFT reads them as kvserve does."""
+    from benchmarks.random_model import make_random_adapter
+
+    base = models["gqa"][0]
+    adapter = make_random_adapter(tmp_path / "bench-a", Path(base), rank=8)
+    llm = LLM(model=str(base), enable_lora=True, max_model_len=256, num_gpu_blocks_override=64)
+    got = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=LoRARequest("b", 1, str(adapter))))
+    assert got == peft_greedy(base, adapter, PROMPTS, MAX_NEW)
+    assert got != models["gqa"][2][None]  # it changes what the model says

@@ -101,8 +101,7 @@ def test_lora_adapters_match_torch_runner(tiny, device, tmp_path):
     if device.type != "cpu":  # the Triton runner's own model, on the device: its own copy of the adapters
         attach(twin.other.model, type(llm.engine.executor.model.lora)())
         for lora in loras:
-            twin.other.model.lora.adapters[lora.lora_int_id] = load_adapter(lora, twin.other.model.arch,
-                                                                            torch.float32, device)
+            twin.other.model.lora.adapters[lora.lora_int_id] = load_adapter(lora, twin.other.model)
     prompts = _prompts(lens=(5, 17, 33, 40))
     outs = llm.generate(prompts, GREEDY, lora_request=[None, loras[0], loras[1], loras[0]])
     assert twin.steps >= 8 and twin.mixed > 0

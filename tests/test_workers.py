@@ -295,6 +295,31 @@ def _audited_rank_cls():
     return _Audited
 
 
+@pytest.mark.parametrize("kind", ["gqa", "mqa"])
+def test_tp2_lora_adapters_are_peft_exact(ray_cluster, tiny_dirs, tmp_path, kind):
+    """Each rank holds its shard of every adapter (B's rows of q/k/v and gate/up, A's columns of
+    o and down; a replicated KV head's whole), under chunked prefill and preemption; an adapter
+    that does not fit is the request's error, and the group serves on."""
+    from engine import LoRARequest
+    from engine.errors import InvalidRequestError
+    from tests.tiny_lora import make_adapter, peft_greedy
+
+    d, prompts = tiny_dirs[kind], _prompts()[:5]
+    loras = [LoRARequest(f"a{i}", i, make_adapter(d, tmp_path / f"a{i}", r=4 * i, seed=i)) for i in (1, 2)]
+    names = [None, loras[0], loras[1], loras[0], None]
+    expected = {lora: peft_greedy(d, lora and lora.lora_path, prompts, MAX_NEW) for lora in [None, *loras]}
+    llm = LLM(model=str(d), tensor_parallel_size=2, enable_lora=True, max_loras=2, **ENGINE)
+    try:
+        assert _tokens(llm.generate(prompts, GREEDY, lora_request=names)) == [expected[n][i] for i, n in enumerate(names)]
+        assert llm.engine.stats().num_preemptions > 0
+        with pytest.raises(InvalidRequestError, match="its rank 32 is more than --max-lora-rank 16"):
+            llm.generate(prompts[:1], GREEDY, lora_request=LoRARequest("big", 3, make_adapter(d, tmp_path / "big", r=32)))
+        assert _tokens(llm.generate(prompts[:1], GREEDY, lora_request=loras[1])) == expected[loras[1]][:1]
+        _assert_clean(llm)
+    finally:
+        llm.engine.executor.shutdown()
+
+
 def test_only_rank0_reads_weights_and_each_rank_holds_its_slice(ray_cluster, tiny_dirs):
     import torch
 

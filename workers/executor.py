@@ -30,7 +30,9 @@ import ray
 import torch
 
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
 from engine.executor import ModelInfo, load_model_info, resolve_dtype
+from engine.lora_request import LoRARequest
 from engine.model_source import model_name
 from engine.outputs import PromptLogprob
 from engine.sampler import SampleResult
@@ -115,6 +117,17 @@ class WorkerGroupExecutor:
         if grammar_mask is not None:  # the constrained rows' masks go to the sampling rank with its part
             msg = dataclasses.replace(msg, sampling=dataclasses.replace(msg.sampling, grammar_mask=grammar_mask))
         return RankDraws(self.group.execute(msg), self.encoder)
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Every rank loads its shard of the adapter (engine.lora); InvalidRequestError for one
+        that does not fit the model, the ranks that took it unloading it again."""
+        refusals = [why for why in self.group.call_all("add_lora", lora) if why is not None]
+        if refusals:
+            self.remove_lora(lora.lora_int_id)
+            raise InvalidRequestError("model", refusals[0])
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.group.call_all("remove_lora", lora_int_id)
 
     @property
     def healthy(self) -> bool:

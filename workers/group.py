@@ -230,6 +230,11 @@ class WorkerGroup:
         refs = {r: a.execute.remote(msg if r == SAMPLING_RANK else others) for r, a in enumerate(self.ranks)}
         return self._gather(refs, self.gc.step_timeout_s, f"run step {msg.step}")[SAMPLING_RANK]
 
+    def call_all(self, method: str, *args) -> list:
+        """Every rank's answer to `method(*args)` (one of RankWorker's), in rank order."""
+        answers = self._gather(self._all(method, *args), self.gc.step_timeout_s, f"run {method}")
+        return [answers[r] for r in range(self.size)]
+
     def check_health(self) -> None:
         """Raise WorkerGroupError unless every rank answers a ping in time."""
         self._gather(self._all("ping"), self.gc.health_timeout_s, "answer a ping")

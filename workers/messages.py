@@ -40,6 +40,7 @@ class SeqDelta:
     keep: int  # leading block-table entries still valid on the ranks
     new_blocks: list[int]  # entries after them
     scored: tuple[int, int] | None = None  # positions [a, b) whose logits score prompt tokens (prompt logprobs)
+    lora: int | None = None  # the LoRA adapter it runs with (engine.lora), by id
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +122,8 @@ class StepEncoder:
             keep = _common_prefix(old, table)
             scored = seq.prompt_logprob_positions(n)
             deltas.append(SeqDelta(seq.seq_id, start, seq.token_ids[start:start + n], seq.num_tokens,
-                                   keep, table[keep:], (scored.start, scored.stop) if scored else None))
+                                   keep, table[keep:], (scored.start, scored.stop) if scored else None,
+                                   seq.lora_int_id))
             self.live[seq.seq_id] = seq
             self.sent[seq.seq_id] = list(table)
         self.step += 1
@@ -172,6 +174,7 @@ class SeqView:
     num_tokens: int
     block_table: list[int]
     scored: range = range(0)
+    lora_int_id: int | None = None
 
     def prompt_logprob_positions(self, num_new: int) -> range:
         """As Sequence's: the engine worked it out and sent it."""
@@ -197,6 +200,6 @@ class RankMirror:
             del table[d.keep:]
             table.extend(d.new_blocks)
             views.append(SeqView(d.seq_id, _Window(d.start, d.token_ids), d.start, d.num_tokens, table,
-                                 range(*d.scored) if d.scored else range(0)))
+                                 range(*d.scored) if d.scored else range(0), d.lora))
         return ScheduledBatch(seqs=views, num_new_tokens=[len(d.token_ids) for d in msg.seqs],
                               copies=list(msg.copies))

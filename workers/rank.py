@@ -23,8 +23,11 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
 from engine.executor import resolve_dtype
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
+from engine.lora import LoRAState, attach, load_adapter
+from engine.lora_request import LoRARequest
 from engine.model.layers import SAMPLING_RANK, TPContext
 from engine.model.llama import LlamaModel, ModelArch
 from engine.model.loader import load_arch, prepare_cpu_weights
@@ -125,6 +128,8 @@ class RankWorker:
             model = LlamaModel(arch, dtype, self.tp)  # raises "cannot split" before any weight moves
         stats = load_sharded(model, self.model_dir if self.rank == 0 else None, self.tp)
         weight_codes = prepare_cpu_weights(model, self.device, dtype)
+        if self.config.enable_lora:
+            attach(model, LoRAState())
         self.model, self.arch, self.dtype = model.eval(), arch, dtype
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         kv_heads = arch.local_kv_heads(self.world_size)
@@ -175,6 +180,18 @@ class RankWorker:
                                                   [seq_ids[span.index] for span in out.prompt_spans])
             draws = dataclasses.replace(draws, prompt_logprobs=prompt)
         return draws
+
+    def add_lora(self, lora: LoRARequest) -> str | None:
+        """Load this rank's shard of an adapter (engine.lora); -> why it cannot be, or None. Not
+        raised: a bad adapter is the request's fault, and a rank that raises fails the group."""
+        try:
+            self.model.lora.adapters[lora.lora_int_id] = load_adapter(lora, self.model, self.config.max_lora_rank)
+        except InvalidRequestError as e:
+            return e.message
+        return None
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.model.lora.adapters.pop(lora_int_id, None)
 
     @control
     def ping(self) -> int:

@@ -163,7 +163,7 @@ class ColumnParallelLinear(ShardedModule):
         checkpoint gate (I, H)  rank r's rows [r * I/tp, (r+1) * I/tp) -> parameter rows [0, I/tp)
         checkpoint up   (I, H)  rank r's rows [r * I/tp, (r+1) * I/tp) -> parameter rows [I/tp, 2 I/tp)
     """
-    lora = None  # engine.lora.LoRAState, where LoRA is enabled (tp 1), and this layer's key in it
+    lora = None  # engine.lora.LoRAState, where LoRA is enabled, and this layer's key in it
     lora_key = None
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPContext,
@@ -252,9 +252,12 @@ class RowParallelLinear(ShardedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, codes=self.weight_codes, prepacked=self.weight_prepacked)
+        adapted = self.lora is not None and self.lora.step  # LoRA deltas of the step's rows (engine.lora)
+        if adapted and self.tp.size > 1:  # each rank's part of the delta, summed with the weight's
+            self.lora.apply(self.lora_key, x, y)
         y = self.tp.all_reduce(y)
         y = y + self.bias if self.bias is not None else y
-        if self.lora is not None and self.lora.step:  # after the bias, as PEFT adds it (tp 1 only)
+        if adapted and self.tp.size == 1:  # after the bias, as PEFT adds it
             self.lora.apply(self.lora_key, x, y)
         return y
 
