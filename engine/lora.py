@@ -121,19 +121,31 @@ class LoRAState:
         """y[rows] += the adapter's delta of x[rows], for each adapter of the step."""
         for weights, rows in self.step:
             ab = weights.modules.get(key)
-            if ab is not None:
-                a, b = ab
-                y.index_add_(0, rows, ((x.index_select(0, rows) @ a.t()) @ b.t()) * weights.scaling)
+            if ab is None:
+                continue
+            a, b = ab
+            if isinstance(rows, slice):  # one run of rows (every row, with one adapter): views, no copies
+                delta = (x[rows] @ a.t()) @ b.t()
+                y[rows].add_(delta.mul_(weights.scaling))
+            else:
+                delta = (x.index_select(0, rows) @ a.t()) @ b.t()
+                y.index_add_(0, rows, delta.mul_(weights.scaling))
 
     @contextmanager
     def running(self, rows: dict[int, list[int]], device: torch.device):
         """While a step runs: adapter id -> the flat rows of its sequences (lora_rows)."""
-        self.step = [(self.adapters[i], torch.tensor(r, dtype=torch.long).to(device, non_blocking=True))
-                     for i, r in rows.items()]
+        self.step = [(self.adapters[i], _rows(r, device)) for i, r in rows.items()]
         try:
             yield
         finally:
             self.step = []
+
+
+def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
+    """Rows in increasing order as a slice where they are one run, else as an index tensor."""
+    if rows[-1] - rows[0] == len(rows) - 1:
+        return slice(rows[0], rows[-1] + 1)
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
 
 
 def attach(model, state: LoRAState) -> None:
