@@ -29,6 +29,9 @@ Ray's own (workers.metrics), which its Ray node exports; the offline `LLM`'s are
     kvserve_request_params_n               histogram    "   the request's n
     kvserve_request_params_max_tokens      histogram    "   its max_tokens (resolved: the model's room if unset)
     kvserve_request_success                counter      "   by finished_reason: stop|length|abort|error
+    kvserve_lora_requests_info             gauge      EngineStats, with enable_lora: labels running_lora_adapters,
+                                                      waiting_lora_adapters (names, comma-separated) and max_lora;
+                                                      the value is when it was recorded (vLLM's)
 
 A request's `RequestTimer` lives with the request (the replica's generator frame, the offline
 engine's table of requests), so nothing outlives the request. Per engine step it reads the clock
@@ -91,6 +94,8 @@ REQUEST_TPOT = "kvserve_request_time_per_output_token_seconds"
 PARAMS_N = "kvserve_request_params_n"
 PARAMS_MAX_TOKENS = "kvserve_request_params_max_tokens"
 ENGINE_STEPS = "kvserve_engine_steps"
+LORA_INFO = "kvserve_lora_requests_info"
+LORA_TAGS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
 ENGINE_STEP_SECONDS = "kvserve_engine_step_seconds"
 FINISHED_REASON = "finished_reason"
 STEP_KIND = "kind"
@@ -136,6 +141,8 @@ METRICS = (
     MetricSpec(PARAMS_N, "Histogram", "The n of each request that ended.", (1.0, 2.0, 5.0, 10.0, 20.0)),
     MetricSpec(PARAMS_MAX_TOKENS, "Histogram", "The max_tokens of each request that ended (unset: what the model had room for).",
                _buckets(0, 6, (1, 2, 5))),
+    MetricSpec(LORA_INFO, "Gauge", "The LoRA adapters of running and waiting requests (labels, comma-separated), and "
+               "max_lora; the value is the Unix time it was recorded.", tag_keys=LORA_TAGS),
 )
 
 
@@ -164,6 +171,9 @@ class EngineMetrics:
         self.sinks[RUNNING].set(stats.num_running)
         self.sinks[WAITING].set(stats.num_waiting)
         self.sinks[KV_USAGE].set(stats.kv_usage)
+        if stats.max_lora:
+            self.sinks[LORA_INFO].set(stats.timestamp, dict(zip(LORA_TAGS, (
+                ",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters), str(stats.max_lora)))))
         for name, kind, total in ((PREEMPTIONS, None, stats.num_preemptions),
                                   (PREFIX_QUERIES, None, stats.prefix_query_tokens),
                                   (PREFIX_HITS, None, stats.prefix_hit_tokens),

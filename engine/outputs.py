@@ -101,6 +101,11 @@ class EngineStats:
     prompt_tokens: int = 0  # cumulative prompt tokens the steps computed (prefix-cache hits are not)
     generation_tokens: int = 0  # cumulative tokens the steps sampled, all sequences together
     prefix_hashes: frozenset[int] = frozenset()  # bounded summary of cached prefix-block hashes
+    # LoRA (enable_lora): the adapters of the running and of the waiting requests, by name; and how
+    # many may run at once (0: LoRA is off)
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
     timestamp: float = 0.0  # when the snapshot was taken (time.time() of the engine's host)
 
     @property

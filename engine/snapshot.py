@@ -76,4 +76,10 @@ def snapshot(scheduler: Scheduler, prefix_limit: int = 0, now: float | None = No
         decode_steps=st.decode_steps, decode_step_seconds=st.decode_step_seconds,
         prompt_tokens=st.prompt_tokens, generation_tokens=st.generation_tokens,
         prefix_hashes=summarize_prefix_hashes(bm, prefix_limit) if prefix_limit > 0 else frozenset(),
-        timestamp=time.time() if now is None else now)
+        running_lora_adapters=_adapter_names(scheduler.running), waiting_lora_adapters=_adapter_names(scheduler.waiting),
+        max_lora=scheduler.config.max_loras or 0, timestamp=time.time() if now is None else now)
+
+
+def _adapter_names(seqs) -> tuple[str, ...]:
+    """The LoRA adapters `seqs` run with, by name, sorted."""
+    return tuple(sorted({s.params.lora_request.lora_name for s in seqs if s.params.lora_request is not None}))

@@ -4,8 +4,10 @@ chunked prefill, preemption, the prefix cache and max_loras; adapters that canno
 refused, naming why."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -271,3 +273,23 @@ def test_the_benchmarks_random_adapter_is_served(models, tmp_path):
     got = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=LoRARequest("b", 1, str(adapter))))
     assert got == peft_greedy(base, adapter, PROMPTS, MAX_NEW)
     assert got != models["gqa"][2][None]  # it changes what the model says
+
+
+def test_lora_requests_info_names_the_running_and_waiting_adapters(models):
+    """vLLM's lora_requests_info gauge: which adapters run and wait, and max_lora."""
+    base, adapters, _ = models["gqa"]
+    reqs = _requests(adapters)
+    llm = LLM(model=str(base), enable_lora=True, max_model_len=256, num_gpu_blocks_override=128,
+              disable_log_stats=False)
+    for i, name in enumerate(["a1", "a2", None]):
+        llm.engine.add_request(f"r{i}", PROMPTS[i], dataclasses.replace(GREEDY, lora_request=reqs.get(name)))
+    llm.engine.step()
+    info = [m for m in llm.get_metrics() if m.name == "kvserve_lora_requests_info"]
+    assert [m.labels | {"model_name": None} for m in info] == [{
+        "model_name": None, "running_lora_adapters": "a1", "waiting_lora_adapters": "a2", "max_lora": "1"}]
+    assert time.time() - 60 < info[0].value <= time.time()
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    plain = LLM(model=str(base), max_model_len=256, num_gpu_blocks_override=64, disable_log_stats=False)
+    plain.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert not [m for m in plain.get_metrics() if m.name == "kvserve_lora_requests_info"]
