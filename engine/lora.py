@@ -8,9 +8,12 @@ belong to requests of that adapter, PEFT's own delta to the base layer's output:
 
 Our q/k/v and gate/up projections are packed into one linear each, so an adapter's A matrices of
 the packed parts are stacked (R = r_q + r_k + r_v rows) and its B matrices placed block-diagonally
-in the packed output rows; a part the adapter leaves alone has no rows in either. The base
-weights are untouched: one batch mixes requests of the base model and of several adapters, each
-row seeing only its own. A step with no adapted row costs nothing.
+in the packed output rows; a part the adapter leaves alone has no rows in either. Under tensor
+parallelism a rank holds its shard of each, cut as the weight it adapts is: B's rows of the
+column-parallel q/k/v and gate/up (A whole), A's columns of the row-parallel o and down (B whole,
+their partial deltas summed by the weight's all-reduce). The base weights are untouched: one batch
+mixes requests of the base model and of several adapters, each row seeing only its own. A step
+with no adapted row costs nothing.
 """
 from __future__ import annotations
 
