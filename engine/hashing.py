@@ -8,26 +8,28 @@ not depend on PYTHONHASHSEED), so replicas and the router compute the same value
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 
 NONE_HASH = 0  # parent hash of a sequence's first block
 
 
-def root_hash(cache_salt: str | None, lora_id: int | None = None) -> int:
+def root_hash(cache_salt: str | None, lora: tuple[int, str] | None = None) -> int:
     """The parent hash of a sequence's first block: NONE_HASH, or one of the request's cache_salt
-    (vLLM's field) and LoRA adapter id, so that only requests with the same salt and adapter share
-    cached blocks (an adapter's KV is not the base model's). sha256, not hash(): a string's hash
-    differs between processes."""
-    if cache_salt is None and lora_id is None:
+    (vLLM's field) and LoRA adapter (its id and directory), so that only requests with the same
+    salt and adapter share cached blocks (an adapter's KV is not the base model's, nor another
+    adapter's that once had its id). The key is JSON, so that no salt can spell another request's
+    key; sha256, not hash(): a string's hash differs between processes."""
+    if cache_salt is None and lora is None:
         return NONE_HASH
-    key = cache_salt if lora_id is None else f"{cache_salt!r}\0lora:{lora_id}"
+    key = json.dumps([cache_salt] if lora is None else [cache_salt, *lora])
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little", signed=True) or 1
 
 
 def request_root(params) -> int:
-    """root_hash of a request's SamplingParams (its cache_salt and LoRA adapter: lora_request's id)."""
+    """root_hash of a request's SamplingParams: its cache_salt and LoRA adapter (lora_request)."""
     lora = getattr(params, "lora_request", None)
-    return root_hash(getattr(params, "cache_salt", None), getattr(lora, "lora_int_id", None))
+    return root_hash(getattr(params, "cache_salt", None), None if lora is None else (lora.lora_int_id, lora.lora_path))
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:

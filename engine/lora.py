@@ -183,7 +183,7 @@ def lora_rows(batch, block_size: int) -> dict[int, list[int]]:
 
 class LoadedAdapters:
     """The adapters an engine's executor holds (by lora_int_id, least recently used first): at
-    most max_cpu_loras, beyond those its unfinished requests run with."""
+    most max_cpu_loras, beyond those its unfinished requests run with, from each use on."""
 
     def __init__(self, executor, capacity: int) -> None:
         self.executor = executor
@@ -194,15 +194,14 @@ class LoadedAdapters:
         """Load `lora` where it is not loaded yet (InvalidRequestError for an adapter that does
         not fit the model), unloading the least recently used ones no request runs with."""
         known = self.loaded.get(lora.lora_int_id)
-        if known is not None:
-            if Path(known.lora_path) != Path(lora.lora_path):
-                raise InvalidRequestError("lora_request", f"LoRA adapter id {lora.lora_int_id} is loaded from "
-                                          f"{known.lora_path!r}, not {lora.lora_path!r}: each adapter needs its own "
-                                          "lora_int_id")
-            self.loaded.move_to_end(lora.lora_int_id)
-            return
-        self.executor.add_lora(lora)
-        self.loaded[lora.lora_int_id] = lora
+        if known is None:
+            self.executor.add_lora(lora)
+            self.loaded[lora.lora_int_id] = lora
+        elif known.lora_path != lora.lora_path:
+            raise InvalidRequestError("lora_request", f"LoRA adapter id {lora.lora_int_id} is loaded from "
+                                      f"{known.lora_path!r}, not {lora.lora_path!r}: each adapter needs its own "
+                                      "lora_int_id")
+        self.loaded.move_to_end(lora.lora_int_id)
         for old in [i for i in self.loaded if i != lora.lora_int_id and i not in in_use]:
             if len(self.loaded) <= self.capacity:
                 break

@@ -4,6 +4,7 @@ engine.lora's."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,8 @@ class LoRARequest:
             raise InvalidRequestError("lora_request", f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise InvalidRequestError("lora_request", f"lora_path must be the adapter's directory, got {self.lora_path!r}")
+        # absolute, so that one directory is one adapter however it was named (here, where it is named)
+        object.__setattr__(self, "lora_path", os.path.abspath(os.path.expanduser(self.lora_path)))
 
     # vLLM's other names for the same fields
     @property

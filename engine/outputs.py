@@ -71,7 +71,7 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     # vLLM's: always None here (no per-request stats object), so that code reading it runs
     metrics: None = None
-    lora_request: object = None  # the request's engine.lora_request.LoRARequest (LLM's outputs), as vLLM's
+    lora_request: object = None  # the request's engine.lora_request.LoRARequest, as vLLM's
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ class _Stream:
         self.num_cached_tokens = 0
         self.prompt_logprobs = None
         self.first_scheduled_time = None
+        self.lora_request = params.lora_request
         self.end = None  # an exception to raise, or _ABORTED
         self.has_data = False  # outputs since the last take()
         self.ready = asyncio.Event()
@@ -101,7 +102,8 @@ class _Stream:
             outs.append(c.snapshot())
             c.delta_text, c.delta_token_ids, c.delta_logprobs = "", [], None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             self.num_cached_tokens, self.prompt_logprobs, self.first_scheduled_time)
+                             self.num_cached_tokens, self.prompt_logprobs, self.first_scheduled_time,
+                             lora_request=self.lora_request)
 
 
 class ProcessEngine:

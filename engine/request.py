@@ -117,4 +117,5 @@ class Request:
             outs.append(comp.snapshot())
             comp.delta_token_ids, comp.delta_logprobs = [], None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             self.seqs[0].num_cached_tokens, self.prompt_logprobs, self.seqs[0].first_scheduled)
+                             self.seqs[0].num_cached_tokens, self.prompt_logprobs, self.seqs[0].first_scheduled,
+                             lora_request=self.params.lora_request)

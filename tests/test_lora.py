@@ -283,7 +283,8 @@ def test_lora_requests_info_names_the_running_and_waiting_adapters(models):
               disable_log_stats=False)
     for i, name in enumerate(["a1", "a2", None]):
         llm.engine.add_request(f"r{i}", PROMPTS[i], dataclasses.replace(GREEDY, lora_request=reqs.get(name)))
-    llm.engine.step()
+    outs = llm.engine.step()  # the engine's own outputs name the adapter too (AsyncEngine streams them)
+    assert {o.request_id: o.lora_request for o in outs} == {"r0": reqs["a1"], "r2": None}
     info = [m for m in llm.get_metrics() if m.name == "kvserve_lora_requests_info"]
     assert [m.labels | {"model_name": None} for m in info] == [{
         "model_name": None, "running_lora_adapters": "a1", "waiting_lora_adapters": "a2", "max_lora": "1"}]
@@ -293,3 +294,45 @@ def test_lora_requests_info_names_the_running_and_waiting_adapters(models):
     plain = LLM(model=str(base), max_model_len=256, num_gpu_blocks_override=64, disable_log_stats=False)
     plain.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     assert not [m for m in plain.get_metrics() if m.name == "kvserve_lora_requests_info"]
+
+
+def test_an_adapters_cache_is_its_own_whatever_the_ids_and_salts(models, tmp_path, monkeypatch):
+    """No other request's blocks reach an adapter's: not a base-model request whose cache_salt
+    spells the adapter's key, nor another directory that once had its id (offline callers pick the
+    ids); one directory, named relative or absolute, is one adapter."""
+    from engine.hashing import request_root, root_hash
+
+    base, adapters, expected = models["gqa"]
+    a1, a2 = adapters["a1"], adapters["a2"]
+    llm = LLM(model=str(base), enable_lora=True, max_model_len=256, num_gpu_blocks_override=128, block_size=4)
+    prompt = [PROMPTS[4]]
+    one = LoRARequest("a1", 1, a1)
+    for salt in ["None\x00lora:1", f'[null, 1, "{a1}"]', json.dumps([None, 1, a1])]:
+        assert root_hash(salt) != request_root(SamplingParams(lora_request=one))
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, cache_salt=salt), use_tqdm=False)
+    hits = llm.engine.stats().prefix_hit_tokens
+    assert _tokens(llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=one)) == [expected["a1"][4]]
+    assert llm.engine.stats().prefix_hit_tokens == hits
+    # id 1 again, from a2's directory, once a1 is unloaded (max_cpu_loras 1): a2's output, no a1 block
+    llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=LoRARequest("other", 2, a2))
+    assert _tokens(llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=LoRARequest("a2", 1, a2))) == \
+        [expected["a2"][4]]
+    assert llm.engine.stats().prefix_hit_tokens == hits
+    monkeypatch.chdir(Path(a2).parent)
+    relative = LoRARequest("a2", 1, Path(a2).name)
+    assert relative.lora_path == a2
+    assert _tokens(llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=relative)) == [expected["a2"][4]]
+    _assert_clean(llm)
+
+
+def test_loaded_adapters_come_back_under_max_cpu_loras_at_the_next_use(models):
+    base, adapters, expected = models["gqa"]
+    reqs = _requests(adapters)
+    llm = LLM(model=str(base), enable_lora=True, max_loras=2, max_cpu_loras=2, max_model_len=256,
+              num_gpu_blocks_override=128)
+    third = LoRARequest("a3", 3, adapters["a1"] + "/")  # a1's directory again, under another id
+    llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False, lora_request=[reqs["a1"], reqs["a2"], third])
+    held = llm.engine.executor.model.lora.adapters
+    assert len(held) == 3  # all three ran together: none could go
+    assert _tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=reqs["a2"])) == expected["a2"][:1]
+    assert sorted(held) == [2, 3]
