@@ -110,7 +110,24 @@ def lora_modules(specs, max_rank: int | None = None) -> tuple[LoRARequest, ...]:
         path = str(Path(spec["path"]).expanduser().absolute())
         try:
             read_adapter_config(path, max_rank)
+            _read_header(Path(path))
         except InvalidRequestError as e:
             raise ValueError(f"--lora-modules {spec['name']}: {e.message}") from None
         out.append(LoRARequest(spec["name"], len(out) + 1, path, spec.get("base_model_name")))
     return tuple(out)
+
+
+def _read_header(path: Path) -> None:
+    """InvalidRequestError unless the adapter's weights file has a safetensors header naming LoRA
+    tensors (what can be checked before the model is at hand; engine.lora reads the rest)."""
+    try:
+        with open(path / ADAPTER_WEIGHTS, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= 100 << 20:
+                raise ValueError(f"a header of {size} bytes")
+            header = json.loads(f.read(size))
+    except (OSError, ValueError) as e:
+        raise InvalidRequestError("model", f"LoRA adapter {str(path)!r}: {ADAPTER_WEIGHTS} is not safetensors ({e})") \
+            from None
+    if not isinstance(header, dict) or not any(".lora_A." in k for k in header):
+        raise InvalidRequestError("model", f"LoRA adapter {str(path)!r}: {ADAPTER_WEIGHTS} holds no LoRA weights")

@@ -252,6 +252,12 @@ def test_lora_modules_are_checked_at_start_up(models, tmp_path):
             lora_modules(specs)
     with pytest.raises(ValueError, match="rank 8 is more than --max-lora-rank 4"):
         lora_modules([f"x={a1}"], max_rank=4)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    (broken / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    with pytest.raises(ValueError, match="x: LoRA adapter .* adapter_model.safetensors is not safetensors"):
+        lora_modules([f"x={broken}"])
     with pytest.raises(ValueError, match="needs the engine's enable_lora"):
         router_settings(EngineConfig(model=str(base)), ServeOptions(lora_modules=[f"x={a1}"]))
     with pytest.raises(ValueError, match="must differ from the served model names"):
