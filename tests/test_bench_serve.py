@@ -48,3 +48,22 @@ def test_the_paced_engine_hands_out_outputs_as_the_engine_does(monkeypatch):
     assert [o.outputs[0].delta_token_ids for o in delta] == [[5], [6], [7], [5], [6]]
     assert [o.outputs[0].delta_token_ids for o in final] == [[5], [6, 7, 5, 6]]  # the first, then the rest
     assert [o.finished for o in final] == [False, True] and final[1].outputs[0].finish_reason == "length"
+
+
+def test_lora_rank_launches_both_servers_with_one_adapter_that_kvserve_accepts(tmp_path, monkeypatch, smollm2_path):
+    """--lora-rank: the same vLLM flags for kvserve and vLLM, naming one random adapter in PEFT's
+    format that kvserve's start-up check takes."""
+    from cluster.cli import build_parser
+    from engine.lora_request import lora_modules
+
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
+    args = serve.parse_args(["--launch", "kvserve", "vllm", "--lora-rank", "8"])
+    kvserve = serve.launch_command("kvserve", 8000, smollm2_path, args)
+    vllm = serve.launch_command("vllm", 8001, smollm2_path, args)
+    flags = serve.lora_flags(smollm2_path, args)
+    assert flags[:4] == ["--enable-lora", "--max-lora-rank", "16", "--lora-modules"]
+    assert kvserve[-len(flags):] == flags and vllm[-len(flags):] == flags
+    parsed = build_parser().parse_args(kvserve[kvserve.index("serve"):])
+    assert parsed.enable_lora and lora_modules(parsed.lora_modules, parsed.max_lora_rank)[0].lora_name == "bench-lora"
+    plain = serve.parse_args(["--launch", "kvserve"])
+    assert plain.lora_rank == 0 and serve.lora_flags(smollm2_path, plain) == []
