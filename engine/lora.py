@@ -4,7 +4,10 @@ An adapter is a PEFT directory (`adapter_config.json` and `adapter_model.safeten
 `peft`'s `save_pretrained` writes). Each adapted projection adds, for the rows of the step that
 belong to requests of that adapter, PEFT's own delta to the base layer's output:
 
-    y[rows] += ((x[rows] @ A^T) @ B^T) * scaling        scaling = lora_alpha / r  (or / sqrt(r), rsLoRA)
+    y[rows] += ((x[rows] @ A^T) * scaling) @ B^T        scaling = lora_alpha / r  (or / sqrt(r), rsLoRA)
+
+(PEFT scales the product: the same up to rounding, and here the scaling touches R columns, not
+the output's thousands.)
 
 Our q/k/v and gate/up projections are packed into one linear each, so an adapter's A matrices of
 the packed parts are stacked (R = r_q + r_k + r_v rows) and its B matrices placed block-diagonally
@@ -127,12 +130,12 @@ class LoRAState:
             if ab is None:
                 continue
             a, b = ab
-            if isinstance(rows, slice):  # one run of rows (every row, with one adapter): views, no copies
-                delta = (x[rows] @ a.t()) @ b.t()
-                y[rows].add_(delta.mul_(weights.scaling))
+            # Scaled at rank R, not at the output's width; B's product accumulates into y itself
+            # where the rows are one run (every row, under one adapter): no pass over y of its own.
+            if isinstance(rows, slice):
+                y[rows].addmm_((x[rows] @ a.t()).mul_(weights.scaling), b.t())
             else:
-                delta = (x.index_select(0, rows) @ a.t()) @ b.t()
-                y.index_add_(0, rows, delta.mul_(weights.scaling))
+                y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()).mul_(weights.scaling) @ b.t())
 
     @contextmanager
     def running(self, rows: dict[int, list[int]], device: torch.device):
