@@ -125,7 +125,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "temperature, min_p, top_k and top_p (the tokens these drop at -inf)")
     add("--enable-lora", action="store_true",
         help="serve LoRA adapters beside the base weights (PEFT directories: --lora-modules, or the offline "
-             "LLM's lora_request); tensor_parallel_size 1")
+             "LLM's lora_request)")
     add("--max-loras", type=int, metavar="N", help="LoRA adapters one engine step may run")
     add("--max-lora-rank", type=int, metavar="R", help="the largest adapter rank taken")
     add("--max-cpu-loras", type=int, metavar="N", help="adapters kept loaded (default: --max-loras)")

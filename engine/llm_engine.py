@@ -8,9 +8,9 @@ import time
 from engine.block_manager import BlockManager, kv_tokens
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.executor import Executor, make_executor
 from engine.lora import LoadedAdapters
 from engine.lora_request import lora_id
-from engine.executor import Executor, make_executor
 from engine.metric_sinks import MemorySinks, Metric
 from engine.metrics import EngineMetrics, RequestTimer
 from engine.outputs import EngineStats, RequestOutput

@@ -20,7 +20,7 @@ class LoRARequest:
     engine (its loaded weights and its own prefix-cache blocks), `lora_path` is its directory."""
     lora_name: str
     lora_int_id: int
-    lora_path: str = ""
+    lora_path: str
     base_model_name: str | None = None
 
     def __post_init__(self) -> None:

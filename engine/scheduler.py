@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from engine.block_manager import BlockManager
-from engine.lora_request import lora_id
 from engine.sequence import Sequence, SequenceStatus
 
 T = TypeVar("T")  # what the caller samples per sequence: a token id, or the sampler's result
@@ -171,14 +170,15 @@ class Scheduler:
         bm = self.block_manager
         # Sequences that will fork after their prefill already hold seats for their siblings.
         seats = len(self.running) + sum(s.pending_forks for s in self.running)
-        loras = {lora_id(s.params) for s in self.running} - {None} if self.config.max_loras else set()
+        max_loras = self.config.max_loras
+        loras = {s.lora_int_id for s in self.running} - {None} if max_loras else set()
         skipped = 0  # waiting sequences passed over, first in line: their adapter cannot run yet
         while len(self.waiting) > skipped and budget > 0:
             seq = self.waiting[skipped]
             if seats + 1 + seq.pending_forks > self.config.max_num_seqs:
                 break
-            adapter = lora_id(seq.params)
-            if adapter is not None and adapter not in loras and len(loras) >= (self.config.max_loras or 1 << 30):
+            adapter = seq.lora_int_id
+            if max_loras and adapter is not None and adapter not in loras and len(loras) >= max_loras:
                 skipped += 1  # as vLLM: later requests of the running adapters (or none) go ahead
                 continue
             hits = bm.get_computed_blocks(seq)
