@@ -46,6 +46,8 @@ INGRESS_MAX_ONGOING_REQUESTS = 4096  # the ingress only parses and relays; the e
 # an engine replica for its streams: a stream then ends the engine's way, whole or with its
 # engine's error event and [DONE], not cut by the ingress's own stop at the same deadline.
 INGRESS_EXTRA_GRACE_S = 30.0
+# vLLM's: when true, POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the LoRA modules
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 @dataclass(frozen=True)
@@ -340,6 +342,13 @@ def router_settings(engine: EngineConfig, options: ServeOptions):
         if not engine.enable_lora:
             raise ValueError("lora_modules (--lora-modules) needs the engine's enable_lora (--enable-lora)")
         given["lora_modules"] = lora_modules(options.lora_modules, engine.max_lora_rank)
+    if os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true"):  # vLLM's variable, read as it reads it
+        if not engine.enable_lora:
+            raise ValueError(f"{RUNTIME_LORA_ENV} needs the engine's enable_lora (--enable-lora)")
+        if options.num_ingress_replicas != 1 or options.ingress_autoscaling_config:
+            raise ValueError(f"{RUNTIME_LORA_ENV} needs one ingress replica: each keeps its own LoRA modules, and "
+                             "an adapter loaded through one would be unknown to the others")
+        given.update(allow_runtime_lora_updating=True, max_lora_rank=engine.max_lora_rank)
     return RouterSettings(**{**given, "served_model_name": first, "served_model_aliases": tuple(others),
                              "model_root": engine.model or first})
 

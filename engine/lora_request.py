@@ -110,16 +110,17 @@ def lora_modules(specs, max_rank: int | None = None) -> tuple[LoRARequest, ...]:
         path = str(Path(spec["path"]).expanduser().absolute())
         try:
             read_adapter_config(path, max_rank)
-            _read_header(Path(path))
+            check_weights_header(path)
         except InvalidRequestError as e:
             raise ValueError(f"--lora-modules {spec['name']}: {e.message}") from None
         out.append(LoRARequest(spec["name"], len(out) + 1, path, spec.get("base_model_name")))
     return tuple(out)
 
 
-def _read_header(path: Path) -> None:
+def check_weights_header(path: str | Path) -> None:
     """InvalidRequestError unless the adapter's weights file has a safetensors header naming LoRA
     tensors (what can be checked before the model is at hand; engine.lora reads the rest)."""
+    path = Path(path)
     try:
         with open(path / ADAPTER_WEIGHTS, "rb") as f:
             size = int.from_bytes(f.read(8), "little")

@@ -30,13 +30,14 @@ from collections.abc import Awaitable, Callable
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.version import kvserve_version
 from router.cluster_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.errors import OpenAIError, bad_request, from_validation_error, internal_error
+from router.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from router.off_loop import off_loop
 from router.protocol import (REQUEST_ID_PATTERN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              TokenizeRequest)
@@ -286,6 +287,15 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
         set_session(request.headers.get(SESSION_HEADER), body.user)
         return _reply(await (serving.chat(body) if isinstance(body, ChatCompletionRequest) else
                              serving.completions(body)))
+
+    if settings.allow_runtime_lora_updating:  # vLLM's, under VLLM_ALLOW_RUNTIME_LORA_UPDATING
+        @api.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+        async def load_lora_adapter(request: Request):
+            return await serving.adapters.load(await read_json(request, LoadLoRAAdapterRequest, limit))
+
+        @api.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+        async def unload_lora_adapter(request: Request):
+            return serving.adapters.unload(await read_json(request, UnloadLoRAAdapterRequest, limit))
 
     @api.post("/v1/responses", openapi_extra=_json_body(ResponsesRequest))
     async def responses(request: Request):

@@ -39,6 +39,7 @@ from router.engine_streams import collect, events, map_steps, merge_streams, ren
 from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error, unavailable
 from router.formatting import (Accumulator, PromptEcho, chat_logprobs, chat_response, completion_response,
                                vllm_prompt_logprobs)
+from router.lora_modules import LoRAModules
 from router.off_loop import off_loop
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.reasoning import (END, count_reasoning_tokens, grammar_gate, opens_in_reasoning, reasoning_fields,
@@ -95,7 +96,9 @@ class OpenAIServing:
         self._created = int(time.time())  # the model objects' `created`: when this server started serving it
         self.token_str = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
         self.token_bytes = functools.lru_cache(maxsize=1 << 16)(self._token_bytes)
-        self.adapters = {m.lora_name: m for m in settings.lora_modules}  # --lora-modules, by the name requests send
+        # --lora-modules (and those loaded at run time), by the name requests send
+        self.adapters = LoRAModules(settings.lora_modules, (settings.served_model_name, *settings.served_model_aliases),
+                                    settings.max_lora_rank)
         self.chunks = ChunkStreams(self.reply_model, settings.response_role, self.token_bytes)
 
     @functools.cached_property

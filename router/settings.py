@@ -61,6 +61,10 @@ class RouterSettings:
     # vLLM's --lora-modules (engine.lora_request.lora_modules): a request whose `model` names one
     # runs with that adapter; /v1/models lists them after the served names
     lora_modules: tuple[LoRARequest, ...] = ()
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    # change the modules at run time (router.lora_modules), each checked against max_lora_rank
+    allow_runtime_lora_updating: bool = False
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if not all(isinstance(n, str) and n for n in (self.served_model_name, *self.served_model_aliases)):

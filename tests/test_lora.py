@@ -342,3 +342,76 @@ def test_loaded_adapters_come_back_under_max_cpu_loras_at_the_next_use(models):
     assert len(held) == 3  # all three ran together: none could go
     assert _tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=reqs["a2"])) == expected["a2"][:1]
     assert sorted(held) == [2, 3]
+
+
+def test_adapters_load_and_unload_at_run_time(models, tmp_path):
+    """vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING):
+    a loaded adapter serves at once; load_inplace gives the name another directory, whose output
+    (not the old one's cached blocks) it then serves; an unloaded name is a 404; what cannot be
+    served is a 400 naming why."""
+    import openai
+
+    from tests.tiny_app import serve_tiny
+
+    base, adapters, expected = models["gqa"]
+    extra = {"ignore_eos": True, "return_token_ids": True}
+
+    async def go(client, server):
+        async def post(path: str, body: dict) -> str:
+            return await client.post(path, body=body, cast_to=str)
+
+        async def tokens(model: str) -> list[int]:
+            r = await client.completions.create(model=model, prompt=PROMPTS[3], max_tokens=MAX_NEW, temperature=0,
+                                                extra_body=extra)
+            return r.model_dump()["choices"][0]["token_ids"]
+
+        async def refused(path: str, body: dict, status: int, says: str) -> None:
+            try:
+                await post(path, body)
+            except openai.APIStatusError as e:
+                assert (e.status_code, says in e.message) == (status, True), e.message
+            else:
+                raise AssertionError(f"{path} {body} was taken")
+
+        assert await post("/load_lora_adapter", {"lora_name": "x", "lora_path": adapters["a1"]}) == \
+            "Success: LoRA adapter 'x' added successfully."
+        assert [m.id for m in (await client.models.list()).data] == ["m", "x"]
+        assert await tokens("x") == expected["a1"][3]
+        await refused("/load_lora_adapter", {"lora_name": "x", "lora_path": adapters["a2"]}, 400,
+                      "The lora adapter 'x' has already been loaded.")
+        await post("/load_lora_adapter", {"lora_name": "x", "lora_path": adapters["a2"], "load_inplace": True})
+        assert await tokens("x") == expected["a2"][3]
+        await refused("/load_lora_adapter", {"lora_name": "m", "lora_path": adapters["a1"]}, 400, "served model's")
+        await refused("/load_lora_adapter", {"lora_name": "y", "lora_path": str(tmp_path)}, 400,
+                      "no adapter_config.json")
+        await refused("/load_lora_adapter", {"lora_name": "y"}, 400, "lora_path")
+        assert await post("/unload_lora_adapter", {"lora_name": "x"}) == "Success: LoRA adapter 'x' removed successfully."
+        await refused("/completions", {"model": "x", "prompt": "hi", "max_tokens": 1}, 404, "does not exist")
+        await refused("/unload_lora_adapter", {"lora_name": "x"}, 404, "The lora adapter 'x' cannot be found.")
+
+    serve_tiny(str(base), go, engine_kwargs=dict(enable_lora=True, max_cpu_loras=2),
+               settings_kwargs=dict(allow_runtime_lora_updating=True))
+
+    async def off(client, server):  # not allowed: vLLM's server has no such routes then
+        try:
+            await client.post("/load_lora_adapter", body={"lora_name": "x", "lora_path": adapters["a1"]}, cast_to=str)
+        except openai.NotFoundError:
+            return
+        raise AssertionError("runtime LoRA loading was on")
+
+    serve_tiny(str(base), off, engine_kwargs=dict(enable_lora=True))
+
+
+def test_runtime_lora_updating_is_checked_at_start_up(models, monkeypatch):
+    from cluster.app import ServeOptions, router_settings
+
+    base = str(models["gqa"][0])
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    settings = router_settings(EngineConfig(model=base, enable_lora=True, max_lora_rank=32), ServeOptions())
+    assert (settings.allow_runtime_lora_updating, settings.max_lora_rank) == (True, 32)
+    with pytest.raises(ValueError, match="needs the engine's enable_lora"):
+        router_settings(EngineConfig(model=base), ServeOptions())
+    with pytest.raises(ValueError, match="needs one ingress replica"):
+        router_settings(EngineConfig(model=base, enable_lora=True), ServeOptions(num_ingress_replicas=2))
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0")
+    assert not router_settings(EngineConfig(model=base), ServeOptions()).allow_runtime_lora_updating

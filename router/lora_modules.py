@@ -1,0 +1,75 @@
+"""The LoRA adapters requests may name as their `model`: the server's --lora-modules, and, where
+runtime updating is allowed (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING), those loaded and unloaded
+over HTTP with vLLM's `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter`.
+
+A module here is a name for a directory; the engine replicas load its weights when a request
+first names it (engine.lora). Each one loaded at run time gets an id of its own, never one an
+earlier module had, so that its prefix-cache blocks are its own. The registry is this ingress
+replica's: runtime updating is refused at start-up with more than one ingress replica.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from pydantic import Field
+
+from engine.errors import InvalidRequestError
+from engine.lora_request import LoRARequest, check_weights_header, read_adapter_config
+from router.errors import OpenAIError, bad_request
+from router.off_loop import off_loop
+from router.protocol import _Model
+
+
+class LoadLoRAAdapterRequest(_Model):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    load_inplace: bool = False  # vLLM's: a name already loaded takes the new directory
+
+
+class UnloadLoRAAdapterRequest(_Model):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None  # vLLM's; the name is what identifies the module here
+
+
+class LoRAModules:
+    """Name -> LoRARequest, as a read-only mapping for the request paths, plus `load` / `unload`."""
+
+    def __init__(self, modules: tuple[LoRARequest, ...], reserved: tuple[str, ...], max_rank: int) -> None:
+        self.by_name = {m.lora_name: m for m in modules}
+        self.reserved = set(reserved)  # the served model's names: no module may take one
+        self.max_rank = max_rank
+        self.next_id = max((m.lora_int_id for m in modules), default=0) + 1
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.by_name
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self.by_name))
+
+    def get(self, name: str | None) -> LoRARequest | None:
+        return self.by_name.get(name) if name is not None else None
+
+    async def load(self, req: LoadLoRAAdapterRequest) -> str:
+        """vLLM's load: the directory checked as --lora-modules checks it (400 naming why)."""
+        name = req.lora_name
+        if name in self.reserved:
+            raise bad_request(f"The name '{name}' is the served model's; a LoRA adapter needs another.",
+                              param="lora_name")
+        if name in self.by_name and not req.load_inplace:
+            raise bad_request(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+        try:
+            lora = LoRARequest(name, self.next_id, req.lora_path)
+            await off_loop(read_adapter_config, lora.lora_path, self.max_rank)
+            await off_loop(check_weights_header, lora.lora_path)
+        except InvalidRequestError as e:
+            raise bad_request(e.message, param="lora_path") from None
+        self.by_name[name] = lora
+        self.next_id += 1
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def unload(self, req: UnloadLoRAAdapterRequest) -> str:
+        """vLLM's unload: requests stop naming it; ones already running finish with it."""
+        if self.by_name.pop(req.lora_name, None) is None:
+            raise OpenAIError(404, f"The lora adapter '{req.lora_name}' cannot be found.", param="lora_name",
+                              code="model_not_found")
+        return f"Success: LoRA adapter '{req.lora_name}' removed successfully."
