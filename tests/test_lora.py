@@ -238,7 +238,7 @@ def test_the_server_runs_the_adapter_a_request_names(models):
 
 
 def test_lora_modules_are_checked_at_start_up(models, tmp_path):
-    from cluster.app import ServeOptions, router_settings
+    from cluster.app import ServeOptions, router_settings, split_args
     from cluster.cli import build_parser
     from engine.lora_request import lora_modules
 
@@ -263,6 +263,9 @@ def test_lora_modules_are_checked_at_start_up(models, tmp_path):
     with pytest.raises(ValueError, match="must differ from the served model names"):
         router_settings(EngineConfig(model=str(base), enable_lora=True),
                         ServeOptions(served_model_name="x", lora_modules=[f"x={a1}"]))
+    # a serveConfigV2's args (deploy/k8s): dicts, as YAML gives them
+    engine, options = split_args({"model": str(base), "enable_lora": "true", "lora_modules": [{"name": "sql", "path": a1}]})
+    assert router_settings(engine, options).lora_modules == (LoRARequest("sql", 1, a1),)
     args = build_parser().parse_args(["serve", "--model", str(base), "--enable-lora", "--max-loras", "2",
                                       "--lora-modules", f"a1={a1}", spec])
     assert (args.enable_lora, args.max_loras, args.lora_modules) == (True, 2, [f"a1={a1}", spec])
