@@ -4,6 +4,7 @@ engine.lora's."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ class LoRARequest:
             raise InvalidRequestError("lora_request", f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise InvalidRequestError("lora_request", f"lora_path must be the adapter's directory, got {self.lora_path!r}")
+        if self.base_model_name is not None and not isinstance(self.base_model_name, str):
+            raise InvalidRequestError("lora_request", f"base_model_name must be a string, got {self.base_model_name!r}")
         # absolute, so that one directory is one adapter however it was named (here, where it is named)
         object.__setattr__(self, "lora_path", os.path.abspath(os.path.expanduser(self.lora_path)))
 
@@ -68,6 +71,9 @@ def read_adapter_config(path: str | Path, max_rank: int | None = None) -> dict:
         raise refuse(f"its rank r must be a positive integer, got {r!r}")
     if max_rank is not None and r > max_rank:
         raise refuse(f"its rank {r} is more than --max-lora-rank {max_rank}")
+    alpha = cfg.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise refuse(f"its lora_alpha must be a number, got {alpha!r}")
     unsupported = [(what, cfg.get(key)) for key, what in (
         ("use_dora", "DoRA"), ("modules_to_save", "modules_to_save"), ("rank_pattern", "per-module ranks"),
         ("alpha_pattern", "per-module alphas"), ("fan_in_fan_out", "fan_in_fan_out"),

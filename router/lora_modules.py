@@ -3,12 +3,15 @@ runtime updating is allowed (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING), those loa
 over HTTP with vLLM's `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter`.
 
 A module here is a name for a directory; the engine replicas load its weights when a request
-first names it (engine.lora). Each one loaded at run time gets an id of its own, never one an
-earlier module had, so that its prefix-cache blocks are its own. The registry is this ingress
+first names it (engine.lora). Each one loaded at run time gets a random id of its own, above the
+--lora-modules' 1..n, so that no engine replica takes it for an adapter it loaded before (from
+an earlier registry: this ingress replica restarted) and its prefix-cache blocks are its own (a
+`load_inplace` of the same directory with new weights included). The registry is this ingress
 replica's: runtime updating is refused at start-up with more than one ingress replica.
 """
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator
 
 from pydantic import Field
@@ -18,6 +21,9 @@ from engine.lora_request import LoRARequest, check_weights_header, read_adapter_
 from router.errors import OpenAIError, bad_request
 from router.off_loop import off_loop
 from router.protocol import _Model
+
+
+RUNTIME_IDS = 1 << 32  # the first id a module loaded at run time may get
 
 
 class LoadLoRAAdapterRequest(_Model):
@@ -38,7 +44,6 @@ class LoRAModules:
         self.by_name = {m.lora_name: m for m in modules}
         self.reserved = set(reserved)  # the served model's names: no module may take one
         self.max_rank = max_rank
-        self.next_id = max((m.lora_int_id for m in modules), default=0) + 1
 
     def __contains__(self, name: object) -> bool:
         return name in self.by_name
@@ -58,13 +63,12 @@ class LoRAModules:
         if name in self.by_name and not req.load_inplace:
             raise bad_request(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
         try:
-            lora = LoRARequest(name, self.next_id, req.lora_path)
+            lora = LoRARequest(name, RUNTIME_IDS + secrets.randbits(62), req.lora_path)
             await off_loop(read_adapter_config, lora.lora_path, self.max_rank)
             await off_loop(check_weights_header, lora.lora_path)
         except InvalidRequestError as e:
             raise bad_request(e.message, param="lora_path") from None
         self.by_name[name] = lora
-        self.next_id += 1
         return f"Success: LoRA adapter '{name}' added successfully."
 
     def unload(self, req: UnloadLoRAAdapterRequest) -> str:

@@ -190,6 +190,10 @@ def test_what_cannot_be_served_is_refused(models, tmp_path):
             r"layer 0's o_proj has A \(4, 128\) and B \(64, 4\), where this model needs \(4, 64\) and \(64, 4\)")
     embed = Path(make_adapter(base, tmp_path / "embed", ["embed_tokens", "q_proj"], r=4))
     refused(LoRARequest("embed", 5, str(embed)), "adapts nothing kvserve's model can")
+    (tmp_path / "alpha").mkdir()
+    (tmp_path / "alpha" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": "16"}))
+    (tmp_path / "alpha" / "adapter_model.safetensors").write_bytes(b"")
+    refused(LoRARequest("alpha", 6, str(tmp_path / "alpha")), "its lora_alpha must be a number, got '16'")
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
     (tmp_path / "bad" / "adapter_model.safetensors").write_bytes(b"not safetensors")
@@ -403,6 +407,26 @@ def test_adapters_load_and_unload_at_run_time(models, tmp_path):
         raise AssertionError("runtime LoRA loading was on")
 
     serve_tiny(str(base), off, engine_kwargs=dict(enable_lora=True))
+
+
+def test_runtime_modules_get_ids_no_registry_gave_before(models):
+    """An ingress replica that restarts starts a new registry, while the engine replicas keep the
+    adapters they loaded by id: a module loaded at run time takes a random id above the
+    --lora-modules' own, never one an engine replica already holds for another directory."""
+    import asyncio
+
+    from router.lora_modules import RUNTIME_IDS, LoadLoRAAdapterRequest, LoRAModules
+
+    adapters = models["gqa"][1]
+    static = (LoRARequest("s", 1, adapters["a1"]),)
+
+    async def load(name: str, path: str) -> int:
+        modules = LoRAModules(static, ("m",), 16)  # a fresh registry each time, as after a restart
+        await modules.load(LoadLoRAAdapterRequest(lora_name=name, lora_path=path))
+        return modules.get(name).lora_int_id
+
+    ids = [asyncio.run(load(name, adapters[path])) for name, path in (("x", "a1"), ("y", "a2"), ("x", "a1"))]
+    assert len(set(ids)) == 3 and min(ids) >= RUNTIME_IDS
 
 
 def test_runtime_lora_updating_is_checked_at_start_up(models, monkeypatch):

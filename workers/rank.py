@@ -188,6 +188,8 @@ class RankWorker:
             self.model.lora.adapters[lora.lora_int_id] = load_adapter(lora, self.model, self.config.max_lora_rank)
         except InvalidRequestError as e:
             return e.message
+        except Exception as e:  # whatever else a file can make the loader raise: its words, not the group's end
+            return f"LoRA adapter {lora.lora_path!r} could not be loaded: {e!r}"
         return None
 
     def remove_lora(self, lora_int_id: int) -> None:
