@@ -53,7 +53,8 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
         "--max-num-batched-tokens", "256", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
         "--stream-interval", "4", "--distributed-executor-backend", "ray", "--enforce-eager", "--trust-remote-code",
         "--max-logprobs", "5", "--revision", "v1", "--tokenizer-revision", "v2", "--download-dir", "/hub",
-        "--scheduling-policy", "priority", "--logprobs-mode", "processed_logits"])
+        "--scheduling-policy", "priority", "--logprobs-mode", "processed_logits", "--enable-lora", "--max-loras", "2",
+        "--max-lora-rank", "32", "--max-cpu-loras", "3"])
     kwargs = engine_config_from_args(ns)
     assert set(kwargs) == EngineConfig.field_names()
     config = EngineConfig(**kwargs)
@@ -65,6 +66,7 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
     relative = build_parser().parse_args(["generate", "p", "--download-dir", "hub"])
     assert engine_config_from_args(relative)["download_dir"] == os.path.join(os.getcwd(), "hub")  # as replicas see it
     assert config.scheduling_policy == "priority"
+    assert (config.enable_lora, config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (True, 2, 32, 3)
 
 
 def test_flags_not_given_leave_engine_config_defaults():
