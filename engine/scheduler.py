@@ -64,8 +64,10 @@ class ScheduledBatch:
 
     def row_order(self, block_size: int) -> list[int]:
         """Indices into seqs in the model's flat row order: prefill chunks first, then decodes
-        stably sorted by their number of full context blocks, so that each decode group is a
-        contiguous slice of rows. Read before num_computed_tokens advances.
+        stably sorted by their LoRA adapter (none first) and their number of full context blocks,
+        so that each decode group, and each adapter's decodes, is a contiguous slice of rows (an
+        adapter's delta then reads and writes a view, engine.lora). Read before num_computed_tokens
+        advances.
 
         Sequences sample in this order, so they finish and free their blocks in it, which sets
         the LRU order in which freed prefix blocks are evicted."""
@@ -73,7 +75,7 @@ class ScheduledBatch:
         if order is None:
             prefill = [i for i, n in enumerate(self.num_new_tokens) if n > 1]
             decode = [i for i, n in enumerate(self.num_new_tokens) if n == 1]
-            decode.sort(key=lambda i: self.seqs[i].num_computed_tokens // block_size)
+            decode.sort(key=lambda i: (self.seqs[i].lora_int_id or 0, self.seqs[i].num_computed_tokens // block_size))
             order = self._row_orders[block_size] = prefill + decode
         return order
 
