@@ -1,7 +1,9 @@
 """LoRA adapters (engine.lora, --enable-lora): greedy output token-exact against PEFT's model on
 the same base weights, alone and with the base model and other adapters in one batch, under
 chunked prefill, preemption, the prefix cache and max_loras; adapters that cannot be served are
-refused, naming why."""
+refused, naming why; the server's --lora-modules and runtime modules (router.lora_modules), and
+the lora_requests_info gauge. Tensor parallel: tests/test_workers.py; through Ray Serve:
+tests/test_router_server.py; the Triton runner: tests/test_triton_runner.py."""
 from __future__ import annotations
 
 import dataclasses
