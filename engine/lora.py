@@ -43,7 +43,8 @@ _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])
 
 @dataclass
 class LoRAWeights:
-    """One adapter, ready to apply: (layer index, our module name) -> (A (R, in), B (out, R))."""
+    """One adapter, ready to apply: (layer index, our module name) -> (A (R, in), B (out, R)), each
+    this rank's shard."""
     lora_int_id: int
     scaling: float
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -121,7 +122,7 @@ class LoRAState:
 
     def __init__(self) -> None:
         self.adapters: dict[int, LoRAWeights] = {}
-        self.step: list[tuple[LoRAWeights, torch.Tensor]] = []  # (adapter, its rows) for the running step
+        self.step: list[tuple[LoRAWeights, slice | torch.Tensor]] = []  # (adapter, its rows) for the running step
 
     def apply(self, key: tuple[int, str], x: torch.Tensor, y: torch.Tensor) -> None:
         """y[rows] += the adapter's delta of x[rows], for each adapter of the step."""
@@ -131,7 +132,8 @@ class LoRAState:
                 continue
             a, b = ab
             # Scaled at rank R, not at the output's width; B's product accumulates into y itself
-            # where the rows are one run (every row, under one adapter): no pass over y of its own.
+            # where the rows are one run (an adapter's decodes, which row_order keeps together, or
+            # every row): no pass over y of its own.
             if isinstance(rows, slice):
                 y[rows].addmm_((x[rows] @ a.t()).mul_(weights.scaling), b.t())
             else:
