@@ -339,6 +339,7 @@ class OpenAIServing:
             params = req.sampling_params(self.settings.sampling_defaults)
         except InvalidRequestError as e:
             raise from_invalid_request(e) from None
+        self.check_model(req.model)  # again, with no await before the lookup: an unloaded module is a 404
         lora = self.adapters.get(req.model)
         return params if lora is None else dataclasses.replace(params, lora_request=lora)
 
