@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.lora_request import ADAPTER_WEIGHTS, LoRARequest, read_adapter_config
+from engine.lora_request import ADAPTER_WEIGHTS, LoRARequest, read_adapter_config, refused
 from engine.model.layers import RowParallelLinear
 
 # A checkpoint projection -> (our module in the decoder layer, the part of it when packed)
@@ -62,26 +62,23 @@ def load_adapter(lora: LoRARequest, model, max_rank: int | None = None) -> LoRAW
     r = cfg["r"]
     scaling = cfg.get("lora_alpha", 8) / (math.sqrt(r) if cfg.get("use_rslora") else r)
 
-    def refuse(why: str) -> InvalidRequestError:
-        return InvalidRequestError("model", f"LoRA adapter {str(path)!r}: {why}")
-
     parts: dict[tuple[int, str], dict[int, dict[str, torch.Tensor]]] = {}
     try:
         tensors = load_file(str(path / ADAPTER_WEIGHTS))
     except Exception as e:  # a damaged or foreign file: safetensors' own error types
-        raise refuse(f"cannot read {ADAPTER_WEIGHTS}: {e}") from None
+        raise refused(path, f"cannot read {ADAPTER_WEIGHTS}: {e}") from None
     for key, tensor in tensors.items():
         m = _KEY.search(key)
         if m is not None and int(m.group(1)) >= arch.num_layers:
-            raise refuse(f"tensor {key!r} adapts layer {m.group(1)}, and this model has {arch.num_layers} layers "
-                         "(an adapter made for another model)")
+            raise refused(path, f"tensor {key!r} adapts layer {m.group(1)}, and this model has {arch.num_layers} "
+                                "layers (an adapter made for another model)")
         if m is None or m.group(2) not in TARGETS:
-            raise refuse(f"tensor {key!r} adapts nothing kvserve's model can (LoRA on the decoder layers' "
-                         f"{', '.join(TARGETS)} is served)")
+            raise refused(path, f"tensor {key!r} adapts nothing kvserve's model can (LoRA on the decoder layers' "
+                                f"{', '.join(TARGETS)} is served)")
         module, part = TARGETS[m.group(2)]
         parts.setdefault((int(m.group(1)), module), {}).setdefault(part, {})[m.group(3)] = tensor
     if not parts:
-        raise refuse(f"{ADAPTER_WEIGHTS} holds no LoRA weights")
+        raise refused(path, f"{ADAPTER_WEIGHTS} holds no LoRA weights")
     param = next(model.parameters())
     weights = LoRAWeights(lora.lora_int_id, scaling)
     for (layer, name), found in sorted(parts.items()):
@@ -92,11 +89,11 @@ def load_adapter(lora: LoRARequest, model, max_rank: int | None = None) -> LoRAW
         for col, (part, ab) in enumerate(sorted(found.items())):
             what = _NAMES[name, part]
             if set(ab) != {"A", "B"}:
-                raise refuse(f"layer {layer}'s {what} has no lora_{''.join(sorted(set('AB') - set(ab)))}")
+                raise refused(path, f"layer {layer}'s {what} has no lora_{''.join(sorted(set('AB') - set(ab)))}")
             a, b_part = ab["A"], ab["B"]
             if a.shape != (r, module.in_features) or b_part.shape != (outs[part], r):
-                raise refuse(f"layer {layer}'s {what} has A {tuple(a.shape)} and B {tuple(b_part.shape)}, "
-                             f"where this model needs ({r}, {module.in_features}) and ({outs[part]}, {r})")
+                raise refused(path, f"layer {layer}'s {what} has A {tuple(a.shape)} and B {tuple(b_part.shape)}, "
+                                    f"where this model needs ({r}, {module.in_features}) and ({outs[part]}, {r})")
             if row_parallel:  # the rank's input columns, as its weight's; B whole
                 a_parts.append(module.shard("weight").take(a))
                 b[:, :r] = b_part

@@ -50,30 +50,41 @@ class LoRARequest:
         return self.lora_path
 
 
+def refused(path: str | Path, why: str) -> InvalidRequestError:
+    """The error that refuses the adapter in directory `path`, saying why."""
+    return InvalidRequestError("model", f"LoRA adapter {str(path)!r}: {why}")
+
+
+def check_adapter(path: str | Path, max_rank: int | None = None) -> None:
+    """What can be checked of an adapter before the model is at hand (--lora-modules at start-up,
+    a runtime load): its config (read_adapter_config) and its weights file's header."""
+    read_adapter_config(path, max_rank)
+    check_weights_header(path)
+
+
 def read_adapter_config(path: str | Path, max_rank: int | None = None) -> dict:
     """The adapter's PEFT config, refused (InvalidRequestError) where kvserve cannot serve it as
-    PEFT computes it. Reads no weights: the CLI checks its --lora-modules with it at start-up."""
+    PEFT computes it. Reads no weights."""
     path = Path(path)
-
-    def refuse(why: str) -> InvalidRequestError:
-        return InvalidRequestError("model", f"LoRA adapter {str(path)!r}: {why}")
 
     try:
         cfg = json.loads((path / ADAPTER_CONFIG).read_text())
     except FileNotFoundError:
-        raise refuse(f"no {ADAPTER_CONFIG} there (a PEFT adapter directory, as save_pretrained writes it)") from None
+        raise refused(path, f"no {ADAPTER_CONFIG} there (a PEFT adapter directory, as save_pretrained writes it)") \
+            from None
     except (OSError, ValueError) as e:
-        raise refuse(f"cannot read {ADAPTER_CONFIG}: {e}") from None
+        raise refused(path, f"cannot read {ADAPTER_CONFIG}: {e}") from None
     if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
-        raise refuse(f"not a LoRA adapter (peft_type {cfg.get('peft_type') if isinstance(cfg, dict) else cfg!r})")
+        kind = cfg.get("peft_type") if isinstance(cfg, dict) else cfg
+        raise refused(path, f"not a LoRA adapter (peft_type {kind!r})")
     r = cfg.get("r")
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise refuse(f"its rank r must be a positive integer, got {r!r}")
+        raise refused(path, f"its rank r must be a positive integer, got {r!r}")
     if max_rank is not None and r > max_rank:
-        raise refuse(f"its rank {r} is more than --max-lora-rank {max_rank}")
+        raise refused(path, f"its rank {r} is more than --max-lora-rank {max_rank}")
     alpha = cfg.get("lora_alpha", 8)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise refuse(f"its lora_alpha must be a number, got {alpha!r}")
+        raise refused(path, f"its lora_alpha must be a number, got {alpha!r}")
     unsupported = [(what, cfg.get(key)) for key, what in (
         ("use_dora", "DoRA"), ("modules_to_save", "modules_to_save"), ("rank_pattern", "per-module ranks"),
         ("alpha_pattern", "per-module alphas"), ("fan_in_fan_out", "fan_in_fan_out"),
@@ -82,9 +93,10 @@ def read_adapter_config(path: str | Path, max_rank: int | None = None) -> dict:
     if cfg.get("bias", "none") != "none":
         unsupported.append(("trained biases", cfg["bias"]))
     if unsupported:
-        raise refuse("uses what kvserve does not serve: " + ", ".join(f"{what} ({value!r})" for what, value in unsupported))
+        raise refused(path, "uses what kvserve does not serve: "
+                      + ", ".join(f"{what} ({value!r})" for what, value in unsupported))
     if not (path / ADAPTER_WEIGHTS).exists():
-        raise refuse(f"no {ADAPTER_WEIGHTS} there")
+        raise refused(path, f"no {ADAPTER_WEIGHTS} there")
     return cfg
 
 
@@ -113,13 +125,12 @@ def lora_modules(specs, max_rank: int | None = None) -> tuple[LoRARequest, ...]:
             raise ValueError(f"--lora-modules takes name=path or JSON with name, path and base_model_name, got {spec!r}")
         if any(m.lora_name == spec["name"] for m in out):
             raise ValueError(f"--lora-modules names {spec['name']!r} twice")
-        path = str(Path(spec["path"]).expanduser().absolute())
         try:
-            read_adapter_config(path, max_rank)
-            check_weights_header(path)
+            lora = LoRARequest(spec["name"], len(out) + 1, spec["path"], spec.get("base_model_name"))
+            check_adapter(lora.lora_path, max_rank)
         except InvalidRequestError as e:
             raise ValueError(f"--lora-modules {spec['name']}: {e.message}") from None
-        out.append(LoRARequest(spec["name"], len(out) + 1, path, spec.get("base_model_name")))
+        out.append(lora)
     return tuple(out)
 
 
@@ -134,7 +145,6 @@ def check_weights_header(path: str | Path) -> None:
                 raise ValueError(f"a header of {size} bytes")
             header = json.loads(f.read(size))
     except (OSError, ValueError) as e:
-        raise InvalidRequestError("model", f"LoRA adapter {str(path)!r}: {ADAPTER_WEIGHTS} is not safetensors ({e})") \
-            from None
+        raise refused(path, f"{ADAPTER_WEIGHTS} is not safetensors ({e})") from None
     if not isinstance(header, dict) or not any(".lora_A." in k for k in header):
-        raise InvalidRequestError("model", f"LoRA adapter {str(path)!r}: {ADAPTER_WEIGHTS} holds no LoRA weights")
+        raise refused(path, f"{ADAPTER_WEIGHTS} holds no LoRA weights")

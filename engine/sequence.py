@@ -5,6 +5,7 @@ import enum
 import itertools
 
 from engine.hashing import request_root
+from engine.lora_request import lora_id
 from engine.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -48,8 +49,7 @@ class Sequence:
     @property
     def lora_int_id(self) -> int | None:
         """The LoRA adapter it runs with (engine.lora), by id; None: the base model."""
-        lora = self.params.lora_request
-        return None if lora is None else lora.lora_int_id
+        return lora_id(self.params)
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pydantic import Field
 
 from engine.errors import InvalidRequestError
-from engine.lora_request import LoRARequest, check_weights_header, read_adapter_config
+from engine.lora_request import LoRARequest, check_adapter
 from router.errors import OpenAIError, bad_request
 from router.off_loop import off_loop
 from router.protocol import _Model
@@ -64,8 +64,7 @@ class LoRAModules:
             raise bad_request(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
         try:
             lora = LoRARequest(name, RUNTIME_IDS + secrets.randbits(62), req.lora_path)
-            await off_loop(read_adapter_config, lora.lora_path, self.max_rank)
-            await off_loop(check_weights_header, lora.lora_path)
+            await off_loop(check_adapter, lora.lora_path, self.max_rank)
         except InvalidRequestError as e:
             raise bad_request(e.message, param="lora_path") from None
         self.by_name[name] = lora
