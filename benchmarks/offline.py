@@ -108,13 +108,14 @@ def check_lengths(system: str, outputs: list[list[int]], work: Workload) -> None
 def bench_kvserve(args, model_path: Path, work: Workload, warm: Workload, lora: bool = False) -> Result:
     """`lora`: every prompt runs with one of --lora-adapters random adapters of rank --lora-rank,
     in turn (kvserve-lora)."""
+    from benchmarks.random_model import cached_random_adapter
     from engine import LLM, LoRARequest, SamplingParams
 
     flags = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) not in (None, False)}
     if lora:
         flags.update(enable_lora=True, max_loras=args.lora_adapters, max_lora_rank=max(16, args.lora_rank))
     llm, load_s = timed(lambda: LLM(model=str(model_path), dtype=args.dtype, device=args.device, **flags))
-    adapters = [LoRARequest(f"a{i}", i + 1, str(adapter_dir(args, model_path, i)))
+    adapters = [LoRARequest(f"a{i}", i + 1, str(cached_random_adapter(model_path, args.lora_rank, seed=i)))
                 for i in range(args.lora_adapters if lora else 0)]
 
     def generate(w: Workload, progress: bool) -> list[list[int]]:
@@ -138,14 +139,6 @@ def bench_kvserve(args, model_path: Path, work: Workload, warm: Workload, lora: 
         note += f"; {args.lora_adapters} LoRA adapters of rank {args.lora_rank}, the prompts in turn"
     return Result("kvserve-lora" if lora else "kvserve", load_s, seconds, work.output_tokens, work.output_tokens,
                   outputs, [note])
-
-
-def adapter_dir(args, model_path: Path, i: int) -> Path:
-    from benchmarks.random_model import make_random_adapter
-    from engine.model_source import cache_dir
-
-    out = cache_dir() / "random-adapters" / f"{model_path.name}-r{args.lora_rank}-{i}"
-    return make_random_adapter(out, model_path, args.lora_rank, seed=i)
 
 
 # --- Hugging Face: shared ----------------------------------------------------------------------

@@ -93,6 +93,14 @@ def make_random_adapter(out_dir: Path, model_dir: Path, rank: int, seed: int = 0
     return out_dir
 
 
+def cached_random_adapter(model_dir: Path, rank: int, seed: int = 0) -> Path:
+    """make_random_adapter's adapter for `model_dir`, made once in $KVSERVE_CACHE/random-adapters."""
+    from engine.model_source import cache_dir
+
+    out = cache_dir() / "random-adapters" / f"{Path(model_dir).name}-r{rank}-{seed}"
+    return make_random_adapter(out, Path(model_dir), rank, seed)
+
+
 def _vocab_fits(tokenizer_dir: str, vocab_size: int) -> bool:
     from transformers import AutoTokenizer
 

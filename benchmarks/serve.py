@@ -276,11 +276,9 @@ def lora_flags(model_dir: str, args: argparse.Namespace) -> list[str]:
     """--lora-rank: the flags, the same for kvserve and vLLM, that serve its adapter as LORA_NAME."""
     if not args.lora_rank:
         return []
-    from benchmarks.random_model import make_random_adapter
-    from engine.model_source import cache_dir
+    from benchmarks.random_model import cached_random_adapter
 
-    adapter = make_random_adapter(cache_dir() / "random-adapters" / f"{Path(model_dir).name}-r{args.lora_rank}-0",
-                                  Path(model_dir), args.lora_rank)
+    adapter = cached_random_adapter(Path(model_dir), args.lora_rank)
     return ["--enable-lora", "--max-lora-rank", str(max(16, args.lora_rank)), "--lora-modules", f"{LORA_NAME}={adapter}"]
 
 
