@@ -129,6 +129,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--max-loras", type=int, metavar="N", help="LoRA adapters one engine step may run")
     add("--max-lora-rank", type=int, metavar="R", help="the largest adapter rank taken")
     add("--max-cpu-loras", type=int, metavar="N", help="adapters kept loaded (default: --max-loras)")
+    add("--speculative-config", metavar="JSON",
+        help='speculative decoding by n-gram prompt lookup, as vLLM\'s flag: e.g. {"method": "ngram", '
+             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}; also '
+             '"disable_by_batch_size": N (no drafts while more than N requests run). Greedy output is '
+             'unchanged; requests with penalties, min_tokens or structured outputs decode without drafts')
     _add_vllm_only_flags(parser)
     return parser
 

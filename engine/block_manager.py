@@ -104,8 +104,10 @@ class BlockManager:
         return hits
 
     def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Enter the blocks the sequence's first `num_tokens` fill in the prefix cache; drafts
+        (engine.speculative) past its tokens are not its tokens yet."""
         start = self.num_registered.get(seq.seq_id, 0)
-        end = num_tokens // self.block_size
+        end = min(num_tokens, seq.num_tokens) // self.block_size
         if not self.enable_prefix_caching or end <= start:
             return
         bs = self.block_size

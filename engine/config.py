@@ -58,6 +58,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's speculative decoding config (engine.speculative): a dict, its JSON or None; kvserve's
+    # method is n-gram prompt lookup, {"method": "ngram", "num_speculative_tokens": k, ...}.
+    speculative_config: object = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str) and str(self.dtype).startswith("torch."):  # a torch.dtype, as vLLM takes
@@ -114,6 +117,12 @@ class EngineConfig:
         need(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         need(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
              f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.speculative_config is not None:
+            from engine.speculative import SpeculativeConfig  # numpy: only when asked for
+
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        need(self.speculative_config is None or self.tensor_parallel_size == 1,
+             "speculative_config: speculative decoding runs at tensor_parallel_size 1 only, for now")
         need(self.distributed_executor_backend == "ray" or ":" in self.distributed_executor_backend,
              f"distributed_executor_backend must be 'ray' or 'package.module:Class' (vLLM's 'mp' and 'uni' "
              f"only with tensor_parallel_size 1), got {self.distributed_executor_backend!r}")

@@ -15,11 +15,12 @@ from engine.metric_sinks import MemorySinks, Metric
 from engine.metrics import EngineMetrics, RequestTimer
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request
-from engine.sampler import SampleResult
+from engine.sampler import SampleResult, reads_output
 from engine.sampling_params import SamplingParams, priority_refusal, truncated
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import Sequence
 from engine.snapshot import DEFAULT_PREFIX_LIMIT, snapshot
+from engine.speculative import NgramDrafter
 from engine.structured.compiler import CompiledGrammar, GrammarCompiler
 from engine.structured.matchers import STOP, GrammarMatchers
 from engine.token_bans import bad_words_token_ids
@@ -40,7 +41,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.enable_chunked_prefill, config.scheduling_policy,
                                                    config.max_loras if config.enable_lora else None),
-                                   self.block_manager)
+                                   self.block_manager, propose=self._drafter(config))
         self.adapters = LoadedAdapters(self.executor, config.max_cpu_loras or config.max_loras)
         self.requests: dict[str, Request] = {}
         # Requests that finished in a step that raised after their last token: their outputs go
@@ -52,6 +53,15 @@ class LLMEngine:
         # vLLM's stat logging (LLM(disable_log_stats=False)): each request's timeline, read by get_metrics()
         self.metrics: EngineMetrics | None = None
         self._timers: dict[str, RequestTimer] = {}
+
+    def _drafter(self, config: EngineConfig) -> NgramDrafter | None:
+        """With speculative_config, what proposes drafts (engine.speculative), for the requests whose
+        sampling reads nothing of their own output and follow no grammar."""
+        if config.speculative_config is None:
+            return None
+        return NgramDrafter(config.speculative_config, self.max_model_len,
+                            lambda seq: seq.params.structured_outputs is None and not reads_output(seq.params),
+                            lambda: len(self.scheduler.running))
 
     def _check_room(self, num_blocks: int) -> None:
         """A pool sized from memory must hold one max_model_len sequence (all but its last token),

@@ -32,6 +32,11 @@ Ray's own (workers.metrics), which its Ray node exports; the offline `LLM`'s are
     kvserve_lora_requests_info             gauge      EngineStats, with enable_lora: labels running_lora_adapters,
                                                       waiting_lora_adapters (names, comma-separated) and max_lora;
                                                       the value is when it was recorded (vLLM's)
+    kvserve_spec_decode_num_drafts         counter    EngineStats, with speculative_config (vLLM's names): steps a
+                                                      sequence ran drafts in
+    kvserve_spec_decode_num_draft_tokens   counter      "   drafts run
+    kvserve_spec_decode_num_accepted_tokens counter     "   drafts kept
+    kvserve_spec_decode_num_accepted_tokens_per_pos counter  "  drafts kept, by position (0: a step's first draft)
 
 A request's `RequestTimer` lives with the request (the replica's generator frame, the offline
 engine's table of requests), so nothing outlives the request. Per engine step it reads the clock
@@ -97,6 +102,11 @@ ENGINE_STEPS = "kvserve_engine_steps"
 LORA_INFO = "kvserve_lora_requests_info"
 LORA_TAGS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
 ENGINE_STEP_SECONDS = "kvserve_engine_step_seconds"
+SPEC_DRAFTS = "kvserve_spec_decode_num_drafts"
+SPEC_DRAFT_TOKENS = "kvserve_spec_decode_num_draft_tokens"
+SPEC_ACCEPTED = "kvserve_spec_decode_num_accepted_tokens"
+SPEC_ACCEPTED_PER_POS = "kvserve_spec_decode_num_accepted_tokens_per_pos"
+POSITION = "position"
 FINISHED_REASON = "finished_reason"
 STEP_KIND = "kind"
 STEP_KINDS = ("prefill", "decode")
@@ -143,13 +153,19 @@ METRICS = (
                _buckets(0, 6, (1, 2, 5))),
     MetricSpec(LORA_INFO, "Gauge", "The LoRA adapters of running and waiting requests (labels, comma-separated), and "
                "max_lora; the value is the Unix time it was recorded.", tag_keys=LORA_TAGS),
+    MetricSpec(SPEC_DRAFTS, "Counter", "Speculative decoding: steps a sequence ran drafts in."),
+    MetricSpec(SPEC_DRAFT_TOKENS, "Counter", "Speculative decoding: draft tokens run."),
+    MetricSpec(SPEC_ACCEPTED, "Counter", "Speculative decoding: draft tokens kept."),
+    MetricSpec(SPEC_ACCEPTED_PER_POS, "Counter", "Speculative decoding: draft tokens kept, by their position in "
+               "their step (0: the first).", tag_keys=(POSITION,)),
 )
 
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 ZERO_TAGS = {REQUEST_SUCCESS: [{FINISHED_REASON: r} for r in FINISHED_REASONS],  # series a counter starts with
              ENGINE_STEPS: [{STEP_KIND: k} for k in STEP_KINDS],
-             ENGINE_STEP_SECONDS: [{STEP_KIND: k} for k in STEP_KINDS]}
+             ENGINE_STEP_SECONDS: [{STEP_KIND: k} for k in STEP_KINDS],
+             SPEC_ACCEPTED_PER_POS: [{POSITION: "0"}]}
 
 
 
@@ -183,6 +199,13 @@ class EngineMetrics:
                                   (ENGINE_STEP_SECONDS, "decode", stats.decode_step_seconds)):
             self._inc(name, total - self._totals.get((name, kind), 0), {STEP_KIND: kind} if kind else None)
             self._totals[name, kind] = total
+        if stats.spec_draft_tokens:
+            counts = [(SPEC_DRAFTS, None, stats.spec_drafts), (SPEC_DRAFT_TOKENS, None, stats.spec_draft_tokens),
+                      (SPEC_ACCEPTED, None, stats.spec_accepted_tokens)]
+            counts += [(SPEC_ACCEPTED_PER_POS, str(k), n) for k, n in enumerate(stats.spec_accepted_per_pos)]
+            for name, position, total in counts:
+                self._inc(name, total - self._totals.get((name, position), 0), {POSITION: position} if position else None)
+                self._totals[name, position] = total
 
     # -- what RequestTimer reports ---------------------------------------------------------------
     def first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:

@@ -14,7 +14,7 @@ from engine.lora import adapters_of
 from engine.model.llama import LlamaModel
 from engine.prompt_logprobs import PromptRows, PromptSpan
 from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from engine.sequence import Sequence, new_token_ids
 
 
 @dataclass
@@ -22,7 +22,9 @@ class PreparedBatch:
     input_ids: torch.Tensor  # (T,) the batch's new tokens, flat in row order
     positions: torch.Tensor  # (T,)
     attn: AttentionMetadata
-    sample_rows: list[int]  # flat rows whose logits are sampled: each sampling sequence's last
+    # flat rows whose logits are sampled: each sampling sequence's last (its first, where it has
+    # drafts), then the rows of the drafts, by sequence
+    sample_rows: list[int]
     sampled: list[int]  # indices into batch.seqs of those sequences, same order (batch.sampled)
     prompt_rows: list[int] = field(default_factory=list)  # flat rows whose logits score prompt tokens
     prompt_spans: list[PromptSpan] = field(default_factory=list)  # whose they are, same order
@@ -31,7 +33,7 @@ class PreparedBatch:
 @dataclass
 class RunnerOutput:
     """One step's logits, on the sampling rank (None elsewhere at tp > 1)."""
-    logits: torch.Tensor | None  # (len(sampled), vocab) float32
+    logits: torch.Tensor | None  # (len(sampled) + drafts, vocab) float32: PreparedBatch.sample_rows'
     sampled: list[int]  # indices into batch.seqs of the sequences that sample, in row order
     prompt_rows: PromptRows | None = None  # whose logits score prompt tokens (sum of span rows), when spans
     prompt_spans: list[PromptSpan] = field(default_factory=list)
@@ -65,7 +67,7 @@ class ModelRunner:
         blocks."""
         bs = self.block_size
         order = batch.row_order(bs)
-        ids, pos, slots, last_row, prompt_rows, spans = [], [], [], {}, [], []
+        ids, pos, slots, last_row, prompt_rows, spans, draft_rows = [], [], [], {}, [], [], {}
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -73,46 +75,51 @@ class ModelRunner:
             if scored:
                 prompt_rows.extend(len(ids) + p - start for p in scored)
                 spans.append(PromptSpan(i, scored.start, len(scored)))
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(new_token_ids(seq, n))
             pos.extend(range(start, end))
             slots.extend(self._slot(seq, p) for p in range(start, end))
-            last_row[i] = len(ids) - 1
-        num_prefill = sum(1 for n in batch.num_new_tokens if n > 1)
+            last_row[i] = len(ids) - 1 - len(seq.spec_token_ids)
+            if seq.spec_token_ids:
+                draft_rows[i] = range(last_row[i] + 1, len(ids))
+        num_prefill = batch.num_prefill_chunks
         chunks, row = [], 0
         for i in order[:num_prefill]:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             end = seq.num_computed_tokens + n
             chunks.append(PrefillChunk(row, n, self._tensor(seq.block_table[:-(-end // bs)]), end))
             row += n
-        decode_seqs = [batch.seqs[i] for i in order[num_prefill:]]
+        # decode rows: (block table, context length), a sequence's drafts one row each after its own
+        decodes = [(seq.block_table, seq.num_computed_tokens + j + 1) for i in order[num_prefill:]
+                   for seq in (batch.seqs[i],) for j in range(batch.num_new_tokens[i])]
         if self.native_decode:
-            native = self._native_decodes(decode_seqs, row) if decode_seqs else None
+            native = self._native_decodes(decodes, row) if decodes else None
             meta = AttentionMetadata(self._tensor(slots), self._tensor([]), [], chunks, native)
         else:
-            groups, block_ids = self._decode_groups(decode_seqs, row)
+            groups, block_ids = self._decode_groups(decodes, row)
             meta = AttentionMetadata(self._tensor(slots), self._tensor(block_ids), groups, chunks)
         sampled = batch.sampled(bs)
-        return PreparedBatch(self._tensor(ids), self._tensor(pos), meta, [last_row[i] for i in sampled], sampled,
-                             prompt_rows, spans)
+        sample_rows = [last_row[i] for i in sampled] + [r for i in sampled for r in draft_rows.get(i, ())]
+        return PreparedBatch(self._tensor(ids), self._tensor(pos), meta, sample_rows, sampled, prompt_rows, spans)
 
-    def _decode_groups(self, seqs: list[Sequence], first_row: int) -> tuple[list[DecodeGroup], list[int]]:
-        """Consecutive decodes (sorted) with the same number of context blocks form one group; with
-        `one_decode_group`, all of them do, each padded to the longest with its own first block
-        (live, so finite) under the mask."""
+    def _decode_groups(self, rows: list[tuple[list[int], int]],
+                       first_row: int) -> tuple[list[DecodeGroup], list[int]]:
+        """Consecutive decode rows (block table, context length) with the same number of context
+        blocks form one group; with `one_decode_group`, all of them do, each padded to the longest
+        with its own first block (live, so finite) under the mask."""
         bs, groups, block_ids, i = self.block_size, [], [], 0
 
-        def blocks(s: Sequence) -> int:
-            return -(-(s.num_computed_tokens + 1) // bs)
+        def blocks(row: tuple[list[int], int]) -> int:
+            return -(-row[1] // bs)
 
-        while i < len(seqs):
+        while i < len(rows):
             j = i + 1
-            while j < len(seqs) and (self.one_decode_group or blocks(seqs[j]) == blocks(seqs[i])):
+            while j < len(rows) and (self.one_decode_group or blocks(rows[j]) == blocks(rows[i])):
                 j += 1
-            nb = blocks(seqs[j - 1])  # sorted: the group's longest
-            for s in seqs[i:j]:
-                own = s.block_table[:blocks(s)]
+            nb = max(blocks(r) for r in rows[i:j])  # a run of drafts may end a block further than the next row
+            for r in rows[i:j]:
+                own = r[0][:blocks(r)]
                 block_ids.extend(own + [own[0]] * (nb - len(own)))
-            ctx = [s.num_computed_tokens + 1 for s in seqs[i:j]]
+            ctx = [c for _, c in rows[i:j]]
             mask = None
             if any(c != nb * bs for c in ctx):
                 mask = torch.arange(nb * bs, device=self.device)[None, :] < self._tensor(ctx)[:, None]
@@ -120,10 +127,10 @@ class ModelRunner:
             i = j
         return groups, block_ids
 
-    def _native_decodes(self, seqs: list[Sequence], first_row: int) -> NativeDecodes:
-        lens = [s.num_computed_tokens + 1 for s in seqs]
+    def _native_decodes(self, rows: list[tuple[list[int], int]], first_row: int) -> NativeDecodes:
+        lens = [c for _, c in rows]
         width = -(-max(lens) // self.block_size)
-        tables = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs]
+        tables = [t[:width] + [0] * (width - len(t[:width])) for t, _ in rows]
         return NativeDecodes(first_row, self._tensor(tables), self._tensor(lens))
 
     def _zero_new_blocks(self, batch: ScheduledBatch) -> None:
@@ -149,8 +156,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        """-> logits (N, vocab) float32 for the N sequences that finished their prefill or decode,
-        their indices into batch.seqs, and the logits of the rows that score prompt tokens.
+        """-> logits (N + D, vocab) float32 for the N sequences that finished their prefill or decode
+        and their D drafts (PreparedBatch.sample_rows), the sequences' indices into batch.seqs, and the logits of the rows that score prompt tokens.
         Those come from this same pass, in a second lm_head call so that the sampled rows' logits
         are computed exactly as without them."""
         self._zero_new_blocks(batch)

@@ -100,6 +100,12 @@ class EngineStats:
     decode_step_seconds: float = 0.0
     prompt_tokens: int = 0  # cumulative prompt tokens the steps computed (prefix-cache hits are not)
     generation_tokens: int = 0  # cumulative tokens the steps sampled, all sequences together
+    # Speculative decoding (engine.speculative), cumulative: steps a sequence ran drafts in, drafts
+    # run, drafts kept, and drafts kept by their position in their step
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
     prefix_hashes: frozenset[int] = frozenset()  # bounded summary of cached prefix-block hashes
     # LoRA (enable_lora): the adapters of the running and of the waiting requests, by name; and how
     # many may run at once (0: LoRA is off)

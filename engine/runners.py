@@ -28,6 +28,11 @@ def triton_backend(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("KVSERVE_ATTENTION_BACKEND", "triton") != "torch"
 
 
+def num_speculative_tokens(config: EngineConfig) -> int:
+    spec = config.speculative_config
+    return 0 if spec is None else spec.num_speculative_tokens
+
+
 def make_runner(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], config: EngineConfig,
                 max_model_len: int, device: torch.device, graphs: bool = True) -> ModelRunner:
     if not triton_backend(device):
@@ -36,7 +41,7 @@ def make_runner(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Ten
     from engine.triton_runner import TritonModelRunner
 
     runner = TritonModelRunner(model, kv_caches, config.block_size, device, config.max_num_seqs,
-                               config.max_num_batched_tokens, max_model_len)
+                               config.max_num_batched_tokens, max_model_len, num_speculative_tokens(config))
     graphs = graphs and not config.enforce_eager
     sizes = runner.capture_graphs() if graphs else []
     logger.info("attention backend: triton (paged, in place); CUDA graphs: %s",
@@ -70,7 +75,7 @@ def cuda_step_bytes(model: LlamaModel, config: EngineConfig, max_model_len: int,
     kv = allocate_kv_cache(a.num_layers, 1, config.block_size, kv_heads, a.head_dim, next(model.parameters()).dtype,
                            device)
     runner = TritonModelRunner(model, kv, config.block_size, device, config.max_num_seqs,
-                               config.max_num_batched_tokens, max_model_len)
+                               config.max_num_batched_tokens, max_model_len, num_speculative_tokens(config))
     runner.profile_run()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_reserved(device) - base

@@ -357,7 +357,7 @@ class SequenceSampler:
     (tp > 1), so seeds, penalties and min_tokens behave the same at any tensor_parallel_size.
 
     A sequence is anything with `index`, `params`, `prompt_token_ids` and `output_token_ids`
-    (an engine Sequence, or a rank's record of one). A seeded sequence draws from its own
+    (an engine Sequence, or a rank's record of one), and `spec_token_ids` where it has drafts. A seeded sequence draws from its own
     generator, seeded with params.seed + index on first use, which lives as long as the
     sequence does (through preemption, gone with it).
     """
@@ -368,16 +368,34 @@ class SequenceSampler:
         self._generators: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def sample(self, logits: torch.Tensor, rows: list[int], seqs: list,
-               grammar_mask: GrammarMask | None = None) -> list[SampleResult]:
+               grammar_mask: GrammarMask | None = None) -> list[SampleResult | list[SampleResult]]:
         """logits: (R, V), one row per sampling sequence; seqs[i] draws from logits[rows[i]] (the
         n - 1 children forked from a parent share its row). `grammar_mask`: the constrained rows'
         allowed tokens (engine.structured), applied first, so logprobs are of the masked logits
-        (as vLLM's). -> one result per sequence."""
+        (as vLLM's). -> one result per sequence.
+
+        A sequence with k drafts (its spec_token_ids, engine.speculative) also draws at each of
+        their rows, which follow every sequence's own row, in sequence order: it gets the list of
+        its k + 1 results, its own row's first, drawn in that order from its generator."""
         if grammar_mask is not None:
             logits = apply_grammar_mask(logits, grammar_mask)
+        sampling = [self._row(s, logits.device) for s in seqs]
+        drafts = [len(getattr(s, "spec_token_ids", ())) for s in seqs]
+        num_drafts = sum(drafts)
+        if num_drafts:
+            first = logits.shape[0] - num_drafts
+            rows = rows + list(range(first, logits.shape[0]))
+            sampling += [row for row, k in zip(sampling, drafts) for _ in range(k)]
         if len(rows) != logits.shape[0]:
-            logits = logits[to_device(rows, torch.long, logits.device)]  # (len(seqs), V)
-        return self.sampler.sample(logits, [self._row(s, logits.device) for s in seqs])
+            logits = logits[to_device(rows, torch.long, logits.device)]  # (len(seqs) + drafts, V)
+        results = self.sampler.sample(logits, sampling)
+        if not num_drafts:
+            return results
+        grouped, next_row = [], len(seqs)
+        for result, k in zip(results, drafts):
+            grouped.append([result] + results[next_row:next_row + k] if k else result)
+            next_row += k
+        return grouped
 
     def _row(self, seq, device: torch.device) -> SamplingRow:
         p = seq.params

@@ -56,33 +56,43 @@ class ScheduledBatch:
 
     @property
     def has_prefill(self) -> bool:
-        """Whether the step computes prompt tokens (a prefill chunk), not only decodes."""
-        return self.num_tokens > len(self.seqs)
+        """Whether the step computes prompt tokens (a prefill chunk), not only decodes (with or
+        without drafts)."""
+        return self.num_tokens - sum(len(s.spec_token_ids) for s in self.seqs) > len(self.seqs)
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    @property
+    def num_prefill_chunks(self) -> int:
+        """Sequences that run as prefill chunks (more than one new token, not drafts): the first
+        ones of row_order."""
+        return sum(1 for s, n in zip(self.seqs, self.num_new_tokens) if n > 1 and not s.spec_token_ids)
 
     def row_order(self, block_size: int) -> list[int]:
         """Indices into seqs in the model's flat row order: prefill chunks first, then decodes
         stably sorted by their LoRA adapter (none first) and their number of full context blocks,
         so that each decode group, and each adapter's decodes, is a contiguous slice of rows (an
-        adapter's delta then reads and writes a view, engine.lora). Read before num_computed_tokens
-        advances.
+        adapter's delta then reads and writes a view, engine.lora). A decode with drafts
+        (engine.speculative) is a run of decode rows, one per token, each seeing one more token of
+        context than the one before (all write their KV before any attends). Read before
+        num_computed_tokens advances.
 
         Sequences sample in this order, so they finish and free their blocks in it, which sets
         the LRU order in which freed prefix blocks are evicted."""
         order = self._row_orders.get(block_size)  # the engine and the runner each ask once a step
         if order is None:
-            prefill = [i for i, n in enumerate(self.num_new_tokens) if n > 1]
-            decode = [i for i, n in enumerate(self.num_new_tokens) if n == 1]
+            prefill = [i for i, n in enumerate(self.num_new_tokens) if n > 1 and not self.seqs[i].spec_token_ids]
+            decode = [i for i, n in enumerate(self.num_new_tokens) if n == 1 or self.seqs[i].spec_token_ids]
             decode.sort(key=lambda i: (self.seqs[i].lora_int_id or 0, self.seqs[i].num_computed_tokens // block_size))
             order = self._row_orders[block_size] = prefill + decode
         return order
 
     def sampled(self, block_size: int) -> list[int]:
-        """The indices of row_order whose new tokens reach the sequence's end: they sample."""
+        """The indices of row_order whose new tokens reach the sequence's end: they sample (one
+        with drafts at each of its rows)."""
         return [i for i in self.row_order(block_size)
-                if self.seqs[i].num_computed_tokens + self.num_new_tokens[i] == self.seqs[i].num_tokens]
+                if self.seqs[i].num_computed_tokens + self.num_new_tokens[i] >= self.seqs[i].num_tokens]
 
 
 @dataclass
@@ -97,6 +107,12 @@ class SchedulerStats:
     decode_step_seconds: float = 0.0
     prompt_tokens: int = 0  # computed by the steps (cached ones are not)
     generation_tokens: int = 0  # sampled by the steps, every sequence's
+    # Speculative decoding (engine.speculative), vLLM's counters: steps a sequence ran drafts in,
+    # the drafts, those kept, and those kept by their place (0: the first draft of a step).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
     def record_step(self, prefill: bool, seconds: float, prompt_tokens: int = 0) -> None:
         self.prompt_tokens += prompt_tokens
@@ -107,13 +123,26 @@ class SchedulerStats:
             self.decode_steps += 1
             self.decode_step_seconds += seconds
 
+    def record_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_drafts += 1
+        self.spec_draft_tokens += num_drafts
+        self.spec_accepted_tokens += num_accepted
+        per_pos = self.spec_accepted_per_pos
+        per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for k in range(num_accepted):
+            per_pos[k] += 1
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """`clock`: what stamps a sequence's first admission (the simulator's is its own time)."""
+                 clock: Callable[[], float] = time.monotonic,
+                 propose: Callable[[Sequence, int], list[int]] | None = None) -> None:
+        """`clock`: what stamps a sequence's first admission (the simulator's is its own time);
+        `propose(seq, budget)`: a decoding sequence's drafts for this step, at most `budget` of
+        them (engine.speculative.NgramDrafter); None: no speculation."""
         self.config = config
         self.clock = clock
+        self.propose = propose
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -155,6 +184,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new == 1 and budget > 1 and self.propose is not None and self._draft(seq, budget - 1):
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(1 + len(seq.spec_token_ids))
+                budget -= 1 + len(seq.spec_token_ids)
+                i += 1
+                continue
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()  # newest; never one already scheduled (those are < i)
                 self._preempt(victim)
@@ -167,6 +202,15 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         return budget
+
+    def _draft(self, seq: Sequence, budget: int) -> bool:
+        """Give a decoding sequence its drafts for this step, with KV slots for them; False (none
+        set) where it has none, or the free blocks do not hold them: nobody is preempted for drafts."""
+        drafts = self.propose(seq, budget)
+        if not drafts or not self.block_manager.allocate_slots(seq, 1 + len(drafts)):
+            return False
+        seq.spec_token_ids = drafts
+        return True
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         bm = self.block_manager
@@ -220,6 +264,7 @@ class Scheduler:
         """Back to waiting, first in line, holding no blocks: it recomputes from its first token."""
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         if self.config.policy == "priority":
             bisect.insort(self.waiting, seq, key=_rank)
@@ -243,7 +288,12 @@ class Scheduler:
         reported to `on_fork`), and they sample the parent's row. `sample(rows, seqs)` returns one
         result per sequence, rows[i] being seqs[i]'s row; `append(seq, result)` records it and
         says whether seq stops. Stopped sequences are finished in row order, as the engine
-        sampled them: the simulator must free blocks in the same order to evict the same ones."""
+        sampled them: the simulator must free blocks in the same order to evict the same ones.
+
+        A sequence with k drafts (engine.speculative) gets k + 1 results, one per row of its
+        drafts' step: the drafts equal to what their rows drew are kept, then the draw after the
+        last kept one; each is appended in turn (up to one that stops the sequence), and the
+        drafts not kept leave its computed tokens."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         parents = [batch.seqs[i] for i in sampled]
@@ -262,13 +312,27 @@ class Scheduler:
         batch.forks = children
         for child in children:
             on_fork(child)
-        self.stats.generation_tokens += len(seqs)
         finished = []
         for seq, result in zip(seqs, results, strict=True):
-            if append(seq, result):
-                self.finish(seq)
-                finished.append(seq)
+            for draw in (self._kept_draws(seq, result) if seq.spec_token_ids else (result,)):
+                self.stats.generation_tokens += 1
+                if append(seq, draw):
+                    self.finish(seq)
+                    finished.append(seq)
+                    break
         return finished
+
+    def _kept_draws(self, seq: Sequence, draws: list[T]) -> list[T]:
+        """Of a speculating sequence's k + 1 draws, those its output takes: the drafts drawn as
+        proposed, and the draw after them. The drafts after the first one drawn otherwise leave
+        its computed tokens (their KV slots are written over later)."""
+        drafts, seq.spec_token_ids = seq.spec_token_ids, []
+        kept = 0
+        while kept < len(drafts) and _token_id(draws[kept]) == drafts[kept]:
+            kept += 1
+        seq.num_computed_tokens -= len(drafts) - kept
+        self.stats.record_drafts(len(drafts), kept)
+        return draws[:kept + 1]
 
     def _fork_sampled(self, seqs: list[Sequence], children: list[Sequence]) -> tuple[list[int], list[Sequence]]:
         """-> the row each sequence samples, and the sequences with every fork right after its
@@ -302,6 +366,11 @@ class Scheduler:
             for queue in (self.waiting, self.running):
                 ranks = [_rank(s) for s in queue]
                 assert ranks == sorted(ranks), "a queue out of (priority, arrival) order"
+
+
+def _token_id(draw) -> int:
+    """The token of a draw: a sampler's result (engine.sampler.SampleResult), or a bare id."""
+    return draw if isinstance(draw, int) else draw.token_id
 
 
 def _rank(seq: Sequence) -> tuple[int, int]:

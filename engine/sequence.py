@@ -45,6 +45,9 @@ class Sequence:
         self.pending_forks = params.n - 1 if index == 0 else 0
         self.num_prompt_logprobs = 0  # prompt positions [0, k) whose logits gave token k's logprob
         self.first_scheduled: float | None = None  # the scheduler's clock when it first admitted it
+        # Tokens guessed to follow token_ids, computed this step after them (engine.speculative);
+        # the scheduler sets them when it schedules the sequence and clears them after the step.
+        self.spec_token_ids: list[int] = []
 
     @property
     def lora_int_id(self) -> int | None:
@@ -107,3 +110,13 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_table}, {self.status.value})")
+
+
+def new_token_ids(seq, n: int) -> list[int]:
+    """The `n` tokens a step computes of `seq` (a Sequence, or a rank's view of one), from its
+    first without KV: its own, then its drafts."""
+    start = seq.num_computed_tokens
+    ids = seq.token_ids[start:start + n]
+    if len(ids) < n:
+        ids = list(ids) + list(seq.spec_token_ids[:n - len(ids)])
+    return ids

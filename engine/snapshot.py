@@ -75,6 +75,8 @@ def snapshot(scheduler: Scheduler, prefix_limit: int = 0, now: float | None = No
         prefill_steps=st.prefill_steps, prefill_step_seconds=st.prefill_step_seconds,
         decode_steps=st.decode_steps, decode_step_seconds=st.decode_step_seconds,
         prompt_tokens=st.prompt_tokens, generation_tokens=st.generation_tokens,
+        spec_drafts=st.spec_drafts, spec_draft_tokens=st.spec_draft_tokens, spec_accepted_tokens=st.spec_accepted_tokens,
+        spec_accepted_per_pos=tuple(st.spec_accepted_per_pos),
         prefix_hashes=summarize_prefix_hashes(bm, prefix_limit) if prefix_limit > 0 else frozenset(),
         running_lora_adapters=_adapter_names(scheduler.running), waiting_lora_adapters=_adapter_names(scheduler.waiting),
         max_lora=scheduler.config.max_loras or 0, timestamp=time.time() if now is None else now)

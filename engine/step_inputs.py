@@ -22,6 +22,7 @@ import torch
 
 from engine.prompt_logprobs import PromptSpan
 from engine.scheduler import ScheduledBatch
+from engine.sequence import new_token_ids
 from engine.triton_attention import TritonAttentionMetadata
 
 
@@ -32,7 +33,9 @@ class StepLayout:
     num_seqs: int  # B sequences the attention sees (padding sequences included)
     num_chunk_seqs: int  # the first sequences, which have more than one new token (0: a decode-only step)
     num_chunk_tokens: int  # their rows, the first ones
-    sample_rows: int  # the first sample_rows logit rows are the sampling sequences' last rows
+    # the first sample_rows logit rows are the sampling sequences' last rows (their first, where
+    # they have drafts), then their drafts' rows (engine.model_runner.PreparedBatch.sample_rows)
+    sample_rows: int
     sampled: list[int]  # indices into batch.seqs of those sequences, same order
     prompt_rows: int = 0  # then this many rows score prompt tokens
     prompt_spans: list[PromptSpan] = field(default_factory=list)
@@ -68,15 +71,16 @@ class StepInputs:
         empty sequences (slot -1, no context) to a CUDA graph's batch size."""
         self._wait_upload()
         bs, order = self.block_size, batch.row_order(self.block_size)
-        if len(order) > self.max_seqs or batch.num_tokens > self.max_tokens:
-            raise ValueError(f"step of {len(order)} sequences / {batch.num_tokens} tokens exceeds the "
+        num_rows = len(order) + sum(len(s.spec_token_ids) for s in batch.seqs)  # a draft is a decode row
+        if num_rows > self.max_seqs or batch.num_tokens > self.max_tokens:
+            raise ValueError(f"step of {num_rows} sequences / {batch.num_tokens} tokens exceeds the "
                              f"runner's {self.max_seqs} / {self.max_tokens}")
         if self._step_tables:  # a fill that raised: its rows go back, its tables are written whole again
             self._free_rows.extend(entry[1] for entry in self._step_tables.values())
             self._step_tables = {}
         seqs, num_new = batch.seqs, batch.num_new_tokens
-        num_chunks = sum(1 for n in num_new if n > 1)  # row_order puts them first
-        t, last_row, prompt_rows, spans, table_rows, width = 0, {}, [], [], [], 0
+        num_chunks = batch.num_prefill_chunks  # row_order puts them first
+        t, last_row, prompt_rows, spans, table_rows, width, draft_rows = 0, {}, [], [], [], 0, {}
         self.query_start[0] = 0
         for r, i in enumerate(order[:num_chunks]):  # prefill chunks: arrays per sequence
             seq, n = seqs[i], num_new[i]
@@ -99,20 +103,29 @@ class StepInputs:
         # Single-token rows (decodes, or a prompt's last token): scalars into lists, written at once.
         ids, positions, slots = [], [], []
         for i in order[num_chunks:]:
-            seq = seqs[i]
+            seq, n = seqs[i], num_new[i]
             start, table = seq.num_computed_tokens, seq.block_table
-            ids.append(seq.token_ids[start:start + 1][0])  # a slice: a rank's Sequence holds only this step's
-            positions.append(start)
-            slots.append(table[start // bs] * bs + start % bs)
-            table_rows.append(self._table_row(table, True))
+            row = self._table_row(table, True)
+            last_row[i] = t + len(ids)
+            if n == 1:
+                ids.append(seq.token_ids[start:start + 1][0])  # a slice: a rank's Sequence holds only this step's
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+                table_rows.append(row)
+            else:  # a decode with drafts (engine.speculative): a row per token, the same table
+                ids += new_token_ids(seq, n)
+                positions += range(start, start + n)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+                table_rows += [row] * n
+                draft_rows[i] = range(last_row[i] + 1, t + len(ids))
             if len(table) > width:
                 width = len(table)
             scored = seq.prompt_logprob_positions(1)
             if scored:
-                prompt_rows.append(t + len(ids) - 1)
+                prompt_rows.append(last_row[i])
                 spans.append(PromptSpan(i, scored.start, 1))
-            last_row[i] = t + len(ids) - 1
-        b, k, chunk_tokens = len(order), len(ids), t
+        k, chunk_tokens = len(ids), t
+        b = num_chunks + k
         if k:
             self.ids[t:t + k] = ids
             self.positions[t:t + k] = positions
@@ -126,9 +139,11 @@ class StepInputs:
             self._pad(b, pad_to)
             t = b = pad_to
         sampled = batch.sampled(bs)
-        rows = [last_row[i] for i in sampled] + prompt_rows
+        rows = [last_row[i] for i in sampled] + [r for i in sampled for r in draft_rows.get(i, ())]
+        num_sample_rows = len(rows)
+        rows += prompt_rows
         self.rows[:len(rows)] = rows
-        return StepLayout(t, b, num_chunks, chunk_tokens, len(sampled), sampled, len(prompt_rows), spans)
+        return StepLayout(t, b, num_chunks, chunk_tokens, num_sample_rows, sampled, len(prompt_rows), spans)
 
     def _table_row(self, table: list[int], decoding: bool) -> int:
         """The store row holding the sequence's block table, kept from the step before where a list

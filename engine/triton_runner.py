@@ -21,9 +21,12 @@ class TritonModelRunner(ModelRunner):
     batch.sampled) and of the prompt-logprob rows."""
 
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 device: torch.device, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+                 device: torch.device, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 num_speculative_tokens: int = 0) -> None:
+        """`num_speculative_tokens`: the drafts a sequence may run per step, each its own decode row."""
         super().__init__(model, kv_caches, block_size, device)
-        self.inputs = StepInputs(max(max_num_batched_tokens, max_num_seqs), max_num_seqs,
+        max_tokens = max(max_num_batched_tokens, max_num_seqs)
+        self.inputs = StepInputs(max_tokens, min(max_tokens, max_num_seqs * (1 + num_speculative_tokens)),
                                  -(-max_model_len // block_size), block_size, device)
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.graphs: DecodeGraphs | None = None

@@ -28,7 +28,6 @@ AT_DEFAULT = {
     "convert": (("auto", "none"), "text generation only"),
     "cpu_offload_gb": ((0,), "weights stay on the device"),
     "skip_tokenizer_init": ((False,), "the engine detokenizes with the model's tokenizer"),
-    "speculative_config": (({},), "no speculative decoding"),
     "enable_sleep_mode": ((False,), "no sleep mode"),
     "hf_overrides": (({},), "the model's config is read as it is"),
     "mm_processor_kwargs": (({},), "text models only"),

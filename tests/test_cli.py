@@ -54,9 +54,12 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
         "--stream-interval", "4", "--distributed-executor-backend", "ray", "--enforce-eager", "--trust-remote-code",
         "--max-logprobs", "5", "--revision", "v1", "--tokenizer-revision", "v2", "--download-dir", "/hub",
         "--scheduling-policy", "priority", "--logprobs-mode", "processed_logits", "--enable-lora", "--max-loras", "2",
-        "--max-lora-rank", "32", "--max-cpu-loras", "3"])
+        "--max-lora-rank", "32", "--max-cpu-loras", "3",
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'])
     kwargs = engine_config_from_args(ns)
     assert set(kwargs) == EngineConfig.field_names()
+    spec = EngineConfig(speculative_config=kwargs.pop("speculative_config")).speculative_config  # tp 1 only
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 3, 4, 4)
     config = EngineConfig(**kwargs)
     assert config.tensor_parallel_size == 2 and config.kv_cache_memory == 1 << 30
     assert config.enable_prefix_caching is False and config.enable_chunked_prefill is False

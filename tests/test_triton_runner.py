@@ -53,6 +53,7 @@ class Twin:
 
 
 def _twin_llm(model_dir, device, **kw) -> tuple[LLM, Twin]:
+    from engine.runners import num_speculative_tokens
     from engine.triton_runner import TritonModelRunner
 
     llm = LLM(model=str(model_dir), device="cpu", dtype="float32", **kw)
@@ -63,7 +64,8 @@ def _twin_llm(model_dir, device, **kw) -> tuple[LLM, Twin]:
     # On a GPU the same checkpoint loaded there (a copy of the CPU model would carry its oneDNN-packed weights)
     model = ex.model if device.type == "cpu" else build_model(model_dir, torch.float32, device)
     other = TritonModelRunner(model, kv, config.block_size, device, config.max_num_seqs,
-                              config.max_num_batched_tokens, ex.info.max_position_embeddings)
+                              config.max_num_batched_tokens, ex.info.max_position_embeddings,
+                              num_speculative_tokens(config))
     ex.runner = Twin(ref, other)
     return llm, ex.runner
 
@@ -107,6 +109,19 @@ def test_lora_adapters_match_torch_runner(tiny, device, tmp_path):
     assert twin.steps >= 8 and twin.mixed > 0
     base = llm.generate(prompts[1:3], GREEDY)  # the adapters changed what the model says
     assert [o.outputs[0].token_ids for o in base] != [o.outputs[0].token_ids for o in outs[1:3]]
+    _assert_clean(llm)
+
+
+def test_speculative_drafts_match_torch_runner(tiny, device):
+    """Decodes with drafts (engine.speculative): a decode row per draft, each seeing one more
+    token, beside prefill chunks and plain decodes; the logits of every draft row agree."""
+    from tests.test_speculative import NGRAM, PROMPTS
+
+    llm, twin = _twin_llm(tiny["gqa"], device, num_gpu_blocks_override=64, max_num_batched_tokens=24, block_size=4,
+                          speculative_config=NGRAM)
+    llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    st = llm.engine.scheduler.stats
+    assert twin.steps >= 5 and 0 < st.spec_accepted_tokens < st.spec_draft_tokens
     _assert_clean(llm)
 
 

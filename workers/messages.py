@@ -175,6 +175,7 @@ class SeqView:
     block_table: list[int]
     scored: range = range(0)
     lora_int_id: int | None = None
+    spec_token_ids: tuple = ()  # none: the engine speculates at tensor_parallel_size 1 only
 
     def prompt_logprob_positions(self, num_new: int) -> range:
         """As Sequence's: the engine worked it out and sent it."""

@@ -1,0 +1,223 @@
+"""Speculative decoding by n-gram prompt lookup (engine.speculative, vLLM's speculative_config):
+greedy output token-exact against HF generate on prompts that repeat themselves (so that drafts
+are proposed, some kept and some not), under chunked prefill, preemption and the prefix cache,
+with both CPU kernel paths; stop rules, logprobs and seeded sampling as without drafts; the
+requests that must not speculate do not; the config's checks; the metrics. The Triton runner's
+rows for drafts: tests/test_triton_runner.py."""
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.speculative import SpeculativeConfig, propose_ngram
+from tests.test_engine_exact import _assert_clean
+from tests.tiny_llama import hf_greedy, make_tiny_llama
+
+MAX_NEW = 24
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def _repeating_prompts(seed: int = 0, lens=(5, 16, 17, 40, 33)) -> list[list[int]]:
+    """Random segments followed by their first half again: the model's continuation and the
+    prompt share n-grams."""
+    rng = random.Random(seed)
+    out = []
+    for n in lens:
+        seg = [rng.randrange(3, 512) for _ in range(n)]
+        out.append(seg + seg[:n // 2])
+    return out
+
+
+PROMPTS = _repeating_prompts()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2_path):
+    d = make_tiny_llama(tmp_path_factory.mktemp("spec"), smollm2_path, "gqa")
+    return d, hf_greedy(d, PROMPTS, MAX_NEW)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _drafted(llm: LLM) -> tuple[int, int]:
+    st = llm.engine.scheduler.stats
+    return st.spec_draft_tokens, st.spec_accepted_tokens
+
+
+# -- the proposer -----------------------------------------------------------------------------
+
+def _brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The rule, spelled out: the longest suffix (max_n down to min_n) found earlier, at its
+    earliest place with a token after it; the k tokens that followed it."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        for s in range(len(tokens) - n):
+            if tokens[s:s + n] == suffix:
+                return tokens[s + n:s + n + k]
+    return []
+
+
+def test_propose_ngram_follows_the_rule():
+    assert propose_ngram([1, 2, 3, 4, 2, 3], 2, 3, 4) == [4, 2, 3]  # vLLM's documented example
+    assert propose_ngram([1, 2, 3], 1, 3, 4) == []  # nothing repeats
+    assert propose_ngram([5, 5], 1, 1, 3) == [5]
+    assert propose_ngram([7, 1, 2, 9, 1, 2], 3, 3, 2) == []  # only a 2-gram repeats
+    rng = random.Random(1)
+    for _ in range(3000):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        min_n = rng.randint(1, 4)
+        max_n, k = rng.randint(min_n, 5), rng.randint(1, 6)
+        assert propose_ngram(tokens, min_n, max_n, k) == _brute_force(tokens, min_n, max_n, k), (tokens, min_n, max_n, k)
+
+
+# -- the config -------------------------------------------------------------------------------
+
+def test_config_forms_defaults_and_refusals():
+    spec = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3}).speculative_config
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 5)  # vLLM's defaults
+    spec = EngineConfig(speculative_config='{"model": "[ngram]", "num_speculative_tokens": 2, '
+                                           '"prompt_lookup_max": 4}').speculative_config
+    assert (spec.method, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 4, 4)
+    assert EngineConfig(speculative_config={}).speculative_config is None
+    refused = {
+        "method 'eagle' is not supported": {"method": "eagle", "model": "x", "num_speculative_tokens": 3},
+        "model 'org/draft' is not supported": {"model": "org/draft", "num_speculative_tokens": 3},
+        "num_speculative_tokens is required": {"method": "ngram"},
+        "'foo' not supported here": {"method": "ngram", "num_speculative_tokens": 2, "foo": 1},
+        "not JSON": "{method: ngram}",
+        "prompt_lookup_max (2) must be >= prompt_lookup_min (4)":
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+        "num_speculative_tokens must be an integer": {"method": "ngram", "num_speculative_tokens": "3"},
+    }
+    for why, value in refused.items():
+        with pytest.raises(ValueError, match=re.escape(why)):
+            EngineConfig(speculative_config=value)
+    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
+        EngineConfig(speculative_config=NGRAM, tensor_parallel_size=2)
+    assert SpeculativeConfig.parse(spec) is spec
+
+
+# -- the engine -------------------------------------------------------------------------------
+
+@pytest.fixture(params=["native", "torch"])
+def kernels(request, monkeypatch):
+    monkeypatch.setenv("KVSERVE_CPU_KERNELS", "1" if request.param == "native" else "0")
+    return request.param
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    dict(num_gpu_blocks_override=64),
+    dict(num_gpu_blocks_override=64, max_num_batched_tokens=24, block_size=4),  # chunks beside drafts, small blocks
+    dict(num_gpu_blocks_override=24, max_num_batched_tokens=32, block_size=4),  # preemption
+], ids=["batched", "chunked-bs4", "preempted"])
+def test_greedy_is_token_exact_against_hf(tiny, kernels, engine_kwargs):
+    d, expected = tiny
+    llm = LLM(model=str(d), speculative_config=NGRAM, **engine_kwargs)
+    assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected
+    drafted, kept = _drafted(llm)
+    assert 0 < kept < drafted  # drafts ran, some kept and some not
+    if engine_kwargs["num_gpu_blocks_override"] == 24:
+        assert llm.engine.stats().num_preemptions > 0
+    _assert_clean(llm)
+    again = _tokens(llm.generate(PROMPTS[:3], GREEDY))  # prefix-cache hits, then drafts over cached blocks
+    assert again == expected[:3] and llm.engine.stats().prefix_hit_tokens > 0
+    _assert_clean(llm)
+
+
+def test_staggered_arrivals_and_one_by_one(tiny):
+    """Requests joining mid-flight (prefill chunks beside decodes with drafts), then each alone."""
+    d, expected = tiny
+    llm = LLM(model=str(d), speculative_config=NGRAM, num_gpu_blocks_override=64, max_num_batched_tokens=20)
+    eng, done = llm.engine, {}
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(str(i), p, GREEDY)
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert [list(done[str(i)].outputs[0].token_ids) for i in range(len(PROMPTS))] == expected
+    assert [_tokens(llm.generate([p], GREEDY))[0] for p in PROMPTS] == expected
+    _assert_clean(llm)
+
+
+def _pair(d, **kw) -> tuple[LLM, LLM]:
+    return (LLM(model=str(d), num_gpu_blocks_override=64, **kw),
+            LLM(model=str(d), num_gpu_blocks_override=64, speculative_config=NGRAM, **kw))
+
+
+def test_stop_rules_and_logprobs_as_without_drafts(tiny):
+    """A stop token or string, or max_tokens, met inside a step's kept drafts ends the output
+    there, as one token a step would; each kept token has its own logprobs."""
+    d, expected = tiny
+    plain, spec = _pair(d)
+    stop_token = expected[1][7]
+    cases = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 2, 5, 11)]
+    cases += [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop_token_ids=[stop_token]),
+              SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop=["e"], detokenize=True)]
+    for params in cases:
+        a, b = plain.generate(PROMPTS, params), spec.generate(PROMPTS, params)
+        for x, y in zip(a, b):
+            ox, oy = x.outputs[0], y.outputs[0]
+            assert (ox.token_ids, ox.text, ox.finish_reason, ox.stop_reason) == \
+                (oy.token_ids, oy.text, oy.finish_reason, oy.stop_reason), params
+            if params.logprobs:
+                assert [sorted(e) for e in ox.logprobs] == [sorted(e) for e in oy.logprobs]
+                assert all(abs(e1[t].logprob - e2[t].logprob) < 1e-4 for e1, e2 in zip(ox.logprobs, oy.logprobs) for t in e1)
+    assert _drafted(spec)[1] > 0
+    _assert_clean(spec)
+
+
+def test_sampling_with_drafts(tiny):
+    """top_k=1 samples what greedy picks, through the random path; a seed gives the same tokens
+    again; n > 1 samples each speculate."""
+    d, expected = tiny
+    llm = LLM(model=str(d), speculative_config=NGRAM, num_gpu_blocks_override=64)
+    top1 = SamplingParams(temperature=0.8, top_k=1, max_tokens=MAX_NEW, ignore_eos=True, seed=3)
+    assert _tokens(llm.generate(PROMPTS, top1)) == expected
+    seeded = SamplingParams(temperature=0.7, max_tokens=MAX_NEW, ignore_eos=True, seed=11, n=2)
+    first, second = llm.generate(PROMPTS, seeded), llm.generate(PROMPTS, seeded)
+    assert [[list(c.token_ids) for c in o.outputs] for o in first] == \
+        [[list(c.token_ids) for c in o.outputs] for o in second]
+    assert all(len(c.token_ids) == MAX_NEW for o in first for c in o.outputs)
+    assert _drafted(llm)[1] > 0
+    _assert_clean(llm)
+
+
+def test_requests_that_read_their_output_run_without_drafts(tiny):
+    d, _ = tiny
+    plain, spec = _pair(d)
+    for params in (SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, presence_penalty=0.5),
+                   SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.3),
+                   SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=4)):
+        assert _tokens(spec.generate(PROMPTS, params)) == _tokens(plain.generate(PROMPTS, params))
+    assert _drafted(spec) == (0, 0)
+
+
+def test_disable_by_batch_size(tiny):
+    d, expected = tiny
+    llm = LLM(model=str(d), num_gpu_blocks_override=64, speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    assert _tokens(llm.generate(PROMPTS[:3], GREEDY)) == expected[:3]  # three running: none speculates
+    assert _drafted(llm) == (0, 0)
+    assert _tokens(llm.generate(PROMPTS[:2], GREEDY)) == expected[:2]
+    assert _drafted(llm)[0] > 0
+
+
+def test_metrics(tiny):
+    d, _ = tiny
+    llm = LLM(model=str(d), num_gpu_blocks_override=64, speculative_config=NGRAM, disable_log_stats=False)
+    llm.generate(PROMPTS, GREEDY)
+    values = {(m.name.removeprefix("kvserve_spec_decode_"), m.labels.get("position")): m.value
+              for m in llm.get_metrics() if m.name.startswith("kvserve_spec_decode")}
+    st = llm.engine.scheduler.stats
+    assert values["num_drafts", None] == st.spec_drafts > 0
+    assert values["num_draft_tokens", None] == st.spec_draft_tokens
+    assert values["num_accepted_tokens", None] == st.spec_accepted_tokens
+    per_pos = [values.get(("num_accepted_tokens_per_pos", str(k)), 0) for k in range(4)]
+    assert per_pos == st.spec_accepted_per_pos + [0] * (4 - len(st.spec_accepted_per_pos))
+    assert sum(per_pos) == st.spec_accepted_tokens and per_pos == sorted(per_pos, reverse=True)
