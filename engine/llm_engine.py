@@ -15,7 +15,7 @@ from engine.metric_sinks import MemorySinks, Metric
 from engine.metrics import EngineMetrics, RequestTimer
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request
-from engine.sampler import SampleResult, reads_output
+from engine.sampler import SampleResult
 from engine.sampling_params import SamplingParams, priority_refusal, truncated
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import Sequence
@@ -55,13 +55,12 @@ class LLMEngine:
         self._timers: dict[str, RequestTimer] = {}
 
     def _drafter(self, config: EngineConfig) -> NgramDrafter | None:
-        """With speculative_config, what proposes drafts (engine.speculative), for the requests whose
-        sampling reads nothing of their own output and follow no grammar."""
+        """With speculative_config, what proposes drafts (engine.speculative), for the requests that
+        follow no grammar (its matcher takes one token at a time)."""
         if config.speculative_config is None:
             return None
         return NgramDrafter(config.speculative_config, self.max_model_len,
-                            lambda seq: seq.params.structured_outputs is None and not reads_output(seq.params),
-                            lambda: len(self.scheduler.running))
+                            lambda seq: seq.params.structured_outputs is None, lambda: len(self.scheduler.running))
 
     def _check_room(self, num_blocks: int) -> None:
         """A pool sized from memory must hold one max_model_len sequence (all but its last token),

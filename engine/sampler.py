@@ -20,6 +20,7 @@ generators) wherever the logits are: in the engine process at tp=1, on the sampl
 """
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections import Counter
 from dataclasses import dataclass
@@ -340,6 +341,13 @@ class Sampler:
         return results
 
 
+def _after_drafts(row: SamplingRow, drafts: list[int]) -> SamplingRow:
+    """The row of the position after `drafts`: its output includes them, where it is read."""
+    if not reads_output(row.params):
+        return row
+    return dataclasses.replace(row, output_token_ids=row.output_token_ids + drafts)
+
+
 def reads_prompt(params: SamplingParams) -> bool:
     """Only the repetition penalty reads a row's prompt tokens; other rows may leave them out."""
     return params.repetition_penalty != 1.0
@@ -376,7 +384,8 @@ class SequenceSampler:
 
         A sequence with k drafts (its spec_token_ids, engine.speculative) also draws at each of
         their rows, which follow every sequence's own row, in sequence order: it gets the list of
-        its k + 1 results, its own row's first, drawn in that order from its generator."""
+        its k + 1 results, its own row's first, drawn in that order from its generator. A draft's
+        row reads the drafts before it as output (penalties, min_tokens, bad words)."""
         if grammar_mask is not None:
             logits = apply_grammar_mask(logits, grammar_mask)
         sampling = [self._row(s, logits.device) for s in seqs]
@@ -385,7 +394,8 @@ class SequenceSampler:
         if num_drafts:
             first = logits.shape[0] - num_drafts
             rows = rows + list(range(first, logits.shape[0]))
-            sampling += [row for row, k in zip(sampling, drafts) for _ in range(k)]
+            sampling += [_after_drafts(row, s.spec_token_ids[:j + 1])
+                         for row, s, k in zip(sampling, seqs, drafts) for j in range(k)]
         if len(rows) != logits.shape[0]:
             logits = logits[to_device(rows, torch.long, logits.device)]  # (len(seqs) + drafts, V)
         results = self.sampler.sample(logits, sampling)

@@ -14,9 +14,9 @@ distribution given the tokens before it, as without speculation: drawing x from 
 draft d only when x == d is rejection sampling with a one-hot proposal (d is kept with
 probability p(d); otherwise x follows p without d, renormalized).
 
-Requests whose sampling reads their own output (penalties, min_tokens, bad words of several
-tokens) or follows a grammar decode one token per step, as do all while more than
-disable_by_batch_size requests run.
+A draft's row reads the drafts before it as output (penalties, min_tokens, bad words of several
+tokens: engine.sampler). Requests that follow a grammar decode one token per step, as do all while
+more than disable_by_batch_size requests run.
 """
 from __future__ import annotations
 

@@ -189,14 +189,39 @@ def test_sampling_with_drafts(tiny):
     _assert_clean(llm)
 
 
-def test_requests_that_read_their_output_run_without_drafts(tiny):
-    d, _ = tiny
+def test_penalties_min_tokens_and_bad_words_read_the_drafts_before(tiny):
+    """A draft's row reads the drafts before it as output, so what reads the output gives what it
+    gives one token a step."""
+    d, expected = tiny
     plain, spec = _pair(d)
+    bad = [expected[0][3:5], expected[3][6:8]]  # two tokens each, which greedy writes
     for params in (SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, presence_penalty=0.5),
+                   SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, frequency_penalty=0.4),
                    SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.3),
-                   SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=4)):
-        assert _tokens(spec.generate(PROMPTS, params)) == _tokens(plain.generate(PROMPTS, params))
-    assert _drafted(spec) == (0, 0)
+                   SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW - 2,
+                                  stop_token_ids=[expected[2][5]]),
+                   SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, bad_words_token_ids=bad)):
+        before = _drafted(spec)
+        assert _tokens(spec.generate(PROMPTS, params)) == _tokens(plain.generate(PROMPTS, params)), params
+        assert _drafted(spec)[0] > before[0], params  # they did run drafts
+    _assert_clean(spec)
+
+
+def test_grammar_requests_get_no_drafts(tiny):
+    """A grammar's matcher takes one token at a time: a constrained sequence is offered no drafts."""
+    from engine.sampling_params import StructuredOutputsParams
+    from engine.sequence import Sequence
+
+    d, _ = tiny
+    llm = LLM(model=str(d), num_gpu_blocks_override=64, speculative_config=NGRAM)
+    propose = llm.engine.scheduler.propose
+    tokens = [5, 6, 7, 8, 5, 6]
+    free = Sequence("a", tokens, SamplingParams(max_tokens=10), 10)
+    constrained = Sequence("b", tokens, SamplingParams(max_tokens=10, structured_outputs=StructuredOutputsParams(
+        choice=["x"])), 10)
+    assert propose(free, 8) == [7, 8, 5, 6] and propose(constrained, 8) == []
+    assert propose(free, 2) == [7, 8]  # within the step's budget
+    assert propose(Sequence("c", tokens, SamplingParams(max_tokens=3), 3), 8) == [7, 8]  # and max_tokens
 
 
 def test_disable_by_batch_size(tiny):
