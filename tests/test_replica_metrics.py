@@ -249,6 +249,24 @@ def test_stats_line_gives_the_intervals_throughput_and_is_quiet_while_idle():
     assert log.line(dataclasses.replace(rest, num_preemptions=5)).endswith("Preemptions: 3")
 
 
+def test_stats_line_adds_vllms_spec_decoding_line_for_an_interval_with_drafts():
+    clock = Clock(0.0)
+    log = StatLogger(interval_s=10.0, clock=clock)
+    start = stats(num_running=1, generation_tokens=100, spec_drafts=10, spec_draft_tokens=30, spec_accepted_tokens=12,
+                  spec_accepted_per_pos=(8, 4))
+    assert log.line(start) is None
+    clock.t = 10.0  # 20 steps with drafts in it: 60 drafts, 30 kept (20 first, 8 second, 2 third)
+    now = dataclasses.replace(start, generation_tokens=150, spec_drafts=30, spec_draft_tokens=90,
+                              spec_accepted_tokens=42, spec_accepted_per_pos=(28, 12, 2))
+    main, spec = log.line(now).split("\n")
+    assert main.startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 5.0 tokens/s")
+    assert spec == ("SpecDecoding metrics: Mean acceptance length: 2.50, Accepted throughput: 3.0 tokens/s, "
+                    "Drafted throughput: 6.0 tokens/s, Accepted: 30 tokens, Drafted: 60 tokens, "
+                    "Per-position acceptance rate: 1.000, 0.400, 0.100, Avg Draft acceptance rate: 50.0%")
+    clock.t = 20.0  # no drafts in this one: no second line
+    assert "\n" not in log.line(now)
+
+
 def test_stats_line_interval_from_the_environment():
     assert interval_from_env({}) == 10.0
     assert interval_from_env({"KVSERVE_LOG_STATS_INTERVAL": "0.5"}) == 0.5
