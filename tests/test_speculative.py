@@ -246,3 +246,37 @@ def test_metrics(tiny):
     per_pos = [values.get(("num_accepted_tokens_per_pos", str(k)), 0) for k in range(4)]
     assert per_pos == st.spec_accepted_per_pos + [0] * (4 - len(st.spec_accepted_per_pos))
     assert sum(per_pos) == st.spec_accepted_tokens and per_pos == sorted(per_pos, reverse=True)
+
+
+def test_streams_from_the_process_engine(tiny):
+    """The server's engine core (its own process) with drafts: a step's kept drafts reach the
+    stream as one delta of several tokens, in order, and the text is the text."""
+    import asyncio
+
+    from engine.process_engine import ProcessEngine
+
+    d, expected = tiny
+    plain = LLM(model=str(d), num_gpu_blocks_override=64).generate(PROMPTS, GREEDY)
+
+    async def collect(engine, rid, prompt):
+        deltas, text, last = [], "", None
+        async for out in engine.generate(rid, prompt, GREEDY):
+            deltas.append(list(out.outputs[0].delta_token_ids))
+            text += out.outputs[0].delta_text
+            last = out
+        return deltas, text, last
+
+    async def main():
+        engine = ProcessEngine(model=str(d), num_gpu_blocks_override=64, speculative_config=NGRAM)
+        try:
+            results = await asyncio.gather(*(collect(engine, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+            return results, engine.stats()
+        finally:
+            await engine.shutdown()
+
+    results, stats = asyncio.run(main())
+    for (deltas, text, last), want, ref in zip(results, expected, plain):
+        assert [t for delta in deltas for t in delta] == want == list(last.outputs[0].token_ids)
+        assert text == ref.outputs[0].text and last.outputs[0].finish_reason == "length"
+    assert any(len(delta) > 1 for deltas, _, _ in results for delta in deltas)
+    assert stats.spec_accepted_tokens > 0 and stats.num_free_blocks == stats.num_total_blocks
