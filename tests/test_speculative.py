@@ -280,3 +280,29 @@ def test_streams_from_the_process_engine(tiny):
         assert text == ref.outputs[0].text and last.outputs[0].finish_reason == "length"
     assert any(len(delta) > 1 for deltas, _, _ in results for delta in deltas)
     assert stats.spec_accepted_tokens > 0 and stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_lora_adapters_with_drafts(tiny, tmp_path):
+    """Adapted decodes with drafts (their rows run the adapter's delta) beside the base model's:
+    each output is what the same adapter gives one token a step (tests/test_lora.py: PEFT-exact)."""
+    from engine import LoRARequest
+    from tests.tiny_lora import make_adapter
+
+    d, _ = tiny
+    loras = [None] + [LoRARequest(f"a{i}", i, make_adapter(d, tmp_path / f"a{i}", seed=i)) for i in (1, 2)]
+    which = [loras[i % 3] for i in range(len(PROMPTS))]
+    kw = dict(enable_lora=True, max_loras=2, max_num_batched_tokens=24, block_size=4)
+    plain, spec = _pair(d, **kw)
+    ex, adapted_drafts = spec.engine.executor, []
+    execute = ex.execute
+
+    def recording(batch, mask=None):
+        adapted_drafts.extend(len(s.spec_token_ids) for s in batch.seqs if s.lora_int_id and s.spec_token_ids)
+        return execute(batch, mask)
+
+    ex.execute = recording
+    want = _tokens(plain.generate(PROMPTS, GREEDY, lora_request=which))
+    assert _tokens(spec.generate(PROMPTS, GREEDY, lora_request=which)) == want
+    assert want != _tokens(plain.generate(PROMPTS, GREEDY))  # the adapters change the output
+    assert adapted_drafts and _drafted(spec)[1] > 0
+    _assert_clean(spec)
