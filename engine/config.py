@@ -121,8 +121,6 @@ class EngineConfig:
             from engine.speculative import SpeculativeConfig  # numpy: only when asked for
 
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        need(self.speculative_config is None or self.tensor_parallel_size == 1,
-             "speculative_config: speculative decoding runs at tensor_parallel_size 1 only, for now")
         need(self.distributed_executor_backend == "ray" or ":" in self.distributed_executor_backend,
              f"distributed_executor_backend must be 'ray' or 'package.module:Class' (vLLM's 'mp' and 'uni' "
              f"only with tensor_parallel_size 1), got {self.distributed_executor_backend!r}")

@@ -365,9 +365,9 @@ class SequenceSampler:
     (tp > 1), so seeds, penalties and min_tokens behave the same at any tensor_parallel_size.
 
     A sequence is anything with `index`, `params`, `prompt_token_ids` and `output_token_ids`
-    (an engine Sequence, or a rank's record of one), and `spec_token_ids` where it has drafts. A seeded sequence draws from its own
-    generator, seeded with params.seed + index on first use, which lives as long as the
-    sequence does (through preemption, gone with it).
+    (an engine Sequence, or a rank's record of one), and `spec_token_ids` where it has drafts. A
+    seeded sequence draws from its own generator, seeded with params.seed + index on first use,
+    which lives as long as the sequence does (through preemption, gone with it).
     """
 
     def __init__(self, seed: int, eos_token_ids: list[int], logprobs_mode: str = "raw_logprobs") -> None:

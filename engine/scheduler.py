@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence, SequenceStatus, num_kept
 
 T = TypeVar("T")  # what the caller samples per sequence: a token id, or the sampler's result
 
@@ -327,9 +327,7 @@ class Scheduler:
         proposed, and the draw after them. The drafts after the first one drawn otherwise leave
         its computed tokens (their KV slots are written over later)."""
         drafts, seq.spec_token_ids = seq.spec_token_ids, []
-        kept = 0
-        while kept < len(drafts) and _token_id(draws[kept]) == drafts[kept]:
-            kept += 1
+        kept = num_kept(drafts, [_token_id(d) for d in draws])
         seq.num_computed_tokens -= len(drafts) - kept
         self.stats.record_drafts(len(drafts), kept)
         return draws[:kept + 1]

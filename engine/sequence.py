@@ -120,3 +120,12 @@ def new_token_ids(seq, n: int) -> list[int]:
     if len(ids) < n:
         ids = list(ids) + list(seq.spec_token_ids[:n - len(ids)])
     return ids
+
+
+def num_kept(drafts: list[int], token_ids: list[int]) -> int:
+    """How many of a step's drafts (engine.speculative) the output keeps: those equal to what
+    their rows drew (token_ids, one per row from the sequence's own on), up to the first that is not."""
+    kept = 0
+    while kept < len(drafts) and token_ids[kept] == drafts[kept]:
+        kept += 1
+    return kept

@@ -30,7 +30,7 @@ from engine.sequence import Sequence
 
 METHODS = ("ngram",)
 # vLLM's methods that need a draft model or heads (none of which kvserve runs)
-MODEL_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 
 
 @dataclass(frozen=True)

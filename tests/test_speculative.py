@@ -3,7 +3,7 @@ greedy output token-exact against HF generate on prompts that repeat themselves 
 are proposed, some kept and some not), under chunked prefill, preemption and the prefix cache,
 with both CPU kernel paths; stop rules, logprobs and seeded sampling as without drafts; the
 requests that must not speculate do not; the config's checks; the metrics. The Triton runner's
-rows for drafts: tests/test_triton_runner.py."""
+rows for drafts: tests/test_triton_runner.py; tensor parallel: tests/test_workers.py."""
 from __future__ import annotations
 
 import random
@@ -21,18 +21,18 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
-def _repeating_prompts(seed: int = 0, lens=(5, 16, 17, 40, 33)) -> list[list[int]]:
+def repeating_prompts(seed: int = 0, lens=(5, 16, 17, 40, 33), vocab: int = 512) -> list[list[int]]:
     """Random segments followed by their first half again: the model's continuation and the
     prompt share n-grams."""
     rng = random.Random(seed)
     out = []
     for n in lens:
-        seg = [rng.randrange(3, 512) for _ in range(n)]
+        seg = [rng.randrange(3, vocab) for _ in range(n)]
         out.append(seg + seg[:n // 2])
     return out
 
 
-PROMPTS = _repeating_prompts()
+PROMPTS = repeating_prompts()
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +98,6 @@ def test_config_forms_defaults_and_refusals():
     for why, value in refused.items():
         with pytest.raises(ValueError, match=re.escape(why)):
             EngineConfig(speculative_config=value)
-    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
-        EngineConfig(speculative_config=NGRAM, tensor_parallel_size=2)
     assert SpeculativeConfig.parse(spec) is spec
 
 

@@ -227,6 +227,31 @@ def test_tp2_sampling_on_the_sampling_rank_matches_tp1(tp2):
     assert len(records) <= 1 and all(isinstance(k, int) for k in records)
 
 
+def test_tp2_speculative_decoding_matches_tp1(ray_cluster, tiny_dirs):
+    """Drafts (engine.speculative) at tp=2: the ranks run them as decode rows, the sampling rank
+    draws at each and its records keep what the engine keeps; greedy is HF-exact, and seeded
+    samples, penalties and logprobs are tp=1's with drafts, through chunked prefill and preemption."""
+    from tests.test_speculative import NGRAM, repeating_prompts
+
+    d = tiny_dirs["gqa"]
+    prompts = repeating_prompts(vocab=509)
+    params = [GREEDY, SAMPLED[0], SAMPLED[1], SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=2,
+                                                             ignore_eos=True), SAMPLED[2]]
+    want = LLM(model=str(d), speculative_config=NGRAM, **ENGINE).generate(prompts, params)
+    llm = LLM(model=str(d), tensor_parallel_size=2, speculative_config=NGRAM, **ENGINE)
+    try:
+        got = llm.generate(prompts, params)
+        assert _samples(got) == _samples(want)
+        assert got[0].outputs[0].token_ids == hf_greedy(d, prompts[:1], MAX_NEW)[0]
+        for ge, we in zip(got[3].outputs[0].logprobs, want[3].outputs[0].logprobs):
+            assert {t: e.logprob for t, e in ge.items()} == pytest.approx({t: e.logprob for t, e in we.items()}, abs=1e-4)
+        stats = llm.engine.stats()
+        assert stats.spec_accepted_tokens > 0 and stats.num_preemptions > 0
+        _assert_clean(llm)
+    finally:
+        llm.engine.executor.shutdown()
+
+
 def test_tp2_a_step_that_raised_in_an_append_leaves_no_record_a_token_ahead(tp2, monkeypatch):
     """Ctrl-C in an append after the sampling rank drew: the record of the sequence the append
     never reached is cut back to the engine's tokens (its penalties read them), so stepping on gives

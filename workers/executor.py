@@ -78,14 +78,21 @@ class RankDraws:
             raise RuntimeError(f"the engine samples rows {rows}, the sampling rank drew rows {d.rows}")
         parent_of: dict[int, int] = {}  # row -> seq id of the sequence that owns it
         results = []
-        self.encoder.drawn = [(seq, seq.num_output_tokens + 1) for seq in seqs]  # before the engine appends
+        # before the engine appends: the tokens each record then holds (a draw with drafts: several)
+        self.encoder.drawn = [(seq, seq.num_output_tokens + (len(t) if isinstance(t, list) else 1))
+                              for seq, t in zip(seqs, d.token_ids)]
         for i, (row, seq) in enumerate(zip(rows, seqs)):
             if row in parent_of:
                 self.encoder.add_fork(parent_of[row], seq)
             else:
                 parent_of[row] = seq.seq_id
+            token = d.token_ids[i]
+            if isinstance(token, list):  # a draw with drafts (engine.speculative): the tokens it keeps
+                asked = d.logprobs.get(i) or [(None, None, None)] * len(token)
+                results.append([SampleResult(t, *lp) for t, lp in zip(token, asked)])
+                continue
             logprob, top, rank = d.logprobs.get(i, (None, None, None))
-            results.append(SampleResult(d.token_ids[i], logprob, top, rank))
+            results.append(SampleResult(token, logprob, top, rank))
         return results
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from engine.outputs import PromptLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence, SequenceStatus, new_token_ids
 
 if TYPE_CHECKING:  # the mask holds a tensor; this module stays free of torch
     from engine.structured.bitmask import GrammarMask
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # the mask holds a tensor; this module stays free of torch
 class SeqDelta:
     seq_id: int
     start: int  # num_computed_tokens before this step: position of token_ids[0]
-    token_ids: list[int]  # the tokens computed this step (a prefill chunk or one decode token)
+    token_ids: list[int]  # the tokens computed this step (a prefill chunk, or a decode token and its drafts)
     num_tokens: int  # the sequence's known tokens: start + len(token_ids) == num_tokens -> sample it
     keep: int  # leading block-table entries still valid on the ranks
     new_blocks: list[int]  # entries after them
@@ -81,9 +81,11 @@ class Draws:
     engine's post-step path (each sampling row, then the children its parent forks there)."""
     sampled: list[int]  # indices into StepMessage.seqs of the rows that sampled, in row order
     rows: list[int]  # per draw: its row (forked children repeat their parent's)
-    token_ids: list[int]  # per draw
+    # per draw; a sequence with drafts (engine.speculative): the tokens it keeps (its kept drafts
+    # and the draw after them), and its logprobs are a list of as many
+    token_ids: list[int | list[int]]
     # draw -> (its logprob, top logprobs, its rank), if asked
-    logprobs: dict[int, tuple[float, list[tuple[int, float]], int]]
+    logprobs: dict[int, tuple[float, list[tuple[int, float]], int] | list[tuple[float, list[tuple[int, float]], int]]]
     prompt_logprobs: dict[int, list[PromptLogprob]] = field(default_factory=dict)  # msg.seqs index -> its prompt logprobs
 
 
@@ -121,7 +123,7 @@ class StepEncoder:
             old = self.sent.get(seq.seq_id, [])
             keep = _common_prefix(old, table)
             scored = seq.prompt_logprob_positions(n)
-            deltas.append(SeqDelta(seq.seq_id, start, seq.token_ids[start:start + n], seq.num_tokens,
+            deltas.append(SeqDelta(seq.seq_id, start, new_token_ids(seq, n), seq.num_tokens,
                                    keep, table[keep:], (scored.start, scored.stop) if scored else None,
                                    seq.lora_int_id))
             self.live[seq.seq_id] = seq
@@ -175,7 +177,7 @@ class SeqView:
     block_table: list[int]
     scored: range = range(0)
     lora_int_id: int | None = None
-    spec_token_ids: tuple = ()  # none: the engine speculates at tensor_parallel_size 1 only
+    spec_token_ids: list[int] = field(default_factory=list)  # its drafts (engine.speculative): its tokens past num_tokens
 
     def prompt_logprob_positions(self, num_new: int) -> range:
         """As Sequence's: the engine worked it out and sent it."""
@@ -201,6 +203,7 @@ class RankMirror:
             del table[d.keep:]
             table.extend(d.new_blocks)
             views.append(SeqView(d.seq_id, _Window(d.start, d.token_ids), d.start, d.num_tokens, table,
-                                 range(*d.scored) if d.scored else range(0), d.lora))
+                                 range(*d.scored) if d.scored else range(0), d.lora,
+                                 d.token_ids[max(0, d.num_tokens - d.start):]))
         return ScheduledBatch(seqs=views, num_new_tokens=[len(d.token_ids) for d in msg.seqs],
                               copies=list(msg.copies))

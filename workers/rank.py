@@ -174,7 +174,8 @@ class RankWorker:
                     pass
             return None
         seq_ids = [d.seq_id for d in msg.seqs]
-        draws = self.sampler.draw(out.logits, out.sampled, [seq_ids[i] for i in out.sampled], msg.sampling.grammar_mask)
+        draws = self.sampler.draw(out.logits, out.sampled, [seq_ids[i] for i in out.sampled], msg.sampling.grammar_mask,
+                                  [batch.seqs[i].spec_token_ids for i in out.sampled])
         if out.prompt_spans:  # only their numbers leave the group, never the logits rows
             prompt = self.sampler.prompt_logprobs(out.prompt_rows.logits(), out.prompt_spans,
                                                   [seq_ids[span.index] for span in out.prompt_spans])

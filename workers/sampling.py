@@ -4,6 +4,7 @@ deltas, and each step's draws made by the engine's own SequenceSampler on the ga
     engine (StepEncoder)                       sampling rank (RankSampler)
     a sequence runs for the first time  ---->  record: index, params, prompt, outputs = []
     each step                                  draws from the logits; each record appends its token
+                                               (with drafts: the drafts it keeps, and the draw after)
                                         <----  Draws: token ids (+ logprobs where asked)
                                                a parent's first draw forks n - 1 child records,
                                                named (parent id, index), and draws for them too
@@ -24,6 +25,7 @@ from engine.outputs import PromptLogprob
 from engine.prompt_logprobs import PromptSpan, prompt_logprobs
 from engine.sampler import SequenceSampler
 from engine.sampling_params import SamplingParams
+from engine.sequence import num_kept
 from engine.structured.bitmask import GrammarMask
 from workers.messages import Draws, SamplingDelta
 
@@ -31,7 +33,7 @@ from workers.messages import Draws, SamplingDelta
 class SampleRecord:
     """What SequenceSampler reads of a sequence (as engine.Sequence offers it)."""
 
-    __slots__ = ("index", "params", "prompt_token_ids", "output_token_ids", "forks", "__weakref__")
+    __slots__ = ("index", "params", "prompt_token_ids", "output_token_ids", "forks", "spec_token_ids", "__weakref__")
 
     def __init__(self, index: int, params: SamplingParams, prompt_token_ids: list[int],
                  output_token_ids: list[int], forks: int = 0) -> None:
@@ -40,6 +42,7 @@ class SampleRecord:
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids = output_token_ids
         self.forks = forks  # children still to fork at the next draw
+        self.spec_token_ids: list[int] = []  # this step's drafts (engine.speculative), while it draws
 
 
 class RankSampler:
@@ -59,12 +62,14 @@ class RankSampler:
             self.records[s.seq_id] = SampleRecord(s.index, s.params, s.prompt_token_ids, [], s.forks)
 
     def draw(self, logits: torch.Tensor, sampled: list[int], seq_ids: list[int],
-             grammar_mask: GrammarMask | None = None) -> Draws:
-        """logits: (R, vocab), row i for sequence seq_ids[i] (the batch's `sampled` sequences);
-        `grammar_mask` rows name the same rows."""
+             grammar_mask: GrammarMask | None = None, drafts: list[list[int]] | None = None) -> Draws:
+        """logits: (R, vocab), row i for sequence seq_ids[i] (the batch's `sampled` sequences),
+        then the rows of their drafts (engine.model_runner.PreparedBatch.sample_rows), drafts[i]
+        being seq_ids[i]'s; `grammar_mask` rows name the same rows."""
         rows, seqs = [], []
         for row, seq_id in enumerate(seq_ids):
             parent = self.records[seq_id]
+            parent.spec_token_ids = drafts[row] if drafts else []
             rows.append(row)
             seqs.append(parent)
             for index in range(1, parent.forks + 1):  # as Scheduler.update_from_output forks
@@ -74,12 +79,21 @@ class RankSampler:
                 seqs.append(child)
             parent.forks = 0
         results = self.sampler.sample(logits, rows, seqs, grammar_mask)
-        logprobs = {}
+        token_ids, logprobs = [], {}
         for i, (seq, result) in enumerate(zip(seqs, results)):
+            if isinstance(result, list):  # with drafts: what the engine's post-step path keeps of them
+                result = result[:num_kept(seq.spec_token_ids, [r.token_id for r in result]) + 1]
+                seq.spec_token_ids = []
+                token_ids.append([r.token_id for r in result])
+                seq.output_token_ids.extend(token_ids[-1])
+                if result[0].logprob is not None:
+                    logprobs[i] = [(r.logprob, r.top_logprobs, r.rank) for r in result]
+                continue
+            token_ids.append(result.token_id)
             seq.output_token_ids.append(result.token_id)
             if result.logprob is not None:
                 logprobs[i] = (result.logprob, result.top_logprobs, result.rank)
-        return Draws(sampled, rows, [r.token_id for r in results], logprobs)
+        return Draws(sampled, rows, token_ids, logprobs)
 
     def prompt_logprobs(self, chunks: Iterable[torch.Tensor], spans: list[PromptSpan],
                         seq_ids: list[int]) -> dict[int, list[PromptLogprob]]:
