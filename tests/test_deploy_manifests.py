@@ -354,7 +354,7 @@ def test_grafana_dashboard():
 
     charted = {name for expr in exprs for name in re.findall(r"\bray_(kvserve_\w+?)(?:_total|_bucket)?\b", expr)}
     wanted = {m.KV_USAGE, m.RUNNING, m.WAITING, m.TTFT, m.ITL, m.PREEMPTIONS, m.PREFIX_HITS, m.PREFIX_QUERIES,
-              m.ENGINE_STEPS, m.ENGINE_STEP_SECONDS}
+              m.ENGINE_STEPS, m.ENGINE_STEP_SECONDS, m.SPEC_DRAFTS, m.SPEC_DRAFT_TOKENS, m.SPEC_ACCEPTED}
     assert wanted <= charted, f"the dashboard charts none of {sorted(wanted - charted)}"
 
 
