@@ -31,6 +31,7 @@ import torch
 from engine.config import LOGPROBS_MODES
 from engine.device_copy import to_device
 from engine.sampling_params import SamplingParams
+from engine.sequence import num_kept
 from engine.structured.bitmask import GrammarMask, apply_grammar_mask
 from engine.token_bans import apply_token_bans
 from engine.token_bans import reads_output as bans_read_output
@@ -348,6 +349,15 @@ def _after_drafts(row: SamplingRow, drafts: list[int]) -> SamplingRow:
     return dataclasses.replace(row, output_token_ids=row.output_token_ids + drafts)
 
 
+def _rewind(generator: torch.Generator, state: torch.Tensor, rows: int, vocab_size: int) -> None:
+    """Set a row's generator to where `rows` draws (one uniform per token each, as
+    Sampler._sample_random draws a row) from `state` leave it."""
+    generator.set_state(state)
+    scratch = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+    for _ in range(rows):
+        scratch.uniform_(generator=generator)
+
+
 def reads_prompt(params: SamplingParams) -> bool:
     """Only the repetition penalty reads a row's prompt tokens; other rows may leave them out."""
     return params.repetition_penalty != 1.0
@@ -383,9 +393,11 @@ class SequenceSampler:
         (as vLLM's). -> one result per sequence.
 
         A sequence with k drafts (its spec_token_ids, engine.speculative) also draws at each of
-        their rows, which follow every sequence's own row, in sequence order: it gets the list of
-        its k + 1 results, its own row's first, drawn in that order from its generator. A draft's
-        row reads the drafts before it as output (penalties, min_tokens, bad words)."""
+        their rows, which follow every sequence's own row, in sequence order; a draft's row reads
+        the drafts before it as output (penalties, min_tokens, bad words). It gets the list of the
+        results its output keeps (engine.sequence.num_kept): those of the drafts drawn as proposed,
+        then the one after them. A seeded sequence's generator is left as if only those rows had
+        drawn, so its tokens are the ones it draws without drafts."""
         if grammar_mask is not None:
             logits = apply_grammar_mask(logits, grammar_mask)
         sampling = [self._row(s, logits.device) for s in seqs]
@@ -398,12 +410,19 @@ class SequenceSampler:
                          for row, s, k in zip(sampling, seqs, drafts) for j in range(k)]
         if len(rows) != logits.shape[0]:
             logits = logits[to_device(rows, torch.long, logits.device)]  # (len(seqs) + drafts, V)
+        seeded = {i: row.generator.get_state() for i, (row, k) in enumerate(zip(sampling, drafts))
+                  if k and row.generator is not None and not row.params.greedy}
         results = self.sampler.sample(logits, sampling)
         if not num_drafts:
             return results
         grouped, next_row = [], len(seqs)
-        for result, k in zip(results, drafts):
-            grouped.append([result] + results[next_row:next_row + k] if k else result)
+        for i, (seq, result, k) in enumerate(zip(seqs, results, drafts)):
+            if k:
+                draws = [result] + results[next_row:next_row + k]
+                result = draws[:num_kept(seq.spec_token_ids, [r.token_id for r in draws]) + 1]
+                if i in seeded:
+                    _rewind(sampling[i].generator, seeded[i], len(result), logits.shape[1])
+            grouped.append(result)
             next_row += k
         return grouped
 

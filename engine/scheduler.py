@@ -184,12 +184,6 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new == 1 and budget > 1 and self.propose is not None and self._draft(seq, budget - 1):
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(1 + len(seq.spec_token_ids))
-                budget -= 1 + len(seq.spec_token_ids)
-                i += 1
-                continue
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()  # newest; never one already scheduled (those are < i)
                 self._preempt(victim)
@@ -201,16 +195,25 @@ class Scheduler:
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
                 i += 1
+        if self.propose is not None and not batch.preempted:
+            budget = self._add_drafts(batch, budget)
         return budget
 
-    def _draft(self, seq: Sequence, budget: int) -> bool:
-        """Give a decoding sequence its drafts for this step, with KV slots for them; False (none
-        set) where it has none, or the free blocks do not hold them: nobody is preempted for drafts."""
-        drafts = self.propose(seq, budget)
-        if not drafts or not self.block_manager.allocate_slots(seq, 1 + len(drafts)):
-            return False
-        seq.spec_token_ids = drafts
-        return True
+    def _add_drafts(self, batch: ScheduledBatch, budget: int) -> int:
+        """Give the running sequences that decode one token this step their drafts, from the budget
+        and the free blocks every running sequence left: nobody is preempted for drafts. Not to a
+        sequence that forks after this token (its children would copy the parent's drafts' state)."""
+        for j, seq in enumerate(batch.seqs):
+            if budget <= 0:
+                break
+            if batch.num_new_tokens[j] != 1 or seq.num_tokens - seq.num_computed_tokens != 1 or seq.pending_forks:
+                continue
+            drafts = self.propose(seq, budget)
+            if drafts and self.block_manager.allocate_slots(seq, 1 + len(drafts)):
+                seq.spec_token_ids = drafts
+                batch.num_new_tokens[j] += len(drafts)
+                budget -= len(drafts)
+        return budget
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         bm = self.block_manager

@@ -171,20 +171,65 @@ def test_stop_rules_and_logprobs_as_without_drafts(tiny):
     _assert_clean(spec)
 
 
+def _samples(outs) -> list[list[list[int]]]:
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
 def test_sampling_with_drafts(tiny):
-    """top_k=1 samples what greedy picks, through the random path; a seed gives the same tokens
-    again; n > 1 samples each speculate."""
+    """top_k=1 samples what greedy picks, through the random path; a seeded request draws the
+    tokens it draws without drafts (its generator is left as if only the kept rows had drawn), at
+    any batch, n > 1 samples included."""
     d, expected = tiny
-    llm = LLM(model=str(d), speculative_config=NGRAM, num_gpu_blocks_override=64)
+    plain, spec = _pair(d)
     top1 = SamplingParams(temperature=0.8, top_k=1, max_tokens=MAX_NEW, ignore_eos=True, seed=3)
-    assert _tokens(llm.generate(PROMPTS, top1)) == expected
-    seeded = SamplingParams(temperature=0.7, max_tokens=MAX_NEW, ignore_eos=True, seed=11, n=2)
-    first, second = llm.generate(PROMPTS, seeded), llm.generate(PROMPTS, seeded)
-    assert [[list(c.token_ids) for c in o.outputs] for o in first] == \
-        [[list(c.token_ids) for c in o.outputs] for o in second]
-    assert all(len(c.token_ids) == MAX_NEW for o in first for c in o.outputs)
-    assert _drafted(llm)[1] > 0
-    _assert_clean(llm)
+    assert _tokens(spec.generate(PROMPTS, top1)) == expected
+    seeded = [SamplingParams(temperature=t, max_tokens=MAX_NEW, ignore_eos=True, seed=11 + i, n=1 + i % 2, top_p=p)
+              for i, (t, p) in enumerate([(0.7, 1.0), (0.3, 1.0), (0.5, 0.9), (1.0, 1.0), (0.2, 0.8)])]
+    want = _samples(plain.generate(PROMPTS, seeded))
+    assert _samples(spec.generate(PROMPTS, seeded)) == want
+    assert _samples(spec.generate(PROMPTS[1:2], seeded[1:2])) == want[1:2]  # alone: the same
+    assert _drafted(spec)[1] > 0
+    _assert_clean(spec)
+
+
+def test_a_prompt_that_forks_after_its_last_token_gets_no_drafts_then(tiny):
+    """n > 1: a prompt whose last chunk is its last token forks after that step; its drafts would
+    be copied into the children's state, so it has none then (its samples draft later)."""
+    from engine.sequence import Sequence
+
+    d, _ = tiny
+    kw = dict(block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
+    plain, spec = _pair(d, **kw)
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17, 10]  # 8 tokens in the first step, then the last alone
+    for params in (SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=12, ignore_eos=True),
+                   SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True)):
+        assert spec.engine.scheduler.propose(Sequence("x", prompt, params, 12), 8) == [11, 12, 13, 14]  # on offer
+        assert _samples(spec.generate([prompt], params)) == _samples(plain.generate([prompt], params))
+        _assert_clean(spec)
+
+
+def test_drafts_never_preempt():
+    """Drafts take what the budget and the free blocks leave after every running sequence has
+    its token: a sequence that would fit without them is never preempted for another's drafts."""
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler, SchedulerConfig
+    from engine.sequence import Sequence
+
+    bm = BlockManager(5, 4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(8, 64), bm, propose=lambda seq, budget: [5, 6, 7][:budget])
+    a = Sequence("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=20), 20)
+    b = Sequence("b", [7, 8, 9, 10, 11, 12, 13, 14], SamplingParams(max_tokens=20), 20)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    sched.update_from_output(batch, batch.sampled(4), lambda rows, seqs: [9] * len(seqs),
+                             lambda seq, t: seq.token_ids.append(t) or False)
+    # 1 block free: b's next token needs it, and a's drafts would too (a's token fits its last
+    # block, its drafts not): a gets none, b's drafts fit the block its token took
+    batch = sched.schedule()
+    assert not batch.preempted and [len(s.spec_token_ids) for s in batch.seqs] == [0, 3]
+    assert batch.num_new_tokens == [1, 4] and bm.num_free_blocks == 0
+    sched.check_integrity()
 
 
 def test_penalties_min_tokens_and_bad_words_read_the_drafts_before(tiny):

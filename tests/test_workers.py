@@ -237,8 +237,9 @@ def test_tp2_speculative_decoding_matches_tp1(ray_cluster, tiny_dirs):
     prompts = repeating_prompts(vocab=509)
     params = [GREEDY, SAMPLED[0], SAMPLED[1], SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=2,
                                                              ignore_eos=True), SAMPLED[2]]
-    want = LLM(model=str(d), speculative_config=NGRAM, **ENGINE).generate(prompts, params)
-    llm = LLM(model=str(d), tensor_parallel_size=2, speculative_config=NGRAM, **ENGINE)
+    engine = {**ENGINE, "max_num_batched_tokens": 32}  # a budget that leaves room for drafts
+    want = LLM(model=str(d), speculative_config=NGRAM, **engine).generate(prompts, params)
+    llm = LLM(model=str(d), tensor_parallel_size=2, speculative_config=NGRAM, **engine)
     try:
         got = llm.generate(prompts, params)
         assert _samples(got) == _samples(want)

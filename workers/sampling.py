@@ -25,7 +25,6 @@ from engine.outputs import PromptLogprob
 from engine.prompt_logprobs import PromptSpan, prompt_logprobs
 from engine.sampler import SequenceSampler
 from engine.sampling_params import SamplingParams
-from engine.sequence import num_kept
 from engine.structured.bitmask import GrammarMask
 from workers.messages import Draws, SamplingDelta
 
@@ -81,8 +80,7 @@ class RankSampler:
         results = self.sampler.sample(logits, rows, seqs, grammar_mask)
         token_ids, logprobs = [], {}
         for i, (seq, result) in enumerate(zip(seqs, results)):
-            if isinstance(result, list):  # with drafts: what the engine's post-step path keeps of them
-                result = result[:num_kept(seq.spec_token_ids, [r.token_id for r in result]) + 1]
+            if isinstance(result, list):  # with drafts: the draws the output keeps (SequenceSampler.sample)
                 seq.spec_token_ids = []
                 token_ids.append([r.token_id for r in result])
                 seq.output_token_ids.extend(token_ids[-1])
