@@ -36,7 +36,7 @@ class SeqDelta:
     seq_id: int
     start: int  # num_computed_tokens before this step: position of token_ids[0]
     token_ids: list[int]  # the tokens computed this step (a prefill chunk, or a decode token and its drafts)
-    num_tokens: int  # the sequence's known tokens: start + len(token_ids) == num_tokens -> sample it
+    num_tokens: int  # the sequence's known tokens: start + len(token_ids) >= num_tokens -> sample it (past it: drafts)
     keep: int  # leading block-table entries still valid on the ranks
     new_blocks: list[int]  # entries after them
     scored: tuple[int, int] | None = None  # positions [a, b) whose logits score prompt tokens (prompt logprobs)
