@@ -75,7 +75,9 @@ def _assert_backend(llm: LLM, enforce_eager: bool) -> None:
     dict(num_gpu_blocks_override=128, block_size=4),
     dict(num_gpu_blocks_override=128, enable_prefix_caching=False),
     dict(num_gpu_blocks_override=12, max_num_batched_tokens=32),  # preemption (as test_engine_exact)
-], ids=["batch", "chunked", "max2seqs", "bs4", "nocache", "preempt"])
+    dict(num_gpu_blocks_override=128, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                          "prompt_lookup_min": 1}),  # drafts: decode rows, graphs
+], ids=["batch", "chunked", "max2seqs", "bs4", "nocache", "preempt", "ngram"])
 def test_exact_on_cuda(case, engine_kwargs, enforce_eager):
     llm = _llm(case, enforce_eager=enforce_eager, **engine_kwargs)
     assert next(llm.engine.executor.model.parameters()).is_cuda

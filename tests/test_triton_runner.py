@@ -167,6 +167,33 @@ def test_decode_steps_padded_to_graph_buckets(tiny, device):
     _assert_clean(llm)
 
 
+def test_decode_steps_with_drafts_replay_graphs(tiny, device):
+    """A decode step whose sequences have drafts is decode rows only: it replays the graph of its
+    rows' bucket (padding rows included), with the torch runner's logits; one with more rows than
+    the largest bucket runs eagerly."""
+    from engine.cuda_graphs import graph_batch_sizes
+    from tests.test_speculative import NGRAM, PROMPTS
+
+    llm, twin = _twin_llm(tiny["gqa"], device, num_gpu_blocks_override=64, max_num_seqs=6, block_size=4,
+                          speculative_config=NGRAM)
+    sizes = graph_batch_sizes(6)  # 1, 2, 4, 6
+    twin.other.graphs = EagerGraphs(twin.other, sizes)
+    replayed = []
+    graph_size = twin.other._graph_size
+
+    def recording(batch):
+        size = graph_size(batch)
+        if size is not None and any(s.spec_token_ids for s in batch.seqs):
+            replayed.append((batch.num_tokens, size))
+        return size
+
+    twin.other._graph_size = recording
+    llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    st = llm.engine.scheduler.stats
+    assert replayed and all(n <= size for n, size in replayed) and 0 < st.spec_accepted_tokens
+    _assert_clean(llm)
+
+
 def test_split_kv_decode_steps(tiny, device, monkeypatch):
     """Decode steps with each program's context split in three (what a GPU does at small batches)
     give the torch runner's logits, in graph buckets with padding sequences too."""
