@@ -55,12 +55,12 @@ class LLMEngine:
         self._timers: dict[str, RequestTimer] = {}
 
     def _drafter(self, config: EngineConfig) -> NgramDrafter | None:
-        """With speculative_config, what proposes drafts (engine.speculative), for the requests that
-        follow no grammar (its matcher takes one token at a time)."""
+        """With speculative_config, what proposes drafts (engine.speculative); not for a grammar
+        held behind its reasoning gate (the gate reads one token at a time)."""
         if config.speculative_config is None:
             return None
         return NgramDrafter(config.speculative_config, self.max_model_len,
-                            lambda seq: seq.params.structured_outputs is None, lambda: len(self.scheduler.running))
+                            lambda seq: seq.seq_id not in self.structured.gates, lambda: len(self.scheduler.running))
 
     def _check_room(self, num_blocks: int) -> None:
         """A pool sized from memory must hold one max_model_len sequence (all but its last token),

@@ -15,8 +15,9 @@ draft d only when x == d is rejection sampling with a one-hot proposal (d is kep
 probability p(d); otherwise x follows p without d, renormalized).
 
 A draft's row reads the drafts before it as output (penalties, min_tokens, bad words of several
-tokens: engine.sampler). Requests that follow a grammar decode one token per step, as do all while
-more than disable_by_batch_size requests run.
+tokens: engine.sampler), and a grammar's mask of the matcher having taken them
+(engine.structured.matchers). A grammar held behind its reasoning gate decodes one token per step,
+as do all requests while more than disable_by_batch_size run.
 """
 from __future__ import annotations
 

@@ -250,23 +250,6 @@ def test_penalties_min_tokens_and_bad_words_read_the_drafts_before(tiny):
     _assert_clean(spec)
 
 
-def test_grammar_requests_get_no_drafts(tiny):
-    """A grammar's matcher takes one token at a time: a constrained sequence is offered no drafts."""
-    from engine.sampling_params import StructuredOutputsParams
-    from engine.sequence import Sequence
-
-    d, _ = tiny
-    llm = LLM(model=str(d), num_gpu_blocks_override=64, speculative_config=NGRAM)
-    propose = llm.engine.scheduler.propose
-    tokens = [5, 6, 7, 8, 5, 6]
-    free = Sequence("a", tokens, SamplingParams(max_tokens=10), 10)
-    constrained = Sequence("b", tokens, SamplingParams(max_tokens=10, structured_outputs=StructuredOutputsParams(
-        choice=["x"])), 10)
-    assert propose(free, 8) == [7, 8, 5, 6] and propose(constrained, 8) == []
-    assert propose(free, 2) == [7, 8]  # within the step's budget
-    assert propose(Sequence("c", tokens, SamplingParams(max_tokens=3), 3), 8) == [7, 8]  # and max_tokens
-
-
 def test_disable_by_batch_size(tiny):
     d, expected = tiny
     llm = LLM(model=str(d), num_gpu_blocks_override=64, speculative_config={**NGRAM, "disable_by_batch_size": 2})
@@ -348,4 +331,49 @@ def test_lora_adapters_with_drafts(tiny, tmp_path):
     assert _tokens(spec.generate(PROMPTS, GREEDY, lora_request=which)) == want
     assert want != _tokens(plain.generate(PROMPTS, GREEDY))  # the adapters change the output
     assert adapted_drafts and _drafted(spec)[1] > 0
+    _assert_clean(spec)
+
+
+def test_structured_outputs_with_drafts(smollm2_path, tmp_path):
+    """A grammar's request drafts too: each draft row gets the mask of the matcher having taken the
+    drafts before it (rows after a draft the grammar refuses stay unmasked: nothing after it is
+    kept), and the matcher is rolled back; outputs are the ones without drafts, and valid."""
+    import json
+
+    from engine.structured import StructuredOutputsParams as S
+
+    d = make_tiny_llama(tmp_path / "m", smollm2_path, "gqa", vocab_size=49152)  # every token the grammar forces
+    kw = dict(num_gpu_blocks_override=128, max_model_len=512, max_num_batched_tokens=64)
+    plain, spec = _pair(d, **{k: v for k, v in kw.items() if k != "num_gpu_blocks_override"})
+    constrained = []
+    execute = spec.engine.executor.execute
+
+    def recording(batch, mask=None):
+        if mask is not None:
+            constrained.append(len(mask.rows) - len([i for i in mask.rows if i < len(batch.sampled(16))]))
+        return execute(batch, mask)
+
+    spec.engine.executor.execute = recording
+    schema = {"type": "array", "items": {"enum": ["alpha", "beta"]}, "minItems": 8, "maxItems": 8}
+    rng = random.Random(0)
+    prompts = [[rng.randrange(17, 49152) for _ in range(n)] for n in (5, 12, 30)]
+    params = [SamplingParams(temperature=0, max_tokens=80, structured_outputs=S(json=schema)),
+              SamplingParams(temperature=0, max_tokens=80, structured_outputs=S(regex="(ab|cd){12}")),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=80, structured_outputs=S(json=schema))]
+    want = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    assert _samples(got) == _samples(want)
+    assert len(json.loads(got[0].outputs[0].text)) == 8 and len(got[1].outputs[0].text) == 24
+    assert sum(constrained) > 0 and _drafted(spec)[1] > 0  # draft rows were masked, drafts kept
+    _assert_clean(spec)
+    # A grammar held behind its reasoning gate (which reads one token at a time) is offered none.
+    eng, tokens = spec.engine, [50, 60, 70, 80, 50, 60]
+    eng.add_request("gated", tokens, SamplingParams(max_tokens=10, structured_outputs=S(json=schema, reasoning_end="\n")))
+    eng.add_request("open", tokens, SamplingParams(max_tokens=10, structured_outputs=S(json=schema)))
+    assert eng.scheduler.propose(eng.requests["gated"].seqs[0], 8) == []
+    assert eng.scheduler.propose(eng.requests["open"].seqs[0], 8) == [70, 80, 50, 60]
+    assert eng.scheduler.propose(eng.requests["open"].seqs[0], 2) == [70, 80]  # within the step's budget
+    eng.add_request("short", tokens, SamplingParams(max_tokens=3))
+    assert eng.scheduler.propose(eng.requests["short"].seqs[0], 8) == [70, 80]  # and max_tokens (2 + the next)
+    eng.abort("gated"), eng.abort("open"), eng.abort("short")
     _assert_clean(spec)

@@ -3,6 +3,7 @@
 Each step, before the model runs:   mask(sampling sequences)  -> GrammarMask (or None)
     fills the constrained rows' bitmasks with llguidance's parallel executor; the mask travels
     with the step to wherever the logits are sampled (this process at tp=1, rank 0 at tp > 1).
+    (a sequence's drafts, engine.speculative, get the masks of the matcher having taken them)
 After the draw, for each sequence:  accept(seq, token)         -> None | "stop" | an error
     the matcher consumes the sampled token: a grammar that is complete ends the sequence, one
     that rejects the token (or fails inside llguidance) ends its request with an error.
@@ -90,7 +91,31 @@ class GrammarMatchers:
         for j, (i, _) in enumerate(rows):
             if (gate := self.gates.get(seqs[i].seq_id)) is not None:  # opening: its token is allowed too
                 words[j, gate.opener // 32] |= np.uint32(1 << gate.opener % 32)
-        return GrammarMask([i for i, _ in rows], bits)
+        mask_rows = [i for i, _ in rows]
+        drafted = self._draft_masks(seqs, mask_rows, row_bytes)
+        return GrammarMask(mask_rows, torch.cat([bits, *drafted]) if drafted else bits)
+
+    def _draft_masks(self, seqs: list, mask_rows: list[int], row_bytes: int) -> list[torch.Tensor]:
+        """The masks of constrained sequences' draft rows (engine.speculative), which follow the
+        sampling sequences' own rows in their order: the row after drafts[:j + 1] gets the mask of
+        the matcher having taken them. The rows after a draft the grammar refuses stay unmasked:
+        the row before it cannot draw it, so nothing after it is kept. Their rows are appended to
+        `mask_rows`; the matchers are rolled back to where they were."""
+        out, first = [], len(seqs)
+        for seq in seqs:
+            drafts = seq.spec_token_ids
+            matcher = self.matchers.get(seq.seq_id) if drafts else None
+            if matcher is not None and not matcher.is_error():
+                valid = matcher.validate_tokens(drafts)
+                bits = torch.zeros((valid, self.words), dtype=torch.int32)
+                for j in range(valid):
+                    matcher.consume_token(drafts[j])
+                    matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), row_bytes)
+                matcher.rollback(valid)
+                mask_rows.extend(range(first, first + valid))
+                out.append(bits)
+            first += len(drafts)
+        return out
 
     def accept(self, seq, token_id: int) -> str | None:
         """Feed `seq` its sampled token. -> None (go on; also for unconstrained sequences), STOP
