@@ -103,7 +103,7 @@ class GrammarMatchers:
         `mask_rows`; the matchers are rolled back to where they were."""
         out, first = [], len(seqs)
         for seq in seqs:
-            drafts = seq.spec_token_ids
+            drafts = getattr(seq, "spec_token_ids", ())  # (anything with a seq_id samples here)
             matcher = self.matchers.get(seq.seq_id) if drafts else None
             if matcher is not None and not matcher.is_error():
                 valid = matcher.validate_tokens(drafts)
