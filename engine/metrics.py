@@ -176,7 +176,8 @@ class EngineMetrics:
     def __init__(self, sinks: Mapping[str, object], clock: Callable[[], float] = time.monotonic) -> None:
         self.sinks = sinks
         self.clock = clock
-        self._totals: dict[tuple[str, str | None], float] = {}  # (counter, step kind) -> engine total seen so far
+        # (counter, its tag) -> the engine's total seen so far
+        self._totals: dict[tuple[str, tuple[str, str] | None], float] = {}
 
     def start_request(self, num_prompt_tokens: int, n: int = 1, max_tokens: int | None = None) -> RequestTimer:
         """`n`, `max_tokens`: the request's parameters, for their histograms (max_tokens None: not recorded)."""
@@ -190,22 +191,20 @@ class EngineMetrics:
         if stats.max_lora:
             self.sinks[LORA_INFO].set(stats.timestamp, dict(zip(LORA_TAGS, (
                 ",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters), str(stats.max_lora)))))
-        for name, kind, total in ((PREEMPTIONS, None, stats.num_preemptions),
-                                  (PREFIX_QUERIES, None, stats.prefix_query_tokens),
-                                  (PREFIX_HITS, None, stats.prefix_hit_tokens),
-                                  (ENGINE_STEPS, "prefill", stats.prefill_steps),
-                                  (ENGINE_STEP_SECONDS, "prefill", stats.prefill_step_seconds),
-                                  (ENGINE_STEPS, "decode", stats.decode_steps),
-                                  (ENGINE_STEP_SECONDS, "decode", stats.decode_step_seconds)):
-            self._inc(name, total - self._totals.get((name, kind), 0), {STEP_KIND: kind} if kind else None)
-            self._totals[name, kind] = total
+        # (counter, its tag, the engine's total): a tag is (key, value), or None
+        counts = [(PREEMPTIONS, None, stats.num_preemptions), (PREFIX_QUERIES, None, stats.prefix_query_tokens),
+                  (PREFIX_HITS, None, stats.prefix_hit_tokens),
+                  (ENGINE_STEPS, (STEP_KIND, "prefill"), stats.prefill_steps),
+                  (ENGINE_STEP_SECONDS, (STEP_KIND, "prefill"), stats.prefill_step_seconds),
+                  (ENGINE_STEPS, (STEP_KIND, "decode"), stats.decode_steps),
+                  (ENGINE_STEP_SECONDS, (STEP_KIND, "decode"), stats.decode_step_seconds)]
         if stats.spec_draft_tokens:
-            counts = [(SPEC_DRAFTS, None, stats.spec_drafts), (SPEC_DRAFT_TOKENS, None, stats.spec_draft_tokens),
-                      (SPEC_ACCEPTED, None, stats.spec_accepted_tokens)]
-            counts += [(SPEC_ACCEPTED_PER_POS, str(k), n) for k, n in enumerate(stats.spec_accepted_per_pos)]
-            for name, position, total in counts:
-                self._inc(name, total - self._totals.get((name, position), 0), {POSITION: position} if position else None)
-                self._totals[name, position] = total
+            counts += [(SPEC_DRAFTS, None, stats.spec_drafts), (SPEC_DRAFT_TOKENS, None, stats.spec_draft_tokens),
+                       (SPEC_ACCEPTED, None, stats.spec_accepted_tokens)]
+            counts += [(SPEC_ACCEPTED_PER_POS, (POSITION, str(k)), n) for k, n in enumerate(stats.spec_accepted_per_pos)]
+        for name, tag, total in counts:
+            self._inc(name, total - self._totals.get((name, tag), 0), dict([tag]) if tag else None)
+            self._totals[name, tag] = total
 
     # -- what RequestTimer reports ---------------------------------------------------------------
     def first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:

@@ -50,40 +50,33 @@ class StatLogger:
         self.interval_s = interval_s
         self.clock = clock
         self._since = clock()
-        # The engine's counts when the interval began (None until the first snapshot).
-        self._prompt = self._generated = 0
-        self._preemptions: int | None = None
+        self._start: EngineStats | None = None  # the engine's counts when the interval began (None: no snapshot yet)
         self._was_busy = False
-        self._spec: EngineStats | None = None  # the snapshot the interval began with (its draft counts)
 
     def line(self, stats: EngineStats) -> str | None:
         """-> the line that ends the interval, or None (the interval goes on, or it and the one
         before it were idle)."""
-        if self._preemptions is None:  # the first snapshot: the engine's counts so far are not this interval's
-            self._prompt, self._generated = stats.prompt_tokens, stats.generation_tokens
-            self._preemptions = stats.num_preemptions
-            self._spec = stats
+        if self._start is None:  # the first snapshot: the engine's counts so far are not this interval's
+            self._start = stats
         now = self.clock()
         elapsed = now - self._since
         if elapsed < self.interval_s:
             return None
-        prompt_rate = (stats.prompt_tokens - self._prompt) / elapsed
-        generation_rate = (stats.generation_tokens - self._generated) / elapsed
-        preempted = stats.num_preemptions - self._preemptions
-        self._since, self._prompt, self._generated = now, stats.prompt_tokens, stats.generation_tokens
-        self._preemptions = stats.num_preemptions
+        start, self._start, self._since = self._start, stats, now
+        prompt_rate = (stats.prompt_tokens - start.prompt_tokens) / elapsed
+        generation_rate = (stats.generation_tokens - start.generation_tokens) / elapsed
+        preempted = stats.num_preemptions - start.num_preemptions
         busy = bool(prompt_rate or generation_rate or stats.num_running or stats.num_waiting or preempted)
         was_busy, self._was_busy = self._was_busy, busy
         if not (busy or was_busy):
             return None
         queried = stats.prefix_query_tokens
         hit_rate = 100.0 * stats.prefix_hit_tokens / queried if queried else 0.0
-        spec, self._spec = self._spec, stats
         return (f"Avg prompt throughput: {prompt_rate:.1f} tokens/s, "
                 f"Avg generation throughput: {generation_rate:.1f} tokens/s, "
                 f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
                 f"KV cache usage: {100.0 * stats.kv_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%, "
-                f"Preemptions: {preempted}") + _spec_line(spec, stats, elapsed)
+                f"Preemptions: {preempted}") + _spec_line(start, stats, elapsed)
 
 
 def _spec_line(before: EngineStats, now: EngineStats, elapsed: float) -> str:
