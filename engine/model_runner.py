@@ -157,7 +157,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """-> logits (N + D, vocab) float32 for the N sequences that finished their prefill or decode
-        and their D drafts (PreparedBatch.sample_rows), the sequences' indices into batch.seqs, and the logits of the rows that score prompt tokens.
+        and their D drafts (PreparedBatch.sample_rows), the sequences' indices into batch.seqs, and
+        the logits of the rows that score prompt tokens.
         Those come from this same pass, in a second lm_head call so that the sampled rows' logits
         are computed exactly as without them."""
         self._zero_new_blocks(batch)

@@ -86,6 +86,6 @@ class TritonModelRunner(ModelRunner):
     def _graph_size(self, batch: ScheduledBatch) -> int | None:
         """The captured batch size this step replays at, or None to run eagerly. A decode with
         drafts (engine.speculative) is decode rows too: a step of decodes replays at its rows."""
-        if self.graphs is None or any(n != 1 and not s.spec_token_ids for s, n in zip(batch.seqs, batch.num_new_tokens)):
+        if self.graphs is None or batch.num_prefill_chunks:
             return None
         return self.graphs.size_for(batch.num_tokens)
