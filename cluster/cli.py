@@ -15,6 +15,7 @@ import sys
 
 from cluster.engine_args import add_engine_args, engine_config_from_args
 from cluster.serve_cli import add_serve_parser
+from cluster.vllm_argv import dashed_flags, dotted_json_flags, expand_config
 from engine.version import kvserve_version
 
 
@@ -49,27 +50,34 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens")
     add_engine_args(gen)  # its --seed also seeds this request's sampler
     gen.set_defaults(func=_generate, parser=gen)
-    add_serve_parser(commands)
+    serve = add_serve_parser(commands)
+    for sub in (gen, serve):  # read before parsing (cluster.vllm_argv); here for --help
+        sub.add_argument("--config", metavar="FILE.yaml",
+                         help="flags from a YAML file, as vLLM's: `port: 8000`, `tensor-parallel-size: 2`, "
+                              "`enable-prefix-caching: false`; flags on the command line win over it")
     return parser
 
 
-def dashed_flags(argv: list[str]) -> list[str]:
-    """vLLM's spelling freedom: `--max_num_seqs=8` is `--max-num-seqs=8` (its scripts and
-    manifests use both). Only a flag's name changes, never a value, and nothing after a bare `--`."""
-    out = []
-    for i, arg in enumerate(argv):
-        if arg == "--":
-            return out + argv[i:]
-        if arg.startswith("--"):
-            name, eq, value = arg.partition("=")
-            arg = "--" + name[2:].replace("_", "-") + eq + value
-        out.append(arg)
-    return out
+def _flags(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of the parser's sub-commands."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {flag for sub in commands.choices.values() for flag in sub._option_string_actions}
+
+
+def vllm_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """argv with vLLM's spellings (--config FILE, --max_num_seqs, --speculative-config.key V)
+    in the ones argparse reads (cluster.vllm_argv)."""
+    flags = _flags(parser)
+    return dotted_json_flags(dashed_flags(expand_config(argv, flags.__contains__)))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args, unknown = parser.parse_known_args(dashed_flags(sys.argv[1:] if argv is None else argv))
+    try:
+        argv = vllm_argv(parser, sys.argv[1:] if argv is None else argv)
+    except ValueError as e:
+        parser.exit(2, f"kvserve: error: {e}\n")
+    args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's own parser, so that its hint names `kvserve serve --help`
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:

@@ -134,6 +134,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}; also '
              '"disable_by_batch_size": N (no drafts while more than N requests run). Greedy output is '
              'unchanged; requests with penalties, min_tokens or structured outputs decode without drafts')
+    g.add_argument("--spec-method", choices=["ngram"], default=argparse.SUPPRESS,
+                   help="vLLM's shorthand for --speculative-config's method")
+    g.add_argument("--spec-model", metavar="MODEL", default=argparse.SUPPRESS,
+                   help="vLLM's shorthand for --speculative-config's model (only \"[ngram]\": no draft models here)")
+    g.add_argument("--spec-tokens", type=int, metavar="K", default=argparse.SUPPRESS,
+                   help="vLLM's shorthand for --speculative-config's num_speculative_tokens")
+    add("--cudagraph-capture-sizes", type=int, nargs="+", metavar="N",
+        help="CUDA: the decode step sizes (rows) to capture graphs at, as vLLM's flag; a step pads to the "
+             "next one, and one larger than all runs eagerly (default: 1, 2, 4, 8, then steps of 8 to 64 "
+             "and of 16, up to --max-cudagraph-capture-size)")
+    add("--max-cudagraph-capture-size", type=int, metavar="N",
+        help="CUDA: the largest decode step captured (default: --max-num-seqs)")
     _add_vllm_only_flags(parser)
     return parser
 
@@ -141,7 +153,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 # how the CLI reads each of engine.vllm_args.NO_EFFECT
 _NO_EFFECT_KINDS = {"disable_custom_all_reduce": dict(action="store_true"),
                     "max_seq_len_to_capture": dict(type=int, metavar="N"),
-                    "swap_space": dict(type=float, metavar="GIB")}
+                    "swap_space": dict(type=float, metavar="GIB"),
+                    "async_scheduling": dict(action=argparse.BooleanOptionalAction),
+                    "hf_token": dict(nargs="?", const=True, metavar="TOKEN")}
 
 
 def _only(name: str):
@@ -171,7 +185,9 @@ def _add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(ns: argparse.Namespace) -> dict:
-    """EngineConfig keyword arguments for the flags that were given (model included)."""
+    """EngineConfig keyword arguments for the flags that were given (model included); vLLM's
+    --spec-* shorthands go into speculative_config (ValueError for a key given twice)."""
     from engine.config import EngineConfig
+    from engine.vllm_args import with_spec_shorthands
 
-    return {k: v for k, v in vars(ns).items() if k in EngineConfig.field_names()}
+    return {k: v for k, v in with_spec_shorthands(vars(ns)).items() if k in EngineConfig.field_names()}

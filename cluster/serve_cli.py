@@ -122,6 +122,9 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     cluster.add_argument("--num-replicas", type=int, metavar="R",
                          help="engine replicas (default: 1); with --autoscale, the count to start from "
                               "(default: --min-replicas)")
+    cluster.add_argument("-dp", "--data-parallel-size", type=int, metavar="N",
+                         help="vLLM's data parallelism: here --num-replicas, each replica a whole engine (its "
+                              "-tp ranks included) behind the router")
     cluster.add_argument("--api-server-count", type=int, dest="num_ingress_replicas", metavar="N",
                          help="ingress replicas: the processes that parse requests, apply the chat template, "
                               "tokenize and relay the engines' streams (default: 1; one relays ~3,000 "
@@ -227,6 +230,10 @@ def app_args_from_cli(ns: argparse.Namespace) -> dict:
         ns.model = ns.model_tag
     args = engine_config_from_args(ns)
     args.update({k: getattr(ns, k) for k in _SERVE_FLAGS if getattr(ns, k, None) is not None})
+    if ns.data_parallel_size is not None:
+        if args.setdefault("num_replicas", ns.data_parallel_size) != ns.data_parallel_size:
+            raise ValueError(f"--data-parallel-size {ns.data_parallel_size} and --num-replicas {args['num_replicas']} "
+                             "disagree: they name the same count (engine replicas); give one")
     if len(args.get("served_model_name", ())) == 1:  # one name: the plain string a config file holds
         args["served_model_name"] = args["served_model_name"][0]
     return args

@@ -44,6 +44,10 @@ class EngineConfig:
     # or "package.module:Class" of an Executor built as Class(config).
     distributed_executor_backend: str = "ray"
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (vLLM's --enforce-eager)
+    # CUDA: the decode step sizes (rows) graphs are captured at (vLLM's --cudagraph-capture-sizes),
+    # else engine.cuda_graphs' buckets up to max_cudagraph_capture_size (default max_num_seqs)
+    cudagraph_capture_sizes: tuple | None = None
+    max_cudagraph_capture_size: int | None = None
     stream_interval: int = 1  # a running request's output every N tokens (the first and the last at once)
     # Logprobs a request may ask per token (logprobs, prompt_logprobs), vLLM's --max-logprobs: its
     # default is OpenAI's top_logprobs bound; -1: no cap (a request's -1 asks the whole vocabulary).
@@ -113,6 +117,7 @@ class EngineConfig:
              f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         need(self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        self._check_capture_sizes(need)
         need(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
         need(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         need(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
@@ -124,6 +129,20 @@ class EngineConfig:
         need(self.distributed_executor_backend == "ray" or ":" in self.distributed_executor_backend,
              f"distributed_executor_backend must be 'ray' or 'package.module:Class' (vLLM's 'mp' and 'uni' "
              f"only with tensor_parallel_size 1), got {self.distributed_executor_backend!r}")
+
+    def _check_capture_sizes(self, need) -> None:
+        sizes, largest = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size
+        need(largest is None or largest >= 1, f"max_cudagraph_capture_size must be >= 1, got {largest}")
+        if sizes is None:
+            return
+        need(isinstance(sizes, (list, tuple)) and all(isinstance(s, numbers.Integral) and not isinstance(s, bool)
+                                                      and s >= 1 for s in sizes),
+             f"cudagraph_capture_sizes must be a list of integers >= 1, got {sizes!r}")
+        sizes = tuple(sorted({int(s) for s in sizes}))
+        if sizes and largest is not None:
+            need(largest == sizes[-1], f"max_cudagraph_capture_size ({largest}) must be the largest of "
+                                       f"cudagraph_capture_sizes ({sizes[-1]})")
+        object.__setattr__(self, "cudagraph_capture_sizes", sizes)
 
     @classmethod
     def field_names(cls) -> set[str]:

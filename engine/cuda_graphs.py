@@ -24,6 +24,13 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes + [max_num_seqs]))
 
 
+def capture_sizes(given: tuple[int, ...] | None, largest: int | None, max_num_seqs: int, max_rows: int) -> list[int]:
+    """The sizes to capture: those given (vLLM's cudagraph_capture_sizes), else the buckets up to
+    `largest` (default max_num_seqs); none beyond the `max_rows` a step can hold."""
+    sizes = sorted(set(given)) if given is not None else graph_batch_sizes(largest or max_num_seqs)
+    return [s for s in sizes if s <= max_rows]
+
+
 class DecodeGraphs:
     """`setup(size)` puts padding inputs for `size` rows into the static buffers (outside the
     graph); `body(size)` is the captured forward, returning its (size, hidden) output."""

@@ -33,19 +33,24 @@ def num_speculative_tokens(config: EngineConfig) -> int:
     return 0 if spec is None else spec.num_speculative_tokens
 
 
+def triton_runner(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], config: EngineConfig,
+                  max_model_len: int, device: torch.device):
+    from engine.triton_runner import TritonModelRunner
+
+    return TritonModelRunner(model, kv_caches, config.block_size, device, config.max_num_seqs,
+                             config.max_num_batched_tokens, max_model_len, num_speculative_tokens(config),
+                             config.cudagraph_capture_sizes, config.max_cudagraph_capture_size)
+
+
 def make_runner(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], config: EngineConfig,
                 max_model_len: int, device: torch.device, graphs: bool = True) -> ModelRunner:
     if not triton_backend(device):
         logger.info("attention backend: torch%s", " + native CPU kernels" if _native_cpu() else "")
         return ModelRunner(model, kv_caches, config.block_size, device)
-    from engine.triton_runner import TritonModelRunner
-
-    runner = TritonModelRunner(model, kv_caches, config.block_size, device, config.max_num_seqs,
-                               config.max_num_batched_tokens, max_model_len, num_speculative_tokens(config))
-    graphs = graphs and not config.enforce_eager
-    sizes = runner.capture_graphs() if graphs else []
+    runner = triton_runner(model, kv_caches, config, max_model_len, device)
+    sizes = runner.capture_graphs() if graphs and not config.enforce_eager else []
     logger.info("attention backend: triton (paged, in place); CUDA graphs: %s",
-                f"decode batches of {', '.join(map(str, sizes))}" if graphs else "off (eager)")
+                f"decode steps of {', '.join(map(str, sizes))} rows" if sizes else "off (eager)")
     return runner
 
 
@@ -65,8 +70,6 @@ def cuda_step_bytes(model: LlamaModel, config: EngineConfig, max_model_len: int,
     """Device memory a step needs beyond the weights and the KV pool: the largest step's peak
     (activations, logits) and the decode graphs' pool, measured on a one-block pool that is freed
     again, so that the real pool can be sized from what is left."""
-    from engine.triton_runner import TritonModelRunner
-
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_reserved(device)
@@ -74,8 +77,7 @@ def cuda_step_bytes(model: LlamaModel, config: EngineConfig, max_model_len: int,
     a = model.arch
     kv = allocate_kv_cache(a.num_layers, 1, config.block_size, kv_heads, a.head_dim, next(model.parameters()).dtype,
                            device)
-    runner = TritonModelRunner(model, kv, config.block_size, device, config.max_num_seqs,
-                               config.max_num_batched_tokens, max_model_len, num_speculative_tokens(config))
+    runner = triton_runner(model, kv, config, max_model_len, device)
     runner.profile_run()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_reserved(device) - base
@@ -86,10 +88,11 @@ def cuda_step_bytes(model: LlamaModel, config: EngineConfig, max_model_len: int,
         runner.capture_graphs()
         torch.cuda.synchronize(device)
         peak += torch.cuda.max_memory_reserved(device) - reserved
+    rows = runner.inputs.max_seqs  # a sampled row per sequence, and per draft
     del runner, kv
     gc.collect()
     torch.cuda.empty_cache()
-    logits = config.max_num_seqs * a.vocab_size * 4
+    logits = rows * a.vocab_size * 4
     # The sampler's float32 copies of the logits (probs, noise, ...; the processed logprobs modes
     # keep the drawn-from logits and their log-softmax too), and prompt logprobs' chunk of logits
     # with its log-softmax temporaries.

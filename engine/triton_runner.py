@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.lora import adapters_of
 from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner, RunnerOutput
@@ -22,21 +22,25 @@ class TritonModelRunner(ModelRunner):
 
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  device: torch.device, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 num_speculative_tokens: int = 0) -> None:
-        """`num_speculative_tokens`: the drafts a sequence may run per step, each its own decode row."""
+                 num_speculative_tokens: int = 0, graph_sizes: tuple[int, ...] | None = None,
+                 max_graph_size: int | None = None) -> None:
+        """`num_speculative_tokens`: the drafts a sequence may run per step, each its own decode row.
+        `graph_sizes`, `max_graph_size`: vLLM's cudagraph_capture_sizes and max_cudagraph_capture_size."""
         super().__init__(model, kv_caches, block_size, device)
         max_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.inputs = StepInputs(max_tokens, min(max_tokens, max_num_seqs * (1 + num_speculative_tokens)),
                                  -(-max_model_len // block_size), block_size, device)
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.graph_sizes = capture_sizes(graph_sizes, max_graph_size, max_num_seqs, self.inputs.max_seqs)
         self.graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()  # as execute() replays them
     def capture_graphs(self) -> list[int]:
         """Capture one decode graph per batch-size bucket (CUDA only); -> the bucket sizes."""
-        sizes = graph_batch_sizes(self.max_num_seqs)
-        self.graphs = DecodeGraphs(self._graph_setup, lambda size: self._forward(self._decode_layout(size)), sizes)
-        return sizes
+        if self.graph_sizes:
+            self.graphs = DecodeGraphs(self._graph_setup, lambda size: self._forward(self._decode_layout(size)),
+                                       self.graph_sizes)
+        return self.graph_sizes
 
     @torch.inference_mode()
     def profile_run(self) -> None:

@@ -4,6 +4,8 @@ value is refused, saying why), and those that change nothing here. The CLI makes
 this table (cluster.engine_args); the offline `LLM` takes the same keywords."""
 from __future__ import annotations
 
+import json
+
 # name -> (the values taken, as the CLI spells them; why)
 ONLY_AT = {
     "kv_cache_dtype": (("auto",), "the KV cache is in the model's dtype (vLLM's auto); fp8 caches are not implemented"),
@@ -16,6 +18,8 @@ NO_EFFECT = {
     "disable_custom_all_reduce": "tensor parallelism all-reduces with torch.distributed (NCCL, gloo), no custom kernel",
     "max_seq_len_to_capture": "the decode CUDA graphs replay at any context length",
     "swap_space": "preempted sequences are recomputed (as in vLLM V1), not swapped to CPU memory",
+    "async_scheduling": "each step is scheduled after the last one's tokens; the outputs are the same",
+    "hf_token": "models come from local folders or the local Hugging Face cache: nothing is downloaded",
 }
 
 
@@ -32,14 +36,16 @@ AT_DEFAULT = {
     "hf_overrides": (({},), "the model's config is read as it is"),
     "mm_processor_kwargs": (({},), "text models only"),
     "kv_transfer_config": (({},), "no disaggregated prefill"),
+    "data_parallel_size": ((1,), "one engine per LLM; a server's engine replicas are its data parallelism "
+                                 "(`kvserve serve -dp N`)"),
 }
 # the same, that change nothing here; name -> why
 AT_ANY = {
-    "hf_token": "models come from local folders or the local Hugging Face cache: nothing is downloaded",
     "compilation_config": "no torch.compile; CUDA graphs for decode steps unless enforce_eager",
-    "async_scheduling": "each step is scheduled after the last one's tokens; the outputs are the same",
     "limit_mm_per_prompt": "text models: no multi-modal inputs to limit",
 }
+# vLLM's shorthands for keys of speculative_config: --spec-method, --spec-model, --spec-tokens
+SPEC_SHORTHANDS = {"spec_method": "method", "spec_model": "model", "spec_tokens": "num_speculative_tokens"}
 
 
 def refused(name: str, value) -> str | None:
@@ -50,8 +56,31 @@ def refused(name: str, value) -> str | None:
     return None
 
 
+def with_spec_shorthands(kwargs: dict) -> dict:
+    """`kwargs` with SPEC_SHORTHANDS' arguments put into speculative_config (a dict, its JSON or
+    None), as vLLM does; ValueError where both give one key, as vLLM's."""
+    given = {key: kwargs[name] for name, key in SPEC_SHORTHANDS.items() if kwargs.get(name) is not None}
+    kwargs = {k: v for k, v in kwargs.items() if k not in SPEC_SHORTHANDS}
+    if not given:
+        return kwargs
+    config = kwargs.get("speculative_config") or {}
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError as e:
+            raise ValueError(f"speculative_config: not JSON ({e}): {config!r}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"speculative_config must be a dict or its JSON, got {config!r}")
+    for key in given.keys() & config.keys():
+        flag = next(name for name, k in SPEC_SHORTHANDS.items() if k == key).replace("_", "-")
+        raise ValueError(f"--{flag} and --speculative-config['{key}'] are mutually exclusive")
+    return {**kwargs, "speculative_config": {**config, **given}}
+
+
 def without_vllm_only(kwargs: dict) -> dict:
-    """`kwargs` less the arguments of these tables; ValueError for one at a value kvserve cannot take."""
+    """`kwargs` less the arguments of these tables, vLLM's speculative shorthands put into
+    speculative_config; ValueError for one at a value kvserve cannot take."""
+    kwargs = with_spec_shorthands(kwargs)
     for name, value in kwargs.items():
         if (why := refused(name, value)) is not None:
             raise ValueError(f"{name}: {why}")

@@ -1,6 +1,7 @@
 import argparse
 import contextlib
 import importlib.metadata
+import json
 import os
 import signal
 import subprocess
@@ -54,8 +55,8 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
         "--stream-interval", "4", "--distributed-executor-backend", "ray", "--enforce-eager", "--trust-remote-code",
         "--max-logprobs", "5", "--revision", "v1", "--tokenizer-revision", "v2", "--download-dir", "/hub",
         "--scheduling-policy", "priority", "--logprobs-mode", "processed_logits", "--enable-lora", "--max-loras", "2",
-        "--max-lora-rank", "32", "--max-cpu-loras", "3",
-        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'])
+        "--max-lora-rank", "32", "--max-cpu-loras", "3", "--cudagraph-capture-sizes", "1", "4", "8",
+        "--max-cudagraph-capture-size", "8", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'])
     kwargs = engine_config_from_args(ns)
     assert set(kwargs) == EngineConfig.field_names()
     spec = EngineConfig(speculative_config=kwargs.pop("speculative_config")).speculative_config  # tp 1 only
@@ -70,6 +71,7 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
     assert engine_config_from_args(relative)["download_dir"] == os.path.join(os.getcwd(), "hub")  # as replicas see it
     assert config.scheduling_policy == "priority"
     assert (config.enable_lora, config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (True, 2, 32, 3)
+    assert (config.cudagraph_capture_sizes, config.max_cudagraph_capture_size) == ((1, 4, 8), 8)
 
 
 def test_flags_not_given_leave_engine_config_defaults():
@@ -103,7 +105,7 @@ def test_vllm_spellings_of_engine_flags():
 
 
 def test_flags_spelled_with_underscores_as_vllm_takes_them():
-    from cluster.cli import dashed_flags
+    from cluster.vllm_argv import dashed_flags
 
     argv = ["serve", "--max_num_seqs", "8", "--max_model_len=2K", "--enable_prefix-caching", "-tp", "2",
             "--served-model-name", "a_b", "--", "--not_a_flag"]
@@ -116,7 +118,8 @@ def test_flags_spelled_with_underscores_as_vllm_takes_them():
 def test_vllm_flags_that_ask_nothing_of_kvserve_are_taken_and_others_refused():
     """A vLLM command line runs unchanged where its values need nothing kvserve lacks."""
     flags = ["--kv-cache-dtype", "auto", "-pp", "1", "--tokenizer-mode", "auto", "--load-format", "safetensors",
-             "--disable-custom-all-reduce", "--max-seq-len-to-capture", "8192", "--swap-space", "4"]
+             "--disable-custom-all-reduce", "--max-seq-len-to-capture", "8192", "--swap-space", "4",
+             "--async-scheduling", "--no-async-scheduling", "--hf-token", "hf_x", "--hf-token"]
     for command in (["generate", "p"], ["serve"]):
         ns = build_parser().parse_args([*command, *flags])
         assert engine_config_from_args(ns) == {}  # none of them sets anything
@@ -135,6 +138,85 @@ def test_vllm_keywords_that_ask_nothing_are_dropped_and_others_refused_with_why(
         without_vllm_only({"kv_cache_dtype": "fp8"})
     with pytest.raises(ValueError, match="pipeline_parallel_size: only 1 here, not 2"):
         without_vllm_only({"pipeline_parallel_size": 2})
+
+
+def _serve_args(*argv: str) -> dict:
+    from cluster.cli import vllm_argv
+    from cluster.serve_cli import app_args_from_cli
+
+    parser = build_parser()
+    args = app_args_from_cli(parser.parse_args(vllm_argv(parser, ["serve", *argv])))
+    if isinstance(args.get("speculative_config"), str):  # the flag's JSON, which EngineConfig reads
+        args["speculative_config"] = json.loads(args["speculative_config"])
+    return args
+
+
+def test_a_vllm_config_file_gives_flags_the_command_line_overrides(tmp_path):
+    """vLLM's --config FILE.yaml: keys are flags (dashes or underscores), true gives the flag,
+    false its --no- form, a list the flag's values, a mapping its JSON; the command line wins."""
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: /models/m\nmax_num_seqs: 8\nmax-model-len: 2K\nenable-prefix-caching: false\n"
+                      "enforce-eager: true\nserved-model-name: [a, b]\ntensor-parallel-size: 2\n"
+                      "speculative-config: {method: ngram, num_speculative_tokens: 3}\ndisable-log-stats: false\n")
+    args = _serve_args("--config", str(config), "--max-num-seqs", "16")
+    assert args == {"model": "/models/m", "max_num_seqs": 16, "max_model_len": 2048, "enable_prefix_caching": False,
+                    "enforce_eager": True, "served_model_name": ["a", "b"], "tensor_parallel_size": 2,
+                    "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    # the model as `serve MODEL` stays the model: a list from the file does not take it as a value
+    assert _serve_args("/models/cli", f"--config={config}")["model"] == "/models/cli"
+    r = kvserve("serve", "--config", str(tmp_path / "none.yaml"))
+    assert r.returncode == 2 and "kvserve: error: cannot read --config" in r.stderr
+    for text, message in [("[1, 2]", "must map flag names to values"), ("a: [", "is not valid YAML")]:
+        config.write_text(text)
+        r = kvserve("serve", "--config", str(config))
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+    r = kvserve("serve", "--config", str(tmp_path / "serve.json"))
+    assert r.returncode == 2 and "--config takes a YAML file" in r.stderr
+    config.write_text("max-num-seqs: 4\nnot-a-flag: 1\n")
+    r = kvserve("serve", "--config", str(config))
+    assert r.returncode == 2 and "'not-a-flag' is not a kvserve flag" in r.stderr
+
+
+def test_vllm_dotted_keys_of_a_json_flag():
+    from cluster.vllm_argv import dotted_json_flags
+
+    args = _serve_args("--speculative-config.method", "ngram", "--speculative_config.num_speculative_tokens=3",
+                       "--max-num-seqs", "4", "--speculative-config.prompt_lookup_max", "2")
+    assert args["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    assert args["max_num_seqs"] == 4
+    assert dotted_json_flags(["--a.b.c", "1", "--a.b.d", "x", "--a.e=[1]", "--", "--z.y", "2"]) == \
+        ["--a", '{"b": {"c": 1, "d": "x"}, "e": [1]}', "--", "--z.y", "2"]
+    with pytest.raises(ValueError, match="--a.b needs a value"):
+        dotted_json_flags(["--a.b"])
+
+
+def test_vllm_speculative_shorthands():
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    assert _serve_args("--spec-method", "ngram", "--spec-tokens", "3")["speculative_config"] == ngram
+    assert _serve_args("--spec-tokens", "3", "--speculative-config", '{"method": "ngram", "prompt_lookup_max": 2}'
+                       )["speculative_config"] == {**ngram, "prompt_lookup_max": 2}
+    with pytest.raises(ValueError, match=r"--spec-tokens and --speculative-config\['num_speculative_tokens'\] "
+                                         r"are mutually exclusive"):
+        _serve_args("--spec-tokens", "3", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}')
+    from engine.speculative import SpeculativeConfig
+    from engine.vllm_args import without_vllm_only
+
+    spec = EngineConfig(**without_vllm_only({"spec_method": "ngram", "spec_tokens": 2})).speculative_config
+    assert spec == SpeculativeConfig(method="ngram", num_speculative_tokens=2)  # LLM(spec_method=...), as vLLM's
+    r = kvserve("generate", "--spec-model", "/models/draft", "--spec-tokens", "2", "x")
+    assert r.returncode == 2 and "kvserve runs no draft model" in r.stderr
+
+
+def test_vllm_data_parallel_size_is_the_engine_replicas():
+    assert _serve_args("-dp", "3")["num_replicas"] == 3
+    assert _serve_args("--data-parallel-size", "2", "--num-replicas", "2")["num_replicas"] == 2
+    with pytest.raises(ValueError, match="--data-parallel-size 2 and --num-replicas 3 disagree"):
+        _serve_args("--data-parallel-size", "2", "--num-replicas", "3")
+    from engine.vllm_args import without_vllm_only
+
+    assert without_vllm_only({"data_parallel_size": 1}) == {}
+    with pytest.raises(ValueError, match="data_parallel_size=2 is not supported: one engine per LLM"):
+        without_vllm_only({"data_parallel_size": 2})
 
 
 def test_a_boolean_value_after_an_on_off_flag_is_named_not_taken_for_the_model():

@@ -7,7 +7,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from engine.cuda_graphs import graph_batch_sizes  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.cuda_graphs import capture_sizes, graph_batch_sizes  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import ScheduledBatch  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
@@ -19,6 +20,24 @@ def test_graph_buckets():
     assert graph_batch_sizes(3) == [1, 2, 3]
     assert graph_batch_sizes(128) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128]
     assert graph_batch_sizes(100)[-3:] == [80, 96, 100]  # the last bucket is max_num_seqs itself
+
+
+def test_capture_sizes_follow_vllms_flags():
+    assert capture_sizes(None, None, 8, 8) == [1, 2, 4, 8]  # the buckets up to max_num_seqs
+    assert capture_sizes(None, 24, 8, 24) == [1, 2, 4, 8, 16, 24]  # past it: a step with drafts has more rows
+    assert capture_sizes(None, 24, 8, 20) == [1, 2, 4, 8, 16]  # never more rows than a step holds
+    assert capture_sizes((12, 3, 3, 1, 40), None, 8, 24) == [1, 3, 12]  # as given, those a step can hold
+    assert capture_sizes((), None, 8, 8) == []  # an empty list: none captured, every step eager
+    config = EngineConfig(cudagraph_capture_sizes=[8, 1, 4, 4], max_cudagraph_capture_size=8)
+    assert config.cudagraph_capture_sizes == (1, 4, 8)
+    with pytest.raises(ValueError, match=r"max_cudagraph_capture_size \(16\) must be the largest of "
+                                         r"cudagraph_capture_sizes \(8\)"):
+        EngineConfig(cudagraph_capture_sizes=[1, 8], max_cudagraph_capture_size=16)
+    for bad in ([0, 2], [1.5], "8"):
+        with pytest.raises(ValueError, match="cudagraph_capture_sizes must be a list of integers >= 1"):
+            EngineConfig(cudagraph_capture_sizes=bad)
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size must be >= 1"):
+        EngineConfig(max_cudagraph_capture_size=0)
 
 
 def _seq(n_tokens: int, computed: int, table: list[int]) -> Sequence:

@@ -53,8 +53,7 @@ class Twin:
 
 
 def _twin_llm(model_dir, device, **kw) -> tuple[LLM, Twin]:
-    from engine.runners import num_speculative_tokens
-    from engine.triton_runner import TritonModelRunner
+    from engine.runners import triton_runner
 
     llm = LLM(model=str(model_dir), device="cpu", dtype="float32", **kw)
     ex, config = llm.engine.executor, llm.engine.config
@@ -63,9 +62,7 @@ def _twin_llm(model_dir, device, **kw) -> tuple[LLM, Twin]:
     kv = allocate_kv_cache(len(ref.kv_caches), k.shape[0], k.shape[1], k.shape[2], k.shape[3], k.dtype, device)
     # On a GPU the same checkpoint loaded there (a copy of the CPU model would carry its oneDNN-packed weights)
     model = ex.model if device.type == "cpu" else build_model(model_dir, torch.float32, device)
-    other = TritonModelRunner(model, kv, config.block_size, device, config.max_num_seqs,
-                              config.max_num_batched_tokens, ex.info.max_position_embeddings,
-                              num_speculative_tokens(config))
+    other = triton_runner(model, kv, config, ex.info.max_position_embeddings, device)
     ex.runner = Twin(ref, other)
     return llm, ex.runner
 
@@ -170,14 +167,14 @@ def test_decode_steps_padded_to_graph_buckets(tiny, device):
 def test_decode_steps_with_drafts_replay_graphs(tiny, device):
     """A decode step whose sequences have drafts is decode rows only: it replays the graph of its
     rows' bucket (padding rows included), with the torch runner's logits; one with more rows than
-    the largest bucket runs eagerly."""
-    from engine.cuda_graphs import graph_batch_sizes
+    the largest bucket runs eagerly. vLLM's max_cudagraph_capture_size takes the buckets past
+    max_num_seqs, to the rows of steps with drafts."""
     from tests.test_speculative import NGRAM, PROMPTS
 
     llm, twin = _twin_llm(tiny["gqa"], device, num_gpu_blocks_override=64, max_num_seqs=6, block_size=4,
-                          speculative_config=NGRAM)
-    sizes = graph_batch_sizes(6)  # 1, 2, 4, 6
-    twin.other.graphs = EagerGraphs(twin.other, sizes)
+                          speculative_config=NGRAM, max_cudagraph_capture_size=16)
+    assert twin.other.graph_sizes == [1, 2, 4, 8, 16]
+    twin.other.graphs = EagerGraphs(twin.other, twin.other.graph_sizes)
     replayed = []
     graph_size = twin.other._graph_size
 
@@ -188,9 +185,10 @@ def test_decode_steps_with_drafts_replay_graphs(tiny, device):
         return size
 
     twin.other._graph_size = recording
-    llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     st = llm.engine.scheduler.stats
     assert replayed and all(n <= size for n, size in replayed) and 0 < st.spec_accepted_tokens
+    assert max(n for n, _ in replayed) > 6  # more rows than sequences, in a bucket past max_num_seqs
     _assert_clean(llm)
 
 
