@@ -94,6 +94,14 @@ class ServeOptions:
     # vLLM's --lora-modules: `name=path` strings, or {"name", "path", "base_model_name"} dicts (or
     # their JSON); a request's `model` names one (needs the engine's enable_lora)
     lora_modules: list | None = None
+    # vLLM's server flags (router.settings.RouterSettings; None: its default)
+    default_chat_template_kwargs: dict | None = None
+    return_tokens_as_token_ids: bool | None = None
+    enable_force_include_usage: bool | None = None
+    sse_keep_alive_interval: float | None = None
+    disable_fastapi_docs: bool | None = None
+    root_path: str | None = None
+    max_log_len: int | None = None
     engine_cls: str | Callable | None = None  # "module:Class" built as cls(EngineConfig); default AsyncEngine
     cpu_threads: int | None = None  # torch threads per engine replica on CPU; default: cores // replicas
     num_ingress_replicas: int = 1

@@ -36,7 +36,14 @@ _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_rep
                 "graceful_shutdown_timeout_s", "engine_cls", "cpu_threads", "generation_config",
                 "override_generation_config", "chat_template", "allowed_origins", "allowed_methods",
                 "allowed_headers", "allow_credentials", "reasoning_parser", "tool_call_parser",
-                "exclude_tools_when_tool_choice_none", "response_role", "chat_template_content_format", "lora_modules")
+                "exclude_tools_when_tool_choice_none", "response_role", "chat_template_content_format", "lora_modules",
+                "default_chat_template_kwargs", "return_tokens_as_token_ids", "enable_force_include_usage",
+                "sse_keep_alive_interval", "disable_fastapi_docs", "root_path", "max_log_len")
+# vLLM's server flags that change nothing here: name -> why
+SERVE_NO_EFFECT = {
+    "enable_request_id_headers": "Serve's proxy puts X-Request-Id on every reply (the request's own, else one it makes)",
+    "enable_prompt_tokens_details": "usage always carries prompt_tokens_details.cached_tokens (the prefix cache's hits)",
+}
 
 
 def add_serve_parser(commands) -> argparse.ArgumentParser:
@@ -112,6 +119,28 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     http.add_argument("--response-role", metavar="ROLE",
                       help="the role of a chat reply that opens a new turn (add_generation_prompt true; "
                            "otherwise the last message's) (default: assistant)")
+    http.add_argument("--default-chat-template-kwargs", type=_json_object, metavar="JSON",
+                      help='the chat template\'s variables where a request\'s chat_template_kwargs leave them, e.g. '
+                           '\'{"enable_thinking": false}\' (Qwen3) (vLLM\'s flag)')
+    http.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=None,
+                      help='logprobs name tokens "token_id:{id}" unless a request sets return_tokens_as_token_ids '
+                           "(vLLM's flag; default: off)")
+    http.add_argument("--enable-force-include-usage", action="store_true", default=None,
+                      help="every stream carries usage, in each chunk and a last chunk, as if each request set "
+                           "stream_options include_usage and continuous_usage_stats (vLLM's flag)")
+    http.add_argument("--sse-keep-alive-interval", type=float, metavar="S",
+                      help="an idle stream (queued, in its prefill, between tokens) sends an SSE comment line every "
+                           "S seconds, for proxies that cut quiet connections (vLLM's flag; default: 0, none)")
+    http.add_argument("--disable-fastapi-docs", action="store_true", default=None,
+                      help="no /openapi.json and /docs (vLLM's flag)")
+    http.add_argument("--root-path", metavar="PATH",
+                      help="the path a proxy serves this API under (FastAPI's root_path; routes are taken with "
+                           "and without it; vLLM's flag)")
+    http.add_argument("--max-log-len", type=int, metavar="N",
+                      help="with --enable-log-requests, the prompt token ids a logged request shows (default: all)")
+    for name, why in SERVE_NO_EFFECT.items():
+        http.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=None,
+                          help=f"no effect: {why}")
     http.add_argument("--generation-config", metavar="auto|vllm|DIR",
                       help="sampling defaults of requests that leave them unset: auto (the model's "
                            "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "
@@ -161,6 +190,8 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     cluster.add_argument("--graceful-shutdown-timeout-s", type=float, metavar="S",
                          help="on SIGTERM / SIGINT, and when Serve stops a replica, how long in-flight requests "
                               "may run on while new ones get 503 (default: 30)")
+    cluster.add_argument("--shutdown-timeout", type=float, dest="graceful_shutdown_timeout_s", metavar="S",
+                         help="vLLM's name for --graceful-shutdown-timeout-s (0: in-flight requests end at once)")
     cluster.add_argument("--cpu-threads", type=int, metavar="N",
                          help="CPU: torch threads per engine replica (default: the usable cores / replicas)")
     cluster.add_argument("--engine-cls", metavar="MODULE:CLASS",

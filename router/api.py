@@ -19,6 +19,7 @@ models in `router.protocol`; every error leaves as OpenAI error JSON, and an une
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import json
@@ -37,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.version import kvserve_version
 from router.cluster_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.errors import OpenAIError, bad_request, from_validation_error, internal_error
+from router.keep_alive import with_keep_alive
 from router.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from router.off_loop import off_loop
 from router.protocol import (REQUEST_ID_PATTERN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -90,7 +92,10 @@ class AdmissionGate:
         self.admission = admission
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
+        path, root = scope.get("path", ""), scope.get("root_path", "").rstrip("/")
+        if root and path.startswith(root + "/"):  # as the routes take it (RootPath)
+            path = path[len(root):]
+        if scope["type"] != "http" or path in self.OPEN_PATHS:
             return await self.app(scope, receive, send)
         if self.admission.draining:
             e = OpenAIError(503, "The server is shutting down; retry on another replica.", type="server_error",
@@ -101,6 +106,20 @@ class AdmissionGate:
             await self.app(scope, receive, send)
         finally:
             self.admission.in_flight -= 1
+
+
+class RootPath:
+    """ASGI middleware for vLLM's --root-path: the path a proxy serves the API under, in each
+    request's scope, so that routes take paths with and without it and the OpenAPI document and
+    /docs name it (what FastAPI's own root_path argument did)."""
+
+    def __init__(self, app, root_path: str) -> None:
+        self.app, self.root_path = app, root_path
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)
 
 
 def error_response(e: OpenAIError) -> JSONResponse:
@@ -234,7 +253,10 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
                               headers={"WWW-Authenticate": "Bearer"})
 
     # /openapi.json and /docs need no key, as /health (vLLM serves them the same way).
-    app = FastAPI(title="kvserve", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    docs = not settings.disable_fastapi_docs
+    app = FastAPI(title="kvserve", docs_url="/docs" if docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if docs else None)
+    reply = functools.partial(_reply, keep_alive_s=settings.sse_keep_alive_interval)
     api = APIRouter(dependencies=[Depends(require_key)])
     limit = settings.max_request_body_bytes
 
@@ -273,19 +295,19 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     async def completions(request: Request):
         body = _with_request_id(request, await read_json(request, CompletionRequest, limit))
         set_session(request.headers.get(SESSION_HEADER), body.user)
-        return _reply(await serving.completions(body))
+        return reply(await serving.completions(body))
 
     @api.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         body = _with_request_id(request, await read_json(request, ChatCompletionRequest, limit))
         set_session(request.headers.get(SESSION_HEADER), body.user)
-        return _reply(await serving.chat(body))
+        return reply(await serving.chat(body))
 
     @api.post("/invocations", include_in_schema=False)  # vLLM's, for SageMaker (its /ping is above)
     async def invocations(request: Request):
         body = _with_request_id(request, await read_json(request, _invocation, limit))
         set_session(request.headers.get(SESSION_HEADER), body.user)
-        return _reply(await (serving.chat(body) if isinstance(body, ChatCompletionRequest) else
+        return reply(await (serving.chat(body) if isinstance(body, ChatCompletionRequest) else
                              serving.completions(body)))
 
     if settings.allow_runtime_lora_updating:  # vLLM's, under VLLM_ALLOW_RUNTIME_LORA_UPDATING
@@ -301,12 +323,12 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     async def responses(request: Request):
         body = await read_json(request, ResponsesRequest, limit)
         set_session(request.headers.get(SESSION_HEADER), body.user)
-        return _reply(await serving.responses(body))
+        return reply(await serving.responses(body))
 
     @api.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, stream: bool = False, starting_after: int | None = None):
         if stream:  # a background stream's events (router.background)
-            return _reply(await serving.background.events(response_id, starting_after))
+            return reply(await serving.background.events(response_id, starting_after))
         return await serving.stored.retrieve(response_id)
 
     @api.post("/v1/responses/{response_id}/cancel")
@@ -332,6 +354,8 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     app.include_router(api)
     _add_error_handlers(app)
     app.add_middleware(AdmissionGate, admission=admission)
+    if settings.root_path:
+        app.add_middleware(RootPath, root_path=settings.root_path.rstrip("/"))
     if settings.allowed_origins:  # outermost: it answers preflights before any route or key check
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                            allow_methods=list(settings.allowed_methods), allow_headers=list(settings.allowed_headers),
@@ -354,7 +378,7 @@ def _openapi(app: FastAPI) -> dict:
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
 
-        doc = get_openapi(title=app.title, version=kvserve_version(), routes=app.routes)
+        doc = get_openapi(title=app.title, version=kvserve_version(), routes=app.routes, servers=app.servers or None)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         for model in BODY_MODELS:
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -376,9 +400,12 @@ def _with_request_id(request: Request, body: CompletionRequest | ChatCompletionR
     return body
 
 
-def _reply(result):
+def _reply(result, keep_alive_s: float = 0.0):
+    """A reply's JSON, or its stream (with a comment while idle every keep_alive_s, router.keep_alive)."""
     if isinstance(result, dict):
         return JSONResponse(result)
+    if keep_alive_s > 0:
+        result = with_keep_alive(result, keep_alive_s)
     return SSEResponse(result, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

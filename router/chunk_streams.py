@@ -22,6 +22,10 @@ class ChunkStreams:
     reply_model: Callable[[str | None], str]  # the name chunks give the model, for the request's `model`
     response_role: str  # a chat reply's role when it opens a new turn (--response-role)
     token_bytes: TokenBytes  # a token's own bytes, for chat logprobs
+    force_usage: bool = False  # vLLM's --enable-force-include-usage: usage in every chunk and a last one
+
+    def _usage(self, req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
+        return (True, True) if self.force_usage else req.stream_usage
 
     def _chunk_base(self, rid: str, obj: str, model: str, include_usage: bool) -> dict:
         """Fields every chunk of one stream shares; `usage` is null until the final usage chunk
@@ -54,7 +58,7 @@ class ChunkStreams:
             return [{"index": i, "text": text + c.text, "logprobs": lps, "finish_reason": c.finish_reason,
                      "stop_reason": c.stop_reason, **extra}]
 
-        return self._sse(rid, ("text_completion", self.reply_model(req.model)), req.stream_usage, acc, first, merged,
+        return self._sse(rid, ("text_completion", self.reply_model(req.model)), self._usage(req), acc, first, merged,
                          [], choice)
 
     def chat(self, rid: str, req: ChatCompletionRequest, acc: Accumulator, first, merged: AsyncIterator,
@@ -99,7 +103,7 @@ class ChunkStreams:
             preamble += [{"index": i, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}
                          for i in range(n)]
         head = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}  # vLLM's: on the first chunk
-        return self._sse(rid, ("chat.completion.chunk", self.reply_model(req.model)), req.stream_usage, acc, first,
+        return self._sse(rid, ("chat.completion.chunk", self.reply_model(req.model)), self._usage(req), acc, first,
                          merged, preamble, choice, head)
 
     async def _sse(self, rid: str, kind: tuple[str, str], usage: tuple[bool, bool], acc: Accumulator, first,

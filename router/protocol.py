@@ -77,7 +77,8 @@ class _SamplingFields(_Model):
     # keep the prompt's last k tokens (first k, truncation_side "right"); -1: what leaves room for max_tokens
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None
-    return_tokens_as_token_ids: bool = False  # vLLM extra: logprobs name tokens "token_id:{id}", not their text
+    # vLLM extra: logprobs name tokens "token_id:{id}", not their text (None: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     # vLLM's structured-output fields before 0.12, which clients still send: folded into
     # structured_outputs, so that a constraint never falls away unnoticed (vLLM now ignores them)
     guided_json: dict[str, Any] | str | None = None

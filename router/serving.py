@@ -99,7 +99,8 @@ class OpenAIServing:
         # --lora-modules (and those loaded at run time), by the name requests send
         self.adapters = LoRAModules(settings.lora_modules, (settings.served_model_name, *settings.served_model_aliases),
                                     settings.max_lora_rank)
-        self.chunks = ChunkStreams(self.reply_model, settings.response_role, self.token_bytes)
+        self.chunks = ChunkStreams(self.reply_model, settings.response_role, self.token_bytes,
+                                   settings.enable_force_include_usage)
 
     @functools.cached_property
     def _byte_tokenizer(self):
@@ -345,7 +346,9 @@ class OpenAIServing:
 
     def _token_str(self, req: CompletionRequest | ChatCompletionRequest) -> Callable[[int], str]:
         """How logprobs name a token: its text, or vLLM's "token_id:{id}" (return_tokens_as_token_ids)."""
-        return _as_token_id if req.return_tokens_as_token_ids else self.token_str
+        as_ids = req.return_tokens_as_token_ids
+        return _as_token_id if (self.settings.return_tokens_as_token_ids if as_ids is None else as_ids) \
+            else self.token_str
 
     @staticmethod
     def _output_constraint(req: CompletionRequest | ChatCompletionRequest,
@@ -416,7 +419,7 @@ class OpenAIServing:
         template = self.settings.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise bad_request("this model has no chat template; use /v1/completions", param=param)
-        variables = dict(req.chat_template_kwargs or {})
+        variables = {**(self.settings.default_chat_template_kwargs or {}), **(req.chat_template_kwargs or {})}
         if effort := getattr(req, "reasoning_effort", None):  # vLLM passes it to the template, which decides
             if "reasoning_effort" not in template:
                 raise bad_request(f"{field('reasoning_effort')} is not supported for this model: its chat template "
@@ -487,7 +490,8 @@ class OpenAIServing:
         already (a background run), its first call waits for room in a full queue as the later
         ones do."""
         if self.settings.enable_log_requests:
-            logger.info("%s: prompt token ids %s, %s", rid, prompts, params)
+            n = self.settings.max_log_len
+            logger.info("%s: prompt token ids %s, %s", rid, prompts if n is None else [p[:n] for p in prompts], params)
         # The first engine call lets the request in or refuses it (a full queue); the rest, more
         # prompts or beam rounds, are part of a request already running.
         sent = itertools.count()

@@ -65,6 +65,18 @@ class RouterSettings:
     # change the modules at run time (router.lora_modules), each checked against max_lora_rank
     allow_runtime_lora_updating: bool = False
     max_lora_rank: int = 16
+    # vLLM's --default-chat-template-kwargs: the chat template's variables, under a request's own
+    # chat_template_kwargs (e.g. {"enable_thinking": false} for Qwen3)
+    default_chat_template_kwargs: dict | None = None
+    # vLLM's --return-tokens-as-token-ids: logprobs name tokens "token_id:{id}" unless a request says otherwise
+    return_tokens_as_token_ids: bool = False
+    # vLLM's --enable-force-include-usage: every stream carries usage, in each chunk and a last one
+    enable_force_include_usage: bool = False
+    # vLLM's --sse-keep-alive-interval: an idle stream sends an SSE comment every this many seconds (0: none)
+    sse_keep_alive_interval: float = 0.0
+    disable_fastapi_docs: bool = False  # vLLM's: no /openapi.json, /docs
+    root_path: str | None = None  # vLLM's: FastAPI's root_path, behind a proxy that serves under a path
+    max_log_len: int | None = None  # vLLM's: the prompt ids a logged request shows (None: all)
 
     def __post_init__(self) -> None:
         if not all(isinstance(n, str) and n for n in (self.served_model_name, *self.served_model_aliases)):
@@ -101,6 +113,20 @@ class RouterSettings:
                              f"got {self.chat_template_content_format!r}")
         if not isinstance(self.response_role, str) or not self.response_role:
             raise ValueError(f"response_role must be a non-empty string, got {self.response_role!r}")
+        if self.default_chat_template_kwargs is not None:
+            from router.protocol import TEMPLATE_ARGUMENTS
+
+            if not isinstance(self.default_chat_template_kwargs, dict):
+                raise ValueError(f"default_chat_template_kwargs must be a JSON object, "
+                                 f"got {self.default_chat_template_kwargs!r}")
+            if taken := sorted(TEMPLATE_ARGUMENTS & set(self.default_chat_template_kwargs)):
+                raise ValueError(f"default_chat_template_kwargs may not set {', '.join(taken)}")
+        if not self.sse_keep_alive_interval >= 0:
+            raise ValueError(f"sse_keep_alive_interval must be >= 0, got {self.sse_keep_alive_interval}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
+        if self.root_path is not None and not (self.root_path == "" or self.root_path.startswith("/")):
+            raise ValueError(f"root_path must start with /, got {self.root_path!r}")
         if self.overload_status not in (429, 503):
             raise ValueError(f"overload_status must be 429 or 503, got {self.overload_status}")
 

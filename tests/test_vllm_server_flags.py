@@ -1,0 +1,163 @@
+"""vLLM's server flags, each honoured at the HTTP edge over a scripted engine (or taken, where
+kvserve already does what it asks): --default-chat-template-kwargs, --return-tokens-as-token-ids,
+--enable-force-include-usage, --sse-keep-alive-interval, --disable-fastapi-docs, --root-path,
+--max-log-len, and the command line that sets them."""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+
+import httpx
+import pytest
+
+from cluster.app import router_settings, split_args
+from router.settings import RouterSettings
+from tests.scripted_engine import run
+
+USER = [{"role": "user", "content": "Is the sky blue?"}]
+
+
+def _http(client) -> httpx.AsyncClient:
+    """A plain HTTP client of the server (served live) the openai `client` talks to."""
+    return httpx.AsyncClient(base_url=str(client.base_url).removesuffix("/v1/").removesuffix("/v1"), timeout=30)
+
+
+def test_default_chat_template_kwargs_sit_under_the_requests_own(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ tail | default('') }}"
+    defaults = {"default_chat_template_kwargs": {"tail": " Answer:"}}
+
+    def chat(**extra):
+        return lambda client: client.chat.completions.create(model="m", messages=USER, max_tokens=1, **extra)
+
+    _, engine = run(tok, "yes", chat(), settings=defaults)
+    assert tok.decode(engine.seen[0][0]) == "Is the sky blue? Answer:"
+    _, engine = run(tok, "yes", chat(extra_body={"chat_template_kwargs": {"tail": " A:"}}), settings=defaults)
+    assert tok.decode(engine.seen[0][0]) == "Is the sky blue? A:"  # the request's wins
+    with pytest.raises(ValueError, match="default_chat_template_kwargs may not set tools"):
+        RouterSettings(served_model_name="m", default_chat_template_kwargs={"tools": []})
+
+
+def test_the_servers_return_tokens_as_token_ids_unless_a_request_says(tokenizer):
+    def tokens(**extra):
+        async def go(client):
+            r = await client.completions.create(model="m", prompt="hi", max_tokens=3, logprobs=1, **extra)
+            return r.choices[0].logprobs.tokens
+        return go
+
+    as_ids, _ = run(tokenizer, "yes", tokens(), settings={"return_tokens_as_token_ids": True})
+    assert as_ids and all(t.startswith("token_id:") for t in as_ids)
+    as_text, _ = run(tokenizer, "yes", tokens(extra_body={"return_tokens_as_token_ids": False}),
+                     settings={"return_tokens_as_token_ids": True})
+    assert "".join(as_text) == "yes"
+    default, _ = run(tokenizer, "yes", tokens())
+    assert "".join(default) == "yes"
+
+
+def test_force_include_usage_puts_usage_in_every_stream(tokenizer):
+    async def go(client):
+        stream = await client.chat.completions.create(model="m", messages=USER, max_tokens=8, stream=True)
+        return [c async for c in stream]
+
+    chunks, _ = run(tokenizer, "Yes, it is blue.", go, settings={"enable_force_include_usage": True})
+    assert all(c.usage is not None for c in chunks)  # continuous: the usage so far in each
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == len(tokenizer.encode("Yes, it is blue."))
+    chunks, _ = run(tokenizer, "Yes, it is blue.", go)
+    assert all(c.usage is None for c in chunks)  # without it, only where a request asks
+
+
+def test_an_idle_stream_sends_keep_alive_comments_that_clients_skip(tokenizer):
+    script = "Yes, it is blue today."
+
+    async def raw(client):
+        async with _http(client) as http, http.stream(
+                "POST", "/v1/chat/completions",
+                json={"model": "m", "messages": USER, "max_tokens": 16, "stream": True}) as r:
+            return [line async for line in r.aiter_lines()]
+
+    async def text(client):
+        stream = await client.chat.completions.create(model="m", messages=USER, max_tokens=16, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    slow = {"step_s": 0.25}
+    lines, engine = run(tokenizer, script, raw, settings={"sse_keep_alive_interval": 0.05}, live=True, **slow)
+    assert lines.count(": keep-alive") >= 3  # between the steps
+    data = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in data if c["choices"]) == script
+    assert [line for line in lines if line][-1] == "data: [DONE]"
+    (given,) = engine.ended.values()
+    assert given == -(-len(tokenizer.encode(script, add_special_tokens=False)) // 3)  # every step: ran to its end
+    said, _ = run(tokenizer, script, text, settings={"sse_keep_alive_interval": 0.05}, live=True, **slow)
+    assert said == script  # the openai client skips the comments
+    lines, _ = run(tokenizer, script, raw, live=True, **slow)
+    assert ": keep-alive" not in lines  # off by default, as vLLM's
+
+
+def test_a_client_leaving_a_kept_alive_stream_ends_its_engine_request(tokenizer):
+    async def leave(client):
+        async with _http(client) as http, http.stream(
+                "POST", "/v1/chat/completions",
+                json={"model": "m", "messages": USER, "max_tokens": 64, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    break  # the first token, then gone
+        import asyncio
+
+        await asyncio.sleep(1.0)
+
+    script = "one two three four five six seven eight nine ten eleven twelve"
+    _, engine = run(tokenizer, script, leave, settings={"sse_keep_alive_interval": 0.05}, live=True, step_s=0.2)
+    steps = len(tokenizer.encode(script, add_special_tokens=False)) // 3
+    (given,) = engine.ended.values()
+    assert given < steps  # its stream was closed mid-way, not run to the end
+
+
+def test_docs_can_be_turned_off_and_the_api_served_under_a_root_path(tokenizer):
+    async def get(client, *paths):
+        async with _http(client) as http:
+            return [(await http.get(p)) for p in paths]
+
+    (doc, docs), _ = run(tokenizer, "yes", lambda c: get(c, "/openapi.json", "/docs"),
+                         settings={"disable_fastapi_docs": True}, live=True)
+    assert doc.status_code == 404 and docs.status_code == 404
+    (doc,), _ = run(tokenizer, "yes", lambda c: get(c, "/openapi.json"), live=True)
+    assert doc.status_code == 200
+
+    got, _ = run(tokenizer, "yes", lambda c: get(c, "/llm/v1/models", "/v1/models", "/llm/health", "/llm/openapi.json"),
+                 settings={"root_path": "/llm"}, live=True)
+    assert [r.status_code for r in got] == [200, 200, 200, 200]
+    assert got[0].json()["data"][0]["id"] == "m"
+    assert got[3].json()["servers"] == [{"url": "/llm"}]
+
+
+def test_max_log_len_shortens_the_logged_prompt(tokenizer, caplog):
+    async def go(client):
+        await client.completions.create(model="m", prompt=list(range(100, 140)), max_tokens=1)
+
+    with caplog.at_level(logging.INFO, logger="router.serving"):
+        run(tokenizer, "yes", go, settings={"enable_log_requests": True, "max_log_len": 5})
+    (line,) = [r.getMessage() for r in caplog.records if "prompt token ids" in r.getMessage()]
+    assert "[[100, 101, 102, 103, 104]]" in line and "105" not in line.split("]]")[0]
+
+
+def test_the_command_line_sets_them(tokenizer):
+    from cluster.cli import build_parser, vllm_argv
+    from cluster.serve_cli import app_args_from_cli
+
+    parser = build_parser()
+    argv = ["serve", "--default-chat-template-kwargs", '{"enable_thinking": false}', "--return-tokens-as-token-ids",
+            "--enable-force-include-usage", "--sse-keep-alive-interval", "5", "--disable-fastapi-docs",
+            "--root-path", "/llm", "--max-log-len", "10", "--shutdown-timeout", "0", "--enable-request-id-headers",
+            "--enable-prompt-tokens-details"]
+    engine, options = split_args(app_args_from_cli(parser.parse_args(vllm_argv(parser, argv))))
+    settings = router_settings(engine, options)
+    assert settings.default_chat_template_kwargs == {"enable_thinking": False}
+    assert settings.return_tokens_as_token_ids and settings.enable_force_include_usage and settings.disable_fastapi_docs
+    assert (settings.sse_keep_alive_interval, settings.root_path, settings.max_log_len) == (5.0, "/llm", 10)
+    assert options.graceful_shutdown_timeout_s == 0
+    settings = router_settings(*split_args(app_args_from_cli(parser.parse_args(["serve"]))))
+    assert settings.default_chat_template_kwargs is None and settings.root_path is None
+    assert not (settings.return_tokens_as_token_ids or settings.enable_force_include_usage
+                or settings.disable_fastapi_docs or settings.sse_keep_alive_interval)
