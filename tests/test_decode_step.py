@@ -23,13 +23,16 @@ ARCH = ModelArch(vocab_size=300, hidden_size=96, intermediate_size=160, num_laye
                  tie_word_embeddings=True, attention_bias=False, mlp_bias=False)
 
 
-def _model(arch: ModelArch, codes: bool, seed: int = 0) -> LlamaModel:
+def _model(arch: ModelArch, codes: bool | str, seed: int = 0) -> LlamaModel:
+    """codes: False (float32 weights), True (GGUF 4/8-bit codes) or "bf16" (a bfloat16 checkpoint's)."""
     g = torch.Generator().manual_seed(seed)
     model = LlamaModel(arch, torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.randn(p.shape, generator=g) * (0.15 if p.dim() == 2 else 0.5) + (p.dim() == 1))
-            if codes and p.dim() == 2:
+            if codes == "bf16":
+                p.copy_(p.to(torch.bfloat16))
+            elif codes and p.dim() == 2:
                 p.copy_(gguf_roundtrip(p, "Q8_0" if "embed" in name or "down" in name else "Q4_1"))
     if codes:
         assert encode_model(model) > 0
@@ -62,7 +65,7 @@ def _random_pool(arch: ModelArch, num_blocks: int, seed: int) -> list[tuple[torc
 
 
 @needs_kernel
-@pytest.mark.parametrize("codes", [False, True], ids=["float32", "codes"])
+@pytest.mark.parametrize("codes", [False, True, "bf16"], ids=["float32", "codes", "bf16"])
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("lens", [[1], [17], [5, 40, 16, 33, 100, 2, 64]])
 def test_one_call_gives_the_per_layer_paths_bits(codes, bias, lens):

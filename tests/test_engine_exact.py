@@ -204,6 +204,23 @@ def test_smollm2_exact(smollm2_path, smol_case, engine_kwargs, kernels):
     _assert_clean(llm)
 
 
+def test_a_bfloat16_checkpoint_decodes_from_its_bfloat16_halves(tmp_path, smollm2_path, kernels):
+    """A checkpoint saved in bfloat16, served in float32: decode reads each weight's bfloat16
+    (16-bit codes, half the float32 traffic), token-exact against HF float32 on the same weights."""
+    d = make_tiny_llama(tmp_path / "gqa-bf16", smollm2_path, "gqa-bf16")
+    prompts = _prompts()
+    ref = hf_greedy(d, prompts, MAX_NEW)
+    llm = LLM(model=str(d), num_gpu_blocks_override=128, max_num_batched_tokens=7)
+    model = llm.engine.executor.model
+    held = [m.weight_codes for m in model.modules() if getattr(m, "weight_codes", None) is not None]
+    assert len(held) == (0 if kernels == "torch" else 4 * model.arch.num_layers + 1)
+    assert all(c.bits == 16 for c in held)
+    native_steps = _count_native_steps(llm)
+    assert _run_staggered(llm, prompts, steps_between=1) == ref
+    assert (native_steps[0] > 0) == (kernels == "native")
+    _assert_clean(llm)
+
+
 def test_smollm2_exact_n2(smollm2_path, smol_case):
     prompts, ref = smol_case
     llm = LLM(model=smollm2_path, num_gpu_blocks_override=64)

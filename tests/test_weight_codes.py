@@ -15,24 +15,28 @@ from tests.test_cpu_kernels import needs_kernel
 from tests.tiny_llama import gguf_roundtrip
 
 
-def gguf_weights(n: int, k: int, qtype: QType, seed: int) -> torch.Tensor:
-    """Random weights quantized and dequantized by gguf-py: what transformers loads from a GGUF file."""
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
-    return gguf_roundtrip(torch.from_numpy(w), qtype.name)
+BF16 = "bf16"  # a bfloat16 checkpoint's weights, in float32
+
+
+def gguf_weights(n: int, k: int, qtype: QType | str, seed: int) -> torch.Tensor:
+    """Random weights quantized and dequantized by gguf-py: what transformers loads from a GGUF
+    file; or (BF16) rounded to bfloat16, what a bfloat16 checkpoint loads as in float32."""
+    w = torch.from_numpy(np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05)
+    return w.to(torch.bfloat16).float() if qtype == BF16 else gguf_roundtrip(w, qtype.name)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-@pytest.mark.parametrize("qtype, bits", [(QType.Q4_1, 4), (QType.Q8_0, 8)])
+@pytest.mark.parametrize("qtype, bits", [(QType.Q4_1, 4), (QType.Q8_0, 8), (BF16, 16)])
 @pytest.mark.parametrize("n, k", [(1, 32), (7, 64), (96, 576), (300, 1536)])
 def test_gguf_weights_are_found_as_their_codes(qtype, bits, n, k):
     w = gguf_weights(n, k, qtype, seed=n + k)
     codes = encode(w)
     assert codes is not None and codes.bits == bits and codes.shape == (n, k)
     assert same_bits(codes.to_float(), w)
-    assert codes.nbytes < w.numel() * 4 * (0.19 if bits == 4 else 0.32)
+    assert codes.nbytes <= w.numel() * 4 * {4: 0.19, 8: 0.32, 16: 0.5}[bits]
 
 
 def test_weights_that_are_not_codes_stay_float():
@@ -43,9 +47,13 @@ def test_weights_that_are_not_codes_stay_float():
     assert encode(almost) is None
     assert encode(gguf_weights(8, 64, QType.Q8_0, seed=2)[:, :48].contiguous()) is None  # K % 32 != 0
     assert encode(gguf_weights(8, 64, QType.Q8_0, seed=3).double()) is None
+    almost = gguf_weights(64, 64, BF16, seed=4)
+    almost[63, 63] = torch.nextafter(almost[63, 63], torch.tensor(1.0))  # not a bfloat16 any more
+    assert encode(almost) is None
+    assert encode(gguf_weights(64, 64, BF16, seed=4).to(torch.bfloat16)) is None  # float32 weights only
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0])
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0, BF16])
 def test_encoding_in_row_chunks_gives_the_same_codes(monkeypatch, qtype):
     from engine.model import codes as codes_module
 
@@ -61,7 +69,7 @@ def test_encoding_in_row_chunks_gives_the_same_codes(monkeypatch, qtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0])
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0, BF16])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 33])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 50, 577])
 def test_linear_over_codes_gives_the_float32_kernels_bits(qtype, m, n):
@@ -77,7 +85,8 @@ def test_linear_over_codes_gives_the_float32_kernels_bits(qtype, m, n):
 
 @needs_kernel
 def test_model_sized_shapes_over_codes():
-    for n, k, qtype in [(960, 576, QType.Q4_1), (576, 1536, QType.Q4_1), (4099, 576, QType.Q8_0)]:
+    for n, k, qtype in [(960, 576, QType.Q4_1), (576, 1536, QType.Q4_1), (4099, 576, QType.Q8_0), (1536, 576, BF16),
+                        (4099, 576, BF16)]:
         w = gguf_weights(n, k, qtype, seed=n)
         for m in (1, 2, 16):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
@@ -101,9 +110,10 @@ class _Linear(torch.nn.Module):
 
 
 def test_encode_model_sets_codes_only_where_they_are_exact():
-    model = torch.nn.Sequential(_Linear(gguf_weights(8, 64, QType.Q4_1, seed=6)), _Linear(torch.randn(8, 64)))
-    assert encode_model(model) == 1
-    assert model[0].weight_codes.bits == 4 and model[1].weight_codes is None
+    model = torch.nn.Sequential(_Linear(gguf_weights(8, 64, QType.Q4_1, seed=6)), _Linear(torch.randn(8, 64)),
+                                _Linear(gguf_weights(8, 64, BF16, seed=6)))
+    assert encode_model(model) == 2
+    assert model[0].weight_codes.bits == 4 and model[1].weight_codes is None and model[2].weight_codes.bits == 16
 
 
 def test_codes_are_only_made_where_the_cpu_kernels_read_them(monkeypatch):

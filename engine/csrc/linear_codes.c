@@ -1,6 +1,7 @@
 /* y = x W^T with W held in blocks of 32 integer codes along k: w = scale * q + offset, rounded
  * once after the product and once after the sum, exactly as a GGUF Q4_1 / Q8_0 tensor is
- * dequantized to float32 (gguf-py, which transformers uses).
+ * dequantized to float32 (gguf-py, which transformers uses); or with W held as bfloat16, the
+ * float32 weights of a bfloat16 checkpoint (w's bits = code << 16).
  *
  * A decode step streams every weight once, so on CPU its GEMMs are bound by memory traffic; these
  * codes are 0.75 (4-bit) or 1.25 (8-bit) bytes a weight against 4 for float32. Each thread
@@ -11,7 +12,9 @@
  *   codes  4 bits: (N, K/2) bytes; in each 32-block of a row, byte j holds q[j] in its low nibble
  *                  and q[j + 16] in its high nibble (GGUF's order); q in [0, 15]
  *          8 bits: (N, K) signed bytes
- *   scale, offset: (N, K/32) float32 (offset -0.0 for a pure scale: adding it changes no bits)
+ *         16 bits: (N, K) bfloat16, the weights' high halves
+ *   scale, offset: (N, K/32) float32 (offset -0.0 for a pure scale: adding it changes no bits);
+ *                  not read for 16 bits
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,9 +28,16 @@ static inline void store_block(float *out, __m256i q, __m256 d, __m256 m) {
 /* Rows [n, n + nb) of W, dequantized into out (nb x K floats). */
 static void dequantize_rows(const uint8_t *codes, const float *scale, const float *offset, int bits, long K, long n,
                             int nb, float *out) {
-    long blocks = K / 32, row_bytes = bits == 4 ? K / 2 : K;
+    long blocks = K / 32, row_bytes = bits == 4 ? K / 2 : bits == 8 ? K : 2 * K;
     for (int j = 0; j < nb; j++) {
         const uint8_t *c = codes + (n + j) * row_bytes;
+        if (bits == 16) {  /* widen each half to 32 bits, then shift it into the high half */
+            for (long i = 0; i < K; i += 8) {
+                __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(c + 2 * i)));
+                _mm256_storeu_ps(out + j * K + i, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+            }
+            continue;
+        }
         const float *s = scale + (n + j) * blocks, *o = offset + (n + j) * blocks;
         float *w = out + j * K;
         for (long b = 0; b < blocks; b++, w += 32) {
@@ -48,11 +58,11 @@ static void dequantize_rows(const uint8_t *codes, const float *scale, const floa
     }
 }
 
-/* Returns 0; -1 when K is not a multiple of 32 or bits is not 4 or 8 (the caller falls back to
- * torch), -2 when a thread's scratch cannot be allocated. */
+/* Returns 0; -1 when K is not a multiple of 32 or bits is not 4, 8 or 16 (the caller falls back
+ * to torch), -2 when a thread's scratch cannot be allocated. */
 int kvserve_linear_codes_f32(const float *x, const uint8_t *codes, const float *scale, const float *offset, int bits,
                               float *y, long M, long N, long K, int num_threads) {
-    if (K % 32 || (bits != 4 && bits != 8)) return -1;
+    if (K % 32 || (bits != 4 && bits != 8 && bits != 16)) return -1;
     long blocks = (N + NB - 1) / NB;
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)

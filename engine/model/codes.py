@@ -1,4 +1,5 @@
-"""Weights that came out of a 4-bit or 8-bit GGUF file, held again as their integer codes for CPU decode.
+"""Weights that came out of a 4-bit or 8-bit GGUF file, held again as their integer codes for CPU
+decode; and weights that came out of a bfloat16 checkpoint, held again as bfloat16.
 
 The embedded SmolLM2 ships as GGUF Q4_1 (Q8_0 for the tied embedding) and is dequantized to
 float32 once, as transformers does (engine/model_source.py). Every weight is then exactly
@@ -8,6 +9,11 @@ those codes (0.75 or 1.25 bytes a weight instead of 4) and dequantizing them ins
 kernel (engine/csrc/linear_codes.c) cuts a step's weight traffic about 5x without changing a
 bit: `encode` recovers the codes from the float32 tensor and keeps them only if they rebuild
 every weight bit for bit, so any other checkpoint simply stays float32.
+
+Most checkpoints are bfloat16, served here in float32 (CPU's default, and what token-exactness
+against transformers' float32 needs): each weight is then a float32 whose low 16 bits are zero.
+Its high halves (16-bit codes, 2 bytes a weight) rebuild it bit for bit with a shift, which halves
+a decode step's weight traffic with the same float32 arithmetic.
 
 The float32 weights stay too: prefill (large batches) reads them, or their oneDNN-prepacked copy
 (engine/model/loader.py, `prepare_cpu_weights`).
@@ -31,10 +37,12 @@ CHUNK_WEIGHTS = 1 << 22  # weights encoded at a time
 @dataclass(frozen=True)
 class BlockCodes:
     """An (N, K) float32 weight as codes: w[n, 32 b + i] = scale[n, b] * q[n, 32 b + i] + offset[n, b]."""
-    bits: int  # 4: q in [0, 15], two a byte; 8: q in [-127, 127], one signed byte
+    bits: int  # 4: q in [0, 15], two a byte; 8: q in [-127, 127], one signed byte; 16: bfloat16 (below)
     codes: torch.Tensor  # uint8 (N, K/2) or int8 (N, K); 4-bit byte j of a block: q[j] | q[j + 16] << 4
     scale: torch.Tensor  # float32 (N, K/32)
     offset: torch.Tensor  # float32 (N, K/32); -0.0 for 8-bit (adding it changes no bits)
+    # 16 bits: codes int16 (N, K), each weight's high half (w's bits = code << 16); scale and
+    # offset (N, 0), unused
     shape: tuple[int, int]
 
     @property
@@ -44,6 +52,8 @@ class BlockCodes:
     def to_float(self) -> torch.Tensor:
         """The float32 weight again, rounded as gguf-py dequantizes: the product, then the sum."""
         n, k = self.shape
+        if self.bits == 16:
+            return (self.codes.to(torch.int32) << 16).view(torch.float32)
         if self.bits == 4:
             c = self.codes.view(n, k // BLOCK, BLOCK // 2)
             q = torch.cat([c & 0x0F, c >> 4], dim=2)
@@ -55,13 +65,13 @@ class BlockCodes:
 
 def encode(weight: torch.Tensor) -> BlockCodes | None:
     """The weight as 4-bit codes if they rebuild it exactly, else as 8-bit codes if those do,
-    else None. Works through CHUNK_WEIGHTS weights (whole rows) at a time, so its temporaries
+    else as bfloat16 if it is that, else None. Works through CHUNK_WEIGHTS weights (whole rows) at a time, so its temporaries
     stay small and a weight that is no grid is given up on at its first rows."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK or weight.numel() == 0:
         return None
     rows = max(1, CHUNK_WEIGHTS // weight.shape[1])
     first = weight[:rows].detach()
-    for encoder in (_encode_affine_4bit, _encode_scaled_8bit):
+    for encoder in (_encode_affine_4bit, _encode_scaled_8bit, _encode_bfloat16):
         parts = [encoder(first.reshape(-1, BLOCK), first.shape)]
         for start in range(rows, weight.shape[0], rows):
             if parts[-1] is None:
@@ -96,8 +106,9 @@ def encode_for_cpu_decode(model: nn.Module, device: torch.device, dtype: torch.d
     t0 = time.perf_counter()
     if count := encode_model(model):
         held = [m.weight_codes for m in model.modules() if getattr(m, "weight_codes", None) is not None]
-        logger.info("decode reads %d weights as 4/8-bit codes (%.0f MB in place of %.0f MB of float32; found in "
-                    "%.1fs)", count, sum(c.nbytes for c in held) / 1e6,
+        bits = sorted({c.bits for c in held})
+        logger.info("decode reads %d weights as %s-bit codes (%.0f MB in place of %.0f MB of float32; found in "
+                    "%.1fs)", count, "/".join(map(str, bits)), sum(c.nbytes for c in held) / 1e6,
                     sum(c.shape[0] * c.shape[1] * 4 for c in held) / 1e6, time.perf_counter() - t0)
     return count
 
@@ -138,6 +149,16 @@ def _encode_scaled_8bit(blocks: torch.Tensor, shape: torch.Size) -> BlockCodes |
     n, k = shape
     return BlockCodes(8, q.to(torch.int8).view(n, k).contiguous(), scale.view(n, -1).contiguous(),
                         offset.view(n, -1).contiguous(), (n, k))
+
+
+def _encode_bfloat16(blocks: torch.Tensor, shape: torch.Size) -> BlockCodes | None:
+    # A bfloat16 weight in float32: its low 16 bits are zero, its high half is the bfloat16.
+    bits = blocks.view(torch.int32)
+    if bool((bits & 0xFFFF).any()):
+        return None
+    n, k = shape
+    empty = torch.empty(n, 0)
+    return BlockCodes(16, (bits >> 16).to(torch.int16).view(n, k).contiguous(), empty, empty, (n, k))
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
