@@ -102,6 +102,9 @@ class ServeOptions:
     disable_fastapi_docs: bool | None = None
     root_path: str | None = None
     max_log_len: int | None = None
+    # vLLM's structured_outputs_config (engine.vllm_args.STRUCTURED_OUTPUTS_KEYS): its reasoning_parser
+    # is reasoning_parser's, enable_in_reasoning puts the grammar over the reasoning too
+    structured_outputs_config: dict | None = None
     engine_cls: str | Callable | None = None  # "module:Class" built as cls(EngineConfig); default AsyncEngine
     cpu_threads: int | None = None  # torch threads per engine replica on CPU; default: cores // replicas
     num_ingress_replicas: int = 1
@@ -350,6 +353,8 @@ def router_settings(engine: EngineConfig, options: ServeOptions):
         if not engine.enable_lora:
             raise ValueError("lora_modules (--lora-modules) needs the engine's enable_lora (--enable-lora)")
         given["lora_modules"] = lora_modules(options.lora_modules, engine.max_lora_rank)
+    if options.structured_outputs_config:
+        given.update(_structured_outputs_settings(options.structured_outputs_config, options.reasoning_parser))
     if os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true"):  # vLLM's variable, read as it reads it
         if not engine.enable_lora:
             raise ValueError(f"{RUNTIME_LORA_ENV} needs the engine's enable_lora (--enable-lora)")
@@ -359,6 +364,20 @@ def router_settings(engine: EngineConfig, options: ServeOptions):
         given.update(allow_runtime_lora_updating=True, max_lora_rank=engine.max_lora_rank)
     return RouterSettings(**{**given, "served_model_name": first, "served_model_aliases": tuple(others),
                              "model_root": engine.model or first})
+
+
+def _structured_outputs_settings(config: dict, reasoning_parser: str | None) -> dict:
+    """RouterSettings fields from vLLM's structured_outputs_config (the rest asks nothing here)."""
+    from engine.vllm_args import structured_outputs_config
+
+    config = structured_outputs_config(config)
+    out = {"structured_outputs_in_reasoning": config.get("enable_in_reasoning", False)}
+    if parser := config.get("reasoning_parser"):
+        if reasoning_parser not in (None, parser):
+            raise ValueError(f"reasoning_parser {reasoning_parser!r} and structured_outputs_config's "
+                             f"reasoning_parser {parser!r} disagree; give one")
+        out["reasoning_parser"] = parser
+    return out
 
 
 def engine_bundles(tensor_parallel_size: int, use_gpu: bool) -> list[dict[str, float]]:

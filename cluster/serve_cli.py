@@ -38,7 +38,8 @@ _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_rep
                 "allowed_headers", "allow_credentials", "reasoning_parser", "tool_call_parser",
                 "exclude_tools_when_tool_choice_none", "response_role", "chat_template_content_format", "lora_modules",
                 "default_chat_template_kwargs", "return_tokens_as_token_ids", "enable_force_include_usage",
-                "sse_keep_alive_interval", "disable_fastapi_docs", "root_path", "max_log_len")
+                "sse_keep_alive_interval", "disable_fastapi_docs", "root_path", "max_log_len",
+                "structured_outputs_config")
 # vLLM's server flags that change nothing here: name -> why
 SERVE_NO_EFFECT = {
     "enable_request_id_headers": "Serve's proxy puts X-Request-Id on every reply (the request's own, else one it makes)",
@@ -112,6 +113,10 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                       help="chat replies' <think>...</think> reasoning goes to message.reasoning (and "
                            "reasoning_content), the rest to content; qwen3: a reply without the tags is all "
                            "content, deepseek_r1: it begins inside its reasoning (default: none)")
+    http.add_argument("--structured-outputs-config", type=_json_object, metavar="JSON",
+                      help='vLLM\'s: {"backend": ..., "reasoning_parser": ..., "enable_in_reasoning": true, ...}; one '
+                           "backend (llguidance) serves every backend's requests, JSON is always compact and "
+                           "objects closed; enable_in_reasoning puts a request's grammar over its reasoning too")
     http.add_argument("--chat-template-content-format", choices=list(CONTENT_FORMATS),
                       help="how the chat template gets a message's content: string (its text parts joined "
                            "by newlines), openai (a list of text parts), auto (openai for a template that "

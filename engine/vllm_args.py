@@ -44,6 +44,15 @@ AT_ANY = {
     "compilation_config": "no torch.compile; CUDA graphs for decode steps unless enforce_eager",
     "limit_mm_per_prompt": "text models: no multi-modal inputs to limit",
 }
+# vLLM's structured_outputs_config: its keys and what each may be here. One backend, llguidance,
+# serves every backend's requests, JSON is compact and a schema's objects are closed (what the
+# disable_* options ask), so only the reasoning keys change anything (router.settings).
+STRUCTURED_OUTPUTS_KEYS = {
+    "backend": ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"),
+    "disable_fallback": (True, False), "disable_any_whitespace": (True, False),
+    "disable_additional_properties": (True, False), "enable_in_reasoning": (True, False),
+    "reasoning_parser": None, "reasoning_parser_plugin": ("",),  # None: any string
+}
 # vLLM's shorthands for keys of speculative_config: --spec-method, --spec-model, --spec-tokens
 SPEC_SHORTHANDS = {"spec_method": "method", "spec_model": "model", "spec_tokens": "num_speculative_tokens"}
 
@@ -54,6 +63,28 @@ def refused(name: str, value) -> str | None:
         values, why = ONLY_AT[name]
         return f"only {' or '.join(values)} here, not {value!r} ({why})"
     return None
+
+
+def structured_outputs_config(value) -> dict:
+    """vLLM's structured_outputs_config (a dict or its JSON), checked against
+    STRUCTURED_OUTPUTS_KEYS; ValueError naming the key and what it may be."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs_config: not JSON ({e}): {value!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"structured_outputs_config must be a dict or its JSON, got {value!r}")
+    for key, given in value.items():
+        if key not in STRUCTURED_OUTPUTS_KEYS:
+            raise ValueError(f"structured_outputs_config: {key!r} is not one of its keys "
+                             f"({', '.join(STRUCTURED_OUTPUTS_KEYS)})")
+        allowed = STRUCTURED_OUTPUTS_KEYS[key]
+        ok = isinstance(given, str) if allowed is None else type(given) is type(allowed[0]) and given in allowed
+        if not ok:
+            shown = "a string" if allowed is None else " or ".join(map(json.dumps, allowed))
+            raise ValueError(f"structured_outputs_config: {key} must be {shown} here, got {given!r}")
+    return dict(value)
 
 
 def with_spec_shorthands(kwargs: dict) -> dict:
@@ -81,6 +112,9 @@ def without_vllm_only(kwargs: dict) -> dict:
     """`kwargs` less the arguments of these tables, vLLM's speculative shorthands put into
     speculative_config; ValueError for one at a value kvserve cannot take."""
     kwargs = with_spec_shorthands(kwargs)
+    if kwargs.get("structured_outputs_config") is not None:  # offline: no reasoning parser, nothing to set
+        structured_outputs_config(kwargs["structured_outputs_config"])
+    kwargs = {k: v for k, v in kwargs.items() if k != "structured_outputs_config"}
     for name, value in kwargs.items():
         if (why := refused(name, value)) is not None:
             raise ValueError(f"{name}: {why}")

@@ -398,8 +398,8 @@ class OpenAIServing:
         spec = params.structured_outputs
         if spec is None:
             return plan, params, ids, opens_in_reasoning(parser, start)
-        if not self._end_tag_is_a_token:  # nothing can hold the grammar back: it governs the whole reply
-            return plan, params, ids, None
+        if not self._end_tag_is_a_token or self.settings.structured_outputs_in_reasoning:
+            return plan, params, ids, None  # the grammar governs the whole reply
         params = dataclasses.replace(params, structured_outputs=dataclasses.replace(spec, **grammar_gate(parser, start)))
         return plan, params, ids, opens_in_reasoning(parser, start)
 

@@ -77,6 +77,9 @@ class RouterSettings:
     disable_fastapi_docs: bool = False  # vLLM's: no /openapi.json, /docs
     root_path: str | None = None  # vLLM's: FastAPI's root_path, behind a proxy that serves under a path
     max_log_len: int | None = None  # vLLM's: the prompt ids a logged request shows (None: all)
+    # vLLM's structured_outputs_config enable_in_reasoning: with a reasoning parser, a request's
+    # grammar governs its whole reply, reasoning included (by default it waits for </think>)
+    structured_outputs_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if not all(isinstance(n, str) and n for n in (self.served_model_name, *self.served_model_aliases)):

@@ -118,6 +118,18 @@ def test_a_grammar_waits_for_the_reasoning_to_end(thinking):
     assert engine.seen[0][1].structured_outputs.reasoning_end is None
 
 
+def test_enable_in_reasoning_puts_the_grammar_over_the_whole_reply(thinking):
+    """vLLM's structured_outputs_config enable_in_reasoning: no gate; the reply is the grammar's
+    from its first token, and none of it is taken for reasoning."""
+    fmt = {"type": "json_object"}
+    choice, engine = _whole(thinking, '{"a": "<think>"}', response_format=fmt,
+                            settings={**THINKING, "structured_outputs_in_reasoning": True})
+    assert (choice.message.reasoning, choice.message.content) == (None, '{"a": "<think>"}')
+    assert engine.seen[0][1].structured_outputs.reasoning_end is None
+    choice, engine = _whole(thinking, REPLY, settings={**THINKING, "structured_outputs_in_reasoning": True})
+    assert choice.message.reasoning == "\nThe user asks about Paris.\n"  # unconstrained replies still reason
+
+
 def test_without_a_one_token_end_tag_the_grammar_governs_the_whole_reply(tokenizer):
     """SmolLM2 writes `</think>` in pieces: no gate could hold its grammar back exactly, so none is
     asked for, and the reply, all the grammar's, is not split."""

@@ -150,13 +150,26 @@ def test_the_command_line_sets_them(tokenizer):
     argv = ["serve", "--default-chat-template-kwargs", '{"enable_thinking": false}', "--return-tokens-as-token-ids",
             "--enable-force-include-usage", "--sse-keep-alive-interval", "5", "--disable-fastapi-docs",
             "--root-path", "/llm", "--max-log-len", "10", "--shutdown-timeout", "0", "--enable-request-id-headers",
-            "--enable-prompt-tokens-details"]
+            "--enable-prompt-tokens-details", "--structured-outputs-config",
+            '{"backend": "xgrammar", "disable_any_whitespace": true, "reasoning_parser": "qwen3", '
+            '"enable_in_reasoning": true}']
     engine, options = split_args(app_args_from_cli(parser.parse_args(vllm_argv(parser, argv))))
     settings = router_settings(engine, options)
     assert settings.default_chat_template_kwargs == {"enable_thinking": False}
     assert settings.return_tokens_as_token_ids and settings.enable_force_include_usage and settings.disable_fastapi_docs
     assert (settings.sse_keep_alive_interval, settings.root_path, settings.max_log_len) == (5.0, "/llm", 10)
     assert options.graceful_shutdown_timeout_s == 0
+    assert (settings.reasoning_parser, settings.structured_outputs_in_reasoning) == ("qwen3", True)
+    for config, message in [('{"backend": "x"}', "backend must be"), ('{"reasoning_parser": "deepseek_r1"}',
+                                                                       "disagree; give one")]:
+        with pytest.raises(ValueError, match=message):
+            router_settings(*split_args(app_args_from_cli(parser.parse_args(
+                ["serve", "--reasoning-parser", "qwen3", "--structured-outputs-config", config]))))
+    from engine.vllm_args import without_vllm_only
+
+    assert without_vllm_only({"structured_outputs_config": {"backend": "guidance"}}) == {}  # LLM(...)'s keyword
+    with pytest.raises(ValueError, match="'foo' is not one of its keys"):
+        without_vllm_only({"structured_outputs_config": {"foo": 1}})
     settings = router_settings(*split_args(app_args_from_cli(parser.parse_args(["serve"]))))
     assert settings.default_chat_template_kwargs is None and settings.root_path is None
     assert not (settings.return_tokens_as_token_ids or settings.enable_force_include_usage
