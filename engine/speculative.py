@@ -17,7 +17,8 @@ probability p(d); otherwise x follows p without d, renormalized).
 A draft's row reads the drafts before it as output (penalties, min_tokens, bad words of several
 tokens: engine.sampler), and a grammar's mask of the matcher having taken them
 (engine.structured.matchers). A grammar held behind its reasoning gate decodes one token per step,
-as do all requests while more than disable_by_batch_size run.
+as do all requests while more than disable_by_batch_size run; num_speculative_tokens_per_batch_size
+sets the drafts by the number running.
 """
 from __future__ import annotations
 
@@ -40,7 +41,11 @@ class SpeculativeConfig:
     num_speculative_tokens: int | None = None  # drafts per step, at most (required)
     prompt_lookup_min: int | None = None  # shortest n-gram matched (default: prompt_lookup_max, or 5)
     prompt_lookup_max: int | None = None  # longest n-gram matched (default: prompt_lookup_min, or 5)
-    disable_by_batch_size: int | None = None  # no drafts while more requests than this run
+    disable_by_batch_size: int | None = None  # no drafts while more requests than this run (older vLLM's)
+    # vLLM's dynamic speculation: [(first, last, k), ...], inclusive ranges of running requests
+    # (sequences: vLLM runs each of n samples as a request) and the drafts each may take there;
+    # a gap or the tail after the last range keeps the k before it; never more than num_speculative_tokens
+    num_speculative_tokens_per_batch_size: tuple | None = None
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -66,6 +71,18 @@ class SpeculativeConfig:
         need(hi >= lo, f"prompt_lookup_max ({hi}) must be >= prompt_lookup_min ({lo})")
         need(self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
              f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+        if self.num_speculative_tokens_per_batch_size is not None:
+            object.__setattr__(self, "num_speculative_tokens_per_batch_size",
+                               _batch_schedule(self.num_speculative_tokens_per_batch_size, need))
+
+    def k_at(self, batch_size: int) -> int:
+        """The drafts a sequence may take while `batch_size` run (num_speculative_tokens_per_batch_size)."""
+        k = self.num_speculative_tokens
+        for first, _, at in self.num_speculative_tokens_per_batch_size or ():
+            if first > batch_size:
+                break
+            k = min(at, self.num_speculative_tokens)
+        return k
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -97,6 +114,28 @@ class SpeculativeConfig:
         if "method" not in value:
             raise ValueError("speculative_config needs a method (kvserve's: 'ngram')")
         return cls(**value)
+
+
+def _batch_schedule(value, need) -> tuple[tuple[int, int, int], ...]:
+    """num_speculative_tokens_per_batch_size as vLLM checks it: a non-empty list of (first, last,
+    k), first <= last, positive, k >= 0, the ranges apart and the first from 1; sorted."""
+    shape = "a non-empty list of [first, last, num_speculative_tokens] entries"
+    need(isinstance(value, (list, tuple)) and len(value) > 0, f"num_speculative_tokens_per_batch_size must be {shape}")
+    entries = []
+    for entry in value:
+        need(isinstance(entry, (list, tuple)) and len(entry) == 3
+             and all(isinstance(x, int) and not isinstance(x, bool) for x in entry),
+             f"num_speculative_tokens_per_batch_size must be {shape} (integers), got {entry!r}")
+        first, last, k = entry
+        need(0 < first <= last and k >= 0, f"num_speculative_tokens_per_batch_size: {list(entry)} needs "
+                                           "0 < first <= last and num_speculative_tokens >= 0")
+        entries.append((first, last, k))
+    entries.sort()
+    need(entries[0][0] == 1, "num_speculative_tokens_per_batch_size: the first range must start at 1, so that "
+                             "every batch size has its count")
+    for (_, last, _), (first, _, _) in zip(entries, entries[1:]):
+        need(first > last, "num_speculative_tokens_per_batch_size: the ranges must not overlap")
+    return tuple(entries)
 
 
 def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -139,11 +178,12 @@ class NgramDrafter:
 
     def __call__(self, seq: Sequence, budget: int) -> list[int]:
         c = self.config
-        if c.disable_by_batch_size is not None and self.num_running() > c.disable_by_batch_size:
+        running = self.num_running()
+        if c.disable_by_batch_size is not None and running > c.disable_by_batch_size:
             return []
-        # Room: the step's budget; max_tokens (every draft kept, plus the token after them, must
-        # fit); max_model_len (the last draft's position).
-        room = min(c.num_speculative_tokens, budget, seq.max_tokens - seq.num_output_tokens - 1,
+        # Room: k at this batch size; the step's budget; max_tokens (every draft kept, plus the
+        # token after them, must fit); max_model_len (the last draft's position).
+        room = min(c.k_at(running), budget, seq.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens)
         if room <= 0 or not self.eligible(seq):
             return []

@@ -259,6 +259,27 @@ def test_disable_by_batch_size(tiny):
     assert _drafted(llm)[0] > 0
 
 
+def test_drafts_per_batch_size_follow_vllms_schedule(tiny):
+    """vLLM's num_speculative_tokens_per_batch_size: each inclusive range of running requests
+    takes its own count (a gap and the tail keep the one before; none above num_speculative_tokens)."""
+    c = SpeculativeConfig(num_speculative_tokens=2, num_speculative_tokens_per_batch_size=[[8, 16, 1], [1, 4, 3]])
+    assert [c.k_at(b) for b in (1, 4, 5, 7, 8, 16, 100)] == [2, 2, 2, 2, 1, 1, 1]
+    assert SpeculativeConfig(num_speculative_tokens=4, num_speculative_tokens_per_batch_size=[(1, 2, 0), (3, 9, 3)]
+                             ).num_speculative_tokens_per_batch_size == ((1, 2, 0), (3, 9, 3))
+    for bad, says in [([], "a non-empty list"), ([(2, 4, 1)], "the first range must start at 1"),
+                      ([(1, 4, 1), (4, 8, 0)], "must not overlap"), ([(1, 0, 1)], "0 < first <= last"),
+                      ([(1, 4)], "entries"), ([(1, 4, -1)], "num_speculative_tokens >= 0")]:
+        with pytest.raises(ValueError, match=says):
+            SpeculativeConfig(num_speculative_tokens=2, num_speculative_tokens_per_batch_size=bad)
+    d, expected = tiny
+    schedule = {**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 64, 0]]}
+    llm = LLM(model=str(d), num_gpu_blocks_override=64, speculative_config=schedule)
+    assert _tokens(llm.generate(PROMPTS[:3], GREEDY)) == expected[:3]  # three running: k is 0
+    assert _drafted(llm) == (0, 0)
+    assert _tokens(llm.generate(PROMPTS[:1], GREEDY)) == expected[:1]  # alone: k is 4
+    assert _drafted(llm)[0] > 0
+
+
 def test_metrics(tiny):
     d, _ = tiny
     llm = LLM(model=str(d), num_gpu_blocks_override=64, speculative_config=NGRAM, disable_log_stats=False)
