@@ -20,7 +20,7 @@ import socket
 import sys
 import time
 
-from cluster.engine_args import add_engine_args, engine_config_from_args, parse_bytes
+from cluster.engine_args import absolute_path, add_engine_args, engine_config_from_args, parse_bytes
 from cluster.policy import ROUTERS
 from engine.chat_format import FORMATS as CONTENT_FORMATS
 from router.reasoning import PARSERS as REASONING_PARSERS
@@ -58,6 +58,12 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     http = p.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     http.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
+    http.add_argument("--ssl-keyfile", type=absolute_path, metavar="FILE",
+                      help="serve HTTPS with this private key (PEM), with --ssl-certfile (vLLM's flags; Serve's proxy "
+                           "terminates TLS)")
+    http.add_argument("--ssl-certfile", type=absolute_path, metavar="FILE", help="the certificate (chain, PEM) for HTTPS")
+    http.add_argument("--ssl-ca-certs", type=absolute_path, metavar="FILE",
+                      help="CA certificates the HTTPS server loads (as vLLM's; clients are not asked for certificates)")
     http.add_argument("--api-key", type=_api_key, default=_key_from_env(), metavar="KEY",
                       help="require `Authorization: Bearer KEY` (default: $KVSERVE_API_KEY, else vLLM's "
                            "$VLLM_API_KEY; none if both are unset)")
@@ -275,11 +281,11 @@ def app_args_from_cli(ns: argparse.Namespace) -> dict:
     return args
 
 
-def ready_message(host: str, port: int, model: str, api_key: str | None) -> str:
+def ready_message(host: str, port: int, model: str, api_key: str | None, https: bool = False) -> str:
     """The ready line and a curl to paste, which never shows the key: it reads the variable the key
     came from ($KVSERVE_API_KEY, $VLLM_API_KEY), else it holds a placeholder for the --api-key given."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    url = f"http://{shown}:{port}"
+    url = f"{'https' if https else 'http'}://{shown}:{port}"
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 32, "temperature": 0})
     auth = ""
@@ -341,6 +347,7 @@ def run_serve(ns: argparse.Namespace) -> int:
 
     try:  # the cheap checks first, so a typo fails in a second rather than after Ray starts
         args = app_args_from_cli(ns)
+        tls = _tls_options(ns)
         engine, options = check_args(args)
         if ns.ray_address is None:
             _check_port(ns.host, ns.port)
@@ -386,8 +393,8 @@ def run_serve(ns: argparse.Namespace) -> int:
         except (ModelError, ValueError) as e:
             print(f"kvserve: error: {e}", file=sys.stderr)
             return 2
-        serve.start(http_options={"host": ns.host, "port": ns.port})
-        if not local and (why := _shared_serve_conflict(ns.host, ns.port, APP_NAME)):
+        serve.start(http_options={"host": ns.host, "port": ns.port, **tls})
+        if not local and (why := _shared_serve_conflict(ns.host, ns.port, APP_NAME, tls)):
             print(f"kvserve: error: {why}", file=sys.stderr)
             return 1
         deployed = True
@@ -397,7 +404,8 @@ def run_serve(ns: argparse.Namespace) -> int:
             print(f"kvserve: error: the application failed to start: {_startup_failure(serve.status(), APP_NAME) or e}",
                   file=sys.stderr)
             return 1
-        print(ready_message(ns.host, ns.port, served_model_name(engine, options), options.api_key), flush=True)
+        print(ready_message(ns.host, ns.port, served_model_name(engine, options), options.api_key, bool(tls)),
+              flush=True)
         _wait_for_stop_signal()
         timeout_s = options.graceful_shutdown_timeout_s
         print(f"kvserve: stopping: new requests get 503, in-flight ones may finish for up to {timeout_s:g}s "
@@ -414,11 +422,34 @@ def run_serve(ns: argparse.Namespace) -> int:
             serve.delete(APP_NAME)
 
 
-def _shared_serve_conflict(host: str, port: int, app_name: str) -> str | None:
+def _tls_options(ns: argparse.Namespace) -> dict:
+    """Serve's HTTP options for HTTPS (--ssl-keyfile with --ssl-certfile), the files checked now:
+    a key that does not match its certificate fails here, not in the proxy's log."""
+    import ssl
+
+    key, cert, ca = ns.ssl_keyfile, ns.ssl_certfile, ns.ssl_ca_certs
+    if (key is None) != (cert is None):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    if key is None:
+        if ca is not None:
+            raise ValueError("--ssl-ca-certs is for HTTPS: give --ssl-keyfile and --ssl-certfile too")
+        return {}
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert, key)
+        if ca is not None:
+            context.load_verify_locations(ca)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"HTTPS: cannot use --ssl-certfile {cert} with --ssl-keyfile {key}"
+                         f"{f' and --ssl-ca-certs {ca}' if ca else ''}: {getattr(e, 'strerror', None) or e}") from None
+    return {"ssl_keyfile": key, "ssl_certfile": cert, **({"ssl_ca_certs": ca} if ca else {})}
+
+
+def _shared_serve_conflict(host: str, port: int, app_name: str, tls: dict | None = None) -> str | None:
     """Why `kvserve serve --ray-address` cannot deploy onto this cluster's Serve, or None. A Serve
-    already running keeps its HTTP address (serve.start only warns and ignores ours), and an
-    application of our name there is someone else's, which serve.run would replace and our exit
-    delete."""
+    already running keeps its HTTP address and its TLS (serve.start only warns and ignores ours),
+    and an application of our name there is someone else's, which serve.run would replace and our
+    exit delete."""
     from ray import serve
     from ray.serve.context import _get_global_client
 
@@ -426,6 +457,9 @@ def _shared_serve_conflict(host: str, port: int, app_name: str) -> str | None:
     if (http.host, http.port) != (host, port):
         return (f"Serve already runs on this cluster, its HTTP proxy at {http.host}:{http.port}, which a new "
                 f"application cannot move: pass --host {http.host} --port {http.port} to deploy behind it")
+    if (http.ssl_certfile or None) != (tls or {}).get("ssl_certfile"):
+        return (f"Serve already runs on this cluster, its HTTP proxy {'with' if http.ssl_certfile else 'without'} "
+                "TLS, which a new application cannot change: deploy with the --ssl-* flags it was started with")
     if app_name in serve.status().applications:
         return (f"an application named {app_name!r} already runs on this cluster; deploying would replace it "
                 "and stopping would delete it: remove it first (serve shutdown, or serve deploy without it)")

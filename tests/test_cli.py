@@ -297,6 +297,9 @@ def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_
     log = tmp_path / "serve.err"
     quiet = engine_cls is not None
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KVSERVE_LOG_STATS_INTERVAL": "0.5"}
+    # the process engine's server serves HTTPS (vLLM's --ssl-keyfile / --ssl-certfile)
+    key, cert = self_signed(tmp_path) if quiet else (None, None)
+    tls = ["--ssl-keyfile", key, "--ssl-certfile", cert] if quiet else []
     if quiet:
         with_tokenizer_code(model)
         name = "tiny"
@@ -305,7 +308,7 @@ def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_
         model = name = "kvserve-tests/tiny"
         env["HF_HUB_CACHE"] = str(tmp_path / "hub")
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--port", str(port),
-                             "--max-model-len", "256", "--device", "cpu", *engine_flag(engine_cls),
+                             "--max-model-len", "256", "--device", "cpu", *engine_flag(engine_cls), *tls,
                              *(["--disable-log-stats", "--disable-uvicorn-access-log", "--trust-remote-code"]
                                if quiet else ["--uvicorn-log-level", "warning"])], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=log.open("w"), start_new_session=True, env=env)
@@ -314,9 +317,16 @@ def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_
             if line.startswith("kvserve: ready"):
                 break
         assert proc.poll() is None, "kvserve serve exited before it was ready"
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+        url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+        assert f"at {url} " in line
+        import ssl
+
+        r = httpx.post(f"{url}/v1/completions", timeout=60, verify=ssl.create_default_context(cafile=cert),
                        json={"model": str(model), "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["model"] == str(model), r.text
+        if tls:  # nothing is served in the clear
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
 
         def generating(text: str) -> bool:  # a stats line of an interval in which tokens were sampled
             return any("Avg generation throughput: " in line and "Avg generation throughput: 0.0 " not in line
@@ -702,12 +712,41 @@ def test_an_application_of_our_name_on_a_shared_serve_is_not_replaced(monkeypatc
 
     from cluster.serve_cli import _shared_serve_conflict
 
-    http = SimpleNamespace(host="0.0.0.0", port=8000)
+    http = SimpleNamespace(host="0.0.0.0", port=8000, ssl_certfile=None)
     monkeypatch.setattr(context, "_get_global_client", lambda: SimpleNamespace(http_config=http))
     monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={"kvserve": object()}))
     assert "pass --host 0.0.0.0 --port 8000" in _shared_serve_conflict("127.0.0.1", 8000, "kvserve")
     assert "an application named 'kvserve' already runs" in _shared_serve_conflict("0.0.0.0", 8000, "kvserve")
     assert _shared_serve_conflict("0.0.0.0", 8000, "other") is None
+    assert "its HTTP proxy without TLS" in _shared_serve_conflict("0.0.0.0", 8000, "other", {"ssl_certfile": "/c"})
+    http.ssl_certfile = "/c"
+    assert "its HTTP proxy with TLS" in _shared_serve_conflict("0.0.0.0", 8000, "other")
+    assert _shared_serve_conflict("0.0.0.0", 8000, "other", {"ssl_certfile": "/c", "ssl_keyfile": "/k"}) is None
+
+
+def self_signed(tmp_path) -> tuple[str, str]:
+    """A key and a self-signed certificate for 127.0.0.1 (openssl's CLI)."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return str(key), str(cert)
+
+
+def test_https_flags_are_checked_before_ray_starts(tmp_path):
+    key, cert = self_signed(tmp_path)
+    (tmp_path / "other").mkdir()
+    other_key, _ = self_signed(tmp_path / "other")
+    for flags, says in [(["--ssl-keyfile", key], "HTTPS needs both --ssl-keyfile and --ssl-certfile"),
+                        (["--ssl-ca-certs", cert], "--ssl-ca-certs is for HTTPS"),
+                        (["--ssl-keyfile", other_key, "--ssl-certfile", cert], "cannot use --ssl-certfile"),
+                        (["--ssl-keyfile", key, "--ssl-certfile", str(tmp_path / "none.pem")], "cannot use"),
+                        (["--ssl-keyfile", key, "--ssl-certfile", cert, "--ssl-ca-certs", key], "cannot use")]:
+        r = kvserve("serve", "--port", "1", *flags)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr)
+    from cluster.serve_cli import ready_message
+
+    assert "ready: m at https://127.0.0.1:8443 " in ready_message("0.0.0.0", 8443, "m", None, https=True)
 
 
 def test_generate_finds_a_repository_in_the_hugging_face_cache(tmp_path, smollm2_path):
