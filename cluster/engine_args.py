@@ -104,6 +104,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="reuse KV blocks of identical prompt prefixes")
     add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
         help="split long prompts across engine steps")
+    add("--long-prefill-token-threshold", type=parse_tokens, metavar="TOKENS",
+        help="chunked prefill: a prompt chunk takes at most this many tokens a step while other requests run or "
+             "wait, so a long prompt does not hold the step's budget (vLLM's flag; 0: no cap)")
+    add("--long-prefill-token-threshold-adaptive", action=argparse.BooleanOptionalAction,
+        help="never cap a chunk below --max-num-batched-tokens / the requests running and waiting (vLLM's flag)")
     add("--scheduling-policy", choices=["fcfs", "priority"],
         help="fcfs: first come, first served; priority: waiting requests by their `priority` (lower first), "
              "then arrival, and the lowest-priority running one is preempted first (as in vLLM)")

@@ -36,6 +36,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # vLLM's --long-prefill-token-threshold: a prompt chunk takes at most this many tokens a step
+    # while other requests run or wait (0: no cap); --long-prefill-token-threshold-adaptive: the
+    # cap is never below max_num_batched_tokens / the requests running and waiting
+    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold_adaptive: bool = False
     # vLLM's --scheduling-policy: "fcfs", or "priority" (waiting requests by their priority, lower
     # first, then arrival; the lowest-priority running sequence is the one preempted).
     scheduling_policy: str = "fcfs"
@@ -116,6 +121,8 @@ class EngineConfig:
         need(self.scheduling_policy in ("fcfs", "priority"),
              f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         need(self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}")
+        need(self.long_prefill_token_threshold >= 0,
+             f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         self._check_capture_sizes(need)
         need(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")

@@ -40,7 +40,9 @@ class LLMEngine:
         self.block_manager = BlockManager(info.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.enable_chunked_prefill, config.scheduling_policy,
-                                                   config.max_loras if config.enable_lora else None),
+                                                   config.max_loras if config.enable_lora else None,
+                                                   config.long_prefill_token_threshold,
+                                                   config.long_prefill_token_threshold_adaptive),
                                    self.block_manager, propose=self._drafter(config))
         self.adapters = LoadedAdapters(self.executor, config.max_cpu_loras or config.max_loras)
         self.requests: dict[str, Request] = {}

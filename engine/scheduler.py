@@ -32,6 +32,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # or "priority": engine.config.EngineConfig.scheduling_policy
     max_loras: int | None = None  # LoRA adapters running at once (EngineConfig.max_loras, with enable_lora)
+    # vLLM's: with chunked prefill, a prompt chunk takes at most this many tokens a step while
+    # other requests wait or run (0: no cap); adaptive: never below the budget's fair share
+    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold_adaptive: bool = False
 
 
 @dataclass
@@ -159,9 +163,10 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        cap = self._prefill_cap()
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens, cap)
         if not batch.preempted:  # under memory pressure, admit nobody new
-            self._schedule_waiting(batch, budget)
+            self._schedule_waiting(batch, budget, cap)
         batch.copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
         batch.registered, self.block_manager.registered = self.block_manager.registered, []
         return batch
@@ -179,11 +184,22 @@ class Scheduler:
             self.running.remove(seq)
             self._requeue(seq)
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def _prefill_cap(self) -> int | None:
+        """The most tokens a prompt chunk takes this step (long_prefill_token_threshold), or None:
+        no cap, for a request alone, as vLLM's (it starves nobody)."""
+        c = self.config
+        eligible = len(self.running) + len(self.waiting)
+        if not (c.long_prefill_token_threshold > 0 and c.enable_chunked_prefill and eligible > 1):
+            return None
+        if c.long_prefill_token_threshold_adaptive:
+            return max(c.long_prefill_token_threshold, c.max_num_batched_tokens // eligible)
+        return c.long_prefill_token_threshold
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, cap: int | None = None) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, cap or budget)
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()  # newest; never one already scheduled (those are < i)
                 self._preempt(victim)
@@ -215,7 +231,7 @@ class Scheduler:
                 budget -= len(drafts)
         return budget
 
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int, cap: int | None = None) -> None:
         bm = self.block_manager
         # Sequences that will fork after their prefill already hold seats for their siblings.
         seats = len(self.running) + sum(s.pending_forks for s in self.running)
@@ -233,6 +249,8 @@ class Scheduler:
             hits = bm.get_computed_blocks(seq)
             num_cached = len(hits) * bm.block_size
             num_new = seq.num_tokens - num_cached
+            if cap is not None:
+                num_new = min(num_new, cap)
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break

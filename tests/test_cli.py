@@ -56,7 +56,8 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
         "--max-logprobs", "5", "--revision", "v1", "--tokenizer-revision", "v2", "--download-dir", "/hub",
         "--scheduling-policy", "priority", "--logprobs-mode", "processed_logits", "--enable-lora", "--max-loras", "2",
         "--max-lora-rank", "32", "--max-cpu-loras", "3", "--cudagraph-capture-sizes", "1", "4", "8",
-        "--max-cudagraph-capture-size", "8", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'])
+        "--max-cudagraph-capture-size", "8", "--long-prefill-token-threshold", "1k",
+        "--long-prefill-token-threshold-adaptive", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'])
     kwargs = engine_config_from_args(ns)
     assert set(kwargs) == EngineConfig.field_names()
     spec = EngineConfig(speculative_config=kwargs.pop("speculative_config")).speculative_config  # tp 1 only
@@ -72,6 +73,7 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
     assert config.scheduling_policy == "priority"
     assert (config.enable_lora, config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (True, 2, 32, 3)
     assert (config.cudagraph_capture_sizes, config.max_cudagraph_capture_size) == ((1, 4, 8), 8)
+    assert (config.long_prefill_token_threshold, config.long_prefill_token_threshold_adaptive) == (1000, True)
 
 
 def test_flags_not_given_leave_engine_config_defaults():

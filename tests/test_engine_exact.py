@@ -68,7 +68,8 @@ def _tokens(outs) -> list[list[int]]:
     dict(num_gpu_blocks_override=128, max_num_seqs=2),  # queueing
     dict(num_gpu_blocks_override=128, block_size=4),
     dict(num_gpu_blocks_override=128, enable_prefix_caching=False),
-], ids=["batch", "chunked", "max2seqs", "bs4", "nocache"])
+    dict(num_gpu_blocks_override=128, long_prefill_token_threshold=3),  # vLLM's cap on a chunk beside others
+], ids=["batch", "chunked", "max2seqs", "bs4", "nocache", "longcap"])
 def test_exact_batch(tiny, engine_kwargs, kernels):
     d, prompts, ref = tiny
     llm = LLM(model=str(d), **engine_kwargs)

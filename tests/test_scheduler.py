@@ -236,6 +236,32 @@ def test_chunked_prefill_splits_a_long_prompt_and_mixes_in_decodes():
     eng.check_drained()
 
 
+def test_long_prefill_token_threshold_caps_chunks_while_others_wait_or_run():
+    """vLLM's long_prefill_token_threshold: a prompt chunk takes at most the threshold while
+    another request runs or waits; alone, the whole budget (adaptive: never below the budget's
+    fair share of the requests there)."""
+    import dataclasses
+
+    eng = FakeEngine(num_blocks=64, block_size=4, max_num_batched_tokens=32)
+    eng.sched.config = dataclasses.replace(eng.config, long_prefill_token_threshold=6)
+    long, short = eng.add(range(100, 140), max_tokens=2), eng.add([1, 2, 3], max_tokens=6)
+    b1 = eng.step()
+    assert list(zip(b1.seqs, b1.num_new_tokens)) == [(long, 6), (short, 3)]  # the short prompt is not held up
+    b2 = eng.step()
+    assert list(zip(b2.seqs, b2.num_new_tokens)) == [(long, 6), (short, 1)]
+    eng.drain()
+    eng.check_drained()
+    alone = eng.add(range(200, 240), max_tokens=2)
+    assert list(zip((b := eng.step()).seqs, b.num_new_tokens)) == [(alone, 32)]  # nobody to starve
+    eng.drain()
+    eng.sched.config = dataclasses.replace(eng.sched.config, long_prefill_token_threshold_adaptive=True)
+    a, b_ = eng.add(range(300, 340), max_tokens=2), eng.add(range(400, 440), max_tokens=2)
+    b3 = eng.step()
+    assert list(zip(b3.seqs, b3.num_new_tokens)) == [(a, 16), (b_, 16)]  # 32 // 2 requests, above 6
+    eng.drain()
+    eng.check_drained()
+
+
 def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
     eng = FakeEngine(num_blocks=32, block_size=4, max_num_batched_tokens=10, enable_chunked_prefill=False)
     a, b = eng.add([1] * 6, max_tokens=3), eng.add([2] * 6, max_tokens=3)
