@@ -423,8 +423,9 @@ def run_serve(ns: argparse.Namespace) -> int:
 
 
 def _tls_options(ns: argparse.Namespace) -> dict:
-    """Serve's HTTP options for HTTPS (--ssl-keyfile with --ssl-certfile), the files checked now:
-    a key that does not match its certificate fails here, not in the proxy's log."""
+    """Serve's HTTP options for HTTPS (--ssl-keyfile with --ssl-certfile), the files checked now
+    where the proxy will read them (a local Ray): a key that does not match its certificate, or one
+    encrypted with a password (Serve would need it), fails here, not in the proxy's log."""
     import ssl
 
     key, cert, ca = ns.ssl_keyfile, ns.ssl_certfile, ns.ssl_ca_certs
@@ -434,15 +435,18 @@ def _tls_options(ns: argparse.Namespace) -> dict:
         if ca is not None:
             raise ValueError("--ssl-ca-certs is for HTTPS: give --ssl-keyfile and --ssl-certfile too")
         return {}
+    tls = {"ssl_keyfile": key, "ssl_certfile": cert, **({"ssl_ca_certs": ca} if ca else {})}
+    if ns.ray_address is not None:  # the files are the cluster's, at these paths on its proxy's node
+        return tls
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
-        context.load_cert_chain(cert, key)
+        context.load_cert_chain(cert, key, password="")  # never a prompt: an encrypted key fails
         if ca is not None:
             context.load_verify_locations(ca)
     except (OSError, ssl.SSLError) as e:
         raise ValueError(f"HTTPS: cannot use --ssl-certfile {cert} with --ssl-keyfile {key}"
                          f"{f' and --ssl-ca-certs {ca}' if ca else ''}: {getattr(e, 'strerror', None) or e}") from None
-    return {"ssl_keyfile": key, "ssl_certfile": cert, **({"ssl_ca_certs": ca} if ca else {})}
+    return tls
 
 
 def _shared_serve_conflict(host: str, port: int, app_name: str, tls: dict | None = None) -> str | None:

@@ -2,12 +2,14 @@
 not, and deployments moved from vLLM carry them:
 
 - `--config FILE.yaml`: the file's keys are flags (`port: 8000`, `tensor-parallel-size: 2`), put
-  between the sub-command (and its model) and the rest, so a flag on the command line wins over
-  the file, and the file over the defaults. `true` gives the flag, `false` its `--no-` form where
-  it has one (else nothing), a list the flag and its items, a mapping the flag and its JSON.
+  between the sub-command (and its first argument: `serve`'s model, `generate`'s prompt) and the
+  rest, so a flag on the command line wins over the file, and the file over the defaults (a model
+  given to `serve` wins over the file's). `true` gives the flag, `false` its `--no-` form where it
+  has one (else nothing), a list the flag and its items, a mapping the flag and its JSON.
 - `--max_num_seqs=8` is `--max-num-seqs=8`: only a flag's name changes, never a value.
 - `--speculative-config.num_speculative_tokens 3` (or `=3`) sets one key of a JSON flag; a value
-  is read as JSON where it parses (else it is the string), and the keys of one flag are merged.
+  is read as JSON where it parses (else it is the string); `--X.key+ a,b` appends to a list. The
+  keys of one flag are merged, over the flag's last whole JSON value where it has one.
 
 Nothing after a bare `--` changes.
 """
@@ -34,13 +36,14 @@ def expand_config(argv: list[str], has_flag: Callable[[str], bool]) -> list[str]
     else:
         path, rest = argv[i].partition("=")[2], argv[:i] + argv[i + 1:]
     flags = _config_flags(path, has_flag)
-    # after the sub-command and a model given as its first argument (a nargs="+" flag from the
-    # file must not take the model as one of its values), which wins over the file's model
-    at = 1 if rest and not rest[0].startswith("-") else 0
+    # after the sub-command and its first argument (a nargs="+" flag from the file must not take
+    # it as one of its values); `serve MODEL` wins over the file's model
+    command = rest[0] if rest and not rest[0].startswith("-") else None
+    at = 0 if command is None else 1
     if len(rest) > at and not rest[at].startswith("-"):
         at += 1
-        if "--model" in flags:
-            del flags[flags.index("--model"):flags.index("--model") + 2]
+        if command == "serve":
+            flags = [f for f in flags if not f.startswith("--model=")]
     return rest[:at] + flags + rest[at:]
 
 
@@ -62,8 +65,9 @@ def _config_flags(path: str, has_flag: Callable[[str], bool]) -> list[str]:
         raise ValueError(f"--config {path} must map flag names to values (e.g. `port: 8000`)")
     flags: list[str] = []
     for key, value in config.items():
-        flag = "--" + str(key).replace("_", "-")
-        if not has_flag(flag):
+        name, dot, keys = str(key).partition(".")
+        flag = "--" + name.replace("_", "-") + dot + keys  # a dotted key: one key of a JSON flag
+        if not has_flag("--" + name.replace("_", "-")):
             raise ValueError(f"--config {path}: {key!r} is not a kvserve flag")
         if isinstance(value, bool):
             if value:
@@ -76,7 +80,7 @@ def _config_flags(path: str, has_flag: Callable[[str], bool]) -> list[str]:
         elif isinstance(value, dict):
             flags += [flag, json.dumps(value)]
         elif value is not None:
-            flags += [flag, str(value)]
+            flags.append(f"{flag}={value}")  # one token: a value may start with "-"
     return flags
 
 
@@ -99,16 +103,16 @@ def dashed_flags(argv: list[str]) -> list[str]:
 
 
 def dotted_json_flags(argv: list[str]) -> list[str]:
-    """`--X.a.b V` (or `--X.a.b=V`) -> `--X '{"a": {"b": V}}'`, the keys of one X merged into one
-    JSON flag at the place of its first key. ValueError for a key with no value."""
+    """`--X.a.b V` (or `--X.a.b=V`) -> `--X '{"a": {"b": V}}'`; `--X.a+ v,w` appends v and w to
+    the list at a. The keys of one X are merged over X's last whole JSON value (`--X '{...}'`,
+    from a config file say) where it has one, and X's JSON goes last, where it wins as vLLM's
+    does. ValueError for a key with no value or no flag name."""
     out: list[str] = []
     merged: dict[str, dict] = {}
-    slots: dict[str, int] = {}  # where each merged flag's JSON goes in out
     i = 0
     while i < len(argv):
         arg = argv[i]
         if arg == "--":
-            out += argv[i:]
             break
         name, eq, value = arg.partition("=")
         i += 1
@@ -116,23 +120,51 @@ def dotted_json_flags(argv: list[str]) -> list[str]:
             out.append(arg)
             continue
         if not eq:
-            if i >= len(argv) or argv[i] == "--":
+            if i >= len(argv) or argv[i].startswith("--"):
                 raise ValueError(f"{arg} needs a value")
             value, i = argv[i], i + 1
         flag, *keys = name.split(".")
-        if not all(keys):
-            raise ValueError(f"{name}: an empty key")
-        if flag not in merged:
-            merged[flag], slots[flag] = {}, len(out) + 1
-            out += [flag, ""]
-        node = merged[flag]
+        if flag == "--" or not all(keys):
+            raise ValueError(f"{name}: a flag and keys are needed, as in --speculative-config.method")
+        node = merged.setdefault(flag, {})
         for key in keys[:-1]:
             if not isinstance(node.get(key), dict):
                 node[key] = {}
             node = node[key]
-        node[keys[-1]] = _json_or_text(value)
-    for flag, at in slots.items():
-        out[at] = json.dumps(merged[flag])
+        last = keys[-1]
+        if last.endswith("+"):  # vLLM's list form
+            last, items = last[:-1], value.split(",")
+            node[last] = (node[last] if isinstance(node.get(last), list) else []) + items
+        else:
+            node[last] = _json_or_text(value)
+    rest = argv[i:]
+    for flag, keys in merged.items():
+        base, out = _take_whole(out, flag)
+        out += [flag, json.dumps(_deep_merge(base, keys))]
+    return out + rest
+
+
+def _take_whole(argv: list[str], flag: str) -> tuple[dict, list[str]]:
+    """(the last whole JSON object `flag` was given, else {}; argv without `flag`'s values)."""
+    base, out, i = {}, [], 0
+    while i < len(argv):
+        if argv[i] == flag and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+        elif argv[i].startswith(flag + "="):
+            value, i = argv[i][len(flag) + 1:], i + 1
+        else:
+            out.append(argv[i])
+            i += 1
+            continue
+        parsed = _json_or_text(value)
+        base = parsed if isinstance(parsed, dict) else base
+    return base, out
+
+
+def _deep_merge(base: dict, keys: dict) -> dict:
+    out = dict(base)
+    for k, v in keys.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 

@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.version import kvserve_version
 from router.cluster_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.errors import OpenAIError, bad_request, from_validation_error, internal_error
-from router.keep_alive import with_keep_alive
+from router.keep_alive import KeepAlive
 from router.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from router.off_loop import off_loop
 from router.protocol import (REQUEST_ID_PATTERN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -405,7 +405,7 @@ def _reply(result, keep_alive_s: float = 0.0):
     if isinstance(result, dict):
         return JSONResponse(result)
     if keep_alive_s > 0:
-        result = with_keep_alive(result, keep_alive_s)
+        result = KeepAlive(result, keep_alive_s)
     return SSEResponse(result, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

@@ -4,33 +4,43 @@ cut a stream that is only slow. Clients skip comment lines (the SSE format's `:`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 
 COMMENT = ": keep-alive\n\n"
 
 
-async def with_keep_alive(body: AsyncIterator[str], interval_s: float) -> AsyncIterator[str]:
-    """`body`'s events, and COMMENT after each `interval_s` without one. Closing this closes
-    `body` (which is what ends the engine requests behind it)."""
-    it = aiter(body)
-    pending: asyncio.Future | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(it))
-            done, _ = await asyncio.wait({pending}, timeout=interval_s)
-            if not done:
-                yield COMMENT
-                continue
-            event, pending = pending, None
-            try:
-                yield event.result()
-            except StopAsyncIteration:
-                return
-    finally:
-        if pending is not None:  # the body is mid-step: stop it there before closing it
-            pending.cancel()
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await pending
-        await it.aclose()
+class KeepAlive:
+    """`body`'s events, and COMMENT after each `interval_s` without one. `aclose()` closes `body`
+    (which is what ends the engine requests behind it), whether or not it was read from."""
+
+    def __init__(self, body: AsyncIterator[str], interval_s: float) -> None:
+        self.body, self.interval_s = body, interval_s
+        self.pending: asyncio.Future | None = None  # the body's next event, being awaited
+
+    def __aiter__(self) -> KeepAlive:
+        return self
+
+    async def __anext__(self) -> str:
+        if self.pending is None:
+            self.pending = asyncio.ensure_future(anext(self.body))
+        done, _ = await asyncio.wait({self.pending}, timeout=self.interval_s)
+        if not done:
+            return COMMENT
+        event, self.pending = self.pending, None
+        return event.result()  # the body's event; StopAsyncIteration, or its error, ends the stream
+
+    async def aclose(self) -> None:
+        try:
+            if self.pending is not None:  # the body is mid-step: stop it there before closing it
+                pending, self.pending = self.pending, None
+                pending.cancel()
+                try:
+                    await pending
+                except asyncio.CancelledError:
+                    if asyncio.current_task().cancelling():  # our own cancellation, not the step's
+                        raise
+                except Exception:  # the step's own end: the stream is over anyway
+                    pass
+        finally:
+            if hasattr(self.body, "aclose"):
+                await self.body.aclose()

@@ -419,12 +419,14 @@ class OpenAIServing:
         template = self.settings.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise bad_request("this model has no chat template; use /v1/completions", param=param)
-        variables = {**(self.settings.default_chat_template_kwargs or {}), **(req.chat_template_kwargs or {})}
+        # the server's defaults, under the request's reasoning_effort, under its chat_template_kwargs
+        variables = dict(self.settings.default_chat_template_kwargs or {})
         if effort := getattr(req, "reasoning_effort", None):  # vLLM passes it to the template, which decides
             if "reasoning_effort" not in template:
                 raise bad_request(f"{field('reasoning_effort')} is not supported for this model: its chat template "
                                   "does not read it", param=field("reasoning_effort"))
-            variables.setdefault("reasoning_effort", effort)
+            variables["reasoning_effort"] = effort
+        variables.update(req.chat_template_kwargs or {})
         msgs, tools = render(req.messages, plan, template_knows_tools(template))
         if resolved(self.settings.chat_template_content_format, template) == "openai":
             msgs = [as_parts(m) for m in msgs]

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.cli import build_parser
+from cluster.cli import build_parser, vllm_argv
 from cluster.engine_args import engine_config_from_args, parse_bytes, parse_tokens
 from engine.config import EngineConfig
 
@@ -143,7 +143,6 @@ def test_vllm_keywords_that_ask_nothing_are_dropped_and_others_refused_with_why(
 
 
 def _serve_args(*argv: str) -> dict:
-    from cluster.cli import vllm_argv
     from cluster.serve_cli import app_args_from_cli
 
     parser = build_parser()
@@ -174,6 +173,17 @@ def test_a_vllm_config_file_gives_flags_the_command_line_overrides(tmp_path):
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
     r = kvserve("serve", "--config", str(tmp_path / "serve.json"))
     assert r.returncode == 2 and "--config takes a YAML file" in r.stderr
+    # a dotted key, a value that starts with "-", and the command line's key over the file's JSON
+    config.write_text("speculative-config: {method: ngram, num_speculative_tokens: 3}\n"
+                      "speculative_config.prompt_lookup_max: 2\napi-key: -k3y\n")
+    args = _serve_args("--config", str(config), "--speculative-config.num_speculative_tokens", "5")
+    assert args["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 2}
+    assert args["api_key"] == "-k3y"
+    # generate's first argument is its prompt: the file's model stays
+    config.write_text("model: /models/m\nmax-num-seqs: 4\n")
+    parser = build_parser()
+    ns = parser.parse_args(vllm_argv(parser, ["generate", "Hello", "--config", str(config)]))
+    assert (ns.prompt, ns.model, ns.max_num_seqs) == ("Hello", "/models/m", 4)
     config.write_text("max-num-seqs: 4\nnot-a-flag: 1\n")
     r = kvserve("serve", "--config", str(config))
     assert r.returncode == 2 and "'not-a-flag' is not a kvserve flag" in r.stderr
@@ -188,8 +198,11 @@ def test_vllm_dotted_keys_of_a_json_flag():
     assert args["max_num_seqs"] == 4
     assert dotted_json_flags(["--a.b.c", "1", "--a.b.d", "x", "--a.e=[1]", "--", "--z.y", "2"]) == \
         ["--a", '{"b": {"c": 1, "d": "x"}, "e": [1]}', "--", "--z.y", "2"]
-    with pytest.raises(ValueError, match="--a.b needs a value"):
-        dotted_json_flags(["--a.b"])
+    assert dotted_json_flags(["--a.l+", "x,y", "--a.l+", "z"]) == ["--a", '{"l": ["x", "y", "z"]}']  # vLLM's +
+    for argv, says in [(["--a.b"], "--a.b needs a value"), (["--a.b", "--port", "1"], "--a.b needs a value"),
+                       (["--.b", "1"], "a flag and keys are needed"), (["--a..b", "1"], "a flag and keys")]:
+        with pytest.raises(ValueError, match=says):
+            dotted_json_flags(argv)
 
 
 def test_vllm_speculative_shorthands():

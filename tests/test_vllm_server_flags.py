@@ -35,6 +35,12 @@ def test_default_chat_template_kwargs_sit_under_the_requests_own(tokenizer):
     assert tok.decode(engine.seen[0][0]) == "Is the sky blue? Answer:"
     _, engine = run(tok, "yes", chat(extra_body={"chat_template_kwargs": {"tail": " A:"}}), settings=defaults)
     assert tok.decode(engine.seen[0][0]) == "Is the sky blue? A:"  # the request's wins
+    tok.chat_template = "{{ messages[0]['content'] }} effort={{ reasoning_effort | default('none') }}"
+    _, engine = run(tok, "yes", chat(reasoning_effort="high"), settings={"default_chat_template_kwargs":
+                                                                          {"reasoning_effort": "low"}})
+    assert tok.decode(engine.seen[0][0]).endswith("effort=high")  # the request's field over the default
+    _, engine = run(tok, "yes", chat(), settings={"default_chat_template_kwargs": {"reasoning_effort": "low"}})
+    assert tok.decode(engine.seen[0][0]).endswith("effort=low")
     with pytest.raises(ValueError, match="default_chat_template_kwargs may not set tools"):
         RouterSettings(served_model_name="m", default_chat_template_kwargs={"tools": []})
 
@@ -93,6 +99,55 @@ def test_an_idle_stream_sends_keep_alive_comments_that_clients_skip(tokenizer):
     assert said == script  # the openai client skips the comments
     lines, _ = run(tokenizer, script, raw, live=True, **slow)
     assert ": keep-alive" not in lines  # off by default, as vLLM's
+
+
+def test_the_keep_alive_wrapper_closes_its_body_and_keeps_cancellation():
+    import asyncio
+
+    from router.keep_alive import COMMENT, KeepAlive
+
+    closed = []
+
+    async def body(events, cleanup_s=0.0):
+        try:
+            for e in events:
+                await asyncio.sleep(0.05)
+                yield e
+        finally:
+            await asyncio.sleep(cleanup_s)  # e.g. aborting its engine request
+            closed.append(events)
+
+    async def main():
+        got = [e async for e in KeepAlive(body(["a", "b"]), 0.02)]
+        assert [e for e in got if e != COMMENT] == ["a", "b"] and COMMENT in got
+        class Body:  # an iterator with its own close, as a stream over engine calls already sent
+            def __aiter__(self):
+                return self
+
+            async def __anext__(self):
+                raise StopAsyncIteration
+
+            async def aclose(self):
+                closed.append("never read")
+
+        await KeepAlive(Body(), 1.0).aclose()  # a reply whose first byte never went: its body is closed
+        assert "never read" in closed
+
+        async def failing():
+            yield "a"
+            raise RuntimeError("engine died")
+        with pytest.raises(RuntimeError, match="engine died"):
+            [e async for e in KeepAlive(failing(), 1.0)]
+
+        slow = KeepAlive(body(["s", "t"], cleanup_s=0.3), 0.01)
+        assert await anext(slow) == COMMENT  # mid-step now
+        closer = asyncio.create_task(slow.aclose())
+        await asyncio.sleep(0.1)  # inside the body's cleanup
+        closer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closer  # the closer's own cancellation is not swallowed (it reaches the body's cleanup too)
+
+    asyncio.run(main())
 
 
 def test_a_client_leaving_a_kept_alive_stream_ends_its_engine_request(tokenizer):

@@ -107,8 +107,8 @@ def encode_for_cpu_decode(model: nn.Module, device: torch.device, dtype: torch.d
     if count := encode_model(model):
         held = [m.weight_codes for m in model.modules() if getattr(m, "weight_codes", None) is not None]
         bits = sorted({c.bits for c in held})
-        logger.info("decode reads %d weights as %s-bit codes (%.0f MB in place of %.0f MB of float32; found in "
-                    "%.1fs)", count, "/".join(map(str, bits)), sum(c.nbytes for c in held) / 1e6,
+        logger.info("decode reads %d weights as %s-bit codes (%.0f MB, beside the %.0f MB of float32 that prefill "
+                    "reads; found in %.1fs)", count, "/".join(map(str, bits)), sum(c.nbytes for c in held) / 1e6,
                     sum(c.shape[0] * c.shape[1] * 4 for c in held) / 1e6, time.perf_counter() - t0)
     return count
 
