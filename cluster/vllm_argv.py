@@ -69,7 +69,9 @@ def _config_flags(path: str, has_flag: Callable[[str], bool]) -> list[str]:
         flag = "--" + name.replace("_", "-") + dot + keys  # a dotted key: one key of a JSON flag
         if not has_flag("--" + name.replace("_", "-")):
             raise ValueError(f"--config {path}: {key!r} is not a kvserve flag")
-        if isinstance(value, bool):
+        if dot:  # its value as JSON, whatever its type
+            flags.append(f"{flag}={json.dumps(value)}")
+        elif isinstance(value, bool):
             if value:
                 flags.append(flag)
             elif has_flag(no := "--no-" + flag[2:]):

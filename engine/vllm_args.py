@@ -65,16 +65,22 @@ def refused(name: str, value) -> str | None:
     return None
 
 
-def structured_outputs_config(value) -> dict:
-    """vLLM's structured_outputs_config (a dict or its JSON), checked against
-    STRUCTURED_OUTPUTS_KEYS; ValueError naming the key and what it may be."""
+def _json_dict(name: str, value) -> dict:
+    """A config argument given as a dict or its JSON (a flag's), as a dict; ValueError naming it."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError as e:
-            raise ValueError(f"structured_outputs_config: not JSON ({e}): {value!r}") from None
+            raise ValueError(f"{name}: not JSON ({e}): {value!r}") from None
     if not isinstance(value, dict):
-        raise ValueError(f"structured_outputs_config must be a dict or its JSON, got {value!r}")
+        raise ValueError(f"{name} must be a dict or its JSON, got {value!r}")
+    return value
+
+
+def structured_outputs_config(value) -> dict:
+    """vLLM's structured_outputs_config (a dict or its JSON), checked against
+    STRUCTURED_OUTPUTS_KEYS; ValueError naming the key and what it may be."""
+    value = _json_dict("structured_outputs_config", value)
     for key, given in value.items():
         if key not in STRUCTURED_OUTPUTS_KEYS:
             raise ValueError(f"structured_outputs_config: {key!r} is not one of its keys "
@@ -94,14 +100,7 @@ def with_spec_shorthands(kwargs: dict) -> dict:
     kwargs = {k: v for k, v in kwargs.items() if k not in SPEC_SHORTHANDS}
     if not given:
         return kwargs
-    config = kwargs.get("speculative_config") or {}
-    if isinstance(config, str):
-        try:
-            config = json.loads(config)
-        except ValueError as e:
-            raise ValueError(f"speculative_config: not JSON ({e}): {config!r}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"speculative_config must be a dict or its JSON, got {config!r}")
+    config = _json_dict("speculative_config", kwargs.get("speculative_config") or {})
     for key in given.keys() & config.keys():
         flag = next(name for name, k in SPEC_SHORTHANDS.items() if k == key).replace("_", "-")
         raise ValueError(f"--{flag} and --speculative-config['{key}'] are mutually exclusive")

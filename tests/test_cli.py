@@ -175,9 +175,10 @@ def test_a_vllm_config_file_gives_flags_the_command_line_overrides(tmp_path):
     assert r.returncode == 2 and "--config takes a YAML file" in r.stderr
     # a dotted key, a value that starts with "-", and the command line's key over the file's JSON
     config.write_text("speculative-config: {method: ngram, num_speculative_tokens: 3}\n"
-                      "speculative_config.prompt_lookup_max: 2\napi-key: -k3y\n")
+                      "speculative_config.prompt_lookup_max: 2\nspeculative-config.x: {a: [true]}\napi-key: -k3y\n")
     args = _serve_args("--config", str(config), "--speculative-config.num_speculative_tokens", "5")
-    assert args["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 2}
+    assert args["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 2,
+                                          "x": {"a": [True]}}
     assert args["api_key"] == "-k3y"
     # generate's first argument is its prompt: the file's model stays
     config.write_text("model: /models/m\nmax-num-seqs: 4\n")

@@ -65,8 +65,9 @@ class BlockCodes:
 
 def encode(weight: torch.Tensor) -> BlockCodes | None:
     """The weight as 4-bit codes if they rebuild it exactly, else as 8-bit codes if those do,
-    else as bfloat16 if it is that, else None. Works through CHUNK_WEIGHTS weights (whole rows) at a time, so its temporaries
-    stay small and a weight that is no grid is given up on at its first rows."""
+    else as bfloat16 if it is that, else None. Works through CHUNK_WEIGHTS weights (whole rows)
+    at a time, so its temporaries stay small and a weight that is no grid is given up on at its
+    first rows."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK or weight.numel() == 0:
         return None
     rows = max(1, CHUNK_WEIGHTS // weight.shape[1])
