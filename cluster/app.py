@@ -102,6 +102,8 @@ class ServeOptions:
     disable_fastapi_docs: bool | None = None
     root_path: str | None = None
     max_log_len: int | None = None
+    enable_server_load_tracking: bool | None = None
+    enable_tokenizer_info_endpoint: bool | None = None
     # vLLM's structured_outputs_config (engine.vllm_args.STRUCTURED_OUTPUTS_KEYS): its reasoning_parser
     # is reasoning_parser's, enable_in_reasoning puts the grammar over the reasoning too
     structured_outputs_config: dict | None = None

@@ -39,7 +39,7 @@ _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_rep
                 "exclude_tools_when_tool_choice_none", "response_role", "chat_template_content_format", "lora_modules",
                 "default_chat_template_kwargs", "return_tokens_as_token_ids", "enable_force_include_usage",
                 "sse_keep_alive_interval", "disable_fastapi_docs", "root_path", "max_log_len",
-                "structured_outputs_config")
+                "structured_outputs_config", "enable_server_load_tracking", "enable_tokenizer_info_endpoint")
 # vLLM's server flags that change nothing here: name -> why
 SERVE_NO_EFFECT = {
     "enable_request_id_headers": "Serve's proxy puts X-Request-Id on every reply (the request's own, else one it makes)",
@@ -149,6 +149,12 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                            "and without it; vLLM's flag)")
     http.add_argument("--max-log-len", type=int, metavar="N",
                       help="with --enable-log-requests, the prompt token ids a logged request shows (default: all)")
+    http.add_argument("--enable-server-load-tracking", action=argparse.BooleanOptionalAction, default=None,
+                      help="GET /load: {\"server_load\": the requests running the model on this ingress replica} "
+                           "(vLLM's flag)")
+    http.add_argument("--enable-tokenizer-info-endpoint", action=argparse.BooleanOptionalAction, default=None,
+                      help="GET /tokenizer_info: the tokenizer's configuration and chat template (vLLM's flag; "
+                           "needs the key)")
     for name, why in SERVE_NO_EFFECT.items():
         http.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=None,
                           help=f"no effect: {why}")

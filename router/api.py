@@ -73,6 +73,7 @@ class Admission:
     def __init__(self, retry_after_s: float = 1.0) -> None:
         self.draining = False
         self.in_flight = 0
+        self.generating = 0  # of those, requests on the routes that run the model (vLLM's /load)
         self.retry_after_s = retry_after_s
 
     def drain(self) -> int:
@@ -85,7 +86,8 @@ class AdmissionGate:
     """ASGI middleware that applies an `Admission` to every HTTP request but the probes, docs and
     metrics (a drain is when a scraper most wants them)."""
 
-    OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json", "/docs", "/metrics", "/version"})
+    OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json", "/docs", "/metrics", "/version", "/load"})
+    MODEL_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")  # vLLM's /load counts
 
     def __init__(self, app, admission: Admission) -> None:
         self.app = app
@@ -101,11 +103,14 @@ class AdmissionGate:
             e = OpenAIError(503, "The server is shutting down; retry on another replica.", type="server_error",
                             code="unavailable", headers={"Retry-After": str(max(1, round(self.admission.retry_after_s)))})
             return await error_response(e)(scope, receive, send)
+        generating = path.startswith(self.MODEL_PATHS)
         self.admission.in_flight += 1
+        self.admission.generating += generating
         try:
             await self.app(scope, receive, send)
         finally:
             self.admission.in_flight -= 1
+            self.admission.generating -= generating
 
 
 class RootPath:
@@ -276,6 +281,11 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     async def prometheus_metrics():
         return Response(await metrics() if metrics is not None else "", media_type=METRICS_CONTENT_TYPE)
 
+    if settings.enable_server_load_tracking:  # vLLM's: requests running the model on this ingress replica
+        @app.get("/load")
+        async def server_load():
+            return {"server_load": admission.generating}
+
     @app.get("/ready")
     async def is_ready():
         if admission.draining:
@@ -346,6 +356,11 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     @api.post("/tokenize", openapi_extra=_json_body(TokenizeRequest))
     async def tokenize(request: Request):
         return await serving.tokenize(await read_json(request, TokenizeRequest, limit))
+
+    if settings.enable_tokenizer_info_endpoint:  # vLLM's; it shows the chat template, so it needs the key
+        @api.get("/tokenizer_info")
+        async def tokenizer_info():
+            return await off_loop(serving.tokenizer_info)
 
     @api.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
     async def detokenize(request: Request):

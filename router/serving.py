@@ -196,6 +196,17 @@ class OpenAIServing:
             out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
         return out
 
+    def tokenizer_info(self) -> dict:
+        """vLLM's GET /tokenizer_info: the tokenizer's init arguments (file paths left out), its
+        class and the chat template requests are rendered with."""
+        config = _jsonable(dict(getattr(self.tokenizer, "init_kwargs", None) or {}))
+        for path in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path"):
+            config.pop(path, None)
+        config["tokenizer_class"] = type(self.tokenizer).__name__
+        if template := self.settings.chat_template or getattr(self.tokenizer, "chat_template", None):
+            config["chat_template"] = template
+        return config
+
     async def detokenize(self, req: DetokenizeRequest) -> dict:
         self.check_model(req.model)
         if any(t >= len(self.tokenizer) for t in req.tokens):
@@ -543,6 +554,17 @@ class OpenAIServing:
         eos = set(eos) if eos is not None else {self.tokenizer.eos_token_id} - {None}
         return beam_replies(beam_search(generate, rid, ids, params, beam, eos,
                                         lambda tokens, skip: self.tokenizer.decode(tokens, skip_special_tokens=skip)))
+
+
+def _jsonable(value):
+    """value with what JSON cannot hold as text (a special token's AddedToken: its content)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return getattr(value, "content", None) or str(value)
 
 
 async def _response_events(reply: ResponseReply, acc: Accumulator, first, merged: AsyncIterator) -> AsyncIterator[str]:

@@ -80,6 +80,8 @@ class RouterSettings:
     # vLLM's structured_outputs_config enable_in_reasoning: with a reasoning parser, a request's
     # grammar governs its whole reply, reasoning included (by default it waits for </think>)
     structured_outputs_in_reasoning: bool = False
+    enable_server_load_tracking: bool = False  # vLLM's: GET /load, the requests running the model
+    enable_tokenizer_info_endpoint: bool = False  # vLLM's: GET /tokenizer_info
 
     def __post_init__(self) -> None:
         if not all(isinstance(n, str) and n for n in (self.served_model_name, *self.served_model_aliases)):

@@ -187,6 +187,40 @@ def test_docs_can_be_turned_off_and_the_api_served_under_a_root_path(tokenizer):
     assert got[3].json()["servers"] == [{"url": "/llm"}]
 
 
+def test_load_counts_the_requests_running_the_model(tokenizer):
+    import asyncio
+
+    async def go(client):
+        async with _http(client) as http:
+            idle = (await http.get("/load")).json()
+            stream = await client.chat.completions.create(model="m", messages=USER, max_tokens=16, stream=True)
+            await anext(aiter(stream))  # running now
+            busy = (await http.get("/load")).json()
+            await stream.close()
+            await asyncio.sleep(0.2)
+            return idle, busy, (await http.get("/load")).json()
+
+    loads, _ = run(tokenizer, "Yes, it is blue today and tomorrow.", go, settings={"enable_server_load_tracking": True},
+                   live=True, step_s=0.1)
+    assert loads == ({"server_load": 0}, {"server_load": 1}, {"server_load": 0})
+
+    async def absent(client):
+        async with _http(client) as http:
+            return (await http.get("/load")).status_code, (await http.get("/tokenizer_info")).status_code
+    assert run(tokenizer, "yes", absent, live=True)[0] == (404, 404)  # off by default, as vLLM's
+
+
+def test_tokenizer_info_shows_the_tokenizer_and_its_template(tokenizer):
+    async def go(client):
+        async with _http(client) as http:
+            return (await http.get("/tokenizer_info")).json()
+
+    info, _ = run(tokenizer, "yes", go, settings={"enable_tokenizer_info_endpoint": True}, live=True)
+    assert info["tokenizer_class"] == type(tokenizer).__name__ and info["chat_template"] == tokenizer.chat_template
+    assert info["eos_token"] == tokenizer.eos_token and "vocab_file" not in info and "tokenizer_file" not in info
+    json.dumps(info)
+
+
 def test_max_log_len_shortens_the_logged_prompt(tokenizer, caplog):
     async def go(client):
         await client.completions.create(model="m", prompt=list(range(100, 140)), max_tokens=1)
@@ -205,7 +239,8 @@ def test_the_command_line_sets_them(tokenizer):
     argv = ["serve", "--default-chat-template-kwargs", '{"enable_thinking": false}', "--return-tokens-as-token-ids",
             "--enable-force-include-usage", "--sse-keep-alive-interval", "5", "--disable-fastapi-docs",
             "--root-path", "/llm", "--max-log-len", "10", "--shutdown-timeout", "0", "--enable-request-id-headers",
-            "--enable-prompt-tokens-details", "--structured-outputs-config",
+            "--enable-prompt-tokens-details", "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
+            "--structured-outputs-config",
             '{"backend": "xgrammar", "disable_any_whitespace": true, "reasoning_parser": "qwen3", '
             '"enable_in_reasoning": true}']
     engine, options = split_args(app_args_from_cli(parser.parse_args(vllm_argv(parser, argv))))
@@ -214,6 +249,7 @@ def test_the_command_line_sets_them(tokenizer):
     assert settings.return_tokens_as_token_ids and settings.enable_force_include_usage and settings.disable_fastapi_docs
     assert (settings.sse_keep_alive_interval, settings.root_path, settings.max_log_len) == (5.0, "/llm", 10)
     assert options.graceful_shutdown_timeout_s == 0
+    assert settings.enable_server_load_tracking and settings.enable_tokenizer_info_endpoint
     assert (settings.reasoning_parser, settings.structured_outputs_in_reasoning) == ("qwen3", True)
     for config, message in [('{"backend": "x"}', "backend must be"), ('{"reasoning_parser": "deepseek_r1"}',
                                                                        "disagree; give one")]:
