@@ -71,6 +71,7 @@ class ServeOptions:
     responses_store_max_bytes: int | None = None  # memory for stored /v1/responses (0: none)
     max_background_responses: int | None = None  # background responses running at once, per ingress replica
     enable_log_requests: bool | None = None  # log prompt token ids and sampling params (never by default)
+    enable_log_outputs: bool | None = None  # vLLM's: with enable_log_requests, each sample's text when it ends
     disable_log_stats: bool = False  # vLLM's: no periodic stats line in the engine replicas' logs
     # vLLM's name: no access line per request (and per /ready probe, per engine call) in the replicas' logs
     disable_uvicorn_access_log: bool = False

@@ -28,6 +28,7 @@ from router.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from workers.serve_logging import UVICORN_LOG_LEVELS
 
 _SERVE_FLAGS = ("api_key", "served_model_name", "num_replicas", "num_ingress_replicas", "max_ongoing_requests",
+                "enable_log_outputs",
                 "max_queued_requests", "max_request_body_bytes", "max_sequences_per_request",
                 "responses_store_max_bytes", "max_background_responses", "enable_log_requests", "disable_log_stats",
                 "disable_uvicorn_access_log", "uvicorn_log_level",
@@ -147,8 +148,12 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     http.add_argument("--root-path", metavar="PATH",
                       help="the path a proxy serves this API under (FastAPI's root_path; routes are taken with "
                            "and without it; vLLM's flag)")
+    http.add_argument("--enable-log-outputs", action=argparse.BooleanOptionalAction, default=None,
+                      help="with --enable-log-requests, log each sample's text and finish reason when it ends (its "
+                           "token ids at debug) (vLLM's flag)")
     http.add_argument("--max-log-len", type=int, metavar="N",
-                      help="with --enable-log-requests, the prompt token ids a logged request shows (default: all)")
+                      help="with --enable-log-requests, the prompt token ids a logged request shows, and the "
+                           "characters and ids of a logged output (default: all)")
     http.add_argument("--enable-server-load-tracking", action=argparse.BooleanOptionalAction, default=None,
                       help="GET /load: {\"server_load\": the requests running the model on this ingress replica} "
                            "(vLLM's flag)")

@@ -71,6 +71,26 @@ async def merge_streams(streams: list[AsyncIterator], owners: list[int] | None =
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def logged_outputs(rid: str, merged: AsyncIterator, max_len: int | None) -> AsyncIterator:
+    """`merged` as it is, each sample's text and finish reason logged at INFO when it ends, its
+    token ids at DEBUG (vLLM's --enable-log-outputs); `max_len` cuts the text and ids logged."""
+    texts: dict[tuple[int, int], list[str]] = {}
+    ids: dict[tuple[int, int], list[int]] = {}
+    async with contextlib.aclosing(merged):
+        async for prompt, step in merged:
+            for c in getattr(step, "choices", ()):
+                key = (prompt, c.index)
+                texts.setdefault(key, []).append(c.text)
+                ids.setdefault(key, []).extend(c.token_ids)
+                if c.finish_reason:
+                    text, tokens = "".join(texts.pop(key)), ids.pop(key)
+                    logger.info("%s: generated (prompt %d, sample %d): %r, finish_reason %s", rid, prompt, c.index,
+                                text[:max_len], c.finish_reason)
+                    logger.debug("%s: generated token ids (prompt %d, sample %d): %s", rid, prompt, c.index,
+                                 tokens[:max_len])
+            yield prompt, step
+
+
 async def map_steps(merged: AsyncIterator, f: Callable[[StepOutput], StepOutput]) -> AsyncIterator:
     async with contextlib.aclosing(merged):
         async for prompt, step in merged:

@@ -35,7 +35,7 @@ from engine.structured.params import StructuredOutputsParams
 from engine.beam_search import BeamSearch, BeamSearchAborted, Generate, beam_search
 from router.background import BackgroundRuns, EventLog, check_id_free, run_in_background, stream_in_background
 from router.chunk_streams import ChunkStreams
-from router.engine_streams import collect, events, map_steps, merge_streams, renumbered, sample_calls
+from router.engine_streams import collect, events, logged_outputs, map_steps, merge_streams, renumbered, sample_calls
 from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error, unavailable
 from router.formatting import (Accumulator, PromptEcho, chat_logprobs, chat_response, completion_response,
                                vllm_prompt_logprobs)
@@ -522,6 +522,8 @@ class OpenAIServing:
         else:
             merged = merge_streams([await self._beam_search(generate, f"{rid}-{i}", ids, params, beam)
                                     for i, ids in enumerate(prompts)])
+        if self.settings.enable_log_outputs:
+            merged = logged_outputs(rid, merged, self.settings.max_log_len)
         try:
             first = await anext(merged)
         except StopAsyncIteration:

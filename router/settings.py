@@ -25,6 +25,7 @@ class RouterSettings:
     # every seat of the queue in front of the engine replicas.
     max_sequences_per_request: int = 256
     enable_log_requests: bool = False  # log prompts and sampling params (off: prompts never logged)
+    enable_log_outputs: bool = False  # vLLM's: with enable_log_requests, log each sample's text when it ends
     retry_after_s: float = 1.0  # the Retry-After of a 503/429 when the engine queue is full
     overload_status: int = 503  # 503, or 429 as some gateways prefer
     # Memory for stored /v1/responses (previous_response_id, GET /v1/responses/{id}); the least
@@ -76,7 +77,7 @@ class RouterSettings:
     sse_keep_alive_interval: float = 0.0
     disable_fastapi_docs: bool = False  # vLLM's: no /openapi.json, /docs
     root_path: str | None = None  # vLLM's: FastAPI's root_path, behind a proxy that serves under a path
-    max_log_len: int | None = None  # vLLM's: the prompt ids a logged request shows (None: all)
+    max_log_len: int | None = None  # vLLM's: the prompt ids (output characters, ids) a log line shows (None: all)
     # vLLM's structured_outputs_config enable_in_reasoning: with a reasoning parser, a request's
     # grammar governs its whole reply, reasoning included (by default it waits for </think>)
     structured_outputs_in_reasoning: bool = False
@@ -128,6 +129,9 @@ class RouterSettings:
                 raise ValueError(f"default_chat_template_kwargs may not set {', '.join(taken)}")
         if not self.sse_keep_alive_interval >= 0:
             raise ValueError(f"sse_keep_alive_interval must be >= 0, got {self.sse_keep_alive_interval}")
+        if self.enable_log_outputs and not self.enable_log_requests:
+            raise ValueError("enable_log_outputs (--enable-log-outputs) needs enable_log_requests (--enable-log-requests), "
+                             "as in vLLM")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
         if self.root_path is not None and not (self.root_path == "" or self.root_path.startswith("/")):

@@ -231,6 +231,24 @@ def test_max_log_len_shortens_the_logged_prompt(tokenizer, caplog):
     assert "[[100, 101, 102, 103, 104]]" in line and "105" not in line.split("]]")[0]
 
 
+def test_log_outputs_logs_each_samples_text_when_it_ends(tokenizer, caplog):
+    async def go(client):
+        await client.completions.create(model="m", prompt="hi", max_tokens=8, n=2)
+        stream = await client.chat.completions.create(model="m", messages=USER, max_tokens=8, stream=True)
+        async for _ in stream:
+            pass
+
+    settings = {"enable_log_requests": True, "enable_log_outputs": True, "max_log_len": 6}
+    with caplog.at_level(logging.DEBUG, logger="router.engine_streams"):
+        run(tokenizer, "Yes, it is blue.", go, settings=settings)
+    lines = [r.getMessage() for r in caplog.records if ": generated " in r.getMessage()]
+    texts = [line for line in lines if "finish_reason stop" in line]
+    assert len(texts) == 3 and all("'Yes, i'" in line for line in texts)  # 2 samples, then the stream; cut at 6
+    assert len([line for line in lines if "generated token ids" in line]) == 3
+    with pytest.raises(ValueError, match="enable_log_outputs .* needs enable_log_requests"):
+        RouterSettings(served_model_name="m", enable_log_outputs=True)
+
+
 def test_the_command_line_sets_them(tokenizer):
     from cluster.cli import build_parser, vllm_argv
     from cluster.serve_cli import app_args_from_cli
@@ -240,6 +258,7 @@ def test_the_command_line_sets_them(tokenizer):
             "--enable-force-include-usage", "--sse-keep-alive-interval", "5", "--disable-fastapi-docs",
             "--root-path", "/llm", "--max-log-len", "10", "--shutdown-timeout", "0", "--enable-request-id-headers",
             "--enable-prompt-tokens-details", "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
+            "--enable-log-requests", "--enable-log-outputs",
             "--structured-outputs-config",
             '{"backend": "xgrammar", "disable_any_whitespace": true, "reasoning_parser": "qwen3", '
             '"enable_in_reasoning": true}']
@@ -250,6 +269,7 @@ def test_the_command_line_sets_them(tokenizer):
     assert (settings.sse_keep_alive_interval, settings.root_path, settings.max_log_len) == (5.0, "/llm", 10)
     assert options.graceful_shutdown_timeout_s == 0
     assert settings.enable_server_load_tracking and settings.enable_tokenizer_info_endpoint
+    assert settings.enable_log_outputs and settings.enable_log_requests
     assert (settings.reasoning_parser, settings.structured_outputs_in_reasoning) == ("qwen3", True)
     for config, message in [('{"backend": "x"}', "backend must be"), ('{"reasoning_parser": "deepseek_r1"}',
                                                                        "disagree; give one")]:
