@@ -593,6 +593,35 @@ def test_sizing_refuses_a_70b_tp8_pod_that_cannot_hold_a_replica(mutate, expect,
         sizing.check(needs, [s for _, s in node_shapes(doc)], options.load_timeout_s, options.weights_read_bytes_per_s)
 
 
+def test_a_cpu_replica_counts_every_form_of_its_weights(tmp_path, smollm2_path):
+    """Float32 on CPU holds the weights, their oneDNN-prepacked copy and, for a bfloat16
+    checkpoint, their bfloat16 halves for decode; what the sizing check counts, measured on load."""
+    import torch
+
+    from cluster import sizing
+    from engine import cpu_kernels
+    from engine.model.loader import build_model, load_arch
+    from tests.tiny_llama import make_tiny_llama
+
+    assert sizing.cpu_weight_bytes(100, 4, 200) == 1000  # bfloat16 on disk: 4 + 4 + 2 bytes a parameter
+    assert sizing.cpu_weight_bytes(100, 4, 400) == 800
+    assert sizing.cpu_weight_bytes(100, 2, 200) == 200  # bfloat16 serving: the weights alone
+    if not cpu_kernels.enabled():
+        pytest.skip("no native CPU kernels here: the weights are held once")
+    d = make_tiny_llama(tmp_path / "bf16", smollm2_path, "gqa-bf16")
+    arch = load_arch(d)[0]
+    model = build_model(d, torch.float32, torch.device("cpu"))  # with its prepacked copy and codes
+    assert any(getattr(m, "weight_codes", None) is not None for m in model.modules())
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    for m in model.modules():
+        if (packed := getattr(m, "weight_prepacked", None)) is not None:
+            held += packed.numel() * packed.element_size()
+        if (codes := getattr(m, "weight_codes", None)) is not None:
+            held += codes.nbytes
+    counted = sizing.cpu_weight_bytes(sizing.param_count(arch), 4, sizing.checkpoint_bytes(d, arch))
+    assert 0.9 * held <= counted <= 1.25 * held, (held, counted)
+
+
 def test_sizing_refuses_a_load_timeout_the_volume_cannot_meet(smollm2_path):
     from cluster import sizing
 
