@@ -48,6 +48,9 @@ class Sequence:
         # Tokens guessed to follow token_ids, computed this step after them (engine.speculative);
         # the scheduler sets them when it schedules the sequence and clears them after the step.
         self.spec_token_ids: list[int] = []
+        # (buffer, n): token_ids[:n] as an int64 array, grown as they are (engine.speculative.token_array;
+        # None until the sequence drafts)
+        self.token_array = None
 
     @property
     def lora_int_id(self) -> int | None:

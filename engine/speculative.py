@@ -138,7 +138,7 @@ def _batch_schedule(value, need) -> tuple[tuple[int, int, int], ...]:
     return tuple(entries)
 
 
-def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+def propose_ngram(token_ids: list[int] | np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """The up to `k` tokens that followed the earliest earlier occurrence of the longest suffix of
     `token_ids` between min_n and max_n tokens long (vLLM's rule); [] when there is none.
 
@@ -160,7 +160,7 @@ def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[
             found = int(ends[0])
     if found is None:
         return []
-    return token_ids[found + 1:found + 1 + k]
+    return tokens[found + 1:found + 1 + k].tolist()
 
 
 class NgramDrafter:
@@ -187,4 +187,22 @@ class NgramDrafter:
                    self.max_model_len - seq.num_tokens)
         if room <= 0 or not self.eligible(seq):
             return []
-        return propose_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, room)
+        return propose_ngram(token_array(seq), c.prompt_lookup_min, c.prompt_lookup_max, room)
+
+
+def token_array(seq: Sequence) -> np.ndarray:
+    """seq's token ids as an int64 array, kept on the sequence and grown by the tokens appended
+    since (token ids only ever grow): converting the whole list each step cost 35 us at 1,500
+    tokens, against 3 us for the search itself."""
+    n = seq.num_tokens
+    buf, have = seq.token_array or (np.empty(0, dtype=np.int64), 0)
+    if have != n:
+        if have > n:  # never expected; rebuilt rather than trusted
+            have = 0
+        if len(buf) < n:
+            grown = np.empty(max(n, 2 * len(buf), 64), dtype=np.int64)
+            grown[:have] = buf[:have]
+            buf = grown
+        buf[have:n] = seq.token_ids[have:n]
+        seq.token_array = (buf, n)
+    return buf[:n]

@@ -76,6 +76,25 @@ def test_propose_ngram_follows_the_rule():
         assert propose_ngram(tokens, min_n, max_n, k) == _brute_force(tokens, min_n, max_n, k), (tokens, min_n, max_n, k)
 
 
+def test_the_token_array_grows_with_the_sequence():
+    """The drafter's array of a sequence's tokens (kept between steps, extended by what was
+    appended) is always its token ids, and a fork starts its own."""
+    from engine.sequence import Sequence
+    from engine.speculative import token_array
+
+    rng = random.Random(2)
+    seq = Sequence("r", [rng.randrange(100) for _ in range(5)], SamplingParams(max_tokens=500), 500)
+    for _ in range(300):
+        for _ in range(rng.randrange(0, 4)):
+            seq.token_ids.append(rng.randrange(100))
+        assert token_array(seq).tolist() == seq.token_ids
+        assert propose_ngram(token_array(seq), 1, 3, 4) == propose_ngram(seq.token_ids, 1, 3, 4)
+    child = seq.fork(1)
+    child.token_ids.append(7)
+    seq.token_ids.append(8)
+    assert token_array(child).tolist() == child.token_ids and token_array(seq).tolist() == seq.token_ids
+
+
 # -- the config -------------------------------------------------------------------------------
 
 def test_config_forms_defaults_and_refusals():
