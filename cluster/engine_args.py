@@ -150,7 +150,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "next one, and one larger than all runs eagerly (default: 1, 2, 4, 8, then steps of 8 to 64 "
              "and of 16, up to --max-cudagraph-capture-size)")
     add("--max-cudagraph-capture-size", type=int, metavar="N",
-        help="CUDA: the largest decode step captured (default: --max-num-seqs)")
+        help="CUDA: the largest decode step captured (default: --max-num-seqs; with speculative decoding the "
+             "rows of a step with drafts, up to 512)")
     _add_vllm_only_flags(parser)
     return parser
 

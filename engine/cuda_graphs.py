@@ -24,10 +24,16 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes + [max_num_seqs]))
 
 
+MAX_DEFAULT_ROWS = 512  # the largest size captured by default past max_num_seqs, for steps with drafts (vLLM's cap)
+
+
 def capture_sizes(given: tuple[int, ...] | None, largest: int | None, max_num_seqs: int, max_rows: int) -> list[int]:
     """The sizes to capture: those given (vLLM's cudagraph_capture_sizes), else the buckets up to
-    `largest` (default max_num_seqs); none beyond the `max_rows` a step can hold."""
-    sizes = sorted(set(given)) if given is not None else graph_batch_sizes(largest or max_num_seqs)
+    `largest`; none beyond the `max_rows` a step can hold. By default the buckets reach every
+    decode step: max_num_seqs rows, or with drafts (more rows than sequences) up to 512."""
+    if largest is None:
+        largest = max(max_num_seqs, min(max_rows, MAX_DEFAULT_ROWS))
+    sizes = sorted(set(given)) if given is not None else graph_batch_sizes(largest)
     return [s for s in sizes if s <= max_rows]
 
 

@@ -24,6 +24,8 @@ def test_graph_buckets():
 
 def test_capture_sizes_follow_vllms_flags():
     assert capture_sizes(None, None, 8, 8) == [1, 2, 4, 8]  # the buckets up to max_num_seqs
+    assert capture_sizes(None, None, 8, 24) == [1, 2, 4, 8, 16, 24]  # with drafts: every decode step's rows
+    assert capture_sizes(None, None, 256, 1024)[-2:] == [496, 512]  # ... up to 512 by default, as vLLM's
     assert capture_sizes(None, 24, 8, 24) == [1, 2, 4, 8, 16, 24]  # past it: a step with drafts has more rows
     assert capture_sizes(None, 24, 8, 20) == [1, 2, 4, 8, 16]  # never more rows than a step holds
     assert capture_sizes((12, 3, 3, 1, 40), None, 8, 24) == [1, 3, 12]  # as given, those a step can hold
