@@ -50,7 +50,8 @@ class EngineConfig:
     distributed_executor_backend: str = "ray"
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (vLLM's --enforce-eager)
     # CUDA: the decode step sizes (rows) graphs are captured at (vLLM's --cudagraph-capture-sizes),
-    # else engine.cuda_graphs' buckets up to max_cudagraph_capture_size (default max_num_seqs)
+    # else engine.cuda_graphs' buckets up to max_cudagraph_capture_size (default: max_num_seqs, or
+    # with speculative decoding the rows of a step with drafts, up to 512)
     cudagraph_capture_sizes: tuple | None = None
     max_cudagraph_capture_size: int | None = None
     stream_interval: int = 1  # a running request's output every N tokens (the first and the last at once)
