@@ -22,13 +22,13 @@ sets the drafts by the number running.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import numpy as np
 
 from engine.sequence import Sequence
+from engine.vllm_args import json_dict
 
 METHODS = ("ngram",)
 # vLLM's methods that need a draft model or heads (none of which kvserve runs)
@@ -90,13 +90,7 @@ class SpeculativeConfig:
         None / {} (no speculation); the legacy "model": "[ngram]" names the method too."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config: not JSON ({e}): {value!r}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict or its JSON, got {value!r}")
+        value = json_dict("speculative_config", value)
         if not value:
             return None
         value = dict(value)

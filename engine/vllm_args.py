@@ -65,7 +65,7 @@ def refused(name: str, value) -> str | None:
     return None
 
 
-def _json_dict(name: str, value) -> dict:
+def json_dict(name: str, value) -> dict:
     """A config argument given as a dict or its JSON (a flag's), as a dict; ValueError naming it."""
     if isinstance(value, str):
         try:
@@ -80,7 +80,7 @@ def _json_dict(name: str, value) -> dict:
 def structured_outputs_config(value) -> dict:
     """vLLM's structured_outputs_config (a dict or its JSON), checked against
     STRUCTURED_OUTPUTS_KEYS; ValueError naming the key and what it may be."""
-    value = _json_dict("structured_outputs_config", value)
+    value = json_dict("structured_outputs_config", value)
     for key, given in value.items():
         if key not in STRUCTURED_OUTPUTS_KEYS:
             raise ValueError(f"structured_outputs_config: {key!r} is not one of its keys "
@@ -100,7 +100,7 @@ def with_spec_shorthands(kwargs: dict) -> dict:
     kwargs = {k: v for k, v in kwargs.items() if k not in SPEC_SHORTHANDS}
     if not given:
         return kwargs
-    config = _json_dict("speculative_config", kwargs.get("speculative_config") or {})
+    config = json_dict("speculative_config", kwargs.get("speculative_config") or {})
     for key in given.keys() & config.keys():
         flag = next(name for name, k in SPEC_SHORTHANDS.items() if k == key).replace("_", "-")
         raise ValueError(f"--{flag} and --speculative-config['{key}'] are mutually exclusive")
