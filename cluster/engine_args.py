@@ -152,6 +152,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--max-cudagraph-capture-size", type=int, metavar="N",
         help="CUDA: the largest decode step captured (default: --max-num-seqs; with speculative decoding the "
              "rows of a step with drafts, up to 512)")
+    add("--runner", choices=["auto", "generate", "pooling"],
+        help="vLLM's: pooling serves embeddings (/v1/embeddings) of each prompt's last token instead of "
+             "generating; auto pools a sentence-transformers folder or an embedding architecture")
+    add("--convert", choices=["auto", "none", "embed"],
+        help="vLLM's: embed runs a generative checkpoint as an embedding model (--runner pooling)")
+    add("--pooler-config", metavar="JSON",
+        help='vLLM\'s, for --runner pooling: {"pooling_type": "LAST", "use_activation": true (L2-normalise), '
+             '"dimensions": N (a Matryoshka model\'s default size)}; the model folder\'s sentence-transformers '
+             "modules set what it leaves out")
     _add_vllm_only_flags(parser)
     return parser
 

@@ -2,11 +2,14 @@
 from engine.beam_search import BeamSearchParams
 from engine.config import EngineConfig
 from engine.lora_request import LoRARequest
-from engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
+from engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, EngineStats, Logprob, PoolingOutput,
+                            PoolingRequestOutput, RequestOutput)
+from engine.pooling import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "AsyncEngine", "ProcessEngine", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput", "Logprob",
-           "CompletionOutput", "EngineStats", "BeamSearchParams", "LoRARequest"]
+           "CompletionOutput", "EngineStats", "BeamSearchParams", "LoRARequest", "PoolingParams", "PoolingOutput",
+           "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput"]
 
 
 def __getattr__(name: str):

@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, RequestOutput
+from engine.pooling import PoolerConfig
 from engine.sampling_params import SamplingParams
 from engine.structured.compiler import CompiledGrammar
 
@@ -67,6 +68,11 @@ class AsyncEngine:
     @property
     def eos_token_ids(self) -> list[int]:
         return sorted(self.engine.eos_token_ids)
+
+    @property
+    def pooler(self) -> PoolerConfig | None:
+        """How a pooling engine pools (engine.pooling); None for a generating one."""
+        return self.engine.pooler
 
     @property
     def is_healthy(self) -> bool:

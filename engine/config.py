@@ -71,6 +71,13 @@ class EngineConfig:
     # vLLM's speculative decoding config (engine.speculative): a dict, its JSON or None; kvserve's
     # method is n-gram prompt lookup, {"method": "ngram", "num_speculative_tokens": k, ...}.
     speculative_config: object = None
+    # Pooling (engine.pooling; vLLM's --runner, --convert, --pooler-config): "pooling" turns each
+    # prompt into its embedding instead of generating; "auto" pools a sentence-transformers folder
+    # or an embedding architecture. pooler_config: a dict or its JSON (pooling_type, use_activation,
+    # dimensions).
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: object = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str) and str(self.dtype).startswith("torch."):  # a torch.dtype, as vLLM takes
@@ -134,6 +141,14 @@ class EngineConfig:
             from engine.speculative import SpeculativeConfig  # numpy: only when asked for
 
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        from engine.pooling import CONVERTS, RUNNERS, parse_pooler_config
+
+        need(self.runner in RUNNERS, f"runner must be {'|'.join(RUNNERS)}, got {self.runner!r}")
+        need(self.convert in CONVERTS, f"convert must be {'|'.join(CONVERTS)}, got {self.convert!r}")
+        need(not (self.runner == "generate" and self.convert == "embed"),
+             "convert 'embed' makes a pooling model: it needs runner 'pooling' (or 'auto')")
+        if self.pooler_config is not None:
+            parse_pooler_config(self.pooler_config)  # raises for what is not taken, before any model loads
         need(self.distributed_executor_backend == "ray" or ":" in self.distributed_executor_backend,
              f"distributed_executor_backend must be 'ray' or 'package.module:Class' (vLLM's 'mp' and 'uni' "
              f"only with tensor_parallel_size 1), got {self.distributed_executor_backend!r}")

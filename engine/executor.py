@@ -18,6 +18,7 @@ from engine.model.llama import ModelArch
 from engine.model.loader import build_model, load_arch
 from engine.model_source import load_tokenizer, model_dir as find_model_dir, model_name, tokenizer_dir
 from engine.outputs import PromptLogprob
+from engine.pooling import Pooled, PoolerConfig, pool, pooler_config
 from engine.prompt_logprobs import prompt_logprobs
 from engine.runners import make_runner, step_bytes
 from engine.sampler import SampleResult, SequenceSampler
@@ -38,6 +39,7 @@ class ModelInfo:
     num_blocks: int
     device: torch.device
     dtype: torch.dtype
+    pooler: PoolerConfig | None = None  # how a pooling engine pools (engine.pooling); None: it generates
 
 
 class StepDraws(Protocol):
@@ -72,8 +74,11 @@ class LocalDraws:
     sampler: SequenceSampler
     grammar_mask: GrammarMask | None = None
     prompt_logprobs: dict[int, list[PromptLogprob]] = field(default_factory=dict)
+    pooled: torch.Tensor | None = None  # a pooling engine's: the sampled rows' final hidden states, not logits
 
-    def sample(self, rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
+    def sample(self, rows: list[int], seqs: list[Sequence]) -> list[SampleResult | Pooled]:
+        if self.pooled is not None:
+            return pool(self.pooled, rows, seqs)
         return self.sampler.sample(self.logits, rows, seqs, self.grammar_mask)
 
 
@@ -117,14 +122,16 @@ class ModelSpec:
     tokenizer: object
     eos_token_ids: list[int]
     device: torch.device
+    pooler: PoolerConfig | None = None
 
 
 def load_model_info(config: EngineConfig) -> ModelSpec:
     model_dir = find_model_dir(config)
     arch, hf_config = load_arch(model_dir)
+    pooler = pooler_config(config.runner, config.convert, config.pooler_config, model_dir, hf_config)
     tokenizer = load_tokenizer(tokenizer_dir(config, model_dir), config.trust_remote_code)
     return ModelSpec(model_dir, arch, tokenizer, eos_token_ids(model_dir, hf_config, tokenizer),
-                     resolve_device(config.device))
+                     resolve_device(config.device), pooler)
 
 
 class LocalExecutor:
@@ -135,7 +142,7 @@ class LocalExecutor:
         if device.type == "cuda":  # Triton launches, graph capture and step events use the current device
             torch.cuda.set_device(device)
         dtype = resolve_dtype(config.dtype, device)
-        self.model = build_model(model_dir, dtype, device)
+        self.model = build_model(model_dir, dtype, device, pooling=spec.pooler is not None)
         block_bytes = bytes_per_block(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
         max_model_len = config.model_len(arch.max_position_embeddings)
         num_blocks = num_kv_blocks(config, block_bytes, device,
@@ -148,7 +155,7 @@ class LocalExecutor:
             attach(self.model, LoRAState())
         self.sampler = SequenceSampler(config.seed, spec.eos_token_ids, config.logprobs_mode)
         self.info = ModelInfo(model_dir, spec.tokenizer, spec.eos_token_ids, arch.vocab_size,
-                              arch.max_position_embeddings, num_blocks, device, dtype)
+                              arch.max_position_embeddings, num_blocks, device, dtype, spec.pooler)
         logger.info("loaded %s on %s (%s) in %.1fs; KV cache %d blocks x %d tokens", model_name(config, model_dir), device,
                     dtype, time.perf_counter() - t0, num_blocks, config.block_size)
 
@@ -158,7 +165,7 @@ class LocalExecutor:
         if out.prompt_spans:
             prompt = prompt_logprobs(out.prompt_rows.logits(), out.prompt_spans,
                                      [batch.seqs[s.index] for s in out.prompt_spans])
-        return LocalDraws(out.logits, out.sampled, self.sampler, grammar_mask, prompt)
+        return LocalDraws(out.logits, out.sampled, self.sampler, grammar_mask, prompt, out.pooled)
 
     def add_lora(self, lora: LoRARequest) -> None:
         """Load an adapter (engine.lora) for requests whose params name it; InvalidRequestError

@@ -16,7 +16,9 @@ from engine.llm_engine import LLMEngine
 from engine.lora_request import LoRARequest
 from engine.metric_sinks import Metric
 from engine.model_source import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME, model_dir
-from engine.outputs import Logprob, RequestOutput, StepOutput
+from engine.outputs import (EmbeddingOutput, EmbeddingRequestOutput, Logprob, PoolingOutput, PoolingRequestOutput,
+                            RequestOutput, StepOutput)
+from engine.pooling import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.vllm_args import without_vllm_only
 
@@ -161,6 +163,37 @@ class LLM:
         prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         return [dataclasses.replace(out, prompt=text) for out, text in zip(outs, texts)]
+
+    def encode(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | list[PoolingParams] | None = None,
+               *, use_tqdm: bool | Callable = True, lora_request=None, pooling_task: str = "embed",
+               truncate_prompt_tokens: int | None = None,
+               tokenization_kwargs: dict | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's: each prompt's pooled vector (a torch tensor), from an engine started with
+        runner="pooling" (engine.pooling); in prompt order, run under continuous batching as
+        `generate` runs its prompts. `truncate_prompt_tokens` applies to every prompt whose params
+        leave it unset."""
+        import torch
+
+        pooling_params = pooling_params if pooling_params is not None else PoolingParams(task=pooling_task)
+        listed = pooling_params if isinstance(pooling_params, list) else [pooling_params] * len(_listed(prompts))
+        if truncate_prompt_tokens is not None:
+            listed = [p if p.truncate_prompt_tokens is not None else
+                      dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in listed]
+        outs = self.generate(prompts, [p.sampling() for p in listed], use_tqdm=use_tqdm, lora_request=lora_request,
+                             tokenization_kwargs=tokenization_kwargs)
+        return [PoolingRequestOutput(out.request_id, PoolingOutput(torch.tensor(out.pooled)), out.prompt_token_ids,
+                                     out.num_cached_tokens) for out in outs]
+
+    def embed(self, prompts: Prompt | list[Prompt], *, use_tqdm: bool | Callable = True,
+              pooling_params: PoolingParams | list[PoolingParams] | None = None, lora_request=None,
+              truncate_prompt_tokens: int | None = None,
+              tokenization_kwargs: dict | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's: each prompt's embedding (`outputs.embedding`, a list of floats), as `encode`'s."""
+        return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids,
+                                       out.num_cached_tokens)
+                for out in self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                                       truncate_prompt_tokens=truncate_prompt_tokens,
+                                       tokenization_kwargs=tokenization_kwargs)]
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams, lora_request=None,
                     use_tqdm: bool | Callable = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:

@@ -14,6 +14,7 @@ from engine.lora_request import lora_id
 from engine.metric_sinks import MemorySinks, Metric
 from engine.metrics import EngineMetrics, RequestTimer
 from engine.outputs import EngineStats, RequestOutput
+from engine.pooling import Pooled, PoolerConfig
 from engine.request import Request
 from engine.sampler import SampleResult
 from engine.sampling_params import SamplingParams, priority_refusal, truncated
@@ -36,6 +37,7 @@ class LLMEngine:
         self.tokenizer = info.tokenizer
         self.eos_token_ids = set(info.eos_token_ids)
         self.max_model_len = config.model_len(info.max_position_embeddings)
+        self.pooler: PoolerConfig | None = getattr(info, "pooler", None)  # a pooling engine's (engine.pooling)
         self._check_room(info.num_blocks)
         self.block_manager = BlockManager(info.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
@@ -101,6 +103,8 @@ class LLMEngine:
         if params.lora_request is not None and not self.config.enable_lora:
             raise InvalidRequestError("lora_request", f"LoRA adapter {params.lora_request.lora_name!r}: LoRA is not "
                                       "enabled (start the engine with enable_lora, --enable-lora)")
+        if params.pooling is not None or self.pooler is not None:
+            return self._validate_pooling(n, params)
         if n >= self.max_model_len:
             raise InvalidRequestError("prompt", f"prompt has {n} tokens; max_model_len is {self.max_model_len} "
                                       "(the prompt must leave room for at least one generated token)",
@@ -119,6 +123,24 @@ class LLMEngine:
             raise InvalidRequestError("n", f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         return max_tokens
 
+    def _validate_pooling(self, n: int, params: SamplingParams) -> int:
+        """A pooling request on a pooling engine (each kind only on its own, as vLLM's runners):
+        its prompt may fill max_model_len, since nothing is generated after it."""
+        if self.pooler is None:
+            raise InvalidRequestError("model", "the model is served for generation, not embeddings: start it with "
+                                      "--runner pooling (LLM(..., runner='pooling')) to embed")
+        if params.pooling is None:
+            raise InvalidRequestError("model", "the model is served for embeddings (--runner pooling): it does not "
+                                      "generate; use LLM.embed or /v1/embeddings")
+        if n > self.max_model_len:
+            raise InvalidRequestError("prompt", f"prompt has {n} tokens; max_model_len is {self.max_model_len}",
+                                      code="context_length_exceeded")
+        need = self.block_manager.blocks_for(n)
+        if need > self.block_manager.num_blocks:
+            raise InvalidRequestError("prompt", f"request needs {need} KV blocks but the cache has only "
+                                      f"{self.block_manager.num_blocks}; it can never be scheduled")
+        return 1  # one draw: the vector
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     grammar: CompiledGrammar | None = None, fit_model_len: bool = False) -> None:
         """`grammar`: params.structured_outputs compiled ahead (else compiled here, blocking);
@@ -130,8 +152,11 @@ class LLMEngine:
         # whatever the caller later does with the object it passed.
         params = dataclasses.replace(params).within_logprobs_cap(self.config.max_logprobs,
                                                                   self.executor.info.vocab_size)  # -1: all
+        if params.pooling is not None and self.pooler is not None:  # the engine's defaults, and its checks
+            params.pooling = self.pooler.resolved(params.pooling)
         if params.truncate_prompt_tokens is not None:
-            ids = truncated(ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
+            ids = truncated(ids, params.truncate_prompt_tokens, self.max_model_len,
+                            0 if params.pooling is not None else params.max_tokens)
         max_tokens = self.validate(ids, params, fit_model_len)
         gate = self.structured.gate(params.structured_outputs) if params.structured_outputs is not None else None
         if params.structured_outputs is not None and grammar is None:
@@ -199,6 +224,8 @@ class LLMEngine:
 
         def append(seq: Sequence, result: SampleResult) -> bool:
             req = touched.setdefault(seq.request_id, self.requests[seq.request_id])
+            if isinstance(result, Pooled):  # a pooling request's vector: it is done
+                return req.finish_pooled(seq, result)
             verdict = self.structured.accept(seq, result.token_id) if self.structured else None
             done = req.append_token(seq, result, self.eos_token_ids, self.max_model_len)
             if verdict is not None:

@@ -37,6 +37,15 @@ class RunnerOutput:
     sampled: list[int]  # indices into batch.seqs of the sequences that sample, in row order
     prompt_rows: PromptRows | None = None  # whose logits score prompt tokens (sum of span rows), when spans
     prompt_spans: list[PromptSpan] = field(default_factory=list)
+    pooled: torch.Tensor | None = None  # a pooling model's (engine.pooling): (len(sampled), hidden) float32, no logits
+
+
+def sampled_output(model: LlamaModel, hidden: torch.Tensor, sampled: list[int]) -> RunnerOutput:
+    """The output for the sampled rows' final hidden states: their logits, or a pooling model's
+    rows themselves."""
+    if model.pooling:
+        return RunnerOutput(None, sampled, pooled=hidden.float())
+    return RunnerOutput(model.compute_logits(hidden), sampled)
 
 
 class ModelRunner:
@@ -170,11 +179,11 @@ class ModelRunner:
                 hidden = self.native_step.forward(p.input_ids, p.positions, p.attn)
             else:
                 hidden = self.model(p.input_ids, p.positions, self.kv_caches, p.attn)
-        logits = self.model.compute_logits(hidden.index_select(0, self._tensor(p.sample_rows)))
-        if not p.prompt_rows:
-            return RunnerOutput(logits, p.sampled)
-        return RunnerOutput(logits, p.sampled, self._prompt_rows(hidden.index_select(0, self._tensor(p.prompt_rows))),
-                            p.prompt_spans)
+        out = sampled_output(self.model, hidden.index_select(0, self._tensor(p.sample_rows)), p.sampled)
+        if p.prompt_rows:
+            out.prompt_rows = self._prompt_rows(hidden.index_select(0, self._tensor(p.prompt_rows)))
+            out.prompt_spans = p.prompt_spans
+        return out
 
     def _prompt_rows(self, hidden: torch.Tensor) -> PromptRows:
         return PromptRows(hidden, self.model.compute_logits, self.model.arch.vocab_size)

@@ -72,6 +72,37 @@ class RequestOutput:
     # vLLM's: always None here (no per-request stats object), so that code reading it runs
     metrics: None = None
     lora_request: object = None  # the request's engine.lora_request.LoRARequest, as vLLM's
+    pooled: list[float] | None = None  # a pooling request's vector (engine.pooling), in its finished output
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's: one prompt's embedding."""
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class PoolingOutput:
+    """vLLM's: one prompt's pooled vector, as a torch tensor."""
+    data: object
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's, what `LLM.encode` returns per prompt (`LLM.embed`: EmbeddingRequestOutput)."""
+    request_id: str
+    outputs: PoolingOutput | EmbeddingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """vLLM's: `outputs.embedding` is the prompt's embedding."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +189,7 @@ class StepOutput:
     num_cached_tokens: int
     finished: bool
     prompt_logprobs: PromptLogprobs | None = None  # in a request's first StepOutput only
+    pooled: list[float] | None = None  # a pooling request's vector (engine.pooling), in its finished output
 
     @property
     def finish_reason(self) -> str:
@@ -170,7 +202,7 @@ class StepOutput:
         takes 83 bytes instead of 254 (pickle; under cloudpickle 10.8 us instead of 18.9)."""
         return _step_output, ([(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
                                for c in self.choices], self.num_prompt_tokens, self.num_cached_tokens,
-                              self.finished, self.prompt_logprobs)
+                              self.finished, self.prompt_logprobs, self.pooled)
 
     @classmethod
     def from_request_output(cls, out: RequestOutput, finished_samples: set[int],
@@ -186,11 +218,11 @@ class StepOutput:
             if c.finish_reason is not None:
                 finished_samples.add(c.index)
         return cls(choices, len(out.prompt_token_ids), out.num_cached_tokens, out.finished,
-                   out.prompt_logprobs if first else None)
+                   out.prompt_logprobs if first else None, out.pooled)
 
 
 def _step_output(choices: list[tuple], num_prompt_tokens: int, num_cached_tokens: int, finished: bool,
-                 prompt_logprobs: PromptLogprobs | None) -> StepOutput:
+                 prompt_logprobs: PromptLogprobs | None, pooled: list[float] | None = None) -> StepOutput:
     """StepOutput.__reduce__'s inverse."""
     return StepOutput([ChoiceDelta(*c) for c in choices], num_prompt_tokens, num_cached_tokens, finished,
-                      prompt_logprobs)
+                      prompt_logprobs, pooled)

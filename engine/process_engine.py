@@ -34,6 +34,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.pooling import PoolerConfig
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -55,12 +56,15 @@ class _Stream:
         self.prompt_logprobs = None
         self.first_scheduled_time = None
         self.lora_request = params.lora_request
+        self.pooled = None  # a pooling request's vector
         self.end = None  # an exception to raise, or _ABORTED
         self.has_data = False  # outputs since the last take()
         self.ready = asyncio.Event()
 
     def add(self, wire: tuple) -> None:
-        _, self.finished, self.num_cached_tokens, prompt_ids, prompt_logprobs, scheduled, comps = wire
+        _, self.finished, self.num_cached_tokens, prompt_ids, prompt_logprobs, scheduled, comps, pooled = wire
+        if pooled is not None:
+            self.pooled = pooled
         if scheduled is not None:  # the core's time.monotonic(): the same clock on the same host
             self.first_scheduled_time = scheduled
         if prompt_ids is not None:
@@ -103,7 +107,7 @@ class _Stream:
             c.delta_text, c.delta_token_ids, c.delta_logprobs = "", [], None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
                              self.num_cached_tokens, self.prompt_logprobs, self.first_scheduled_time,
-                             lora_request=self.lora_request)
+                             lora_request=self.lora_request, pooled=self.pooled)
 
 
 class ProcessEngine:
@@ -127,6 +131,7 @@ class ProcessEngine:
         self.max_model_len: int = payload["max_model_len"]
         self.vocab_size: int = payload["vocab_size"]
         self.eos_token_ids: list[int] = payload["eos_token_ids"]
+        self.pooler: PoolerConfig | None = payload["pooler"]  # a pooling engine's (engine.pooling)
         self._stats: EngineStats = payload["stats"]
         self._routing: EngineStats = payload["routing"]
         self._routing_asked = False

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from engine.detokenizer import IncrementalDetokenizer, decoder
 from engine.outputs import CompletionOutput, PromptLogprob, PromptLogprobs, RequestOutput
+from engine.pooling import Pooled
 from engine.sampler import SampleResult
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.sequence import Sequence
@@ -26,6 +27,7 @@ class Request:
         self.num_outputs = 0  # snapshots taken so far
         # The first prompt token has no context; the rest arrive with the prefill chunks' steps.
         self.prompt_logprobs: PromptLogprobs | None = [None] if params.prompt_logprobs is not None else None
+        self.pooled: list[float] | None = None  # a pooling request's vector, once drawn
 
     def output_due(self, stream_interval: int) -> bool:
         """Whether this step should hand out a snapshot: always the first (time to first token), the
@@ -87,6 +89,11 @@ class Request:
             comp.finish_reason = "length"
         return comp.finish_reason is not None
 
+    def finish_pooled(self, seq: Sequence, result: Pooled) -> bool:
+        """A pooling request's vector (engine.pooling): it ends with it."""
+        self.pooled = result.data
+        return self.finish(seq, "stop")
+
     def finish(self, seq: Sequence, reason: str, stop_reason: str | None = None) -> bool:
         """End `seq` for a reason the engine found (a complete or failed grammar): True."""
         comp = self.completions[seq.index]
@@ -118,4 +125,4 @@ class Request:
             comp.delta_token_ids, comp.delta_logprobs = [], None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
                              self.seqs[0].num_cached_tokens, self.prompt_logprobs, self.seqs[0].first_scheduled,
-                             lora_request=self.params.lora_request)
+                             lora_request=self.params.lora_request, pooled=self.pooled)

@@ -73,6 +73,9 @@ class SamplingParams:
     # The LoRA adapter the request runs with (engine.lora_request; None: the base model). vLLM passes
     # it beside the params; here `LLM.generate(lora_request=...)` and the server's model name set it.
     lora_request: LoRARequest | None = None
+    # A pooling request's (engine.pooling.PoolingParams.sampling sets it; LLM.embed, /v1/embeddings):
+    # the request draws its prompt's vector instead of tokens.
+    pooling: object = None
 
     def __post_init__(self) -> None:
         if self.guided_decoding is not None:

@@ -336,7 +336,7 @@ class Scheduler:
         finished = []
         for seq, result in zip(seqs, results, strict=True):
             for draw in (self._kept_draws(seq, result) if seq.spec_token_ids else (result,)):
-                self.stats.generation_tokens += 1
+                self.stats.generation_tokens += seq.params.pooling is None  # a pooled vector is no token
                 if append(seq, draw):
                     self.finish(seq)
                     finished.append(seq)

@@ -11,7 +11,7 @@ import torch
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.lora import adapters_of
 from engine.model.llama import LlamaModel
-from engine.model_runner import ModelRunner, RunnerOutput
+from engine.model_runner import ModelRunner, RunnerOutput, sampled_output
 from engine.scheduler import ScheduledBatch
 from engine.step_inputs import StepInputs, StepLayout
 
@@ -49,7 +49,8 @@ class TritonModelRunner(ModelRunner):
         layout = self.inputs.fill_profile(self.inputs.max_tokens, self.max_model_len)
         self.inputs.upload(layout)
         hidden = self._forward(layout)
-        self.model.compute_logits(hidden.index_select(0, self.inputs.logit_rows(layout, 0, layout.sample_rows)))
+        sampled_output(self.model, hidden.index_select(0, self.inputs.logit_rows(layout, 0, layout.sample_rows)),
+                       layout.sampled)
 
     def _graph_setup(self, size: int) -> None:
         """Padding rows (slot -1, empty context) in the static buffers: warm-up and capture run
@@ -80,12 +81,12 @@ class TritonModelRunner(ModelRunner):
             with adapters:
                 hidden = self._forward(layout)
         rows = self.inputs.logit_rows(layout, 0, layout.sample_rows)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
-        if not layout.prompt_rows:
-            return RunnerOutput(logits, layout.sampled)
-        prompt_rows = self.inputs.logit_rows(layout, layout.sample_rows, layout.prompt_rows)
-        return RunnerOutput(logits, layout.sampled, self._prompt_rows(hidden.index_select(0, prompt_rows)),
-                            layout.prompt_spans)
+        out = sampled_output(self.model, hidden.index_select(0, rows), layout.sampled)
+        if layout.prompt_rows:
+            prompt_rows = self.inputs.logit_rows(layout, layout.sample_rows, layout.prompt_rows)
+            out.prompt_rows = self._prompt_rows(hidden.index_select(0, prompt_rows))
+            out.prompt_spans = layout.prompt_spans
+        return out
 
     def _graph_size(self, batch: ScheduledBatch) -> int | None:
         """The captured batch size this step replays at, or None to run eagerly. A decode with

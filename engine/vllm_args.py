@@ -27,9 +27,7 @@ NO_EFFECT = {
 # defaults); name -> (the values taken, None always; what kvserve lacks).
 AT_DEFAULT = {
     "quantization": ((), "weights are served in the checkpoint's dtype; no quantization methods"),
-    "task": (("auto", "generate"), "text generation only"),
-    "runner": (("auto", "generate"), "text generation only"),
-    "convert": (("auto", "none"), "text generation only"),
+    "task": (("auto", "generate"), "vLLM's older name: give runner='pooling' (--runner pooling) to embed"),
     "cpu_offload_gb": ((0,), "weights stay on the device"),
     "skip_tokenizer_init": ((False,), "the engine detokenizes with the model's tokenizer"),
     "enable_sleep_mode": ((False,), "no sleep mode"),

@@ -42,7 +42,7 @@ from router.keep_alive import KeepAlive
 from router.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from router.off_loop import off_loop
 from router.protocol import (REQUEST_ID_PATTERN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                             TokenizeRequest)
+                             EmbeddingRequest, TokenizeRequest)
 from router.responses import ResponsesRequest
 from router.serving import OpenAIServing
 from router.session import SESSION_HEADER, set_session
@@ -313,6 +313,12 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
         set_session(request.headers.get(SESSION_HEADER), body.user)
         return reply(await serving.chat(body))
 
+    @api.post("/v1/embeddings", openapi_extra=_json_body(EmbeddingRequest))
+    async def embeddings(request: Request):
+        body = _with_request_id(request, await read_json(request, EmbeddingRequest, limit))
+        set_session(request.headers.get(SESSION_HEADER), body.user)
+        return await serving.embeddings(body)
+
     @api.post("/invocations", include_in_schema=False)  # vLLM's, for SageMaker (its /ping is above)
     async def invocations(request: Request):
         body = _with_request_id(request, await read_json(request, _invocation, limit))
@@ -379,7 +385,8 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     return app
 
 
-BODY_MODELS = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
+BODY_MODELS = (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, ResponsesRequest, TokenizeRequest,
+               DetokenizeRequest)
 
 
 def _json_body(model: type[BaseModel]) -> dict:
@@ -404,7 +411,7 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-def _with_request_id(request: Request, body: CompletionRequest | ChatCompletionRequest):
+def _with_request_id(request: Request, body: CompletionRequest | ChatCompletionRequest | EmbeddingRequest):
     """The body's request_id names the reply, else the X-Request-Id header. vLLM puts the header
     first, but behind Serve's proxy (and Envoy, nginx, ...) a header is there on every request, put
     by the proxy, so the body's id would never count. A header unfit for an id is left out, not

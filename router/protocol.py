@@ -603,3 +603,49 @@ def _check_template_options(request: ChatCompletionRequest | TokenizeRequest) ->
 class DetokenizeRequest(_Model):
     model: str | None = None
     tokens: list[TokenId]
+
+
+class EmbeddingRequest(_Model):
+    """POST /v1/embeddings (OpenAI's; vLLM's extras): `input` (text, token ids, or a list of
+    either), or vLLM's `messages` rendered by the chat template."""
+    model: str | None = None
+    input: PromptInput | None = None
+    messages: list[ChatMessage] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    # vLLM extras
+    use_activation: bool | None = None  # L2-normalise (the pooler's default: yes)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k tokens; -1: max_model_len of them
+    truncation_side: Literal["left", "right"] | None = None
+    add_special_tokens: bool | None = None  # None: True for input, False for messages (the template writes them)
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    request_id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
+    priority: int = 0
+    cache_salt: str | None = Field(None, min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_normalize(cls, data):
+        if isinstance(data, dict) and "normalize" in data:  # vLLM 0.32's rule and words
+            raise ValueError("Parameter `normalize` was removed; use `use_activation` instead.")
+        return data
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("give exactly one of input or messages")
+        if self.input is not None and (self.input == "" or self.input == [] or
+                                       (isinstance(self.input, list) and any(p in ("", []) for p in self.input))):
+            raise ValueError("input must not be empty, nor hold an empty string or list")
+        _check_template_options(self)
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per input: text, or token ids."""
+        p = self.input
+        if isinstance(p, str) or isinstance(p[0], int):
+            return [p]
+        return list(p)

@@ -41,7 +41,8 @@ from router.formatting import (Accumulator, PromptEcho, chat_logprobs, chat_resp
                                vllm_prompt_logprobs)
 from router.lora_modules import LoRAModules
 from router.off_loop import off_loop
-from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.embeddings import embedding_params, embedding_response
+from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 from router.reasoning import (END, count_reasoning_tokens, grammar_gate, opens_in_reasoning, reasoning_fields,
                               reply_start, split_reasoning)
 from router.response_store import ResponseStore, StoredResponses
@@ -242,6 +243,35 @@ class OpenAIServing:
             for i, choice in enumerate(response["choices"]):
                 choice.update(prompt_token_ids=prompts[i // req.n], token_ids=acc.choices[i].token_ids)
         return response
+
+    async def embeddings(self, req: EmbeddingRequest) -> dict:
+        """Each input's embedding, from a pooling engine (engine.pooling; a 400 from one that generates)."""
+        self.check_model(req.model)
+        info = await self.limits()
+        params = embedding_params(req, info.get("pooler"))
+        lora = self.adapters.get(req.model)
+        if lora is not None:
+            params = dataclasses.replace(params, lora_request=lora)
+        if req.messages is not None:
+            prompts = [await off_loop(self._chat_ids, req, ToolPlan("none", ()))]
+        else:
+            prompts = await off_loop(self._encoded, req.prompts(), req.add_special_tokens is not False)
+        self._check_sequences(len(prompts), 1)
+        if req.truncate_prompt_tokens is not None:
+            prompts = [await self._truncated(p, req, 0, "input") for p in prompts]
+        await self._check_prompts(prompts, params, "input", "input")
+        rid, engine_rid = _request_ids("embd", req.request_id)
+        first, merged = await self._send(engine_rid, prompts, params)
+        vectors: list[list[float] | None] = [None] * len(prompts)
+        vectors[first[0]] = first[1].pooled
+        async with contextlib.aclosing(merged):
+            async for i, step in merged:
+                if step.pooled is not None:
+                    vectors[i] = step.pooled
+        if any(v is None for v in vectors):  # ended without its vector: aborted under it
+            raise internal_error()
+        return embedding_response(rid, self.reply_model(req.model), vectors, sum(map(len, prompts)),
+                                  req.encoding_format)
 
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
@@ -481,7 +511,10 @@ class OpenAIServing:
         for ids in prompts:
             if not ids:
                 raise bad_request("the prompt is empty", param=prompt_param)
-            if len(ids) >= limit:
+            if params.pooling is not None and len(ids) > limit:  # an embedding: nothing is generated after it
+                raise bad_request(f"This model's maximum context length is {limit} tokens, but the input has "
+                                  f"{len(ids)} tokens.", param=prompt_param, code="context_length_exceeded")
+            if params.pooling is None and len(ids) >= limit:
                 raise bad_request(f"This model's maximum context length is {limit} tokens, but the prompt has "
                                   f"{len(ids)} tokens (it must leave room for at least one generated token).",
                                   param=prompt_param, code="context_length_exceeded")

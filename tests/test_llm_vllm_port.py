@@ -53,7 +53,7 @@ def test_vllm_keywords_at_their_defaults_are_taken_and_others_refused_saying_why
     assert port.engine.config == EngineConfig(**{**vars(llm.engine.config), "dtype": "float32"})
     assert _tokens(port.generate([PROMPT], GREEDY)) == _tokens(llm.generate([PROMPT], GREEDY))
     for kwargs, says in [(dict(quantization="awq"), "quantization='awq' is not supported: weights are served"),
-                         (dict(task="embed"), "task='embed' is not supported: text generation only")]:
+                         (dict(task="embed"), "task='embed' is not supported: vLLM's older name: give runner='pooling'")]:
         with pytest.raises(ValueError, match=says):
             LLM(str(tiny_dir), **kwargs)
     numpy = EngineConfig(max_num_seqs=np.int64(8), enable_prefix_caching=np.bool_(False), max_model_len=np.int32(64))

@@ -35,6 +35,7 @@ from engine.executor import ModelInfo, load_model_info, resolve_dtype
 from engine.lora_request import LoRARequest
 from engine.model_source import model_name
 from engine.outputs import PromptLogprob
+from engine.pooling import Pooled
 from engine.sampler import SampleResult
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -79,7 +80,8 @@ class RankDraws:
         parent_of: dict[int, int] = {}  # row -> seq id of the sequence that owns it
         results = []
         # before the engine appends: the tokens each record then holds (a draw with drafts: several)
-        self.encoder.drawn = [(seq, seq.num_output_tokens + (len(t) if isinstance(t, list) else 1))
+        self.encoder.drawn = [(seq, seq.num_output_tokens + (len(t) if isinstance(t, list) else
+                                                             0 if isinstance(t, Pooled) else 1))
                               for seq, t in zip(seqs, d.token_ids)]
         for i, (row, seq) in enumerate(zip(rows, seqs)):
             if row in parent_of:
@@ -87,6 +89,9 @@ class RankDraws:
             else:
                 parent_of[row] = seq.seq_id
             token = d.token_ids[i]
+            if isinstance(token, Pooled):  # a pooling request's vector (engine.pooling)
+                results.append(token)
+                continue
             if isinstance(token, list):  # a draw with drafts (engine.speculative): the tokens it keeps
                 asked = d.logprobs.get(i) or [(None, None, None)] * len(token)
                 results.append([SampleResult(t, *lp) for t, lp in zip(token, asked)])
@@ -113,7 +118,7 @@ class WorkerGroupExecutor:
         self.encoder = StepEncoder()
         self.info = ModelInfo(spec.model_dir, spec.tokenizer, spec.eos_token_ids, spec.arch.vocab_size,
                               spec.arch.max_position_embeddings, self.group.num_blocks, torch.device("cpu"),
-                              resolve_dtype(config.dtype, torch.device(self.group.device)))
+                              resolve_dtype(config.dtype, torch.device(self.group.device)), spec.pooler)
         self.startup_s = time.perf_counter() - t0
         logger.info("tp=%d worker group for %s up in %.1fs; KV cache %d blocks x %d tokens",
                     config.tensor_parallel_size, model_name(config, spec.model_dir), self.startup_s, self.group.num_blocks,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.outputs import PromptLogprob
+from engine.pooling import Pooled
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence, SequenceStatus, new_token_ids
@@ -82,8 +83,9 @@ class Draws:
     sampled: list[int]  # indices into StepMessage.seqs of the rows that sampled, in row order
     rows: list[int]  # per draw: its row (forked children repeat their parent's)
     # per draw; a sequence with drafts (engine.speculative): the tokens it keeps (its kept drafts
-    # and the draw after them), and its logprobs are a list of as many
-    token_ids: list[int | list[int]]
+    # and the draw after them), and its logprobs are a list of as many; a pooling request
+    # (engine.pooling): its vector
+    token_ids: list[int | list[int] | Pooled]
     # draw -> (its logprob, top logprobs, its rank), if asked
     logprobs: dict[int, tuple[float, list[tuple[int, float]], int] | list[tuple[float, list[tuple[int, float]], int]]]
     prompt_logprobs: dict[int, list[PromptLogprob]] = field(default_factory=dict)  # msg.seqs index -> its prompt logprobs

@@ -17,6 +17,7 @@ import os
 import resource
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import ray
 import torch
@@ -32,6 +33,7 @@ from engine.model.layers import SAMPLING_RANK, TPContext
 from engine.model.llama import LlamaModel, ModelArch
 from engine.model.loader import load_arch, prepare_cpu_weights
 from engine.model_runner import ModelRunner
+from engine.pooling import pooler_config
 from engine.runners import make_runner, step_bytes
 from workers.messages import Draws, RankMirror, StepMessage
 from workers.sampling import RankSampler
@@ -124,8 +126,11 @@ class RankWorker:
         arch = self._load_arch()
         dtype = resolve_dtype(self.config.dtype, self.device)
         self._check_same_model(arch, dtype)
+        c = self.config
+        pooling = pooler_config(c.runner, c.convert, c.pooler_config, Path(self.model_dir),
+                                load_arch(self.model_dir)[1]) is not None  # as the engine decided: no head
         with torch.device(self.device):
-            model = LlamaModel(arch, dtype, self.tp)  # raises "cannot split" before any weight moves
+            model = LlamaModel(arch, dtype, self.tp, pooling)  # raises "cannot split" before any weight moves
         stats = load_sharded(model, self.model_dir if self.rank == 0 else None, self.tp)
         weight_codes = prepare_cpu_weights(model, self.device, dtype)
         if self.config.enable_lora:
@@ -174,8 +179,9 @@ class RankWorker:
                     pass
             return None
         seq_ids = [d.seq_id for d in msg.seqs]
-        draws = self.sampler.draw(out.logits, out.sampled, [seq_ids[i] for i in out.sampled], msg.sampling.grammar_mask,
-                                  [batch.seqs[i].spec_token_ids for i in out.sampled])
+        draws = self.sampler.draw(out.logits if out.pooled is None else out.pooled, out.sampled,
+                                  [seq_ids[i] for i in out.sampled], msg.sampling.grammar_mask,
+                                  [batch.seqs[i].spec_token_ids for i in out.sampled], pooled=out.pooled is not None)
         if out.prompt_spans:  # only their numbers leave the group, never the logits rows
             prompt = self.sampler.prompt_logprobs(out.prompt_rows.logits(), out.prompt_spans,
                                                   [seq_ids[span.index] for span in out.prompt_spans])

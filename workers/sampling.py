@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 
 from engine.outputs import PromptLogprob
+from engine.pooling import pool
 from engine.prompt_logprobs import PromptSpan, prompt_logprobs
 from engine.sampler import SequenceSampler
 from engine.sampling_params import SamplingParams
@@ -61,10 +62,12 @@ class RankSampler:
             self.records[s.seq_id] = SampleRecord(s.index, s.params, s.prompt_token_ids, [], s.forks)
 
     def draw(self, logits: torch.Tensor, sampled: list[int], seq_ids: list[int],
-             grammar_mask: GrammarMask | None = None, drafts: list[list[int]] | None = None) -> Draws:
+             grammar_mask: GrammarMask | None = None, drafts: list[list[int]] | None = None,
+             pooled: bool = False) -> Draws:
         """logits: (R, vocab), row i for sequence seq_ids[i] (the batch's `sampled` sequences),
         then the rows of their drafts (engine.model_runner.PreparedBatch.sample_rows), drafts[i]
-        being seq_ids[i]'s; `grammar_mask` rows name the same rows."""
+        being seq_ids[i]'s; `grammar_mask` rows name the same rows. `pooled`: the rows are a
+        pooling model's final hidden states, and each sequence draws its vector (engine.pooling)."""
         rows, seqs = [], []
         for row, seq_id in enumerate(seq_ids):
             parent = self.records[seq_id]
@@ -77,6 +80,8 @@ class RankSampler:
                 rows.append(row)
                 seqs.append(child)
             parent.forks = 0
+        if pooled:
+            return Draws(sampled, rows, pool(logits, rows, seqs), {})
         results = self.sampler.sample(logits, rows, seqs, grammar_mask)
         token_ids, logprobs = [], {}
         for i, (seq, result) in enumerate(zip(seqs, results)):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import logging
 import os
@@ -63,6 +64,10 @@ def replica_threads(requested: int, quota: float | None) -> int:
     return max(1, min(requested, int(quota)))
 
 
+def _fields(config) -> dict | None:
+    return None if config is None else dataclasses.asdict(config)
+
+
 class EngineServer:
     def __init__(self, engine_config: EngineConfig, engine_cls: str | EngineFactory | None = None,
                  cpu_threads: int | None = None, model_name: str | None = None,
@@ -92,7 +97,9 @@ class EngineServer:
                 "max_logprobs": self.max_logprobs, "scheduling_policy": self.scheduling_policy,
                 "block_size": s.block_size, "num_total_blocks": s.num_total_blocks,
                 "vocab_size": getattr(self.engine, "vocab_size", None),
-                "eos_token_ids": getattr(self.engine, "eos_token_ids", None)}
+                "eos_token_ids": getattr(self.engine, "eos_token_ids", None),
+                # a pooling engine's engine.pooling.PoolerConfig fields; None: it generates
+                "pooler": _fields(getattr(self.engine, "pooler", None))}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        admitted: bool = False) -> AsyncIterator[StepOutput]:

@@ -204,16 +204,20 @@ class LlamaModel(nn.Module):
     PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, a: ModelArch, dtype: torch.dtype, tp: TPContext = TPContext()) -> None:
+    def __init__(self, a: ModelArch, dtype: torch.dtype, tp: TPContext = TPContext(), pooling: bool = False) -> None:
+        """`pooling`: the model's final hidden states are the output (engine.pooling); it has no
+        language-model head, and a checkpoint's is not read."""
         super().__init__()
         a.check_tp(tp.size)
         self.arch = a
         self.tp = tp
+        self.pooling = pooling
         self.rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(DecoderLayer(a, tp, dtype) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
-        self.lm_head = None if a.tie_word_embeddings else ParallelLMHead(a.vocab_size, a.hidden_size, tp, dtype)
+        self.lm_head = None if a.tie_word_embeddings or pooling else ParallelLMHead(a.vocab_size, a.hidden_size, tp,
+                                                                                   dtype)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         head.weight_codes = None  # its logits GEMM, like the linear layers', may read 4/8-bit codes (codes.py)
         head.weight_prepacked = None

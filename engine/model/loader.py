@@ -79,10 +79,10 @@ def check_complete(params: dict[str, nn.Parameter], loaded: set[int]) -> None:
 
 
 def build_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-                tp: TPContext = TPContext()) -> LlamaModel:
+                tp: TPContext = TPContext(), pooling: bool = False) -> LlamaModel:
     arch, _ = load_arch(model_dir)
     with torch.device(device):  # built where it runs, as a tensor-parallel rank builds its shard
-        model = LlamaModel(arch, dtype, tp)
+        model = LlamaModel(arch, dtype, tp, pooling)
     load_weights(model, model_dir)
     model = model.eval()
     prepare_cpu_weights(model, device, dtype)

@@ -1,0 +1,242 @@
+"""Pooling: an engine started with vLLM's `--runner pooling` turns each prompt into one vector
+(embeddings: `LLM.embed`, `/v1/embeddings`) instead of generating from it.
+
+    runner     generate | pooling; `auto` pools a sentence-transformers folder (modules.json) or
+               an architecture named for embeddings (`...EmbeddingModel`, or a bare `LlamaModel`
+               / `Qwen3Model` without a language-model head), as vLLM resolves it
+    pooler     vLLM's PoolerConfig: LAST pooling, the final hidden state (after the last norm) of
+               the prompt's last token; L2-normalised (`use_activation`) unless the model's
+               sentence-transformers modules have no Normalize step or the request says otherwise
+
+LAST is what decoder embedding models are trained for (Qwen3-Embedding, e5-mistral, gte-Qwen2,
+SFR-Embedding) and vLLM's default for them. MEAN and CLS would need every prompt row of every
+prefill chunk; the engine refuses them at start-up rather than pool what the model was not
+trained for.
+
+A pooling request rides the generation path whole (scheduler, chunked prefill, prefix cache,
+tensor parallelism, the replica and process hops): its SamplingParams carry `pooling`, the
+sequence "samples" once, at the end of its prefill, from the hidden row where a generating one
+would take logits, and what it draws is a `Pooled` vector; the engine then finishes it and its
+blocks go back. A prefix-cache hit is safe: the last prompt token is always computed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed")
+POOLING_TYPES = ("LAST",)  # what this engine pools; vLLM's others are refused by name
+VLLM_POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL", "STEP")
+# sentence-transformers' module types (modules.json), old and new package layouts
+_ST_POOLING = ("sentence_transformers.models.Pooling", "sentence_transformers.sentence_transformer.modules.pooling.Pooling")
+_ST_NORMALIZE = ("sentence_transformers.models.Normalize", "sentence_transformers.base.modules.normalize.Normalize",
+                 "sentence_transformers.sentence_transformer.modules.normalize.Normalize")
+
+
+@dataclass
+class PoolingParams:
+    """vLLM's, for `LLM.embed` / `LLM.encode`: `dimensions` keeps the first k of a Matryoshka
+    model's embedding (then normalises, as vLLM); `use_activation` (embed: L2-normalise) defaults
+    to the pooler's; `truncate_prompt_tokens` keeps the prompt's last k tokens."""
+    dimensions: int | None = None
+    use_activation: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    task: str = "embed"
+
+    def __post_init__(self) -> None:
+        if self.task != "embed":
+            raise InvalidRequestError("task", f"pooling task {self.task!r} is not supported: kvserve pools "
+                                      "embeddings ('embed')")
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
+                                            or self.dimensions < 1):
+            raise InvalidRequestError("dimensions", f"dimensions must be a positive integer, got {self.dimensions!r}")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise InvalidRequestError("use_activation", f"use_activation must be true or false, "
+                                      f"got {self.use_activation!r}")
+        if self.truncate_prompt_tokens is not None and (isinstance(self.truncate_prompt_tokens, bool) or not isinstance(
+                self.truncate_prompt_tokens, int) or self.truncate_prompt_tokens < -1):
+            raise InvalidRequestError("truncate_prompt_tokens", "truncate_prompt_tokens must be an integer >= -1, "
+                                      f"got {self.truncate_prompt_tokens!r}")
+
+    def sampling(self):
+        """The SamplingParams a pooling request runs with: one 'draw', at the end of its prefill."""
+        from engine.sampling_params import RequestOutputKind, SamplingParams
+
+        return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, pooling=self,
+                              truncate_prompt_tokens=self.truncate_prompt_tokens,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How an engine pools (vLLM's --pooler-config, with what the model folder says under it)."""
+    seq_pooling_type: str = "LAST"
+    use_activation: bool = True  # L2-normalise, unless a request says otherwise
+    dimensions: int | None = None  # a request's default `dimensions`
+    embedding_size: int = 0  # the hidden size: what a vector has without `dimensions`
+    matryoshka: bool = False  # the model's config says its leading dimensions embed on their own
+    matryoshka_dimensions: tuple[int, ...] | None = None  # the only sizes allowed, where it lists them
+
+    def resolved(self, params: PoolingParams) -> PoolingParams:
+        """A request's params with the engine's defaults filled in; InvalidRequestError for a
+        `dimensions` this model cannot give (vLLM's checks and words)."""
+        dims = params.dimensions if params.dimensions is not None else self.dimensions
+        act = params.use_activation if params.use_activation is not None else self.use_activation
+        if dims is not None and dims != self.embedding_size:
+            if not self.matryoshka:
+                raise InvalidRequestError("dimensions", "the model does not support Matryoshka embeddings; "
+                                          f"dimensions must be unset (received dimensions={dims})")
+            if not 1 <= dims <= self.embedding_size:
+                raise InvalidRequestError("dimensions", f"the model only supports dimensions in range "
+                                          f"[1, {self.embedding_size}], got {dims}")
+            if self.matryoshka_dimensions is not None and dims not in self.matryoshka_dimensions:
+                raise InvalidRequestError("dimensions", f"the model only supports dimensions "
+                                          f"{list(self.matryoshka_dimensions)}, got {dims}")
+        return PoolingParams(dims, act, params.truncate_prompt_tokens, params.task)
+
+
+def parse_pooler_config(value) -> dict:
+    """--pooler-config (a dict, or its JSON) -> the PoolerConfig fields it sets; ValueError naming
+    what is not taken."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"pooler_config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"pooler_config must be a JSON object, got {value!r}")
+    value = dict(value)
+    if "normalize" in value:  # vLLM 0.32's words
+        raise ValueError("pooler_config: `normalize` was removed; use `use_activation` instead")
+    if "pooling_type" in value:
+        if "seq_pooling_type" in value:
+            raise ValueError("pooler_config: give pooling_type or seq_pooling_type, not both")
+        value["seq_pooling_type"] = value.pop("pooling_type")
+    out = {}
+    for key, v in value.items():
+        if v is None:
+            continue
+        if key == "seq_pooling_type":
+            kind = str(v).upper()
+            if kind not in VLLM_POOLING_TYPES:
+                raise ValueError(f"pooler_config: unknown pooling type {v!r} (vLLM's: {', '.join(VLLM_POOLING_TYPES)})")
+            out[key] = kind
+        elif key == "use_activation":
+            if not isinstance(v, bool):
+                raise ValueError(f"pooler_config: use_activation must be true or false, got {v!r}")
+            out[key] = v
+        elif key == "dimensions":
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"pooler_config: dimensions must be a positive integer, got {v!r}")
+            out[key] = v
+        elif key == "task":
+            if v != "embed":
+                raise ValueError(f"pooler_config: task {v!r} is not supported (kvserve pools 'embed')")
+        else:
+            raise ValueError(f"pooler_config: {key!r} is not supported here (kvserve takes pooling_type, "
+                             "seq_pooling_type, use_activation, dimensions, task)")
+    return out
+
+
+def sentence_transformers_pooling(model_dir: Path) -> dict | None:
+    """What a sentence-transformers folder's modules.json (and its Pooling module's config) set:
+    the pooling type and whether a Normalize step follows (vLLM's reading); None without one."""
+    path = Path(model_dir) / "modules.json"
+    if not path.is_file():
+        return None
+    try:
+        modules = json.loads(path.read_text())
+        pooling = next((m for m in modules if m.get("type") in _ST_POOLING), None)
+        normalize = any(m.get("type") in _ST_NORMALIZE for m in modules)
+    except (ValueError, AttributeError, TypeError) as e:
+        raise ValueError(f"cannot read {str(path)!r}: {e}") from None
+    out: dict = {"use_activation": normalize}
+    if pooling is not None:
+        cfg_path = Path(model_dir) / pooling.get("path", "") / "config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        for key, v in cfg.items():
+            name = v if key == "pooling_mode" and isinstance(v, str) else key if v is True else None
+            if name is None:
+                continue
+            name = name.removeprefix("pooling_mode_").split("_", 1)[0]
+            kind = "LAST" if "lasttoken" in name else name.upper()
+            if kind in VLLM_POOLING_TYPES:
+                out["seq_pooling_type"] = kind
+    return out
+
+
+def resolve_runner(runner: str, convert: str, model_dir: Path, hf_config) -> str:
+    """--runner / --convert -> "generate" or "pooling", as vLLM resolves them for this folder."""
+    if runner != "auto":
+        return runner
+    if convert == "embed":
+        return "pooling"
+    if sentence_transformers_pooling(model_dir) is not None:
+        return "pooling"
+    for arch in getattr(hf_config, "architectures", None) or []:
+        if arch.endswith(("ForCausalLM", "LMHeadModel", "ChatModel", "ForConditionalGeneration")):
+            return "generate"
+        if arch.endswith(("EmbeddingModel", "ForTextEncoding")) or arch.endswith("Model"):
+            return "pooling"
+    return "generate"
+
+
+def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) -> PoolerConfig | None:
+    """The engine's PoolerConfig, or None for a generating one. --pooler-config wins over the
+    folder's sentence-transformers modules, which win over the defaults (LAST, normalised)."""
+    if resolve_runner(runner, convert, model_dir, hf_config) != "pooling":
+        if value is not None:
+            logger.warning("--pooler-config has no effect: the model runs for generation (--runner pooling pools)")
+        return None
+    fields = {**(sentence_transformers_pooling(model_dir) or {}), **parse_pooler_config(value)}
+    kind = fields.get("seq_pooling_type", "LAST")
+    if kind not in POOLING_TYPES:
+        raise ValueError(f"pooling type {kind} is not supported: kvserve pools the last token (LAST), which "
+                         "decoder embedding models are trained for; set --pooler-config '{\"pooling_type\": "
+                         "\"LAST\"}' to pool this model so anyway")
+    dims = getattr(hf_config, "matryoshka_dimensions", None)
+    config = PoolerConfig(kind, fields.get("use_activation", True), fields.get("dimensions"), hf_config.hidden_size,
+                          bool(dims) or bool(getattr(hf_config, "is_matryoshka", False)),
+                          tuple(dims) if dims else None)
+    if config.dimensions is not None:
+        config.resolved(PoolingParams())  # a default the model cannot give: refused now, not per request
+    logger.info("pooling runner: %s pooling, %s, %d dimensions", kind,
+                "normalised" if config.use_activation else "not normalised", config.dimensions or config.embedding_size)
+    return config
+
+
+@dataclass(frozen=True, slots=True)
+class Pooled:
+    """What a pooling sequence 'draws' at the end of its prefill: its vector."""
+    data: list[float]
+
+
+def pool(hidden, rows: list[int], seqs: list) -> list[Pooled]:
+    """hidden: (R, hidden) float32 tensor, the final hidden states of the sequences' last prompt
+    tokens; seqs[i] (whose params.pooling is resolved) pools row rows[i]. One copy to the host."""
+    import torch  # not at import: EngineConfig reads this module's names, and the ingress has no use for torch
+
+    out = hidden.index_select(0, torch.tensor(rows, device=hidden.device)) if rows != list(range(len(rows))) else hidden
+    dims = [s.params.pooling.dimensions for s in seqs]
+    norms = [s.params.pooling.use_activation for s in seqs]
+    if any(d is not None for d in dims):
+        width = max(d or out.shape[1] for d in dims)
+        out = out[:, :width].clone()
+        for i, d in enumerate(dims):
+            if d is not None and d < width:
+                out[i, d:] = 0  # cut below; normalising over the zeros leaves the first d as they would be
+    if any(norms):
+        normed = torch.nn.functional.normalize(out, p=2, dim=-1)
+        keep = torch.tensor(norms, device=out.device).unsqueeze(1)
+        out = torch.where(keep, normed, out)
+    values = out.tolist()
+    return [Pooled(v[:d] if d is not None else v) for v, d in zip(values, dims)]

@@ -1,0 +1,42 @@
+"""POST /v1/embeddings: the params an embedding request runs with on a pooling engine
+(engine.pooling), and OpenAI's reply. The vectors come from the engine as any request's outputs
+do; only this hop turns them into JSON floats or OpenAI's base64 (little-endian float32 bytes,
+what the openai client asks for by default and decodes)."""
+from __future__ import annotations
+
+import base64
+import struct
+import time
+
+from engine.errors import InvalidRequestError
+from engine.pooling import PoolerConfig, PoolingParams
+from engine.sampling_params import SamplingParams
+from router.errors import bad_request, from_invalid_request
+from router.protocol import EmbeddingRequest
+
+
+def embedding_params(req: EmbeddingRequest, pooler: dict | None) -> SamplingParams:
+    """`pooler`: the engine's PoolerConfig fields (its info), None where it generates: a 400, as
+    vLLM's server answers a generative model's /v1/embeddings."""
+    if pooler is None:
+        raise bad_request("The model does not support the Embeddings API: it is served for generation (start the "
+                          "server with --runner pooling to serve embeddings)", param="model")
+    try:
+        params = PoolerConfig(**pooler).resolved(PoolingParams(req.dimensions, req.use_activation))
+    except InvalidRequestError as e:
+        raise from_invalid_request(e) from None
+    sampling = params.sampling()
+    sampling.priority, sampling.cache_salt = req.priority, req.cache_salt
+    return sampling
+
+
+def embedding_response(rid: str, model: str, vectors: list[list[float]], num_prompt_tokens: int,
+                       encoding_format: str) -> dict:
+    data = [{"index": i, "object": "embedding",
+             "embedding": as_base64(v) if encoding_format == "base64" else v} for i, v in enumerate(vectors)]
+    return {"id": rid, "object": "list", "created": int(time.time()), "model": model, "data": data,
+            "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens}}
+
+
+def as_base64(vector: list[float]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
