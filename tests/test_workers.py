@@ -253,6 +253,26 @@ def test_tp2_speculative_decoding_matches_tp1(ray_cluster, tiny_dirs):
         llm.engine.executor.shutdown()
 
 
+def test_tp2_pooling_gives_tp1s_embeddings(ray_cluster, tiny_dirs):
+    """A pooling engine at tp=2 (engine.pooling): the sampling rank pools the replicated hidden
+    rows and only the vectors leave the group; through chunked prefill they are
+    tp=1's, each as asked (normalised or not)."""
+    from engine import PoolingParams
+
+    d = tiny_dirs["gqa"]
+    prompts = _prompts()
+    params = [PoolingParams(use_activation=i % 2 == 0) for i in range(len(prompts))]
+    want = LLM(model=str(d), runner="pooling", **ENGINE).embed(prompts, pooling_params=params, use_tqdm=False)
+    llm = LLM(model=str(d), tensor_parallel_size=2, runner="pooling", **ENGINE)
+    try:
+        got = llm.embed(prompts, pooling_params=params, use_tqdm=False)
+        for g, w in zip(got, want):
+            assert g.outputs.embedding == pytest.approx(w.outputs.embedding, abs=1e-5)
+        _assert_clean(llm)
+    finally:
+        llm.engine.executor.shutdown()
+
+
 def test_tp2_a_step_that_raised_in_an_append_leaves_no_record_a_token_ahead(tp2, monkeypatch):
     """Ctrl-C in an append after the sampling rank drew: the record of the sequence the append
     never reached is cut back to the engine's tokens (its penalties read them), so stepping on gives

@@ -1,0 +1,251 @@
+"""Pooling (engine.pooling; vLLM's --runner pooling): each prompt's embedding is the final hidden
+state of its last token, as HF transformers' base model computes it, under every scheduling path
+(chunked prefill, prefix-cache hits, a batch); `LLM.embed` and POST /v1/embeddings (the openai
+client's base64 and float replies) give the same vectors; what a pooling engine cannot serve is
+refused, saying why; every request's KV blocks come back."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import openai
+import pytest
+import torch
+
+from engine import LLM, PoolingParams, SamplingParams
+from engine.errors import InvalidRequestError
+from tests.tiny_llama import make_tiny_llama
+
+VOCAB = 49152  # SmolLM2's tokenizer, so that text inputs run
+# lengths around the 32-token step budget and 16-token blocks: whole chunks, a chunk and a bit
+LENGTHS = (3, 70, 33, 16)
+
+
+def _prompts(n_vocab: int = VOCAB) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, n_vocab, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory, smollm2_path):
+    """A generative Qwen3 (tied) and Llama (untied head) checkpoint, and the Llama one saved as a
+    bare `LlamaModel` (no head, no `model.` prefix), as embedding checkpoints are."""
+    from transformers import AutoModel
+
+    out = {kind: make_tiny_llama(tmp_path_factory.mktemp(kind), smollm2_path, kind, vocab_size=VOCAB)
+           for kind in ("qwen3", "gqa")}
+    bare = tmp_path_factory.mktemp("bare")
+    AutoModel.from_pretrained(str(out["gqa"])).save_pretrained(bare, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (out["gqa"] / name).exists():
+            shutil.copy(out["gqa"] / name, bare / name)
+    out["bare"] = bare
+    return out
+
+
+def hf_last_hidden(model_dir, prompts: list[list[int]], normalize: bool = True) -> list[torch.Tensor]:
+    """HF's base model, one prompt at a time: the last token's final hidden state."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            h = model(torch.tensor([p])).last_hidden_state[0, -1]
+            out.append(torch.nn.functional.normalize(h, dim=-1) if normalize else h)
+    return out
+
+
+def _assert_close(got: list[float], want: torch.Tensor) -> None:
+    assert len(got) == want.shape[0]
+    assert torch.allclose(torch.tensor(got), want, atol=2e-6, rtol=0), (torch.tensor(got) - want).abs().max()
+
+
+def _assert_clean(llm: LLM) -> None:
+    eng = llm.engine
+    eng.scheduler.check_integrity()
+    assert not eng.requests
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gqa", "bare"])
+def test_embeddings_are_hfs_last_hidden_state_under_chunked_prefill_and_prefix_hits(dirs, kind):
+    prompts = _prompts()
+    want = hf_last_hidden(dirs[kind], prompts)
+    # the bare checkpoint pools by itself (runner auto); the generative ones are converted
+    args = {} if kind == "bare" else {"runner": "pooling"}
+    llm = LLM(str(dirs[kind]), max_num_batched_tokens=32, num_gpu_blocks_override=24, **args)
+    assert llm.engine.executor.model.lm_head is None  # no head is built, nor read
+    outs = llm.embed(prompts, use_tqdm=False)
+    for out, p, w in zip(outs, prompts, want):
+        assert out.prompt_token_ids == p and out.finished
+        _assert_close(out.outputs.embedding, w)
+    again = llm.embed([prompts[1], prompts[1][:40]], use_tqdm=False)  # whole blocks from the cache
+    assert again[0].num_cached_tokens >= 64 and again[1].num_cached_tokens >= 32
+    _assert_close(again[0].outputs.embedding, want[1])
+    _assert_close(again[1].outputs.embedding, hf_last_hidden(dirs[kind], [prompts[1][:40]])[0])
+    assert llm.engine.stats().generation_tokens == 0  # a vector is no generated token
+    _assert_clean(llm)
+
+
+def test_params_a_full_context_and_what_is_refused(dirs):
+    d = dirs["qwen3"]
+    prompts = _prompts()
+    llm = LLM(str(d), runner="pooling", max_model_len=64, max_num_batched_tokens=32, num_gpu_blocks_override=24)
+    raw = llm.embed(prompts[:1], pooling_params=PoolingParams(use_activation=False), use_tqdm=False)[0]
+    _assert_close(raw.outputs.embedding, hf_last_hidden(d, prompts[:1], normalize=False)[0])
+    pooled = llm.encode(prompts[:1], use_tqdm=False)[0]
+    assert isinstance(pooled.outputs.data, torch.Tensor) and pooled.outputs.data.shape == (64,)
+    full = list(range(5, 69))  # all of max_model_len: nothing is generated after it
+    _assert_close(llm.embed(full, use_tqdm=False)[0].outputs.embedding, hf_last_hidden(d, [full])[0])
+    kept = llm.embed(prompts[1], use_tqdm=False, truncate_prompt_tokens=20)[0]
+    assert kept.prompt_token_ids == prompts[1][-20:]
+    with pytest.raises(InvalidRequestError, match="max_model_len is 64"):
+        llm.embed(list(range(5, 70)), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="does not support Matryoshka"):
+        llm.embed(prompts[0], pooling_params=PoolingParams(dimensions=8), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="served for embeddings.*does not generate"):
+        llm.generate(prompts[0], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="pooling task 'classify' is not supported"):
+        PoolingParams(task="classify")
+    _assert_clean(llm)
+    gen = LLM(str(d), num_gpu_blocks_override=24)
+    with pytest.raises(InvalidRequestError, match="served for generation.*--runner pooling"):
+        gen.embed(prompts[0], use_tqdm=False)
+    _assert_clean(gen)
+
+
+def test_matryoshka_dimensions_keep_the_leading_ones_normalised(dirs, tmp_path):
+    d = tmp_path / "mrl"
+    shutil.copytree(dirs["qwen3"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "matryoshka_dimensions": [16, 32, 64]}))
+    prompts = _prompts()[:2]
+    raw = hf_last_hidden(d, prompts, normalize=False)
+    llm = LLM(str(d), runner="pooling", num_gpu_blocks_override=24)
+    params = [PoolingParams(dimensions=16), PoolingParams()]  # in one batch: each its own size
+    short, whole = llm.embed(prompts, pooling_params=params, use_tqdm=False)
+    _assert_close(short.outputs.embedding, torch.nn.functional.normalize(raw[0][:16], dim=-1))
+    _assert_close(whole.outputs.embedding, torch.nn.functional.normalize(raw[1], dim=-1))
+    with pytest.raises(InvalidRequestError, match=r"only supports dimensions \[16, 32, 64\], got 20"):
+        llm.embed(prompts[0], pooling_params=PoolingParams(dimensions=20), use_tqdm=False)
+    default = LLM(str(d), runner="pooling", num_gpu_blocks_override=24, pooler_config={"dimensions": 32})
+    assert len(default.embed(prompts[0], use_tqdm=False)[0].outputs.embedding) == 32
+
+
+def _sentence_transformers(src, dst, pooling: str, normalize: bool):
+    shutil.copytree(src, dst)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (dst / "modules.json").write_text(json.dumps(modules))
+    (dst / "1_Pooling").mkdir()
+    (dst / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, f"pooling_mode_{pooling}": True, "pooling_mode_cls_token": False}))
+    return dst
+
+
+def test_a_sentence_transformers_folder_pools_as_its_modules_say(dirs, tmp_path):
+    """runner auto pools it although its architecture is ...ForCausalLM (vLLM's rule); no
+    Normalize module: vectors as they come, unless a request asks; a mean-pooling model is
+    refused at start-up, and --pooler-config can say LAST over it."""
+    d = _sentence_transformers(dirs["qwen3"], tmp_path / "st", "lasttoken", normalize=False)
+    prompts = _prompts()[:2]
+    llm = LLM(str(d), num_gpu_blocks_override=24)
+    raw = hf_last_hidden(d, prompts, normalize=False)
+    _assert_close(llm.embed(prompts[0], use_tqdm=False)[0].outputs.embedding, raw[0])
+    asked = llm.embed(prompts[1], pooling_params=PoolingParams(use_activation=True), use_tqdm=False)[0]
+    _assert_close(asked.outputs.embedding, torch.nn.functional.normalize(raw[1], dim=-1))
+    mean = _sentence_transformers(dirs["qwen3"], tmp_path / "mean", "mean_tokens", normalize=True)
+    with pytest.raises(ValueError, match="pooling type MEAN is not supported"):
+        LLM(str(mean), num_gpu_blocks_override=24)
+    with pytest.raises(ValueError, match="`normalize` was removed; use `use_activation`"):
+        LLM(str(mean), pooler_config={"normalize": True})
+    over = LLM(str(mean), num_gpu_blocks_override=24, pooler_config='{"pooling_type": "LAST"}')
+    _assert_close(over.embed(prompts[0], use_tqdm=False)[0].outputs.embedding,
+                  torch.nn.functional.normalize(raw[0], dim=-1))  # its Normalize module counts
+
+
+# -- over HTTP ---------------------------------------------------------------------------------
+
+def _serve(engine_config, tokenizer, go, engine_cls=None):
+    """go(openai client, httpx client) against the API over an in-process EngineServer."""
+    from router.api import build_api
+    from router.serving import OpenAIServing
+    from router.settings import RouterSettings
+    from tests.scripted_engine import served
+    from workers.server import EngineServer
+
+    server = EngineServer(engine_config, engine_cls)
+    app = build_api(OpenAIServing(tokenizer, server, RouterSettings(served_model_name="m")))
+
+    async def main():
+        try:
+            async with served(app) as (http, base_url):
+                client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="k", http_client=http, max_retries=0)
+                return await go(client, http)
+        finally:
+            await server.shutdown()
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("engine_cls", [None, "engine.process_engine:ProcessEngine"], ids=["async", "process"])
+def test_v1_embeddings_equal_llm_embed_through_the_openai_client(dirs, engine_cls):
+    from engine.config import EngineConfig
+
+    d = dirs["qwen3"]
+    texts = ["The capital of France is", "hello world", "a b c d e f g h i j k l m n o p q r s t"]
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    llm = LLM(str(d), runner="pooling", num_gpu_blocks_override=24)
+    want = [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)]
+    chat_ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(chat, tokenize=False), add_special_tokens=False)
+    want_chat = llm.embed(chat_ids, use_tqdm=False)[0].outputs.embedding
+
+    async def go(client, http):
+        r = await client.embeddings.create(model="m", input=texts)  # the client asks base64, and decodes it
+        assert [e.index for e in r.data] == [0, 1, 2] and r.model == "m"
+        for e, w in zip(r.data, want):
+            assert e.embedding == pytest.approx(w, abs=1e-6)
+        ntok = sum(len(llm.tokenizer.encode(t)) for t in texts)
+        assert (r.usage.prompt_tokens, r.usage.total_tokens) == (ntok, ntok)
+        r = await http.post("/v1/embeddings", json={"model": "m", "input": texts[0], "encoding_format": "float"})
+        assert r.status_code == 200 and r.json()["object"] == "list"
+        assert r.json()["data"][0]["embedding"] == pytest.approx(want[0], abs=1e-6)
+        r = await http.post("/v1/embeddings", json={"model": "m", "messages": chat})  # vLLM's chat embeddings
+        assert r.json()["data"][0]["embedding"] == pytest.approx(want_chat, abs=1e-6)
+        ids = llm.tokenizer.encode(texts[1])
+        r = await http.post("/v1/embeddings", json={"input": [ids], "truncate_prompt_tokens": 2,
+                                                    "use_activation": False})
+        assert r.json()["usage"]["prompt_tokens"] == 2
+        refused = {}
+        for name, body in {"dimensions": {"input": "x", "dimensions": 8}, "empty": {"input": ""},
+                           "long": {"input": "x " * 300}, "ids": {"input": [[1, 2, VOCAB]]},
+                           "normalize": {"input": "x", "normalize": True}, "both": {"input": "x", "messages": chat},
+                           "completions": None}.items():
+            r = await (http.post("/v1/completions", json={"prompt": "hi"}) if body is None
+                       else http.post("/v1/embeddings", json=body))
+            refused[name] = (r.status_code, r.json()["error"]["message"])
+        return refused
+
+    refused = _serve(EngineConfig(model=str(d), runner="pooling", max_model_len=256, num_gpu_blocks_override=48),
+                     llm.tokenizer, go, engine_cls)
+    assert all(status == 400 for status, _ in refused.values()), refused
+    assert "does not support Matryoshka" in refused["dimensions"][1]
+    assert "maximum context length is 256 tokens, but the input has" in refused["long"][1]
+    assert f"must be in [0, {VOCAB})" in refused["ids"][1]
+    assert "use `use_activation` instead" in refused["normalize"][1]
+    assert "give exactly one of input or messages" in refused["both"][1]
+    assert "served for embeddings" in refused["completions"][1]
+
+
+def test_a_generating_server_says_how_to_serve_embeddings(dirs, tokenizer):
+    from engine.config import EngineConfig
+
+    async def go(client, http):
+        with pytest.raises(openai.BadRequestError, match="--runner pooling"):
+            await client.embeddings.create(model="m", input="hi")
+
+    _serve(EngineConfig(model=str(dirs["qwen3"]), max_model_len=128, num_gpu_blocks_override=24), tokenizer, go)
