@@ -292,19 +292,35 @@ def app_args_from_cli(ns: argparse.Namespace) -> dict:
     return args
 
 
-def ready_message(host: str, port: int, model: str, api_key: str | None, https: bool = False) -> str:
+def ready_message(host: str, port: int, model: str, api_key: str | None, https: bool = False,
+                  pooling: bool = False) -> str:
     """The ready line and a curl to paste, which never shows the key: it reads the variable the key
-    came from ($KVSERVE_API_KEY, $VLLM_API_KEY), else it holds a placeholder for the --api-key given."""
+    came from ($KVSERVE_API_KEY, $VLLM_API_KEY), else it holds a placeholder for the --api-key given.
+    `pooling`: the model serves embeddings, and the curl asks for one."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     url = f"{'https' if https else 'http'}://{shown}:{port}"
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    route = "embeddings" if pooling else "chat/completions"
+    body = json.dumps({"model": model, "input": "The capital of France is Paris."} if pooling else
+                      {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 32, "temperature": 0})
     auth = ""
     if api_key:
         key = next((f"${v}" for v in KEY_VARIABLES if api_key == os.environ.get(v)), "<the --api-key>")
         auth = f' -H "Authorization: Bearer {key}"'
     return (f"kvserve: ready: {model} at {url} (OpenAI API under {url}/v1; Ctrl-C stops)\n"
-            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
+            f"  curl {url}/v1/{route} -H 'Content-Type: application/json'{auth} -d '{body}'")
+
+
+def _pools(app_name: str) -> bool:
+    """Whether the application's engine pools (engine.pooling: runner auto decides by the model
+    folder, which the replica reads); False where it cannot tell."""
+    from ray import serve
+
+    try:
+        info = serve.get_deployment_handle("EngineServer", app_name=app_name).info.remote().result(timeout_s=30)
+        return info.get("pooler") is not None
+    except Exception:
+        return False
 
 
 METRICS_REPORT_INTERVAL_MS = 1000
@@ -415,8 +431,8 @@ def run_serve(ns: argparse.Namespace) -> int:
             print(f"kvserve: error: the application failed to start: {_startup_failure(serve.status(), APP_NAME) or e}",
                   file=sys.stderr)
             return 1
-        print(ready_message(ns.host, ns.port, served_model_name(engine, options), options.api_key, bool(tls)),
-              flush=True)
+        print(ready_message(ns.host, ns.port, served_model_name(engine, options), options.api_key, bool(tls),
+                            _pools(APP_NAME)), flush=True)
         _wait_for_stop_signal()
         timeout_s = options.graceful_shutdown_timeout_s
         print(f"kvserve: stopping: new requests get 503, in-flight ones may finish for up to {timeout_s:g}s "
