@@ -225,6 +225,9 @@ class LLMEngine:
         def append(seq: Sequence, result: SampleResult) -> bool:
             req = touched.setdefault(seq.request_id, self.requests[seq.request_id])
             if isinstance(result, Pooled):  # a pooling request's vector: it is done
+                if (timer := self._timers.get(seq.request_id)) is not None:
+                    timer.scheduled(seq.first_scheduled)
+                    timer.pooled()
                 return req.finish_pooled(seq, result)
             verdict = self.structured.accept(seq, result.token_id) if self.structured else None
             done = req.append_token(seq, result, self.eos_token_ids, self.max_model_len)

@@ -287,6 +287,13 @@ class RequestTimer:
         if now - self._flushed >= FLUSH_PERIOD_S:
             self._flush(now)
 
+    def pooled(self) -> None:
+        """A pooling request's vector arrived (engine.pooling): its prefill is done, counted as a
+        first token's would be (its prompt tokens, the time to it), and nothing is generated."""
+        if self.last is None:
+            self.first = self.last = self._metrics.clock()
+            self._metrics.first_token(self.first - self.arrival, self.num_prompt_tokens)
+
     def scheduled(self, at: float | None) -> None:
         """When the engine first scheduled the request (RequestOutput.first_scheduled_time, on the
         metrics' clock), or None from an engine that does not say."""

@@ -15,6 +15,7 @@ import torch
 
 from engine import LLM, PoolingParams, SamplingParams
 from engine.errors import InvalidRequestError
+from engine.metric_sinks import MemorySinks
 from tests.tiny_llama import make_tiny_llama
 
 VOCAB = 49152  # SmolLM2's tokenizer, so that text inputs run
@@ -116,6 +117,25 @@ def test_params_a_full_context_and_what_is_refused(dirs):
     _assert_clean(gen)
 
 
+def test_metrics_count_the_prompts_and_generate_nothing(dirs):
+    """vLLM's metrics (LLM(disable_log_stats=False)): an embedding's prompt tokens count once its
+    vector is out, as a first token's would, and its request succeeds having generated nothing."""
+    prompts = _prompts()
+    llm = LLM(str(dirs["qwen3"]), runner="pooling", num_gpu_blocks_override=24, max_num_batched_tokens=32,
+              disable_log_stats=False)
+    llm.embed(prompts, use_tqdm=False)
+    values = {(m.name, tuple(sorted(m.labels.items()))): m for m in llm.get_metrics()}
+
+    def value(name: str, **labels) -> float:
+        [m] = [m for (n, tags), m in values.items() if n == name and labels.items() <= dict(tags).items()]
+        return getattr(m, "value", None) if hasattr(m, "value") else m.count
+
+    assert value("kvserve_prompt_tokens") == sum(LENGTHS)
+    assert value("kvserve_generation_tokens") == 0
+    assert value("kvserve_request_success", finished_reason="stop") == len(prompts)
+    assert value("kvserve_time_to_first_token_seconds") == len(prompts)  # a histogram: its count
+
+
 def test_matryoshka_dimensions_keep_the_leading_ones_normalised(dirs, tmp_path):
     d = tmp_path / "mrl"
     shutil.copytree(dirs["qwen3"], d)
@@ -170,15 +190,18 @@ def test_a_sentence_transformers_folder_pools_as_its_modules_say(dirs, tmp_path)
 
 # -- over HTTP ---------------------------------------------------------------------------------
 
-def _serve(engine_config, tokenizer, go, engine_cls=None):
-    """go(openai client, httpx client) against the API over an in-process EngineServer."""
+def _serve(engine_config, tokenizer, go, engine_cls=None, sinks=None):
+    """go(openai client, httpx client) against the API over an in-process EngineServer; `sinks`:
+    where the replica's metrics go."""
     from router.api import build_api
     from router.serving import OpenAIServing
     from router.settings import RouterSettings
     from tests.scripted_engine import served
+    from workers.metrics import ReplicaMetrics
     from workers.server import EngineServer
 
-    server = EngineServer(engine_config, engine_cls)
+    server = EngineServer(engine_config, engine_cls, metrics=None if sinks is None else ReplicaMetrics(sinks),
+                          log_stats=False)
     app = build_api(OpenAIServing(tokenizer, server, RouterSettings(served_model_name="m")))
 
     async def main():
@@ -230,8 +253,12 @@ def test_v1_embeddings_equal_llm_embed_through_the_openai_client(dirs, engine_cl
             refused[name] = (r.status_code, r.json()["error"]["message"])
         return refused
 
+    sinks = MemorySinks("m")
     refused = _serve(EngineConfig(model=str(d), runner="pooling", max_model_len=256, num_gpu_blocks_override=48),
-                     llm.tokenizer, go, engine_cls)
+                     llm.tokenizer, go, engine_cls, sinks)
+    counted = {m.name: m for m in sinks.read() if not m.labels.keys() - {"model_name"}}
+    assert counted["kvserve_prompt_tokens"].value > sum(len(llm.tokenizer.encode(t)) for t in texts)  # and more
+    assert counted["kvserve_generation_tokens"].value == 0
     assert all(status == 400 for status, _ in refused.values()), refused
     assert "does not support Matryoshka" in refused["dimensions"][1]
     assert "maximum context length is 256 tokens, but the input has" in refused["long"][1]

@@ -121,6 +121,8 @@ class EngineServer:
                     first = False
                     timer.tokens(sum(len(c.token_ids) for c in step.choices),
                                  steps=max((len(c.token_ids) for c in step.choices), default=0))
+                    if step.pooled is not None:
+                        timer.pooled()
                     if step.finished:
                         reason = step.finish_reason
                     yield step
