@@ -256,7 +256,10 @@ class OpenAIServing:
             prompts = [await off_loop(self._chat_ids, req, ToolPlan("none", ()))]
         else:
             prompts = await off_loop(self._encoded, req.prompts(), req.add_special_tokens is not False)
-        self._check_sequences(len(prompts), 1)
+        if len(prompts) > self.settings.max_sequences_per_request:
+            raise bad_request(f"this request has {len(prompts)} inputs; this server takes at most "
+                              f"{self.settings.max_sequences_per_request} per request (--max-sequences-per-request)",
+                              param="input")
         if req.truncate_prompt_tokens is not None:
             prompts = [await self._truncated(p, req, 0, "input") for p in prompts]
         await self._check_prompts(prompts, params, "input", "input")
