@@ -43,7 +43,11 @@ class Twin:
     def execute(self, batch) -> RunnerOutput:
         a, b = self.ref.execute(batch), self.other.execute(batch)
         assert a.sampled == b.sampled and a.prompt_spans == b.prompt_spans
-        torch.testing.assert_close(b.logits.cpu(), a.logits, rtol=1e-4, atol=1e-4)
+        assert (a.logits is None) == (b.logits is None) and (a.pooled is None) == (b.pooled is None)
+        if a.pooled is not None:  # a pooling model's rows (engine.pooling), where logits would be
+            torch.testing.assert_close(b.pooled.cpu(), a.pooled, rtol=1e-4, atol=1e-4)
+        else:
+            torch.testing.assert_close(b.logits.cpu(), a.logits, rtol=1e-4, atol=1e-4)
         if a.prompt_rows is not None:
             torch.testing.assert_close(torch.cat(list(b.prompt_rows.logits())).cpu(),
                                        torch.cat(list(a.prompt_rows.logits())), rtol=1e-4, atol=1e-4)
@@ -134,6 +138,18 @@ def test_prompt_logprob_rows_match(tiny, device):
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
     outs = llm.generate(_prompts(lens=(9, 30)), params)
     assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in outs)
+    _assert_clean(llm)
+
+
+def test_pooled_rows_match(tiny, device):
+    """A pooling engine (engine.pooling) on the Triton runner: the rows it pools are the torch
+    runner's, through chunked prefill and a prefix-cache hit."""
+    llm, twin = _twin_llm(tiny["qwen3"], device, runner="pooling", num_gpu_blocks_override=64,
+                          max_num_batched_tokens=16)
+    prompts = _prompts(lens=(9, 30, 3))
+    outs = llm.embed(prompts + prompts[1:2], use_tqdm=False)
+    assert outs[3].num_cached_tokens > 0 and outs[3].outputs.embedding == outs[1].outputs.embedding
+    assert twin.steps >= 3
     _assert_clean(llm)
 
 
