@@ -132,6 +132,13 @@ class LLMEngine:
         if params.pooling is None:
             raise InvalidRequestError("model", "the model is served for embeddings (--runner pooling): it does not "
                                       "generate; use LLM.embed or /v1/embeddings")
+        p = params  # built by PoolingParams.sampling(); one made by hand may ask what a vector has not
+        for name, asked in (("n", p.n != 1), ("max_tokens", p.max_tokens != 1), ("logprobs", p.logprobs is not None),
+                            ("prompt_logprobs", p.prompt_logprobs is not None),
+                            ("structured_outputs", p.structured_outputs is not None)):
+            if asked:
+                raise InvalidRequestError(name, f"a pooling request has no {name}: give PoolingParams "
+                                                "(LLM.embed / LLM.encode)")
         if n > self.max_model_len:
             raise InvalidRequestError("prompt", f"prompt has {n} tokens; max_model_len is {self.max_model_len}",
                                       code="context_length_exceeded")

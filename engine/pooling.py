@@ -38,6 +38,7 @@ VLLM_POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL", "STEP")
 _ST_POOLING = ("sentence_transformers.models.Pooling", "sentence_transformers.sentence_transformer.modules.pooling.Pooling")
 _ST_NORMALIZE = ("sentence_transformers.models.Normalize", "sentence_transformers.base.modules.normalize.Normalize",
                  "sentence_transformers.sentence_transformer.modules.normalize.Normalize")
+_ST_DENSE = ("sentence_transformers.models.Dense", "sentence_transformers.base.modules.dense.Dense")
 
 
 @dataclass
@@ -89,7 +90,7 @@ class PoolerConfig:
         `dimensions` this model cannot give (vLLM's checks and words)."""
         dims = params.dimensions if params.dimensions is not None else self.dimensions
         act = params.use_activation if params.use_activation is not None else self.use_activation
-        if dims is not None and dims != self.embedding_size:
+        if dims is not None:
             if not self.matryoshka:
                 raise InvalidRequestError("dimensions", "the model does not support Matryoshka embeddings; "
                                           f"dimensions must be unset (received dimensions={dims})")
@@ -149,7 +150,9 @@ def parse_pooler_config(value) -> dict:
 
 def sentence_transformers_pooling(model_dir: Path) -> dict | None:
     """What a sentence-transformers folder's modules.json (and its Pooling module's config) set:
-    the pooling type and whether a Normalize step follows (vLLM's reading); None without one."""
+    the pooling type and whether a Normalize step follows (vLLM's reading); None without a
+    Pooling module. ValueError for a Dense module after the pooling: a projection this engine
+    does not apply, whose vectors it would get wrong."""
     path = Path(model_dir) / "modules.json"
     if not path.is_file():
         return None
@@ -157,20 +160,25 @@ def sentence_transformers_pooling(model_dir: Path) -> dict | None:
         modules = json.loads(path.read_text())
         pooling = next((m for m in modules if m.get("type") in _ST_POOLING), None)
         normalize = any(m.get("type") in _ST_NORMALIZE for m in modules)
+        dense = [m.get("path") for m in modules if m.get("type") in _ST_DENSE]
+        cfg_path = Path(model_dir) / pooling.get("path", "") / "config.json" if pooling is not None else None
+        cfg = json.loads(cfg_path.read_text()) if cfg_path is not None and cfg_path.is_file() else {}
     except (ValueError, AttributeError, TypeError) as e:
-        raise ValueError(f"cannot read {str(path)!r}: {e}") from None
+        raise ValueError(f"cannot read the sentence-transformers modules in {str(model_dir)!r}: {e}") from None
+    if pooling is None:
+        return None
+    if dense:
+        raise ValueError(f"{str(path)!r} projects the pooled vector with Dense modules ({', '.join(map(str, dense))}), "
+                         "which kvserve does not apply: its embeddings would be wrong")
     out: dict = {"use_activation": normalize}
-    if pooling is not None:
-        cfg_path = Path(model_dir) / pooling.get("path", "") / "config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        for key, v in cfg.items():
-            name = v if key == "pooling_mode" and isinstance(v, str) else key if v is True else None
-            if name is None:
-                continue
-            name = name.removeprefix("pooling_mode_").split("_", 1)[0]
-            kind = "LAST" if "lasttoken" in name else name.upper()
-            if kind in VLLM_POOLING_TYPES:
-                out["seq_pooling_type"] = kind
+    for key, v in cfg.items():
+        name = v if key == "pooling_mode" and isinstance(v, str) else key if v is True else None
+        if name is None:
+            continue
+        name = name.removeprefix("pooling_mode_").split("_", 1)[0]
+        kind = "LAST" if "lasttoken" in name else name.upper()
+        if kind in VLLM_POOLING_TYPES:
+            out["seq_pooling_type"] = kind
     return out
 
 

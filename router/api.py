@@ -87,7 +87,7 @@ class AdmissionGate:
     metrics (a drain is when a scraper most wants them)."""
 
     OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json", "/docs", "/metrics", "/version", "/load"})
-    MODEL_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")  # vLLM's /load counts
+    MODEL_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/invocations")  # vLLM's /load counts
 
     def __init__(self, app, admission: Admission) -> None:
         self.app = app
@@ -317,7 +317,7 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     async def embeddings(request: Request):
         body = _with_request_id(request, await read_json(request, EmbeddingRequest, limit))
         set_session(request.headers.get(SESSION_HEADER), body.user)
-        return await serving.embeddings(body)
+        return reply(await serving.embeddings(body))
 
     @api.post("/invocations", include_in_schema=False)  # vLLM's, for SageMaker (its /ping is above)
     async def invocations(request: Request):

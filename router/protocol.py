@@ -628,9 +628,18 @@ class EmbeddingRequest(_Model):
 
     @model_validator(mode="before")
     @classmethod
-    def _no_normalize(cls, data):
-        if isinstance(data, dict) and "normalize" in data:  # vLLM 0.32's rule and words
+    def _vllms_forms(cls, data):
+        if not isinstance(data, dict):
+            return data
+        if "normalize" in data:  # vLLM 0.32's rule and words
             raise ValueError("Parameter `normalize` was removed; use `use_activation` instead.")
+        given = data.get("input")
+        if isinstance(given, list) and given and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                      for m in given):
+            if "messages" in data:
+                raise ValueError("give exactly one of input or messages")
+            data = {**data, "messages": given}  # vLLM's: a conversation given as the input
+            del data["input"]
         return data
 
     @model_validator(mode="after")

@@ -216,6 +216,7 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
+        await self._check_generates()
         req = await self._logprobs_within_cap(req, "logprobs")
         params = await self._constrained(self._params(req), *self._output_constraint(req))
         texts = req.prompts()
@@ -252,14 +253,15 @@ class OpenAIServing:
         lora = self.adapters.get(req.model)
         if lora is not None:
             params = dataclasses.replace(params, lora_request=lora)
+        inputs = req.prompts() if req.messages is None else []
+        if len(inputs) > self.settings.max_sequences_per_request:  # before any is tokenized
+            raise bad_request(f"this request has {len(inputs)} inputs; this server takes at most "
+                              f"{self.settings.max_sequences_per_request} per request (--max-sequences-per-request)",
+                              param="input")
         if req.messages is not None:
             prompts = [await off_loop(self._chat_ids, req, ToolPlan("none", ()))]
         else:
-            prompts = await off_loop(self._encoded, req.prompts(), req.add_special_tokens is not False)
-        if len(prompts) > self.settings.max_sequences_per_request:
-            raise bad_request(f"this request has {len(prompts)} inputs; this server takes at most "
-                              f"{self.settings.max_sequences_per_request} per request (--max-sequences-per-request)",
-                              param="input")
+            prompts = await off_loop(self._encoded, inputs, req.add_special_tokens is not False)
         if req.truncate_prompt_tokens is not None:
             prompts = [await self._truncated(p, req, 0, "input") for p in prompts]
         await self._check_prompts(prompts, params, "input", "input")
@@ -278,6 +280,7 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
+        await self._check_generates()
         self._check_sequences(1, req.n)
         req = await self._logprobs_within_cap(req, "top_logprobs")
         plan, params, ids, thinking = await self._chat_prompt(req)
@@ -316,6 +319,7 @@ class OpenAIServing:
     async def responses(self, req: ResponsesRequest) -> dict | AsyncIterator[str]:
         """OpenAI's Responses API, run as the chat request it amounts to (router.responses)."""
         self.check_model(req.model)
+        await self._check_generates()
         history = await self.stored.conversation(req.previous_response_id)
         chat = await self._logprobs_within_cap(req.chat_request(parse_items(history)), "top_logprobs")
         plan, params, ids, thinking = await self._chat_prompt(chat, field=responses_field)
@@ -370,6 +374,12 @@ class OpenAIServing:
             return log.follow()
 
     # -- shared steps ----------------------------------------------------------------------------
+    async def _check_generates(self) -> None:
+        """A 400 before anything starts (a background response too) where the engine pools."""
+        if (await self.limits()).get("pooler") is not None:
+            raise bad_request("The model is served for embeddings (--runner pooling): it does not generate; "
+                              "use /v1/embeddings", param="model")
+
     def _check_sequences(self, num_prompts: int, n: int) -> None:
         """--max-sequences-per-request bounds a request's prompts x n (n alone goes up to vLLM's 16,384)."""
         limit = self.settings.max_sequences_per_request
@@ -521,6 +531,12 @@ class OpenAIServing:
                 raise bad_request(f"This model's maximum context length is {limit} tokens, but the prompt has "
                                   f"{len(ids)} tokens (it must leave room for at least one generated token).",
                                   param=prompt_param, code="context_length_exceeded")
+            if params.pooling is not None:  # its prompt's KV alone (the engine checks the same)
+                blocks, size = info.get("num_total_blocks"), info.get("block_size")
+                if blocks and size and -(-len(ids) // size) > blocks:
+                    raise bad_request(f"The KV cache holds {blocks * size} tokens, but the input has {len(ids)}: "
+                                      "it could never be scheduled.", param=prompt_param)
+                continue
             if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
                 raise bad_request(f"This model's maximum context length is {limit} tokens, but {len(ids)} prompt "
                                   f"tokens + {params.max_tokens} {max_param} were requested. Shorten the prompt "

@@ -110,6 +110,12 @@ def test_params_a_full_context_and_what_is_refused(dirs):
         llm.generate(prompts[0], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="pooling task 'classify' is not supported"):
         PoolingParams(task="classify")
+    with pytest.raises(InvalidRequestError, match="does not support Matryoshka"):  # its full size too, as vLLM
+        llm.embed(prompts[0], pooling_params=PoolingParams(dimensions=64), use_tqdm=False)
+    for asked in (dict(n=2), dict(logprobs=1), dict(prompt_logprobs=1), dict(max_tokens=3)):  # params made by hand
+        with pytest.raises(InvalidRequestError, match="a pooling request has no"):
+            llm.generate(prompts[0], SamplingParams(**{"max_tokens": 1, **asked}, pooling=PoolingParams()),
+                         use_tqdm=False)
     _assert_clean(llm)
     gen = LLM(str(d), num_gpu_blocks_override=24)
     with pytest.raises(InvalidRequestError, match="served for generation.*--runner pooling"):
@@ -186,6 +192,17 @@ def test_a_sentence_transformers_folder_pools_as_its_modules_say(dirs, tmp_path)
     over = LLM(str(mean), num_gpu_blocks_override=24, pooler_config='{"pooling_type": "LAST"}')
     _assert_close(over.embed(prompts[0], use_tqdm=False)[0].outputs.embedding,
                   torch.nn.functional.normalize(raw[0], dim=-1))  # its Normalize module counts
+    dense = _sentence_transformers(dirs["qwen3"], tmp_path / "dense", "lasttoken", normalize=True)
+    modules = json.loads((dense / "modules.json").read_text())
+    (dense / "modules.json").write_text(json.dumps(modules + [{"idx": 3, "name": "3", "path": "3_Dense",
+                                                               "type": "sentence_transformers.models.Dense"}]))
+    with pytest.raises(ValueError, match="Dense modules \\(3_Dense\\), which kvserve does not apply"):
+        LLM(str(dense), num_gpu_blocks_override=24)
+    plain = tmp_path / "no-pooling"  # modules.json without a Pooling module says nothing (vLLM's reading)
+    shutil.copytree(dirs["qwen3"], plain)
+    (plain / "modules.json").write_text(json.dumps(modules[:1]))
+    gen = LLM(str(plain), num_gpu_blocks_override=24)
+    assert gen.engine.pooler is None and gen.generate(prompts[0], SamplingParams(max_tokens=2), use_tqdm=False)
 
 
 # -- over HTTP ---------------------------------------------------------------------------------
@@ -226,6 +243,9 @@ def test_v1_embeddings_equal_llm_embed_through_the_openai_client(dirs, engine_cl
     want = [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)]
     chat_ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(chat, tokenize=False), add_special_tokens=False)
     want_chat = llm.embed(chat_ids, use_tqdm=False)[0].outputs.embedding
+    kept = llm.embed(llm.tokenizer.encode(texts[2])[-5:], pooling_params=PoolingParams(use_activation=False),
+                     use_tqdm=False)[0].outputs.embedding
+    want_full = llm.embed(list(range(5 + 50, 5 + 256)) + [7] * 50, use_tqdm=False)[0].outputs.embedding
 
     async def go(client, http):
         r = await client.embeddings.create(model="m", input=texts)  # the client asks base64, and decodes it
@@ -237,19 +257,30 @@ def test_v1_embeddings_equal_llm_embed_through_the_openai_client(dirs, engine_cl
         r = await http.post("/v1/embeddings", json={"model": "m", "input": texts[0], "encoding_format": "float"})
         assert r.status_code == 200 and r.json()["object"] == "list"
         assert r.json()["data"][0]["embedding"] == pytest.approx(want[0], abs=1e-6)
-        r = await http.post("/v1/embeddings", json={"model": "m", "messages": chat})  # vLLM's chat embeddings
-        assert r.json()["data"][0]["embedding"] == pytest.approx(want_chat, abs=1e-6)
-        ids = llm.tokenizer.encode(texts[1])
-        r = await http.post("/v1/embeddings", json={"input": [ids], "truncate_prompt_tokens": 2,
+        for body in ({"model": "m", "messages": chat}, {"input": chat}):  # vLLM's chat embeddings, both forms
+            r = await http.post("/v1/embeddings", json=body)
+            assert r.json()["data"][0]["embedding"] == pytest.approx(want_chat, abs=1e-6)
+        ids = llm.tokenizer.encode(texts[2])  # 20 tokens
+        r = await http.post("/v1/embeddings", json={"input": [ids], "truncate_prompt_tokens": 5,
                                                     "use_activation": False})
-        assert r.json()["usage"]["prompt_tokens"] == 2
+        assert r.json()["usage"]["prompt_tokens"] == 5
+        assert r.json()["data"][0]["embedding"] == pytest.approx(kept, abs=1e-6)
+        full = list(range(5, 5 + 256))  # all of max_model_len: nothing is generated after it
+        for body in ({"input": full}, {"input": full + [7] * 50, "truncate_prompt_tokens": -1}):
+            r = await http.post("/v1/embeddings", json=body)
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 256, r.text
+        assert r.json()["data"][0]["embedding"] == pytest.approx(want_full, abs=1e-6)
         refused = {}
         for name, body in {"dimensions": {"input": "x", "dimensions": 8}, "empty": {"input": ""},
                            "long": {"input": "x " * 300}, "ids": {"input": [[1, 2, VOCAB]]},
                            "normalize": {"input": "x", "normalize": True}, "both": {"input": "x", "messages": chat},
-                           "completions": None}.items():
-            r = await (http.post("/v1/completions", json={"prompt": "hi"}) if body is None
-                       else http.post("/v1/embeddings", json=body))
+                           "many": {"input": ["x"] * 257}, "completions": None, "responses": None}.items():
+            if name == "completions":
+                r = await http.post("/v1/completions", json={"prompt": "hi"})
+            elif name == "responses":  # refused at once, not queued to fail later
+                r = await http.post("/v1/responses", json={"input": "hi", "background": True})
+            else:
+                r = await http.post("/v1/embeddings", json=body)
             refused[name] = (r.status_code, r.json()["error"]["message"])
         return refused
 
@@ -265,7 +296,8 @@ def test_v1_embeddings_equal_llm_embed_through_the_openai_client(dirs, engine_cl
     assert f"must be in [0, {VOCAB})" in refused["ids"][1]
     assert "use `use_activation` instead" in refused["normalize"][1]
     assert "give exactly one of input or messages" in refused["both"][1]
-    assert "served for embeddings" in refused["completions"][1]
+    assert "served for embeddings" in refused["completions"][1] and "served for embeddings" in refused["responses"][1]
+    assert "257 inputs" in refused["many"][1]
 
 
 def test_a_generating_server_says_how_to_serve_embeddings(dirs, tokenizer):
