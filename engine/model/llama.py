@@ -218,9 +218,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.lm_head = None if a.tie_word_embeddings or pooling else ParallelLMHead(a.vocab_size, a.hidden_size, tp,
                                                                                    dtype)
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        head.weight_codes = None  # its logits GEMM, like the linear layers', may read 4/8-bit codes (codes.py)
-        head.weight_prepacked = None
+        if not pooling:  # a pooling model computes no logits: no second forms of the embedding for them
+            head = self.embed_tokens if self.lm_head is None else self.lm_head
+            head.weight_codes = None  # its logits GEMM, like the linear layers', may read 4/8-bit codes (codes.py)
+            head.weight_prepacked = None
         self.lora = None  # engine.lora.LoRAState where LoRA adapters are enabled (engine.lora.attach)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
