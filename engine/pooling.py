@@ -205,6 +205,9 @@ def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) 
         if value is not None:
             logger.warning("--pooler-config has no effect: the model runs for generation (--runner pooling pools)")
         return None
+    if getattr(hf_config, "is_causal", True) is False:  # vLLM runs such a model's attention both ways
+        raise ValueError("the model's config sets is_causal false (attention over the whole input, both ways): "
+                         "kvserve's attention is causal only, and would embed it wrongly")
     fields = {**(sentence_transformers_pooling(model_dir) or {}), **parse_pooler_config(value)}
     kind = fields.get("seq_pooling_type", "LAST")
     if kind not in POOLING_TYPES:

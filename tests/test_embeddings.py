@@ -90,7 +90,7 @@ def test_embeddings_are_hfs_last_hidden_state_under_chunked_prefill_and_prefix_h
     _assert_clean(llm)
 
 
-def test_params_a_full_context_and_what_is_refused(dirs):
+def test_params_a_full_context_and_what_is_refused(dirs, tmp_path):
     d = dirs["qwen3"]
     prompts = _prompts()
     llm = LLM(str(d), runner="pooling", max_model_len=64, max_num_batched_tokens=32, num_gpu_blocks_override=24)
@@ -102,6 +102,12 @@ def test_params_a_full_context_and_what_is_refused(dirs):
     _assert_close(llm.embed(full, use_tqdm=False)[0].outputs.embedding, hf_last_hidden(d, [full])[0])
     kept = llm.embed(prompts[1], use_tqdm=False, truncate_prompt_tokens=20)[0]
     assert kept.prompt_token_ids == prompts[1][-20:]
+    bidirectional = tmp_path / "bidirectional"
+    shutil.copytree(d, bidirectional)
+    cfg = json.loads((bidirectional / "config.json").read_text())
+    (bidirectional / "config.json").write_text(json.dumps({**cfg, "is_causal": False}))
+    with pytest.raises(ValueError, match="is_causal false .* causal only"):
+        LLM(str(bidirectional), runner="pooling", num_gpu_blocks_override=24)
     with pytest.raises(InvalidRequestError, match="max_model_len is 64"):
         llm.embed(list(range(5, 70)), use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="does not support Matryoshka"):
