@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import InvalidRequestError
+from engine.vllm_args import json_dict
 
 logger = logging.getLogger(__name__)
 
@@ -108,14 +109,7 @@ def parse_pooler_config(value) -> dict:
     what is not taken."""
     if value is None:
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"pooler_config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"pooler_config must be a JSON object, got {value!r}")
-    value = dict(value)
+    value = dict(json_dict("pooler_config", value))
     if "normalize" in value:  # vLLM 0.32's words
         raise ValueError("pooler_config: `normalize` was removed; use `use_activation` instead")
     if "pooling_type" in value:
