@@ -292,7 +292,9 @@ HOSTILE = [
      {"content-type": "application/x-www-form-urlencoded"}, 400),
     ("multipart body", "POST", CMPL, b"--b\r\nContent-Disposition: form-data; name=prompt\r\n\r\na\r\n--b--\r\n",
      {"content-type": "multipart/form-data; boundary=b"}, 400),
-    ("unknown path", "POST", "/v1/embeddings", _j({"input": "a"}), {}, 404),
+    ("unknown path", "POST", "/v1/audio/transcriptions", _j({"input": "a"}), {}, 404),
+    # a generating server's /v1/embeddings: a 400 that says which flag serves embeddings
+    ("embeddings from a generating model", "POST", "/v1/embeddings", _j({"input": "a"}), {}, 400),
     ("GET on a POST route", "GET", CMPL, None, {}, 405),
     ("DELETE on /v1/models", "DELETE", "/v1/models", None, {}, 405),
     ("path traversal", "GET", "/v1/../../etc/passwd", None, {}, 404),
