@@ -2,8 +2,8 @@
 from engine.beam_search import BeamSearchParams
 from engine.config import EngineConfig
 from engine.lora_request import LoRARequest
-from engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, EngineStats, Logprob, PoolingOutput,
-                            PoolingRequestOutput, RequestOutput)
+from engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, EngineStats, Logprob,
+                            PoolingOutput, PoolingRequestOutput, RequestOutput)
 from engine.pooling import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
 

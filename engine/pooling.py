@@ -36,7 +36,8 @@ CONVERTS = ("auto", "none", "embed")
 POOLING_TYPES = ("LAST",)  # what this engine pools; vLLM's others are refused by name
 VLLM_POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL", "STEP")
 # sentence-transformers' module types (modules.json), old and new package layouts
-_ST_POOLING = ("sentence_transformers.models.Pooling", "sentence_transformers.sentence_transformer.modules.pooling.Pooling")
+_ST_POOLING = ("sentence_transformers.models.Pooling",
+               "sentence_transformers.sentence_transformer.modules.pooling.Pooling")
 _ST_NORMALIZE = ("sentence_transformers.models.Normalize", "sentence_transformers.base.modules.normalize.Normalize",
                  "sentence_transformers.sentence_transformer.modules.normalize.Normalize")
 _ST_DENSE = ("sentence_transformers.models.Dense", "sentence_transformers.base.modules.dense.Dense")

@@ -87,7 +87,8 @@ class AdmissionGate:
     metrics (a drain is when a scraper most wants them)."""
 
     OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json", "/docs", "/metrics", "/version", "/load"})
-    MODEL_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/invocations")  # vLLM's /load counts
+    # what vLLM's /load counts
+    MODEL_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/invocations")
 
     def __init__(self, app, admission: Admission) -> None:
         self.app = app

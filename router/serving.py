@@ -35,14 +35,15 @@ from engine.structured.params import StructuredOutputsParams
 from engine.beam_search import BeamSearch, BeamSearchAborted, Generate, beam_search
 from router.background import BackgroundRuns, EventLog, check_id_free, run_in_background, stream_in_background
 from router.chunk_streams import ChunkStreams
+from router.embeddings import embedding_params, embedding_response
 from router.engine_streams import collect, events, logged_outputs, map_steps, merge_streams, renumbered, sample_calls
 from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error, unavailable
 from router.formatting import (Accumulator, PromptEcho, chat_logprobs, chat_response, completion_response,
                                vllm_prompt_logprobs)
 from router.lora_modules import LoRAModules
 from router.off_loop import off_loop
-from router.embeddings import embedding_params, embedding_response
-from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest
+from router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                             TokenizeRequest)
 from router.reasoning import (END, count_reasoning_tokens, grammar_gate, opens_in_reasoning, reasoning_fields,
                               reply_start, split_reasoning)
 from router.response_store import ResponseStore, StoredResponses
