@@ -158,7 +158,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--convert", choices=["auto", "none", "embed"],
         help="vLLM's: embed runs a generative checkpoint as an embedding model (--runner pooling)")
     add("--pooler-config", metavar="JSON",
-        help='vLLM\'s, for --runner pooling: {"pooling_type": "LAST", "use_activation": true (L2-normalise), '
+        help='vLLM\'s, for --runner pooling: {"pooling_type": "LAST" or "MEAN", "use_activation": true (L2-normalise), '
              '"dimensions": N (a Matryoshka model\'s default size)}; the model folder\'s sentence-transformers '
              "modules set what it leaves out")
     _add_vllm_only_flags(parser)

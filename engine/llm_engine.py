@@ -226,6 +226,9 @@ class LLMEngine:
         for i, scored in out.prompt_logprobs.items():  # before any output of theirs is taken, and forks
             seq = batch.seqs[i]
             self.requests[seq.request_id].add_prompt_logprobs(seq, scored)
+        for i, (rows_sum, num_rows) in out.pooled_rows.items():  # before the last row finishes the request
+            seq = batch.seqs[i]
+            self.requests[seq.request_id].add_pooled_rows(seq, rows_sum, num_rows)
         touched: dict[str, Request] = {}
         counts: dict[str, int] | None = {} if self.metrics is not None else None  # tokens per request
 

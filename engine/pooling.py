@@ -5,19 +5,22 @@
                an architecture named for embeddings (`...EmbeddingModel`, or a bare `LlamaModel`
                / `Qwen3Model` without a language-model head), as vLLM resolves it
     pooler     vLLM's PoolerConfig: LAST pooling, the final hidden state (after the last norm) of
-               the prompt's last token; L2-normalised (`use_activation`) unless the model's
-               sentence-transformers modules have no Normalize step or the request says otherwise
+               the prompt's last token, or MEAN, the mean of every prompt token's; L2-normalised
+               (`use_activation`) unless the model's sentence-transformers modules have no
+               Normalize step or the request says otherwise
 
 LAST is what decoder embedding models are trained for (Qwen3-Embedding, e5-mistral, gte-Qwen2,
-SFR-Embedding) and vLLM's default for them. MEAN and CLS would need every prompt row of every
-prefill chunk; the engine refuses them at start-up rather than pool what the model was not
-trained for.
+SFR-Embedding) and vLLM's default for them; MEAN is what some sentence-transformers folders say.
+CLS is refused: the first token's state carries nothing of the rest under causal attention.
 
 A pooling request rides the generation path whole (scheduler, chunked prefill, prefix cache,
 tensor parallelism, the replica and process hops): its SamplingParams carry `pooling`, the
 sequence "samples" once, at the end of its prefill, from the hidden row where a generating one
-would take logits, and what it draws is a `Pooled` vector; the engine then finishes it and its
-blocks go back. A prefix-cache hit is safe: the last prompt token is always computed.
+would take logits, and what it draws is that row (`Pooled`); the engine then finishes it with
+its vector (`embedding`) and its blocks go back. A MEAN request also takes the rows before its
+last, as prompt logprobs take theirs (Sequence.prompt_logprob_positions, no prefix-cache hit past
+the rows it has), and the engine adds up their sums (`row_sums`) as its chunks run. A LAST
+request's prefix-cache hit is safe: the last prompt token is always computed.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed")
-POOLING_TYPES = ("LAST",)  # what this engine pools; vLLM's others are refused by name
+POOLING_TYPES = ("LAST", "MEAN")  # what this engine pools; vLLM's others are refused by name
 VLLM_POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL", "STEP")
 # sentence-transformers' module types (modules.json), old and new package layouts
 _ST_POOLING = ("sentence_transformers.models.Pooling",
@@ -52,6 +55,12 @@ class PoolingParams:
     use_activation: bool | None = None
     truncate_prompt_tokens: int | None = None
     task: str = "embed"
+    pooling_type: str | None = None  # the engine's, set when it takes the request (PoolerConfig.resolved)
+
+    @property
+    def pools_every_row(self) -> bool:
+        """MEAN: the request needs every prompt row's hidden state, not the last one's alone."""
+        return self.pooling_type == "MEAN"
 
     def __post_init__(self) -> None:
         if self.task != "embed":
@@ -102,7 +111,7 @@ class PoolerConfig:
             if self.matryoshka_dimensions is not None and dims not in self.matryoshka_dimensions:
                 raise InvalidRequestError("dimensions", f"the model only supports dimensions "
                                           f"{list(self.matryoshka_dimensions)}, got {dims}")
-        return PoolingParams(dims, act, params.truncate_prompt_tokens, params.task)
+        return PoolingParams(dims, act, params.truncate_prompt_tokens, params.task, self.seq_pooling_type)
 
 
 def parse_pooler_config(value) -> dict:
@@ -206,9 +215,9 @@ def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) 
     fields = {**(sentence_transformers_pooling(model_dir) or {}), **parse_pooler_config(value)}
     kind = fields.get("seq_pooling_type", "LAST")
     if kind not in POOLING_TYPES:
-        raise ValueError(f"pooling type {kind} is not supported: kvserve pools the last token (LAST), which "
-                         "decoder embedding models are trained for; set --pooler-config '{\"pooling_type\": "
-                         "\"LAST\"}' to pool this model so anyway")
+        raise ValueError(f"pooling type {kind} is not supported: kvserve pools the last token (LAST) or the mean "
+                         "of all (MEAN); a CLS token's state means something only under attention both ways. Set "
+                         "--pooler-config '{\"pooling_type\": \"LAST\"}' to pool this model so anyway")
     dims = getattr(hf_config, "matryoshka_dimensions", None)
     config = PoolerConfig(kind, fields.get("use_activation", True), fields.get("dimensions"), hf_config.hidden_size,
                           bool(dims) or bool(getattr(hf_config, "is_matryoshka", False)),
@@ -222,27 +231,42 @@ def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) 
 
 @dataclass(frozen=True, slots=True)
 class Pooled:
-    """What a pooling sequence 'draws' at the end of its prefill: its vector."""
+    """What a pooling sequence 'draws' at the end of its prefill: its last prompt token's final
+    hidden state, as the model gave it (float32); Request.finish_pooled makes the vector."""
     data: list[float]
 
 
-def pool(hidden, rows: list[int], seqs: list) -> list[Pooled]:
+def pool(hidden, rows: list[int]) -> list[Pooled]:
     """hidden: (R, hidden) float32 tensor, the final hidden states of the sequences' last prompt
-    tokens; seqs[i] (whose params.pooling is resolved) pools row rows[i]. One copy to the host."""
+    tokens -> the draws, the i-th of row rows[i]. One copy to the host."""
+    values = hidden.tolist()
+    return [Pooled(values[r]) for r in rows]
+
+
+def row_sums(hidden, spans: list) -> dict[int, tuple[list[float], int]]:
+    """A mean-pooling step's prompt rows (hidden: (M, hidden), engine.prompt_logprobs.PromptSpan's
+    order) -> span index -> (their sum, in float64, and their count). One copy to the host."""
+    import torch
+
+    sums, row = [], 0
+    for s in spans:
+        sums.append(hidden[row:row + s.num_rows].double().sum(dim=0))
+        row += s.num_rows
+    return {s.index: (v, s.num_rows) for s, v in zip(spans, torch.stack(sums).tolist())}
+
+
+def embedding(last: list[float], params: PoolingParams, rows_sum: list[float] | None = None,
+              num_rows: int = 0) -> list[float]:
+    """The vector of a request (`params` resolved): its last row (LAST), or the mean of
+    `rows_sum` (its other rows) and the last (MEAN); its first `dimensions`, normalised with
+    `use_activation` (vLLM's order: cut, then normalise)."""
     import torch  # not at import: EngineConfig reads this module's names, and the ingress has no use for torch
 
-    out = hidden.index_select(0, torch.tensor(rows, device=hidden.device)) if rows != list(range(len(rows))) else hidden
-    dims = [s.params.pooling.dimensions for s in seqs]
-    norms = [s.params.pooling.use_activation for s in seqs]
-    if any(d is not None for d in dims):
-        width = max(d or out.shape[1] for d in dims)
-        out = out[:, :width].clone()
-        for i, d in enumerate(dims):
-            if d is not None and d < width:
-                out[i, d:] = 0  # cut below; normalising over the zeros leaves the first d as they would be
-    if any(norms):
-        normed = torch.nn.functional.normalize(out, p=2, dim=-1)
-        keep = torch.tensor(norms, device=out.device).unsqueeze(1)
-        out = torch.where(keep, normed, out)
-    values = out.tolist()
-    return [Pooled(v[:d] if d is not None else v) for v, d in zip(values, dims)]
+    v = torch.tensor(last, dtype=torch.float64)
+    if params.pools_every_row:
+        v = (v + torch.tensor(rows_sum, dtype=torch.float64)) / (num_rows + 1) if rows_sum is not None else v
+    if params.dimensions is not None:
+        v = v[:params.dimensions]
+    if params.use_activation:
+        v = torch.nn.functional.normalize(v, p=2, dim=-1)
+    return v.float().tolist()

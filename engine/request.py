@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from engine.detokenizer import IncrementalDetokenizer, decoder
 from engine.outputs import CompletionOutput, PromptLogprob, PromptLogprobs, RequestOutput
-from engine.pooling import Pooled
+from engine.pooling import Pooled, embedding
 from engine.sampler import SampleResult
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.sequence import Sequence
@@ -28,6 +28,7 @@ class Request:
         # The first prompt token has no context; the rest arrive with the prefill chunks' steps.
         self.prompt_logprobs: PromptLogprobs | None = [None] if params.prompt_logprobs is not None else None
         self.pooled: list[float] | None = None  # a pooling request's vector, once drawn
+        self._rows_sum: list[float] | None = None  # a mean-pooling request's rows so far (float64 sums)
 
     def output_due(self, stream_interval: int) -> bool:
         """Whether this step should hand out a snapshot: always the first (time to first token), the
@@ -89,9 +90,15 @@ class Request:
             comp.finish_reason = "length"
         return comp.finish_reason is not None
 
+    def add_pooled_rows(self, seq: Sequence, rows_sum: list[float], num_rows: int) -> None:
+        """A mean-pooling request's prompt rows of this step (engine.pooling.row_sums), after the
+        ones seq already has."""
+        self._rows_sum = rows_sum if self._rows_sum is None else [a + b for a, b in zip(self._rows_sum, rows_sum)]
+        seq.num_prompt_logprobs += num_rows
+
     def finish_pooled(self, seq: Sequence, result: Pooled) -> bool:
-        """A pooling request's vector (engine.pooling): it ends with it."""
-        self.pooled = result.data
+        """A pooling request's last row (engine.pooling): it ends with its vector."""
+        self.pooled = embedding(result.data, self.params.pooling, self._rows_sum, seq.num_prompt_logprobs)
         return self.finish(seq, "stop")
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | None = None) -> bool:

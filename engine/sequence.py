@@ -43,7 +43,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_preemptions = 0
         self.pending_forks = params.n - 1 if index == 0 else 0
-        self.num_prompt_logprobs = 0  # prompt positions [0, k) whose logits gave token k's logprob
+        self.num_prompt_logprobs = 0  # prompt positions [0, k) whose logits gave token k's logprob (or were pooled)
         self.first_scheduled: float | None = None  # the scheduler's clock when it first admitted it
         # Tokens guessed to follow token_ids, computed this step after them (engine.speculative);
         # the scheduler sets them when it schedules the sequence and clears them after the step.
@@ -75,7 +75,11 @@ class Sequence:
 
     @property
     def owes_prompt_logprobs(self) -> bool:
-        return self.params.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens - 1
+        """Whether prompt rows before the last are still owed: for prompt logprobs, or to a
+        mean-pooling request (engine.pooling), which sums them."""
+        p = self.params
+        return ((p.prompt_logprobs is not None or (p.pooling is not None and p.pooling.pools_every_row))
+                and self.num_prompt_logprobs < self.num_prompt_tokens - 1)
 
     @property
     def max_cached_tokens(self) -> int:

@@ -175,7 +175,7 @@ def _sentence_transformers(src, dst, pooling: str, normalize: bool):
     (dst / "modules.json").write_text(json.dumps(modules))
     (dst / "1_Pooling").mkdir()
     (dst / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 64, f"pooling_mode_{pooling}": True, "pooling_mode_cls_token": False}))
+        {"word_embedding_dimension": 64, "pooling_mode_cls_token": False, f"pooling_mode_{pooling}": True}))
     return dst
 
 
@@ -190,12 +190,12 @@ def test_a_sentence_transformers_folder_pools_as_its_modules_say(dirs, tmp_path)
     _assert_close(llm.embed(prompts[0], use_tqdm=False)[0].outputs.embedding, raw[0])
     asked = llm.embed(prompts[1], pooling_params=PoolingParams(use_activation=True), use_tqdm=False)[0]
     _assert_close(asked.outputs.embedding, torch.nn.functional.normalize(raw[1], dim=-1))
-    mean = _sentence_transformers(dirs["qwen3"], tmp_path / "mean", "mean_tokens", normalize=True)
-    with pytest.raises(ValueError, match="pooling type MEAN is not supported"):
-        LLM(str(mean), num_gpu_blocks_override=24)
+    cls = _sentence_transformers(dirs["qwen3"], tmp_path / "cls", "cls_token", normalize=True)
+    with pytest.raises(ValueError, match="pooling type CLS is not supported"):
+        LLM(str(cls), num_gpu_blocks_override=24)
     with pytest.raises(ValueError, match="`normalize` was removed; use `use_activation`"):
-        LLM(str(mean), pooler_config={"normalize": True})
-    over = LLM(str(mean), num_gpu_blocks_override=24, pooler_config='{"pooling_type": "LAST"}')
+        LLM(str(cls), pooler_config={"normalize": True})
+    over = LLM(str(cls), num_gpu_blocks_override=24, pooler_config='{"pooling_type": "LAST"}')
     _assert_close(over.embed(prompts[0], use_tqdm=False)[0].outputs.embedding,
                   torch.nn.functional.normalize(raw[0], dim=-1))  # its Normalize module counts
     dense = _sentence_transformers(dirs["qwen3"], tmp_path / "dense", "lasttoken", normalize=True)
@@ -209,6 +209,33 @@ def test_a_sentence_transformers_folder_pools_as_its_modules_say(dirs, tmp_path)
     (plain / "modules.json").write_text(json.dumps(modules[:1]))
     gen = LLM(str(plain), num_gpu_blocks_override=24)
     assert gen.engine.pooler is None and gen.generate(prompts[0], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def hf_mean_hidden(model_dir, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """HF's base model, one prompt at a time: the mean of every token's final hidden state, normalised."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [torch.nn.functional.normalize(model(torch.tensor([p])).last_hidden_state[0].mean(dim=0), dim=-1)
+                for p in prompts]
+
+
+def test_mean_pooling_is_hfs_mean_under_chunks_and_the_prefix_cache(dirs, tmp_path):
+    """A sentence-transformers folder that says mean pooling: every prompt row counts, through
+    chunked prefill (rows in several steps, beside other requests') and a repeated prompt (no
+    prefix-cache hit past the rows it has)."""
+    d = _sentence_transformers(dirs["qwen3"], tmp_path / "mean", "mean_tokens", normalize=True)
+    prompts = _prompts() + [_prompts()[1]]
+    want = hf_mean_hidden(d, prompts)
+    llm = LLM(str(d), max_num_batched_tokens=32, num_gpu_blocks_override=9, block_size=16)
+    outs = llm.embed(prompts, use_tqdm=False)
+    for out, w in zip(outs, want):
+        _assert_close(out.outputs.embedding, w)
+    assert outs[-1].num_cached_tokens == 0
+    last = LLM(str(d), pooler_config={"pooling_type": "LAST"}, num_gpu_blocks_override=24)  # the folder's, overridden
+    _assert_close(last.embed(prompts[1], use_tqdm=False)[0].outputs.embedding, hf_last_hidden(d, prompts[1:2])[0])
+    _assert_clean(llm)
 
 
 # -- over HTTP ---------------------------------------------------------------------------------

@@ -171,20 +171,21 @@ def test_the_engine_core_in_its_own_process_serves_on_cuda(tmp_path, tokenizer_d
     assert asyncio.run(main()) == ref
 
 
-def test_embeddings_on_cuda_are_hfs_last_hidden_state(tmp_path, tokenizer_dir):
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
+def test_embeddings_on_cuda_are_hfs_pooled_hidden_states(tmp_path, tokenizer_dir, pooling_type):
     """A pooling engine (engine.pooling, --runner pooling) on CUDA in float32, with the decode graphs
-    captured: each prompt's vector is HF's base model's last hidden state, normalised, on the same
-    GPU, through chunked prefill."""
+    captured: each prompt's vector is HF's base model's last hidden state (MEAN: the mean of all),
+    normalised, on the same GPU, through chunked prefill."""
     from transformers import AutoModel
 
     d, prompts = make_tiny_llama(tmp_path, tokenizer_dir, "qwen3"), _prompts()
     llm = LLM(model=str(d), device="cuda", dtype="float32", runner="pooling", max_num_seqs=8,
-              max_num_batched_tokens=32)
+              max_num_batched_tokens=32, pooler_config={"pooling_type": pooling_type})
     got = [o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)]
     model = AutoModel.from_pretrained(str(d), dtype=torch.float32).to("cuda").eval()
     with torch.no_grad():
         for p, g in zip(prompts, got):
-            h = model(torch.tensor([p], device="cuda")).last_hidden_state[0, -1]
-            want = torch.nn.functional.normalize(h, dim=-1).cpu()
+            h = model(torch.tensor([p], device="cuda")).last_hidden_state[0]
+            want = torch.nn.functional.normalize(h[-1] if pooling_type == "LAST" else h.mean(dim=0), dim=-1).cpu()
             torch.testing.assert_close(torch.tensor(g), want, rtol=0, atol=1e-4)
     _assert_clean(llm)

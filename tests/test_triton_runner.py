@@ -141,14 +141,17 @@ def test_prompt_logprob_rows_match(tiny, device):
     _assert_clean(llm)
 
 
-def test_pooled_rows_match(tiny, device):
-    """A pooling engine (engine.pooling) on the Triton runner: the rows it pools are the torch
-    runner's, through chunked prefill and a prefix-cache hit."""
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
+def test_pooled_rows_match(tiny, device, pooling_type):
+    """A pooling engine (engine.pooling) on the Triton runner: the rows it pools (MEAN: every
+    prompt row, as prompt logprobs take theirs) are the torch runner's, through chunked prefill and
+    a repeated prompt (LAST: a prefix-cache hit)."""
     llm, twin = _twin_llm(tiny["qwen3"], device, runner="pooling", num_gpu_blocks_override=64,
-                          max_num_batched_tokens=16)
+                          max_num_batched_tokens=16, pooler_config={"pooling_type": pooling_type})
     prompts = _prompts(lens=(9, 30, 3))
     outs = llm.embed(prompts + prompts[1:2], use_tqdm=False)
-    assert outs[3].num_cached_tokens > 0 and outs[3].outputs.embedding == outs[1].outputs.embedding
+    assert (outs[3].num_cached_tokens > 0) == (pooling_type == "LAST")
+    assert outs[3].outputs.embedding == pytest.approx(outs[1].outputs.embedding, abs=1e-6)
     assert twin.steps >= 3
     _assert_clean(llm)
 

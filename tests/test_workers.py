@@ -253,17 +253,19 @@ def test_tp2_speculative_decoding_matches_tp1(ray_cluster, tiny_dirs):
         llm.engine.executor.shutdown()
 
 
-def test_tp2_pooling_gives_tp1s_embeddings(ray_cluster, tiny_dirs):
-    """A pooling engine at tp=2 (engine.pooling): the sampling rank pools the replicated hidden
-    rows and only the vectors leave the group; through chunked prefill they are
-    tp=1's, each as asked (normalised or not)."""
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
+def test_tp2_pooling_gives_tp1s_embeddings(ray_cluster, tiny_dirs, pooling_type):
+    """A pooling engine at tp=2 (engine.pooling): the sampling rank takes the replicated hidden
+    rows (MEAN: every prompt row's sum too) and only those numbers leave the group; through
+    chunked prefill the vectors are tp=1's, each as asked (normalised or not)."""
     from engine import PoolingParams
 
     d = tiny_dirs["gqa"]
     prompts = _prompts()
     params = [PoolingParams(use_activation=i % 2 == 0) for i in range(len(prompts))]
-    want = LLM(model=str(d), runner="pooling", **ENGINE).embed(prompts, pooling_params=params, use_tqdm=False)
-    llm = LLM(model=str(d), tensor_parallel_size=2, runner="pooling", **ENGINE)
+    engine = dict(runner="pooling", pooler_config={"pooling_type": pooling_type}, **ENGINE)
+    want = LLM(model=str(d), **engine).embed(prompts, pooling_params=params, use_tqdm=False)
+    llm = LLM(model=str(d), tensor_parallel_size=2, **engine)
     try:
         got = llm.embed(prompts, pooling_params=params, use_tqdm=False)
         for g, w in zip(got, want):

@@ -71,6 +71,10 @@ class RankDraws:
     def prompt_logprobs(self) -> dict[int, list[PromptLogprob]]:
         return self.draws.prompt_logprobs
 
+    @property
+    def pooled_rows(self) -> dict[int, tuple[list[float], int]]:
+        return self.draws.pooled_rows
+
     def sample(self, rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
         """The rank forked and drew for the same children the engine has just forked; tell the
         encoder their seq ids, so that the next message names them."""

@@ -89,6 +89,7 @@ class Draws:
     # draw -> (its logprob, top logprobs, its rank), if asked
     logprobs: dict[int, tuple[float, list[tuple[int, float]], int] | list[tuple[float, list[tuple[int, float]], int]]]
     prompt_logprobs: dict[int, list[PromptLogprob]] = field(default_factory=dict)  # msg.seqs index -> its prompt logprobs
+    pooled_rows: dict[int, tuple[list[float], int]] = field(default_factory=dict)  # msg.seqs index -> rows' sum, count
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

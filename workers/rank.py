@@ -33,7 +33,7 @@ from engine.model.layers import SAMPLING_RANK, TPContext
 from engine.model.llama import LlamaModel, ModelArch
 from engine.model.loader import load_arch, prepare_cpu_weights
 from engine.model_runner import ModelRunner
-from engine.pooling import pooler_config
+from engine.pooling import pooler_config, row_sums
 from engine.runners import make_runner, step_bytes
 from workers.messages import Draws, RankMirror, StepMessage
 from workers.sampling import RankSampler
@@ -174,7 +174,7 @@ class RankWorker:
             self.sampler.apply(msg.sampling)
         out = self.runner.execute(batch)  # logits: (len(sampled), vocab) on the sampling rank
         if self.sampler is None:
-            if out.prompt_rows is not None:
+            if out.prompt_rows is not None and out.pooled is None:
                 for _ in out.prompt_rows.logits():  # each chunk's logits are a collective: take part
                     pass
             return None
@@ -182,7 +182,9 @@ class RankWorker:
         draws = self.sampler.draw(out.logits if out.pooled is None else out.pooled, out.sampled,
                                   [seq_ids[i] for i in out.sampled], msg.sampling.grammar_mask,
                                   [batch.seqs[i].spec_token_ids for i in out.sampled], pooled=out.pooled is not None)
-        if out.prompt_spans:  # only their numbers leave the group, never the logits rows
+        if out.prompt_spans and out.pooled is not None:  # a mean-pooling request's rows: their sums
+            draws = dataclasses.replace(draws, pooled_rows=row_sums(out.prompt_rows.hidden, out.prompt_spans))
+        elif out.prompt_spans:  # only their numbers leave the group, never the logits rows
             prompt = self.sampler.prompt_logprobs(out.prompt_rows.logits(), out.prompt_spans,
                                                   [seq_ids[span.index] for span in out.prompt_spans])
             draws = dataclasses.replace(draws, prompt_logprobs=prompt)

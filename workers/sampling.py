@@ -81,7 +81,7 @@ class RankSampler:
                 seqs.append(child)
             parent.forks = 0
         if pooled:
-            return Draws(sampled, rows, pool(logits, rows, seqs), {})
+            return Draws(sampled, rows, pool(logits, rows), {})
         results = self.sampler.sample(logits, rows, seqs, grammar_mask)
         token_ids, logprobs = [], {}
         for i, (seq, result) in enumerate(zip(seqs, results)):
