@@ -175,14 +175,14 @@ def sentence_transformers_pooling(model_dir: Path) -> dict | None:
         raise ValueError(f"{str(path)!r} projects the pooled vector with Dense modules ({', '.join(map(str, dense))}), "
                          "which kvserve does not apply: its embeddings would be wrong")
     out: dict = {"use_activation": normalize}
-    for key, v in cfg.items():
-        name = v if key == "pooling_mode" and isinstance(v, str) else key if v is True else None
-        if name is None:
+    for key, v in cfg.items():  # the first mode it sets; one kvserve lacks (weightedmean, max) is refused later
+        if key == "pooling_mode" and isinstance(v, str):
+            mode = v
+        elif key.startswith("pooling_mode_") and v is True:
+            mode = key.removeprefix("pooling_mode_")
+        else:
             continue
-        name = name.removeprefix("pooling_mode_").split("_", 1)[0]
-        kind = "LAST" if "lasttoken" in name else name.upper()
-        if kind in VLLM_POOLING_TYPES:
-            out["seq_pooling_type"] = kind
+        out.setdefault("seq_pooling_type", "LAST" if "lasttoken" in mode else mode.split("_", 1)[0].upper())
     return out
 
 
@@ -250,7 +250,7 @@ def row_sums(hidden, spans: list) -> dict[int, tuple[list[float], int]]:
 
     sums, row = [], 0
     for s in spans:
-        sums.append(hidden[row:row + s.num_rows].double().sum(dim=0))
+        sums.append(hidden[row:row + s.num_rows].sum(dim=0, dtype=torch.float64))  # no float64 copy of the rows
         row += s.num_rows
     return {s.index: (v, s.num_rows) for s, v in zip(spans, torch.stack(sums).tolist())}
 

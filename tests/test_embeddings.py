@@ -193,6 +193,9 @@ def test_a_sentence_transformers_folder_pools_as_its_modules_say(dirs, tmp_path)
     cls = _sentence_transformers(dirs["qwen3"], tmp_path / "cls", "cls_token", normalize=True)
     with pytest.raises(ValueError, match="pooling type CLS is not supported"):
         LLM(str(cls), num_gpu_blocks_override=24)
+    weighted = _sentence_transformers(dirs["qwen3"], tmp_path / "weighted", "weightedmean_tokens", normalize=True)
+    with pytest.raises(ValueError, match="pooling type WEIGHTEDMEAN is not supported"):  # not taken for LAST
+        LLM(str(weighted), num_gpu_blocks_override=24)
     with pytest.raises(ValueError, match="`normalize` was removed; use `use_activation`"):
         LLM(str(cls), pooler_config={"normalize": True})
     over = LLM(str(cls), num_gpu_blocks_override=24, pooler_config='{"pooling_type": "LAST"}')

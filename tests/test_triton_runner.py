@@ -48,7 +48,9 @@ class Twin:
             torch.testing.assert_close(b.pooled.cpu(), a.pooled, rtol=1e-4, atol=1e-4)
         else:
             torch.testing.assert_close(b.logits.cpu(), a.logits, rtol=1e-4, atol=1e-4)
-        if a.prompt_rows is not None:
+        if a.prompt_rows is not None and a.pooled is not None:  # a mean-pooling request's rows themselves
+            torch.testing.assert_close(b.prompt_rows.hidden.cpu(), a.prompt_rows.hidden, rtol=1e-4, atol=1e-4)
+        elif a.prompt_rows is not None:
             torch.testing.assert_close(torch.cat(list(b.prompt_rows.logits())).cpu(),
                                        torch.cat(list(a.prompt_rows.logits())), rtol=1e-4, atol=1e-4)
         self.steps += 1
