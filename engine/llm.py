@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 
 from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence, search, sequences
 from engine.chat_format import as_parts, resolved
@@ -350,8 +350,23 @@ def _with_lora(params: list[SamplingParams], lora_request) -> list[SamplingParam
 
 
 def _listed(prompts: Prompt | list[Prompt]) -> list[Prompt]:
-    """One prompt or a list of them -> a list."""
+    """One prompt or a list of them -> a list. A tokenizer's output (transformers' BatchEncoding, what
+    `tokenizer(texts)` and `apply_chat_template(..., tokenize=True)` return) gives its token ids,
+    less any padding its attention_mask marks."""
+    if isinstance(prompts, Mapping) and not isinstance(prompts, dict) and "input_ids" in prompts:
+        rows = _as_lists(prompts["input_ids"])
+        masks = _as_lists(prompts["attention_mask"]) if "attention_mask" in prompts else None
+        if rows and isinstance(rows[0], int):
+            rows, masks = [rows], None if masks is None else [masks]
+        if masks is not None:
+            rows = [[t for t, keep in zip(row, mask) if keep] for row, mask in zip(rows, masks)]
+        return rows
     return [prompts] if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)) else prompts
+
+
+def _as_lists(value) -> list:
+    """A tensor or array as nested lists; a list as it is."""
+    return value.tolist() if hasattr(value, "tolist") else list(value)
 
 
 def _unwrapped(prompt: Prompt) -> tuple[str | list[int], str | None]:

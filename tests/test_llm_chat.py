@@ -110,6 +110,26 @@ def test_generate_takes_vllm_s_prompt_dicts(llm):
     assert llm.get_tokenizer() is llm.tokenizer
 
 
+def test_generate_takes_a_tokenizers_output(llm):
+    """transformers' BatchEncoding (what `tokenizer(texts)` and, in transformers 5,
+    `apply_chat_template(..., tokenize=True)` return) is its input_ids, without the padding its
+    attention_mask marks; not its keys read as two text prompts."""
+    from transformers import BatchEncoding
+
+    texts = ["The capital of France is", "Two plus two is"]
+    ids = [llm.tokenizer.encode(t) for t in texts]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(ids, greedy)]
+    assert [o.outputs[0].token_ids for o in llm.generate(llm.tokenizer(texts), greedy)] == want
+    one = llm.generate(llm.tokenizer(texts[0]), greedy)  # one prompt's encoding: one prompt
+    assert len(one) == 1 and one[0].outputs[0].token_ids == want[0]
+    width = max(map(len, ids))
+    padded = BatchEncoding({"input_ids": [[0] * (width - len(i)) + i for i in ids],  # left-padded, as for decoders
+                            "attention_mask": [[0] * (width - len(i)) + [1] * len(i) for i in ids]})
+    outs = llm.generate(padded, greedy)
+    assert [o.prompt_token_ids for o in outs] == ids and [o.outputs[0].token_ids for o in outs] == want
+
+
 @pytest.mark.parametrize("prompt, error, says", [
     ({"text": "hi"}, ValueError, "holds `prompt`"),
     ({"prompt": "hi", "prompt_token_ids": [1]}, ValueError, "holds `prompt`"),
