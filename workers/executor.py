@@ -112,8 +112,11 @@ class WorkerGroupExecutor:
         spec = load_model_info(config)
         spec.arch.check_tp(config.tensor_parallel_size)  # before any actor starts or any weight is read
         self._owns_ray = _ensure_ray()
+        # the ranks build the model this resolved runner asks for (no head where it pools): the
+        # folder is read for it once, here
+        ranks = dataclasses.replace(config, runner="pooling" if spec.pooler is not None else "generate")
         try:
-            self.group = WorkerGroup(config, str(spec.model_dir), spec.eos_token_ids,
+            self.group = WorkerGroup(ranks, str(spec.model_dir), spec.eos_token_ids,
                                      group_config or WorkerGroupConfig(), worker_cls)
         except BaseException:
             if self._owns_ray:

@@ -17,7 +17,6 @@ import os
 import resource
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import ray
 import torch
@@ -33,7 +32,7 @@ from engine.model.layers import SAMPLING_RANK, TPContext
 from engine.model.llama import LlamaModel, ModelArch
 from engine.model.loader import load_arch, prepare_cpu_weights
 from engine.model_runner import ModelRunner
-from engine.pooling import pooler_config, row_sums
+from engine.pooling import row_sums
 from engine.runners import make_runner, step_bytes
 from workers.messages import Draws, RankMirror, StepMessage
 from workers.sampling import RankSampler
@@ -126,9 +125,7 @@ class RankWorker:
         arch = self._load_arch()
         dtype = resolve_dtype(self.config.dtype, self.device)
         self._check_same_model(arch, dtype)
-        c = self.config
-        pooling = pooler_config(c.runner, c.convert, c.pooler_config, Path(self.model_dir),
-                                load_arch(self.model_dir)[1]) is not None  # as the engine decided: no head
+        pooling = self.config.runner == "pooling"  # resolved by the driver (WorkerGroupExecutor): no head
         with torch.device(self.device):
             model = LlamaModel(arch, dtype, self.tp, pooling)  # raises "cannot split" before any weight moves
         stats = load_sharded(model, self.model_dir if self.rank == 0 else None, self.tp)
