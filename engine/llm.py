@@ -174,13 +174,8 @@ class LLM:
         leave it unset."""
         import torch
 
-        pooling_params = pooling_params if pooling_params is not None else PoolingParams(task=pooling_task)
-        listed = pooling_params if isinstance(pooling_params, list) else [pooling_params] * len(_listed(prompts))
-        if truncate_prompt_tokens is not None:
-            listed = [p if p.truncate_prompt_tokens is not None else
-                      dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in listed]
-        outs = self.generate(prompts, [p.sampling() for p in listed], use_tqdm=use_tqdm, lora_request=lora_request,
-                             tokenization_kwargs=tokenization_kwargs)
+        outs = self._pooled(prompts, PoolingParams(task=pooling_task) if pooling_params is None else pooling_params,
+                            use_tqdm, lora_request, truncate_prompt_tokens, tokenization_kwargs)
         return [PoolingRequestOutput(out.request_id, PoolingOutput(torch.tensor(out.pooled)), out.prompt_token_ids,
                                      out.num_cached_tokens) for out in outs]
 
@@ -189,11 +184,20 @@ class LLM:
               truncate_prompt_tokens: int | None = None,
               tokenization_kwargs: dict | None = None) -> list[EmbeddingRequestOutput]:
         """vLLM's: each prompt's embedding (`outputs.embedding`, a list of floats), as `encode`'s."""
-        return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids,
-                                       out.num_cached_tokens)
-                for out in self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
-                                       truncate_prompt_tokens=truncate_prompt_tokens,
-                                       tokenization_kwargs=tokenization_kwargs)]
+        outs = self._pooled(prompts, PoolingParams() if pooling_params is None else pooling_params, use_tqdm,
+                            lora_request, truncate_prompt_tokens, tokenization_kwargs)
+        return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.pooled), out.prompt_token_ids,
+                                       out.num_cached_tokens) for out in outs]
+
+    def _pooled(self, prompts: Prompt | list[Prompt], params: PoolingParams | list[PoolingParams], use_tqdm,
+                lora_request, truncate_prompt_tokens: int | None, tokenization_kwargs) -> list[RequestOutput]:
+        """`encode`'s and `embed`'s run: the prompts' outputs, each with its vector (`pooled`)."""
+        listed = params if isinstance(params, list) else [params] * len(_listed(prompts))
+        if truncate_prompt_tokens is not None:
+            listed = [p if p.truncate_prompt_tokens is not None else
+                      dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in listed]
+        return self.generate(prompts, [p.sampling() for p in listed], use_tqdm=use_tqdm, lora_request=lora_request,
+                             tokenization_kwargs=tokenization_kwargs)
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams, lora_request=None,
                     use_tqdm: bool | Callable = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
