@@ -3,13 +3,14 @@ from engine.beam_search import BeamSearchParams
 from engine.config import EngineConfig
 from engine.lora_request import LoRARequest
 from engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, EngineStats, Logprob,
-                            PoolingOutput, PoolingRequestOutput, RequestOutput)
+                            PoolingOutput, PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from engine.pooling import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "AsyncEngine", "ProcessEngine", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput", "Logprob",
            "CompletionOutput", "EngineStats", "BeamSearchParams", "LoRARequest", "PoolingParams", "PoolingOutput",
-           "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput"]
+           "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput",
+           "ScoringRequestOutput"]
 
 
 def __getattr__(name: str):

@@ -17,9 +17,10 @@ from engine.lora_request import LoRARequest
 from engine.metric_sinks import Metric
 from engine.model_source import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME, model_dir
 from engine.outputs import (EmbeddingOutput, EmbeddingRequestOutput, Logprob, PoolingOutput, PoolingRequestOutput,
-                            RequestOutput, StepOutput)
+                            RequestOutput, ScoringOutput, ScoringRequestOutput, StepOutput)
 from engine.pooling import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.scoring import cosine, score_pairs
 from engine.vllm_args import without_vllm_only
 
 # Text, token ids, or vLLM's TextPrompt / TokensPrompt dicts: {"prompt": text}, {"prompt_token_ids": ids}.
@@ -188,6 +189,26 @@ class LLM:
                             lora_request, truncate_prompt_tokens, tokenization_kwargs)
         return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.pooled), out.prompt_token_ids,
                                        out.num_cached_tokens) for out in outs]
+
+    def score(self, data_1: Prompt | list[Prompt], data_2: Prompt | list[Prompt], /, *,
+              use_tqdm: bool | Callable = True, pooling_params: PoolingParams | None = None, lora_request=None,
+              truncate_prompt_tokens: int | None = None, tokenization_kwargs: dict | None = None,
+              chat_template: str | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's, for an embedding model: the cosine similarity of each pair's embeddings
+        (engine.scoring), pairing one `data_1` with every `data_2`, or the i-th with the i-th.
+        Every input is embedded once, all of them in one continuous batch."""
+        if chat_template is not None:
+            raise ValueError("chat_template is for cross-encoder score templates; this engine scores by the "
+                             "cosine similarity of embeddings, each input embedded as it is")
+        firsts, seconds = _listed(data_1), _listed(data_2)
+        pairs = score_pairs(len(firsts), len(seconds))
+        outs = self._pooled(firsts + seconds, PoolingParams() if pooling_params is None else pooling_params,
+                            use_tqdm, lora_request, truncate_prompt_tokens, tokenization_kwargs)
+        a, b = outs[:len(firsts)], outs[len(firsts):]
+        return [ScoringRequestOutput(f"{a[i].request_id}_{b[j].request_id}",
+                                     ScoringOutput(cosine(a[i].pooled, b[j].pooled)),
+                                     a[i].prompt_token_ids + b[j].prompt_token_ids,
+                                     a[i].num_cached_tokens + b[j].num_cached_tokens) for i, j in pairs]
 
     def _pooled(self, prompts: Prompt | list[Prompt], params: PoolingParams | list[PoolingParams], use_tqdm,
                 lora_request, truncate_prompt_tokens: int | None, tokenization_kwargs) -> list[RequestOutput]:

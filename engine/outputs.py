@@ -105,6 +105,17 @@ class EmbeddingRequestOutput(PoolingRequestOutput):
     """vLLM's: `outputs.embedding` is the prompt's embedding."""
 
 
+@dataclass
+class ScoringOutput:
+    """vLLM's: one pair's score (engine.scoring)."""
+    score: float
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    """vLLM's, what `LLM.score` returns per pair: `outputs.score`; `prompt_token_ids` are the two
+    inputs' tokens one after the other."""
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """One snapshot of an engine's KV and queue state, taken between two steps.

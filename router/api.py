@@ -9,6 +9,9 @@
     POST /v1/responses          OpenAI's Responses API over the chat path; streams its typed events
     GET, DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items   stored responses
     POST /v1/responses/{id}/cancel   a background response (router.background)
+    POST /v1/embeddings         on a pooling engine (--runner pooling), as the next two
+    POST /score, /v1/score      vLLM's: text pairs scored by their embeddings' cosine similarity
+    POST /rerank, /v1/rerank, /v2/rerank   vLLM's (Jina's, Cohere's body): documents by their score against a query
     POST /invocations           SageMaker's (vLLM's): a chat request (messages) or a completion (prompt)
     POST /tokenize, /detokenize
 
@@ -44,6 +47,7 @@ from router.off_loop import off_loop
 from router.protocol import (REQUEST_ID_PATTERN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              EmbeddingRequest, TokenizeRequest)
 from router.responses import ResponsesRequest
+from router.scores import RERANK_PATHS, SCORE_PATHS, RerankRequest, ScoreRequest
 from router.serving import OpenAIServing
 from router.session import SESSION_HEADER, set_session
 
@@ -88,7 +92,8 @@ class AdmissionGate:
 
     OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json", "/docs", "/metrics", "/version", "/load"})
     # what vLLM's /load counts
-    MODEL_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/invocations")
+    MODEL_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/invocations",
+                   *SCORE_PATHS, *RERANK_PATHS)
 
     def __init__(self, app, admission: Admission) -> None:
         self.app = app
@@ -320,6 +325,21 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
         set_session(request.headers.get(SESSION_HEADER), body.user)
         return reply(await serving.embeddings(body))
 
+    async def score(request: Request):
+        body = _with_request_id(request, await read_json(request, ScoreRequest, limit))
+        set_session(request.headers.get(SESSION_HEADER), body.user)
+        return reply(await serving.score(body))
+
+    async def rerank(request: Request):
+        body = _with_request_id(request, await read_json(request, RerankRequest, limit))
+        set_session(request.headers.get(SESSION_HEADER), body.user)
+        return reply(await serving.rerank(body))
+
+    for path in SCORE_PATHS:  # vLLM's paths: /score and /rerank, /v1/... and Cohere's /v2/rerank beside them
+        api.add_api_route(path, score, methods=["POST"], openapi_extra=_json_body(ScoreRequest))
+    for path in RERANK_PATHS:
+        api.add_api_route(path, rerank, methods=["POST"], openapi_extra=_json_body(RerankRequest))
+
     @api.post("/invocations", include_in_schema=False)  # vLLM's, for SageMaker (its /ping is above)
     async def invocations(request: Request):
         body = _with_request_id(request, await read_json(request, _invocation, limit))
@@ -386,8 +406,8 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     return app
 
 
-BODY_MODELS = (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, ResponsesRequest, TokenizeRequest,
-               DetokenizeRequest)
+BODY_MODELS = (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, ScoreRequest, RerankRequest,
+               ResponsesRequest, TokenizeRequest, DetokenizeRequest)
 
 
 def _json_body(model: type[BaseModel]) -> dict:
@@ -412,7 +432,8 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-def _with_request_id(request: Request, body: CompletionRequest | ChatCompletionRequest | EmbeddingRequest):
+def _with_request_id(request: Request, body: CompletionRequest | ChatCompletionRequest | EmbeddingRequest |
+                     ScoreRequest | RerankRequest):
     """The body's request_id names the reply, else the X-Request-Id header. vLLM puts the header
     first, but behind Serve's proxy (and Envoy, nginx, ...) a header is there on every request, put
     by the proxy, so the body's id would never count. A header unfit for an id is left out, not

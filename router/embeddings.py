@@ -13,16 +13,18 @@ from engine.pooling import PoolerConfig, PoolingParams
 from engine.sampling_params import SamplingParams
 from router.errors import bad_request, from_invalid_request
 from router.protocol import EmbeddingRequest
+from router.scores import RerankRequest, ScoreRequest
 
 
-def embedding_params(req: EmbeddingRequest, pooler: dict | None) -> SamplingParams:
+def embedding_params(req: EmbeddingRequest | ScoreRequest | RerankRequest, pooler: dict | None,
+                     api: str = "Embeddings", dimensions: int | None = None) -> SamplingParams:
     """`pooler`: the engine's PoolerConfig fields (its info), None where it generates: a 400, as
-    vLLM's server answers a generative model's /v1/embeddings."""
+    vLLM's server answers a generative model's /v1/embeddings (`api`: the API the route serves)."""
     if pooler is None:
-        raise bad_request("The model does not support the Embeddings API: it is served for generation (start the "
+        raise bad_request(f"The model does not support the {api} API: it is served for generation (start the "
                           "server with --runner pooling to serve embeddings)", param="model")
     try:
-        params = PoolerConfig(**pooler).resolved(PoolingParams(req.dimensions, req.use_activation))
+        params = PoolerConfig(**pooler).resolved(PoolingParams(dimensions, req.use_activation))
     except InvalidRequestError as e:
         raise from_invalid_request(e) from None
     sampling = params.sampling()

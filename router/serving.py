@@ -31,11 +31,13 @@ from engine.chat_format import as_parts, resolved
 from engine.errors import InvalidRequestError
 from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import SamplingParams, priority_refusal, truncated
+from engine.scoring import cosine, score_pairs
 from engine.structured.params import StructuredOutputsParams
 from engine.beam_search import BeamSearch, BeamSearchAborted, Generate, beam_search
 from router.background import BackgroundRuns, EventLog, check_id_free, run_in_background, stream_in_background
 from router.chunk_streams import ChunkStreams
 from router.embeddings import embedding_params, embedding_response
+from router.scores import RerankRequest, ScoreRequest, rerank_response, score_response
 from router.engine_streams import collect, events, logged_outputs, map_steps, merge_streams, renumbered, sample_calls
 from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error, unavailable
 from router.formatting import (Accumulator, PromptEcho, chat_logprobs, chat_response, completion_response,
@@ -248,26 +250,63 @@ class OpenAIServing:
 
     async def embeddings(self, req: EmbeddingRequest) -> dict:
         """Each input's embedding, from a pooling engine (engine.pooling; a 400 from one that generates)."""
-        self.check_model(req.model)
-        info = await self.limits()
-        params = embedding_params(req, info.get("pooler"))
-        lora = self.adapters.get(req.model)
-        if lora is not None:
-            params = dataclasses.replace(params, lora_request=lora)
+        params = await self._pooling_params(req, "Embeddings", req.dimensions)
         inputs = req.prompts() if req.messages is None else []
-        if len(inputs) > self.settings.max_sequences_per_request:  # before any is tokenized
-            raise bad_request(f"this request has {len(inputs)} inputs; this server takes at most "
-                              f"{self.settings.max_sequences_per_request} per request (--max-sequences-per-request)",
-                              param="input")
+        self._check_inputs(len(inputs), "input")
         if req.messages is not None:
             prompts = [await off_loop(self._chat_ids, req, ToolPlan("none", ()))]
         else:
             prompts = await off_loop(self._encoded, inputs, req.add_special_tokens is not False)
-        if req.truncate_prompt_tokens is not None:
-            prompts = [await self._truncated(p, req, 0, "input") for p in prompts]
-        await self._check_prompts(prompts, params, "input", "input")
         rid, engine_rid = _request_ids("embd", req.request_id)
-        first, merged = await self._send(engine_rid, prompts, params)
+        vectors, num_tokens = await self._embedded(engine_rid, prompts, params, req, "input")
+        return embedding_response(rid, self.reply_model(req.model), vectors, num_tokens, req.encoding_format)
+
+    async def score(self, req: ScoreRequest) -> dict:
+        """vLLM's /score on an embedding model: each pair's cosine similarity (router.scores)."""
+        firsts, seconds = req.firsts(), req.seconds()
+        rid, scores, num_tokens = await self._scored(req, "Score", "score", firsts, seconds, "text_1")
+        return score_response(rid, self.reply_model(req.model), scores, num_tokens)
+
+    async def rerank(self, req: RerankRequest) -> dict:
+        """vLLM's /rerank (Jina's, Cohere's) on an embedding model: the documents by their score against the query."""
+        rid, scores, num_tokens = await self._scored(req, "Rerank", "rerank", [req.query], req.texts(), "documents")
+        return rerank_response(rid, self.reply_model(req.model), req, scores, num_tokens)
+
+    async def _scored(self, req: ScoreRequest | RerankRequest, api: str, prefix: str, firsts: list[str],
+                      seconds: list[str], param: str) -> tuple[str, list[float], int]:
+        """-> (the reply's id, each pair's score, the tokens embedded): every text embedded once."""
+        params = await self._pooling_params(req, api)
+        texts = firsts + seconds
+        self._check_inputs(len(texts), param)
+        prompts = await off_loop(self._encoded, texts, True)
+        rid, engine_rid = _request_ids(prefix, req.request_id)
+        vectors, num_tokens = await self._embedded(engine_rid, prompts, params, req, param)
+        a, b = vectors[:len(firsts)], vectors[len(firsts):]
+        return rid, [cosine(a[i], b[j]) for i, j in score_pairs(len(a), len(b))], num_tokens
+
+    async def _pooling_params(self, req: EmbeddingRequest | ScoreRequest | RerankRequest, api: str,
+                              dimensions: int | None = None) -> SamplingParams:
+        self.check_model(req.model)
+        params = embedding_params(req, (await self.limits()).get("pooler"), api, dimensions)
+        lora = self.adapters.get(req.model)
+        return params if lora is None else dataclasses.replace(params, lora_request=lora)
+
+    def _check_inputs(self, num_inputs: int, param: str) -> None:
+        """--max-sequences-per-request bounds an embedding request's inputs (checked before any is tokenized)."""
+        if num_inputs > self.settings.max_sequences_per_request:
+            raise bad_request(f"this request has {num_inputs} inputs; this server takes at most "
+                              f"{self.settings.max_sequences_per_request} per request (--max-sequences-per-request)",
+                              param=param)
+
+    async def _embedded(self, rid: str, prompts: list[list[int]], params: SamplingParams,
+                        req: EmbeddingRequest | ScoreRequest | RerankRequest, param: str,
+                        ) -> tuple[list[list[float]], int]:
+        """The prompts' vectors, in order, from a pooling engine (each truncated as the request
+        asks), and the tokens they took."""
+        if req.truncate_prompt_tokens is not None:
+            prompts = [await self._truncated(p, req, 0, param) for p in prompts]
+        await self._check_prompts(prompts, params, param, param)
+        first, merged = await self._send(rid, prompts, params)
         vectors: list[list[float] | None] = [None] * len(prompts)
         vectors[first[0]] = first[1].pooled
         async with contextlib.aclosing(merged):
@@ -276,8 +315,7 @@ class OpenAIServing:
                     vectors[i] = step.pooled
         if any(v is None for v in vectors):  # ended without its vector: aborted under it
             raise internal_error()
-        return embedding_response(rid, self.reply_model(req.model), vectors, sum(map(len, prompts)),
-                                  req.encoding_format)
+        return vectors, sum(map(len, prompts))
 
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
@@ -379,7 +417,7 @@ class OpenAIServing:
         """A 400 before anything starts (a background response too) where the engine pools."""
         if (await self.limits()).get("pooler") is not None:
             raise bad_request("The model is served for embeddings (--runner pooling): it does not generate; "
-                              "use /v1/embeddings", param="model")
+                              "use /v1/embeddings, /score or /rerank", param="model")
 
     def _check_sequences(self, num_prompts: int, n: int) -> None:
         """--max-sequences-per-request bounds a request's prompts x n (n alone goes up to vLLM's 16,384)."""

@@ -1,0 +1,109 @@
+"""vLLM's score and rerank APIs, on an embedding model (`--runner pooling`): POST /score (and
+/v1/score) scores text pairs, POST /rerank (and /v1/rerank, /v2/rerank: Jina's and Cohere's
+shape) orders documents by their relevance to a query. Both embed every text once, as
+/v1/embeddings does, and score a pair by the cosine similarity of its vectors (engine.scoring).
+
+The request bodies and replies are here; OpenAIServing runs them."""
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from engine.scoring import score_pairs
+from router.protocol import REQUEST_ID_PATTERN, NonEmptyStr, _Model
+
+Texts = NonEmptyStr | list[NonEmptyStr]
+
+SCORE_PATHS = ("/score", "/v1/score")
+RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
+
+# vLLM's names for a score request's two sides; a body gives exactly one pair
+SCORE_FIELDS = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
+
+
+class _PoolingFields(_Model):
+    """What vLLM's score and rerank bodies share (its PoolingBasicRequestMixin, text only)."""
+    model: str | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # each text keeps its last k tokens; -1: max_model_len
+    truncation_side: Literal["left", "right"] | None = None
+    use_activation: bool | None = None  # normalises the vectors: no score changes with it
+    request_id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
+    priority: int = 0
+    cache_salt: str | None = Field(None, min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, data):
+        if isinstance(data, dict) and "normalize" in data:  # vLLM 0.32's rule and words
+            raise ValueError("Parameter `normalize` was removed; use `use_activation` instead.")
+        return data
+
+
+class ScoreRequest(_PoolingFields):
+    """POST /score: `text_1` against `text_2` (or vLLM's `queries` with `documents` or `items`,
+    or `data_1` with `data_2`), each a text or a list of texts, paired 1:1, 1:N or N:N."""
+    text_1: Texts
+    text_2: Texts
+
+    @model_validator(mode="before")
+    @classmethod
+    def _named_pair(cls, data):
+        if not isinstance(data, dict):
+            return data
+        given = [pair for pair in SCORE_FIELDS if pair[0] in data and pair[1] in data]
+        if len(given) > 1 or (not given and any(name in data for pair in SCORE_FIELDS for name in pair)):
+            raise ValueError("give one pair of inputs: text_1 and text_2, queries and documents, queries and "
+                             "items, or data_1 and data_2")
+        if given and given[0] != SCORE_FIELDS[0]:
+            first, second = given[0]
+            data = {k: v for k, v in data.items() if k not in given[0]} | {"text_1": data[first], "text_2": data[second]}
+        return data
+
+    @model_validator(mode="after")
+    def _pairs_up(self):
+        score_pairs(len(self.firsts()), len(self.seconds()))
+        return self
+
+    def firsts(self) -> list[str]:
+        return [self.text_1] if isinstance(self.text_1, str) else self.text_1
+
+    def seconds(self) -> list[str]:
+        return [self.text_2] if isinstance(self.text_2, str) else self.text_2
+
+
+class RerankRequest(_PoolingFields):
+    """POST /rerank (Jina's and Cohere's body): `documents` ordered by their score against
+    `query`, the best `top_n` of them (0 or less: all)."""
+    query: NonEmptyStr
+    documents: Texts
+    top_n: int = 0
+    return_documents: bool = True  # Jina's: False leaves each result's document out
+
+    @model_validator(mode="after")
+    def _pairs_up(self):
+        score_pairs(1, len(self.texts()))
+        return self
+
+    def texts(self) -> list[str]:
+        return [self.documents] if isinstance(self.documents, str) else self.documents
+
+
+def score_response(rid: str, model: str, scores: list[float], num_prompt_tokens: int) -> dict:
+    data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
+    return {"id": rid, "object": "list", "created": int(time.time()), "model": model, "data": data,
+            "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens, "completion_tokens": 0}}
+
+
+def rerank_response(rid: str, model: str, req: RerankRequest, scores: list[float], num_prompt_tokens: int) -> dict:
+    """The documents best first (ties keep their order), the best top_n of them."""
+    documents = req.texts()
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    if req.top_n > 0:
+        order = order[:req.top_n]
+    results = [{"index": i, "relevance_score": scores[i]} | ({"document": {"text": documents[i]}}
+                                                              if req.return_documents else {}) for i in order]
+    return {"id": rid, "model": model, "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens},
+            "results": results}

@@ -1,0 +1,156 @@
+"""Scores on an embedding model (engine.scoring, router.scores; vLLM's score and rerank APIs):
+a pair scores the cosine similarity of its two inputs' embeddings, as HF transformers' base model
+computes them; `LLM.score`, POST /score and POST /rerank give the same numbers, pair inputs 1:N or
+N:N, order and cut documents as Jina's and Cohere's clients expect, and refuse what does not pair
+up, saying why; every request's KV blocks come back."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine import LLM
+from engine.scoring import cosine, score_pairs
+from tests.test_embeddings import VOCAB, _assert_clean, _serve, hf_last_hidden
+from tests.tiny_llama import make_tiny_llama
+
+QUERY = "What is the capital of France?"
+DOCS = ["The capital of France is Paris.", "Bananas are yellow.", "Paris", "a b c d e f g h i j k l m n o p"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, smollm2_path):
+    return make_tiny_llama(tmp_path_factory.mktemp("qwen3"), smollm2_path, "qwen3", vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(str(model_dir), runner="pooling", num_gpu_blocks_override=24)
+
+
+def _hf_cosines(model_dir, tokenizer, firsts: list[str], seconds: list[str]) -> list[float]:
+    vectors = hf_last_hidden(model_dir, [tokenizer.encode(t) for t in firsts + seconds])
+    a, b = vectors[:len(firsts)], vectors[len(firsts):]
+    return [torch.nn.functional.cosine_similarity(a[i], b[j], dim=0).item()
+            for i, j in score_pairs(len(a), len(b))]
+
+
+def test_pairs_pair_up_as_vllms_and_cosine_is_the_angles():
+    assert score_pairs(1, 3) == [(0, 0), (0, 1), (0, 2)]
+    assert score_pairs(3, 3) == [(0, 0), (1, 1), (2, 2)]
+    assert score_pairs(1, 1) == [(0, 0)]
+    for counts, words in (((2, 3), "1:1, 1:N or N:N"), ((0, 2), "one text element"), ((1, 0), "text_pair")):
+        with pytest.raises(ValueError, match=words):
+            score_pairs(*counts)
+    assert cosine([1.0, 0.0], [0.0, 2.0]) == 0.0
+    assert cosine([3.0, 4.0], [6.0, 8.0]) == pytest.approx(1.0, abs=1e-15)
+    assert cosine([1.0, 1.0], [-1.0, 0.0]) == pytest.approx(-1 / math.sqrt(2), abs=1e-15)
+    assert cosine([0.0, 0.0], [1.0, 0.0]) == 0.0
+    with pytest.raises(ValueError, match="2 and 3 dimensions"):
+        cosine([1.0, 0.0], [1.0, 0.0, 0.0])
+
+
+def test_llm_score_is_the_cosine_of_hfs_embeddings(model_dir, llm):
+    want = _hf_cosines(model_dir, llm.tokenizer, [QUERY], DOCS)
+    outs = llm.score(QUERY, DOCS, use_tqdm=False)
+    assert [o.outputs.score for o in outs] == pytest.approx(want, abs=1e-5)
+    q = llm.tokenizer.encode(QUERY)
+    assert outs[1].prompt_token_ids == q + llm.tokenizer.encode(DOCS[1])
+    pairwise = llm.score(DOCS[:2], DOCS[2:], use_tqdm=False)  # N:N, the i-th with the i-th
+    assert [o.outputs.score for o in pairwise] == pytest.approx(_hf_cosines(model_dir, llm.tokenizer, DOCS[:2],
+                                                                            DOCS[2:]), abs=1e-5)
+    cut = llm.score(QUERY, DOCS[3], truncate_prompt_tokens=4, use_tqdm=False)[0]
+    assert len(cut.prompt_token_ids) == 8  # each input keeps its last 4 tokens
+    with pytest.raises(ValueError, match="1:1, 1:N or N:N"):
+        llm.score(DOCS[:2], DOCS[1:], use_tqdm=False)
+    with pytest.raises(ValueError, match="cross-encoder"):
+        llm.score(QUERY, DOCS, chat_template="{{ x }}", use_tqdm=False)
+    _assert_clean(llm)
+
+
+def test_a_generating_engine_refuses_to_score(model_dir):
+    generating = LLM(str(model_dir), num_gpu_blocks_override=8)
+    with pytest.raises(ValueError, match="runner='pooling'"):
+        generating.score(QUERY, DOCS[0], use_tqdm=False)
+    _assert_clean(generating)
+
+
+def test_score_and_rerank_over_http_equal_llm_score(model_dir, llm):
+    from engine.config import EngineConfig
+
+    want = [o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]
+    want_pairs = [o.outputs.score for o in llm.score(DOCS[:2], DOCS[2:], use_tqdm=False)]
+    ntok = len(llm.tokenizer.encode(QUERY)) + sum(len(llm.tokenizer.encode(d)) for d in DOCS)
+    best_first = sorted(range(len(DOCS)), key=lambda i: -want[i])
+
+    async def go(client, http):
+        for path, names in (("/score", ("text_1", "text_2")), ("/v1/score", ("queries", "documents")),
+                            ("/score", ("queries", "items")), ("/score", ("data_1", "data_2"))):
+            r = await http.post(path, json={"model": "m", names[0]: QUERY, names[1]: DOCS})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["object"] == "list" and body["model"] == "m" and body["id"].startswith("score-")
+            assert [d["index"] for d in body["data"]] == [0, 1, 2, 3]
+            assert [d["score"] for d in body["data"]] == pytest.approx(want, abs=1e-6)
+            assert body["usage"]["prompt_tokens"] == ntok  # the query is embedded once
+        r = await http.post("/score", json={"text_1": DOCS[:2], "text_2": DOCS[2:]})
+        assert [d["score"] for d in r.json()["data"]] == pytest.approx(want_pairs, abs=1e-6)
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            r = await http.post(path, json={"model": "m", "query": QUERY, "documents": DOCS, "top_n": 3})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["id"].startswith("rerank-") and body["usage"]["total_tokens"] == ntok
+            assert [x["index"] for x in body["results"]] == best_first[:3]
+            assert [x["relevance_score"] for x in body["results"]] == pytest.approx([want[i] for i in best_first[:3]],
+                                                                                    abs=1e-6)
+            assert [x["document"]["text"] for x in body["results"]] == [DOCS[i] for i in best_first[:3]]
+        r = await http.post("/rerank", json={"query": QUERY, "documents": DOCS, "return_documents": False,
+                                             "request_id": "mine"})
+        assert [x["index"] for x in r.json()["results"]] == best_first  # top_n 0: all of them
+        assert all("document" not in x for x in r.json()["results"]) and r.json()["id"] == "rerank-mine"
+        r = await http.post("/score", json={"text_1": QUERY, "text_2": "x " * 20, "truncate_prompt_tokens": 4})
+        assert r.json()["usage"]["prompt_tokens"] == 8
+        refused = {}
+        for name, path, body in (
+                ("mismatch", "/score", {"text_1": DOCS[:2], "text_2": DOCS[1:]}),
+                ("empty", "/score", {"text_1": [], "text_2": DOCS}),
+                ("empty text", "/rerank", {"query": "", "documents": DOCS}),
+                ("no documents", "/rerank", {"query": QUERY, "documents": []}),
+                ("two pairs", "/score", {"text_1": QUERY, "text_2": DOCS, "queries": QUERY, "documents": DOCS}),
+                ("half a pair", "/score", {"queries": QUERY, "text_2": DOCS}),
+                ("multimodal", "/score", {"text_1": QUERY, "text_2": {"content": [{"type": "image_url"}]}}),
+                ("many", "/rerank", {"query": QUERY, "documents": ["x"] * 256}),
+                ("long", "/rerank", {"query": QUERY, "documents": ["x " * 300]}),
+                ("normalize", "/score", {"text_1": QUERY, "text_2": DOCS, "normalize": True}),
+                ("model", "/score", {"model": "other", "text_1": QUERY, "text_2": DOCS})):
+            r = await http.post(path, json=body)
+            refused[name] = (r.status_code, r.json()["error"]["message"])
+        r = await http.get("/openapi.json")
+        paths = r.json()["paths"]
+        assert all(p in paths for p in ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"))
+        return refused
+
+    refused = _serve(EngineConfig(model=str(model_dir), runner="pooling", max_model_len=256,
+                                  num_gpu_blocks_override=48), llm.tokenizer, go)
+    assert {k: s for k, (s, _) in refused.items()} == {k: 404 if k == "model" else 400 for k in refused}, refused
+    assert "1:1, 1:N or N:N" in refused["mismatch"][1]
+    assert "At least one text element" in refused["empty"][1]
+    assert "text_pair" in refused["no documents"][1]
+    assert "give one pair of inputs" in refused["two pairs"][1] and "give one pair" in refused["half a pair"][1]
+    assert "257 inputs" in refused["many"][1]  # the query and 256 documents
+    assert "maximum context length is 256 tokens" in refused["long"][1]
+    assert "use_activation" in refused["normalize"][1]
+
+
+def test_a_generating_server_says_how_to_serve_scores(model_dir, tokenizer):
+    from engine.config import EngineConfig
+
+    async def go(client, http):
+        return [(await http.post(path, json=body)) for path, body in
+                (("/score", {"text_1": "a", "text_2": "b"}), ("/rerank", {"query": "a", "documents": ["b"]}))]
+
+    replies = _serve(EngineConfig(model=str(model_dir), max_model_len=128, num_gpu_blocks_override=24), tokenizer, go)
+    assert [r.status_code for r in replies] == [400, 400]
+    assert "Score API" in replies[0].json()["error"]["message"]
+    assert all("--runner pooling" in r.json()["error"]["message"] for r in replies)
