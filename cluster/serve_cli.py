@@ -78,7 +78,8 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     http.add_argument("--max-request-body-bytes", type=parse_bytes, metavar="BYTES",
                       help="larger request bodies get a 413 (default: 8M)")
     http.add_argument("--max-sequences-per-request", type=int, metavar="N",
-                      help="prompts x n one request may ask for; more get a 400 (default: 256)")
+                      help="prompts x n one request may ask for, or inputs one embedding, score or rerank "
+                           "request may send; more get a 400 (default: 256 sequences, 2048 inputs)")
     http.add_argument("--responses-store-max-bytes", type=parse_bytes, metavar="BYTES",
                       help="memory for stored /v1/responses (previous_response_id, GET /v1/responses/{id}); "
                            "the least recently used go beyond it; 0 stores none (default: 64M)")

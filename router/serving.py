@@ -293,10 +293,10 @@ class OpenAIServing:
 
     def _check_inputs(self, num_inputs: int, param: str) -> None:
         """--max-sequences-per-request bounds an embedding request's inputs (checked before any is tokenized)."""
-        if num_inputs > self.settings.max_sequences_per_request:
-            raise bad_request(f"this request has {num_inputs} inputs; this server takes at most "
-                              f"{self.settings.max_sequences_per_request} per request (--max-sequences-per-request)",
-                              param=param)
+        limit = self.settings.sequence_limit(pooling=True)
+        if num_inputs > limit:
+            raise bad_request(f"this request has {num_inputs} inputs; this server takes at most {limit} per request "
+                              "(--max-sequences-per-request)", param=param)
 
     async def _embedded(self, rid: str, prompts: list[list[int]], params: SamplingParams,
                         req: EmbeddingRequest | ScoreRequest | RerankRequest, param: str,
@@ -421,7 +421,7 @@ class OpenAIServing:
 
     def _check_sequences(self, num_prompts: int, n: int) -> None:
         """--max-sequences-per-request bounds a request's prompts x n (n alone goes up to vLLM's 16,384)."""
-        limit = self.settings.max_sequences_per_request
+        limit = self.settings.sequence_limit()
         if num_prompts * n > limit:
             raise bad_request(f"this request asks for {num_prompts} prompts x n={n} = {num_prompts * n} sequences; "
                               f"this server allows at most {limit} per request (--max-sequences-per-request)",

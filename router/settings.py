@@ -10,6 +10,9 @@ from engine.lora_request import LoRARequest
 from router.reasoning import PARSERS as REASONING_PARSERS
 from router.tool_calls import PARSERS as TOOL_FORMATS
 
+MAX_SEQUENCES = 256  # default bound on one generation request's prompts x n
+MAX_EMBEDDING_INPUTS = 2048  # and on one embedding request's inputs: OpenAI's
+
 
 @dataclass(frozen=True)
 class RouterSettings:
@@ -21,9 +24,11 @@ class RouterSettings:
     # Kubernetes Secret can feed it without the key appearing in the Serve config).
     api_key_env: str | None = None
     max_request_body_bytes: int = 8 << 20  # larger bodies get a 413 before they are parsed
-    # Prompts x n one request may ask for (400 beyond): without a bound, one request could take
-    # every seat of the queue in front of the engine replicas.
-    max_sequences_per_request: int = 256
+    # Prompts x n one request may ask for, and the inputs of one embedding, score or rerank request
+    # (400 beyond): without a bound, one request could take every seat of the queue in front of the
+    # engine replicas. None: 256 sequences of generation, 2,048 inputs of embeddings (OpenAI's own
+    # limit, what its clients batch up to; LangChain sends 1,000).
+    max_sequences_per_request: int | None = None
     enable_log_requests: bool = False  # log prompts and sampling params (off: prompts never logged)
     enable_log_outputs: bool = False  # vLLM's: with enable_log_requests, log each sample's text when it ends
     retry_after_s: float = 1.0  # the Retry-After of a 503/429 when the engine queue is full
@@ -99,7 +104,7 @@ class RouterSettings:
             raise ValueError("give api_key or api_key_env, not both")
         if self.max_request_body_bytes < 1024:
             raise ValueError(f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}")
-        if self.max_sequences_per_request < 1:
+        if self.max_sequences_per_request is not None and self.max_sequences_per_request < 1:
             raise ValueError(f"max_sequences_per_request must be >= 1, got {self.max_sequences_per_request}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
@@ -138,6 +143,13 @@ class RouterSettings:
             raise ValueError(f"root_path must start with /, got {self.root_path!r}")
         if self.overload_status not in (429, 503):
             raise ValueError(f"overload_status must be 429 or 503, got {self.overload_status}")
+
+    def sequence_limit(self, pooling: bool = False) -> int:
+        """The bound on one request's sequences (generation: prompts x n) or inputs (`pooling`:
+        embeddings, scores, reranking)."""
+        if self.max_sequences_per_request is not None:
+            return self.max_sequences_per_request
+        return MAX_EMBEDDING_INPUTS if pooling else MAX_SEQUENCES
 
     def with_sampling_defaults(self, model_dir) -> "RouterSettings":
         """These settings with sampling_defaults read from generation_config (the model's

@@ -310,7 +310,7 @@ def test_v1_embeddings_equal_llm_embed_through_the_openai_client(dirs, engine_cl
         for name, body in {"dimensions": {"input": "x", "dimensions": 8}, "empty": {"input": ""},
                            "long": {"input": "x " * 300}, "ids": {"input": [[1, 2, VOCAB]]},
                            "normalize": {"input": "x", "normalize": True}, "both": {"input": "x", "messages": chat},
-                           "many": {"input": ["x"] * 257}, "completions": None, "responses": None}.items():
+                           "many": {"input": ["x"] * 2049}, "completions": None, "responses": None}.items():
             if name == "completions":
                 r = await http.post("/v1/completions", json={"prompt": "hi"})
             elif name == "responses":  # refused at once, not queued to fail later
@@ -333,7 +333,7 @@ def test_v1_embeddings_equal_llm_embed_through_the_openai_client(dirs, engine_cl
     assert "use `use_activation` instead" in refused["normalize"][1]
     assert "give exactly one of input or messages" in refused["both"][1]
     assert "served for embeddings" in refused["completions"][1] and "served for embeddings" in refused["responses"][1]
-    assert "257 inputs" in refused["many"][1]
+    assert "2049 inputs" in refused["many"][1] and "at most 2048" in refused["many"][1]
 
 
 def test_a_generating_server_says_how_to_serve_embeddings(dirs, tokenizer):

@@ -109,6 +109,9 @@ def test_score_and_rerank_over_http_equal_llm_score(model_dir, llm):
                                              "request_id": "mine"})
         assert [x["index"] for x in r.json()["results"]] == best_first  # top_n 0: all of them
         assert all("document" not in x for x in r.json()["results"]) and r.json()["id"] == "rerank-mine"
+        many = [f"document {i}" for i in range(300)]  # past 256 (generation's bound): embeddings take OpenAI's 2,048
+        r = await http.post("/rerank", json={"query": QUERY, "documents": many, "top_n": 2})
+        assert r.status_code == 200 and len(r.json()["results"]) == 2, r.text
         r = await http.post("/score", json={"text_1": QUERY, "text_2": "x " * 20, "truncate_prompt_tokens": 4})
         assert r.json()["usage"]["prompt_tokens"] == 8
         refused = {}
@@ -120,7 +123,7 @@ def test_score_and_rerank_over_http_equal_llm_score(model_dir, llm):
                 ("two pairs", "/score", {"text_1": QUERY, "text_2": DOCS, "queries": QUERY, "documents": DOCS}),
                 ("half a pair", "/score", {"queries": QUERY, "text_2": DOCS}),
                 ("multimodal", "/score", {"text_1": QUERY, "text_2": {"content": [{"type": "image_url"}]}}),
-                ("many", "/rerank", {"query": QUERY, "documents": ["x"] * 256}),
+                ("many", "/rerank", {"query": QUERY, "documents": ["x"] * 2048}),
                 ("long", "/rerank", {"query": QUERY, "documents": ["x " * 300]}),
                 ("normalize", "/score", {"text_1": QUERY, "text_2": DOCS, "normalize": True}),
                 ("model", "/score", {"model": "other", "text_1": QUERY, "text_2": DOCS})):
@@ -138,9 +141,20 @@ def test_score_and_rerank_over_http_equal_llm_score(model_dir, llm):
     assert "At least one text element" in refused["empty"][1]
     assert "text_pair" in refused["no documents"][1]
     assert "give one pair of inputs" in refused["two pairs"][1] and "give one pair" in refused["half a pair"][1]
-    assert "257 inputs" in refused["many"][1]  # the query and 256 documents
+    assert "2049 inputs" in refused["many"][1]  # the query and 2,048 documents
     assert "maximum context length is 256 tokens" in refused["long"][1]
     assert "use_activation" in refused["normalize"][1]
+
+
+def test_the_flag_bounds_inputs_and_sequences_alike():
+    from router.settings import RouterSettings
+
+    default, given = RouterSettings(served_model_name="m"), RouterSettings(served_model_name="m",
+                                                                             max_sequences_per_request=8)
+    assert (default.sequence_limit(), default.sequence_limit(pooling=True)) == (256, 2048)
+    assert (given.sequence_limit(), given.sequence_limit(pooling=True)) == (8, 8)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        RouterSettings(served_model_name="m", max_sequences_per_request=0)
 
 
 def test_a_generating_server_says_how_to_serve_scores(model_dir, tokenizer):
