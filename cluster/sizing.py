@@ -93,14 +93,19 @@ def checkpoint_dtype_bytes(model_dir: str | Path | None) -> int:
     return DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), 2)
 
 
-def cpu_weight_bytes(params: int, nbytes: int, ckpt_bytes: int) -> int:
-    """The weights' forms a CPU replica holds (engine.model.loader.prepare_cpu_weights): float32
-    serving keeps a oneDNN-prepacked copy for prefill and, for a bfloat16 checkpoint (~2 bytes a
-    parameter on disk), each weight's bfloat16 half for decode (engine.model.codes)."""
+def cpu_weight_bytes(arch: ModelArch, nbytes: int, ckpt_bytes: int) -> int:
+    """The weights' forms a CPU replica holds (engine.model.loader.prepare_cpu_weights). Float32
+    serving keeps a oneDNN-prepacked copy of each linear weight for prefill. For a bfloat16
+    checkpoint (~2 bytes a parameter on disk) it also keeps each one's bfloat16 half for decode
+    (engine.model.codes), and then drops its plain float32; the embedding table keeps its own for
+    the lookup."""
+    params = param_count(arch)
     if nbytes != 4:
         return params * nbytes
-    bfloat16_checkpoint = ckpt_bytes < 3 * params
-    return params * (4 + 4 + (2 if bfloat16_checkpoint else 0))
+    table = arch.vocab_size * arch.hidden_size
+    as_linear = params - (0 if arch.tie_word_embeddings else table)  # a tied table is the head too
+    # float32 on disk: each linear weight and its prepacked copy; bfloat16: the copy and the halves
+    return table * 4 + as_linear * (4 + (4 if ckpt_bytes >= 3 * params else 2))
 
 
 def replica_needs(engine: EngineConfig, arch: ModelArch, ckpt_bytes: int, use_gpu: bool) -> ReplicaNeeds:
@@ -123,7 +128,7 @@ def replica_needs(engine: EngineConfig, arch: ModelArch, ckpt_bytes: int, use_gp
                             checkpoint_bytes=ckpt_bytes, gpu_memory_utilization=engine.gpu_memory_utilization)
     # An explicit KV size is per rank; the default one is a share of whatever RAM is left, so it fits.
     kv = engine.kv_cache_memory * tp if engine.kv_cache_memory is not None else 0
-    host = processes * CPU_PROCESS_BYTES + cpu_weight_bytes(params, nbytes, ckpt_bytes) + kv + activations
+    host = processes * CPU_PROCESS_BYTES + cpu_weight_bytes(arch, nbytes, ckpt_bytes) + kv + activations
     return ReplicaNeeds(tp, cpus=processes, gpus=0, host_memory=host, gpu_weights=0, gpu_activations=0,
                         gpu_kv_min=0, checkpoint_bytes=ckpt_bytes)
 

@@ -51,11 +51,12 @@ def _linear(module) -> _Linear | None:
     has them); None when the kernels would not take its weight."""
     w, codes, bias = module.weight, module.weight_codes, module.bias
     n, k = w.shape
-    if not _f32(w) or k % 8 or (bias is not None and not _f32(bias)):
+    as_codes = codes is not None and w.dtype == torch.float32  # its float32 may be freed (loader.drop_float_weights)
+    if not (as_codes or _f32(w)) or k % 8 or (bias is not None and not _f32(bias)):
         return None
     if codes is None:
         return _Linear(w.data_ptr(), None, None, None, bias.data_ptr() if bias is not None else None, 0, n, k)
-    return _Linear(w.data_ptr(), codes.codes.data_ptr(), codes.scale.data_ptr(), codes.offset.data_ptr(),
+    return _Linear(None, codes.codes.data_ptr(), codes.scale.data_ptr(), codes.offset.data_ptr(),
                    bias.data_ptr() if bias is not None else None, codes.bits, n, k)
 
 

@@ -600,26 +600,20 @@ def test_a_cpu_replica_counts_every_form_of_its_weights(tmp_path, smollm2_path):
 
     from cluster import sizing
     from engine import cpu_kernels
-    from engine.model.loader import build_model, load_arch
+    from engine.model.loader import build_model, held_weight_bytes, load_arch
     from tests.tiny_llama import make_tiny_llama
 
-    assert sizing.cpu_weight_bytes(100, 4, 200) == 1000  # bfloat16 on disk: 4 + 4 + 2 bytes a parameter
-    assert sizing.cpu_weight_bytes(100, 4, 400) == 800
-    assert sizing.cpu_weight_bytes(100, 2, 200) == 200  # bfloat16 serving: the weights alone
     if not cpu_kernels.enabled():
         pytest.skip("no native CPU kernels here: the weights are held once")
-    d = make_tiny_llama(tmp_path / "bf16", smollm2_path, "gqa-bf16")
-    arch = load_arch(d)[0]
-    model = build_model(d, torch.float32, torch.device("cpu"))  # with its prepacked copy and codes
-    assert any(getattr(m, "weight_codes", None) is not None for m in model.modules())
-    held = sum(p.numel() * p.element_size() for p in model.parameters())
-    for m in model.modules():
-        if (packed := getattr(m, "weight_prepacked", None)) is not None:
-            held += packed.numel() * packed.element_size()
-        if (codes := getattr(m, "weight_codes", None)) is not None:
-            held += codes.nbytes
-    counted = sizing.cpu_weight_bytes(sizing.param_count(arch), 4, sizing.checkpoint_bytes(d, arch))
-    assert 0.9 * held <= counted <= 1.25 * held, (held, counted)
+    for kind in ("gqa-bf16", "qwen3-bf16", "gqa"):  # untied and tied heads; float32 on disk
+        d = make_tiny_llama(tmp_path / kind, smollm2_path, kind)
+        arch = load_arch(d)[0]
+        model = build_model(d, torch.float32, torch.device("cpu"))  # with its prepacked copy and codes
+        assert any(getattr(m, "weight_codes", None) is not None for m in model.modules()) == kind.endswith("bf16")
+        held = held_weight_bytes(model)
+        counted = sizing.cpu_weight_bytes(arch, 4, sizing.checkpoint_bytes(d, arch))
+        assert 0.95 * held <= counted <= 1.05 * held, (kind, held, counted)
+        assert sizing.cpu_weight_bytes(arch, 2, sizing.checkpoint_bytes(d, arch)) == sizing.param_count(arch) * 2
 
 
 def test_sizing_refuses_a_load_timeout_the_volume_cannot_meet(smollm2_path):

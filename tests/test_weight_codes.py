@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QType
 
 from engine import cpu_kernels
@@ -127,3 +128,32 @@ def test_codes_are_only_made_where_the_cpu_kernels_read_them(monkeypatch):
         monkeypatch.delenv(switch)
     encode_for_cpu_decode(model, torch.device("cpu"), torch.float32)
     assert (model[0].weight_codes is not None) == cpu_kernels.enabled()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["gqa-bf16", "qwen3-gguf"])  # an untied head; a tied one, 4/8-bit codes
+def test_a_layer_with_codes_and_a_prepacked_copy_drops_its_float32(monkeypatch, tmp_path, smollm2_path, kind):
+    """Decode reads the codes, prefill the prepacked copy: the plain float32 weight is freed, the
+    embedding table keeps its own, and every path gives the bits of a model that kept them all."""
+    from engine.model.loader import build_model, float_parameters, held_weight_bytes
+    from tests.tiny_llama import make_tiny_llama
+
+    d = make_tiny_llama(tmp_path, smollm2_path, kind)
+    model = build_model(d, torch.float32, torch.device("cpu"))
+    monkeypatch.setenv("KVSERVE_WEIGHT_CODES", "0")
+    kept = build_model(d, torch.float32, torch.device("cpu"))  # no codes: nothing dropped
+    dropped = {n for n, p in model.named_parameters() if p.is_meta}
+    linear_weights = {n for n, m in model.named_modules() if getattr(m, "weight_codes", None) is not None
+                      and m is not model.embed_tokens}
+    assert dropped == {f"{n}.weight" for n in linear_weights} and dropped and not model.embed_tokens.weight.is_meta
+    assert kept.layers[0].mlp.down_proj.weight.device.type == "cpu"
+    freed = sum(p.numel() * 4 for n, p in model.named_parameters() if n in dropped)
+    codes = sum(m.weight_codes.nbytes for m in model.modules() if getattr(m, "weight_codes", None) is not None)
+    assert held_weight_bytes(kept) - held_weight_bytes(model) == freed - codes > 0
+    rebuilt, want = float_parameters(model), dict(kept.named_parameters())
+    assert rebuilt.keys() == want.keys() and all(same_bits(rebuilt[n], want[n]) for n in want)
+    down = model.layers[0].mlp.down_proj
+    for m in (1, 40, 200):  # decode (codes), prefill past SMALL_M (prepacked), and the fallback that rebuilds it
+        x = torch.randn(m, down.weight.shape[1])
+        assert same_bits(down(x), kept.layers[0].mlp.down_proj(x))
+        assert same_bits(down(x.unsqueeze(0)), F.linear(x.unsqueeze(0), want["layers.0.mlp.down_proj.weight"]))

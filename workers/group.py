@@ -134,9 +134,10 @@ class WorkerGroup:
         kv = self._gather(self._all("allocate_kv", self.num_blocks), self.gc.load_timeout_s, "allocate the KV cache")
         for r in self.reports:
             r.update(kv[r["rank"]])
-            logger.info("rank %d: %.1f MiB of parameters, %.1f MiB of KV cache, %d bytes read from storage, "
-                        "peak memory %.0f MiB", r["rank"], r["param_bytes"] / 2**20, r["kv_bytes"] / 2**20,
-                        r["bytes_read"], r["memory_after_load"]["peak_bytes"] / 2**20)
+            logger.info("rank %d: %.1f MiB of parameters (%.1f MiB in every form held), %.1f MiB of KV cache, "
+                        "%d bytes read from storage, peak memory %.0f MiB", r["rank"], r["param_bytes"] / 2**20,
+                        r["held_bytes"] / 2**20, r["kv_bytes"] / 2**20, r["bytes_read"],
+                        r["memory_after_load"]["peak_bytes"] / 2**20)
         logger.info("worker group up: tp=%d (%s) on %s, %d KV blocks, %d bytes read from storage", self.size,
                     backend, self.device, self.num_blocks, sum(r["bytes_read"] for r in self.reports))
 

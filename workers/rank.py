@@ -30,7 +30,7 @@ from engine.lora import LoRAState, attach, load_adapter
 from engine.lora_request import LoRARequest
 from engine.model.layers import SAMPLING_RANK, TPContext
 from engine.model.llama import LlamaModel, ModelArch
-from engine.model.loader import load_arch, prepare_cpu_weights
+from engine.model.loader import float_parameters, held_weight_bytes, load_arch, prepare_cpu_weights
 from engine.model_runner import ModelRunner
 from engine.pooling import row_sums
 from engine.runners import make_runner, step_bytes
@@ -133,7 +133,7 @@ class RankWorker:
         if self.config.enable_lora:
             attach(model, LoRAState())
         self.model, self.arch, self.dtype = model.eval(), arch, dtype
-        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # a freed one's too
         kv_heads = arch.local_kv_heads(self.world_size)
         block_bytes = bytes_per_block(arch.num_layers, self.config.block_size, kv_heads, arch.head_dim, dtype)
         # The largest step measured on every rank (no graphs across ranks): its all-reduces and the
@@ -141,7 +141,7 @@ class RankWorker:
         step = step_bytes(model, self.config, self.config.model_len(arch.max_position_embeddings), kv_heads,
                           self.device, graphs=False)
         return dict(rank=self.rank, max_blocks=num_kv_blocks(self._kv_config(), block_bytes, self.device, step),
-                    block_bytes=block_bytes, param_bytes=param_bytes, bytes_read=stats.bytes_read,
+                    block_bytes=block_bytes, param_bytes=param_bytes, held_bytes=held_weight_bytes(model), bytes_read=stats.bytes_read,
                     bytes_received=stats.bytes_received, files_opened=stats.files_opened, weight_codes=weight_codes,
                     load_s=time.perf_counter() - t0, memory_after_load=self.memory())
 
@@ -219,7 +219,7 @@ class RankWorker:
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters (its shards), for tests and debugging."""
-        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
+        return {n: p.detach().cpu().clone() for n, p in float_parameters(self.model).items()}
 
     def mirror_tables(self) -> dict[int, list[int]]:
         return {k: list(v) for k, v in self.mirror.tables.items()}

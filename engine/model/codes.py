@@ -15,7 +15,9 @@ against transformers' float32 needs): each weight is then a float32 whose low 16
 Its high halves (16-bit codes, 2 bytes a weight) rebuild it bit for bit with a shift, which halves
 a decode step's weight traffic with the same float32 arithmetic.
 
-The float32 weights stay too: prefill (large batches) reads them, or their oneDNN-prepacked copy
+Prefill (large batches) reads the weights' oneDNN-prepacked float32 copy instead. A linear layer
+that has both forms drops its plain float32 weight, which nothing reads then (a rare fallback
+rebuilds it from the codes); the embedding table keeps its own for the lookup
 (engine/model/loader.py, `prepare_cpu_weights`).
 """
 from __future__ import annotations
@@ -108,8 +110,8 @@ def encode_for_cpu_decode(model: nn.Module, device: torch.device, dtype: torch.d
     if count := encode_model(model):
         held = [m.weight_codes for m in model.modules() if getattr(m, "weight_codes", None) is not None]
         bits = sorted({c.bits for c in held})
-        logger.info("decode reads %d weights as %s-bit codes (%.0f MB, beside the %.0f MB of float32 that prefill "
-                    "reads; found in %.1fs)", count, "/".join(map(str, bits)), sum(c.nbytes for c in held) / 1e6,
+        logger.info("decode reads %d weights as %s-bit codes (%.0f MB, for %.0f MB of float32; found in %.1fs)",
+                    count, "/".join(map(str, bits)), sum(c.nbytes for c in held) / 1e6,
                     sum(c.shape[0] * c.shape[1] * 4 for c in held) / 1e6, time.perf_counter() - t0)
     return count
 

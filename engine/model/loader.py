@@ -1,6 +1,7 @@
 """Build the model from an HF-style directory: config via transformers, weights via safetensors."""
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -92,12 +93,70 @@ def build_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
 def prepare_cpu_weights(model: LlamaModel, device: torch.device, dtype: torch.dtype) -> int:
     """The second forms of the weights that engine.cpu_kernels.linear reads on a float32 CPU with
     its kernels on: a oneDNN-prepacked copy for prefill (unless KVSERVE_ONEDNN_PREFILL=0), and
-    4/8-bit codes for decode where the weights are exactly those (codes.py). Returns how many
-    weights have codes."""
+    4/8-bit or bfloat16 codes for decode where the weights are exactly those (codes.py). A linear
+    layer that has both no longer needs its float32 weight, which is dropped (`drop_float_weights`).
+    Returns how many weights have codes."""
     if device.type != "cpu" or dtype != torch.float32 or not cpu_kernels.enabled():
         return 0
     if os.environ.get("KVSERVE_ONEDNN_PREFILL", "1") != "0":
         for module in model.modules():
             if hasattr(module, "weight_prepacked"):
                 module.weight_prepacked = cpu_kernels.prepack(module.weight)
-    return encode_for_cpu_decode(model, device, dtype)
+    count = encode_for_cpu_decode(model, device, dtype)
+    drop_float_weights(model)
+    return count
+
+
+def drop_float_weights(model: LlamaModel) -> int:
+    """Free the float32 weight of every linear layer that holds it twice over, as codes (which
+    decode reads) and prepacked (which prefill reads): its parameter becomes a meta tensor of the
+    same shape, and whatever else would read it rebuilds it from the codes bit for bit
+    (`float_weight`). The embedding table keeps its own, tied head or not: its lookup reads it.
+    Returns the bytes freed."""
+    freed = 0
+    for module in model.modules():
+        if (module is model.embed_tokens or getattr(module, "weight_codes", None) is None
+                or getattr(module, "weight_prepacked", None) is None):
+            continue
+        w = module.weight
+        freed += w.numel() * w.element_size()
+        module.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+    if freed:
+        _release_freed_memory()
+    return freed
+
+
+def _release_freed_memory() -> None:
+    """Hand the freed weights' pages back to the system: glibc keeps freed blocks of a few MB in
+    its heap (its mmap threshold rises past them), where they would still count in the RSS."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def float_weight(module: nn.Module) -> torch.Tensor:
+    """A layer's float32 weight, rebuilt from its codes where `drop_float_weights` freed it."""
+    w = module.weight
+    return module.weight_codes.to_float() if w.is_meta else w
+
+
+def float_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter by name, a freed weight rebuilt (for tests and debugging)."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            out[f"{prefix}.{name}" if prefix else name] = float_weight(module) if p.is_meta else p
+    return out
+
+
+def held_weight_bytes(model: nn.Module) -> int:
+    """The bytes every form of the weights takes: the parameters still held, their prepacked
+    copies and their codes."""
+    held = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+    for m in model.modules():
+        if (packed := getattr(m, "weight_prepacked", None)) is not None:
+            held += packed.numel() * packed.element_size()
+        if (codes := getattr(m, "weight_codes", None)) is not None:
+            held += codes.nbytes
+    return held
