@@ -67,7 +67,7 @@ class ServeOptions:
     overload_status: int | None = None  # 503, or 429, for a full queue
     retry_after_s: float | None = None  # Retry-After of that reply
     max_request_body_bytes: int | None = None
-    max_sequences_per_request: int | None = None  # prompts x n in one request
+    max_sequences_per_request: int | None = None  # prompts x n, or an embedding request's inputs, in one request
     responses_store_max_bytes: int | None = None  # memory for stored /v1/responses (0: none)
     max_background_responses: int | None = None  # background responses running at once, per ingress replica
     enable_log_requests: bool | None = None  # log prompt token ids and sampling params (never by default)

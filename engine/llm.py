@@ -20,7 +20,7 @@ from engine.outputs import (EmbeddingOutput, EmbeddingRequestOutput, Logprob, Po
                             RequestOutput, ScoringOutput, ScoringRequestOutput, StepOutput)
 from engine.pooling import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.scoring import cosine, score_pairs
+from engine.scoring import pair_scores, score_pairs
 from engine.vllm_args import without_vllm_only
 
 # Text, token ids, or vLLM's TextPrompt / TokensPrompt dicts: {"prompt": text}, {"prompt_token_ids": ids}.
@@ -200,15 +200,16 @@ class LLM:
         if chat_template is not None:
             raise ValueError("chat_template is for cross-encoder score templates; this engine scores by the "
                              "cosine similarity of embeddings, each input embedded as it is")
-        firsts, seconds = _listed(data_1), _listed(data_2)
+        firsts, seconds = list(_listed(data_1)), list(_listed(data_2))
         pairs = score_pairs(len(firsts), len(seconds))
         outs = self._pooled(firsts + seconds, PoolingParams() if pooling_params is None else pooling_params,
                             use_tqdm, lora_request, truncate_prompt_tokens, tokenization_kwargs)
         a, b = outs[:len(firsts)], outs[len(firsts):]
-        return [ScoringRequestOutput(f"{a[i].request_id}_{b[j].request_id}",
-                                     ScoringOutput(cosine(a[i].pooled, b[j].pooled)),
+        scores = pair_scores([o.pooled for o in a], [o.pooled for o in b])
+        return [ScoringRequestOutput(f"{a[i].request_id}_{b[j].request_id}", ScoringOutput(score),
                                      a[i].prompt_token_ids + b[j].prompt_token_ids,
-                                     a[i].num_cached_tokens + b[j].num_cached_tokens) for i, j in pairs]
+                                     a[i].num_cached_tokens + b[j].num_cached_tokens)
+                for (i, j), score in zip(pairs, scores)]
 
     def _pooled(self, prompts: Prompt | list[Prompt], params: PoolingParams | list[PoolingParams], use_tqdm,
                 lora_request, truncate_prompt_tokens: int | None, tokenization_kwargs) -> list[RequestOutput]:

@@ -233,6 +233,8 @@ def truncated(prompt_token_ids: list[int], keep: int, max_model_len: int, max_to
     -1: as many as leave room for `max_tokens` (all of max_model_len without one, as vLLM's, which
     leaves a prompt that long no room: refused here naming `max_param`, the field to give, and
     `asked`, what the request said)."""
+    if keep == 0:  # as the offline params refuse it (it would keep nothing, or on the left side all)
+        raise InvalidRequestError("truncate_prompt_tokens", "truncate_prompt_tokens must be >= 1, or -1, got 0")
     if keep > max_model_len:  # vLLM's rule
         raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens value ({keep}) is greater than "
                                   f"max_model_len ({max_model_len}). Please request a smaller truncation size.")

@@ -3,14 +3,16 @@ each text is embedded on its own, and a pair scores the cosine similarity of its
 
     score_pairs   which first input meets which second one: 1:1, 1:N (one query, many
                   documents) or N:N (the i-th with the i-th), vLLM's rule and words
-    cosine        the similarity, in float64 from the float32 vectors the engine returns
+    pair_scores   each pair's cosine similarity, in float64 from the float32 vectors the engine
+                  returns, every vector's norm taken once
 
 Cross-encoders (one forward pass over the pair, a classifier head on top) are another model
 kind; kvserve serves decoder embedding models only, so every score here is a cosine."""
 from __future__ import annotations
 
-import math
-import operator
+import torch
+
+EPS = 1e-8  # torch's CosineSimilarity clamps the norms' product at it: a zero vector scores 0
 
 
 def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
@@ -27,9 +29,11 @@ def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
     return [(i, i) for i in range(num_first)]
 
 
-def cosine(a: list[float], b: list[float], eps: float = 1e-8) -> float:
-    """Cosine similarity; a zero vector scores 0 (torch's CosineSimilarity clamps the norms' product at eps)."""
-    if len(a) != len(b):
-        raise ValueError(f"vectors of {len(a)} and {len(b)} dimensions cannot be compared")
-    dot = math.fsum(map(operator.mul, a, b))
-    return dot / max(math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(x * x for x in b)), eps)
+def pair_scores(firsts: list[list[float]], seconds: list[list[float]]) -> list[float]:
+    """The cosine similarity of each pair score_pairs makes of the two sides' vectors."""
+    a, b = torch.tensor(firsts, dtype=torch.float64), torch.tensor(seconds, dtype=torch.float64)
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"vectors of {a.shape[1]} and {b.shape[1]} dimensions cannot be compared")
+    i, j = map(torch.tensor, zip(*score_pairs(len(a), len(b))))
+    norms = a.norm(dim=1)[i] * b.norm(dim=1)[j]
+    return ((a[i] * b[j]).sum(dim=1) / norms.clamp_min(EPS)).tolist()

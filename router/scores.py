@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from engine.scoring import score_pairs
-from router.protocol import REQUEST_ID_PATTERN, NonEmptyStr, _Model
+from router.protocol import REQUEST_ID_PATTERN, NonEmptyStr, _Model, nulls_dropped
 
 Texts = NonEmptyStr | list[NonEmptyStr]
 
@@ -45,22 +45,26 @@ class _PoolingFields(_Model):
 class ScoreRequest(_PoolingFields):
     """POST /score: `text_1` against `text_2` (or vLLM's `queries` with `documents` or `items`,
     or `data_1` with `data_2`), each a text or a list of texts, paired 1:1, 1:N or N:N."""
-    text_1: Texts
-    text_2: Texts
+    text_1: Texts = Field(description="or queries, or data_1: a text or a list of texts")
+    text_2: Texts = Field(description="or documents or items (with queries), or data_2: a text or a list of texts")
+    _names: tuple[str, str] = PrivateAttr(SCORE_FIELDS[0])  # the pair of names the body gave, for the errors
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _named_pair(cls, data):
-        if not isinstance(data, dict):
-            return data
-        given = [pair for pair in SCORE_FIELDS if pair[0] in data and pair[1] in data]
-        if len(given) > 1 or (not given and any(name in data for pair in SCORE_FIELDS for name in pair)):
-            raise ValueError("give one pair of inputs: text_1 and text_2, queries and documents, queries and "
-                             "items, or data_1 and data_2")
-        if given and given[0] != SCORE_FIELDS[0]:
-            first, second = given[0]
-            data = {k: v for k, v in data.items() if k not in given[0]} | {"text_1": data[first], "text_2": data[second]}
-        return data
+    def _named_pair(cls, data, handler):
+        names = SCORE_FIELDS[0]
+        if isinstance(data, dict):
+            given = [pair for pair in SCORE_FIELDS if pair[0] in data and pair[1] in data]
+            named = {name for pair in SCORE_FIELDS for name in pair if name in data}
+            if len(given) != 1 or named != set(given[0]):
+                raise ValueError("give one pair of inputs: text_1 and text_2, queries and documents, queries and "
+                                 "items, or data_1 and data_2")
+            names = given[0]
+            data = {k: v for k, v in data.items() if k not in names} | {"text_1": data[names[0]],
+                                                                        "text_2": data[names[1]]}
+        request = handler(data)
+        request._names = names
+        return request
 
     @model_validator(mode="after")
     def _pairs_up(self):
@@ -68,19 +72,37 @@ class ScoreRequest(_PoolingFields):
         return self
 
     def firsts(self) -> list[str]:
-        return [self.text_1] if isinstance(self.text_1, str) else self.text_1
+        return _listed(self.text_1)
 
     def seconds(self) -> list[str]:
-        return [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        return _listed(self.text_2)
+
+    def names(self) -> tuple[str, str]:
+        """The fields the two sides came in (text_1/text_2, queries/documents, ...)."""
+        return self._names
 
 
 class RerankRequest(_PoolingFields):
     """POST /rerank (Jina's and Cohere's body): `documents` ordered by their score against
-    `query`, the best `top_n` of them (0 or less: all)."""
+    `query`, the best `top_n` of them (0 or less: all). A document is a text, or Jina's and
+    Cohere's {"text": ...}."""
     query: NonEmptyStr
     documents: Texts
     top_n: int = 0
     return_documents: bool = True  # Jina's: False leaves each result's document out
+    max_tokens_per_doc: int | None = Field(None, ge=1)  # Cohere's: each document keeps its first N tokens
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_for_nulls(cls, data):  # LangChain's JinaRerank sends "top_n": null
+        return nulls_dropped(data, frozenset({"top_n", "return_documents"}))
+
+    @field_validator("documents", mode="before")
+    @classmethod
+    def _document_texts(cls, documents):
+        if isinstance(documents, list):
+            return [d["text"] if isinstance(d, dict) and set(d) == {"text"} else d for d in documents]
+        return documents
 
     @model_validator(mode="after")
     def _pairs_up(self):
@@ -88,7 +110,11 @@ class RerankRequest(_PoolingFields):
         return self
 
     def texts(self) -> list[str]:
-        return [self.documents] if isinstance(self.documents, str) else self.documents
+        return _listed(self.documents)
+
+
+def _listed(texts: str | list[str]) -> list[str]:
+    return [texts] if isinstance(texts, str) else texts
 
 
 def score_response(rid: str, model: str, scores: list[float], num_prompt_tokens: int) -> dict:

@@ -31,7 +31,7 @@ from engine.chat_format import as_parts, resolved
 from engine.errors import InvalidRequestError
 from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import SamplingParams, priority_refusal, truncated
-from engine.scoring import cosine, score_pairs
+from engine.scoring import pair_scores
 from engine.structured.params import StructuredOutputsParams
 from engine.beam_search import BeamSearch, BeamSearchAborted, Generate, beam_search
 from router.background import BackgroundRuns, EventLog, check_id_free, run_in_background, stream_in_background
@@ -257,32 +257,41 @@ class OpenAIServing:
             prompts = [await off_loop(self._chat_ids, req, ToolPlan("none", ()))]
         else:
             prompts = await off_loop(self._encoded, inputs, req.add_special_tokens is not False)
+        prompts = await self._fitted(prompts, params, req, "input")
         rid, engine_rid = _request_ids("embd", req.request_id)
-        vectors, num_tokens = await self._embedded(engine_rid, prompts, params, req, "input")
-        return embedding_response(rid, self.reply_model(req.model), vectors, num_tokens, req.encoding_format)
+        vectors = await self._vectors(engine_rid, prompts, params)
+        return embedding_response(rid, self.reply_model(req.model), vectors, sum(map(len, prompts)),
+                                  req.encoding_format)
 
     async def score(self, req: ScoreRequest) -> dict:
         """vLLM's /score on an embedding model: each pair's cosine similarity (router.scores)."""
-        firsts, seconds = req.firsts(), req.seconds()
-        rid, scores, num_tokens = await self._scored(req, "Score", "score", firsts, seconds, "text_1")
+        rid, scores, num_tokens = await self._scored(req, "Score", "score", (req.firsts(), req.seconds()),
+                                                     req.names())
         return score_response(rid, self.reply_model(req.model), scores, num_tokens)
 
     async def rerank(self, req: RerankRequest) -> dict:
         """vLLM's /rerank (Jina's, Cohere's) on an embedding model: the documents by their score against the query."""
-        rid, scores, num_tokens = await self._scored(req, "Rerank", "rerank", [req.query], req.texts(), "documents")
+        rid, scores, num_tokens = await self._scored(req, "Rerank", "rerank", ([req.query], req.texts()),
+                                                     ("query", "documents"), req.max_tokens_per_doc)
         return rerank_response(rid, self.reply_model(req.model), req, scores, num_tokens)
 
-    async def _scored(self, req: ScoreRequest | RerankRequest, api: str, prefix: str, firsts: list[str],
-                      seconds: list[str], param: str) -> tuple[str, list[float], int]:
-        """-> (the reply's id, each pair's score, the tokens embedded): every text embedded once."""
+    async def _scored(self, req: ScoreRequest | RerankRequest, api: str, prefix: str,
+                      sides: tuple[list[str], list[str]], names: tuple[str, str],
+                      max_second_tokens: int | None = None) -> tuple[str, list[float], int]:
+        """-> (the reply's id, each pair's score, the tokens embedded): every text of the two
+        `sides` (their fields: `names`) embedded once; the second side's texts keep their first
+        `max_second_tokens` tokens where that is given (Cohere's max_tokens_per_doc)."""
         params = await self._pooling_params(req, api)
-        texts = firsts + seconds
-        self._check_inputs(len(texts), param)
-        prompts = await off_loop(self._encoded, texts, True)
+        for texts, name in zip(sides, names):
+            self._check_inputs(len(texts), name)
+        firsts, seconds = [await off_loop(self._encoded, texts, True) for texts in sides]
+        if max_second_tokens is not None:
+            seconds = [ids[:max_second_tokens] for ids in seconds]
+        firsts, seconds = [await self._fitted(p, params, req, name) for p, name in zip((firsts, seconds), names)]
         rid, engine_rid = _request_ids(prefix, req.request_id)
-        vectors, num_tokens = await self._embedded(engine_rid, prompts, params, req, param)
-        a, b = vectors[:len(firsts)], vectors[len(firsts):]
-        return rid, [cosine(a[i], b[j]) for i, j in score_pairs(len(a), len(b))], num_tokens
+        vectors = await self._vectors(engine_rid, firsts + seconds, params)
+        scores = await off_loop(pair_scores, vectors[:len(firsts)], vectors[len(firsts):])
+        return rid, scores, sum(map(len, firsts + seconds))
 
     async def _pooling_params(self, req: EmbeddingRequest | ScoreRequest | RerankRequest, api: str,
                               dimensions: int | None = None) -> SamplingParams:
@@ -298,14 +307,17 @@ class OpenAIServing:
             raise bad_request(f"this request has {num_inputs} inputs; this server takes at most {limit} per request "
                               "(--max-sequences-per-request)", param=param)
 
-    async def _embedded(self, rid: str, prompts: list[list[int]], params: SamplingParams,
-                        req: EmbeddingRequest | ScoreRequest | RerankRequest, param: str,
-                        ) -> tuple[list[list[float]], int]:
-        """The prompts' vectors, in order, from a pooling engine (each truncated as the request
-        asks), and the tokens they took."""
+    async def _fitted(self, prompts: list[list[int]], params: SamplingParams,
+                      req: EmbeddingRequest | ScoreRequest | RerankRequest, param: str) -> list[list[int]]:
+        """The prompts an embedding request's `param` runs: each truncated as the request asks,
+        then checked (a 400 naming `param` for one the engine would refuse)."""
         if req.truncate_prompt_tokens is not None:
             prompts = [await self._truncated(p, req, 0, param) for p in prompts]
         await self._check_prompts(prompts, params, param, param)
+        return prompts
+
+    async def _vectors(self, rid: str, prompts: list[list[int]], params: SamplingParams) -> list[list[float]]:
+        """The prompts' vectors, in order, from a pooling engine."""
         first, merged = await self._send(rid, prompts, params)
         vectors: list[list[float] | None] = [None] * len(prompts)
         vectors[first[0]] = first[1].pooled
@@ -315,7 +327,7 @@ class OpenAIServing:
                     vectors[i] = step.pooled
         if any(v is None for v in vectors):  # ended without its vector: aborted under it
             raise internal_error()
-        return vectors, sum(map(len, prompts))
+        return vectors
 
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self.check_model(req.model)

@@ -261,7 +261,14 @@ def _serve(engine_config, tokenizer, go, engine_cls=None, sinks=None):
         try:
             async with served(app) as (http, base_url):
                 client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="k", http_client=http, max_retries=0)
-                return await go(client, http)
+                result = await go(client, http)
+            for _ in range(100):  # every request done, every block back (a finished one frees them within a step)
+                stats = await server.stats()
+                if stats.num_free_blocks == stats.num_total_blocks and not stats.num_running + stats.num_waiting:
+                    break
+                await asyncio.sleep(0.02)
+            assert stats.num_free_blocks == stats.num_total_blocks and not stats.num_running + stats.num_waiting, stats
+            return result
         finally:
             await server.shutdown()
 

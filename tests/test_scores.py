@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.scoring import cosine, score_pairs
+from engine.scoring import pair_scores, score_pairs
 from tests.test_embeddings import VOCAB, _assert_clean, _serve, hf_last_hidden
 from tests.tiny_llama import make_tiny_llama
 
@@ -43,12 +43,11 @@ def test_pairs_pair_up_as_vllms_and_cosine_is_the_angles():
     for counts, words in (((2, 3), "1:1, 1:N or N:N"), ((0, 2), "one text element"), ((1, 0), "text_pair")):
         with pytest.raises(ValueError, match=words):
             score_pairs(*counts)
-    assert cosine([1.0, 0.0], [0.0, 2.0]) == 0.0
-    assert cosine([3.0, 4.0], [6.0, 8.0]) == pytest.approx(1.0, abs=1e-15)
-    assert cosine([1.0, 1.0], [-1.0, 0.0]) == pytest.approx(-1 / math.sqrt(2), abs=1e-15)
-    assert cosine([0.0, 0.0], [1.0, 0.0]) == 0.0
+    assert pair_scores([[1.0, 0.0]], [[0.0, 2.0], [3.0, 0.0], [0.0, 0.0]]) == [0.0, 1.0, 0.0]  # 1:N; a zero vector: 0
+    got = pair_scores([[3.0, 4.0], [1.0, 1.0]], [[6.0, 8.0], [-1.0, 0.0]])  # N:N
+    assert got == pytest.approx([1.0, -1 / math.sqrt(2)], abs=1e-15)
     with pytest.raises(ValueError, match="2 and 3 dimensions"):
-        cosine([1.0, 0.0], [1.0, 0.0, 0.0])
+        pair_scores([[1.0, 0.0]], [[1.0, 0.0, 0.0]])
 
 
 def test_llm_score_is_the_cosine_of_hfs_embeddings(model_dir, llm):
@@ -60,6 +59,7 @@ def test_llm_score_is_the_cosine_of_hfs_embeddings(model_dir, llm):
     pairwise = llm.score(DOCS[:2], DOCS[2:], use_tqdm=False)  # N:N, the i-th with the i-th
     assert [o.outputs.score for o in pairwise] == pytest.approx(_hf_cosines(model_dir, llm.tokenizer, DOCS[:2],
                                                                             DOCS[2:]), abs=1e-5)
+    assert [o.outputs.score for o in llm.score([QUERY], tuple(DOCS), use_tqdm=False)] == pytest.approx(want, abs=1e-5)
     cut = llm.score(QUERY, DOCS[3], truncate_prompt_tokens=4, use_tqdm=False)[0]
     assert len(cut.prompt_token_ids) == 8  # each input keeps its last 4 tokens
     with pytest.raises(ValueError, match="1:1, 1:N or N:N"):
@@ -112,6 +112,17 @@ def test_score_and_rerank_over_http_equal_llm_score(model_dir, llm):
         many = [f"document {i}" for i in range(300)]  # past 256 (generation's bound): embeddings take OpenAI's 2,048
         r = await http.post("/rerank", json={"query": QUERY, "documents": many, "top_n": 2})
         assert r.status_code == 200 and len(r.json()["results"]) == 2, r.text
+        # Jina's and Cohere's forms: {"text": ...} documents, a null top_n (LangChain), max_tokens_per_doc
+        r = await http.post("/v1/rerank", json={"query": QUERY, "documents": [{"text": d} for d in DOCS],
+                                                "top_n": None, "return_documents": None})
+        assert [x["relevance_score"] for x in r.json()["results"]] == pytest.approx(sorted(want, reverse=True), abs=1e-6)
+        assert r.json()["results"][0]["document"] == {"text": DOCS[best_first[0]]}
+        first_two = [llm.tokenizer.encode(d)[:2] for d in DOCS]
+        cut = [o.outputs.score for o in llm.score(QUERY, first_two, use_tqdm=False)]
+        r = await http.post("/v2/rerank", json={"query": QUERY, "documents": DOCS, "max_tokens_per_doc": 2})
+        assert sorted((x["index"], x["relevance_score"]) for x in r.json()["results"]) == [
+            (i, pytest.approx(s, abs=1e-6)) for i, s in enumerate(cut)]
+        assert r.json()["usage"]["prompt_tokens"] == len(llm.tokenizer.encode(QUERY)) + sum(map(len, first_two))
         r = await http.post("/score", json={"text_1": QUERY, "text_2": "x " * 20, "truncate_prompt_tokens": 4})
         assert r.json()["usage"]["prompt_tokens"] == 8
         refused = {}
@@ -123,25 +134,34 @@ def test_score_and_rerank_over_http_equal_llm_score(model_dir, llm):
                 ("two pairs", "/score", {"text_1": QUERY, "text_2": DOCS, "queries": QUERY, "documents": DOCS}),
                 ("half a pair", "/score", {"queries": QUERY, "text_2": DOCS}),
                 ("multimodal", "/score", {"text_1": QUERY, "text_2": {"content": [{"type": "image_url"}]}}),
-                ("many", "/rerank", {"query": QUERY, "documents": ["x"] * 2048}),
+                ("many", "/rerank", {"query": QUERY, "documents": ["x"] * 2049}),
+                ("stray name", "/score", {"text_1": QUERY, "text_2": DOCS, "queries": "x"}),
+                ("long second", "/score", {"data_1": QUERY, "data_2": [DOCS[0], "x " * 300]}),
+                ("long query", "/rerank", {"query": "x " * 300, "documents": DOCS}),
+                ("keep none", "/score", {"text_1": QUERY, "text_2": DOCS, "truncate_prompt_tokens": 0}),
+                ("a bad document", "/rerank", {"query": QUERY, "documents": [{"text": "a", "title": "b"}]}),
                 ("long", "/rerank", {"query": QUERY, "documents": ["x " * 300]}),
                 ("normalize", "/score", {"text_1": QUERY, "text_2": DOCS, "normalize": True}),
                 ("model", "/score", {"model": "other", "text_1": QUERY, "text_2": DOCS})):
             r = await http.post(path, json=body)
-            refused[name] = (r.status_code, r.json()["error"]["message"])
+            refused[name] = (r.status_code, r.json()["error"]["message"], r.json()["error"]["param"])
         r = await http.get("/openapi.json")
         paths = r.json()["paths"]
         assert all(p in paths for p in ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"))
-        return refused
+        return refused, [r.json() for r in [await http.post(path, json=body) for path, body in (
+            ("/rerank", {"query": QUERY, "documents": ["x"] * 2048}), )]]
 
-    refused = _serve(EngineConfig(model=str(model_dir), runner="pooling", max_model_len=256,
+    refused, (full,) = _serve(EngineConfig(model=str(model_dir), runner="pooling", max_model_len=256,
                                   num_gpu_blocks_override=48), llm.tokenizer, go)
-    assert {k: s for k, (s, _) in refused.items()} == {k: 404 if k == "model" else 400 for k in refused}, refused
+    assert {k: s for k, (s, _, _) in refused.items()} == {k: 404 if k == "model" else 400 for k in refused}, refused
     assert "1:1, 1:N or N:N" in refused["mismatch"][1]
     assert "At least one text element" in refused["empty"][1]
     assert "text_pair" in refused["no documents"][1]
     assert "give one pair of inputs" in refused["two pairs"][1] and "give one pair" in refused["half a pair"][1]
-    assert "2049 inputs" in refused["many"][1]  # the query and 2,048 documents
+    assert "2049 inputs" in refused["many"][1] and len(full["results"]) == 2048  # OpenAI's 2,048 documents
+    assert "give one pair" in refused["stray name"][1]
+    assert refused["long second"][2] == "data_2" and refused["long query"][2] == "query"
+    assert "must be >= 1, or -1, got 0" in refused["keep none"][1]
     assert "maximum context length is 256 tokens" in refused["long"][1]
     assert "use_activation" in refused["normalize"][1]
 
