@@ -605,34 +605,45 @@ class DetokenizeRequest(_Model):
     tokens: list[TokenId]
 
 
-class EmbeddingRequest(_Model):
-    """POST /v1/embeddings (OpenAI's; vLLM's extras): `input` (text, token ids, or a list of
-    either), or vLLM's `messages` rendered by the chat template."""
+class PoolingFields(_Model):
+    """What the bodies of an embedding model's routes share (embeddings, score, rerank; vLLM's
+    PoolingBasicRequestMixin)."""
     model: str | None = None
-    input: PromptInput | None = None
-    messages: list[ChatMessage] | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
     user: str | None = None
     # vLLM extras
     use_activation: bool | None = None  # L2-normalise (the pooler's default: yes)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k tokens; -1: max_model_len of them
     truncation_side: Literal["left", "right"] | None = None
-    add_special_tokens: bool | None = None  # None: True for input, False for messages (the template writes them)
-    add_generation_prompt: bool = False
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
     request_id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
     priority: int = 0
     cache_salt: str | None = Field(None, min_length=1)
 
     @model_validator(mode="before")
     @classmethod
+    def _removed(cls, data):
+        if isinstance(data, dict) and "normalize" in data:  # vLLM 0.32's rule and words
+            raise ValueError("Parameter `normalize` was removed; use `use_activation` instead.")
+        return data
+
+
+class EmbeddingRequest(PoolingFields):
+    """POST /v1/embeddings (OpenAI's; vLLM's extras): `input` (text, token ids, or a list of
+    either), or vLLM's `messages` rendered by the chat template."""
+    input: PromptInput | None = None
+    messages: list[ChatMessage] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    # vLLM extras
+    add_special_tokens: bool | None = None  # None: True for input, False for messages (the template writes them)
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
     def _vllms_forms(cls, data):
         if not isinstance(data, dict):
             return data
-        if "normalize" in data:  # vLLM 0.32's rule and words
-            raise ValueError("Parameter `normalize` was removed; use `use_activation` instead.")
         given = data.get("input")
         if isinstance(given, list) and given and all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                       for m in given):

@@ -7,12 +7,11 @@ The request bodies and replies are here; OpenAIServing runs them."""
 from __future__ import annotations
 
 import time
-from typing import Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from engine.scoring import score_pairs
-from router.protocol import REQUEST_ID_PATTERN, NonEmptyStr, _Model, nulls_dropped
+from router.protocol import NonEmptyStr, PoolingFields, nulls_dropped
 
 Texts = NonEmptyStr | list[NonEmptyStr]
 
@@ -23,26 +22,7 @@ RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
 SCORE_FIELDS = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
 
 
-class _PoolingFields(_Model):
-    """What vLLM's score and rerank bodies share (its PoolingBasicRequestMixin, text only)."""
-    model: str | None = None
-    user: str | None = None
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # each text keeps its last k tokens; -1: max_model_len
-    truncation_side: Literal["left", "right"] | None = None
-    use_activation: bool | None = None  # normalises the vectors: no score changes with it
-    request_id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
-    priority: int = 0
-    cache_salt: str | None = Field(None, min_length=1)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _removed(cls, data):
-        if isinstance(data, dict) and "normalize" in data:  # vLLM 0.32's rule and words
-            raise ValueError("Parameter `normalize` was removed; use `use_activation` instead.")
-        return data
-
-
-class ScoreRequest(_PoolingFields):
+class ScoreRequest(PoolingFields):
     """POST /score: `text_1` against `text_2` (or vLLM's `queries` with `documents` or `items`,
     or `data_1` with `data_2`), each a text or a list of texts, paired 1:1, 1:N or N:N."""
     text_1: Texts = Field(description="or queries, or data_1: a text or a list of texts")
@@ -82,7 +62,7 @@ class ScoreRequest(_PoolingFields):
         return self._names
 
 
-class RerankRequest(_PoolingFields):
+class RerankRequest(PoolingFields):
     """POST /rerank (Jina's and Cohere's body): `documents` ordered by their score against
     `query`, the best `top_n` of them (0 or less: all). A document is a text, or Jina's and
     Cohere's {"text": ...}."""
