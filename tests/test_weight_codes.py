@@ -131,7 +131,7 @@ def test_codes_are_only_made_where_the_cpu_kernels_read_them(monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["gqa-bf16", "qwen3-gguf"])  # an untied head; a tied one, 4/8-bit codes
+@pytest.mark.parametrize("kind", ["gqa-bf16", "qwen3-gguf", "qwen3-bf16"])  # an untied head; tied ones
 def test_a_layer_with_codes_and_a_prepacked_copy_drops_its_float32(monkeypatch, tmp_path, smollm2_path, kind):
     """Decode reads the codes, prefill the prepacked copy: the plain float32 weight is freed, the
     embedding table keeps its own, and every path gives the bits of a model that kept them all."""
@@ -143,9 +143,11 @@ def test_a_layer_with_codes_and_a_prepacked_copy_drops_its_float32(monkeypatch, 
     monkeypatch.setenv("KVSERVE_WEIGHT_CODES", "0")
     kept = build_model(d, torch.float32, torch.device("cpu"))  # no codes: nothing dropped
     dropped = {n for n, p in model.named_parameters() if p.is_meta}
-    linear_weights = {n for n, m in model.named_modules() if getattr(m, "weight_codes", None) is not None
-                      and m is not model.embed_tokens}
-    assert dropped == {f"{n}.weight" for n in linear_weights} and dropped and not model.embed_tokens.weight.is_meta
+    with_codes = {n for n, m in model.named_modules() if getattr(m, "weight_codes", None) is not None}
+    assert dropped == {f"{n}.weight" for n in with_codes} and dropped
+    assert model.embed_tokens.weight.is_meta == (model.lm_head is None)  # a tied head's table: its lookup reads codes
+    ids = torch.tensor([[0, 5, 511], [7, 7, 3]])
+    assert same_bits(model.embed_tokens(ids), kept.embed_tokens(ids))
     assert kept.layers[0].mlp.down_proj.weight.device.type == "cpu"
     freed = sum(p.numel() * 4 for n, p in model.named_parameters() if n in dropped)
     codes = sum(m.weight_codes.nbytes for m in model.modules() if getattr(m, "weight_codes", None) is not None)

@@ -53,16 +53,24 @@ class BlockCodes:
 
     def to_float(self) -> torch.Tensor:
         """The float32 weight again, rounded as gguf-py dequantizes: the product, then the sum."""
-        n, k = self.shape
+        return self.rows(None)
+
+    def rows(self, index: torch.Tensor | None) -> torch.Tensor:
+        """Rows `index` (a 1-D tensor of row numbers; None: all) of the float32 weight, each the
+        same bits as in the whole (an embedding lookup over codes)."""
+        pick = (lambda t: t) if index is None else (lambda t: t[index])
+        k = self.shape[1]
+        codes = pick(self.codes)
+        n = codes.shape[0]
         if self.bits == 16:
-            return (self.codes.to(torch.int32) << 16).view(torch.float32)
+            return (codes.to(torch.int32) << 16).view(torch.float32)
         if self.bits == 4:
-            c = self.codes.view(n, k // BLOCK, BLOCK // 2)
+            c = codes.view(n, k // BLOCK, BLOCK // 2)
             q = torch.cat([c & 0x0F, c >> 4], dim=2)
         else:
-            q = self.codes.view(n, k // BLOCK, BLOCK)
-        w = q.float() * self.scale.unsqueeze(-1)
-        return (w + self.offset.unsqueeze(-1)).view(n, k)
+            q = codes.view(n, k // BLOCK, BLOCK)
+        w = q.float() * pick(self.scale).unsqueeze(-1)
+        return (w + pick(self.offset).unsqueeze(-1)).view(n, k)
 
 
 def encode(weight: torch.Tensor) -> BlockCodes | None:

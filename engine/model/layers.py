@@ -282,11 +282,18 @@ class VocabParallelEmbedding(ShardedModule):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.start
         valid = (local >= 0) & (local < self.rows)
-        y = F.embedding(local.clamp(0, self.rows - 1), self.weight) * valid.unsqueeze(-1)
+        y = self._lookup(local.clamp(0, self.rows - 1)) * valid.unsqueeze(-1)
         return self.tp.all_reduce(y)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of `ids`: from the float32 table, or from its codes where the table, a tied
+        head's, is held as codes and prepacked only (engine.model.loader.drop_float_weights)."""
+        if self.weight.is_meta:
+            return self.weight_codes.rows(ids.reshape(-1)).view(*ids.shape, -1)
+        return F.embedding(ids, self.weight)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor | None:
         """As the (tied or own) lm_head: (N, hidden) -> (N, vocab) on the sampling rank, None on

@@ -111,12 +111,11 @@ def drop_float_weights(model: LlamaModel) -> int:
     """Free the float32 weight of every linear layer that holds it twice over, as codes (which
     decode reads) and prepacked (which prefill reads): its parameter becomes a meta tensor of the
     same shape, and whatever else would read it rebuilds it from the codes bit for bit
-    (`float_weight`). The embedding table keeps its own, tied head or not: its lookup reads it.
-    Returns the bytes freed."""
+    (`float_weight`). A tied head's table goes too: its lookup reads the codes' rows. Returns
+    the bytes freed."""
     freed = 0
     for module in model.modules():
-        if (module is model.embed_tokens or getattr(module, "weight_codes", None) is None
-                or getattr(module, "weight_prepacked", None) is None):
+        if getattr(module, "weight_codes", None) is None or getattr(module, "weight_prepacked", None) is None:
             continue
         w = module.weight
         freed += w.numel() * w.element_size()
