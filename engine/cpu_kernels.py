@@ -127,7 +127,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if (prepacked is not None and x.device.type == "cpu" and x.dim() == 2 and x.dtype == torch.float32
                 and not x.requires_grad):
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepacked, bias, "none", [], "")
-        # a weight held only as codes and prepacked (engine.model.loader.drop_float_weights): rebuilt, bit for bit
+        # a weight held as codes and prepacked only (loader.drop_float_weight): rebuilt, bit for bit
         return F.linear(x, codes.to_float() if weight.is_meta else weight, bias)
     x = x.contiguous()
     (m, k), n = x.shape, weight.shape[0]

@@ -51,7 +51,7 @@ def _linear(module) -> _Linear | None:
     has them); None when the kernels would not take its weight."""
     w, codes, bias = module.weight, module.weight_codes, module.bias
     n, k = w.shape
-    as_codes = codes is not None and w.dtype == torch.float32  # its float32 may be freed (loader.drop_float_weights)
+    as_codes = codes is not None and w.dtype == torch.float32  # its float32 may be freed (drop_float_weight)
     if not (as_codes or _f32(w)) or k % 8 or (bias is not None and not _f32(bias)):
         return None
     if codes is None:

@@ -79,7 +79,7 @@ def load_adapter(lora: LoRARequest, model, max_rank: int | None = None) -> LoRAW
         parts.setdefault((int(m.group(1)), module), {}).setdefault(part, {})[m.group(3)] = tensor
     if not parts:
         raise refused(path, f"{ADAPTER_WEIGHTS} holds no LoRA weights")
-    param = next(model.parameters())
+    param = model.norm.weight  # the device and dtype (a weight held as codes only is a meta tensor)
     weights = LoRAWeights(lora.lora_int_id, scaling)
     for (layer, name), found in sorted(parts.items()):
         module = _adapted(model, layer)[name]

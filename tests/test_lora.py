@@ -36,9 +36,10 @@ PROMPTS = _prompts()
 def models(tmp_path_factory, smollm2_path):
     """kind -> (base dir, {adapter name: dir}, {adapter name or None: PEFT's greedy tokens}).
     "gqa": a1 adapts all seven projections (r 8), a2 only q and v (r 4, rsLoRA); "bias": every
-    linear with a bias (the delta comes after it, as PEFT adds it)."""
+    linear with a bias (the delta comes after it, as PEFT adds it); "qwen3-bf16": a tied head and
+    bfloat16 weights, held as codes and prepacked only (engine.model.loader.drop_float_weight)."""
     out = {}
-    for kind in ("gqa", "bias"):
+    for kind in ("gqa", "bias", "qwen3-bf16"):
         root = tmp_path_factory.mktemp(f"lora-{kind}")
         base = make_tiny_llama(root / "base", smollm2_path, kind)
         adapters = {"a1": make_adapter(base, root / "a1", seed=1)}
@@ -58,7 +59,7 @@ def _tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("kind", ["gqa", "bias"])
+@pytest.mark.parametrize("kind", ["gqa", "bias", "qwen3-bf16"])
 def test_each_adapter_alone_is_peft_exact(models, kind):
     base, adapters, expected = models[kind]
     llm = LLM(model=str(base), enable_lora=True, num_gpu_blocks_override=128, max_model_len=256)

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as QType
 
 from engine import cpu_kernels
 from engine.cpu_kernels import linear
-from engine.model.codes import BlockCodes, encode, encode_for_cpu_decode, encode_model
+from engine.model.codes import BlockCodes, codes_wanted, encode, encode_model
 from tests.test_cpu_kernels import needs_kernel
 from tests.tiny_llama import gguf_roundtrip
 
@@ -118,23 +118,21 @@ def test_encode_model_sets_codes_only_where_they_are_exact():
 
 
 def test_codes_are_only_made_where_the_cpu_kernels_read_them(monkeypatch):
-    model = torch.nn.Sequential(_Linear(gguf_weights(8, 64, QType.Q4_1, seed=7)))
-    encode_for_cpu_decode(model, torch.device("cpu"), torch.bfloat16)
-    assert model[0].weight_codes is None
+    cpu = torch.device("cpu")
+    assert not codes_wanted(cpu, torch.bfloat16)
     for switch in ("KVSERVE_CPU_KERNELS", "KVSERVE_WEIGHT_CODES"):
         monkeypatch.setenv(switch, "0")
-        encode_for_cpu_decode(model, torch.device("cpu"), torch.float32)
-        assert model[0].weight_codes is None
+        assert not codes_wanted(cpu, torch.float32)
         monkeypatch.delenv(switch)
-    encode_for_cpu_decode(model, torch.device("cpu"), torch.float32)
-    assert (model[0].weight_codes is not None) == cpu_kernels.enabled()
+    assert codes_wanted(cpu, torch.float32) == cpu_kernels.enabled()
 
 
 @needs_kernel
 @pytest.mark.parametrize("kind", ["gqa-bf16", "qwen3-gguf", "qwen3-bf16"])  # an untied head; tied ones
 def test_a_layer_with_codes_and_a_prepacked_copy_drops_its_float32(monkeypatch, tmp_path, smollm2_path, kind):
-    """Decode reads the codes, prefill the prepacked copy: the plain float32 weight is freed, the
-    embedding table keeps its own, and every path gives the bits of a model that kept them all."""
+    """Decode reads the codes, prefill the prepacked copy: the plain float32 weight is freed (a tied
+    head's table too, its lookup reading the codes), and every path gives the bits of a model that
+    kept them all."""
     from engine.model.loader import build_model, float_parameters, held_weight_bytes
     from tests.tiny_llama import make_tiny_llama
 
@@ -147,7 +145,8 @@ def test_a_layer_with_codes_and_a_prepacked_copy_drops_its_float32(monkeypatch, 
     assert dropped == {f"{n}.weight" for n in with_codes} and dropped
     assert model.embed_tokens.weight.is_meta == (model.lm_head is None)  # a tied head's table: its lookup reads codes
     ids = torch.tensor([[0, 5, 511], [7, 7, 3]])
-    assert same_bits(model.embed_tokens(ids), kept.embed_tokens(ids))
+    for ids in (ids, ids[0], torch.tensor([], dtype=torch.long)):
+        assert same_bits(model.embed_tokens(ids), kept.embed_tokens(ids))
     assert kept.layers[0].mlp.down_proj.weight.device.type == "cpu"
     freed = sum(p.numel() * 4 for n, p in model.named_parameters() if n in dropped)
     codes = sum(m.weight_codes.nbytes for m in model.modules() if getattr(m, "weight_codes", None) is not None)
@@ -155,7 +154,7 @@ def test_a_layer_with_codes_and_a_prepacked_copy_drops_its_float32(monkeypatch, 
     rebuilt, want = float_parameters(model), dict(kept.named_parameters())
     assert rebuilt.keys() == want.keys() and all(same_bits(rebuilt[n], want[n]) for n in want)
     down = model.layers[0].mlp.down_proj
-    for m in (1, 40, 200):  # decode (codes), prefill past SMALL_M (prepacked), and the fallback that rebuilds it
+    for m in (1, 40, 200):  # up to SMALL_M the codes, past it the prepacked copy; 3-D: the fallback that rebuilds it
         x = torch.randn(m, down.weight.shape[1])
         assert same_bits(down(x), kept.layers[0].mlp.down_proj(x))
         assert same_bits(down(x.unsqueeze(0)), F.linear(x.unsqueeze(0), want["layers.0.mlp.down_proj.weight"]))

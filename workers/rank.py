@@ -141,7 +141,8 @@ class RankWorker:
         step = step_bytes(model, self.config, self.config.model_len(arch.max_position_embeddings), kv_heads,
                           self.device, graphs=False)
         return dict(rank=self.rank, max_blocks=num_kv_blocks(self._kv_config(), block_bytes, self.device, step),
-                    block_bytes=block_bytes, param_bytes=param_bytes, held_bytes=held_weight_bytes(model), bytes_read=stats.bytes_read,
+                    block_bytes=block_bytes, param_bytes=param_bytes,
+                    held_bytes=held_weight_bytes(model), bytes_read=stats.bytes_read,
                     bytes_received=stats.bytes_received, files_opened=stats.files_opened, weight_codes=weight_codes,
                     load_s=time.perf_counter() - t0, memory_after_load=self.memory())
 

@@ -15,16 +15,16 @@ against transformers' float32 needs): each weight is then a float32 whose low 16
 Its high halves (16-bit codes, 2 bytes a weight) rebuild it bit for bit with a shift, which halves
 a decode step's weight traffic with the same float32 arithmetic.
 
-Prefill (large batches) reads the weights' oneDNN-prepacked float32 copy instead. A linear layer
-that has both forms drops its plain float32 weight, which nothing reads then (a rare fallback
-rebuilds it from the codes); the embedding table keeps its own for the lookup
-(engine/model/loader.py, `prepare_cpu_weights`).
+Prefill (large batches) reads the weights' oneDNN-prepacked float32 copy instead. A layer that
+has both forms drops its plain float32 weight, which nothing reads then (a rare fallback rebuilds
+it from the codes, and a tied head's embedding lookup gathers its rows from them:
+`BlockCodes.rows`); an untied embedding table keeps its own (engine/model/loader.py,
+`prepare_cpu_weights`).
 """
 from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass
 
 import torch
@@ -106,22 +106,21 @@ def encode_model(model: nn.Module) -> int:
     return count
 
 
-def encode_for_cpu_decode(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """encode_model where the CPU kernels will read the codes: float32 on a CPU that runs them,
-    unless KVSERVE_WEIGHT_CODES=0 (to measure without them). Returns how many weights have codes."""
+def codes_wanted(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the CPU kernels will read codes: float32 on a CPU that runs them, unless
+    KVSERVE_WEIGHT_CODES=0 (to measure without them)."""
     from engine import cpu_kernels
 
-    if (device.type != "cpu" or dtype != torch.float32 or os.environ.get("KVSERVE_WEIGHT_CODES", "1") == "0"
-            or not cpu_kernels.enabled()):
-        return 0
-    t0 = time.perf_counter()
-    if count := encode_model(model):
-        held = [m.weight_codes for m in model.modules() if getattr(m, "weight_codes", None) is not None]
-        bits = sorted({c.bits for c in held})
+    return (device.type == "cpu" and dtype == torch.float32 and os.environ.get("KVSERVE_WEIGHT_CODES", "1") != "0"
+            and cpu_kernels.enabled())
+
+
+def log_codes(model: nn.Module, seconds: float) -> None:
+    held = [m.weight_codes for m in model.modules() if getattr(m, "weight_codes", None) is not None]
+    if held:
         logger.info("decode reads %d weights as %s-bit codes (%.0f MB, for %.0f MB of float32; found in %.1fs)",
-                    count, "/".join(map(str, bits)), sum(c.nbytes for c in held) / 1e6,
-                    sum(c.shape[0] * c.shape[1] * 4 for c in held) / 1e6, time.perf_counter() - t0)
-    return count
+                    len(held), "/".join(map(str, sorted({c.bits for c in held}))), sum(c.nbytes for c in held) / 1e6,
+                    sum(c.shape[0] * c.shape[1] * 4 for c in held) / 1e6, seconds)
 
 
 def _encode_affine_4bit(blocks: torch.Tensor, shape: torch.Size) -> BlockCodes | None:

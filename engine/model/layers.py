@@ -290,9 +290,9 @@ class VocabParallelEmbedding(ShardedModule):
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of `ids`: from the float32 table, or from its codes where the table, a tied
-        head's, is held as codes and prepacked only (engine.model.loader.drop_float_weights)."""
+        head's, is held as codes and prepacked only (engine.model.loader.drop_float_weight)."""
         if self.weight.is_meta:
-            return self.weight_codes.rows(ids.reshape(-1)).view(*ids.shape, -1)
+            return self.weight_codes.rows(ids.reshape(-1)).view(*ids.shape, self.weight.shape[1])
         return F.embedding(ids, self.weight)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor | None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from pathlib import Path
 
 import safetensors
@@ -10,7 +11,8 @@ import torch
 from torch import nn
 
 from engine import cpu_kernels
-from engine.model.codes import encode_for_cpu_decode
+from engine.model import codes
+from engine.model.codes import codes_wanted, log_codes
 from engine.model.layers import TPContext, check_checkpoint_shape
 from engine.model.llama import LlamaModel, ModelArch
 from engine.model_source import ModelError
@@ -93,36 +95,39 @@ def build_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
 def prepare_cpu_weights(model: LlamaModel, device: torch.device, dtype: torch.dtype) -> int:
     """The second forms of the weights that engine.cpu_kernels.linear reads on a float32 CPU with
     its kernels on: a oneDNN-prepacked copy for prefill (unless KVSERVE_ONEDNN_PREFILL=0), and
-    4/8-bit or bfloat16 codes for decode where the weights are exactly those (codes.py). A linear
-    layer that has both no longer needs its float32 weight, which is dropped (`drop_float_weights`).
-    Returns how many weights have codes."""
+    4/8-bit or bfloat16 codes for decode where the weights are exactly those (codes.py). A layer
+    that gets both no longer needs its float32 weight, which is dropped then (`drop_float_weight`),
+    layer by layer, so that loading holds at most one layer's weight three ways at once. Returns
+    how many weights have codes."""
     if device.type != "cpu" or dtype != torch.float32 or not cpu_kernels.enabled():
         return 0
-    if os.environ.get("KVSERVE_ONEDNN_PREFILL", "1") != "0":
-        for module in model.modules():
-            if hasattr(module, "weight_prepacked"):
-                module.weight_prepacked = cpu_kernels.prepack(module.weight)
-    count = encode_for_cpu_decode(model, device, dtype)
-    drop_float_weights(model)
-    return count
-
-
-def drop_float_weights(model: LlamaModel) -> int:
-    """Free the float32 weight of every linear layer that holds it twice over, as codes (which
-    decode reads) and prepacked (which prefill reads): its parameter becomes a meta tensor of the
-    same shape, and whatever else would read it rebuilds it from the codes bit for bit
-    (`float_weight`). A tied head's table goes too: its lookup reads the codes' rows. Returns
-    the bytes freed."""
-    freed = 0
+    prepack, encode = os.environ.get("KVSERVE_ONEDNN_PREFILL", "1") != "0", codes_wanted(device, dtype)
+    t0, freed = time.perf_counter(), 0
     for module in model.modules():
-        if getattr(module, "weight_codes", None) is None or getattr(module, "weight_prepacked", None) is None:
+        if not hasattr(module, "weight_prepacked"):  # the linear layers and the head (tied: the embedding)
             continue
-        w = module.weight
-        freed += w.numel() * w.element_size()
-        module.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+        if encode:
+            module.weight_codes = codes.encode(module.weight)
+        if prepack:
+            module.weight_prepacked = cpu_kernels.prepack(module.weight)
+        freed += drop_float_weight(module)
+    if encode:
+        log_codes(model, time.perf_counter() - t0)
     if freed:
         _release_freed_memory()
-    return freed
+    return sum(getattr(m, "weight_codes", None) is not None for m in model.modules())
+
+
+def drop_float_weight(module: nn.Module) -> int:
+    """Free a layer's float32 weight where it is held twice over besides, as codes (which decode
+    reads) and prepacked (which prefill reads): its parameter becomes a meta tensor of the same
+    shape, and whatever else would read it rebuilds it from the codes bit for bit (`float_weight`;
+    a tied head's embedding lookup reads the codes' rows). Returns the bytes freed."""
+    if getattr(module, "weight_codes", None) is None or getattr(module, "weight_prepacked", None) is None:
+        return 0
+    w = module.weight
+    module.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+    return w.numel() * w.element_size()
 
 
 def _release_freed_memory() -> None:
@@ -135,7 +140,7 @@ def _release_freed_memory() -> None:
 
 
 def float_weight(module: nn.Module) -> torch.Tensor:
-    """A layer's float32 weight, rebuilt from its codes where `drop_float_weights` freed it."""
+    """A layer's float32 weight, rebuilt from its codes where `drop_float_weight` freed it."""
     w = module.weight
     return module.weight_codes.to_float() if w.is_meta else w
 
