@@ -161,6 +161,6 @@ def held_weight_bytes(model: nn.Module) -> int:
     for m in model.modules():
         if (packed := getattr(m, "weight_prepacked", None)) is not None:
             held += packed.numel() * packed.element_size()
-        if (codes := getattr(m, "weight_codes", None)) is not None:
-            held += codes.nbytes
+        if (coded := getattr(m, "weight_codes", None)) is not None:
+            held += coded.nbytes
     return held
