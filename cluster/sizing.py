@@ -97,14 +97,15 @@ def cpu_weight_bytes(arch: ModelArch, nbytes: int, ckpt_bytes: int) -> int:
     """The weights' forms a CPU replica holds (engine.model.loader.prepare_cpu_weights). Float32
     serving keeps a oneDNN-prepacked copy of each linear weight for prefill. For a bfloat16
     checkpoint (~2 bytes a parameter on disk) it also keeps each one's bfloat16 half for decode
-    (engine.model.codes), and then drops its plain float32; an untied embedding table keeps its
-    own for the lookup."""
+    (engine.model.codes), and then drops its plain float32, the embedding table's too (its lookup
+    reads the halves)."""
     params = param_count(arch)
     if nbytes != 4:
         return params * nbytes
     lookup_only = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size  # a tied table is the head
-    # float32 on disk: each linear weight and its prepacked copy; bfloat16: the copy and the halves
-    return lookup_only * 4 + (params - lookup_only) * (4 + 4 if ckpt_bytes >= 3 * params else 4 + 2)
+    if ckpt_bytes >= 3 * params:  # float32 on disk: each weight, and a linear one's prepacked copy
+        return lookup_only * 4 + (params - lookup_only) * (4 + 4)
+    return lookup_only * 2 + (params - lookup_only) * (4 + 2)  # bfloat16: the halves, and the prepacked copy
 
 
 def replica_needs(engine: EngineConfig, arch: ModelArch, ckpt_bytes: int, use_gpu: bool) -> ReplicaNeeds:

@@ -130,9 +130,9 @@ def test_codes_are_only_made_where_the_cpu_kernels_read_them(monkeypatch):
 @needs_kernel
 @pytest.mark.parametrize("kind", ["gqa-bf16", "qwen3-gguf", "qwen3-bf16"])  # an untied head; tied ones
 def test_a_layer_with_codes_and_a_prepacked_copy_drops_its_float32(monkeypatch, tmp_path, smollm2_path, kind):
-    """Decode reads the codes, prefill the prepacked copy: the plain float32 weight is freed (a tied
-    head's table too, its lookup reading the codes), and every path gives the bits of a model that
-    kept them all."""
+    """Decode reads the codes, prefill the prepacked copy: the plain float32 weight is freed (the
+    embedding table's too, its lookup reading the codes), and every path gives the bits of a model
+    that kept them all."""
     from engine.model.loader import build_model, float_parameters, held_weight_bytes
     from tests.tiny_llama import make_tiny_llama
 
@@ -143,7 +143,7 @@ def test_a_layer_with_codes_and_a_prepacked_copy_drops_its_float32(monkeypatch, 
     dropped = {n for n, p in model.named_parameters() if p.is_meta}
     with_codes = {n for n, m in model.named_modules() if getattr(m, "weight_codes", None) is not None}
     assert dropped == {f"{n}.weight" for n in with_codes} and dropped
-    assert model.embed_tokens.weight.is_meta == (model.lm_head is None)  # a tied head's table: its lookup reads codes
+    assert model.embed_tokens.weight.is_meta  # tied head or not, the lookup reads the table's codes
     ids = torch.tensor([[0, 5, 511], [7, 7, 3]])
     for ids in (ids, ids[0], torch.tensor([], dtype=torch.long)):
         assert same_bits(model.embed_tokens(ids), kept.embed_tokens(ids))

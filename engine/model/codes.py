@@ -17,8 +17,8 @@ a decode step's weight traffic with the same float32 arithmetic.
 
 Prefill (large batches) reads the weights' oneDNN-prepacked float32 copy instead. A layer that
 has both forms drops its plain float32 weight, which nothing reads then (a rare fallback rebuilds
-it from the codes, and a tied head's embedding lookup gathers its rows from them:
-`BlockCodes.rows`); an untied embedding table keeps its own (engine/model/loader.py,
+it from the codes). The embedding table, tied head or not, is held as its codes too, and the
+lookup gathers its rows from them (`BlockCodes.rows`; engine/model/loader.py,
 `prepare_cpu_weights`).
 """
 from __future__ import annotations

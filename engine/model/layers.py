@@ -289,8 +289,8 @@ class VocabParallelEmbedding(ShardedModule):
         return self.tp.all_reduce(y)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows of `ids`: from the float32 table, or from its codes where the table, a tied
-        head's, is held as codes and prepacked only (engine.model.loader.drop_float_weight)."""
+        """The rows of `ids`: from the float32 table, or from its codes where the table is held
+        as codes (and, a tied head's, prepacked) only (engine.model.loader.drop_float_weight)."""
         if self.weight.is_meta:
             return self.weight_codes.rows(ids.reshape(-1)).view(*ids.shape, self.weight.shape[1])
         return F.embedding(ids, self.weight)

@@ -111,6 +111,10 @@ def prepare_cpu_weights(model: LlamaModel, device: torch.device, dtype: torch.dt
         if prepack:
             module.weight_prepacked = cpu_kernels.prepack(module.weight)
         freed += drop_float_weight(module)
+    table = model.embed_tokens
+    if encode and not hasattr(table, "weight_codes"):  # a lookup table only (an untied head, or none)
+        table.weight_codes = codes.encode(table.weight)
+        freed += drop_float_weight(table, lookup_only=True)
     if encode:
         log_codes(model, time.perf_counter() - t0)
     if freed:
@@ -118,12 +122,14 @@ def prepare_cpu_weights(model: LlamaModel, device: torch.device, dtype: torch.dt
     return sum(getattr(m, "weight_codes", None) is not None for m in model.modules())
 
 
-def drop_float_weight(module: nn.Module) -> int:
+def drop_float_weight(module: nn.Module, lookup_only: bool = False) -> int:
     """Free a layer's float32 weight where it is held twice over besides, as codes (which decode
-    reads) and prepacked (which prefill reads): its parameter becomes a meta tensor of the same
-    shape, and whatever else would read it rebuilds it from the codes bit for bit (`float_weight`;
-    a tied head's embedding lookup reads the codes' rows). Returns the bytes freed."""
-    if getattr(module, "weight_codes", None) is None or getattr(module, "weight_prepacked", None) is None:
+    reads) and prepacked (which prefill reads), or (`lookup_only`: an embedding table that is no
+    head) as codes alone: its parameter becomes a meta tensor of the same shape, and whatever else
+    would read it rebuilds it from the codes bit for bit (`float_weight`; an embedding lookup reads
+    the codes' rows). Returns the bytes freed."""
+    if getattr(module, "weight_codes", None) is None or (
+            not lookup_only and getattr(module, "weight_prepacked", None) is None):
         return 0
     w = module.weight
     module.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
