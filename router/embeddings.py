@@ -12,11 +12,10 @@ from engine.errors import InvalidRequestError
 from engine.pooling import PoolerConfig, PoolingParams
 from engine.sampling_params import SamplingParams
 from router.errors import bad_request, from_invalid_request
-from router.protocol import EmbeddingRequest
-from router.scores import RerankRequest, ScoreRequest
+from router.protocol import PoolingFields
 
 
-def embedding_params(req: EmbeddingRequest | ScoreRequest | RerankRequest, pooler: dict | None,
+def embedding_params(req: PoolingFields, pooler: dict | None,
                      api: str = "Embeddings", dimensions: int | None = None) -> SamplingParams:
     """`pooler`: the engine's PoolerConfig fields (its info), None where it generates: a 400, as
     vLLM's server answers a generative model's /v1/embeddings (`api`: the API the route serves)."""

@@ -45,7 +45,7 @@ from router.formatting import (Accumulator, PromptEcho, chat_logprobs, chat_resp
 from router.lora_modules import LoRAModules
 from router.off_loop import off_loop
 from router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
-                             TokenizeRequest)
+                             PoolingFields, TokenizeRequest)
 from router.reasoning import (END, count_reasoning_tokens, grammar_gate, opens_in_reasoning, reasoning_fields,
                               reply_start, split_reasoning)
 from router.response_store import ResponseStore, StoredResponses
@@ -293,7 +293,7 @@ class OpenAIServing:
         scores = await off_loop(pair_scores, vectors[:len(firsts)], vectors[len(firsts):])
         return rid, scores, sum(map(len, firsts + seconds))
 
-    async def _pooling_params(self, req: EmbeddingRequest | ScoreRequest | RerankRequest, api: str,
+    async def _pooling_params(self, req: PoolingFields, api: str,
                               dimensions: int | None = None) -> SamplingParams:
         self.check_model(req.model)
         params = embedding_params(req, (await self.limits()).get("pooler"), api, dimensions)
@@ -308,7 +308,7 @@ class OpenAIServing:
                               "(--max-sequences-per-request)", param=param)
 
     async def _fitted(self, prompts: list[list[int]], params: SamplingParams,
-                      req: EmbeddingRequest | ScoreRequest | RerankRequest, param: str) -> list[list[int]]:
+                      req: PoolingFields, param: str) -> list[list[int]]:
         """The prompts an embedding request's `param` runs: each truncated as the request asks,
         then checked (a 400 naming `param` for one the engine would refuse)."""
         if req.truncate_prompt_tokens is not None:
