@@ -32,9 +32,12 @@ def embedding_params(req: PoolingFields, pooler: dict | None,
 
 
 def embedding_response(rid: str, model: str, vectors: list[list[float]], num_prompt_tokens: int,
-                       encoding_format: str) -> dict:
-    data = [{"index": i, "object": "embedding",
-             "embedding": as_base64(v) if encoding_format == "base64" else v} for i, v in enumerate(vectors)]
+                       encoding_format: str, kind: str = "embedding") -> dict:
+    """OpenAI's reply to /v1/embeddings; `kind` "pooling": vLLM's to /pooling (each vector under
+    `data`, as a "pooling" object)."""
+    field = "embedding" if kind == "embedding" else "data"
+    data = [{"index": i, "object": kind, field: as_base64(v) if encoding_format == "base64" else v}
+            for i, v in enumerate(vectors)]
     return {"id": rid, "object": "list", "created": int(time.time()), "model": model, "data": data,
             "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens}}
 

@@ -669,3 +669,9 @@ class EmbeddingRequest(PoolingFields):
         if isinstance(p, str) or isinstance(p[0], int):
             return [p]
         return list(p)
+
+
+class PoolingRequest(EmbeddingRequest):
+    """POST /pooling (vLLM's): an embedding request, with the pooling `task` named; an embedding
+    model pools for "embed" only."""
+    task: str | None = None

@@ -45,7 +45,7 @@ from router.formatting import (Accumulator, PromptEcho, chat_logprobs, chat_resp
 from router.lora_modules import LoRAModules
 from router.off_loop import off_loop
 from router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
-                             PoolingFields, TokenizeRequest)
+                             PoolingFields, PoolingRequest, TokenizeRequest)
 from router.reasoning import (END, count_reasoning_tokens, grammar_gate, opens_in_reasoning, reasoning_fields,
                               reply_start, split_reasoning)
 from router.response_store import ResponseStore, StoredResponses
@@ -250,7 +250,17 @@ class OpenAIServing:
 
     async def embeddings(self, req: EmbeddingRequest) -> dict:
         """Each input's embedding, from a pooling engine (engine.pooling; a 400 from one that generates)."""
-        params = await self._pooling_params(req, "Embeddings", req.dimensions)
+        return await self._embeddings(req, "Embeddings", "embd", "embedding")
+
+    async def pooling(self, req: PoolingRequest) -> dict:
+        """vLLM's /pooling: /v1/embeddings' vectors in its reply's shape, for the task "embed"."""
+        if req.task not in (None, "embed"):
+            raise bad_request(f"Task {req.task} is not supported by this model: it pools for embed only",
+                              param="task")
+        return await self._embeddings(req, "Pooling", "pool", "pooling")
+
+    async def _embeddings(self, req: EmbeddingRequest, api: str, prefix: str, kind: str) -> dict:
+        params = await self._pooling_params(req, api, req.dimensions)
         inputs = req.prompts() if req.messages is None else []
         self._check_inputs(len(inputs), "input")
         if req.messages is not None:
@@ -258,10 +268,10 @@ class OpenAIServing:
         else:
             prompts = await off_loop(self._encoded, inputs, req.add_special_tokens is not False)
         prompts = await self._fitted(prompts, params, req, "input")
-        rid, engine_rid = _request_ids("embd", req.request_id)
+        rid, engine_rid = _request_ids(prefix, req.request_id)
         vectors = await self._vectors(engine_rid, prompts, params)
         return embedding_response(rid, self.reply_model(req.model), vectors, sum(map(len, prompts)),
-                                  req.encoding_format)
+                                  req.encoding_format, kind)
 
     async def score(self, req: ScoreRequest) -> dict:
         """vLLM's /score on an embedding model: each pair's cosine similarity (router.scores)."""

@@ -6,8 +6,10 @@ refused, saying why; every request's KV blocks come back."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import shutil
+import struct
 
 import openai
 import pytest
@@ -300,6 +302,14 @@ def test_v1_embeddings_equal_llm_embed_through_the_openai_client(dirs, engine_cl
         r = await http.post("/v1/embeddings", json={"model": "m", "input": texts[0], "encoding_format": "float"})
         assert r.status_code == 200 and r.json()["object"] == "list"
         assert r.json()["data"][0]["embedding"] == pytest.approx(want[0], abs=1e-6)
+        for task in (None, "embed"):  # vLLM's /pooling: the same vectors, each a "pooling" object's `data`
+            r = await http.post("/pooling", json={"model": "m", "input": texts, "task": task})
+            assert r.json()["id"].startswith("pool-") and [d["object"] for d in r.json()["data"]] == ["pooling"] * 3
+            for d, w in zip(r.json()["data"], want):
+                assert d["data"] == pytest.approx(w, abs=1e-6)
+        r = await http.post("/pooling", json={"input": texts[0], "encoding_format": "base64"})
+        packed = base64.b64decode(r.json()["data"][0]["data"])
+        assert list(struct.unpack(f"<{len(packed) // 4}f", packed)) == pytest.approx(want[0], abs=1e-6)
         for body in ({"model": "m", "messages": chat}, {"input": chat}):  # vLLM's chat embeddings, both forms
             r = await http.post("/v1/embeddings", json=body)
             assert r.json()["data"][0]["embedding"] == pytest.approx(want_chat, abs=1e-6)
@@ -317,8 +327,11 @@ def test_v1_embeddings_equal_llm_embed_through_the_openai_client(dirs, engine_cl
         for name, body in {"dimensions": {"input": "x", "dimensions": 8}, "empty": {"input": ""},
                            "long": {"input": "x " * 300}, "ids": {"input": [[1, 2, VOCAB]]},
                            "normalize": {"input": "x", "normalize": True}, "both": {"input": "x", "messages": chat},
-                           "many": {"input": ["x"] * 2049}, "completions": None, "responses": None}.items():
-            if name == "completions":
+                           "many": {"input": ["x"] * 2049}, "completions": None, "responses": None,
+                           "task": None}.items():
+            if name == "task":
+                r = await http.post("/pooling", json={"input": "x", "task": "classify"})
+            elif name == "completions":
                 r = await http.post("/v1/completions", json={"prompt": "hi"})
             elif name == "responses":  # refused at once, not queued to fail later
                 r = await http.post("/v1/responses", json={"input": "hi", "background": True})
@@ -341,6 +354,7 @@ def test_v1_embeddings_equal_llm_embed_through_the_openai_client(dirs, engine_cl
     assert "give exactly one of input or messages" in refused["both"][1]
     assert "served for embeddings" in refused["completions"][1] and "served for embeddings" in refused["responses"][1]
     assert "2049 inputs" in refused["many"][1] and "at most 2048" in refused["many"][1]
+    assert "Task classify is not supported" in refused["task"][1]
 
 
 def test_a_generating_server_says_how_to_serve_embeddings(dirs, tokenizer):

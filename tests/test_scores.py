@@ -182,9 +182,10 @@ def test_a_generating_server_says_how_to_serve_scores(model_dir, tokenizer):
 
     async def go(client, http):
         return [(await http.post(path, json=body)) for path, body in
-                (("/score", {"text_1": "a", "text_2": "b"}), ("/rerank", {"query": "a", "documents": ["b"]}))]
+                (("/score", {"text_1": "a", "text_2": "b"}), ("/rerank", {"query": "a", "documents": ["b"]}),
+                 ("/pooling", {"input": "a"}))]
 
     replies = _serve(EngineConfig(model=str(model_dir), max_model_len=128, num_gpu_blocks_override=24), tokenizer, go)
-    assert [r.status_code for r in replies] == [400, 400]
-    assert "Score API" in replies[0].json()["error"]["message"]
+    assert [r.status_code for r in replies] == [400, 400, 400]
+    assert "Score API" in replies[0].json()["error"]["message"] and "Pooling API" in replies[2].json()["error"]["message"]
     assert all("--runner pooling" in r.json()["error"]["message"] for r in replies)
