@@ -115,12 +115,10 @@ def codes_wanted(device: torch.device, dtype: torch.dtype) -> bool:
             and cpu_kernels.enabled())
 
 
-def log_codes(model: nn.Module, seconds: float) -> None:
-    held = [m.weight_codes for m in model.modules() if getattr(m, "weight_codes", None) is not None]
-    if held:
-        logger.info("decode reads %d weights as %s-bit codes (%.0f MB, for %.0f MB of float32; found in %.1fs)",
-                    len(held), "/".join(map(str, sorted({c.bits for c in held}))), sum(c.nbytes for c in held) / 1e6,
-                    sum(c.shape[0] * c.shape[1] * 4 for c in held) / 1e6, seconds)
+def log_codes(held: list[BlockCodes], seconds: float) -> None:
+    logger.info("decode reads %d weights as %s-bit codes (%.0f MB, for %.0f MB of float32; found in %.1fs)",
+                len(held), "/".join(map(str, sorted({c.bits for c in held}))), sum(c.nbytes for c in held) / 1e6,
+                sum(c.shape[0] * c.shape[1] * 4 for c in held) / 1e6, seconds)
 
 
 def _encode_affine_4bit(blocks: torch.Tensor, shape: torch.Size) -> BlockCodes | None:

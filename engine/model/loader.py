@@ -115,11 +115,12 @@ def prepare_cpu_weights(model: LlamaModel, device: torch.device, dtype: torch.dt
     if encode and not hasattr(table, "weight_codes"):  # a lookup table only (an untied head, or none)
         table.weight_codes = codes.encode(table.weight)
         freed += drop_float_weight(table, lookup_only=True)
-    if encode:
-        log_codes(model, time.perf_counter() - t0)
     if freed:
         _release_freed_memory()
-    return sum(getattr(m, "weight_codes", None) is not None for m in model.modules())
+    coded = [m.weight_codes for m in model.modules() if getattr(m, "weight_codes", None) is not None]
+    if coded:
+        log_codes(coded, time.perf_counter() - t0)
+    return len(coded)
 
 
 def drop_float_weight(module: nn.Module, lookup_only: bool = False) -> int:
