@@ -153,9 +153,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="CUDA: the largest decode step captured (default: --max-num-seqs; with speculative decoding the "
              "rows of a step with drafts, up to 512)")
     add("--runner", choices=["auto", "generate", "pooling"],
-        help="vLLM's: pooling serves embeddings (/v1/embeddings, and /score, /rerank by their cosine) of each "
-             "prompt's last token instead of "
-             "generating; auto pools a sentence-transformers folder or an embedding architecture")
+        help="vLLM's: pooling serves embeddings (/v1/embeddings, and /score, /rerank by their cosine) instead of "
+             "generating, or a ...ForSequenceClassification checkpoint's classes (/classify; /score, /rerank: a "
+             "cross-encoder's); auto pools a sentence-transformers folder, an embedding architecture or a classifier")
     add("--convert", choices=["auto", "none", "embed"],
         help="vLLM's: embed runs a generative checkpoint as an embedding model (--runner pooling)")
     add("--pooler-config", metavar="JSON",

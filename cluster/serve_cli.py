@@ -294,13 +294,13 @@ def app_args_from_cli(ns: argparse.Namespace) -> dict:
 
 
 def ready_message(host: str, port: int, model: str, api_key: str | None, https: bool = False,
-                  pooling: bool = False) -> str:
+                  pooling: str | None = None) -> str:
     """The ready line and a curl to paste, which never shows the key: it reads the variable the key
     came from ($KVSERVE_API_KEY, $VLLM_API_KEY), else it holds a placeholder for the --api-key given.
-    `pooling`: the model serves embeddings, and the curl asks for one."""
+    `pooling`: the model pools, and the curl asks its route (/v1/embeddings, /classify) for a vector."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     url = f"{'https' if https else 'http'}://{shown}:{port}"
-    route = "embeddings" if pooling else "chat/completions"
+    route = {None: "/v1/chat/completions", "embed": "/v1/embeddings", "classify": "/classify"}[pooling]
     body = json.dumps({"model": model, "input": "The capital of France is Paris."} if pooling else
                       {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 32, "temperature": 0})
@@ -309,19 +309,21 @@ def ready_message(host: str, port: int, model: str, api_key: str | None, https: 
         key = next((f"${v}" for v in KEY_VARIABLES if api_key == os.environ.get(v)), "<the --api-key>")
         auth = f' -H "Authorization: Bearer {key}"'
     return (f"kvserve: ready: {model} at {url} (OpenAI API under {url}/v1; Ctrl-C stops)\n"
-            f"  curl {url}/v1/{route} -H 'Content-Type: application/json'{auth} -d '{body}'")
+            f"  curl {url}{route} -H 'Content-Type: application/json'{auth} -d '{body}'")
 
 
-def _pools(app_name: str) -> bool:
-    """Whether the application's engine pools (engine.pooling: runner auto decides by the model
-    folder, which the replica reads); False where it cannot tell."""
+def _pools(app_name: str) -> str | None:
+    """The first task the application's engine pools for (engine.pooling: runner auto decides by
+    the model folder, which the replica reads): "embed" or "classify"; None where it generates, or
+    where it cannot tell."""
     from ray import serve
 
     try:
         info = serve.get_deployment_handle("EngineServer", app_name=app_name).info.remote().result(timeout_s=30)
-        return info.get("pooler") is not None
+        pooler = info.get("pooler")
+        return None if pooler is None else ("embed" if pooler.get("classifier") is None else "classify")
     except Exception:
-        return False
+        return None
 
 
 METRICS_REPORT_INTERVAL_MS = 1000

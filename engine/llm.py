@@ -16,11 +16,12 @@ from engine.llm_engine import LLMEngine
 from engine.lora_request import LoRARequest
 from engine.metric_sinks import Metric
 from engine.model_source import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME, model_dir
-from engine.outputs import (EmbeddingOutput, EmbeddingRequestOutput, Logprob, PoolingOutput, PoolingRequestOutput,
-                            RequestOutput, ScoringOutput, ScoringRequestOutput, StepOutput)
+from engine.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput,
+                            Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
+                            ScoringRequestOutput, StepOutput)
 from engine.pooling import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.scoring import pair_scores, score_pairs
+from engine.scoring import pair_prompts, pair_scores, score_pairs
 from engine.vllm_args import without_vllm_only
 
 # Text, token ids, or vLLM's TextPrompt / TokensPrompt dicts: {"prompt": text}, {"prompt_token_ids": ids}.
@@ -190,18 +191,41 @@ class LLM:
         return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.pooled), out.prompt_token_ids,
                                        out.num_cached_tokens) for out in outs]
 
+    def classify(self, prompts: Prompt | list[Prompt], *, use_tqdm: bool | Callable = True,
+                 pooling_params: PoolingParams | list[PoolingParams] | None = None, lora_request=None,
+                 tokenization_kwargs: dict | None = None) -> list[ClassificationRequestOutput]:
+        """vLLM's: each prompt's class probabilities (`outputs.probs`), from a sequence classifier
+        (engine.classifier) started with runner="pooling"."""
+        listed = pooling_params if isinstance(pooling_params, list) else [pooling_params or PoolingParams()]
+        params = [dataclasses.replace(p, task="classify") for p in listed]
+        outs = self._pooled(prompts, params if isinstance(pooling_params, list) else params[0], use_tqdm,
+                            lora_request, None, tokenization_kwargs)
+        return [ClassificationRequestOutput(out.request_id, ClassificationOutput(out.pooled), out.prompt_token_ids,
+                                            out.num_cached_tokens) for out in outs]
+
     def score(self, data_1: Prompt | list[Prompt], data_2: Prompt | list[Prompt], /, *,
               use_tqdm: bool | Callable = True, pooling_params: PoolingParams | None = None, lora_request=None,
               truncate_prompt_tokens: int | None = None, tokenization_kwargs: dict | None = None,
               chat_template: str | None = None) -> list[ScoringRequestOutput]:
-        """vLLM's, for an embedding model: the cosine similarity of each pair's embeddings
-        (engine.scoring), pairing one `data_1` with every `data_2`, or the i-th with the i-th.
-        Every input is embedded once, all of them in one continuous batch."""
+        """vLLM's, pairing one `data_1` with every `data_2`, or the i-th with the i-th
+        (engine.scoring). An embedding model: the cosine similarity of each pair's embeddings,
+        every input embedded once. A cross-encoder (a classifier with one label): its score for
+        each pair, read as one prompt. Either way in one continuous batch."""
         if chat_template is not None:
-            raise ValueError("chat_template is for cross-encoder score templates; this engine scores by the "
-                             "cosine similarity of embeddings, each input embedded as it is")
+            raise ValueError("chat_template (a score template) is not supported: a cross-encoder reads each pair as "
+                             "its tokenizer encodes a text pair")
         firsts, seconds = list(_listed(data_1)), list(_listed(data_2))
         pairs = score_pairs(len(firsts), len(seconds))
+        head = None if self.engine.pooler is None else self.engine.pooler.classifier
+        if head is not None:
+            if not all(isinstance(t, str) for t in firsts + seconds):
+                raise ValueError("a cross-encoder scores pairs of texts: give data_1 and data_2 as strings")
+            prompts = pair_prompts(self.tokenizer, [(firsts[i], seconds[j]) for i, j in pairs], head.use_pad_token)
+            params = dataclasses.replace(pooling_params or PoolingParams(), task="score")
+            outs = self._pooled([{"prompt_token_ids": p} for p in prompts], params, use_tqdm, lora_request,
+                                truncate_prompt_tokens, tokenization_kwargs)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(o.pooled[0]), o.prompt_token_ids,
+                                         o.num_cached_tokens) for o in outs]
         outs = self._pooled(firsts + seconds, PoolingParams() if pooling_params is None else pooling_params,
                             use_tqdm, lora_request, truncate_prompt_tokens, tokenization_kwargs)
         a, b = outs[:len(firsts)], outs[len(firsts):]

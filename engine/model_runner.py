@@ -37,14 +37,15 @@ class RunnerOutput:
     sampled: list[int]  # indices into batch.seqs of the sequences that sample, in row order
     prompt_rows: PromptRows | None = None  # whose logits score prompt tokens (sum of span rows), when spans
     prompt_spans: list[PromptSpan] = field(default_factory=list)
-    pooled: torch.Tensor | None = None  # a pooling model's (engine.pooling): (len(sampled), hidden) float32, no logits
+    pooled: torch.Tensor | None = None  # a pooling model's (engine.pooling): (len(sampled), hidden or num_labels)
+    # float32, no logits
 
 
 def sampled_output(model: LlamaModel, hidden: torch.Tensor, sampled: list[int]) -> RunnerOutput:
     """The output for the sampled rows' final hidden states: their logits, or a pooling model's
     rows themselves."""
     if model.pooling:
-        return RunnerOutput(None, sampled, pooled=hidden.float())
+        return RunnerOutput(None, sampled, pooled=model.pooled(hidden))
     return RunnerOutput(model.compute_logits(hidden), sampled)
 
 

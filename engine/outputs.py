@@ -106,6 +106,20 @@ class EmbeddingRequestOutput(PoolingRequestOutput):
 
 
 @dataclass
+class ClassificationOutput:
+    """vLLM's: one prompt's class probabilities (engine.classifier)."""
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """vLLM's, what `LLM.classify` returns per prompt: `outputs.probs`."""
+
+
+@dataclass
 class ScoringOutput:
     """vLLM's: one pair's score (engine.scoring)."""
     score: float
@@ -113,7 +127,7 @@ class ScoringOutput:
 
 class ScoringRequestOutput(PoolingRequestOutput):
     """vLLM's, what `LLM.score` returns per pair: `outputs.score`; `prompt_token_ids` are the two
-    inputs' tokens one after the other."""
+    inputs' tokens one after the other (an embedding model's), or the pair's prompt (a cross-encoder's)."""
 
 
 @dataclass(frozen=True)

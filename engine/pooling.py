@@ -1,9 +1,13 @@
 """Pooling: an engine started with vLLM's `--runner pooling` turns each prompt into one vector
 (embeddings: `LLM.embed`, `/v1/embeddings`) instead of generating from it.
 
-    runner     generate | pooling; `auto` pools a sentence-transformers folder (modules.json) or
-               an architecture named for embeddings (`...EmbeddingModel`, or a bare `LlamaModel`
-               / `Qwen3Model` without a language-model head), as vLLM resolves it
+    runner     generate | pooling; `auto` pools a sentence-transformers folder (modules.json), an
+               architecture named for embeddings (`...EmbeddingModel`, or a bare `LlamaModel`
+               / `Qwen3Model` without a language-model head) or a sequence classifier
+               (`...ForSequenceClassification`), as vLLM resolves it
+    tasks      an embedding model pools for `embed`; a classifier for `classify` (its head's
+               probabilities, engine.classifier) and, with one label, `score` (a cross-encoder:
+               one pair of texts in one prompt, engine.scoring)
     pooler     vLLM's PoolerConfig: LAST pooling, the final hidden state (after the last norm) of
                the prompt's last token, or MEAN, the mean of every prompt token's; L2-normalised
                (`use_activation`) unless the model's sentence-transformers modules have no
@@ -29,6 +33,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.classifier import Classifier, activated, classifier, is_classifier
 from engine.errors import InvalidRequestError
 from engine.vllm_args import json_dict
 
@@ -37,6 +42,7 @@ logger = logging.getLogger(__name__)
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed")
 POOLING_TYPES = ("LAST", "MEAN")  # what this engine pools; vLLM's others are refused by name
+TASKS = ("embed", "classify", "score")  # vLLM's pooling tasks that this engine serves
 VLLM_POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL", "STEP")
 # sentence-transformers' module types (modules.json), old and new package layouts
 _ST_POOLING = ("sentence_transformers.models.Pooling",
@@ -56,6 +62,7 @@ class PoolingParams:
     truncate_prompt_tokens: int | None = None
     task: str = "embed"
     pooling_type: str | None = None  # the engine's, set when it takes the request (PoolerConfig.resolved)
+    activation: str | None = None  # the engine's too: what `use_activation` applies (ACTIVATIONS), or None
 
     @property
     def pools_every_row(self) -> bool:
@@ -63,9 +70,9 @@ class PoolingParams:
         return self.pooling_type == "MEAN"
 
     def __post_init__(self) -> None:
-        if self.task != "embed":
-            raise InvalidRequestError("task", f"pooling task {self.task!r} is not supported: kvserve pools "
-                                      "embeddings ('embed')")
+        if self.task not in TASKS:
+            raise InvalidRequestError("task", f"pooling task {self.task!r} is not supported: kvserve pools for "
+                                      f"{', '.join(TASKS)}")
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
                                             or self.dimensions < 1):
             raise InvalidRequestError("dimensions", f"dimensions must be a positive integer, got {self.dimensions!r}")
@@ -95,11 +102,35 @@ class PoolerConfig:
     embedding_size: int = 0  # the hidden size: what a vector has without `dimensions`
     matryoshka: bool = False  # the model's config says its leading dimensions embed on their own
     matryoshka_dimensions: tuple[int, ...] | None = None  # the only sizes allowed, where it lists them
+    classifier: Classifier | None = None  # a sequence classifier's head (engine.classifier); None: it embeds
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return ("embed",) if self.classifier is None else self.classifier.tasks
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> "PoolerConfig":
+        """The config from its `dataclasses.asdict` fields (an engine's info, as the router gets it)."""
+        head = fields.get("classifier")
+        if isinstance(head, dict):
+            head = Classifier(**{**head, "labels": tuple(head["labels"])})
+        dims = fields.get("matryoshka_dimensions")
+        return cls(**{**fields, "classifier": head, "matryoshka_dimensions": None if dims is None else tuple(dims)})
 
     def resolved(self, params: PoolingParams) -> PoolingParams:
-        """A request's params with the engine's defaults filled in; InvalidRequestError for a
-        `dimensions` this model cannot give (vLLM's checks and words)."""
+        """A request's params with the engine's defaults filled in; InvalidRequestError for a task
+        or a `dimensions` this model cannot give (vLLM's checks and words)."""
+        if params.task not in self.tasks:
+            raise InvalidRequestError("task", f"Task {params.task} is not supported by this model: it pools for "
+                                      f"{', '.join(self.tasks)}" + ("" if self.classifier is None else
+                                                                    " (it is a sequence classifier)"))
         dims = params.dimensions if params.dimensions is not None else self.dimensions
+        if self.classifier is not None:
+            if params.dimensions is not None:
+                raise InvalidRequestError("dimensions", "dimensions is for embeddings; this model classifies")
+            act = self.classifier.activation(params.task) if params.use_activation is not False else None
+            return PoolingParams(None, act is not None, params.truncate_prompt_tokens, params.task,
+                                 self.seq_pooling_type, act)
         act = params.use_activation if params.use_activation is not None else self.use_activation
         if dims is not None:
             if not self.matryoshka:
@@ -111,7 +142,8 @@ class PoolerConfig:
             if self.matryoshka_dimensions is not None and dims not in self.matryoshka_dimensions:
                 raise InvalidRequestError("dimensions", f"the model only supports dimensions "
                                           f"{list(self.matryoshka_dimensions)}, got {dims}")
-        return PoolingParams(dims, act, params.truncate_prompt_tokens, params.task, self.seq_pooling_type)
+        return PoolingParams(dims, act, params.truncate_prompt_tokens, params.task, self.seq_pooling_type,
+                             "normalize" if act else None)
 
 
 def parse_pooler_config(value) -> dict:
@@ -144,8 +176,8 @@ def parse_pooler_config(value) -> dict:
                 raise ValueError(f"pooler_config: dimensions must be a positive integer, got {v!r}")
             out[key] = v
         elif key == "task":
-            if v != "embed":
-                raise ValueError(f"pooler_config: task {v!r} is not supported (kvserve pools 'embed')")
+            if v not in TASKS:
+                raise ValueError(f"pooler_config: task {v!r} is not supported (kvserve pools for {', '.join(TASKS)})")
         else:
             raise ValueError(f"pooler_config: {key!r} is not supported here (kvserve takes pooling_type, "
                              "seq_pooling_type, use_activation, dimensions, task)")
@@ -197,7 +229,7 @@ def resolve_runner(runner: str, convert: str, model_dir: Path, hf_config) -> str
     for arch in getattr(hf_config, "architectures", None) or []:
         if arch.endswith(("ForCausalLM", "LMHeadModel", "ChatModel", "ForConditionalGeneration")):
             return "generate"
-        if arch.endswith(("EmbeddingModel", "ForTextEncoding")) or arch.endswith("Model"):
+        if arch.endswith(("EmbeddingModel", "ForTextEncoding", "ForSequenceClassification")) or arch.endswith("Model"):
             return "pooling"
     return "generate"
 
@@ -206,6 +238,9 @@ def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) 
     """The engine's PoolerConfig, or None for a generating one. --pooler-config wins over the
     folder's sentence-transformers modules, which win over the defaults (LAST, normalised)."""
     if resolve_runner(runner, convert, model_dir, hf_config) != "pooling":
+        if is_classifier(hf_config):
+            raise ValueError("this checkpoint is a sequence classifier (...ForSequenceClassification): it has no "
+                             "language-model head to generate with; serve it with --runner pooling")
         if value is not None:
             logger.warning("--pooler-config has no effect: the model runs for generation (--runner pooling pools)")
         return None
@@ -214,6 +249,10 @@ def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) 
                          "kvserve's attention is causal only, and would embed it wrongly")
     fields = {**(sentence_transformers_pooling(model_dir) or {}), **parse_pooler_config(value)}
     kind = fields.get("seq_pooling_type", "LAST")
+    head = classifier(hf_config) if is_classifier(hf_config) else None
+    if head is not None and (kind != "LAST" or "dimensions" in fields):
+        raise ValueError(f"a sequence classifier scores its last token's state, whole: {kind} pooling or "
+                         "dimensions would give its head inputs it was not trained on")
     if kind not in POOLING_TYPES:
         raise ValueError(f"pooling type {kind} is not supported: kvserve pools the last token (LAST) or the mean "
                          "of all (MEAN); a CLS token's state means something only under attention both ways. Set "
@@ -221,7 +260,10 @@ def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) 
     dims = getattr(hf_config, "matryoshka_dimensions", None)
     config = PoolerConfig(kind, fields.get("use_activation", True), fields.get("dimensions"), hf_config.hidden_size,
                           bool(dims) or bool(getattr(hf_config, "is_matryoshka", False)),
-                          tuple(dims) if dims else None)
+                          tuple(dims) if dims else None, head)
+    if head is not None:
+        logger.info("pooling runner: a sequence classifier, %d labels, for %s", head.num_labels, ", ".join(head.tasks))
+        return config
     if config.dimensions is not None:
         config.resolved(PoolingParams())  # a default the model cannot give: refused now, not per request
     logger.info("pooling runner: %s pooling, %s, %d dimensions", kind,
@@ -232,7 +274,8 @@ def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) 
 @dataclass(frozen=True, slots=True)
 class Pooled:
     """What a pooling sequence 'draws' at the end of its prefill: its last prompt token's final
-    hidden state, as the model gave it (float32); Request.finish_pooled makes the vector."""
+    hidden state (a classifier's: its head's logits over it), as the model gave it (float32);
+    Request.finish_pooled makes the vector."""
     data: list[float]
 
 
@@ -255,11 +298,11 @@ def row_sums(hidden, spans: list) -> dict[int, tuple[list[float], int]]:
     return {s.index: (v, s.num_rows) for s, v in zip(spans, torch.stack(sums).tolist())}
 
 
-def embedding(last: list[float], params: PoolingParams, rows_sum: list[float] | None = None,
-              num_rows: int = 0) -> list[float]:
+def pooled_vector(last: list[float], params: PoolingParams, rows_sum: list[float] | None = None,
+                  num_rows: int = 0) -> list[float]:
     """The vector of a request (`params` resolved): its last row (LAST), or the mean of
-    `rows_sum` (its other rows) and the last (MEAN); its first `dimensions`, normalised with
-    `use_activation` (vLLM's order: cut, then normalise)."""
+    `rows_sum` (its other rows) and the last (MEAN); its first `dimensions`, with its
+    `activation` applied (vLLM's order: cut, then normalise)."""
     import torch  # not at import: EngineConfig reads this module's names, and the ingress has no use for torch
 
     v = torch.tensor(last, dtype=torch.float64)
@@ -267,6 +310,4 @@ def embedding(last: list[float], params: PoolingParams, rows_sum: list[float] | 
         v = (v + torch.tensor(rows_sum, dtype=torch.float64)) / (num_rows + 1) if rows_sum is not None else v
     if params.dimensions is not None:
         v = v[:params.dimensions]
-    if params.use_activation:
-        v = torch.nn.functional.normalize(v, p=2, dim=-1)
-    return v.float().tolist()
+    return activated(v, params.activation).float().tolist()

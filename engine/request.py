@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from engine.detokenizer import IncrementalDetokenizer, decoder
 from engine.outputs import CompletionOutput, PromptLogprob, PromptLogprobs, RequestOutput
-from engine.pooling import Pooled, embedding
+from engine.pooling import Pooled, pooled_vector
 from engine.sampler import SampleResult
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.sequence import Sequence
@@ -98,7 +98,7 @@ class Request:
 
     def finish_pooled(self, seq: Sequence, result: Pooled) -> bool:
         """A pooling request's last row (engine.pooling): it ends with its vector."""
-        self.pooled = embedding(result.data, self.params.pooling, self._rows_sum, seq.num_prompt_logprobs)
+        self.pooled = pooled_vector(result.data, self.params.pooling, self._rows_sum, seq.num_prompt_logprobs)
         return self.finish(seq, "stop")
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | None = None) -> bool:

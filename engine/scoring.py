@@ -1,13 +1,15 @@
-"""Scores from an embedding model (vLLM's score and rerank APIs on a `--runner pooling` engine):
-each text is embedded on its own, and a pair scores the cosine similarity of its two vectors.
+"""Scores (vLLM's score and rerank APIs on a `--runner pooling` engine), from either model kind:
+
+    embedding model   each text is embedded on its own, and a pair scores the cosine similarity
+                      of its two vectors (`pair_scores`)
+    cross-encoder     a sequence classifier with one label (engine.classifier) reads each pair
+                      as one prompt (`pair_prompts`) and scores it with its head
 
     score_pairs   which first input meets which second one: 1:1, 1:N (one query, many
                   documents) or N:N (the i-th with the i-th), vLLM's rule and words
     pair_scores   each pair's cosine similarity, in float64 from the float32 vectors the engine
                   returns, every vector's norm taken once
-
-Cross-encoders (one forward pass over the pair, a classifier head on top) are another model
-kind; kvserve serves decoder embedding models only, so every score here is a cosine."""
+    pair_prompts  each pair's prompt for a cross-encoder, as vLLM builds it"""
 from __future__ import annotations
 
 import torch
@@ -27,6 +29,18 @@ def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
     if num_first != num_second:
         raise ValueError("Input lengths must be either 1:1, 1:N or N:N")
     return [(i, i) for i in range(num_first)]
+
+
+def pair_prompts(tokenizer, pairs: list[tuple[str, str]], use_pad_token: bool = True) -> list[list[int]]:
+    """A cross-encoder's prompt for each (first, second) text pair: the tokenizer's pair encoding
+    (its separators and special tokens, as the model was trained on them), or, where the model's
+    config sets use_pad_token false (an LLM converted into a reranker), the two texts joined."""
+    if not pairs:
+        return []
+    firsts, seconds = map(list, zip(*pairs))
+    if use_pad_token:
+        return tokenizer(firsts, text_pair=seconds)["input_ids"]
+    return tokenizer([a + b for a, b in pairs])["input_ids"]
 
 
 def pair_scores(firsts: list[list[float]], seconds: list[list[float]]) -> list[float]:

@@ -10,8 +10,9 @@
     GET, DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items   stored responses
     POST /v1/responses/{id}/cancel   a background response (router.background)
     POST /v1/embeddings         on a pooling engine (--runner pooling), as the next three
-    POST /pooling               vLLM's: the embeddings in its pooling reply (task "embed")
-    POST /score, /v1/score      vLLM's: text pairs scored by their embeddings' cosine similarity
+    POST /pooling               vLLM's: each input's vector in its pooling reply (tasks "embed", "classify")
+    POST /classify              vLLM's: each input's class probabilities, from a sequence classifier
+    POST /score, /v1/score      vLLM's: text pairs scored by a cross-encoder, or by their embeddings' cosine
     POST /rerank, /v1/rerank, /v2/rerank   vLLM's (Jina's, Cohere's body): documents by their score against a query
     POST /invocations           SageMaker's (vLLM's): a chat request (messages) or a completion (prompt)
     POST /tokenize, /detokenize
@@ -45,8 +46,8 @@ from router.errors import OpenAIError, bad_request, from_validation_error, inter
 from router.keep_alive import KeepAlive
 from router.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from router.off_loop import off_loop
-from router.protocol import (REQUEST_ID_PATTERN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                             EmbeddingRequest, PoolingRequest, TokenizeRequest)
+from router.protocol import (REQUEST_ID_PATTERN, ChatCompletionRequest, ClassificationRequest, CompletionRequest,
+                             DetokenizeRequest, EmbeddingRequest, PoolingRequest, TokenizeRequest)
 from router.responses import ResponsesRequest
 from router.scores import RERANK_PATHS, SCORE_PATHS, RerankRequest, ScoreRequest
 from router.serving import OpenAIServing
@@ -94,7 +95,7 @@ class AdmissionGate:
     OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json", "/docs", "/metrics", "/version", "/load"})
     # what vLLM's /load counts
     MODEL_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/invocations",
-                   "/pooling", *SCORE_PATHS, *RERANK_PATHS)
+                   "/pooling", "/classify", *SCORE_PATHS, *RERANK_PATHS)
 
     def __init__(self, app, admission: Admission) -> None:
         self.app = app
@@ -332,6 +333,12 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
         set_session(request.headers.get(SESSION_HEADER), body.user)
         return reply(await serving.pooling(body))
 
+    @api.post("/classify", openapi_extra=_json_body(ClassificationRequest))
+    async def classify(request: Request):
+        body = _with_request_id(request, await read_json(request, ClassificationRequest, limit))
+        set_session(request.headers.get(SESSION_HEADER), body.user)
+        return reply(await serving.classify(body))
+
     async def score(request: Request):
         body = _with_request_id(request, await read_json(request, ScoreRequest, limit))
         set_session(request.headers.get(SESSION_HEADER), body.user)
@@ -413,8 +420,8 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     return app
 
 
-BODY_MODELS = (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, PoolingRequest, ScoreRequest,
-               RerankRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
+BODY_MODELS = (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, PoolingRequest, ClassificationRequest,
+               ScoreRequest, RerankRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
 
 
 def _json_body(model: type[BaseModel]) -> dict:

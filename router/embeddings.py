@@ -8,6 +8,7 @@ import base64
 import struct
 import time
 
+from engine.classifier import Classifier
 from engine.errors import InvalidRequestError
 from engine.pooling import PoolerConfig, PoolingParams
 from engine.sampling_params import SamplingParams
@@ -15,15 +16,22 @@ from router.errors import bad_request, from_invalid_request
 from router.protocol import PoolingFields
 
 
-def embedding_params(req: PoolingFields, pooler: dict | None,
-                     api: str = "Embeddings", dimensions: int | None = None) -> SamplingParams:
+def embedding_params(req: PoolingFields, pooler: dict | None, api: str = "Embeddings",
+                     dimensions: int | None = None, task: str = "embed", task_param: str = "model") -> SamplingParams:
     """`pooler`: the engine's PoolerConfig fields (its info), None where it generates: a 400, as
-    vLLM's server answers a generative model's /v1/embeddings (`api`: the API the route serves)."""
+    vLLM's server answers a generative model's /v1/embeddings (`api`: the API the route serves);
+    `task`: the pooling task it asks for, a 400 naming `task_param` where the model pools for others."""
     if pooler is None:
         raise bad_request(f"The model does not support the {api} API: it is served for generation (start the "
                           "server with --runner pooling to serve embeddings)", param="model")
+    config = PoolerConfig.from_fields(pooler)
+    if task not in config.tasks:
+        kind = "an embedding model" if config.classifier is None else (
+            f"a sequence classifier with {config.classifier.num_labels} labels")
+        raise bad_request(f"Task {task} is not supported by this model ({api} API): it is {kind}, which pools for "
+                          f"{', '.join(config.tasks)}", param=task_param)
     try:
-        params = PoolerConfig(**pooler).resolved(PoolingParams(dimensions, req.use_activation))
+        params = config.resolved(PoolingParams(dimensions, req.use_activation, task=task))
     except InvalidRequestError as e:
         raise from_invalid_request(e) from None
     sampling = params.sampling()
@@ -40,6 +48,14 @@ def embedding_response(rid: str, model: str, vectors: list[list[float]], num_pro
             for i, v in enumerate(vectors)]
     return {"id": rid, "object": "list", "created": int(time.time()), "model": model, "data": data,
             "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens}}
+
+
+def classification_response(rid: str, model: str, probs: list[list[float]], head: Classifier,
+                            num_prompt_tokens: int) -> dict:
+    """vLLM's reply to /classify: each input's probabilities, and the label of the likeliest class."""
+    data = [{"index": i, "label": head.label(p), "probs": p, "num_classes": len(p)} for i, p in enumerate(probs)]
+    return {"id": rid, "object": "list", "created": int(time.time()), "model": model, "data": data,
+            "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens, "completion_tokens": 0}}
 
 
 def as_base64(vector: list[float]) -> str:

@@ -626,13 +626,12 @@ class PoolingFields(_Model):
         return data
 
 
-class EmbeddingRequest(PoolingFields):
-    """POST /v1/embeddings (OpenAI's; vLLM's extras): `input` (text, token ids, or a list of
-    either), or vLLM's `messages` rendered by the chat template."""
+class InputPoolingFields(PoolingFields):
+    """What the bodies that pool each of their inputs share (embeddings, pooling, classify):
+    `input` (text, token ids, or a list of either), or vLLM's `messages` rendered by the chat
+    template."""
     input: PromptInput | None = None
     messages: list[ChatMessage] | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
     # vLLM extras
     add_special_tokens: bool | None = None  # None: True for input, False for messages (the template writes them)
     add_generation_prompt: bool = False
@@ -671,7 +670,17 @@ class EmbeddingRequest(PoolingFields):
         return list(p)
 
 
+class EmbeddingRequest(InputPoolingFields):
+    """POST /v1/embeddings (OpenAI's; vLLM's extras)."""
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+
+
+class ClassificationRequest(InputPoolingFields):
+    """POST /classify (vLLM's): each input's class probabilities, from a sequence classifier."""
+
+
 class PoolingRequest(EmbeddingRequest):
-    """POST /pooling (vLLM's): an embedding request, with the pooling `task` named; an embedding
-    model pools for "embed" only."""
+    """POST /pooling (vLLM's): an embedding request, with the pooling `task` named: "embed" on an
+    embedding model, "classify" on a classifier (its default)."""
     task: str | None = None

@@ -1,7 +1,8 @@
-"""vLLM's score and rerank APIs, on an embedding model (`--runner pooling`): POST /score (and
+"""vLLM's score and rerank APIs, on a pooling engine (`--runner pooling`): POST /score (and
 /v1/score) scores text pairs, POST /rerank (and /v1/rerank, /v2/rerank: Jina's and Cohere's
-shape) orders documents by their relevance to a query. Both embed every text once, as
-/v1/embeddings does, and score a pair by the cosine similarity of its vectors (engine.scoring).
+shape) orders documents by their relevance to a query. An embedding model embeds every text
+once, as /v1/embeddings does, and scores a pair by the cosine similarity of its vectors; a
+cross-encoder reads each pair as one prompt and scores it with its head (engine.scoring).
 
 The request bodies and replies are here; OpenAIServing runs them."""
 from __future__ import annotations

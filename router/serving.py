@@ -31,12 +31,13 @@ from engine.chat_format import as_parts, resolved
 from engine.errors import InvalidRequestError
 from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import SamplingParams, priority_refusal, truncated
-from engine.scoring import pair_scores
+from engine.pooling import PoolerConfig
+from engine.scoring import pair_prompts, pair_scores, score_pairs
 from engine.structured.params import StructuredOutputsParams
 from engine.beam_search import BeamSearch, BeamSearchAborted, Generate, beam_search
 from router.background import BackgroundRuns, EventLog, check_id_free, run_in_background, stream_in_background
 from router.chunk_streams import ChunkStreams
-from router.embeddings import embedding_params, embedding_response
+from router.embeddings import classification_response, embedding_params, embedding_response
 from router.scores import RerankRequest, ScoreRequest, rerank_response, score_response
 from router.engine_streams import collect, events, logged_outputs, map_steps, merge_streams, renumbered, sample_calls
 from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error, unavailable
@@ -44,8 +45,8 @@ from router.formatting import (Accumulator, PromptEcho, chat_logprobs, chat_resp
                                vllm_prompt_logprobs)
 from router.lora_modules import LoRAModules
 from router.off_loop import off_loop
-from router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
-                             PoolingFields, PoolingRequest, TokenizeRequest)
+from router.protocol import (ChatCompletionRequest, ClassificationRequest, CompletionRequest, DetokenizeRequest,
+                             EmbeddingRequest, InputPoolingFields, PoolingFields, PoolingRequest, TokenizeRequest)
 from router.reasoning import (END, count_reasoning_tokens, grammar_gate, opens_in_reasoning, reasoning_fields,
                               reply_start, split_reasoning)
 from router.response_store import ResponseStore, StoredResponses
@@ -253,14 +254,37 @@ class OpenAIServing:
         return await self._embeddings(req, "Embeddings", "embd", "embedding")
 
     async def pooling(self, req: PoolingRequest) -> dict:
-        """vLLM's /pooling: /v1/embeddings' vectors in its reply's shape, for the task "embed"."""
-        if req.task not in (None, "embed"):
-            raise bad_request(f"Task {req.task} is not supported by this model: it pools for embed only",
-                              param="task")
-        return await self._embeddings(req, "Pooling", "pool", "pooling")
+        """vLLM's /pooling: each input's vector in its reply's shape: an embedding model's
+        embedding (task "embed"), a classifier's probabilities ("classify"); by default the
+        model's first task."""
+        pooler = await self._pooler()
+        task = req.task or (pooler.tasks[0] if pooler is not None else "embed")
+        if task not in ("embed", "classify"):
+            raise bad_request(f"Task {task} is not supported by /pooling: it pools for embed and classify (/score "
+                              "scores pairs)", param="task")
+        params = await self._pooling_params(req, "Pooling", req.dimensions, task, "task")
+        rid, prompts, vectors = await self._pooled_inputs(req, params, "pool")
+        return embedding_response(rid, self.reply_model(req.model), vectors, sum(map(len, prompts)),
+                                  req.encoding_format, "pooling")
+
+    async def classify(self, req: ClassificationRequest) -> dict:
+        """vLLM's /classify: each input's class probabilities and likeliest label, from a
+        sequence classifier (engine.classifier)."""
+        params = await self._pooling_params(req, "Classification", task="classify")
+        rid, prompts, probs = await self._pooled_inputs(req, params, "classify")
+        return classification_response(rid, self.reply_model(req.model), probs, (await self._pooler()).classifier,
+                                       sum(map(len, prompts)))
 
     async def _embeddings(self, req: EmbeddingRequest, api: str, prefix: str, kind: str) -> dict:
         params = await self._pooling_params(req, api, req.dimensions)
+        rid, prompts, vectors = await self._pooled_inputs(req, params, prefix)
+        return embedding_response(rid, self.reply_model(req.model), vectors, sum(map(len, prompts)),
+                                  req.encoding_format, kind)
+
+    async def _pooled_inputs(self, req: InputPoolingFields, params: SamplingParams,
+                             prefix: str) -> tuple[str, list[list[int]], list[list[float]]]:
+        """-> (the reply's id, the prompts run, their vectors): each of the body's inputs (or its
+        conversation) pooled with `params`."""
         inputs = req.prompts() if req.messages is None else []
         self._check_inputs(len(inputs), "input")
         if req.messages is not None:
@@ -269,18 +293,16 @@ class OpenAIServing:
             prompts = await off_loop(self._encoded, inputs, req.add_special_tokens is not False)
         prompts = await self._fitted(prompts, params, req, "input")
         rid, engine_rid = _request_ids(prefix, req.request_id)
-        vectors = await self._vectors(engine_rid, prompts, params)
-        return embedding_response(rid, self.reply_model(req.model), vectors, sum(map(len, prompts)),
-                                  req.encoding_format, kind)
+        return rid, prompts, await self._vectors(engine_rid, prompts, params)
 
     async def score(self, req: ScoreRequest) -> dict:
-        """vLLM's /score on an embedding model: each pair's cosine similarity (router.scores)."""
+        """vLLM's /score: each pair's score (router.scores)."""
         rid, scores, num_tokens = await self._scored(req, "Score", "score", (req.firsts(), req.seconds()),
                                                      req.names())
         return score_response(rid, self.reply_model(req.model), scores, num_tokens)
 
     async def rerank(self, req: RerankRequest) -> dict:
-        """vLLM's /rerank (Jina's, Cohere's) on an embedding model: the documents by their score against the query."""
+        """vLLM's /rerank (Jina's, Cohere's): the documents by their score against the query."""
         rid, scores, num_tokens = await self._scored(req, "Rerank", "rerank", ([req.query], req.texts()),
                                                      ("query", "documents"), req.max_tokens_per_doc)
         return rerank_response(rid, self.reply_model(req.model), req, scores, num_tokens)
@@ -288,12 +310,18 @@ class OpenAIServing:
     async def _scored(self, req: ScoreRequest | RerankRequest, api: str, prefix: str,
                       sides: tuple[list[str], list[str]], names: tuple[str, str],
                       max_second_tokens: int | None = None) -> tuple[str, list[float], int]:
-        """-> (the reply's id, each pair's score, the tokens embedded): every text of the two
-        `sides` (their fields: `names`) embedded once; the second side's texts keep their first
-        `max_second_tokens` tokens where that is given (Cohere's max_tokens_per_doc)."""
-        params = await self._pooling_params(req, api)
+        """-> (the reply's id, each pair's score, the tokens run): an embedding model's cosine of
+        the two texts' vectors, every text of the two `sides` (their fields: `names`) embedded
+        once; a cross-encoder's score of each pair read as one prompt (`_cross_encoded`). The
+        second side's texts keep their first `max_second_tokens` tokens where that is given
+        (Cohere's max_tokens_per_doc)."""
         for texts, name in zip(sides, names):
             self._check_inputs(len(texts), name)
+        pooler = await self._pooler()
+        if pooler is not None and pooler.classifier is not None:
+            return await self._cross_encoded(req, api, prefix, sides, names, max_second_tokens,
+                                             pooler.classifier.use_pad_token)
+        params = await self._pooling_params(req, api)
         firsts, seconds = [await off_loop(self._encoded, texts, True) for texts in sides]
         if max_second_tokens is not None:
             seconds = [ids[:max_second_tokens] for ids in seconds]
@@ -303,10 +331,35 @@ class OpenAIServing:
         scores = await off_loop(pair_scores, vectors[:len(firsts)], vectors[len(firsts):])
         return rid, scores, sum(map(len, firsts + seconds))
 
-    async def _pooling_params(self, req: PoolingFields, api: str,
-                              dimensions: int | None = None) -> SamplingParams:
+    async def _cross_encoded(self, req: ScoreRequest | RerankRequest, api: str, prefix: str,
+                             sides: tuple[list[str], list[str]], names: tuple[str, str], max_second_tokens: int | None,
+                             use_pad_token: bool) -> tuple[str, list[float], int]:
+        """_scored's on a cross-encoder: each pair one prompt (engine.scoring.pair_prompts), its
+        score the head's; a document cut to `max_second_tokens` keeps the text of its first ones."""
+        params = await self._pooling_params(req, api, task="score")
+        firsts, seconds = sides
+        if max_second_tokens is not None:
+            seconds = await off_loop(self._cut_texts, seconds, max_second_tokens)
+        pairs = [(firsts[i], seconds[j]) for i, j in score_pairs(len(firsts), len(seconds))]
+        prompts = await off_loop(pair_prompts, self.tokenizer, pairs, use_pad_token)
+        prompts = await self._fitted(prompts, params, req, names[1])
+        rid, engine_rid = _request_ids(prefix, req.request_id)
+        vectors = await self._vectors(engine_rid, prompts, params)
+        return rid, [v[0] for v in vectors], sum(map(len, prompts))
+
+    def _cut_texts(self, texts: list[str], max_tokens: int) -> list[str]:
+        cut = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        return [t if len(ids) <= max_tokens else self.tokenizer.decode(ids[:max_tokens]) for t, ids in zip(texts, cut)]
+
+    async def _pooler(self) -> PoolerConfig | None:
+        """How the engine pools (engine.pooling), None where it generates."""
+        fields = (await self.limits()).get("pooler")
+        return None if fields is None else PoolerConfig.from_fields(fields)
+
+    async def _pooling_params(self, req: PoolingFields, api: str, dimensions: int | None = None,
+                              task: str = "embed", task_param: str = "model") -> SamplingParams:
         self.check_model(req.model)
-        params = embedding_params(req, (await self.limits()).get("pooler"), api, dimensions)
+        params = embedding_params(req, (await self.limits()).get("pooler"), api, dimensions, task, task_param)
         lora = self.adapters.get(req.model)
         return params if lora is None else dataclasses.replace(params, lora_request=lora)
 

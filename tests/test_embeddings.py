@@ -116,8 +116,10 @@ def test_params_a_full_context_and_what_is_refused(dirs, tmp_path):
         llm.embed(prompts[0], pooling_params=PoolingParams(dimensions=8), use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="served for embeddings.*does not generate"):
         llm.generate(prompts[0], SamplingParams(max_tokens=2), use_tqdm=False)
-    with pytest.raises(InvalidRequestError, match="pooling task 'classify' is not supported"):
-        PoolingParams(task="classify")
+    with pytest.raises(InvalidRequestError, match="pooling task 'token_embed' is not supported"):
+        PoolingParams(task="token_embed")
+    with pytest.raises(InvalidRequestError, match="Task classify is not supported by this model: it pools for embed"):
+        llm.classify(prompts[0], use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="does not support Matryoshka"):  # its full size too, as vLLM
         llm.embed(prompts[0], pooling_params=PoolingParams(dimensions=64), use_tqdm=False)
     for asked in (dict(n=2), dict(logprobs=1), dict(prompt_logprobs=1), dict(max_tokens=3)):  # params made by hand

@@ -14,7 +14,7 @@ from engine import LLM, AsyncEngine, SamplingParams
 from engine.block_manager import BlockManager
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import Sequence
-from tests.tiny_llama import TINY_CONFIGS, hf_greedy, make_tiny_llama
+from tests.tiny_llama import TINY_CONFIGS, hf_greedy, make_tiny_classifier, make_tiny_llama
 from workers.messages import RankMirror, StepEncoder
 
 MAX_NEW = 24
@@ -270,6 +270,22 @@ def test_tp2_pooling_gives_tp1s_embeddings(ray_cluster, tiny_dirs, pooling_type)
         got = llm.embed(prompts, pooling_params=params, use_tqdm=False)
         for g, w in zip(got, want):
             assert g.outputs.embedding == pytest.approx(w.outputs.embedding, abs=1e-5)
+        _assert_clean(llm)
+    finally:
+        llm.engine.executor.shutdown()
+
+
+def test_tp2_a_classifier_gives_tp1s_probabilities(ray_cluster, tiny_dirs, tmp_path):
+    """A sequence classifier at tp=2 (engine.classifier): every rank holds the whole `score`
+    head after the all-reduced final norm, and the sampling rank's logits give tp=1's probabilities."""
+    d = make_tiny_classifier(tiny_dirs["gqa"], tmp_path / "classifier", 3)
+    prompts = _prompts()
+    want = LLM(model=str(d), **ENGINE).classify(prompts, use_tqdm=False)
+    llm = LLM(model=str(d), tensor_parallel_size=2, **ENGINE)
+    try:
+        got = llm.classify(prompts, use_tqdm=False)
+        for g, w in zip(got, want):
+            assert g.outputs.probs == pytest.approx(w.outputs.probs, abs=1e-5)
         _assert_clean(llm)
     finally:
         llm.engine.executor.shutdown()

@@ -64,6 +64,26 @@ def make_tiny_llama(out_dir: Path, tokenizer_dir: str, kind: str = "gqa", vocab_
     return out_dir
 
 
+def make_tiny_classifier(src_dir: Path, out_dir: Path, num_labels: int, seed: int = 1, **config) -> Path:
+    """A `...ForSequenceClassification` checkpoint (engine.classifier) of the tiny model in
+    src_dir: its body, and a random `score` head over `num_labels` classes; `config`: fields
+    set on its config.json (id2label, problem_type, use_pad_token, ...)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    cfg = AutoConfig.from_pretrained(str(src_dir), num_labels=num_labels)
+    for key, value in config.items():
+        setattr(cfg, key, value)
+    model = AutoModelForSequenceClassification.from_pretrained(str(src_dir), config=cfg).eval()
+    torch.manual_seed(seed)
+    with torch.no_grad():  # logits of a few units: probabilities far from uniform
+        model.score.weight.normal_(0, 0.5)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(src_dir) / name).exists():
+            shutil.copy(Path(src_dir) / name, Path(out_dir) / name)
+    return Path(out_dir)
+
+
 def with_tokenizer_code(model_dir: Path) -> Path:
     """The directory's tokenizer made one that ships its own Python code (transformers' auto_map), as
     some checkpoints' are: loading it needs trust_remote_code. The class is the fast tokenizer again."""

@@ -156,6 +156,18 @@ class RMSNorm(ShardedModule):
         return s, self(s)
 
 
+class ReplicatedLinear(ShardedModule):
+    """y = x W^T, W whole on every rank: a small head (a classifier's `score`) after the
+    all-reduced final norm."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._param("weight", out_features, in_features, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
 class ColumnParallelLinear(ShardedModule):
     """y = x W^T with W's output rows split across ranks; `output_sizes` are the logical
     sub-matrices packed together (q/k/v or gate/up), each split on its own:

@@ -16,7 +16,8 @@ from torch import nn
 
 from engine import cpu_kernels
 from engine.attention import StepAttention
-from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+from engine.classifier import is_classifier
+from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, ReplicatedLinear, RMSNorm,
                                  RowParallelLinear, TPContext, VocabParallelEmbedding)
 from engine.model.rope import RopeStep, RotaryEmbedding, apply_rope, rope_inv_freq
 from engine.model_source import SUPPORTED_MODEL_TYPES
@@ -43,6 +44,7 @@ class ModelArch:
     o_proj_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k before RoPE
     sliding_window: int | None = None  # the checkpoint's attention window, where one applies
+    num_labels: int = 0  # a sequence classifier's classes (its `score` head); 0: no classifier
 
     @classmethod
     def from_hf(cls, cfg) -> "ModelArch":
@@ -74,6 +76,7 @@ class ModelArch:
             o_proj_bias=cfg.model_type not in ("qwen2", "mistral") and bias,
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             qk_norm=cfg.model_type == "qwen3", sliding_window=window,
+            num_labels=cfg.num_labels if is_classifier(cfg) else 0,
         )
         try:  # here, where `kvserve serve` reads the config before Ray starts, not in each replica
             rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
@@ -206,7 +209,8 @@ class LlamaModel(nn.Module):
 
     def __init__(self, a: ModelArch, dtype: torch.dtype, tp: TPContext = TPContext(), pooling: bool = False) -> None:
         """`pooling`: the model's final hidden states are the output (engine.pooling); it has no
-        language-model head, and a checkpoint's is not read."""
+        language-model head, and a checkpoint's is not read. A sequence classifier's (`num_labels`)
+        output is its `score` head's logits over them."""
         super().__init__()
         a.check_tp(tp.size)
         self.arch = a
@@ -218,6 +222,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.lm_head = None if a.tie_word_embeddings or pooling else ParallelLMHead(a.vocab_size, a.hidden_size, tp,
                                                                                    dtype)
+        if a.num_labels and not pooling:
+            raise ValueError("this checkpoint is a sequence classifier (...ForSequenceClassification): it has no "
+                             "language-model head to generate with; serve it with --runner pooling")
+        self.score = ReplicatedLinear(a.hidden_size, a.num_labels, dtype) if a.num_labels else None
         if not pooling:  # a pooling model computes no logits: no second forms of the embedding for them
             head = self.embed_tokens if self.lm_head is None else self.lm_head
             head.weight_codes = None  # its logits GEMM, like the linear layers', may read 4/8-bit codes (codes.py)
@@ -235,6 +243,11 @@ class LlamaModel(nn.Module):
         for layer, kv in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, rope, kv, meta)
         return self.norm.add_forward(h, residual)[1]
+
+    def pooled(self, h: torch.Tensor) -> torch.Tensor:
+        """A pooling model's output for rows `h` (N, hidden), float32: the rows themselves, or a
+        classifier's logits (N, num_labels), in the model's dtype first as HF computes them."""
+        return (h if self.score is None else self.score(h)).float()
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor | None:
         """h: (N, hidden) rows to sample -> (N, vocab) float32 on the sampling rank (the only rank at
