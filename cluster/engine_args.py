@@ -162,6 +162,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help='vLLM\'s, for --runner pooling: {"pooling_type": "LAST" or "MEAN", "use_activation": true (L2-normalise), '
              '"dimensions": N (a Matryoshka model\'s default size)}; the model folder\'s sentence-transformers '
              "modules set what it leaves out")
+    add("--hf-overrides", metavar="JSON",
+        help="vLLM's: config.json fields set over the model folder's, e.g. '{\"architectures\": "
+             "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], "
+             "\"is_original_qwen3_reranker\": true}' serves Qwen3-Reranker as a cross-encoder")
     _add_vllm_only_flags(parser)
     return parser
 

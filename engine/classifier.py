@@ -54,12 +54,14 @@ def classifier(hf_config) -> Classifier:
         classify = "sigmoid" if n < 2 or problem == "multi_label_classification" else "softmax"
     id2label = getattr(hf_config, "id2label", None) or {}
     labels = tuple(str(id2label.get(i, f"LABEL_{i}")) for i in range(n))
-    return Classifier(n, labels, classify, _cross_encoder_activation(hf_config, classify),
+    return Classifier(n, labels, classify, _cross_encoder_activation(hf_config, n, classify),
                       bool(getattr(hf_config, "use_pad_token", True)))
 
 
-def _cross_encoder_activation(hf_config, default: str | None) -> str | None:
-    """What sentence-transformers' CrossEncoder applies to a pair's logit, where the config says."""
+def _cross_encoder_activation(hf_config, num_labels: int, default: str | None) -> str | None:
+    """What sentence-transformers' CrossEncoder applies to a pair's logit, where the config says
+    (a Sigmoid or Softmax it names: vLLM's classify rule by the labels alone, whatever the
+    problem_type); else `default`, classify's."""
     st = getattr(hf_config, "sentence_transformers", None)
     name = st.get("activation_fn") if isinstance(st, dict) else None
     name = name or getattr(hf_config, "sbert_ce_default_activation_function", None)
@@ -69,7 +71,7 @@ def _cross_encoder_activation(hf_config, default: str | None) -> str | None:
     if kind == "Identity":
         return None
     if kind in ("Sigmoid", "Softmax"):
-        return default
+        return "sigmoid" if num_labels < 2 else "softmax"
     raise ValueError(f"the model's config names the cross-encoder activation {name!r}, which kvserve does not "
                      "apply (it applies Identity, Sigmoid and Softmax)")
 

@@ -78,6 +78,9 @@ class EngineConfig:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: object = None
+    # vLLM's: config.json fields set over the model folder's (a dict or its JSON; engine.hf_overrides),
+    # e.g. a causal-LM reranker made a classifier with classifier_from_token
+    hf_overrides: object = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str) and str(self.dtype).startswith("torch."):  # a torch.dtype, as vLLM takes
@@ -149,6 +152,10 @@ class EngineConfig:
              "convert 'embed' makes a pooling model: it needs runner 'pooling' (or 'auto')")
         if self.pooler_config is not None:
             parse_pooler_config(self.pooler_config)  # raises for what is not taken, before any model loads
+        from engine.hf_overrides import parse_hf_overrides
+
+        if not parse_hf_overrides(self.hf_overrides):  # {} asks nothing, as None
+            object.__setattr__(self, "hf_overrides", None)
         need(self.distributed_executor_backend == "ray" or ":" in self.distributed_executor_backend,
              f"distributed_executor_backend must be 'ray' or 'package.module:Class' (vLLM's 'mp' and 'uni' "
              f"only with tensor_parallel_size 1), got {self.distributed_executor_backend!r}")

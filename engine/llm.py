@@ -21,7 +21,7 @@ from engine.outputs import (ClassificationOutput, ClassificationRequestOutput, E
                             ScoringRequestOutput, StepOutput)
 from engine.pooling import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.scoring import pair_prompts, pair_scores, score_pairs
+from engine.scoring import pair_length, pair_prompts, pair_scores, score_pairs
 from engine.vllm_args import without_vllm_only
 
 # Text, token ids, or vLLM's TextPrompt / TokensPrompt dicts: {"prompt": text}, {"prompt_token_ids": ids}.
@@ -218,12 +218,15 @@ class LLM:
         pairs = score_pairs(len(firsts), len(seconds))
         head = None if self.engine.pooler is None else self.engine.pooler.classifier
         if head is not None:
-            if not all(isinstance(t, str) for t in firsts + seconds):
-                raise ValueError("a cross-encoder scores pairs of texts: give data_1 and data_2 as strings")
-            prompts = pair_prompts(self.tokenizer, [(firsts[i], seconds[j]) for i, j in pairs], head.use_pad_token)
-            params = dataclasses.replace(pooling_params or PoolingParams(), task="score")
+            texts = [_text(t) for t in firsts + seconds]
+            firsts, seconds = texts[:len(firsts)], texts[len(firsts):]
+            params = pooling_params or PoolingParams()
+            keep = truncate_prompt_tokens if truncate_prompt_tokens is not None else params.truncate_prompt_tokens
+            prompts = pair_prompts(self.tokenizer, [(firsts[i], seconds[j]) for i, j in pairs], head.use_pad_token,
+                                   pair_length(keep, self.engine.max_model_len))
+            params = dataclasses.replace(params, task="score", truncate_prompt_tokens=None)  # cut as a pair, above
             outs = self._pooled([{"prompt_token_ids": p} for p in prompts], params, use_tqdm, lora_request,
-                                truncate_prompt_tokens, tokenization_kwargs)
+                                None, tokenization_kwargs)
             return [ScoringRequestOutput(o.request_id, ScoringOutput(o.pooled[0]), o.prompt_token_ids,
                                          o.num_cached_tokens) for o in outs]
         outs = self._pooled(firsts + seconds, PoolingParams() if pooling_params is None else pooling_params,
@@ -417,6 +420,15 @@ def _listed(prompts: Prompt | list[Prompt]) -> list[Prompt]:
 def _as_lists(value) -> list:
     """A tensor or array as nested lists; a list as it is."""
     return value.tolist() if hasattr(value, "tolist") else list(value)
+
+
+def _text(prompt: Prompt) -> str:
+    """A cross-encoder's input: a text, or vLLM's TextPrompt dict around one."""
+    text = _unwrapped(prompt)[0] if isinstance(prompt, dict) else prompt
+    if not isinstance(text, str):
+        raise ValueError("a cross-encoder scores pairs of texts: give data_1 and data_2 as strings (or "
+                         "{\"prompt\": text})")
+    return text
 
 
 def _unwrapped(prompt: Prompt) -> tuple[str | list[int], str | None]:

@@ -129,6 +129,9 @@ class LLMEngine:
         if self.pooler is None:
             raise InvalidRequestError("model", "the model is served for generation, not embeddings: start it with "
                                       "--runner pooling (LLM(..., runner='pooling')) to embed")
+        if params.pooling is None and self.pooler.classifier is not None:
+            raise InvalidRequestError("model", "the model is served for classification (--runner pooling; a sequence "
+                                      "classifier): it does not generate; use LLM.classify, LLM.score or /classify")
         if params.pooling is None:
             raise InvalidRequestError("model", "the model is served for embeddings (--runner pooling): it does not "
                                       "generate; use LLM.embed or /v1/embeddings")

@@ -51,8 +51,14 @@ def resolve_model(model: str | os.PathLike | None, revision: str | None = None,
 
 
 def model_dir(config) -> Path:
-    """resolve_model for an EngineConfig (its model, revision and download_dir)."""
-    return resolve_model(config.model, config.revision, config.download_dir)
+    """resolve_model for an EngineConfig (its model, revision and download_dir), seen through its
+    hf_overrides where it has any (engine.hf_overrides)."""
+    path = resolve_model(config.model, config.revision, config.download_dir)
+    if not getattr(config, "hf_overrides", None):
+        return path
+    from engine.hf_overrides import overridden_dir, parse_hf_overrides
+
+    return overridden_dir(path, parse_hf_overrides(config.hf_overrides), tokenizer_dir(config, path))
 
 
 def tokenizer_dir(config, model: Path | None = None) -> Path:

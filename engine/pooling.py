@@ -128,7 +128,8 @@ class PoolerConfig:
         if self.classifier is not None:
             if params.dimensions is not None:
                 raise InvalidRequestError("dimensions", "dimensions is for embeddings; this model classifies")
-            act = self.classifier.activation(params.task) if params.use_activation is not False else None
+            use = params.use_activation if params.use_activation is not None else self.use_activation
+            act = self.classifier.activation(params.task) if use else None
             return PoolingParams(None, act is not None, params.truncate_prompt_tokens, params.task,
                                  self.seq_pooling_type, act)
         act = params.use_activation if params.use_activation is not None else self.use_activation

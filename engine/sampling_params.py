@@ -226,6 +226,15 @@ class SamplingParams:
                 for first, size in zip(firsts, sizes)]
 
 
+def check_truncation(keep: int, max_model_len: int) -> None:
+    """InvalidRequestError for a truncate_prompt_tokens no prompt can keep."""
+    if keep == 0:  # as the offline params refuse it (it would keep nothing, or on the left side all)
+        raise InvalidRequestError("truncate_prompt_tokens", "truncate_prompt_tokens must be >= 1, or -1, got 0")
+    if keep > max_model_len:  # vLLM's rule
+        raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens value ({keep}) is greater than "
+                                  f"max_model_len ({max_model_len}). Please request a smaller truncation size.")
+
+
 def truncated(prompt_token_ids: list[int], keep: int, max_model_len: int, max_tokens: int | None = None,
               side: str | None = None, max_param: str = "max_tokens",
               asked: str = "truncate_prompt_tokens -1") -> list[int]:
@@ -233,11 +242,7 @@ def truncated(prompt_token_ids: list[int], keep: int, max_model_len: int, max_to
     -1: as many as leave room for `max_tokens` (all of max_model_len without one, as vLLM's, which
     leaves a prompt that long no room: refused here naming `max_param`, the field to give, and
     `asked`, what the request said)."""
-    if keep == 0:  # as the offline params refuse it (it would keep nothing, or on the left side all)
-        raise InvalidRequestError("truncate_prompt_tokens", "truncate_prompt_tokens must be >= 1, or -1, got 0")
-    if keep > max_model_len:  # vLLM's rule
-        raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens value ({keep}) is greater than "
-                                  f"max_model_len ({max_model_len}). Please request a smaller truncation size.")
+    check_truncation(keep, max_model_len)
     if keep == -1:
         keep = max_model_len - (max_tokens or 0)
         if keep < 1:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.sampling_params import check_truncation
+
 EPS = 1e-8  # torch's CosineSimilarity clamps the norms' product at it: a zero vector scores 0
 
 
@@ -31,16 +33,29 @@ def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
     return [(i, i) for i in range(num_first)]
 
 
-def pair_prompts(tokenizer, pairs: list[tuple[str, str]], use_pad_token: bool = True) -> list[list[int]]:
+def pair_prompts(tokenizer, pairs: list[tuple[str, str]], use_pad_token: bool = True,
+                 max_length: int | None = None) -> list[list[int]]:
     """A cross-encoder's prompt for each (first, second) text pair: the tokenizer's pair encoding
     (its separators and special tokens, as the model was trained on them), or, where the model's
-    config sets use_pad_token false (an LLM converted into a reranker), the two texts joined."""
+    config sets use_pad_token false (an LLM converted into a reranker), the two texts joined.
+    `max_length` (pair_length's): at most that many tokens, the longer text cut first, as vLLM
+    truncates a pair, so that neither side is lost whole."""
     if not pairs:
         return []
+    cut = {} if max_length is None else {"truncation": True, "max_length": max_length}
     firsts, seconds = map(list, zip(*pairs))
     if use_pad_token:
-        return tokenizer(firsts, text_pair=seconds)["input_ids"]
-    return tokenizer([a + b for a, b in pairs])["input_ids"]
+        return tokenizer(firsts, text_pair=seconds, **cut)["input_ids"]
+    return tokenizer([a + b for a, b in pairs], **cut)["input_ids"]
+
+
+def pair_length(keep: int | None, max_model_len: int) -> int | None:
+    """The tokens a pair's prompt may keep under truncate_prompt_tokens `keep` (-1: max_model_len;
+    None: all); InvalidRequestError for a value no prompt can keep."""
+    if keep is None:
+        return None
+    check_truncation(keep, max_model_len)
+    return max_model_len if keep == -1 else keep
 
 
 def pair_scores(firsts: list[list[float]], seconds: list[list[float]]) -> list[float]:

@@ -31,7 +31,6 @@ AT_DEFAULT = {
     "cpu_offload_gb": ((0,), "weights stay on the device"),
     "skip_tokenizer_init": ((False,), "the engine detokenizes with the model's tokenizer"),
     "enable_sleep_mode": ((False,), "no sleep mode"),
-    "hf_overrides": (({},), "the model's config is read as it is"),
     "mm_processor_kwargs": (({},), "text models only"),
     "kv_transfer_config": (({},), "no disaggregated prefill"),
     "data_parallel_size": ((1,), "one engine per LLM; a server's engine replicas are its data parallelism "

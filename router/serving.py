@@ -32,7 +32,7 @@ from engine.errors import InvalidRequestError
 from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import SamplingParams, priority_refusal, truncated
 from engine.pooling import PoolerConfig
-from engine.scoring import pair_prompts, pair_scores, score_pairs
+from engine.scoring import pair_length, pair_prompts, pair_scores, score_pairs
 from engine.structured.params import StructuredOutputsParams
 from engine.beam_search import BeamSearch, BeamSearchAborted, Generate, beam_search
 from router.background import BackgroundRuns, EventLog, check_id_free, run_in_background, stream_in_background
@@ -341,8 +341,12 @@ class OpenAIServing:
         if max_second_tokens is not None:
             seconds = await off_loop(self._cut_texts, seconds, max_second_tokens)
         pairs = [(firsts[i], seconds[j]) for i, j in score_pairs(len(firsts), len(seconds))]
-        prompts = await off_loop(pair_prompts, self.tokenizer, pairs, use_pad_token)
-        prompts = await self._fitted(prompts, params, req, names[1])
+        try:
+            keep = pair_length(req.truncate_prompt_tokens, (await self.limits())["max_model_len"])
+        except InvalidRequestError as e:
+            raise from_invalid_request(e) from None
+        prompts = await off_loop(pair_prompts, self.tokenizer, pairs, use_pad_token, keep)
+        await self._check_prompts(prompts, params, names[1], names[1])
         rid, engine_rid = _request_ids(prefix, req.request_id)
         vectors = await self._vectors(engine_rid, prompts, params)
         return rid, [v[0] for v in vectors], sum(map(len, prompts))
@@ -490,7 +494,12 @@ class OpenAIServing:
     # -- shared steps ----------------------------------------------------------------------------
     async def _check_generates(self) -> None:
         """A 400 before anything starts (a background response too) where the engine pools."""
-        if (await self.limits()).get("pooler") is not None:
+        pooler = await self._pooler()
+        if pooler is not None and pooler.classifier is not None:
+            routes = "/classify, /score or /rerank" if "score" in pooler.tasks else "/classify"
+            raise bad_request(f"The model is served for classification (--runner pooling; a sequence classifier): it "
+                              f"does not generate; use {routes}", param="model")
+        if pooler is not None:
             raise bad_request("The model is served for embeddings (--runner pooling): it does not generate; "
                               "use /v1/embeddings, /score or /rerank", param="model")
 

@@ -32,7 +32,7 @@ def dirs(tmp_path_factory, smollm2_path):
     qwen3 = make_tiny_llama(tmp_path_factory.mktemp("qwen3"), smollm2_path, "qwen3", vocab_size=VOCAB)
     gqa = make_tiny_llama(tmp_path_factory.mktemp("gqa"), smollm2_path, "gqa", vocab_size=VOCAB)
     out = {"labels3": make_tiny_classifier(qwen3, tmp_path_factory.mktemp("labels3"), 3, id2label=LABELS),
-           "cross": make_tiny_classifier(gqa, tmp_path_factory.mktemp("cross"), 1), "embed": qwen3}
+           "cross": make_tiny_classifier(gqa, tmp_path_factory.mktemp("cross"), 1), "embed": qwen3, "gqa": gqa}
     for kind, change in (("joined", {"use_pad_token": False}),
                          ("identity", {"sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity"}})):
         out[kind] = tmp_path_factory.mktemp(kind)
@@ -63,6 +63,9 @@ def test_a_heads_activation_follows_its_configs_problem_type():
     assert (one.classify_activation, one.score_activation, one.tasks) == ("sigmoid", "sigmoid", ("classify", "score"))
     assert head(num_labels=1, sbert_ce_default_activation_function="torch.nn.modules.linear.Identity"
                 ).score_activation is None
+    regression = head(num_labels=1, problem_type="regression",
+                      sentence_transformers={"activation_fn": "torch.nn.modules.activation.Sigmoid"})
+    assert (regression.classify_activation, regression.score_activation) == (None, "sigmoid")
     assert head().label([0.1, 0.7, 0.2]) == "neutral"
     with pytest.raises(ValueError, match="Tanh"):
         head(num_labels=1, sentence_transformers={"activation_fn": "torch.nn.modules.activation.Tanh"})
@@ -112,10 +115,22 @@ def test_a_cross_encoder_scores_each_pair_as_hf_reads_it(dirs, kind):
                                       abs=2e-6)
         with pytest.raises(ValueError, match="pairs of texts"):
             llm.score([1, 2, 3], DOCS, use_tqdm=False)
+        cut = llm.score({"prompt": QUERY}, DOCS[3], truncate_prompt_tokens=8, use_tqdm=False)[0]  # as a pair:
+        want_ids = tok(QUERY, text_pair=DOCS[3], truncation=True, max_length=8)["input_ids"]  # the longer side cut
+        assert cut.prompt_token_ids == want_ids and want_ids[:2] == tok(QUERY)["input_ids"][:2]
+        assert cut.outputs.score == pytest.approx(hf_logits(dirs[kind], [want_ids])[0][0].sigmoid().item(), abs=2e-6)
     _assert_clean(llm)
 
 
 def test_a_classifier_checkpoint_is_refused_for_generation_and_mean_pooling(dirs):
+    from engine import SamplingParams
+
+    llm = LLM(str(dirs["labels3"]), num_gpu_blocks_override=8, pooler_config={"use_activation": False})
+    prompt = _prompts()[0]
+    assert llm.classify(prompt, use_tqdm=False)[0].outputs.probs == pytest.approx(  # the pooler's default: logits
+        hf_logits(dirs["labels3"], [prompt])[0].tolist(), abs=2e-5)
+    with pytest.raises(InvalidRequestError, match="served for classification .* use LLM.classify"):
+        llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="--runner pooling"):
         LLM(str(dirs["labels3"]), runner="generate", num_gpu_blocks_override=8)
     with pytest.raises(ValueError, match="scores its last token"):
@@ -153,6 +168,8 @@ def test_http_classify_score_and_rerank_equal_the_offline_calls(dirs, engine_cls
             r = await http.post(path, json=body)
             assert r.status_code == 400, (path, r.text)
             assert words in r.json()["error"]["message"] and (param is None or r.json()["error"]["param"] == param)
+        r = await http.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert r.status_code == 400 and r.json()["error"]["message"].endswith("does not generate; use /classify"), r.text
 
     async def score(client, http):
         r = await http.post("/score", json={"model": "m", "text_1": QUERY, "text_2": DOCS})
@@ -175,6 +192,17 @@ def test_http_classify_score_and_rerank_equal_the_offline_calls(dirs, engine_cls
         long = " ".join(["word"] * 300)
         r = await http.post("/score", json={"model": "m", "queries": QUERY, "documents": long})
         assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text
+        for keep in (8, 200, -1):  # the pair cut as one, the query kept; -1: the server's max_model_len, 256
+            r = await http.post("/score", json={"model": "m", "text_1": QUERY, "text_2": long,
+                                                "truncate_prompt_tokens": keep})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == (256 if keep == -1 else keep)
+            assert r.json()["data"][0]["score"] == pytest.approx(cross.score(
+                QUERY, long, truncate_prompt_tokens=keep if keep > 0 else 256, use_tqdm=False)[0].outputs.score,
+                abs=1e-6)
+        r = await http.post("/rerank", json={"model": "m", "query": QUERY, "documents": DOCS,
+                                             "truncate_prompt_tokens": 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
 
     _serve(EngineConfig(model=str(dirs["labels3"]), num_gpu_blocks_override=24), llm3.tokenizer, classify, engine_cls)
     _serve(EngineConfig(model=str(dirs["cross"]), num_gpu_blocks_override=24, max_model_len=256), cross.tokenizer,
@@ -195,3 +223,78 @@ def test_an_embedding_model_does_not_classify(dirs):
         assert r.status_code == 400 and r.json()["error"]["param"] == "task", r.text
 
     _serve(EngineConfig(model=str(dirs["embed"]), runner="pooling", num_gpu_blocks_override=24), llm.tokenizer, go)
+
+
+QWEN3_RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+                  "is_original_qwen3_reranker": True}  # vLLM's hf_overrides for Qwen3-Reranker
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """Where the overridden views of model folders go (engine.hf_overrides)."""
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def hf_last_logits(model_dir, prompts: list[list[int]]) -> list[torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([p])).logits[0, -1] for p in prompts]
+
+
+@pytest.mark.parametrize("kind", ["embed", "gqa"])
+def test_a_causal_lm_made_a_reranker_scores_its_yes_over_its_no(dirs, kind, cache):
+    """vLLM's hf_overrides for Qwen3-Reranker: the head rows of "no" and "yes" make a one-label
+    classifier whose score is the softmax of "yes" over the two (tied: the embedding's rows; an
+    untied Llama: its lm_head's); a pair is its two texts joined, formatted by the caller."""
+    from engine.config import EngineConfig
+
+    arch = "Qwen3ForSequenceClassification" if kind == "embed" else "LlamaForSequenceClassification"
+    overrides = {**QWEN3_RERANKER, "architectures": [arch]}
+    llm = LLM(str(dirs[kind]), hf_overrides=overrides, num_gpu_blocks_override=24, max_num_batched_tokens=32)
+    tok = llm.tokenizer
+    no, yes = tok.convert_tokens_to_ids(["no", "yes"])
+    query, docs = f"<Query>: {QUERY}\n", [f"<Document>: {d}\n" for d in DOCS]
+    ids = [tok(query + d)["input_ids"] for d in docs]
+    want = [torch.stack([l[no], l[yes]]).softmax(0)[1].item() for l in hf_last_logits(dirs[kind], ids)]
+    outs = llm.score(query, docs, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == ids
+    assert [o.outputs.score for o in outs] == pytest.approx(want, abs=2e-6)
+    _assert_clean(llm)
+    views = list(cache.glob("overrides/*/*"))
+    assert [v.name for v in views] == [dirs[kind].name]  # named as the folder, links to its files
+    assert (views[0] / "model.safetensors").resolve() == (dirs[kind] / "model.safetensors").resolve()
+    LLM(str(dirs[kind]), hf_overrides=overrides, num_gpu_blocks_override=8)
+    assert list(cache.glob("overrides/*/*")) == views  # made once
+    one = LLM(str(dirs[kind]), num_gpu_blocks_override=8, hf_overrides={  # bge-reranker-v2-gemma's kind
+        "architectures": [arch], "classifier_from_token": ["yes"], "method": "no_post_processing"})
+    assert one.score(query, docs[0], use_tqdm=False)[0].outputs.score == pytest.approx(
+        hf_last_logits(dirs[kind], ids[:1])[0][yes].sigmoid().item(), abs=2e-6)
+    assert len(list(cache.glob("overrides/*/*"))) == 2
+
+    async def go(client, http):
+        r = await http.post("/rerank", json={"model": "m", "query": query, "documents": docs})
+        assert r.status_code == 200, r.text
+        got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+        assert [got[i] for i in range(len(docs))] == pytest.approx(want, abs=2e-6)
+
+    _serve(EngineConfig(model=str(dirs[kind]), hf_overrides=overrides, num_gpu_blocks_override=24), tok, go)
+
+
+def test_hf_overrides_set_config_fields_and_refuse_what_cannot_be_made(dirs, cache):
+    vector = LLM(str(dirs["embed"]), runner="pooling", num_gpu_blocks_override=8, pooler_config={
+        "use_activation": False}).embed(["hello world"], use_tqdm=False)[0].outputs.embedding
+    llm = LLM(str(dirs["embed"]), runner="pooling", num_gpu_blocks_override=8, hf_overrides='{"is_matryoshka": true}')
+    cut = llm.embed(["hello world"], pooling_params=PoolingParams(dimensions=8), use_tqdm=False)[0].outputs.embedding
+    assert cut == pytest.approx(torch.nn.functional.normalize(torch.tensor(vector[:8]), dim=0).tolist(), abs=1e-6)
+    for overrides, words in (("[1]", "must be a dict"), ("{", "not JSON"),
+                             ({**QWEN3_RERANKER, "method": "softmax"}, "method 'softmax' is not supported"),
+                             ({**QWEN3_RERANKER, "classifier_from_token": ["yes"]}, "two tokens"),
+                             ({"classifier_from_token": ["no", "yes"], "method": "from_2_way_softmax"},
+                              "give its architecture")):
+        with pytest.raises(ValueError, match=words):
+            LLM(str(dirs["embed"]), hf_overrides=overrides)
+    with pytest.raises(ValueError, match="not tokens of the model's vocabulary"):
+        LLM(str(dirs["embed"]), hf_overrides={**QWEN3_RERANKER, "classifier_from_token": ["no", "\u2603\u2603x"]})

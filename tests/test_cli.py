@@ -58,7 +58,8 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
         "--max-lora-rank", "32", "--max-cpu-loras", "3", "--cudagraph-capture-sizes", "1", "4", "8",
         "--max-cudagraph-capture-size", "8", "--long-prefill-token-threshold", "1k",
         "--long-prefill-token-threshold-adaptive", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}',
-        "--runner", "pooling", "--convert", "embed", "--pooler-config", '{"pooling_type": "LAST", "use_activation": false}'])
+        "--runner", "pooling", "--convert", "embed", "--pooler-config", '{"pooling_type": "LAST", "use_activation": false}',
+        "--hf-overrides", '{"is_matryoshka": true}'])
     kwargs = engine_config_from_args(ns)
     assert set(kwargs) == EngineConfig.field_names()
     spec = EngineConfig(speculative_config=kwargs.pop("speculative_config")).speculative_config  # tp 1 only
@@ -68,8 +69,8 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
     assert config.enable_prefix_caching is False and config.enable_chunked_prefill is False
     assert config.stream_interval == 4 and config.enforce_eager is True and config.trust_remote_code is True
     assert config.max_logprobs == 5 and config.logprobs_mode == "processed_logits"
-    assert (config.runner, config.convert, config.pooler_config) == (
-        "pooling", "embed", '{"pooling_type": "LAST", "use_activation": false}')
+    assert (config.runner, config.convert, config.pooler_config, config.hf_overrides) == (
+        "pooling", "embed", '{"pooling_type": "LAST", "use_activation": false}', '{"is_matryoshka": true}')
     assert (config.revision, config.tokenizer_revision, config.download_dir) == ("v1", "v2", "/hub")
     relative = build_parser().parse_args(["generate", "p", "--download-dir", "hub"])
     assert engine_config_from_args(relative)["download_dir"] == os.path.join(os.getcwd(), "hub")  # as replicas see it
