@@ -297,26 +297,29 @@ def check_args(args: dict) -> tuple[EngineConfig, ServeOptions]:
     ways, and whether a replica fits the Ray nodes in sight and loads within load_timeout_s."""
     from engine.model.loader import load_arch
     from engine.model_source import model_dir as find_model_dir, tokenizer_dir
+    from engine.pooling import resolve_runner
 
     engine, options = split_args(args)
     model_dir = find_model_dir(engine)
     tokenizer_dir(engine, model_dir)  # a tokenizer named is a directory, or in the Hugging Face cache
-    arch = load_arch(model_dir)[0]
+    arch, hf_config = load_arch(model_dir)
     engine.model_len(arch.max_position_embeddings)  # max_model_len within the model's positions
     if engine.tensor_parallel_size > 1:
         arch.check_tp(engine.tensor_parallel_size)
     router_settings(engine, options).with_sampling_defaults(model_dir)  # the ingress's limits and defaults are valid
-    check_sizing(engine, options, arch, model_dir)
+    check_sizing(engine, options, arch, model_dir,
+                 pooling=resolve_runner(engine.runner, engine.convert, model_dir, hf_config) == "pooling")
     return engine, options
 
 
 def check_sizing(engine: EngineConfig, options: ServeOptions, arch, model_dir=None,
-                 nodes: list[sizing.NodeShape] | None = None) -> sizing.ReplicaNeeds:
+                 nodes: list[sizing.NodeShape] | None = None, pooling: bool = False) -> sizing.ReplicaNeeds:
     """cluster.sizing's check of one replica against `nodes` (default: the alive Ray nodes that
-    could host it, when Ray is up and options.check_nodes). Raises sizing.SizingError."""
+    could host it, when Ray is up and options.check_nodes). `pooling`: the replica pools. Raises
+    sizing.SizingError."""
     gpu = use_gpu(engine)
     needs = sizing.replica_needs(engine, arch, sizing.checkpoint_bytes(
-        model_dir, arch, sizing.checkpoint_dtype_bytes(model_dir)), gpu)
+        model_dir, arch, sizing.checkpoint_dtype_bytes(model_dir)), gpu, pooling)
     if nodes is None:
         import ray
 

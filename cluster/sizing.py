@@ -64,13 +64,15 @@ class ReplicaNeeds:
         return self.checkpoint_bytes / read_bytes_per_s
 
 
-def param_count(a: ModelArch) -> int:
+def param_count(a: ModelArch, pooling: bool = False) -> int:
+    """The parameters a replica holds: a pooling one (engine.pooling) has no language-model head,
+    only the embedding table and a classifier's small head, where it has one."""
     h, hd, inter = a.hidden_size, a.head_dim, a.intermediate_size
     attn = h * a.num_heads * hd * 2 + h * a.num_kv_heads * hd * 2  # q, o, k, v
     if a.attention_bias:
         attn += (a.num_heads + 2 * a.num_kv_heads) * hd
     mlp = 3 * h * inter + (2 * inter + h if a.mlp_bias else 0)
-    embeddings = a.vocab_size * h * (1 if a.tie_word_embeddings else 2)
+    embeddings = a.vocab_size * h * (1 if a.tie_word_embeddings or pooling else 2) + a.num_labels * h
     return embeddings + a.num_layers * (attn + mlp + 2 * h) + h
 
 
@@ -93,33 +95,37 @@ def checkpoint_dtype_bytes(model_dir: str | Path | None) -> int:
     return DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), 2)
 
 
-def cpu_weight_bytes(arch: ModelArch, nbytes: int, ckpt_bytes: int) -> int:
+def cpu_weight_bytes(arch: ModelArch, nbytes: int, ckpt_bytes: int, pooling: bool = False) -> int:
     """The weights' forms a CPU replica holds (engine.model.loader.prepare_cpu_weights). Float32
     serving keeps a oneDNN-prepacked copy of each linear weight for prefill. For a bfloat16
     checkpoint (~2 bytes a parameter on disk) it also keeps each one's bfloat16 half for decode
     (engine.model.codes), and then drops its plain float32, the embedding table's too (its lookup
-    reads the halves)."""
-    params = param_count(arch)
+    reads the halves). A pooling replica's table is a lookup table only, tied or not."""
+    params = param_count(arch, pooling)
     if nbytes != 4:
         return params * nbytes
-    lookup_only = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size  # a tied table is the head
+    tied_head = arch.tie_word_embeddings and not pooling  # the table is the head too: prepacked, like a linear layer
+    lookup_only = 0 if tied_head else arch.vocab_size * arch.hidden_size
     if ckpt_bytes >= 3 * params:  # float32 on disk: each weight, and a linear one's prepacked copy
         return lookup_only * 4 + (params - lookup_only) * (4 + 4)
     return lookup_only * 2 + (params - lookup_only) * (4 + 2)  # bfloat16: the halves, and the prepacked copy
 
 
-def replica_needs(engine: EngineConfig, arch: ModelArch, ckpt_bytes: int, use_gpu: bool) -> ReplicaNeeds:
+def replica_needs(engine: EngineConfig, arch: ModelArch, ckpt_bytes: int, use_gpu: bool,
+                  pooling: bool = False) -> ReplicaNeeds:
+    """`pooling`: the replica pools (engine.pooling): no language-model head, no vocabulary logits."""
     tp = engine.tensor_parallel_size
     dtype = engine.dtype if engine.dtype != "auto" else ("bfloat16" if use_gpu else "float32")
     nbytes = DTYPE_BYTES[dtype]
-    params = param_count(arch)
+    params = param_count(arch, pooling)
     shard = params * nbytes // tp
     kv_heads = arch.local_kv_heads(tp)
     kv_per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * nbytes  # one rank's K and V
     max_len = engine.model_len(arch.max_position_embeddings)
     tokens = engine.max_num_batched_tokens
     per_token = 4 * arch.hidden_size + (2 * arch.intermediate_size + (arch.num_heads + 2 * kv_heads) * arch.head_dim) // tp
-    activations = tokens * per_token * nbytes + min(engine.max_num_seqs, tokens) * arch.vocab_size * 4  # fp32 logits
+    outputs = arch.hidden_size if pooling else arch.vocab_size  # per sampled row, in float32: a vector or logits
+    activations = tokens * per_token * nbytes + min(engine.max_num_seqs, tokens) * outputs * 4
     processes = 1 + (tp if tp > 1 else 0)
     if use_gpu:
         host = processes * GPU_PROCESS_BYTES + 2 * largest_tensor(arch) * nbytes  # rank 0: a tensor and its pieces
@@ -128,7 +134,7 @@ def replica_needs(engine: EngineConfig, arch: ModelArch, ckpt_bytes: int, use_gp
                             checkpoint_bytes=ckpt_bytes, gpu_memory_utilization=engine.gpu_memory_utilization)
     # An explicit KV size is per rank; the default one is a share of whatever RAM is left, so it fits.
     kv = engine.kv_cache_memory * tp if engine.kv_cache_memory is not None else 0
-    host = processes * CPU_PROCESS_BYTES + cpu_weight_bytes(arch, nbytes, ckpt_bytes) + kv + activations
+    host = processes * CPU_PROCESS_BYTES + cpu_weight_bytes(arch, nbytes, ckpt_bytes, pooling) + kv + activations
     return ReplicaNeeds(tp, cpus=processes, gpus=0, host_memory=host, gpu_weights=0, gpu_activations=0,
                         gpu_kv_min=0, checkpoint_bytes=ckpt_bytes)
 

@@ -595,25 +595,31 @@ def test_sizing_refuses_a_70b_tp8_pod_that_cannot_hold_a_replica(mutate, expect,
 
 def test_a_cpu_replica_counts_every_form_of_its_weights(tmp_path, smollm2_path):
     """Float32 on CPU holds the weights, their oneDNN-prepacked copy and, for a bfloat16
-    checkpoint, their bfloat16 halves for decode; what the sizing check counts, measured on load."""
+    checkpoint, their bfloat16 halves for decode; a pooling replica holds no language-model head
+    (its table is a lookup table only; a classifier has its small head); what the sizing check
+    counts, measured on load."""
     import torch
 
     from cluster import sizing
     from engine import cpu_kernels
     from engine.model.loader import build_model, held_weight_bytes, load_arch
-    from tests.tiny_llama import make_tiny_llama
+    from tests.tiny_llama import make_tiny_classifier, make_tiny_llama
 
     if not cpu_kernels.enabled():
         pytest.skip("no native CPU kernels here: the weights are held once")
-    for kind in ("gqa-bf16", "qwen3-bf16", "gqa"):  # untied and tied heads; float32 on disk
-        d = make_tiny_llama(tmp_path / kind, smollm2_path, kind)
+    for kind in ("gqa-bf16", "qwen3-bf16", "gqa", "classifier-bf16"):  # untied and tied heads; float32 on disk
+        classifier = kind == "classifier-bf16"
+        d = make_tiny_classifier(tmp_path / "gqa-bf16", tmp_path / kind, 2) if classifier else make_tiny_llama(
+            tmp_path / kind, smollm2_path, kind)
         arch = load_arch(d)[0]
-        model = build_model(d, torch.float32, torch.device("cpu"))  # with its prepacked copy and codes
-        assert any(getattr(m, "weight_codes", None) is not None for m in model.modules()) == kind.endswith("bf16")
-        held = held_weight_bytes(model)
-        counted = sizing.cpu_weight_bytes(arch, 4, sizing.checkpoint_bytes(d, arch))
-        assert 0.95 * held <= counted <= 1.05 * held, (kind, held, counted)
-        assert sizing.cpu_weight_bytes(arch, 2, sizing.checkpoint_bytes(d, arch)) == sizing.param_count(arch) * 2
+        for pooling in (True,) if classifier else (False, True):
+            model = build_model(d, torch.float32, torch.device("cpu"), pooling=pooling)  # prepacked copies and codes
+            assert any(getattr(m, "weight_codes", None) is not None for m in model.modules()) == kind.endswith("bf16")
+            held = held_weight_bytes(model)
+            counted = sizing.cpu_weight_bytes(arch, 4, sizing.checkpoint_bytes(d, arch), pooling)
+            assert 0.95 * held <= counted <= 1.05 * held, (kind, pooling, held, counted)
+            assert sizing.cpu_weight_bytes(arch, 2, sizing.checkpoint_bytes(d, arch), pooling) == sizing.param_count(
+                arch, pooling) * 2
 
 
 def test_sizing_refuses_a_load_timeout_the_volume_cannot_meet(smollm2_path):
