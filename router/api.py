@@ -173,7 +173,7 @@ def _validated(body: bytes, model: type[BaseModel] | Callable[[object], type[Bas
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise from_validation_error(e, set(model.model_fields)) from None
+        raise from_validation_error(e, set(model.model_fields) | getattr(model, "PARAM_NAMES", set())) from None
 
 
 MAX_JSON_DEPTH = 128  # beyond any OpenAI request (a 60-level nested schema); refused before pydantic walks it

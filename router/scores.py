@@ -8,6 +8,7 @@ The request bodies and replies are here; OpenAIServing runs them."""
 from __future__ import annotations
 
 import time
+from typing import ClassVar
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
@@ -29,6 +30,8 @@ class ScoreRequest(PoolingFields):
     text_1: Texts = Field(description="or queries, or data_1: a text or a list of texts")
     text_2: Texts = Field(description="or documents or items (with queries), or data_2: a text or a list of texts")
     _names: tuple[str, str] = PrivateAttr(SCORE_FIELDS[0])  # the pair of names the body gave, for the errors
+    # what an error's `param` may name (router.errors): the body's own names for the two sides
+    PARAM_NAMES: ClassVar[frozenset[str]] = frozenset(n for pair in SCORE_FIELDS for n in pair)
 
     @model_validator(mode="wrap")
     @classmethod
@@ -45,12 +48,8 @@ class ScoreRequest(PoolingFields):
                                                                         "text_2": data[names[1]]}
         request = handler(data)
         request._names = names
+        _paired(len(request.firsts()), len(request.seconds()), names)
         return request
-
-    @model_validator(mode="after")
-    def _pairs_up(self):
-        score_pairs(len(self.firsts()), len(self.seconds()))
-        return self
 
     def firsts(self) -> list[str]:
         return _listed(self.text_1)
@@ -87,11 +86,19 @@ class RerankRequest(PoolingFields):
 
     @model_validator(mode="after")
     def _pairs_up(self):
-        score_pairs(1, len(self.texts()))
+        _paired(1, len(self.texts()), ("query", "documents"))
         return self
 
     def texts(self) -> list[str]:
         return _listed(self.documents)
+
+
+def _paired(num_first: int, num_second: int, names: tuple[str, str]) -> None:
+    """score_pairs' check, its error naming the field at fault (router.errors makes it the `param`)."""
+    try:
+        score_pairs(num_first, num_second)
+    except ValueError as e:
+        raise ValueError(f"{names[0] if num_first == 0 else names[1]}: {e}") from None
 
 
 def _listed(texts: str | list[str]) -> list[str]:

@@ -129,6 +129,7 @@ def test_score_and_rerank_over_http_equal_llm_score(model_dir, llm):
         for name, path, body in (
                 ("mismatch", "/score", {"text_1": DOCS[:2], "text_2": DOCS[1:]}),
                 ("empty", "/score", {"text_1": [], "text_2": DOCS}),
+                ("no items", "/score", {"queries": QUERY, "items": []}),
                 ("empty text", "/rerank", {"query": "", "documents": DOCS}),
                 ("no documents", "/rerank", {"query": QUERY, "documents": []}),
                 ("two pairs", "/score", {"text_1": QUERY, "text_2": DOCS, "queries": QUERY, "documents": DOCS}),
@@ -154,12 +155,13 @@ def test_score_and_rerank_over_http_equal_llm_score(model_dir, llm):
     refused, (full,) = _serve(EngineConfig(model=str(model_dir), runner="pooling", max_model_len=256,
                                   num_gpu_blocks_override=48), llm.tokenizer, go)
     assert {k: s for k, (s, _, _) in refused.items()} == {k: 404 if k == "model" else 400 for k in refused}, refused
-    assert "1:1, 1:N or N:N" in refused["mismatch"][1]
-    assert "At least one text element" in refused["empty"][1]
-    assert "text_pair" in refused["no documents"][1]
+    assert "1:1, 1:N or N:N" in refused["mismatch"][1] and refused["mismatch"][2] == "text_2"
+    assert "At least one text element" in refused["empty"][1] and refused["empty"][2] == "text_1"
+    assert "text_pair" in refused["no documents"][1] and refused["no documents"][2] == "documents"
     assert "give one pair of inputs" in refused["two pairs"][1] and "give one pair" in refused["half a pair"][1]
     assert "2049 inputs" in refused["many"][1] and len(full["results"]) == 2048  # OpenAI's 2,048 documents
     assert "give one pair" in refused["stray name"][1]
+    assert refused["no items"][1].startswith("items: At least one text_pair") and refused["no items"][2] == "items"
     assert refused["long second"][2] == "data_2" and refused["long query"][2] == "query"
     assert "must be >= 1, or -1, got 0" in refused["keep none"][1]
     assert "maximum context length is 256 tokens" in refused["long"][1]
