@@ -154,8 +154,7 @@ class EngineConfig:
             parse_pooler_config(self.pooler_config)  # raises for what is not taken, before any model loads
         from engine.hf_overrides import parse_hf_overrides
 
-        if not parse_hf_overrides(self.hf_overrides):  # {} asks nothing, as None
-            object.__setattr__(self, "hf_overrides", None)
+        object.__setattr__(self, "hf_overrides", parse_hf_overrides(self.hf_overrides) or None)  # {}: None
         need(self.distributed_executor_backend == "ray" or ":" in self.distributed_executor_backend,
              f"distributed_executor_backend must be 'ray' or 'package.module:Class' (vLLM's 'mp' and 'uni' "
              f"only with tensor_parallel_size 1), got {self.distributed_executor_backend!r}")

@@ -52,13 +52,12 @@ def resolve_model(model: str | os.PathLike | None, revision: str | None = None,
 
 def model_dir(config) -> Path:
     """resolve_model for an EngineConfig (its model, revision and download_dir), seen through its
-    hf_overrides where it has any (engine.hf_overrides)."""
-    path = resolve_model(config.model, config.revision, config.download_dir)
-    if not getattr(config, "hf_overrides", None):
-        return path
+    hf_overrides where it has any, or where its config asks a conversion (engine.hf_overrides)."""
     from engine.hf_overrides import overridden_dir, parse_hf_overrides
 
-    return overridden_dir(path, parse_hf_overrides(config.hf_overrides), tokenizer_dir(config, path))
+    path = resolve_model(config.model, config.revision, config.download_dir)
+    return overridden_dir(path, parse_hf_overrides(getattr(config, "hf_overrides", None)),
+                          lambda: tokenizer_dir(config, path))
 
 
 def tokenizer_dir(config, model: Path | None = None) -> Path:

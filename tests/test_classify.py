@@ -290,7 +290,8 @@ def test_hf_overrides_set_config_fields_and_refuse_what_cannot_be_made(dirs, cac
     cut = llm.embed(["hello world"], pooling_params=PoolingParams(dimensions=8), use_tqdm=False)[0].outputs.embedding
     assert cut == pytest.approx(torch.nn.functional.normalize(torch.tensor(vector[:8]), dim=0).tolist(), abs=1e-6)
     for overrides, words in (("[1]", "must be a dict"), ("{", "not JSON"),
-                             ({**QWEN3_RERANKER, "method": "softmax"}, "method 'softmax' is not supported"),
+                             ({"classifier_from_token": ["no", "yes"], "method": "softmax"},
+                              "method 'softmax' is not supported"),
                              ({**QWEN3_RERANKER, "classifier_from_token": ["yes"]}, "two tokens"),
                              ({"classifier_from_token": ["no", "yes"], "method": "from_2_way_softmax"},
                               "give its architecture")):
@@ -298,3 +299,39 @@ def test_hf_overrides_set_config_fields_and_refuse_what_cannot_be_made(dirs, cac
             LLM(str(dirs["embed"]), hf_overrides=overrides)
     with pytest.raises(ValueError, match="not tokens of the model's vocabulary"):
         LLM(str(dirs["embed"]), hf_overrides={**QWEN3_RERANKER, "classifier_from_token": ["no", "\u2603\u2603x"]})
+
+
+def test_a_view_follows_its_folder_and_a_folders_own_config_converts(dirs, cache, tmp_path):
+    """A view is made again where the folder's weights were replaced (same size, new head rows) or
+    the view was damaged; a folder whose own config.json asks the conversion converts without
+    overrides; override values are read as config.json holds them (a tuple as a list)."""
+    import safetensors.torch
+
+    folder = tmp_path / "reranker"
+    shutil.copytree(dirs["embed"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **QWEN3_RERANKER}))  # the folder asks it itself
+    tok = LLM(str(folder), num_gpu_blocks_override=8).tokenizer
+    prompt = tok(f"<Query>: {QUERY}\n<Document>: {DOCS[0]}\n")["input_ids"]
+    no, yes = tok.convert_tokens_to_ids(["no", "yes"])
+
+    def scored() -> tuple[float, float]:
+        llm = LLM(str(folder), num_gpu_blocks_override=8, hf_overrides={"eos_token_id": (2, 3)})
+        got = llm.classify({"prompt_token_ids": prompt}, use_tqdm=False)[0].outputs.probs[0]
+        logits = hf_last_logits(dirs["embed"] if folder_weights == "old" else folder, [prompt])[0]
+        return got, torch.stack([logits[no], logits[yes]]).softmax(0)[1].item()
+
+    folder_weights = "old"
+    got, want = scored()
+    assert got == pytest.approx(want, abs=2e-6)
+    weights = safetensors.torch.load_file(str(folder / "model.safetensors"))
+    weights["model.embed_tokens.weight"][[no, yes]] *= -1  # new head rows, same file size
+    safetensors.torch.save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    folder_weights = "new"
+    got_new, want_new = scored()
+    assert got_new == pytest.approx(want_new, abs=2e-6) and abs(got_new - got) > 1e-3
+    views = sorted(cache.glob("overrides/*/*"))
+    assert len(views) == 3  # without overrides, and with them over the old weights and over the new
+    for view in views:
+        (view / "kvserve_source.json").write_text("{damaged")
+    assert scored()[0] == pytest.approx(got_new, abs=1e-7) and sorted(cache.glob("overrides/*/*")) == views

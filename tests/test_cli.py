@@ -70,7 +70,7 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
     assert config.stream_interval == 4 and config.enforce_eager is True and config.trust_remote_code is True
     assert config.max_logprobs == 5 and config.logprobs_mode == "processed_logits"
     assert (config.runner, config.convert, config.pooler_config, config.hf_overrides) == (
-        "pooling", "embed", '{"pooling_type": "LAST", "use_activation": false}', '{"is_matryoshka": true}')
+        "pooling", "embed", '{"pooling_type": "LAST", "use_activation": false}', {"is_matryoshka": True})
     assert (config.revision, config.tokenizer_revision, config.download_dir) == ("v1", "v2", "/hub")
     relative = build_parser().parse_args(["generate", "p", "--download-dir", "hub"])
     assert engine_config_from_args(relative)["download_dir"] == os.path.join(os.getcwd(), "hub")  # as replicas see it
