@@ -86,27 +86,28 @@ def overridden_dir(model_dir: Path, overrides: dict, find_tokenizer: Callable[[]
     conversion's tokens are looked up."""
     config = json.loads((model_dir / "config.json").read_text())
     merged = _merged(config, overrides)
-    conversion = _conversion(merged)
+    arch = merged.get("architectures")
+    classifies = isinstance(arch, list) and len(arch) == 1 and str(arch[0]).endswith("ForSequenceClassification")
+    asked = any(key in overrides for key in _CONVERSION_KEYS)  # a folder's own keys count for a classifier only
+    conversion = _conversion(merged) if asked or classifies else None
     if not overrides and conversion is None:
         return model_dir
-    tokenizer_dir = find_tokenizer() if conversion is not None else None
-    arch = merged.get("architectures")
-    if conversion is not None and not (isinstance(arch, list) and len(arch) == 1
-                                       and str(arch[0]).endswith("ForSequenceClassification")):
+    if conversion is not None and not classifies:
         raise ValueError("hf_overrides: classifier_from_token makes a classifier; give its architecture too, as "
                          '"architectures": ["Qwen3ForSequenceClassification"]')
+    tokenizer_dir = find_tokenizer() if conversion is not None else None
     source = {"format": _FORMAT, "model": str(model_dir), "overrides": overrides, "config": config,
               "files": _stats(model_dir), "tokenizer": [str(tokenizer_dir), _stats(tokenizer_dir)]
               if conversion is not None else None}
     digest = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
-    from engine.model_source import ModelError, _remove_stale_partials, cache_dir
+    from engine.model_source import ModelError, cache_dir, remove_stale_partials
 
     target = cache_dir() / "overrides" / digest / model_dir.name
     if _is_made(target, source):
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_partials(target)
+        remove_stale_partials(target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     except OSError as e:
         raise ModelError(f"cannot write the view of the model that hf_overrides asks for under {target.parent}: "

@@ -190,7 +190,7 @@ def _convert_atomically(gguf_path: Path, target: Path, source: dict) -> None:
     # Convert into a temp dir next to the target and rename it into place: a crashed or killed
     # conversion leaves only a `.partial-*` dir, never a half-written target that looks complete.
     target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(target)
+    remove_stale_partials(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
         _convert_gguf(gguf_path, tmp)
@@ -209,7 +209,7 @@ def _convert_atomically(gguf_path: Path, target: Path, source: dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _remove_stale_partials(target: Path, max_age_s: float = 3600.0) -> None:
+def remove_stale_partials(target: Path, max_age_s: float = 3600.0) -> None:
     # Old enough that no conversion (about a minute) can still be writing there.
     for p in target.parent.glob(f".{target.name}.partial-*"):
         try:
