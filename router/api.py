@@ -309,50 +309,26 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     async def model(model: str):
         return await serving.model(model)
 
-    @api.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
-    async def completions(request: Request):
-        body = _with_request_id(request, await read_json(request, CompletionRequest, limit))
-        set_session(request.headers.get(SESSION_HEADER), body.user)
-        return reply(await serving.completions(body))
+    def body_route(model: type[BaseModel], method: str):
+        """A POST route: its `model` body read (its request id from the header, the session from
+        its user) and answered with what OpenAIServing's `method` makes of it."""
+        async def route(request: Request):
+            body = _with_request_id(request, await read_json(request, model, limit))
+            set_session(request.headers.get(SESSION_HEADER), body.user)
+            return reply(await getattr(serving, method)(body))
+        return route
 
-    @api.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
-    async def chat_completions(request: Request):
-        body = _with_request_id(request, await read_json(request, ChatCompletionRequest, limit))
-        set_session(request.headers.get(SESSION_HEADER), body.user)
-        return reply(await serving.chat(body))
-
-    @api.post("/v1/embeddings", openapi_extra=_json_body(EmbeddingRequest))
-    async def embeddings(request: Request):
-        body = _with_request_id(request, await read_json(request, EmbeddingRequest, limit))
-        set_session(request.headers.get(SESSION_HEADER), body.user)
-        return reply(await serving.embeddings(body))
-
-    @api.post("/pooling", openapi_extra=_json_body(PoolingRequest))
-    async def pooling(request: Request):
-        body = _with_request_id(request, await read_json(request, PoolingRequest, limit))
-        set_session(request.headers.get(SESSION_HEADER), body.user)
-        return reply(await serving.pooling(body))
-
-    @api.post("/classify", openapi_extra=_json_body(ClassificationRequest))
-    async def classify(request: Request):
-        body = _with_request_id(request, await read_json(request, ClassificationRequest, limit))
-        set_session(request.headers.get(SESSION_HEADER), body.user)
-        return reply(await serving.classify(body))
-
-    async def score(request: Request):
-        body = _with_request_id(request, await read_json(request, ScoreRequest, limit))
-        set_session(request.headers.get(SESSION_HEADER), body.user)
-        return reply(await serving.score(body))
-
-    async def rerank(request: Request):
-        body = _with_request_id(request, await read_json(request, RerankRequest, limit))
-        set_session(request.headers.get(SESSION_HEADER), body.user)
-        return reply(await serving.rerank(body))
-
-    for path in SCORE_PATHS:  # vLLM's paths: /score and /rerank, /v1/... and Cohere's /v2/rerank beside them
-        api.add_api_route(path, score, methods=["POST"], openapi_extra=_json_body(ScoreRequest))
-    for path in RERANK_PATHS:
-        api.add_api_route(path, rerank, methods=["POST"], openapi_extra=_json_body(RerankRequest))
+    for name, paths, body_model, method in (  # score and rerank: vLLM's paths, /v1/... and Cohere's /v2/rerank beside them
+            ("completions", ("/v1/completions",), CompletionRequest, "completions"),
+            ("chat_completions", ("/v1/chat/completions",), ChatCompletionRequest, "chat"),
+            ("embeddings", ("/v1/embeddings",), EmbeddingRequest, "embeddings"),
+            ("pooling", ("/pooling",), PoolingRequest, "pooling"),
+            ("classify", ("/classify",), ClassificationRequest, "classify"),
+            ("score", SCORE_PATHS, ScoreRequest, "score"),
+            ("rerank", RERANK_PATHS, RerankRequest, "rerank")):
+        for path in paths:
+            api.add_api_route(path, body_route(body_model, method), methods=["POST"], name=name,
+                              openapi_extra=_json_body(body_model))
 
     @api.post("/invocations", include_in_schema=False)  # vLLM's, for SageMaker (its /ping is above)
     async def invocations(request: Request):
