@@ -133,7 +133,8 @@ def overridden_dir(model_dir: Path, overrides: dict, find_tokenizer: Callable[[]
 
 def _stats(folder: Path) -> dict[str, list[int]]:
     """Each file's size and modification time: a file replaced makes another view."""
-    return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(folder.iterdir()) if f.is_file()}
+    stats = {f.name: f.stat() for f in sorted(folder.iterdir()) if f.is_file()}
+    return {name: [st.st_size, st.st_mtime_ns] for name, st in stats.items()}
 
 
 def _is_made(target: Path, source: dict) -> bool:

@@ -196,10 +196,9 @@ class LLM:
                  tokenization_kwargs: dict | None = None) -> list[ClassificationRequestOutput]:
         """vLLM's: each prompt's class probabilities (`outputs.probs`), from a sequence classifier
         (engine.classifier) started with runner="pooling"."""
-        listed = pooling_params if isinstance(pooling_params, list) else [pooling_params or PoolingParams()]
-        params = [dataclasses.replace(p, task="classify") for p in listed]
-        outs = self._pooled(prompts, params if isinstance(pooling_params, list) else params[0], use_tqdm,
-                            lora_request, None, tokenization_kwargs)
+        params = ([dataclasses.replace(p, task="classify") for p in pooling_params] if isinstance(pooling_params, list)
+                  else dataclasses.replace(pooling_params or PoolingParams(), task="classify"))
+        outs = self._pooled(prompts, params, use_tqdm, lora_request, None, tokenization_kwargs)
         return [ClassificationRequestOutput(out.request_id, ClassificationOutput(out.pooled), out.prompt_token_ids,
                                             out.num_cached_tokens) for out in outs]
 

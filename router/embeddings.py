@@ -16,22 +16,21 @@ from router.errors import bad_request, from_invalid_request
 from router.protocol import PoolingFields
 
 
-def embedding_params(req: PoolingFields, pooler: dict | None, api: str = "Embeddings",
+def embedding_params(req: PoolingFields, pooler: PoolerConfig | None, api: str = "Embeddings",
                      dimensions: int | None = None, task: str = "embed", task_param: str = "model") -> SamplingParams:
-    """`pooler`: the engine's PoolerConfig fields (its info), None where it generates: a 400, as
+    """`pooler`: the engine's PoolerConfig (from its info), None where it generates: a 400, as
     vLLM's server answers a generative model's /v1/embeddings (`api`: the API the route serves);
     `task`: the pooling task it asks for, a 400 naming `task_param` where the model pools for others."""
     if pooler is None:
         raise bad_request(f"The model does not support the {api} API: it is served for generation (start the "
                           "server with --runner pooling to serve embeddings)", param="model")
-    config = PoolerConfig.from_fields(pooler)
-    if task not in config.tasks:
-        kind = "an embedding model" if config.classifier is None else (
-            f"a sequence classifier with {config.classifier.num_labels} labels")
+    if task not in pooler.tasks:
+        kind = "an embedding model" if pooler.classifier is None else (
+            f"a sequence classifier with {pooler.classifier.num_labels} labels")
         raise bad_request(f"Task {task} is not supported by this model ({api} API): it is {kind}, which pools for "
-                          f"{', '.join(config.tasks)}", param=task_param)
+                          f"{', '.join(pooler.tasks)}", param=task_param)
     try:
-        params = config.resolved(PoolingParams(dimensions, req.use_activation, task=task))
+        params = pooler.resolved(PoolingParams(dimensions, req.use_activation, task=task))
     except InvalidRequestError as e:
         raise from_invalid_request(e) from None
     sampling = params.sampling()

@@ -363,7 +363,7 @@ class OpenAIServing:
     async def _pooling_params(self, req: PoolingFields, api: str, dimensions: int | None = None,
                               task: str = "embed", task_param: str = "model") -> SamplingParams:
         self.check_model(req.model)
-        params = embedding_params(req, (await self.limits()).get("pooler"), api, dimensions, task, task_param)
+        params = embedding_params(req, await self._pooler(), api, dimensions, task, task_param)
         lora = self.adapters.get(req.model)
         return params if lora is None else dataclasses.replace(params, lora_request=lora)
 
