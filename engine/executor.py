@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from engine.config import EngineConfig
+from engine.encoder_runner import EncoderRunner, encoder_blocks
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from engine.lora import LoRAState, attach, load_adapter
 from engine.lora_request import LoRARequest
@@ -145,15 +146,22 @@ class LocalExecutor:
             torch.cuda.set_device(device)
         dtype = resolve_dtype(config.dtype, device)
         self.model = build_model(model_dir, dtype, device, pooling=spec.pooler is not None)
-        block_bytes = bytes_per_block(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
         max_model_len = config.model_len(arch.max_position_embeddings)
-        num_blocks = num_kv_blocks(config, block_bytes, device,
-                                   step_bytes(self.model, config, max_model_len, arch.num_kv_heads, device))
-        kv = allocate_kv_cache(arch.num_layers, num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim,
-                               dtype, device)
-        self.runner = make_runner(self.model, kv, config, max_model_len, device)
+        if arch.encoder:  # no KV cache (engine.encoder_runner)
+            num_blocks = encoder_blocks(config, max_model_len)
+            self.runner = EncoderRunner(self.model, spec.pooler.seq_pooling_type, config.block_size, device,
+                                        spec.tokenizer.sep_token_id)
+        else:
+            block_bytes = bytes_per_block(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
+            num_blocks = num_kv_blocks(config, block_bytes, device,
+                                       step_bytes(self.model, config, max_model_len, arch.num_kv_heads, device))
+            kv = allocate_kv_cache(arch.num_layers, num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim,
+                                   dtype, device)
+            self.runner = make_runner(self.model, kv, config, max_model_len, device)
         self.max_lora_rank = config.max_lora_rank
         if config.enable_lora:
+            if arch.encoder:
+                raise ValueError("LoRA adapters are not supported for encoder models (BERT, RoBERTa)")
             attach(self.model, LoRAState())
         self.sampler = SequenceSampler(config.seed, spec.eos_token_ids, config.logprobs_mode)
         self.info = ModelInfo(model_dir, spec.tokenizer, spec.eos_token_ids, arch.vocab_size,

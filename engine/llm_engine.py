@@ -29,15 +29,29 @@ from engine.token_bans import bad_words_token_ids
 logger = logging.getLogger(__name__)
 
 
+def encoder_config(config: EngineConfig, max_position_embeddings: int) -> EngineConfig:
+    """An encoder's prompts run whole (a token's state depends on the tokens after it): no chunked
+    prefill, no prefix caching, as vLLM runs encoder-only models."""
+    model_len = config.model_len(max_position_embeddings)
+    if config.max_num_batched_tokens < model_len:
+        raise ValueError(f"an encoder model runs each prompt whole in one step: max_num_batched_tokens "
+                         f"({config.max_num_batched_tokens}) must be >= max_model_len ({model_len})")
+    if config.enable_chunked_prefill or config.enable_prefix_caching:
+        logger.info("an encoder model: chunked prefill and prefix caching are off (each prompt runs whole)")
+    return dataclasses.replace(config, enable_chunked_prefill=False, enable_prefix_caching=False)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         self.executor = executor or make_executor(config)
         info = self.executor.info
+        self.pooler: PoolerConfig | None = getattr(info, "pooler", None)  # a pooling engine's (engine.pooling)
+        if self.pooler is not None and self.pooler.encoder:
+            config = self.config = encoder_config(config, info.max_position_embeddings)
         self.tokenizer = info.tokenizer
         self.eos_token_ids = set(info.eos_token_ids)
         self.max_model_len = config.model_len(info.max_position_embeddings)
-        self.pooler: PoolerConfig | None = getattr(info, "pooler", None)  # a pooling engine's (engine.pooling)
         self._check_room(info.num_blocks)
         self.block_manager = BlockManager(info.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,

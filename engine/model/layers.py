@@ -93,7 +93,7 @@ class Shard:
 def check_checkpoint_shape(name: str, param: nn.Parameter, shard_id, shape) -> None:
     """Raise unless checkpoint tensor `name` has the shape the config gives it: a mismatch would
     otherwise be zero-padded or cut to the parameter's shape and served (HF refuses it too)."""
-    expected = tuple(param.full_shape(shard_id))
+    expected = tuple(param.full_shape(shard_id) if hasattr(param, "full_shape") else param.shape)
     if tuple(shape) != expected:
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(shape)}, but the model's config.json "
                          f"makes it {expected}")

@@ -20,7 +20,7 @@ from engine.classifier import is_classifier
 from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, ReplicatedLinear, RMSNorm,
                                  RowParallelLinear, TPContext, VocabParallelEmbedding)
 from engine.model.rope import RopeStep, RotaryEmbedding, apply_rope, rope_inv_freq
-from engine.model_source import SUPPORTED_MODEL_TYPES
+from engine.model_source import ENCODER_MODEL_TYPES, SUPPORTED_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +45,18 @@ class ModelArch:
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k before RoPE
     sliding_window: int | None = None  # the checkpoint's attention window, where one applies
     num_labels: int = 0  # a sequence classifier's classes (its `score` head); 0: no classifier
+    # An encoder's (engine.model.bert; from_hf_encoder): attention both ways, absolute positions
+    encoder: bool = False
+    type_vocab_size: int = 0
+    position_offset: int = 0  # RoBERTa's positions start past its padding index
+    hidden_act: str = "silu"
 
     @classmethod
     def from_hf(cls, cfg) -> "ModelArch":
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {cfg.model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if cfg.model_type in ENCODER_MODEL_TYPES:
+            return cls.from_hf_encoder(cfg)
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (only silu)")
         heads = cfg.num_attention_heads
@@ -84,8 +91,37 @@ class ModelArch:
             raise ValueError(f"rope scaling {arch.rope_scaling} lacks {e}") from None
         return arch
 
+    @classmethod
+    def from_hf_encoder(cls, cfg) -> "ModelArch":
+        """A BERT / RoBERTa / XLM-RoBERTa config: the fields sizing and the engine read, LayerNorm's
+        eps as the norm's. RoBERTa's positions start past its padding index (HF's
+        create_position_ids_from_input_ids): its usable positions are that many fewer."""
+        from transformers.activations import ACT2FN
+
+        kind = getattr(cfg, "position_embedding_type", "absolute") or "absolute"
+        if kind != "absolute":
+            raise ValueError(f"unsupported position_embedding_type {kind!r} (encoders: only absolute)")
+        if cfg.hidden_act not in ACT2FN:
+            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}")
+        if getattr(cfg, "is_decoder", False) or getattr(cfg, "add_cross_attention", False):
+            raise ValueError(f"this {cfg.model_type} config is a decoder (is_decoder): kvserve runs BERT-style "
+                             "models as encoders only")
+        pad = getattr(cfg, "pad_token_id", None)
+        offset = 0 if cfg.model_type == "bert" else (1 if pad is None else pad) + 1
+        heads = cfg.num_attention_heads
+        return cls(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                   num_layers=cfg.num_hidden_layers, num_heads=heads, num_kv_heads=heads,
+                   head_dim=cfg.hidden_size // heads, rms_norm_eps=cfg.layer_norm_eps, rope_theta=0.0,
+                   rope_scaling=None, max_position_embeddings=cfg.max_position_embeddings - offset,
+                   tie_word_embeddings=False, attention_bias=True, mlp_bias=True, o_proj_bias=True,
+                   num_labels=cfg.num_labels if is_classifier(cfg) else 0, encoder=True,
+                   type_vocab_size=cfg.type_vocab_size, position_offset=offset, hidden_act=cfg.hidden_act)
+
     def check_tp(self, tp_size: int) -> None:
         """Raise before any weight is loaded when the model cannot be split tp_size ways."""
+        if self.encoder and tp_size > 1:
+            raise ValueError(f"encoder models (BERT, RoBERTa) run on one device: tensor_parallel_size {tp_size} "
+                             "is not supported for them")
         problems = []
         if self.num_heads % tp_size:
             problems.append(f"num_attention_heads={self.num_heads}")

@@ -13,6 +13,7 @@ from torch import nn
 from engine import cpu_kernels
 from engine.model import codes
 from engine.model.codes import codes_wanted, log_codes
+from engine.model.bert import EncoderModel
 from engine.model.layers import TPContext, check_checkpoint_shape
 from engine.model.llama import LlamaModel, ModelArch
 from engine.model_source import ModelError
@@ -67,7 +68,10 @@ def load_weights(model: LlamaModel, model_dir: str | Path) -> int:
                 check_checkpoint_shape(name, param, shard, f.get_slice(name).get_shape())
                 tensor = f.get_tensor(name)
                 nbytes += tensor.numel() * tensor.element_size()
-                param.weight_loader(param, tensor.to(param.dtype), shard)
+                if hasattr(param, "weight_loader"):
+                    param.weight_loader(param, tensor.to(param.dtype), shard)
+                else:  # a plain parameter (an encoder's): the tensor whole
+                    param.data.copy_(tensor)
                 loaded.add(id(param))
     check_complete(params, loaded)
     return nbytes
@@ -82,13 +86,17 @@ def check_complete(params: dict[str, nn.Parameter], loaded: set[int]) -> None:
 
 
 def build_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-                tp: TPContext = TPContext(), pooling: bool = False) -> LlamaModel:
+                tp: TPContext = TPContext(), pooling: bool = False) -> LlamaModel | EncoderModel:
     arch, _ = load_arch(model_dir)
+    if arch.encoder and not pooling:
+        raise ValueError("an encoder model (BERT, RoBERTa) has no language-model head to generate with: it serves "
+                         "embeddings and scores (--runner pooling, which --runner auto picks for it)")
     with torch.device(device):  # built where it runs, as a tensor-parallel rank builds its shard
-        model = LlamaModel(arch, dtype, tp, pooling)
+        model = EncoderModel(arch, dtype) if arch.encoder else LlamaModel(arch, dtype, tp, pooling)
     load_weights(model, model_dir)
     model = model.eval()
-    prepare_cpu_weights(model, device, dtype)
+    if not arch.encoder:
+        prepare_cpu_weights(model, device, dtype)
     return model
 
 

@@ -1,0 +1,56 @@
+"""The model runner of an encoder (engine.model.bert): every sequence of a step is a whole prompt
+(the engine runs encoders without chunked prefill or prefix caching), and each gives one pooled
+row. There is no KV cache to write or read; the blocks the scheduler hands out only count."""
+from __future__ import annotations
+
+import torch
+
+from engine.device_copy import to_device
+from engine.model.bert import EncoderModel
+from engine.model_runner import RunnerOutput
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+
+def encoder_blocks(config, max_model_len: int) -> int:
+    """The pool the scheduler counts for an encoder: enough for any step's prompts (at most
+    max_num_batched_tokens tokens, a part-filled block each) and for one max_model_len prompt."""
+    bs = config.block_size
+    return max(-(-config.max_num_batched_tokens // bs) + config.max_num_seqs, -(-max_model_len // bs))
+
+
+class EncoderRunner:
+    def __init__(self, model: EncoderModel, pooling_type: str, block_size: int, device: torch.device,
+                 sep_token_id: int | None) -> None:
+        self.model = model
+        self.pooling_type = pooling_type
+        self.block_size = block_size
+        self.device = device
+        # BERT's pair encoding ([CLS] a [SEP] b [SEP]) gives b's tokens the second token type
+        self.sep_token_id = sep_token_id if model.arch.type_vocab_size > 1 else None
+
+    def token_types(self, seq: Sequence) -> list[int]:
+        """A score request's pair: type 1 after the first [SEP], as the tokenizer's token_type_ids;
+        0 everywhere else (an embedding's text is one segment, whatever it holds)."""
+        ids = seq.prompt_token_ids
+        if self.sep_token_id is None or seq.params.pooling.task != "score" or self.sep_token_id not in ids:
+            return [0] * len(ids)
+        first = ids.index(self.sep_token_id)
+        return [0] * (first + 1) + [1] * (len(ids) - first - 1)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        order = batch.row_order(self.block_size)
+        ids, types, lens = [], [], []
+        for i in order:
+            seq = batch.seqs[i]
+            if seq.num_computed_tokens or batch.num_new_tokens[i] != seq.num_prompt_tokens:
+                raise RuntimeError(f"an encoder runs whole prompts: sequence {seq.request_id} was scheduled "
+                                   f"{batch.num_new_tokens[i]} of its {seq.num_prompt_tokens} tokens from "
+                                   f"{seq.num_computed_tokens}")
+            ids.extend(seq.prompt_token_ids)
+            types.extend(self.token_types(seq))
+            lens.append(seq.num_prompt_tokens)
+        pooled = self.model(to_device(ids, torch.long, self.device), lens, to_device(types, torch.long, self.device),
+                            self.pooling_type)
+        return RunnerOutput(None, order, pooled=pooled)

@@ -1,0 +1,96 @@
+"""Tiny random encoder checkpoints (BERT with a WordPiece tokenizer, RoBERTa and XLM-RoBERTa
+with a byte-level BPE one trained here), saved as HF saves them, optionally as sentence-transformers folders."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+WORDS = ("the", "a", "capital", "of", "france", "is", "paris", "what", "city", "river", "cat", "dog", "runs",
+         "fast", "slow", "blue", "sky", "sea", "who", "wrote", "book", "and", "in", "on", "for", "with")
+CORPUS = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))]
+
+
+def _bert_tokenizer(out_dir: Path):
+    from transformers import BertTokenizerFast
+
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *".,?!", *letters, *(f"##{c}" for c in letters), *WORDS]
+    (out_dir / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    return BertTokenizerFast(str(out_dir / "vocab.txt"), model_max_length=128)
+
+
+def _roberta_tokenizer(out_dir: Path):
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import RobertaTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(CORPUS, vocab_size=400, min_frequency=1,
+                            special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"], show_progress=False)
+    vocab, merges = bpe.save_model(str(out_dir))
+    return RobertaTokenizerFast(vocab, merges, model_max_length=128)
+
+
+def make_tiny_encoder(out_dir: Path, kind: str = "bert", num_labels: int = 0, pooling: str | None = None,
+                      normalize: bool = True, seed: int = 0, **config) -> Path:
+    """kind "bert", "roberta" or "xlm-roberta" (both with RoBERTa's byte-level BPE tokenizer);
+    `num_labels` > 0: a ...ForSequenceClassification; `pooling`
+    ("cls_token", "mean_tokens", ...): a sentence-transformers folder pooling so (with a Normalize
+    module where `normalize`)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = _bert_tokenizer(out_dir) if kind == "bert" else _roberta_tokenizer(out_dir)
+    torch.manual_seed(seed)
+    extra = {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2} if kind != "bert" else {"pad_token_id": 0}
+    cfg = AutoConfig.for_model(kind, vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, max_position_embeddings=130 if kind != "bert" else 128,
+                               type_vocab_size=2 if kind == "bert" else 1, **extra, **config)
+    if num_labels:
+        cfg.num_labels = num_labels
+        model = AutoModelForSequenceClassification.from_config(cfg)
+    else:
+        model = AutoModel.from_config(cfg)
+    with torch.no_grad():  # not HF's init: biases and norms read wrongly would show
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+            elif name.startswith("classifier") or "pooler" in name:  # scores that differ, pair to pair
+                p.normal_(0, 0.5)
+            elif "LayerNorm.weight" in name:
+                p.uniform_(0.5, 1.5)
+    model.eval().save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    if pooling is not None:
+        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+        if normalize:
+            modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (out_dir / "modules.json").write_text(json.dumps(modules))
+        (out_dir / "1_Pooling").mkdir(exist_ok=True)
+        (out_dir / "1_Pooling" / "config.json").write_text(json.dumps(
+            {"word_embedding_dimension": 64, f"pooling_mode_{pooling}": True}))
+    return out_dir
+
+
+def hf_encode(model_dir: Path, texts: list, pooling: str = "cls_token") -> torch.Tensor:
+    """HF's vectors (unnormalised) or, for a classifier, logits: each text (or pair) alone, as
+    sentence-transformers pools them."""
+    from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    config = json.loads((model_dir / "config.json").read_text())
+    classify = any(a.endswith("ForSequenceClassification") for a in config["architectures"])
+    model = (AutoModelForSequenceClassification if classify else AutoModel).from_pretrained(str(model_dir)).eval()
+    out = []
+    with torch.no_grad():
+        for text in texts:
+            enc = tok(*text, return_tensors="pt") if isinstance(text, tuple) else tok(text, return_tensors="pt")
+            result = model(**enc)
+            if classify:
+                out.append(result.logits[0])
+                continue
+            h = result.last_hidden_state[0]
+            out.append({"cls_token": h[0], "mean_tokens": h.mean(dim=0), "lasttoken": h[-1]}[pooling])
+    return torch.stack(out)
