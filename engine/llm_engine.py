@@ -17,7 +17,7 @@ from engine.outputs import EngineStats, RequestOutput
 from engine.pooling import Pooled, PoolerConfig
 from engine.request import Request
 from engine.sampler import SampleResult
-from engine.sampling_params import SamplingParams, priority_refusal, truncated
+from engine.sampling_params import SamplingParams, framing_tokens, priority_refusal, truncated
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import Sequence
 from engine.snapshot import DEFAULT_PREFIX_LIMIT, snapshot
@@ -50,6 +50,8 @@ class LLMEngine:
         if self.pooler is not None and self.pooler.encoder:
             config = self.config = encoder_config(config, info.max_position_embeddings)
         self.tokenizer = info.tokenizer
+        # an encoder's [CLS] and [SEP]: truncation keeps them (engine.sampling_params.truncated)
+        self._ends = framing_tokens(self.tokenizer) if self.pooler is not None and self.pooler.encoder else None
         self.eos_token_ids = set(info.eos_token_ids)
         self.max_model_len = config.model_len(info.max_position_embeddings)
         self._check_room(info.num_blocks)
@@ -180,7 +182,7 @@ class LLMEngine:
             params.pooling = self.pooler.resolved(params.pooling)
         if params.truncate_prompt_tokens is not None:
             ids = truncated(ids, params.truncate_prompt_tokens, self.max_model_len,
-                            0 if params.pooling is not None else params.max_tokens)
+                            0 if params.pooling is not None else params.max_tokens, ends=self._ends)
         max_tokens = self.validate(ids, params, fit_model_len)
         gate = self.structured.gate(params.structured_outputs) if params.structured_outputs is not None else None
         if params.structured_outputs is not None and grammar is None:

@@ -226,6 +226,13 @@ class SamplingParams:
                 for first, size in zip(firsts, sizes)]
 
 
+def framing_tokens(tokenizer) -> tuple[int, int] | None:
+    """An encoder tokenizer's opening and closing special tokens ([CLS] and [SEP], <s> and </s>):
+    `truncated`'s `ends`; None where it has not both."""
+    cls, sep = getattr(tokenizer, "cls_token_id", None), getattr(tokenizer, "sep_token_id", None)
+    return None if cls is None or sep is None else (cls, sep)
+
+
 def check_truncation(keep: int, max_model_len: int) -> None:
     """InvalidRequestError for a truncate_prompt_tokens no prompt can keep."""
     if keep == 0:  # as the offline params refuse it (it would keep nothing, or on the left side all)
@@ -237,11 +244,13 @@ def check_truncation(keep: int, max_model_len: int) -> None:
 
 def truncated(prompt_token_ids: list[int], keep: int, max_model_len: int, max_tokens: int | None = None,
               side: str | None = None, max_param: str = "max_tokens",
-              asked: str = "truncate_prompt_tokens -1") -> list[int]:
+              asked: str = "truncate_prompt_tokens -1", ends: tuple[int, int] | None = None) -> list[int]:
     """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (its first, `side` "right");
     -1: as many as leave room for `max_tokens` (all of max_model_len without one, as vLLM's, which
     leaves a prompt that long no room: refused here naming `max_param`, the field to give, and
-    `asked`, what the request said)."""
+    `asked`, what the request said). `ends`: an encoder's opening and closing special tokens
+    ([CLS], [SEP]); a prompt framed by them keeps them, and the tokens between are cut, as the
+    tokenizer's own truncation of the text gives it."""
     check_truncation(keep, max_model_len)
     if keep == -1:
         keep = max_model_len - (max_tokens or 0)
@@ -255,7 +264,12 @@ def truncated(prompt_token_ids: list[int], keep: int, max_model_len: int, max_to
                                       code="context_length_exceeded")
     if keep >= len(prompt_token_ids):
         return prompt_token_ids
-    return prompt_token_ids[:keep] if side == "right" else prompt_token_ids[-keep:]
+    ids = prompt_token_ids
+    if ends is not None and keep >= 2 and ids[0] == ends[0] and ids[-1] == ends[1]:
+        inner = ids[1:-1]
+        inner = inner[:keep - 2] if side == "right" else inner[len(inner) - (keep - 2):]
+        return [ids[0], *inner, ids[-1]]
+    return ids[:keep] if side == "right" else ids[-keep:]
 
 
 def _unique(ids) -> list:

@@ -30,7 +30,7 @@ from engine.block_manager import kv_tokens
 from engine.chat_format import as_parts, resolved
 from engine.errors import InvalidRequestError
 from engine.outputs import ChoiceDelta, StepOutput
-from engine.sampling_params import SamplingParams, priority_refusal, truncated
+from engine.sampling_params import SamplingParams, framing_tokens, priority_refusal, truncated
 from engine.pooling import PoolerConfig
 from engine.scoring import pair_length, pair_prompts, pair_scores, score_pairs
 from engine.structured.params import StructuredOutputsParams
@@ -379,7 +379,9 @@ class OpenAIServing:
         """The prompts an embedding request's `param` runs: each truncated as the request asks,
         then checked (a 400 naming `param` for one the engine would refuse)."""
         if req.truncate_prompt_tokens is not None:
-            prompts = [await self._truncated(p, req, 0, param) for p in prompts]
+            pooler = await self._pooler()
+            ends = framing_tokens(self.tokenizer) if pooler is not None and pooler.encoder else None
+            prompts = [await self._truncated(p, req, 0, param, ends=ends) for p in prompts]
         await self._check_prompts(prompts, params, param, param)
         return prompts
 
@@ -544,12 +546,14 @@ class OpenAIServing:
         return dataclasses.replace(params, structured_outputs=await checked(spec, param))
 
     async def _truncated(self, ids: list[int], req: CompletionRequest | ChatCompletionRequest,
-                         max_tokens: int | None, max_param: str, asked: str = "truncate_prompt_tokens -1") -> list[int]:
+                         max_tokens: int | None, max_param: str, asked: str = "truncate_prompt_tokens -1",
+                         ends: tuple[int, int] | None = None) -> list[int]:
         """The prompt the request's truncate_prompt_tokens keeps (-1: what leaves room for max_tokens,
-        the request's `max_param`; `asked`: how the request said -1, for the errors)."""
+        the request's `max_param`; `asked`: how the request said -1, for the errors; `ends`: an
+        encoder's framing tokens, kept)."""
         try:
             return truncated(ids, req.truncate_prompt_tokens, (await self.limits())["max_model_len"], max_tokens,
-                             req.truncation_side, max_param, asked)
+                             req.truncation_side, max_param, asked, ends)
         except InvalidRequestError as e:
             raise from_invalid_request(e) from None
 

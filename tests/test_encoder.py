@@ -1,0 +1,175 @@
+"""Encoder models (engine.model.bert): BERT, RoBERTa and XLM-RoBERTa checkpoints embed as HF
+transformers and sentence-transformers pool them (CLS, MEAN, LAST), and their cross-encoders
+score a pair as HF reads it (BERT's second token type included); each prompt runs whole, many
+lengths padded in one step, with no KV cache; truncation keeps [CLS] and [SEP]; what an encoder
+cannot do is refused, saying why; every block the scheduler counted comes back."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM
+from engine.errors import InvalidRequestError
+from engine.sampling_params import framing_tokens, truncated
+from tests.test_embeddings import _assert_clean, _serve
+from tests.tiny_bert import hf_encode, make_tiny_encoder
+
+TEXTS = ["the capital of france is paris", "what city", "a dog runs fast in the blue sky and the sea",
+         "who wrote the book", "cat", "the river and the sea and the sky runs slow on a blue dog"]
+QUERY = "what is the capital of france"
+DOCS = ["paris is the capital of france", "the dog runs fast", "blue sky", "who wrote the book on the river"]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    def make(name, kind, **kw):
+        return make_tiny_encoder(tmp_path_factory.mktemp(name), kind, **kw)
+
+    return {"bert-cls": make("bert-cls", "bert", pooling="cls_token"),
+            "bert-mean": make("bert-mean", "bert", pooling="mean_tokens", normalize=False),
+            "roberta-last": make("roberta-last", "roberta", pooling="lasttoken"),
+            "xlmr-bare": make("xlmr-bare", "xlm-roberta"),  # no sentence-transformers modules: CLS, normalised
+            "bert-ce": make("bert-ce", "bert", num_labels=1), "xlmr-ce": make("xlmr-ce", "xlm-roberta", num_labels=1),
+            "bert-3": make("bert-3", "bert", num_labels=3, id2label={0: "neg", 1: "neu", 2: "pos"})}
+
+
+MODES = {"bert-cls": ("cls_token", True), "bert-mean": ("mean_tokens", False), "roberta-last": ("lasttoken", True),
+         "xlmr-bare": ("cls_token", True)}
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_an_encoder_embeds_as_hf_and_sentence_transformers_pool(dirs, name):
+    pooling, normalized = MODES[name]
+    want = hf_encode(dirs[name], TEXTS, pooling)
+    if normalized:
+        want = torch.nn.functional.normalize(want, dim=-1)
+    # two prompts a step at most: steps of different lengths, each padded to its longest
+    llm = LLM(str(dirs[name]), max_num_seqs=2, max_num_batched_tokens=128)
+    assert not llm.engine.config.enable_chunked_prefill and not llm.engine.config.enable_prefix_caching
+    outs = llm.embed(TEXTS, use_tqdm=False)
+    got = torch.tensor([o.outputs.embedding for o in outs])
+    assert torch.allclose(got, want, atol=2e-6, rtol=0), (got - want).abs().max()
+    assert [o.prompt_token_ids for o in outs] == [llm.tokenizer.encode(t) for t in TEXTS]
+    again = llm.embed(TEXTS[:1], use_tqdm=False)[0]  # no prefix cache: nothing reused, the same vector
+    assert again.num_cached_tokens == 0 and again.outputs.embedding == outs[0].outputs.embedding
+    _assert_clean(llm)
+
+
+def hf_pair_logits(model_dir, pairs, token_types: bool = True) -> torch.Tensor:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir)).eval()
+    out = []
+    with torch.no_grad():
+        for q, d in pairs:
+            enc = tok(q, d, return_tensors="pt")
+            if not token_types:
+                enc["token_type_ids"] = torch.zeros_like(enc["input_ids"])
+            out.append(model(**enc).logits[0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("name", ["bert-ce", "xlmr-ce"])
+def test_an_encoder_cross_encoder_scores_each_pair_as_hf(dirs, name):
+    pairs = [(QUERY, d) for d in DOCS]
+    want = torch.sigmoid(hf_pair_logits(dirs[name], pairs)[:, 0])
+    llm = LLM(str(dirs[name]))
+    got = torch.tensor([o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)])
+    assert torch.allclose(got, want, atol=2e-6, rtol=0), (got, want)
+    if name == "bert-ce":  # the document's tokens are BERT's second segment: without it the scores differ
+        flat = torch.sigmoid(hf_pair_logits(dirs[name], pairs, token_types=False)[:, 0])
+        assert (flat - want).abs().max() > 1e-4
+    # a text alone is one segment, whatever [SEP] it holds
+    alone = llm.classify([f"{QUERY} [SEP] {DOCS[0]}"], use_tqdm=False)[0].outputs.probs[0]
+    enc = llm.tokenizer(f"{QUERY} [SEP] {DOCS[0]}")
+    assert alone == pytest.approx(torch.sigmoid(hf_encode(dirs[name], [f"{QUERY} [SEP] {DOCS[0]}"])[0, 0]).item(),
+                                  abs=2e-6)
+    assert (name != "bert-ce") or 0 in enc["token_type_ids"]
+    _assert_clean(llm)
+
+
+def test_an_encoder_classifier_gives_hfs_softmax(dirs):
+    want = torch.softmax(hf_encode(dirs["bert-3"], TEXTS), dim=-1)
+    llm = LLM(str(dirs["bert-3"]))
+    outs = llm.classify(TEXTS, use_tqdm=False)
+    got = torch.tensor([o.outputs.probs for o in outs])
+    assert torch.allclose(got, want, atol=2e-6, rtol=0), (got - want).abs().max()
+    _assert_clean(llm)
+
+
+def test_truncation_keeps_an_encoders_cls_and_sep(dirs):
+    from transformers import AutoTokenizer
+
+    d = dirs["bert-cls"]
+    tok = AutoTokenizer.from_pretrained(str(d), truncation_side="left")  # vLLM's tokenizers cut on the left
+    text = TEXTS[5]
+    llm = LLM(str(d))
+    for keep in (2, 3, 8):
+        out = llm.embed(text, truncate_prompt_tokens=keep, use_tqdm=False)[0]
+        ids = tok(text, truncation=True, max_length=keep)["input_ids"]
+        assert out.prompt_token_ids == ids and ids[0] == tok.cls_token_id and ids[-1] == tok.sep_token_id
+        want = torch.nn.functional.normalize(hf_encode(d, [tok.decode(ids[1:-1])]), dim=-1)[0]
+        assert torch.allclose(torch.tensor(out.outputs.embedding), want, atol=2e-6, rtol=0)
+    tok.truncation_side = "right"  # a request's truncation_side "right" keeps the text's start
+    assert truncated(tok.encode(text), 8, 128, side="right", ends=framing_tokens(tok)) == tok(
+        text, truncation=True, max_length=8)["input_ids"]
+    unframed = llm.embed({"prompt_token_ids": [7, 8, 9, 10]}, truncate_prompt_tokens=2, use_tqdm=False)[0]
+    assert unframed.prompt_token_ids == [9, 10]  # token ids without [CLS]...[SEP]: vLLM's last k
+
+
+def test_what_an_encoder_cannot_do_is_refused_by_name(dirs):
+    d = str(dirs["bert-cls"])
+    for kwargs, words in (({"runner": "generate"}, "no language-model head"),
+                          ({"pooler_config": {"pooling_type": "STEP"}}, "pooling type STEP is not supported for "
+                                                                         "encoders"),
+                          ({"max_num_batched_tokens": 64}, "runs each prompt whole"),
+                          ({"enable_lora": True}, "LoRA adapters are not supported for encoder")):
+        with pytest.raises(ValueError, match=words):
+            LLM(d, **kwargs)
+    with pytest.raises(ValueError, match="a sequence classifier scores its first token"):
+        LLM(str(dirs["bert-ce"]), pooler_config={"pooling_type": "MEAN"})
+    from engine.model.loader import load_arch
+
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 is not supported"):
+        load_arch(d)[0].check_tp(2)
+    llm = LLM(d)
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        llm.embed(" ".join(["sky"] * 200), use_tqdm=False)
+    with pytest.raises(ValueError, match="does not generate|pooling"):
+        llm.generate("the sky", use_tqdm=False)
+    _assert_clean(llm)
+
+
+@pytest.mark.parametrize("engine_cls", [None, "engine.process_engine:ProcessEngine"], ids=["async", "process"])
+def test_http_embeddings_and_rerank_of_encoders_equal_the_offline_calls(dirs, engine_cls):
+    from engine.config import EngineConfig
+
+    embed = LLM(str(dirs["bert-cls"]))
+    vectors = [o.outputs.embedding for o in embed.embed(TEXTS, use_tqdm=False)]
+    cut = embed.embed(TEXTS[5], truncate_prompt_tokens=5, use_tqdm=False)[0].outputs.embedding
+    cross = LLM(str(dirs["bert-ce"]))
+    scores = [o.outputs.score for o in cross.score(QUERY, DOCS, use_tqdm=False)]
+
+    async def embeddings(client, http):
+        r = await client.embeddings.create(model="m", input=TEXTS)
+        assert torch.allclose(torch.tensor([d.embedding for d in r.data]), torch.tensor(vectors), atol=1e-6, rtol=0)
+        assert r.usage.prompt_tokens == sum(len(embed.tokenizer.encode(t)) for t in TEXTS)
+        r = await http.post("/v1/embeddings", json={"model": "m", "input": TEXTS[5], "truncate_prompt_tokens": 5})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 5, r.text
+        assert r.json()["data"][0]["embedding"] == pytest.approx(cut, abs=1e-6)
+        r = await http.post("/v1/embeddings", json={"model": "m", "input": " ".join(["sky"] * 200)})
+        assert r.status_code == 400 and "128" in r.json()["error"]["message"], r.text
+        r = await http.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert r.status_code == 400 and "/v1/embeddings" in r.json()["error"]["message"], r.text
+
+    async def rerank(client, http):
+        r = await http.post("/v1/rerank", json={"model": "m", "query": QUERY, "documents": DOCS})
+        assert r.status_code == 200, r.text
+        best = sorted(range(len(DOCS)), key=lambda i: -scores[i])
+        assert [x["index"] for x in r.json()["results"]] == best
+        assert [x["relevance_score"] for x in r.json()["results"]] == pytest.approx([scores[i] for i in best],
+                                                                                  abs=1e-6)
+
+    _serve(EngineConfig(model=str(dirs["bert-cls"])), embed.tokenizer, embeddings, engine_cls)
+    _serve(EngineConfig(model=str(dirs["bert-ce"])), cross.tokenizer, rerank, engine_cls)
