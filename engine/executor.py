@@ -166,8 +166,9 @@ class LocalExecutor:
         self.sampler = SequenceSampler(config.seed, spec.eos_token_ids, config.logprobs_mode)
         self.info = ModelInfo(model_dir, spec.tokenizer, spec.eos_token_ids, arch.vocab_size,
                               arch.max_position_embeddings, num_blocks, device, dtype, spec.pooler)
-        logger.info("loaded %s on %s (%s) in %.1fs; KV cache %d blocks x %d tokens", model_name(config, model_dir), device,
-                    dtype, time.perf_counter() - t0, num_blocks, config.block_size)
+        logger.info("loaded %s on %s (%s) in %.1fs; %s", model_name(config, model_dir), device, dtype,
+                    time.perf_counter() - t0, "an encoder: no KV cache" if arch.encoder else
+                    f"KV cache {num_blocks} blocks x {config.block_size} tokens")
 
     def execute(self, batch: ScheduledBatch, grammar_mask: GrammarMask | None = None) -> LocalDraws:
         out = self.runner.execute(batch)

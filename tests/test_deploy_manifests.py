@@ -620,6 +620,13 @@ def test_a_cpu_replica_counts_every_form_of_its_weights(tmp_path, smollm2_path):
             assert 0.95 * held <= counted <= 1.05 * held, (kind, pooling, held, counted)
             assert sizing.cpu_weight_bytes(arch, 2, sizing.checkpoint_bytes(d, arch), pooling) == sizing.param_count(
                 arch, pooling) * 2
+    from tests.tiny_bert import make_tiny_encoder
+
+    for kind, labels in (("bert", 0), ("xlm-roberta", 2)):  # an encoder holds its weights once, every one counted
+        d = make_tiny_encoder(tmp_path / f"{kind}-{labels}", kind, num_labels=labels)
+        model, arch = build_model(d, torch.float32, torch.device("cpu"), pooling=True), load_arch(d)[0]
+        assert sizing.param_count(arch, True) == sum(p.numel() for p in model.parameters())
+        assert sizing.cpu_weight_bytes(arch, 4, sizing.checkpoint_bytes(d, arch), True) == held_weight_bytes(model)
 
 
 def test_sizing_refuses_a_load_timeout_the_volume_cannot_meet(smollm2_path):

@@ -4,9 +4,10 @@ XLMRobertaModel) and score pairs as cross-encoders (ms-marco-MiniLM, bge-reranke
 `...ForSequenceClassification`).
 
 An encoder keeps no KV cache. Each prompt runs whole in one step (the engine turns chunked
-prefill and prefix caching off for it: a token's state depends on the tokens after it), padded
-to the step's longest prompt with the padding masked out of every key. The step's output is one
-row per prompt (EncoderRunner), pooled here as the model's pooler says:
+prefill and prefix caching off for it: a token's state depends on the tokens after it). The
+linear layers take the step's tokens flat, unpadded; attention runs per prompt over its own
+tokens. The step's output is one row per prompt (EncoderRunner), pooled here as the model's
+pooler says:
 
     CLS   the first token's final state (BERT's [CLS], RoBERTa's <s>); vLLM's default for these
     MEAN  the mean over the prompt's tokens (all-MiniLM's sentence-transformers pooling)
@@ -39,16 +40,15 @@ class EncoderLayer(nn.Module):
         self.down = nn.Linear(intermediate, hidden, dtype=dtype)
         self.out_norm = nn.LayerNorm(hidden, eps, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """x: (B, L, hidden), keep: (B, 1, 1, L) bool, True on a prompt's own tokens."""
-        b, length, hidden = x.shape
-
-        def split(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, length, self.heads, hidden // self.heads).transpose(1, 2)
-
-        a = F.scaled_dot_product_attention(split(self.query(x)), split(self.key(x)), split(self.value(x)),
-                                           attn_mask=keep)
-        x = self.attn_norm(self.attn_out(a.transpose(1, 2).reshape(b, length, hidden)) + x)
+    def forward(self, x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+        """x: (T, hidden), the prompts one after another, lens[i] tokens each. The linear layers
+        take the rows flat; attention runs per prompt, over its own rows only (no mask, no padding)."""
+        t, hidden = x.shape
+        q, k, v = (p(x).view(t, self.heads, hidden // self.heads).transpose(0, 1)
+                   for p in (self.query, self.key, self.value))  # (heads, T, head_dim)
+        a = torch.cat([F.scaled_dot_product_attention(*qkv) for qkv in zip(q.split(lens, 1), k.split(lens, 1),
+                                                                         v.split(lens, 1))], dim=1)
+        x = self.attn_norm(self.attn_out(a.transpose(0, 1).reshape(t, hidden)) + x)
         return self.out_norm(self.down(self.act(self.up(x))) + x)
 
 
@@ -77,24 +77,22 @@ class EncoderModel(nn.Module):
                 pooling_type: str) -> torch.Tensor:
         """input_ids, token_types: (T,) the prompts one after another, lens[i] tokens each ->
         (len(lens), hidden or num_labels) float32."""
-        lens_t = torch.tensor(lens, device=input_ids.device)
-        width = max(lens)
-        keep = torch.arange(width, device=input_ids.device)[None, :] < lens_t[:, None]  # (B, L)
-        positions = torch.arange(width, device=input_ids.device).expand(len(lens), width)[keep]
-        h = (self.word_embeddings(input_ids) + self.token_type_embeddings(token_types)
-             + self.position_embeddings(positions + self.arch.position_offset))
-        x = h.new_zeros(len(lens), width, h.shape[-1])
-        x[keep] = self.embed_norm(h)
+        device = input_ids.device
+        lens_t = torch.tensor(lens, device=device)
+        ends = lens_t.cumsum(0)
+        starts = ends - lens_t
+        positions = torch.arange(input_ids.shape[0], device=device) - starts.repeat_interleave(lens_t)
+        x = self.embed_norm(self.word_embeddings(input_ids) + self.token_type_embeddings(token_types)
+                            + self.position_embeddings(positions + self.arch.position_offset))
         for layer in self.layers:
-            x = layer(x, keep[:, None, None, :])
+            x = layer(x, lens)
         if self.head_out is not None:  # the head reads the first token's state, whatever the pooler
-            return self.head_out(torch.tanh(self.head_dense(x[:, 0]))).float()
+            return self.head_out(torch.tanh(self.head_dense(x[starts]))).float()
         if pooling_type == "CLS":
-            return x[:, 0].float()
+            return x[starts].float()
         if pooling_type == "LAST":
-            return x[torch.arange(len(lens), device=x.device), lens_t - 1].float()
-        # MEAN, as sentence-transformers takes it: the masked sum over the count, in the model's dtype
-        return ((x * keep[..., None]).sum(dim=1) / lens_t[:, None].to(x.dtype)).float()
+            return x[ends - 1].float()
+        return torch.stack([rows.mean(dim=0) for rows in x.split(lens)]).float()  # MEAN
 
     # checkpoint name (after the model prefix) -> ours, for the names that differ
     RENAMES = (("embeddings.word_embeddings.", "word_embeddings."),
