@@ -74,7 +74,7 @@ def param_count(a: ModelArch, pooling: bool = False) -> int:
     if a.encoder:  # engine.model.bert: up and down, two LayerNorms (weight and bias) a layer; absolute
         # positions and token types; a classifier's dense + out head
         attn, mlp, norms = 4 * h * h + 4 * h, 2 * h * inter + inter + h, 4 * h  # q, k, v, o with biases
-        tables = (a.vocab_size + a.max_position_embeddings + a.position_offset + a.type_vocab_size) * h
+        tables = (a.vocab_size + a.position_rows + a.type_vocab_size) * h
         return tables + 2 * h + a.num_layers * (attn + mlp + norms) + (h * h + h + a.num_labels * (h + 1)
                                                                        if a.num_labels else 0)
     mlp = 3 * h * inter + (2 * inter + h if a.mlp_bias else 0)

@@ -185,7 +185,8 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len > max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} is more than the model's "
                              f"{max_position_embeddings} positions (max_position_embeddings, or the "
-                             "attention window where the checkpoint has a shorter one)")
+                             "attention window or sentence-transformers max_seq_length where the checkpoint "
+                             "has a shorter one)")
         model_len = self.max_model_len or max_position_embeddings
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < model_len:
             raise ValueError(f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "

@@ -26,6 +26,7 @@ def dirs(tmp_path_factory):
         return make_tiny_encoder(tmp_path_factory.mktemp(name), kind, **kw)
 
     return {"bert-cls": make("bert-cls", "bert", pooling="cls_token"),
+            "bert-short": make("bert-short", "bert", pooling="mean_tokens", max_seq_length=16),
             "bert-mean": make("bert-mean", "bert", pooling="mean_tokens", normalize=False),
             "roberta-last": make("roberta-last", "roberta", pooling="lasttoken"),
             "xlmr-bare": make("xlmr-bare", "xlm-roberta"),  # no sentence-transformers modules: CLS, normalised
@@ -116,6 +117,20 @@ def test_truncation_keeps_an_encoders_cls_and_sep(dirs):
         text, truncation=True, max_length=8)["input_ids"]
     unframed = llm.embed({"prompt_token_ids": [7, 8, 9, 10]}, truncate_prompt_tokens=2, use_tqdm=False)[0]
     assert unframed.prompt_token_ids == [9, 10]  # token ids without [CLS]...[SEP]: vLLM's last k
+
+
+def test_a_sentence_transformers_max_seq_length_caps_max_model_len(dirs):
+    """all-MiniLM's 256 of BERT's 512 positions: the length it was trained for, as vLLM caps it."""
+    llm = LLM(str(dirs["bert-short"]))
+    assert llm.engine.max_model_len == 16
+    text = " ".join(["sky"] * 20)
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        llm.embed(text, use_tqdm=False)
+    out = llm.embed(text, truncate_prompt_tokens=-1, use_tqdm=False)[0]  # -1: max_model_len of them, framed
+    assert len(out.prompt_token_ids) == 16 and out.prompt_token_ids[0] == llm.tokenizer.cls_token_id
+    with pytest.raises(ValueError, match="sentence-transformers max_seq_length"):
+        LLM(str(dirs["bert-short"]), max_model_len=32)
+    assert LLM(str(dirs["bert-short"]), max_model_len=8).engine.max_model_len == 8
 
 
 def test_what_an_encoder_cannot_do_is_refused_by_name(dirs):

@@ -33,11 +33,11 @@ def _roberta_tokenizer(out_dir: Path):
 
 
 def make_tiny_encoder(out_dir: Path, kind: str = "bert", num_labels: int = 0, pooling: str | None = None,
-                      normalize: bool = True, seed: int = 0, **config) -> Path:
+                      normalize: bool = True, max_seq_length: int | None = None, seed: int = 0, **config) -> Path:
     """kind "bert", "roberta" or "xlm-roberta" (both with RoBERTa's byte-level BPE tokenizer);
     `num_labels` > 0: a ...ForSequenceClassification; `pooling`
     ("cls_token", "mean_tokens", ...): a sentence-transformers folder pooling so (with a Normalize
-    module where `normalize`)."""
+    module where `normalize`, and `max_seq_length` in its sentence_bert_config.json)."""
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -71,6 +71,9 @@ def make_tiny_encoder(out_dir: Path, kind: str = "bert", num_labels: int = 0, po
         (out_dir / "1_Pooling").mkdir(exist_ok=True)
         (out_dir / "1_Pooling" / "config.json").write_text(json.dumps(
             {"word_embedding_dimension": 64, f"pooling_mode_{pooling}": True}))
+        if max_seq_length is not None:
+            (out_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length,
+                                                                            "do_lower_case": False}))
     return out_dir
 
 

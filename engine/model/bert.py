@@ -61,8 +61,7 @@ class EncoderModel(nn.Module):
         self.arch = a
         self.pooling = True
         self.word_embeddings = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
-        self.position_embeddings = nn.Embedding(a.max_position_embeddings + a.position_offset, a.hidden_size,
-                                                dtype=dtype)
+        self.position_embeddings = nn.Embedding(a.position_rows, a.hidden_size, dtype=dtype)
         self.token_type_embeddings = nn.Embedding(a.type_vocab_size, a.hidden_size, dtype=dtype)
         self.embed_norm = nn.LayerNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
         self.layers = nn.ModuleList(EncoderLayer(a.hidden_size, a.num_heads, a.intermediate_size, a.rms_norm_eps,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from engine.model.bert import EncoderModel
 from engine.model.layers import TPContext, check_checkpoint_shape
 from engine.model.llama import LlamaModel, ModelArch
 from engine.model_source import ModelError
+from engine.pooling import sentence_transformers_max_len
 
 
 def load_arch(model_dir: str | Path) -> tuple[ModelArch, object]:
@@ -27,11 +29,15 @@ def load_arch(model_dir: str | Path) -> tuple[ModelArch, object]:
 
     try:
         cfg = AutoConfig.from_pretrained(str(model_dir))
-        return ModelArch.from_hf(cfg), cfg
+        arch = ModelArch.from_hf(cfg)
     except ValueError:
         raise
     except Exception as e:
         raise _unreadable(Path(model_dir) / "config.json", e) from None
+    limit = sentence_transformers_max_len(model_dir) if arch.encoder else None
+    if limit is not None and limit < arch.max_position_embeddings:  # vLLM's cap too: the input length it was
+        arch = dataclasses.replace(arch, max_position_embeddings=limit)  # trained for bounds max_model_len
+    return arch, cfg
 
 
 def open_safetensors(path: Path):
