@@ -128,7 +128,7 @@ def replica_needs(engine: EngineConfig, arch: ModelArch, ckpt_bytes: int, use_gp
     kv_heads = arch.local_kv_heads(tp)
     kv_per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * nbytes  # one rank's K and V
     max_len = engine.model_len(arch.max_position_embeddings)
-    tokens = engine.max_num_batched_tokens
+    tokens = max(engine.max_num_batched_tokens, max_len) if arch.encoder else engine.max_num_batched_tokens
     per_token = 4 * arch.hidden_size + (2 * arch.intermediate_size + (arch.num_heads + 2 * kv_heads) * arch.head_dim) // tp
     outputs = arch.hidden_size if pooling else arch.vocab_size  # per sampled row, in float32: a vector or logits
     activations = tokens * per_token * nbytes + min(engine.max_num_seqs, tokens) * outputs * 4

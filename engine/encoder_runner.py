@@ -13,10 +13,11 @@ from engine.sequence import Sequence
 
 
 def encoder_blocks(config, max_model_len: int) -> int:
-    """The pool the scheduler counts for an encoder: enough for any step's prompts (at most
-    max_num_batched_tokens tokens, a part-filled block each) and for one max_model_len prompt."""
+    """The pool the scheduler counts for an encoder: enough for any step's prompts (at most the
+    step budget, which holds a max_model_len prompt: engine.llm_engine.encoder_config), a
+    part-filled block each."""
     bs = config.block_size
-    return max(-(-config.max_num_batched_tokens // bs) + config.max_num_seqs, -(-max_model_len // bs))
+    return -(-max(config.max_num_batched_tokens, max_model_len) // bs) + config.max_num_seqs
 
 
 class EncoderRunner:

@@ -31,14 +31,17 @@ logger = logging.getLogger(__name__)
 
 def encoder_config(config: EngineConfig, max_position_embeddings: int) -> EngineConfig:
     """An encoder's prompts run whole (a token's state depends on the tokens after it): no chunked
-    prefill, no prefix caching, as vLLM runs encoder-only models."""
+    prefill, no prefix caching, as vLLM runs encoder-only models, and a step budget that holds a
+    max_model_len prompt (bge-m3's 8,192 tokens), raised to it where it is less."""
     model_len = config.model_len(max_position_embeddings)
-    if config.max_num_batched_tokens < model_len:
-        raise ValueError(f"an encoder model runs each prompt whole in one step: max_num_batched_tokens "
-                         f"({config.max_num_batched_tokens}) must be >= max_model_len ({model_len})")
     if config.enable_chunked_prefill or config.enable_prefix_caching:
         logger.info("an encoder model: chunked prefill and prefix caching are off (each prompt runs whole)")
-    return dataclasses.replace(config, enable_chunked_prefill=False, enable_prefix_caching=False)
+    budget = max(config.max_num_batched_tokens, model_len)
+    if budget > config.max_num_batched_tokens:
+        logger.info("an encoder model: max_num_batched_tokens raised from %d to max_model_len, %d (a step holds "
+                    "a whole prompt)", config.max_num_batched_tokens, budget)
+    return dataclasses.replace(config, enable_chunked_prefill=False, enable_prefix_caching=False,
+                               max_num_batched_tokens=budget)
 
 
 class LLMEngine:

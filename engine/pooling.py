@@ -227,6 +227,9 @@ def sentence_transformers_pooling(model_dir: Path) -> dict | None:
             mode = key.removeprefix("pooling_mode_")
         else:
             continue
+        if mode.startswith("mean_sqrt_len") and not normalize and "seq_pooling_type" not in out:  # the sum over sqrt(count): MEAN, scaled
+            raise ValueError(f"{str(path)!r} pools by mean_sqrt_len_tokens without a Normalize step, which kvserve "
+                             "does not implement (with one, it is MEAN's vector)")
         out.setdefault("seq_pooling_type", "LAST" if "lasttoken" in mode else mode.split("_", 1)[0].upper())
     return out
 

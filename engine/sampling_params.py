@@ -265,7 +265,10 @@ def truncated(prompt_token_ids: list[int], keep: int, max_model_len: int, max_to
     if keep >= len(prompt_token_ids):
         return prompt_token_ids
     ids = prompt_token_ids
-    if ends is not None and keep >= 2 and ids[0] == ends[0] and ids[-1] == ends[1]:
+    if ends is not None and ids[0] == ends[0] and ids[-1] == ends[1]:
+        if keep < 2:
+            raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens ({keep}) must keep at least "
+                                      "2 tokens of an encoder's prompt: its opening and closing special tokens")
         inner = ids[1:-1]
         inner = inner[:keep - 2] if side == "right" else inner[len(inner) - (keep - 2):]
         return [ids[0], *inner, ids[-1]]

@@ -71,6 +71,22 @@ def hf_pair_logits(model_dir, pairs, token_types: bool = True) -> torch.Tensor:
     return torch.stack(out)
 
 
+def test_a_roberta_classifiers_unused_pooler_is_not_read_as_its_head(dirs, tmp_path):
+    """Some RoBERTa classifiers ship `roberta.pooler.*` (cardiffnlp's): HF's head never reads it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "pooled"
+    shutil.copytree(dirs["xlmr-ce"], d)
+    weights = load_file(d / "model.safetensors")
+    weights |= {"roberta.pooler.dense.weight": torch.randn(64, 64), "roberta.pooler.dense.bias": torch.randn(64)}
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    want = torch.sigmoid(hf_pair_logits(d, [(QUERY, x) for x in DOCS])[:, 0])
+    got = torch.tensor([o.outputs.score for o in LLM(str(d)).score(QUERY, DOCS, use_tqdm=False)])
+    assert torch.allclose(got, want, atol=2e-6, rtol=0), (got, want)
+
+
 @pytest.mark.parametrize("name", ["bert-ce", "xlmr-ce"])
 def test_an_encoder_cross_encoder_scores_each_pair_as_hf(dirs, name):
     pairs = [(QUERY, d) for d in DOCS]
@@ -117,6 +133,9 @@ def test_truncation_keeps_an_encoders_cls_and_sep(dirs):
         text, truncation=True, max_length=8)["input_ids"]
     unframed = llm.embed({"prompt_token_ids": [7, 8, 9, 10]}, truncate_prompt_tokens=2, use_tqdm=False)[0]
     assert unframed.prompt_token_ids == [9, 10]  # token ids without [CLS]...[SEP]: vLLM's last k
+    with pytest.raises(InvalidRequestError, match="at least 2 tokens"):  # [CLS] or [SEP] alone is no prompt
+        llm.embed(text, truncate_prompt_tokens=1, use_tqdm=False)
+    _assert_clean(llm)
 
 
 def test_a_sentence_transformers_max_seq_length_caps_max_model_len(dirs):
@@ -133,12 +152,20 @@ def test_a_sentence_transformers_max_seq_length_caps_max_model_len(dirs):
     assert LLM(str(dirs["bert-short"]), max_model_len=8).engine.max_model_len == 8
 
 
+def test_mean_sqrt_len_pooling_is_taken_only_where_a_normalize_step_makes_it_means(tmp_path):
+    normalized = make_tiny_encoder(tmp_path / "n", "bert", pooling="mean_sqrt_len_tokens")
+    want = torch.nn.functional.normalize(hf_encode(normalized, TEXTS[:2], "mean_tokens"), dim=-1)
+    got = torch.tensor([o.outputs.embedding for o in LLM(str(normalized)).embed(TEXTS[:2], use_tqdm=False)])
+    assert torch.allclose(got, want, atol=2e-6, rtol=0)
+    with pytest.raises(ValueError, match="mean_sqrt_len_tokens without a Normalize step"):
+        LLM(str(make_tiny_encoder(tmp_path / "raw", "bert", pooling="mean_sqrt_len_tokens", normalize=False)))
+
+
 def test_what_an_encoder_cannot_do_is_refused_by_name(dirs):
     d = str(dirs["bert-cls"])
     for kwargs, words in (({"runner": "generate"}, "no language-model head"),
                           ({"pooler_config": {"pooling_type": "STEP"}}, "pooling type STEP is not supported for "
                                                                          "encoders"),
-                          ({"max_num_batched_tokens": 64}, "runs each prompt whole"),
                           ({"enable_lora": True}, "LoRA adapters are not supported for encoder")):
         with pytest.raises(ValueError, match=words):
             LLM(d, **kwargs)
@@ -148,6 +175,9 @@ def test_what_an_encoder_cannot_do_is_refused_by_name(dirs):
 
     with pytest.raises(ValueError, match="tensor_parallel_size 2 is not supported"):
         load_arch(d)[0].check_tp(2)
+    small = LLM(d, max_num_batched_tokens=64)  # raised to max_model_len: a step holds a whole prompt
+    assert small.engine.config.max_num_batched_tokens == small.engine.max_model_len == 128
+    assert len(small.embed(" ".join(["sky"] * 100), use_tqdm=False)[0].prompt_token_ids) == 102
     llm = LLM(d)
     with pytest.raises(InvalidRequestError, match="max_model_len"):
         llm.embed(" ".join(["sky"] * 200), use_tqdm=False)

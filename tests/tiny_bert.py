@@ -16,7 +16,8 @@ def _bert_tokenizer(out_dir: Path):
     from transformers import BertTokenizerFast
 
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *".,?!", *letters, *(f"##{c}" for c in letters), *WORDS]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *".,?!", *letters, *(f"##{c}" for c in letters),
+             *(w for w in WORDS if w not in letters)]
     (out_dir / "vocab.txt").write_text("\n".join(vocab) + "\n")
     return BertTokenizerFast(str(out_dir / "vocab.txt"), model_max_length=128)
 

@@ -111,8 +111,9 @@ class EncoderModel(nn.Module):
         name = ckpt_name
         for prefix in ("bert.", "roberta.", "model."):
             name = name.removeprefix(prefix)
-        if name.startswith(_SKIPPED) or (name.startswith("pooler.") and self.head_out is None):
-            return None
+        if name.startswith(_SKIPPED) or (name.startswith("pooler.") and not (self.head_out is not None
+                                                                             and self.arch.bert_pooler)):
+            return None  # a pooler no head reads (RoBERTa's classifiers have their own dense; HF skips it too)
         if name.endswith(".gamma"):
             name = name.removesuffix(".gamma") + ".weight"
         elif name.endswith(".beta"):

@@ -50,6 +50,7 @@ class ModelArch:
     type_vocab_size: int = 0
     position_offset: int = 0  # RoBERTa's positions start past its padding index
     position_rows: int = 0  # rows of the position table (the config's max_position_embeddings)
+    bert_pooler: bool = False  # a BERT classifier's head starts with its pooler; RoBERTa's with its own dense
     hidden_act: str = "silu"
 
     @classmethod
@@ -117,7 +118,8 @@ class ModelArch:
                    tie_word_embeddings=False, attention_bias=True, mlp_bias=True, o_proj_bias=True,
                    num_labels=cfg.num_labels if is_classifier(cfg) else 0, encoder=True,
                    type_vocab_size=cfg.type_vocab_size, position_offset=offset,
-                   position_rows=cfg.max_position_embeddings, hidden_act=cfg.hidden_act)
+                   position_rows=cfg.max_position_embeddings, hidden_act=cfg.hidden_act,
+                   bert_pooler=cfg.model_type == "bert")
 
     def check_tp(self, tp_size: int) -> None:
         """Raise before any weight is loaded when the model cannot be split tp_size ways."""

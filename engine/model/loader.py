@@ -76,7 +76,9 @@ def load_weights(model: LlamaModel, model_dir: str | Path) -> int:
                 nbytes += tensor.numel() * tensor.element_size()
                 if hasattr(param, "weight_loader"):
                     param.weight_loader(param, tensor.to(param.dtype), shard)
-                else:  # a plain parameter (an encoder's): the tensor whole
+                elif id(param) in loaded:  # a plain parameter (an encoder's) takes one tensor whole
+                    raise ValueError(f"checkpoint tensor {name!r} is a second tensor for the same parameter")
+                else:
                     param.data.copy_(tensor)
                 loaded.add(id(param))
     check_complete(params, loaded)
