@@ -59,7 +59,6 @@ class EncoderModel(nn.Module):
     def __init__(self, a, dtype: torch.dtype) -> None:
         super().__init__()
         self.arch = a
-        self.pooling = True
         self.word_embeddings = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
         self.position_embeddings = nn.Embedding(a.position_rows, a.hidden_size, dtype=dtype)
         self.token_type_embeddings = nn.Embedding(a.type_vocab_size, a.hidden_size, dtype=dtype)
