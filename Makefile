@@ -51,9 +51,10 @@ model: venv
 serve: venv model
 	$(VENV)/bin/kvserve serve --host 127.0.0.1 --port 8000 $(SERVE_ARGS)
 
-# With no PYTEST_ARGS paths, pytest runs testpaths (tests/) from pyproject.toml.
+# With no PYTEST_ARGS paths, pytest runs testpaths (tests/) from pyproject.toml; the 25 slowest
+# tests are listed at the end (where CI time goes).
 test: test-venv model
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 # The reliability suite against real `kvserve serve` processes, at the larger counts (200+ streams,
 # a 2,000-request soak, ...); `make test` runs it at small counts. Figures: docs/reliability.md.
