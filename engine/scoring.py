@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling_params import check_truncation
+from engine.errors import InvalidRequestError
+from engine.sampling_params import check_truncation, truncated
 
 EPS = 1e-8  # torch's CosineSimilarity clamps the norms' product at it: a zero vector scores 0
 
@@ -42,11 +43,23 @@ def pair_prompts(tokenizer, pairs: list[tuple[str, str]], use_pad_token: bool = 
     truncates a pair, so that neither side is lost whole."""
     if not pairs:
         return []
+    least = tokenizer.num_special_tokens_to_add(pair=use_pad_token) + (2 if use_pad_token else 1)
+    if max_length is not None and max_length < least:  # the tokenizer would leave such a pair uncut
+        raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens ({max_length}) must keep at "
+                                  f"least {least} tokens of a pair: its special tokens and one of each text")
     cut = {} if max_length is None else {"truncation": True, "max_length": max_length}
     firsts, seconds = map(list, zip(*pairs))
     if use_pad_token:
         return tokenizer(firsts, text_pair=seconds, **cut)["input_ids"]
     return tokenizer([a + b for a, b in pairs], **cut)["input_ids"]
+
+
+def cut_document(ids: list[int], max_tokens: int, ends: tuple[int, int] | None = None) -> list[int]:
+    """Cohere's max_tokens_per_doc for a document embedded on its own: its first `max_tokens`
+    tokens; an encoder's (`ends`, its framing special tokens) keeps them around those."""
+    if ends is None or len(ids) < 2 or (ids[0], ids[-1]) != ends:
+        return ids[:max_tokens]
+    return truncated(ids, max_tokens + 2, len(ids), side="right", ends=ends)
 
 
 def pair_length(keep: int | None, max_model_len: int) -> int | None:

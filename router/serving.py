@@ -32,7 +32,7 @@ from engine.errors import InvalidRequestError
 from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import SamplingParams, framing_tokens, priority_refusal, truncated
 from engine.pooling import PoolerConfig
-from engine.scoring import pair_length, pair_prompts, pair_scores, score_pairs
+from engine.scoring import cut_document, pair_length, pair_prompts, pair_scores, score_pairs
 from engine.structured.params import StructuredOutputsParams
 from engine.beam_search import BeamSearch, BeamSearchAborted, Generate, beam_search
 from router.background import BackgroundRuns, EventLog, check_id_free, run_in_background, stream_in_background
@@ -323,8 +323,9 @@ class OpenAIServing:
                                              pooler.classifier.use_pad_token)
         params = await self._pooling_params(req, api)
         firsts, seconds = [await off_loop(self._encoded, texts, True) for texts in sides]
-        if max_second_tokens is not None:
-            seconds = [ids[:max_second_tokens] for ids in seconds]
+        if max_second_tokens is not None:  # an encoder's document keeps its [CLS] and [SEP] around them
+            ends = framing_tokens(self.tokenizer) if pooler is not None and pooler.encoder else None
+            seconds = [cut_document(ids, max_second_tokens, ends) for ids in seconds]
         firsts, seconds = [await self._fitted(p, params, req, name) for p, name in zip((firsts, seconds), names)]
         rid, engine_rid = _request_ids(prefix, req.request_id)
         vectors = await self._vectors(engine_rid, firsts + seconds, params)
@@ -345,7 +346,10 @@ class OpenAIServing:
             keep = pair_length(req.truncate_prompt_tokens, (await self.limits())["max_model_len"])
         except InvalidRequestError as e:
             raise from_invalid_request(e) from None
-        prompts = await off_loop(pair_prompts, self.tokenizer, pairs, use_pad_token, keep)
+        try:
+            prompts = await off_loop(pair_prompts, self.tokenizer, pairs, use_pad_token, keep)
+        except InvalidRequestError as e:
+            raise from_invalid_request(e) from None
         await self._check_prompts(prompts, params, names[1], names[1])
         rid, engine_rid = _request_ids(prefix, req.request_id)
         vectors = await self._vectors(engine_rid, prompts, params)
@@ -599,7 +603,8 @@ class OpenAIServing:
         param = field("messages")
         template = self.settings.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
-            raise bad_request("this model has no chat template; use /v1/completions", param=param)
+            raise bad_request("this model has no chat template: give the text itself (`prompt`, or `input` on the "
+                              "pooling routes), or start the server with --chat-template", param=param)
         # the server's defaults, under the request's reasoning_effort, under its chat_template_kwargs
         variables = dict(self.settings.default_chat_template_kwargs or {})
         if effort := getattr(req, "reasoning_effort", None):  # vLLM passes it to the template, which decides

@@ -207,6 +207,16 @@ def test_http_embeddings_and_rerank_of_encoders_equal_the_offline_calls(dirs, en
         assert r.status_code == 400 and "128" in r.json()["error"]["message"], r.text
         r = await http.post("/v1/completions", json={"model": "m", "prompt": "x"})
         assert r.status_code == 400 and "/v1/embeddings" in r.json()["error"]["message"], r.text
+        r = await http.post("/v1/embeddings", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 400 and "--chat-template" in r.json()["error"]["message"], r.text
+        # Cohere's max_tokens_per_doc on an embedding model: the document's first tokens, framed
+        r = await http.post("/v1/rerank", json={"model": "m", "query": QUERY, "documents": [DOCS[3]],
+                                                "max_tokens_per_doc": 2})
+        framed = embed.tokenizer(DOCS[3], truncation=True, max_length=4)["input_ids"]  # right side: its start
+        query, doc = (torch.tensor(o.outputs.embedding) for o in embed.embed([QUERY, {"prompt_token_ids": framed}],
+                                                                              use_tqdm=False))
+        want = torch.nn.functional.cosine_similarity(query, doc, dim=0).item()
+        assert r.json()["results"][0]["relevance_score"] == pytest.approx(want, abs=1e-6), r.text
 
     async def rerank(client, http):
         r = await http.post("/v1/rerank", json={"model": "m", "query": QUERY, "documents": DOCS})
@@ -215,6 +225,14 @@ def test_http_embeddings_and_rerank_of_encoders_equal_the_offline_calls(dirs, en
         assert [x["index"] for x in r.json()["results"]] == best
         assert [x["relevance_score"] for x in r.json()["results"]] == pytest.approx([scores[i] for i in best],
                                                                                   abs=1e-6)
+        for keep in (1, 3):  # fewer than [CLS], two [SEP] and a token of each text: the tokenizer would not cut
+            r = await http.post("/v1/rerank", json={"model": "m", "query": QUERY, "documents": DOCS,
+                                                    "truncate_prompt_tokens": keep})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+            assert "at least 5 tokens of a pair" in r.json()["error"]["message"]
+        r = await http.post("/v1/rerank", json={"model": "m", "query": QUERY, "documents": DOCS,
+                                                "truncate_prompt_tokens": 5})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 5 * len(DOCS), r.text
 
     _serve(EngineConfig(model=str(dirs["bert-cls"])), embed.tokenizer, embeddings, engine_cls)
     _serve(EngineConfig(model=str(dirs["bert-ce"])), cross.tokenizer, rerank, engine_cls)

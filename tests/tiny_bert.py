@@ -67,7 +67,8 @@ def make_tiny_encoder(out_dir: Path, kind: str = "bert", num_labels: int = 0, po
         modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
         if normalize:
-            modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+            modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                            "type": "sentence_transformers.models.Normalize"})
         (out_dir / "modules.json").write_text(json.dumps(modules))
         (out_dir / "1_Pooling").mkdir(exist_ok=True)
         (out_dir / "1_Pooling" / "config.json").write_text(json.dumps(
