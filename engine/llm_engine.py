@@ -184,8 +184,9 @@ class LLMEngine:
         if params.pooling is not None and self.pooler is not None:  # the engine's defaults, and its checks
             params.pooling = self.pooler.resolved(params.pooling)
         if params.truncate_prompt_tokens is not None:
-            ids = truncated(ids, params.truncate_prompt_tokens, self.max_model_len,
-                            0 if params.pooling is not None else params.max_tokens, ends=self._ends)
+            pooled = params.pooling is not None  # vLLM's pooling runner cuts on the right: the first tokens
+            ids = truncated(ids, params.truncate_prompt_tokens, self.max_model_len, 0 if pooled else params.max_tokens,
+                            side="right" if pooled else None, ends=self._ends)
         max_tokens = self.validate(ids, params, fit_model_len)
         gate = self.structured.gate(params.structured_outputs) if params.structured_outputs is not None else None
         if params.structured_outputs is not None and grammar is None:

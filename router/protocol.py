@@ -612,7 +612,8 @@ class PoolingFields(_Model):
     user: str | None = None
     # vLLM extras
     use_activation: bool | None = None  # L2-normalise (the pooler's default: yes)
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k tokens; -1: max_model_len of them
+    # keep the first k tokens (vLLM's pooling runner; the last k, truncation_side "left"); -1: max_model_len of them
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None
     request_id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
     priority: int = 0

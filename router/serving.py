@@ -342,12 +342,16 @@ class OpenAIServing:
         if max_second_tokens is not None:
             seconds = await off_loop(self._cut_texts, seconds, max_second_tokens)
         pairs = [(firsts[i], seconds[j]) for i, j in score_pairs(len(firsts), len(seconds))]
+        max_model_len = (await self.limits())["max_model_len"]
         try:
-            keep = pair_length(req.truncate_prompt_tokens, (await self.limits())["max_model_len"])
-        except InvalidRequestError as e:
-            raise from_invalid_request(e) from None
-        try:
-            prompts = await off_loop(pair_prompts, self.tokenizer, pairs, use_pad_token, keep)
+            keep = pair_length(req.truncate_prompt_tokens, max_model_len)
+            if req.truncation_side is None:  # the tokenizer cuts the pair, the longer text first
+                prompts = await off_loop(pair_prompts, self.tokenizer, pairs, use_pad_token, keep)
+            else:  # vLLM's: the pair whole, then its tokens cut on that side (an encoder's framing kept)
+                prompts = await off_loop(pair_prompts, self.tokenizer, pairs, use_pad_token)
+                ends = framing_tokens(self.tokenizer) if (await self._pooler()).encoder else None
+                prompts = [p if keep is None else truncated(p, keep, max_model_len, side=req.truncation_side, ends=ends)
+                           for p in prompts]
         except InvalidRequestError as e:
             raise from_invalid_request(e) from None
         await self._check_prompts(prompts, params, names[1], names[1])
@@ -385,7 +389,7 @@ class OpenAIServing:
         if req.truncate_prompt_tokens is not None:
             pooler = await self._pooler()
             ends = framing_tokens(self.tokenizer) if pooler is not None and pooler.encoder else None
-            prompts = [await self._truncated(p, req, 0, param, ends=ends) for p in prompts]
+            prompts = [await self._truncated(p, req, 0, param, ends=ends, side="right") for p in prompts]
         await self._check_prompts(prompts, params, param, param)
         return prompts
 
@@ -551,13 +555,13 @@ class OpenAIServing:
 
     async def _truncated(self, ids: list[int], req: CompletionRequest | ChatCompletionRequest,
                          max_tokens: int | None, max_param: str, asked: str = "truncate_prompt_tokens -1",
-                         ends: tuple[int, int] | None = None) -> list[int]:
+                         ends: tuple[int, int] | None = None, side: str | None = None) -> list[int]:
         """The prompt the request's truncate_prompt_tokens keeps (-1: what leaves room for max_tokens,
         the request's `max_param`; `asked`: how the request said -1, for the errors; `ends`: an
-        encoder's framing tokens, kept)."""
+        encoder's framing tokens, kept; `side`: the side cut where the request names none)."""
         try:
             return truncated(ids, req.truncate_prompt_tokens, (await self.limits())["max_model_len"], max_tokens,
-                             req.truncation_side, max_param, asked, ends)
+                             req.truncation_side or side, max_param, asked, ends)
         except InvalidRequestError as e:
             raise from_invalid_request(e) from None
 

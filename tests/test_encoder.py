@@ -119,7 +119,7 @@ def test_truncation_keeps_an_encoders_cls_and_sep(dirs):
     from transformers import AutoTokenizer
 
     d = dirs["bert-cls"]
-    tok = AutoTokenizer.from_pretrained(str(d), truncation_side="left")  # vLLM's tokenizers cut on the left
+    tok = AutoTokenizer.from_pretrained(str(d), truncation_side="right")  # vLLM's pooling runner's side
     text = TEXTS[5]
     llm = LLM(str(d))
     for keep in (2, 3, 8):
@@ -128,11 +128,11 @@ def test_truncation_keeps_an_encoders_cls_and_sep(dirs):
         assert out.prompt_token_ids == ids and ids[0] == tok.cls_token_id and ids[-1] == tok.sep_token_id
         want = torch.nn.functional.normalize(hf_encode(d, [tok.decode(ids[1:-1])]), dim=-1)[0]
         assert torch.allclose(torch.tensor(out.outputs.embedding), want, atol=2e-6, rtol=0)
-    tok.truncation_side = "right"  # a request's truncation_side "right" keeps the text's start
-    assert truncated(tok.encode(text), 8, 128, side="right", ends=framing_tokens(tok)) == tok(
+    tok.truncation_side = "left"  # a request's truncation_side "left" keeps the text's end
+    assert truncated(tok.encode(text), 8, 128, side="left", ends=framing_tokens(tok)) == tok(
         text, truncation=True, max_length=8)["input_ids"]
     unframed = llm.embed({"prompt_token_ids": [7, 8, 9, 10]}, truncate_prompt_tokens=2, use_tqdm=False)[0]
-    assert unframed.prompt_token_ids == [9, 10]  # token ids without [CLS]...[SEP]: vLLM's last k
+    assert unframed.prompt_token_ids == [7, 8]  # token ids without [CLS]...[SEP]: vLLM's first k
     with pytest.raises(InvalidRequestError, match="at least 2 tokens"):  # [CLS] or [SEP] alone is no prompt
         llm.embed(text, truncate_prompt_tokens=1, use_tqdm=False)
     _assert_clean(llm)
@@ -203,6 +203,12 @@ def test_http_embeddings_and_rerank_of_encoders_equal_the_offline_calls(dirs, en
         r = await http.post("/v1/embeddings", json={"model": "m", "input": TEXTS[5], "truncate_prompt_tokens": 5})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 5, r.text
         assert r.json()["data"][0]["embedding"] == pytest.approx(cut, abs=1e-6)
+        ids = embed.tokenizer.encode(TEXTS[5])
+        r = await http.post("/v1/embeddings", json={"model": "m", "input": TEXTS[5], "truncate_prompt_tokens": 5,
+                                                    "truncation_side": "left", "use_activation": False})
+        tail = embed.embed({"prompt_token_ids": ids[:1] + ids[-4:]}, use_tqdm=False)[0].outputs.embedding
+        norm = sum(x * x for x in r.json()["data"][0]["embedding"]) ** 0.5
+        assert [x / norm for x in r.json()["data"][0]["embedding"]] == pytest.approx(tail, abs=1e-6)
         r = await http.post("/v1/embeddings", json={"model": "m", "input": " ".join(["sky"] * 200)})
         assert r.status_code == 400 and "128" in r.json()["error"]["message"], r.text
         r = await http.post("/v1/completions", json={"model": "m", "prompt": "x"})
@@ -233,6 +239,14 @@ def test_http_embeddings_and_rerank_of_encoders_equal_the_offline_calls(dirs, en
         r = await http.post("/v1/rerank", json={"model": "m", "query": QUERY, "documents": DOCS,
                                                 "truncate_prompt_tokens": 5})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 5 * len(DOCS), r.text
+        # a truncation_side: vLLM's cut of the whole pair's tokens on that side, here with [CLS] and [SEP] kept
+        pair = cross.tokenizer(QUERY, DOCS[0])["input_ids"]
+        for side, kept in (("left", pair[:1] + pair[-5:]), ("right", pair[:5] + pair[-1:])):
+            r = await http.post("/score", json={"model": "m", "text_1": QUERY, "text_2": DOCS[0],
+                                                "truncate_prompt_tokens": 6, "truncation_side": side})
+            want = cross.classify({"prompt_token_ids": kept}, use_tqdm=False)[0].outputs.probs[0]
+            assert r.json()["data"][0]["score"] != pytest.approx(scores[0], abs=1e-4)
+            assert r.json()["data"][0]["score"] == pytest.approx(want, abs=1e-6), (side, r.text)
 
     _serve(EngineConfig(model=str(dirs["bert-cls"])), embed.tokenizer, embeddings, engine_cls)
     _serve(EngineConfig(model=str(dirs["bert-ce"])), cross.tokenizer, rerank, engine_cls)

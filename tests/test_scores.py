@@ -61,7 +61,7 @@ def test_llm_score_is_the_cosine_of_hfs_embeddings(model_dir, llm):
                                                                             DOCS[2:]), abs=1e-5)
     assert [o.outputs.score for o in llm.score([QUERY], tuple(DOCS), use_tqdm=False)] == pytest.approx(want, abs=1e-5)
     cut = llm.score(QUERY, DOCS[3], truncate_prompt_tokens=4, use_tqdm=False)[0]
-    assert len(cut.prompt_token_ids) == 8  # each input keeps its last 4 tokens
+    assert len(cut.prompt_token_ids) == 8  # each input keeps its first 4 tokens
     with pytest.raises(ValueError, match="1:1, 1:N or N:N"):
         llm.score(DOCS[:2], DOCS[1:], use_tqdm=False)
     with pytest.raises(ValueError, match="cross-encoder"):
