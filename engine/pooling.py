@@ -60,7 +60,7 @@ _ST_DENSE = ("sentence_transformers.models.Dense", "sentence_transformers.base.m
 class PoolingParams:
     """vLLM's, for `LLM.embed` / `LLM.encode`: `dimensions` keeps the first k of a Matryoshka
     model's embedding (then normalises, as vLLM); `use_activation` (embed: L2-normalise) defaults
-    to the pooler's; `truncate_prompt_tokens` keeps the prompt's last k tokens."""
+    to the pooler's; `truncate_prompt_tokens` keeps the prompt's first k tokens (vLLM's pooling side)."""
     dimensions: int | None = None
     use_activation: bool | None = None
     truncate_prompt_tokens: int | None = None
