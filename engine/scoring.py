@@ -59,7 +59,7 @@ def cut_document(ids: list[int], max_tokens: int, ends: tuple[int, int] | None =
     tokens; an encoder's (`ends`, its framing special tokens) keeps them around those."""
     if ends is None or len(ids) < 2 or (ids[0], ids[-1]) != ends:
         return ids[:max_tokens]
-    return truncated(ids, max_tokens + 2, len(ids), side="right", ends=ends)
+    return ids if len(ids) <= max_tokens + 2 else truncated(ids, max_tokens + 2, len(ids), side="right", ends=ends)
 
 
 def pair_length(keep: int | None, max_model_len: int) -> int | None:

@@ -223,6 +223,10 @@ def test_http_embeddings_and_rerank_of_encoders_equal_the_offline_calls(dirs, en
                                                                               use_tqdm=False))
         want = torch.nn.functional.cosine_similarity(query, doc, dim=0).item()
         assert r.json()["results"][0]["relevance_score"] == pytest.approx(want, abs=1e-6), r.text
+        r = await http.post("/v1/rerank", json={"model": "m", "query": QUERY, "documents": DOCS[2:3],
+                                                "max_tokens_per_doc": 50})  # shorter already: whole
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(
+            embed.tokenizer.encode(QUERY)) + len(embed.tokenizer.encode(DOCS[2])), r.text
 
     async def rerank(client, http):
         r = await http.post("/v1/rerank", json={"model": "m", "query": QUERY, "documents": DOCS})
