@@ -54,7 +54,7 @@ class LLMEngine:
             config = self.config = encoder_config(config, info.max_position_embeddings)
         self.tokenizer = info.tokenizer
         # an encoder's [CLS] and [SEP]: truncation keeps them (engine.sampling_params.truncated)
-        self._ends = framing_tokens(self.tokenizer) if self.pooler is not None and self.pooler.encoder else None
+        self._ends = framing_tokens(self.tokenizer, self.pooler)
         self.eos_token_ids = set(info.eos_token_ids)
         self.max_model_len = config.model_len(info.max_position_embeddings)
         self._check_room(info.num_blocks)

@@ -226,9 +226,12 @@ class SamplingParams:
                 for first, size in zip(firsts, sizes)]
 
 
-def framing_tokens(tokenizer) -> tuple[int, int] | None:
+def framing_tokens(tokenizer, pooler=None) -> tuple[int, int] | None:
     """An encoder tokenizer's opening and closing special tokens ([CLS] and [SEP], <s> and </s>):
-    `truncated`'s `ends`; None where it has not both."""
+    `truncated`'s `ends`; None where it has not both, or where `pooler` (engine.pooling's
+    PoolerConfig, None: a generating engine) is not an encoder's."""
+    if pooler is None or not pooler.encoder:
+        return None
     cls, sep = getattr(tokenizer, "cls_token_id", None), getattr(tokenizer, "sep_token_id", None)
     return None if cls is None or sep is None else (cls, sep)
 

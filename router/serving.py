@@ -324,7 +324,7 @@ class OpenAIServing:
         params = await self._pooling_params(req, api)
         firsts, seconds = [await off_loop(self._encoded, texts, True) for texts in sides]
         if max_second_tokens is not None:  # an encoder's document keeps its [CLS] and [SEP] around them
-            ends = framing_tokens(self.tokenizer) if pooler is not None and pooler.encoder else None
+            ends = framing_tokens(self.tokenizer, pooler)
             seconds = [cut_document(ids, max_second_tokens, ends) for ids in seconds]
         firsts, seconds = [await self._fitted(p, params, req, name) for p, name in zip((firsts, seconds), names)]
         rid, engine_rid = _request_ids(prefix, req.request_id)
@@ -349,7 +349,7 @@ class OpenAIServing:
                 prompts = await off_loop(pair_prompts, self.tokenizer, pairs, use_pad_token, keep)
             else:  # vLLM's: the pair whole, then its tokens cut on that side (an encoder's framing kept)
                 prompts = await off_loop(pair_prompts, self.tokenizer, pairs, use_pad_token)
-                ends = framing_tokens(self.tokenizer) if (await self._pooler()).encoder else None
+                ends = framing_tokens(self.tokenizer, await self._pooler())
                 prompts = [p if keep is None else truncated(p, keep, max_model_len, side=req.truncation_side, ends=ends)
                            for p in prompts]
         except InvalidRequestError as e:
@@ -387,8 +387,7 @@ class OpenAIServing:
         """The prompts an embedding request's `param` runs: each truncated as the request asks,
         then checked (a 400 naming `param` for one the engine would refuse)."""
         if req.truncate_prompt_tokens is not None:
-            pooler = await self._pooler()
-            ends = framing_tokens(self.tokenizer) if pooler is not None and pooler.encoder else None
+            ends = framing_tokens(self.tokenizer, await self._pooler())
             prompts = [await self._truncated(p, req, 0, param, ends=ends, side="right") for p in prompts]
         await self._check_prompts(prompts, params, param, param)
         return prompts

@@ -127,7 +127,7 @@ def test_truncation_keeps_an_encoders_cls_and_sep(dirs):
         want = torch.nn.functional.normalize(hf_encode(d, [tok.decode(ids[1:-1])]), dim=-1)[0]
         assert torch.allclose(torch.tensor(out.outputs.embedding), want, atol=2e-6, rtol=0)
     tok.truncation_side = "left"  # a request's truncation_side "left" keeps the text's end
-    assert truncated(tok.encode(text), 8, 128, side="left", ends=framing_tokens(tok)) == tok(
+    assert truncated(tok.encode(text), 8, 128, side="left", ends=framing_tokens(tok, llm.engine.pooler)) == tok(
         text, truncation=True, max_length=8)["input_ids"]
     unframed = llm.embed({"prompt_token_ids": [7, 8, 9, 10]}, truncate_prompt_tokens=2, use_tqdm=False)[0]
     assert unframed.prompt_token_ids == [7, 8]  # token ids without [CLS]...[SEP]: vLLM's first k
