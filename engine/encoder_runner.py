@@ -21,23 +21,21 @@ def encoder_blocks(config, max_model_len: int) -> int:
 
 
 class EncoderRunner:
-    def __init__(self, model: EncoderModel, pooling_type: str, block_size: int, device: torch.device,
-                 sep_token_id: int | None) -> None:
+    def __init__(self, model: EncoderModel, pooling_type: str, block_size: int, device: torch.device) -> None:
         self.model = model
         self.pooling_type = pooling_type
         self.block_size = block_size
         self.device = device
-        # BERT's pair encoding ([CLS] a [SEP] b [SEP]) gives b's tokens the second token type
-        self.sep_token_id = sep_token_id if model.arch.type_vocab_size > 1 else None
 
     def token_types(self, seq: Sequence) -> list[int]:
-        """A score request's pair: type 1 after the first [SEP], as the tokenizer's token_type_ids;
-        0 everywhere else (an embedding's text is one segment, whatever it holds)."""
-        ids = seq.prompt_token_ids
-        if self.sep_token_id is None or seq.params.pooling.task != "score" or self.sep_token_id not in ids:
-            return [0] * len(ids)
-        first = ids.index(self.sep_token_id)
-        return [0] * (first + 1) + [1] * (len(ids) - first - 1)
+        """A cross-encoder pair's: 1 from where its second text begins (BERT's pair encoding,
+        [CLS] a [SEP] b [SEP], gives b's tokens the second type; engine.scoring.pair_prompts
+        says where), as the tokenizer's token_type_ids; 0 for every other token and prompt."""
+        n = seq.num_prompt_tokens
+        start = seq.params.pooling.token_type_start
+        if start is None or start >= n or self.model.arch.type_vocab_size < 2:
+            return [0] * n
+        return [0] * start + [1] * (n - start)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:

@@ -149,8 +149,7 @@ class LocalExecutor:
         max_model_len = config.model_len(arch.max_position_embeddings)
         if arch.encoder:  # no KV cache (engine.encoder_runner)
             num_blocks = encoder_blocks(config, max_model_len)
-            self.runner = EncoderRunner(self.model, spec.pooler.seq_pooling_type, config.block_size, device,
-                                        spec.tokenizer.sep_token_id)
+            self.runner = EncoderRunner(self.model, spec.pooler.seq_pooling_type, config.block_size, device)
         else:
             block_bytes = bytes_per_block(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
             num_blocks = num_kv_blocks(config, block_bytes, device,

@@ -221,11 +221,12 @@ class LLM:
             firsts, seconds = texts[:len(firsts)], texts[len(firsts):]
             params = pooling_params or PoolingParams()
             keep = truncate_prompt_tokens if truncate_prompt_tokens is not None else params.truncate_prompt_tokens
-            prompts = pair_prompts(self.tokenizer, [(firsts[i], seconds[j]) for i, j in pairs], head.use_pad_token,
-                                   pair_length(keep, self.engine.max_model_len))
+            prompts, starts = pair_prompts(self.tokenizer, [(firsts[i], seconds[j]) for i, j in pairs],
+                                           head.use_pad_token, pair_length(keep, self.engine.max_model_len))
             params = dataclasses.replace(params, task="score", truncate_prompt_tokens=None)  # cut as a pair, above
-            outs = self._pooled([{"prompt_token_ids": p} for p in prompts], params, use_tqdm, lora_request,
-                                None, tokenization_kwargs)
+            outs = self._pooled([{"prompt_token_ids": p} for p in prompts],
+                                [dataclasses.replace(params, token_type_start=s) for s in starts], use_tqdm,
+                                lora_request, None, tokenization_kwargs)
             return [ScoringRequestOutput(o.request_id, ScoringOutput(o.pooled[0]), o.prompt_token_ids,
                                          o.num_cached_tokens) for o in outs]
         outs = self._pooled(firsts + seconds, PoolingParams() if pooling_params is None else pooling_params,

@@ -67,6 +67,9 @@ class PoolingParams:
     task: str = "embed"
     pooling_type: str | None = None  # the engine's, set when it takes the request (PoolerConfig.resolved)
     activation: str | None = None  # the engine's too: what `use_activation` applies (ACTIVATIONS), or None
+    # a cross-encoder pair's (engine.scoring.pair_prompts): the index where its second text's
+    # token type (1) begins, as the tokenizer's token_type_ids; None: every token type 0
+    token_type_start: int | None = None
 
     @property
     def pools_every_row(self) -> bool:
@@ -87,6 +90,10 @@ class PoolingParams:
                 self.truncate_prompt_tokens, int) or self.truncate_prompt_tokens < -1):
             raise InvalidRequestError("truncate_prompt_tokens", "truncate_prompt_tokens must be an integer >= -1, "
                                       f"got {self.truncate_prompt_tokens!r}")
+        if self.token_type_start is not None and (isinstance(self.token_type_start, bool) or not isinstance(
+                self.token_type_start, int) or self.token_type_start < 0):
+            raise InvalidRequestError("token_type_start", "token_type_start must be an integer >= 0, "
+                                      f"got {self.token_type_start!r}")
 
     def sampling(self):
         """The SamplingParams a pooling request runs with: one 'draw', at the end of its prefill."""
@@ -138,7 +145,7 @@ class PoolerConfig:
             use = params.use_activation if params.use_activation is not None else self.use_activation
             act = self.classifier.activation(params.task) if use else None
             return PoolingParams(None, act is not None, params.truncate_prompt_tokens, params.task,
-                                 self.request_pooling, act)
+                                 self.request_pooling, act, params.token_type_start)
         act = params.use_activation if params.use_activation is not None else self.use_activation
         if dims is not None:
             if not self.matryoshka:
@@ -151,7 +158,7 @@ class PoolerConfig:
                 raise InvalidRequestError("dimensions", f"the model only supports dimensions "
                                           f"{list(self.matryoshka_dimensions)}, got {dims}")
         return PoolingParams(dims, act, params.truncate_prompt_tokens, params.task, self.request_pooling,
-                             "normalize" if act else None)
+                             "normalize" if act else None, params.token_type_start)
 
     @property
     def request_pooling(self) -> str:

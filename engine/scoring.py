@@ -9,7 +9,8 @@
                   documents) or N:N (the i-th with the i-th), vLLM's rule and words
     pair_scores   each pair's cosine similarity, in float64 from the float32 vectors the engine
                   returns, every vector's norm taken once
-    pair_prompts  each pair's prompt for a cross-encoder, as vLLM builds it"""
+    pair_prompts  each pair's prompt for a cross-encoder, as vLLM builds it, and where its
+                  second text's token type begins"""
 from __future__ import annotations
 
 import torch
@@ -35,23 +36,40 @@ def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
 
 
 def pair_prompts(tokenizer, pairs: list[tuple[str, str]], use_pad_token: bool = True,
-                 max_length: int | None = None) -> list[list[int]]:
+                 max_length: int | None = None) -> tuple[list[list[int]], list[int | None]]:
     """A cross-encoder's prompt for each (first, second) text pair: the tokenizer's pair encoding
     (its separators and special tokens, as the model was trained on them), or, where the model's
     config sets use_pad_token false (an LLM converted into a reranker), the two texts joined.
     `max_length` (pair_length's): at most that many tokens, the longer text cut first, as vLLM
-    truncates a pair, so that neither side is lost whole."""
+    truncates a pair, so that neither side is lost whole. With the prompts, each one's
+    `token_type_start` (PoolingParams'): where the tokenizer's token_type_ids turn to 1 (BERT's
+    second text), None where they do not (RoBERTa's, a joined pair's)."""
     if not pairs:
-        return []
+        return [], []
     least = tokenizer.num_special_tokens_to_add(pair=use_pad_token) + (2 if use_pad_token else 1)
     if max_length is not None and max_length < least:  # the tokenizer would leave such a pair uncut
         raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens ({max_length}) must keep at "
                                   f"least {least} tokens of a pair: its special tokens and one of each text")
     cut = {} if max_length is None else {"truncation": True, "max_length": max_length}
     firsts, seconds = map(list, zip(*pairs))
-    if use_pad_token:
-        return tokenizer(firsts, text_pair=seconds, **cut)["input_ids"]
-    return tokenizer([a + b for a, b in pairs], **cut)["input_ids"]
+    if not use_pad_token:
+        prompts = tokenizer([a + b for a, b in pairs], **cut)["input_ids"]
+        return prompts, [None] * len(prompts)
+    enc = tokenizer(firsts, text_pair=seconds, return_token_type_ids=True, **cut)
+    return enc["input_ids"], [types.index(1) if 1 in types else None for types in enc["token_type_ids"]]
+
+
+def cut_pair(ids: list[int], type_start: int | None, keep: int, max_model_len: int, side: str,
+             ends: tuple[int, int] | None) -> tuple[list[int], int | None]:
+    """A pair's prompt cut to `keep` tokens on `side` (truncated's, an encoder's framing kept),
+    and where its second text's token type then begins."""
+    cut = truncated(ids, keep, max_model_len, side=side, ends=ends)
+    if type_start is None or len(cut) == len(ids):
+        return cut, type_start
+    # the same cut of the positions says which tokens stayed, so where the second text now starts
+    framed = ends is not None and (ids[0], ids[-1]) == ends
+    kept = truncated(list(range(len(ids))), keep, max_model_len, side=side, ends=(0, len(ids) - 1) if framed else None)
+    return cut, next((i for i, at in enumerate(kept) if at >= type_start), None)
 
 
 def cut_document(ids: list[int], max_tokens: int, ends: tuple[int, int] | None = None) -> list[int]:

@@ -32,7 +32,7 @@ from engine.errors import InvalidRequestError
 from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import SamplingParams, framing_tokens, priority_refusal, truncated
 from engine.pooling import PoolerConfig
-from engine.scoring import cut_document, pair_length, pair_prompts, pair_scores, score_pairs
+from engine.scoring import cut_document, cut_pair, pair_length, pair_prompts, pair_scores, score_pairs
 from engine.structured.params import StructuredOutputsParams
 from engine.beam_search import BeamSearch, BeamSearchAborted, Generate, beam_search
 from router.background import BackgroundRuns, EventLog, check_id_free, run_in_background, stream_in_background
@@ -346,17 +346,19 @@ class OpenAIServing:
         try:
             keep = pair_length(req.truncate_prompt_tokens, max_model_len)
             if req.truncation_side is None:  # the tokenizer cuts the pair, the longer text first
-                prompts = await off_loop(pair_prompts, self.tokenizer, pairs, use_pad_token, keep)
+                prompts, starts = await off_loop(pair_prompts, self.tokenizer, pairs, use_pad_token, keep)
             else:  # vLLM's: the pair whole, then its tokens cut on that side (an encoder's framing kept)
-                prompts = await off_loop(pair_prompts, self.tokenizer, pairs, use_pad_token)
-                ends = framing_tokens(self.tokenizer, await self._pooler())
-                prompts = [p if keep is None else truncated(p, keep, max_model_len, side=req.truncation_side, ends=ends)
-                           for p in prompts]
+                prompts, starts = await off_loop(pair_prompts, self.tokenizer, pairs, use_pad_token)
+                if keep is not None:
+                    ends = framing_tokens(self.tokenizer, await self._pooler())
+                    prompts, starts = map(list, zip(*(cut_pair(p, s, keep, max_model_len, req.truncation_side, ends)
+                                                      for p, s in zip(prompts, starts))))
         except InvalidRequestError as e:
             raise from_invalid_request(e) from None
         await self._check_prompts(prompts, params, names[1], names[1])
         rid, engine_rid = _request_ids(prefix, req.request_id)
-        vectors = await self._vectors(engine_rid, prompts, params)
+        vectors = await self._vectors(engine_rid, prompts, [dataclasses.replace(params, pooling=dataclasses.replace(
+            params.pooling, token_type_start=s)) for s in starts])
         return rid, [v[0] for v in vectors], sum(map(len, prompts))
 
     def _cut_texts(self, texts: list[str], max_tokens: int) -> list[str]:
@@ -392,8 +394,10 @@ class OpenAIServing:
         await self._check_prompts(prompts, params, param, param)
         return prompts
 
-    async def _vectors(self, rid: str, prompts: list[list[int]], params: SamplingParams) -> list[list[float]]:
-        """The prompts' vectors, in order, from a pooling engine."""
+    async def _vectors(self, rid: str, prompts: list[list[int]],
+                       params: SamplingParams | list[SamplingParams]) -> list[list[float]]:
+        """The prompts' vectors, in order, from a pooling engine (`params`: the same for every
+        prompt, or each one's)."""
         first, merged = await self._send(rid, prompts, params)
         vectors: list[list[float] | None] = [None] * len(prompts)
         vectors[first[0]] = first[1].pooled
@@ -683,10 +687,11 @@ class OpenAIServing:
         """Check the prompts and params (_checked), then send them (_send)."""
         return await self._send(rid, prompts, await self._checked(prompts, params, prompt_param, max_param), beam)
 
-    async def _send(self, rid: str, prompts: list[list[int]], params: SamplingParams, beam: BeamSearch | None = None,
-                    admitted: bool = False) -> tuple[tuple[int, StepOutput], AsyncIterator]:
-        """Send every prompt (its params as _checked made them) to the engine, or to a beam search
-        over it; returns its first output and the rest of the merged stream. `admitted`: accepted
+    async def _send(self, rid: str, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                    beam: BeamSearch | None = None, admitted: bool = False) -> tuple[tuple[int, StepOutput], AsyncIterator]:
+        """Send every prompt (its params as _checked made them, or a list of each one's: a pooling
+        request's) to the engine, or to a beam search over it; returns its first output and the
+        rest of the merged stream. `admitted`: accepted
         already (a background run), its first call waits for room in a full queue as the later
         ones do."""
         if self.settings.enable_log_requests:
@@ -699,7 +704,9 @@ class OpenAIServing:
         def generate(request_id: str, ids: list[int], p: SamplingParams) -> AsyncIterator[StepOutput]:
             return self.engine.generate(request_id, ids, p, admitted=next(sent) > 0 or admitted)
 
-        if beam is None:
+        if isinstance(params, list):  # one engine call each (pooling: n is 1)
+            merged = merge_streams([generate(f"{rid}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))])
+        elif beam is None:
             calls = sample_calls(len(prompts), params, (await self.limits())["max_num_seqs"])
             streams = []
             for i, first, p in calls:

@@ -56,7 +56,9 @@ def test_an_encoder_embeds_as_hf_and_sentence_transformers_pool(dirs, name):
     _assert_clean(llm)
 
 
-def hf_pair_logits(model_dir, pairs, token_types: bool = True) -> torch.Tensor:
+def hf_pair_logits(model_dir, pairs, token_types: bool = True, keep=None) -> torch.Tensor:
+    """HF's logits of each (query, document) pair as its tokenizer encodes it; `keep`: of the
+    tokens at those positions only, each with its own token type."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -67,6 +69,8 @@ def hf_pair_logits(model_dir, pairs, token_types: bool = True) -> torch.Tensor:
             enc = tok(q, d, return_tensors="pt")
             if not token_types:
                 enc["token_type_ids"] = torch.zeros_like(enc["input_ids"])
+            if keep is not None:
+                enc = {k: v[:, keep] for k, v in enc.items()}
             out.append(model(**enc).logits[0])
     return torch.stack(out)
 
@@ -97,6 +101,12 @@ def test_an_encoder_cross_encoder_scores_each_pair_as_hf(dirs, name):
     if name == "bert-ce":  # the document's tokens are BERT's second segment: without it the scores differ
         flat = torch.sigmoid(hf_pair_logits(dirs[name], pairs, token_types=False)[:, 0])
         assert (flat - want).abs().max() > 1e-4
+    # a query holding a literal [SEP]: the second type still starts at the document, as HF's
+    odd = [("what [SEP] city is the capital", DOCS[0]), ("a [SEP] b [SEP] c", "[SEP] blue sky [SEP]")]
+    want = torch.sigmoid(hf_pair_logits(dirs[name], odd)[:, 0])
+    got = torch.tensor([o.outputs.score for o in llm.score([q for q, _ in odd], [d for _, d in odd],
+                                                             use_tqdm=False)])
+    assert torch.allclose(got, want, atol=2e-6, rtol=0), (got, want)
     # a text alone is one segment (token type 0), whatever [SEP] it holds
     alone = llm.classify([f"{QUERY} [SEP] {DOCS[0]}"], use_tqdm=False)[0].outputs.probs[0]
     assert alone == pytest.approx(torch.sigmoid(hf_encode(dirs[name], [f"{QUERY} [SEP] {DOCS[0]}"])[0, 0]).item(),
@@ -242,13 +252,18 @@ def test_http_embeddings_and_rerank_of_encoders_equal_the_offline_calls(dirs, en
                                                 "truncate_prompt_tokens": 5})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 5 * len(DOCS), r.text
         # a truncation_side: vLLM's cut of the whole pair's tokens on that side, here with [CLS] and [SEP] kept
-        pair = cross.tokenizer(QUERY, DOCS[0])["input_ids"]
-        for side, kept in (("left", pair[:1] + pair[-5:]), ("right", pair[:5] + pair[-1:])):
+        # each kept token with its token type (left: the document's end; right: the query's start)
+        n = len(cross.tokenizer(QUERY, DOCS[0])["input_ids"])
+        for side, kept in (("left", [0, *range(n - 5, n)]), ("right", [0, 1, 2, 3, 4, n - 1])):
             r = await http.post("/score", json={"model": "m", "text_1": QUERY, "text_2": DOCS[0],
                                                 "truncate_prompt_tokens": 6, "truncation_side": side})
-            want = cross.classify({"prompt_token_ids": kept}, use_tqdm=False)[0].outputs.probs[0]
+            want = torch.sigmoid(hf_pair_logits(dirs["bert-ce"], [(QUERY, DOCS[0])], keep=kept)[0, 0]).item()
             assert r.json()["data"][0]["score"] != pytest.approx(scores[0], abs=1e-4)
             assert r.json()["data"][0]["score"] == pytest.approx(want, abs=1e-6), (side, r.text)
+        odd = ("what [SEP] city", DOCS[0])  # a literal [SEP] in the query: the types start at the document
+        r = await http.post("/v1/rerank", json={"model": "m", "query": odd[0], "documents": [odd[1]]})
+        want = torch.sigmoid(hf_pair_logits(dirs["bert-ce"], [odd])[0, 0]).item()
+        assert r.json()["results"][0]["relevance_score"] == pytest.approx(want, abs=1e-6), r.text
 
     _serve(EngineConfig(model=str(dirs["bert-cls"])), embed.tokenizer, embeddings, engine_cls)
     _serve(EngineConfig(model=str(dirs["bert-ce"])), cross.tokenizer, rerank, engine_cls)
