@@ -71,6 +71,13 @@ def param_count(a: ModelArch, pooling: bool = False) -> int:
     attn = h * a.num_heads * hd * 2 + h * a.num_kv_heads * hd * 2  # q, o, k, v
     if a.attention_bias:
         attn += (a.num_heads + 2 * a.num_kv_heads) * hd
+    if a.modernbert:  # engine.model.modernbert: fused qkv, a gated MLP, pre-norms (the first layer has
+        # none before attention), biases where the config sets them; no position or token-type tables
+        norm = h * (2 if a.norm_bias else 1)
+        attn = 4 * h * h + (4 * h if a.attention_bias else 0)
+        mlp = 3 * h * inter + (2 * inter + h if a.mlp_bias else 0)
+        head = h * h + (h if a.classifier_bias else 0) + norm + a.num_labels * (h + 1) if a.num_labels else 0
+        return a.vocab_size * h + 2 * norm + a.num_layers * (attn + mlp + 2 * norm) - norm + head
     if a.encoder:  # engine.model.bert: up and down, two LayerNorms (weight and bias) a layer; absolute
         # positions and token types; a classifier's dense + out head
         attn, mlp, norms = 4 * h * h + 4 * h, 2 * h * inter + inter + h, 4 * h  # q, k, v, o with biases

@@ -16,7 +16,7 @@
 LAST is what decoder embedding models are trained for (Qwen3-Embedding, e5-mistral, gte-Qwen2,
 SFR-Embedding) and vLLM's default for them; MEAN is what some sentence-transformers folders say.
 CLS is refused for a decoder: the first token's state carries nothing of the rest under causal
-attention. An encoder (BERT, RoBERTa: engine.model.bert) pools CLS by default, or MEAN or LAST,
+attention. An encoder (BERT, RoBERTa, ModernBERT: engine.model.bert, modernbert) pools CLS by default, or MEAN or LAST,
 in the model itself, each prompt whole in one step.
 
 A pooling request rides the generation path whole (scheduler, chunked prefill, prefix cache,
@@ -269,13 +269,21 @@ def resolve_runner(runner: str, convert: str, model_dir: Path, hf_config) -> str
     return "generate"
 
 
+def _head_reads(hf_config, encoder: bool) -> str:
+    """The pooling whose state a classifier's head reads: a decoder's last token; an encoder's
+    first ([CLS]), or as a ModernBERT classifier's config says (classifier_pooling cls or mean)."""
+    if not encoder:
+        return "LAST"
+    return str(getattr(hf_config, "classifier_pooling", "cls")).upper() if hf_config.model_type == "modernbert" else "CLS"
+
+
 def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) -> PoolerConfig | None:
     """The engine's PoolerConfig, or None for a generating one. --pooler-config wins over the
     folder's sentence-transformers modules, which win over the defaults (LAST, normalised)."""
     encoder = getattr(hf_config, "model_type", None) in ENCODER_MODEL_TYPES
     if resolve_runner(runner, convert, model_dir, hf_config) != "pooling":
         if encoder:
-            raise ValueError("an encoder model (BERT, RoBERTa) has no language-model head to generate with: it "
+            raise ValueError("an encoder model (BERT, RoBERTa, ModernBERT) has no language-model head to generate with: it "
                              "serves embeddings and scores; serve it with --runner pooling")
         if is_classifier(hf_config):
             raise ValueError("this checkpoint is a sequence classifier (...ForSequenceClassification): it has no "
@@ -287,12 +295,14 @@ def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) 
         raise ValueError("the model's config sets is_causal false (attention over the whole input, both ways): "
                          "kvserve's attention is causal only, and would embed it wrongly")
     fields = {**(sentence_transformers_pooling(model_dir) or {}), **parse_pooler_config(value)}
-    head_reads = "CLS" if encoder else "LAST"  # the token whose state a classifier's head reads
+    head_reads = _head_reads(hf_config, encoder)  # the state a classifier's head reads
     kind = fields.get("seq_pooling_type", head_reads)
     head = classifier(hf_config) if is_classifier(hf_config) else None
     if head is not None and (kind != head_reads or "dimensions" in fields):
-        raise ValueError(f"a sequence classifier scores its {'first' if encoder else 'last'} token's state, whole: "
-                         f"{kind} pooling or dimensions would give its head inputs it was not trained on")
+        reads = {"CLS": "its first token's state", "MEAN": "the mean of its tokens' states"}.get(
+            head_reads, "its last token's state")
+        raise ValueError(f"a sequence classifier scores {reads}, whole: {kind} pooling or dimensions would give its "
+                         "head inputs it was not trained on")
     if encoder and kind not in ENCODER_POOLING_TYPES:
         raise ValueError(f"pooling type {kind} is not supported for encoders: kvserve pools the first token (CLS), "
                          "the mean of all (MEAN) or the last (LAST)")

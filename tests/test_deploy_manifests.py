@@ -622,8 +622,11 @@ def test_a_cpu_replica_counts_every_form_of_its_weights(tmp_path, smollm2_path):
                 arch, pooling) * 2
     from tests.tiny_bert import make_tiny_encoder
 
-    for kind, labels in (("bert", 0), ("xlm-roberta", 2)):  # an encoder holds its weights once, every one counted
-        d = make_tiny_encoder(tmp_path / f"{kind}-{labels}", kind, num_labels=labels)
+    for kind, labels, extra in (("bert", 0, {}), ("xlm-roberta", 2, {}), ("modernbert", 0, {}),
+                                ("modernbert", 2, {"norm_bias": True, "attention_bias": True, "mlp_bias": True,
+                                                   "classifier_bias": True})):
+        # an encoder holds its weights once, every one counted
+        d = make_tiny_encoder(tmp_path / f"{kind}-{labels}", kind, num_labels=labels, **extra)
         model, arch = build_model(d, torch.float32, torch.device("cpu"), pooling=True), load_arch(d)[0]
         assert sizing.param_count(arch, True) == sum(p.numel() for p in model.parameters())
         assert sizing.cpu_weight_bytes(arch, 4, sizing.checkpoint_bytes(d, arch), True) == held_weight_bytes(model)

@@ -1,4 +1,5 @@
-"""Encoder models (engine.model.bert): BERT, RoBERTa and XLM-RoBERTa checkpoints embed as HF
+"""Encoder models (engine.model.bert, engine.model.modernbert): BERT, RoBERTa, XLM-RoBERTa and
+ModernBERT checkpoints embed as HF
 transformers and sentence-transformers pool them (CLS, MEAN, LAST), and their cross-encoders
 score a pair as HF reads it (BERT's second token type included); each prompt runs whole, many
 lengths in one step, with no KV cache; truncation keeps [CLS] and [SEP]; what an encoder
@@ -120,6 +121,31 @@ def test_an_encoder_classifier_gives_hfs_softmax(dirs):
     outs = llm.classify(TEXTS, use_tqdm=False)
     got = torch.tensor([o.outputs.probs for o in outs])
     assert torch.allclose(got, want, atol=2e-6, rtol=0), (got - want).abs().max()
+    _assert_clean(llm)
+
+
+@pytest.mark.parametrize("biases", [False, True])
+def test_modernbert_embeds_and_scores_as_hf_its_local_layers_windowed(tmp_path, biases):
+    """Rotary positions with a theta per layer kind, local layers reading 4 tokens each way (the
+    tiny model's window: most prompts here cross it), a gated MLP, LayerNorms with or without
+    biases; a cross-encoder head over CLS or the mean, as its config's classifier_pooling says."""
+    extra = {"norm_bias": True, "attention_bias": True, "mlp_bias": True, "classifier_bias": True} if biases else {}
+    pooling = "mean_tokens" if biases else "cls_token"
+    d = make_tiny_encoder(tmp_path / "embed", "modernbert", pooling=pooling, **extra)
+    want = torch.nn.functional.normalize(hf_encode(d, TEXTS, pooling), dim=-1)
+    wide = make_tiny_encoder(tmp_path / "wide", "modernbert", pooling=pooling, local_attention=256, **extra)
+    assert (torch.nn.functional.normalize(hf_encode(wide, TEXTS, pooling), dim=-1) - want).abs().max() > 1e-4
+    llm = LLM(str(d), max_num_seqs=2, max_num_batched_tokens=128)
+    got = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
+    assert torch.allclose(got, want, atol=2e-6, rtol=0), (got - want).abs().max()
+    _assert_clean(llm)
+    ce = make_tiny_encoder(tmp_path / "ce", "modernbert", num_labels=1,
+                           classifier_pooling="mean" if biases else "cls", **extra)
+    want = torch.sigmoid(hf_encode(ce, [(QUERY, x) for x in DOCS])[:, 0])
+    llm = LLM(str(ce))
+    got = torch.tensor([o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)])
+    assert torch.allclose(got, want, atol=2e-6, rtol=0), (got, want)
+    assert llm.engine.pooler.seq_pooling_type == ("MEAN" if biases else "CLS")
     _assert_clean(llm)
 
 

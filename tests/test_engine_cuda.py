@@ -191,18 +191,20 @@ def test_embeddings_on_cuda_are_hfs_pooled_hidden_states(tmp_path, tokenizer_dir
     _assert_clean(llm)
 
 
-def test_an_encoder_on_cuda_embeds_and_scores_as_hf(tmp_path):
-    """An encoder (engine.model.bert, engine.encoder_runner) on CUDA in float32: its CLS vectors and
-    a cross-encoder's scores are HF's (computed on the CPU), each step's prompts of many lengths."""
+@pytest.mark.parametrize("kind", ["bert", "modernbert"])
+def test_an_encoder_on_cuda_embeds_and_scores_as_hf(tmp_path, kind):
+    """An encoder (engine.model.bert or modernbert, engine.encoder_runner) on CUDA in float32: its
+    CLS vectors and a cross-encoder's scores are HF's (computed on the CPU), each step's prompts of
+    many lengths (ModernBERT's local window of 8 crossed)."""
     from tests.tiny_bert import hf_encode, make_tiny_encoder
 
     texts = ["the capital of france is paris", "what city", "a dog runs fast in the blue sky and the sea"]
-    d = make_tiny_encoder(tmp_path / "embed", "bert", pooling="cls_token")
+    d = make_tiny_encoder(tmp_path / "embed", kind, pooling="cls_token")
     llm = LLM(model=str(d), device="cuda", dtype="float32")
     got = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
     torch.testing.assert_close(got, torch.nn.functional.normalize(hf_encode(d, texts), dim=-1), rtol=0, atol=1e-4)
     _assert_clean(llm)
-    d = make_tiny_encoder(tmp_path / "cross", "bert", num_labels=1)
+    d = make_tiny_encoder(tmp_path / "cross", kind, num_labels=1)
     llm = LLM(model=str(d), device="cuda", dtype="float32")
     got = torch.tensor([o.outputs.score for o in llm.score(texts[1], texts, use_tqdm=False)])
     torch.testing.assert_close(got, torch.sigmoid(hf_encode(d, [(texts[1], t) for t in texts])[:, 0]), rtol=0,

@@ -1,5 +1,6 @@
-"""Tiny random encoder checkpoints (BERT with a WordPiece tokenizer, RoBERTa and XLM-RoBERTa
-with a byte-level BPE one trained here), saved as HF saves them, optionally as sentence-transformers folders."""
+"""Tiny random encoder checkpoints (BERT and ModernBERT with a WordPiece tokenizer, RoBERTa and
+XLM-RoBERTa with a byte-level BPE one trained here), saved as HF saves them, optionally as
+sentence-transformers folders."""
 from __future__ import annotations
 
 import json
@@ -12,14 +13,15 @@ WORDS = ("the", "a", "capital", "of", "france", "is", "paris", "what", "city", "
 CORPUS = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))]
 
 
-def _bert_tokenizer(out_dir: Path):
+def _bert_tokenizer(out_dir: Path, token_types: bool = True):
     from transformers import BertTokenizerFast
 
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *".,?!", *letters, *(f"##{c}" for c in letters),
              *(w for w in WORDS if w not in letters)]
     (out_dir / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    return BertTokenizerFast(str(out_dir / "vocab.txt"), model_max_length=128)
+    names = ["input_ids", "token_type_ids", "attention_mask"] if token_types else ["input_ids", "attention_mask"]
+    return BertTokenizerFast(str(out_dir / "vocab.txt"), model_max_length=128, model_input_names=names)
 
 
 def _roberta_tokenizer(out_dir: Path):
@@ -35,19 +37,28 @@ def _roberta_tokenizer(out_dir: Path):
 
 def make_tiny_encoder(out_dir: Path, kind: str = "bert", num_labels: int = 0, pooling: str | None = None,
                       normalize: bool = True, max_seq_length: int | None = None, seed: int = 0, **config) -> Path:
-    """kind "bert", "roberta" or "xlm-roberta" (both with RoBERTa's byte-level BPE tokenizer);
+    """kind "bert", "modernbert" (BERT's tokenizer, without token types: ModernBERT has none; a
+    local window of 8 tokens, so that short prompts cross it), "roberta" or "xlm-roberta" (both
+    with RoBERTa's byte-level BPE tokenizer);
     `num_labels` > 0: a ...ForSequenceClassification; `pooling`
     ("cls_token", "mean_tokens", ...): a sentence-transformers folder pooling so (with a Normalize
     module where `normalize`, and `max_seq_length` in its sentence_bert_config.json)."""
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = _bert_tokenizer(out_dir) if kind == "bert" else _roberta_tokenizer(out_dir)
+    tok = _bert_tokenizer(out_dir, kind == "bert") if kind in ("bert", "modernbert") else _roberta_tokenizer(out_dir)
     torch.manual_seed(seed)
-    extra = {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2} if kind != "bert" else {"pad_token_id": 0}
-    cfg = AutoConfig.for_model(kind, vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, max_position_embeddings=130 if kind != "bert" else 128,
-                               type_vocab_size=2 if kind == "bert" else 1, **extra, **config)
+    if kind == "modernbert":
+        shape = {"num_hidden_layers": 3, "max_position_embeddings": 128, "local_attention": 8,
+                 "global_attn_every_n_layers": 2, "pad_token_id": 0, "cls_token_id": 2, "sep_token_id": 3,
+                 "bos_token_id": 2, "eos_token_id": 3}
+    elif kind == "bert":
+        shape = {"num_hidden_layers": 2, "max_position_embeddings": 128, "type_vocab_size": 2, "pad_token_id": 0}
+    else:
+        shape = {"num_hidden_layers": 2, "max_position_embeddings": 130, "type_vocab_size": 1, "pad_token_id": 1,
+                 "bos_token_id": 0, "eos_token_id": 2}
+    cfg = AutoConfig.for_model(kind, vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                               **{**shape, **config})
     if num_labels:
         cfg.num_labels = num_labels
         model = AutoModelForSequenceClassification.from_config(cfg)
@@ -57,9 +68,9 @@ def make_tiny_encoder(out_dir: Path, kind: str = "bert", num_labels: int = 0, po
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.1)
-            elif name.startswith("classifier") or "pooler" in name:  # scores that differ, pair to pair
+            elif name.startswith(("classifier", "head.")) or "pooler" in name:  # scores that differ, pair to pair
                 p.normal_(0, 0.5)
-            elif "LayerNorm.weight" in name:
+            elif "LayerNorm.weight" in name or name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     model.eval().save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)

@@ -52,11 +52,22 @@ class ModelArch:
     position_rows: int = 0  # rows of the position table (the config's max_position_embeddings)
     bert_pooler: bool = False  # a BERT classifier's head starts with its pooler; RoBERTa's with its own dense
     hidden_act: str = "silu"
+    # ModernBERT's (engine.model.modernbert; from_hf_modernbert): rotary positions, with
+    # `sliding_window` the half-window of the local layers
+    modernbert: bool = False
+    norm_bias: bool = True
+    local_rope_theta: float = 0.0
+    sliding_layers: tuple[int, ...] = ()
+    classifier_pooling: str = "CLS"  # the state its classifier's head reads: CLS or MEAN
+    classifier_bias: bool = True
+    classifier_act: str = "tanh"
 
     @classmethod
     def from_hf(cls, cfg) -> "ModelArch":
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {cfg.model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if cfg.model_type == "modernbert":
+            return cls.from_hf_modernbert(cfg)
         if cfg.model_type in ENCODER_MODEL_TYPES:
             return cls.from_hf_encoder(cfg)
         if getattr(cfg, "hidden_act", "silu") != "silu":
@@ -121,10 +132,48 @@ class ModelArch:
                    position_rows=cfg.max_position_embeddings, hidden_act=cfg.hidden_act,
                    bert_pooler=cfg.model_type == "bert")
 
+    @classmethod
+    def from_hf_modernbert(cls, cfg) -> "ModelArch":
+        """A ModernBERT config, as transformers 5 keeps it (layer_types, rope_parameters per layer
+        type) or as older ones and the hub's configs have it (global_attn_every_n_layers,
+        global_rope_theta, local_rope_theta)."""
+        from transformers.activations import ACT2FN
+
+        for act in (cfg.hidden_activation, getattr(cfg, "classifier_activation", "gelu")):
+            if act not in ACT2FN:
+                raise ValueError(f"unsupported activation {act!r}")
+        every = getattr(cfg, "global_attn_every_n_layers", 3)
+        kinds = getattr(cfg, "layer_types", None) or ["sliding_attention" if i % every else "full_attention"
+                                                      for i in range(cfg.num_hidden_layers)]
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        full, local = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
+        theta = full.pop("rope_theta", None) or getattr(cfg, "global_rope_theta", None) or 160000.0
+        local_theta = local.pop("rope_theta", None) or getattr(cfg, "local_rope_theta", None) or 10000.0
+        if full != local:
+            raise ValueError(f"ModernBERT with different rope scaling for global ({full}) and local ({local}) "
+                             "layers is not supported")
+        scaling = full if full.get("rope_type", "default") != "default" else None
+        pooling = getattr(cfg, "classifier_pooling", "cls")
+        if pooling not in ("cls", "mean"):
+            raise ValueError(f"unsupported classifier_pooling {pooling!r} (cls or mean)")
+        heads = cfg.num_attention_heads
+        return cls(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                   num_layers=cfg.num_hidden_layers, num_heads=heads, num_kv_heads=heads,
+                   head_dim=cfg.hidden_size // heads, rms_norm_eps=cfg.norm_eps, rope_theta=float(theta),
+                   rope_scaling=scaling, max_position_embeddings=cfg.max_position_embeddings,
+                   tie_word_embeddings=False, attention_bias=bool(cfg.attention_bias), mlp_bias=bool(cfg.mlp_bias),
+                   o_proj_bias=bool(cfg.attention_bias), sliding_window=getattr(cfg, "local_attention", 128) // 2,
+                   num_labels=cfg.num_labels if is_classifier(cfg) else 0, encoder=True,
+                   hidden_act=cfg.hidden_activation, modernbert=True, norm_bias=bool(cfg.norm_bias),
+                   local_rope_theta=float(local_theta),
+                   sliding_layers=tuple(i for i, k in enumerate(kinds) if k == "sliding_attention"),
+                   classifier_pooling=pooling.upper(), classifier_bias=bool(getattr(cfg, "classifier_bias", False)),
+                   classifier_act=getattr(cfg, "classifier_activation", "gelu"))
+
     def check_tp(self, tp_size: int) -> None:
         """Raise before any weight is loaded when the model cannot be split tp_size ways."""
         if self.encoder and tp_size > 1:
-            raise ValueError(f"encoder models (BERT, RoBERTa) run on one device: tensor_parallel_size {tp_size} "
+            raise ValueError(f"encoder models (BERT, RoBERTa, ModernBERT) run on one device: tensor_parallel_size {tp_size} "
                              "is not supported for them")
         problems = []
         if self.num_heads % tp_size:

@@ -15,6 +15,7 @@ from engine import cpu_kernels
 from engine.model import codes
 from engine.model.codes import codes_wanted, log_codes
 from engine.model.bert import EncoderModel
+from engine.model.modernbert import ModernBertEncoder
 from engine.model.layers import TPContext, check_checkpoint_shape
 from engine.model.llama import LlamaModel, ModelArch
 from engine.model_source import ModelError
@@ -97,10 +98,13 @@ def build_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                 tp: TPContext = TPContext(), pooling: bool = False) -> LlamaModel | EncoderModel:
     arch, _ = load_arch(model_dir)
     if arch.encoder and not pooling:
-        raise ValueError("an encoder model (BERT, RoBERTa) has no language-model head to generate with: it serves "
+        raise ValueError("an encoder model (BERT, RoBERTa, ModernBERT) has no language-model head to generate with: it serves "
                          "embeddings and scores (--runner pooling, which --runner auto picks for it)")
     with torch.device(device):  # built where it runs, as a tensor-parallel rank builds its shard
-        model = EncoderModel(arch, dtype) if arch.encoder else LlamaModel(arch, dtype, tp, pooling)
+        if arch.encoder:
+            model = (ModernBertEncoder if arch.modernbert else EncoderModel)(arch, dtype)
+        else:
+            model = LlamaModel(arch, dtype, tp, pooling)
     load_weights(model, model_dir)
     model = model.eval()
     if not arch.encoder:
