@@ -22,6 +22,7 @@ from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import Sequence
 from engine.snapshot import DEFAULT_PREFIX_LIMIT, snapshot
 from engine.speculative import NgramDrafter
+from engine.st_dense import Projection, read_dense_modules
 from engine.structured.compiler import CompiledGrammar, GrammarCompiler
 from engine.structured.matchers import STOP, GrammarMatchers
 from engine.token_bans import bad_words_token_ids
@@ -55,6 +56,9 @@ class LLMEngine:
         self.tokenizer = info.tokenizer
         # an encoder's [CLS] and [SEP]: truncation keeps them (engine.sampling_params.truncated)
         self._ends = framing_tokens(self.tokenizer, self.pooler)
+        # a sentence-transformers folder's Dense modules, applied to each pooled vector (engine.st_dense)
+        dense = read_dense_modules(info.model_dir) if self.pooler is not None and self.pooler.classifier is None else []
+        self._project = Projection(dense) if dense else None
         self.eos_token_ids = set(info.eos_token_ids)
         self.max_model_len = config.model_len(info.max_position_embeddings)
         self._check_room(info.num_blocks)
@@ -261,7 +265,7 @@ class LLMEngine:
                 if (timer := self._timers.get(seq.request_id)) is not None:
                     timer.scheduled(seq.first_scheduled)
                     timer.pooled()
-                return req.finish_pooled(seq, result)
+                return req.finish_pooled(seq, result, self._project)
             verdict = self.structured.accept(seq, result.token_id) if self.structured else None
             done = req.append_token(seq, result, self.eos_token_ids, self.max_model_len)
             if verdict is not None:

@@ -38,6 +38,7 @@ from pathlib import Path
 from engine.classifier import Classifier, activated, classifier, is_classifier
 from engine.errors import InvalidRequestError
 from engine.model_source import ENCODER_MODEL_TYPES
+from engine.st_dense import read_dense_modules
 from engine.vllm_args import json_dict
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,6 @@ _ST_POOLING = ("sentence_transformers.models.Pooling",
                "sentence_transformers.sentence_transformer.modules.pooling.Pooling")
 _ST_NORMALIZE = ("sentence_transformers.models.Normalize", "sentence_transformers.base.modules.normalize.Normalize",
                  "sentence_transformers.sentence_transformer.modules.normalize.Normalize")
-_ST_DENSE = ("sentence_transformers.models.Dense", "sentence_transformers.base.modules.dense.Dense")
 
 
 @dataclass
@@ -207,8 +207,7 @@ def parse_pooler_config(value) -> dict:
 def sentence_transformers_pooling(model_dir: Path) -> dict | None:
     """What a sentence-transformers folder's modules.json (and its Pooling module's config) set:
     the pooling type and whether a Normalize step follows (vLLM's reading); None without a
-    Pooling module. ValueError for a Dense module after the pooling: a projection this engine
-    does not apply, whose vectors it would get wrong."""
+    Pooling module. (Its Dense modules: engine.st_dense.)"""
     path = Path(model_dir) / "modules.json"
     if not path.is_file():
         return None
@@ -216,16 +215,12 @@ def sentence_transformers_pooling(model_dir: Path) -> dict | None:
         modules = json.loads(path.read_text())
         pooling = next((m for m in modules if m.get("type") in _ST_POOLING), None)
         normalize = any(m.get("type") in _ST_NORMALIZE for m in modules)
-        dense = [m.get("path") for m in modules if m.get("type") in _ST_DENSE]
         cfg_path = Path(model_dir) / pooling.get("path", "") / "config.json" if pooling is not None else None
         cfg = json.loads(cfg_path.read_text()) if cfg_path is not None and cfg_path.is_file() else {}
     except (ValueError, AttributeError, TypeError) as e:
         raise ValueError(f"cannot read the sentence-transformers modules in {str(model_dir)!r}: {e}") from None
     if pooling is None:
         return None
-    if dense:
-        raise ValueError(f"{str(path)!r} projects the pooled vector with Dense modules ({', '.join(map(str, dense))}), "
-                         "which kvserve does not apply: its embeddings would be wrong")
     out: dict = {"use_activation": normalize}
     for key, v in cfg.items():  # the first mode it sets; one kvserve lacks (weightedmean, max) is refused later
         if key == "pooling_mode" and isinstance(v, str):
@@ -267,6 +262,21 @@ def resolve_runner(runner: str, convert: str, model_dir: Path, hf_config) -> str
         if arch.endswith(("EmbeddingModel", "ForTextEncoding", "ForSequenceClassification")) or arch.endswith("Model"):
             return "pooling"
     return "generate"
+
+
+def _embedding_size(model_dir: Path, hidden_size: int, classifier: bool) -> int:
+    """A vector's size: the hidden size, or the last sentence-transformers Dense module's output
+    (engine.st_dense, which the engine applies after pooling)."""
+    dense = read_dense_modules(model_dir)
+    if not dense:
+        return hidden_size
+    if classifier:
+        raise ValueError(f"{str(dense[0].folder)!r} is a sentence-transformers Dense module, which a sequence "
+                         "classifier's scores would not go through")
+    if dense[0].in_features != hidden_size:
+        raise ValueError(f"the Dense module in {str(dense[0].folder)!r} takes {dense[0].in_features} features; the "
+                         f"model's pooled vectors have {hidden_size}")
+    return dense[-1].out_features
 
 
 def _head_reads(hf_config, encoder: bool) -> str:
@@ -311,7 +321,8 @@ def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) 
                          "of all (MEAN); a CLS token's state means something only under attention both ways. Set "
                          "--pooler-config '{\"pooling_type\": \"LAST\"}' to pool this model so anyway")
     dims = getattr(hf_config, "matryoshka_dimensions", None)
-    config = PoolerConfig(kind, fields.get("use_activation", True), fields.get("dimensions"), hf_config.hidden_size,
+    config = PoolerConfig(kind, fields.get("use_activation", True), fields.get("dimensions"),
+                          _embedding_size(model_dir, hf_config.hidden_size, head is not None),
                           bool(dims) or bool(getattr(hf_config, "is_matryoshka", False)),
                           tuple(dims) if dims else None, head, encoder)
     if head is not None:
@@ -352,15 +363,18 @@ def row_sums(hidden, spans: list) -> dict[int, tuple[list[float], int]]:
 
 
 def pooled_vector(last: list[float], params: PoolingParams, rows_sum: list[float] | None = None,
-                  num_rows: int = 0) -> list[float]:
+                  num_rows: int = 0, project=None) -> list[float]:
     """The vector of a request (`params` resolved): its last row (LAST), or the mean of
-    `rows_sum` (its other rows) and the last (MEAN); its first `dimensions`, with its
-    `activation` applied (vLLM's order: cut, then normalise)."""
+    `rows_sum` (its other rows) and the last (MEAN); through `project` (engine.st_dense's
+    Projection, where the folder has Dense modules); its first `dimensions`, with its
+    `activation` applied (vLLM's order: project, cut, then normalise)."""
     import torch  # not at import: EngineConfig reads this module's names, and the ingress has no use for torch
 
     v = torch.tensor(last, dtype=torch.float64)
     if params.pools_every_row:
         v = (v + torch.tensor(rows_sum, dtype=torch.float64)) / (num_rows + 1) if rows_sum is not None else v
+    if project is not None and params.task == "embed":
+        v = project(v)
     if params.dimensions is not None:
         v = v[:params.dimensions]
     return activated(v, params.activation).float().tolist()

@@ -96,9 +96,11 @@ class Request:
         self._rows_sum = rows_sum if self._rows_sum is None else [a + b for a, b in zip(self._rows_sum, rows_sum)]
         seq.num_prompt_logprobs += num_rows
 
-    def finish_pooled(self, seq: Sequence, result: Pooled) -> bool:
-        """A pooling request's last row (engine.pooling): it ends with its vector."""
-        self.pooled = pooled_vector(result.data, self.params.pooling, self._rows_sum, seq.num_prompt_logprobs)
+    def finish_pooled(self, seq: Sequence, result: Pooled, project=None) -> bool:
+        """A pooling request's last row (engine.pooling): it ends with its vector (`project`:
+        pooled_vector's)."""
+        self.pooled = pooled_vector(result.data, self.params.pooling, self._rows_sum, seq.num_prompt_logprobs,
+                                    project)
         return self.finish(seq, "stop")
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | None = None) -> bool:

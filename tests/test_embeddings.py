@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib
 import json
+import re
 import shutil
 import struct
 
@@ -205,17 +207,74 @@ def test_a_sentence_transformers_folder_pools_as_its_modules_say(dirs, tmp_path)
     over = LLM(str(cls), num_gpu_blocks_override=24, pooler_config='{"pooling_type": "LAST"}')
     _assert_close(over.embed(prompts[0], use_tqdm=False)[0].outputs.embedding,
                   torch.nn.functional.normalize(raw[0], dim=-1))  # its Normalize module counts
-    dense = _sentence_transformers(dirs["qwen3"], tmp_path / "dense", "lasttoken", normalize=True)
-    modules = json.loads((dense / "modules.json").read_text())
-    (dense / "modules.json").write_text(json.dumps(modules + [{"idx": 3, "name": "3", "path": "3_Dense",
-                                                               "type": "sentence_transformers.models.Dense"}]))
-    with pytest.raises(ValueError, match="Dense modules \\(3_Dense\\), which kvserve does not apply"):
-        LLM(str(dense), num_gpu_blocks_override=24)
+    modules = json.loads((d / "modules.json").read_text())
     plain = tmp_path / "no-pooling"  # modules.json without a Pooling module says nothing (vLLM's reading)
     shutil.copytree(dirs["qwen3"], plain)
     (plain / "modules.json").write_text(json.dumps(modules[:1]))
     gen = LLM(str(plain), num_gpu_blocks_override=24)
     assert gen.engine.pooler is None and gen.generate(prompts[0], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def add_dense(folder, layers: list[tuple[int, int, bool, str]], seed: int = 0) -> list:
+    """Dense modules (in, out, bias, activation's class path) saved into a sentence-transformers
+    folder as sentence-transformers saves them, before its Normalize module; returns what each
+    computes: (weight, bias or None, the activation's class path)."""
+    from safetensors.torch import save_file
+
+    modules = json.loads((folder / "modules.json").read_text())
+    gen, made = torch.Generator().manual_seed(seed), []
+    for i, (n_in, n_out, bias, act) in enumerate(layers):
+        path = folder / f"{2 + i}_Dense"
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"in_features": n_in, "out_features": n_out, "bias": bias,
+                                                      "activation_function": act}))
+        w = {"linear.weight": torch.randn(n_out, n_in, generator=gen) / n_in ** 0.5}
+        if bias:
+            w["linear.bias"] = torch.randn(n_out, generator=gen) * 0.1
+        save_file(w, str(path / "model.safetensors"))
+        modules.insert(2 + i, {"idx": 2 + i, "name": str(2 + i), "path": path.name,
+                               "type": "sentence_transformers.models.Dense"})
+        made.append((w["linear.weight"], w.get("linear.bias"), act))
+    (folder / "modules.json").write_text(json.dumps(modules))
+    return made
+
+
+def dense_applied(v: torch.Tensor, made: list) -> torch.Tensor:
+    for weight, bias, act in made:
+        module, _, name = act.rpartition(".")
+        v = getattr(importlib.import_module(module), name)()(torch.nn.functional.linear(v, weight, bias))
+    return v
+
+
+def test_sentence_transformers_dense_modules_project_each_vector(dirs, tmp_path):
+    """Dense modules after the pooling (LaBSE's tanh projection; a change of size), applied in
+    order before the Normalize step, as sentence-transformers and vLLM apply them; under mean
+    pooling's chunks too. What cannot be applied is refused at start-up, saying why."""
+    d = _sentence_transformers(dirs["qwen3"], tmp_path / "dense", "mean_tokens", normalize=True)
+    made = add_dense(d, [(64, 32, True, "torch.nn.modules.activation.Tanh"),
+                         (32, 48, False, "torch.nn.modules.linear.Identity")])
+    prompts = _prompts()
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(d), dtype=torch.float32).eval()
+    with torch.no_grad():
+        means = [model(torch.tensor([p])).last_hidden_state[0].mean(dim=0) for p in prompts]
+    llm = LLM(str(d), max_num_batched_tokens=32, num_gpu_blocks_override=24)
+    assert llm.engine.pooler.embedding_size == 48
+    for out, mean in zip(llm.embed(prompts, use_tqdm=False), means):
+        _assert_close(out.outputs.embedding, torch.nn.functional.normalize(dense_applied(mean, made), dim=-1))
+    raw = llm.embed(prompts[0], pooling_params=PoolingParams(use_activation=False), use_tqdm=False)[0]
+    _assert_close(raw.outputs.embedding, dense_applied(means[0], made))  # projected, not normalised
+    _assert_clean(llm)
+    for layers, words in (([(64, 32, True, "torch.nn.modules.activation.Tanh"), (16, 8, True, "torch.nn.Identity")],
+                           "takes 16 features, but the one before it gives 32"),
+                          ([(64, 8, True, "os.system")], "kvserve applies torch.nn modules only"),
+                          ([(32, 8, True, "torch.nn.Identity")], "takes 32 features; the model's pooled vectors "
+                                                                  "have 64")):
+        bad = _sentence_transformers(dirs["qwen3"], tmp_path / f"bad{len(words)}", "lasttoken", normalize=True)
+        add_dense(bad, layers)
+        with pytest.raises(ValueError, match=re.escape(words)):
+            LLM(str(bad), num_gpu_blocks_override=24)
 
 
 def hf_mean_hidden(model_dir, prompts: list[list[int]]) -> list[torch.Tensor]:

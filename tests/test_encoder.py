@@ -57,6 +57,19 @@ def test_an_encoder_embeds_as_hf_and_sentence_transformers_pool(dirs, name):
     _assert_clean(llm)
 
 
+def test_an_encoder_with_a_dense_module_projects_as_labse(tmp_path):
+    """LaBSE's modules: CLS pooling, a Dense module with tanh, Normalize."""
+    from tests.test_embeddings import add_dense, dense_applied
+
+    d = make_tiny_encoder(tmp_path / "labse", "bert", pooling="cls_token")
+    made = add_dense(d, [(64, 64, True, "torch.nn.modules.activation.Tanh")])
+    want = torch.nn.functional.normalize(dense_applied(hf_encode(d, TEXTS), made), dim=-1)
+    llm = LLM(str(d), max_num_seqs=2)
+    got = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
+    assert torch.allclose(got, want, atol=2e-6, rtol=0), (got - want).abs().max()
+    _assert_clean(llm)
+
+
 def hf_pair_logits(model_dir, pairs, token_types: bool = True, keep=None) -> torch.Tensor:
     """HF's logits of each (query, document) pair as its tokenizer encodes it; `keep`: of the
     tokens at those positions only, each with its own token type."""
