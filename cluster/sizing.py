@@ -67,26 +67,33 @@ class ReplicaNeeds:
 def param_count(a: ModelArch, pooling: bool = False) -> int:
     """The parameters a replica holds: a pooling one (engine.pooling) has no language-model head,
     only the embedding table and a classifier's small head, where it has one."""
+    if a.encoder:
+        return _encoder_param_count(a)
     h, hd, inter = a.hidden_size, a.head_dim, a.intermediate_size
     attn = h * a.num_heads * hd * 2 + h * a.num_kv_heads * hd * 2  # q, o, k, v
     if a.attention_bias:
         attn += (a.num_heads + 2 * a.num_kv_heads) * hd
-    if a.modernbert:  # engine.model.modernbert: fused qkv, a gated MLP, pre-norms (the first layer has
-        # none before attention), biases where the config sets them; no position or token-type tables
-        norm = h * (2 if a.norm_bias else 1)
-        attn = 4 * h * h + (4 * h if a.attention_bias else 0)
-        mlp = 3 * h * inter + (2 * inter + h if a.mlp_bias else 0)
-        head = h * h + (h if a.classifier_bias else 0) + norm + a.num_labels * (h + 1) if a.num_labels else 0
-        return a.vocab_size * h + 2 * norm + a.num_layers * (attn + mlp + 2 * norm) - norm + head
-    if a.encoder:  # engine.model.bert: up and down, two LayerNorms (weight and bias) a layer; absolute
-        # positions and token types; a classifier's dense + out head
-        attn, mlp, norms = 4 * h * h + 4 * h, 2 * h * inter + inter + h, 4 * h  # q, k, v, o with biases
-        tables = (a.vocab_size + a.position_rows + a.type_vocab_size) * h
-        return tables + 2 * h + a.num_layers * (attn + mlp + norms) + (h * h + h + a.num_labels * (h + 1)
-                                                                       if a.num_labels else 0)
     mlp = 3 * h * inter + (2 * inter + h if a.mlp_bias else 0)
     embeddings = a.vocab_size * h * (1 if a.tie_word_embeddings or pooling else 2) + a.num_labels * h
     return embeddings + a.num_layers * (attn + mlp + 2 * h) + h
+
+
+def _encoder_param_count(a: ModelArch) -> int:
+    """engine.model.bert's and engine.model.modernbert's: q, k, v and o; up (and a gate) and down;
+    two LayerNorms a layer; biases where the config sets them."""
+    h, inter = a.hidden_size, a.intermediate_size
+    attn = 4 * h * h + (4 * h if a.attention_bias else 0)
+    gated = a.gated_mlp or a.modernbert
+    mlp = (3 if gated else 2) * h * inter + ((2 * inter if gated else inter) + h if a.mlp_bias else 0)
+    norm = h * (2 if a.norm_bias else 1)
+    if a.modernbert:  # pre-norm: the first layer has none before attention, and a final norm follows;
+        # no position or token-type tables; a classifier's head: dense, norm, classifier
+        head = h * h + (h if a.classifier_bias else 0) + norm + a.num_labels * (h + 1) if a.num_labels else 0
+        return a.vocab_size * h + 2 * norm + a.num_layers * (attn + mlp + 2 * norm) - norm + head
+    # a position table (none with rotary positions) and token types; a classifier's dense + out head
+    tables = (a.vocab_size + (0 if a.rotary else a.position_rows) + a.type_vocab_size) * h
+    head = h * h + h + a.num_labels * (h + 1) if a.num_labels else 0
+    return tables + norm + a.num_layers * (attn + mlp + 2 * norm) + head
 
 
 def largest_tensor(a: ModelArch) -> int:

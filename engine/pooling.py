@@ -280,11 +280,14 @@ def _embedding_size(model_dir: Path, hidden_size: int, classifier: bool) -> int:
 
 
 def _head_reads(hf_config, encoder: bool) -> str:
-    """The pooling whose state a classifier's head reads: a decoder's last token; an encoder's
-    first ([CLS]), or as a ModernBERT classifier's config says (classifier_pooling cls or mean)."""
+    """The pooling a model gets by default, whose state a classifier's head reads: a decoder's
+    last token; an encoder's first ([CLS]), or as a ModernBERT classifier's config says
+    (classifier_pooling cls or mean; it says nothing for an embedding model, which pools CLS)."""
     if not encoder:
         return "LAST"
-    return str(getattr(hf_config, "classifier_pooling", "cls")).upper() if hf_config.model_type == "modernbert" else "CLS"
+    if hf_config.model_type == "modernbert" and is_classifier(hf_config):
+        return str(getattr(hf_config, "classifier_pooling", "cls")).upper()
+    return "CLS"
 
 
 def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) -> PoolerConfig | None:

@@ -63,13 +63,11 @@ def cut_pair(ids: list[int], type_start: int | None, keep: int, max_model_len: i
              ends: tuple[int, int] | None) -> tuple[list[int], int | None]:
     """A pair's prompt cut to `keep` tokens on `side` (truncated's, an encoder's framing kept),
     and where its second text's token type then begins."""
-    cut = truncated(ids, keep, max_model_len, side=side, ends=ends)
-    if type_start is None or len(cut) == len(ids):
-        return cut, type_start
-    # the same cut of the positions says which tokens stayed, so where the second text now starts
-    framed = ends is not None and (ids[0], ids[-1]) == ends
+    # cut the positions as the ids would be cut (framed the same way): which tokens stay
+    framed = ends is not None and len(ids) > 1 and (ids[0], ids[-1]) == ends
     kept = truncated(list(range(len(ids))), keep, max_model_len, side=side, ends=(0, len(ids) - 1) if framed else None)
-    return cut, next((i for i, at in enumerate(kept) if at >= type_start), None)
+    start = None if type_start is None else next((i for i, at in enumerate(kept) if at >= type_start), None)
+    return [ids[i] for i in kept], start
 
 
 def cut_document(ids: list[int], max_tokens: int, ends: tuple[int, int] | None = None) -> list[int]:

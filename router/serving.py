@@ -691,9 +691,8 @@ class OpenAIServing:
                     beam: BeamSearch | None = None, admitted: bool = False) -> tuple[tuple[int, StepOutput], AsyncIterator]:
         """Send every prompt (its params as _checked made them, or a list of each one's: a pooling
         request's) to the engine, or to a beam search over it; returns its first output and the
-        rest of the merged stream. `admitted`: accepted
-        already (a background run), its first call waits for room in a full queue as the later
-        ones do."""
+        rest of the merged stream. `admitted`: accepted already (a background run), its first
+        call waits for room in a full queue as the later ones do."""
         if self.settings.enable_log_requests:
             n = self.settings.max_log_len
             logger.info("%s: prompt token ids %s, %s", rid, prompts if n is None else [p[:n] for p in prompts], params)

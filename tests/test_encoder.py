@@ -13,7 +13,7 @@ from engine import LLM
 from engine.errors import InvalidRequestError
 from engine.sampling_params import framing_tokens, truncated
 from tests.test_embeddings import _assert_clean, _serve
-from tests.tiny_bert import hf_encode, make_tiny_encoder
+from tests.tiny_bert import hf_encode, make_tiny_encoder, nomic_hub_format
 
 TEXTS = ["the capital of france is paris", "what city", "a dog runs fast in the blue sky and the sea",
          "who wrote the book", "cat", "the river and the sea and the sky runs slow on a blue dog"]
@@ -137,6 +137,36 @@ def test_an_encoder_classifier_gives_hfs_softmax(dirs):
     _assert_clean(llm)
 
 
+def test_nomic_bert_embeds_and_scores_as_hf_from_either_config(tmp_path):
+    """NomicBERT (nomic-embed-text): rotary positions, SwiGLU, post-norm, token types; read from
+    transformers' NomicBertConfig and from nomic's own (GPT-2 names), whose usable positions
+    stop at max_trained_positions; a classifier's head reads [CLS] through BERT's pooler."""
+    d = make_tiny_encoder(tmp_path / "native", "nomic_bert", pooling="mean_tokens")
+    want = torch.nn.functional.normalize(hf_encode(d, TEXTS, "mean_tokens"), dim=-1)
+    for folder, max_len in ((d, 128), (nomic_hub_format(d, tmp_path / "hub"), 96)):
+        llm = LLM(str(folder), max_num_seqs=2)
+        assert llm.engine.max_model_len == max_len
+        got = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
+        assert torch.allclose(got, want, atol=2e-6, rtol=0), (folder.name, (got - want).abs().max())
+        _assert_clean(llm)
+    ce = make_tiny_encoder(tmp_path / "ce", "nomic_bert", num_labels=1)
+    want = torch.sigmoid(hf_encode(ce, [(QUERY, x) for x in DOCS])[:, 0])
+    got = torch.tensor([o.outputs.score for o in LLM(str(ce)).score(QUERY, DOCS, use_tqdm=False)])
+    assert torch.allclose(got, want, atol=2e-6, rtol=0), (got, want)
+    import json
+
+    from engine.model.loader import load_arch
+
+    hub = tmp_path / "hub" / "config.json"
+    for change, words in (({"rotary_emb_interleaved": True}, "rotary_emb_interleaved=True"),
+                          ({"prenorm": True}, "prenorm=True"),
+                          ({"qkv_proj_bias": True}, "not all equal")):
+        hub.write_text(json.dumps({**json.loads(hub.read_text()), **change}))
+        with pytest.raises(ValueError, match=words):
+            load_arch(hub.parent)
+        hub.write_text(json.dumps({**json.loads(hub.read_text()), **{k: not v for k, v in change.items()}}))
+
+
 @pytest.mark.parametrize("biases", [False, True])
 def test_modernbert_embeds_and_scores_as_hf_its_local_layers_windowed(tmp_path, biases):
     """Rotary positions with a theta per layer kind, local layers reading 4 tokens each way (the
@@ -160,6 +190,11 @@ def test_modernbert_embeds_and_scores_as_hf_its_local_layers_windowed(tmp_path, 
     assert torch.allclose(got, want, atol=2e-6, rtol=0), (got, want)
     assert llm.engine.pooler.seq_pooling_type == ("MEAN" if biases else "CLS")
     _assert_clean(llm)
+    if not biases:  # classifier_pooling is a classifier's: an embedding model without modules pools CLS, as vLLM's
+        plain = make_tiny_encoder(tmp_path / "plain", "modernbert", classifier_pooling="mean")
+        got = LLM(str(plain)).embed(TEXTS[:1], use_tqdm=False)[0].outputs.embedding
+        assert torch.allclose(torch.tensor(got), torch.nn.functional.normalize(hf_encode(plain, TEXTS[:1]), dim=-1)[0],
+                              atol=2e-6, rtol=0)
 
 
 def test_truncation_keeps_an_encoders_cls_and_sep(dirs):

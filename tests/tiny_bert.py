@@ -37,7 +37,8 @@ def _roberta_tokenizer(out_dir: Path):
 
 def make_tiny_encoder(out_dir: Path, kind: str = "bert", num_labels: int = 0, pooling: str | None = None,
                       normalize: bool = True, max_seq_length: int | None = None, seed: int = 0, **config) -> Path:
-    """kind "bert", "modernbert" (BERT's tokenizer, without token types: ModernBERT has none; a
+    """kind "bert", "nomic_bert" (transformers' NomicBert: nomic_hub_format turns it into
+    nomic's own), "modernbert" (BERT's tokenizer, without token types: ModernBERT has none; a
     local window of 8 tokens, so that short prompts cross it), "roberta" or "xlm-roberta" (both
     with RoBERTa's byte-level BPE tokenizer);
     `num_labels` > 0: a ...ForSequenceClassification; `pooling`
@@ -46,13 +47,14 @@ def make_tiny_encoder(out_dir: Path, kind: str = "bert", num_labels: int = 0, po
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = _bert_tokenizer(out_dir, kind == "bert") if kind in ("bert", "modernbert") else _roberta_tokenizer(out_dir)
+    bert_vocab = kind in ("bert", "nomic_bert", "modernbert")
+    tok = _bert_tokenizer(out_dir, kind != "modernbert") if bert_vocab else _roberta_tokenizer(out_dir)
     torch.manual_seed(seed)
     if kind == "modernbert":
         shape = {"num_hidden_layers": 3, "max_position_embeddings": 128, "local_attention": 8,
                  "global_attn_every_n_layers": 2, "pad_token_id": 0, "cls_token_id": 2, "sep_token_id": 3,
                  "bos_token_id": 2, "eos_token_id": 3}
-    elif kind == "bert":
+    elif kind in ("bert", "nomic_bert"):
         shape = {"num_hidden_layers": 2, "max_position_embeddings": 128, "type_vocab_size": 2, "pad_token_id": 0}
     else:
         shape = {"num_hidden_layers": 2, "max_position_embeddings": 130, "type_vocab_size": 1, "pad_token_id": 1,
@@ -110,3 +112,24 @@ def hf_encode(model_dir: Path, texts: list, pooling: str = "cls_token") -> torch
             h = result.last_hidden_state[0]
             out.append({"cls_token": h[0], "mean_tokens": h.mean(dim=0), "lasttoken": h[-1]}[pooling])
     return torch.stack(out)
+
+
+def nomic_hub_format(src: Path, dst: Path) -> Path:
+    """A copy of a transformers NomicBertModel folder with nomic's own config (nomic-embed-text-v1.5's:
+    GPT-2 names, n_embd, n_layer, rotary_emb_base, ...; trained to 96 positions here) in place of
+    transformers' NomicBertConfig. transformers saves the weights under nomic's names already
+    (emb_ln, encoder.layers.N.attn.Wqkv, mlp.fc11, ...), so the vectors are the same."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((src / "config.json").read_text())
+    hub = {"model_type": "nomic_bert", "architectures": ["NomicBertModel"], "activation_function": "swiglu",
+           "n_embd": cfg["hidden_size"], "n_layer": cfg["num_hidden_layers"], "n_head": cfg["num_attention_heads"],
+           "n_inner": cfg["intermediate_size"], "n_positions": 8192, "max_trained_positions": 96,
+           "layer_norm_epsilon": cfg["layer_norm_eps"], "rotary_emb_base": cfg["rope_parameters"]["rope_theta"],
+           "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False, "rotary_scaling_factor": None,
+           "qkv_proj_bias": False, "mlp_fc1_bias": False, "mlp_fc2_bias": False, "prenorm": False,
+           "type_vocab_size": cfg["type_vocab_size"], "vocab_size": cfg["vocab_size"], "pad_token_id": 0,
+           "auto_map": {"AutoConfig": "nomic-ai/nomic-bert-2048--configuration_hf_nomic_bert.NomicBertConfig"}}
+    (dst / "config.json").write_text(json.dumps(hub))
+    return dst

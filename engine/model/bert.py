@@ -1,7 +1,11 @@
-"""Encoder models: BERT, RoBERTa and XLM-RoBERTa, whose attention runs over the whole input both
-ways. They embed (sentence-transformers' all-MiniLM, bge, e5, ...; vLLM's BertModel and
-XLMRobertaModel) and score pairs as cross-encoders (ms-marco-MiniLM, bge-reranker;
-`...ForSequenceClassification`).
+"""Encoder models of BERT's layout: BERT, RoBERTa, XLM-RoBERTa and NomicBERT, whose attention runs
+over the whole input both ways. They embed (sentence-transformers' all-MiniLM, bge, e5,
+nomic-embed-text; vLLM's BertModel, XLMRobertaModel, NomicBertModel) and score pairs as
+cross-encoders (ms-marco-MiniLM, bge-reranker; `...ForSequenceClassification`).
+
+Each layer is post-norm: attention, residual, LayerNorm; MLP, residual, LayerNorm. BERT's
+positions are a learned table; NomicBERT's are rotary (`arch.rotary`), and its MLP is gated
+(SwiGLU: down(act(gate(x)) * up(x))), without biases.
 
 An encoder keeps no KV cache. Each prompt runs whole in one step (the engine turns chunked
 prefill and prefix caching off for it: a token's state depends on the tokens after it). The
@@ -22,34 +26,81 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.rope import prompt_rope, rope_inv_freq, rotate_heads
+
 # checkpoint tensors no encoder here reads: masked-LM heads, a position-id buffer
 _SKIPPED = ("cls.", "lm_head.", "embeddings.position_ids")
+_QKV = {"query": 0, "key": 1, "value": 2}
+
+
+def prompt_layout(lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's prompts, one after another, lens[i] tokens each -> each one's first row, its row
+    past the last, and every row's position within its prompt."""
+    lens_t = torch.tensor(lens, device=device)
+    ends = lens_t.cumsum(0)
+    starts = ends - lens_t
+    positions = torch.arange(int(sum(lens)), device=device) - starts.repeat_interleave(lens_t)
+    return starts, ends, positions
+
+
+def pooled_rows(x: torch.Tensor, lens: list[int], starts: torch.Tensor, ends: torch.Tensor,
+                pooling_type: str) -> torch.Tensor:
+    """One row per prompt of x (T, hidden), as `pooling_type` pools it (CLS, LAST or MEAN)."""
+    if pooling_type == "CLS":
+        return x[starts]
+    if pooling_type == "LAST":
+        return x[ends - 1]
+    return torch.stack([rows.mean(dim=0) for rows in x.split(lens)])
+
+
+def per_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
+                         masks: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """q, k, v: (heads, T, head_dim), the prompts' rows one after another -> (T, heads * head_dim):
+    each prompt's attention over its own rows only, both ways (with its mask, where one is given)."""
+    masks = masks or [None] * len(lens)
+    a = torch.cat([F.scaled_dot_product_attention(*qkvm[:3], attn_mask=qkvm[3])
+                   for qkvm in zip(q.split(lens, 1), k.split(lens, 1), v.split(lens, 1), masks)], dim=1)
+    return a.transpose(0, 1).reshape(q.shape[1], -1)
+
+
+def _load_qkv(param: nn.Parameter, tensor: torch.Tensor, shard: int | None) -> None:
+    """The fused q/k/v projection's weight or bias: whole (NomicBERT's Wqkv), or the shard-th third
+    (BERT's query, key, value)."""
+    if shard is None:
+        param.data.copy_(tensor)
+    else:
+        param.data.chunk(3, dim=0)[shard].copy_(tensor)
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, hidden: int, heads: int, intermediate: int, eps: float, act: str, dtype: torch.dtype) -> None:
+    def __init__(self, a, dtype: torch.dtype) -> None:
         from transformers.activations import ACT2FN
 
         super().__init__()
-        self.heads = heads
-        self.query, self.key, self.value = (nn.Linear(hidden, hidden, dtype=dtype) for _ in range(3))
-        self.attn_out = nn.Linear(hidden, hidden, dtype=dtype)
-        self.attn_norm = nn.LayerNorm(hidden, eps, dtype=dtype)
-        self.up = nn.Linear(hidden, intermediate, dtype=dtype)
-        self.act = ACT2FN[act]
-        self.down = nn.Linear(intermediate, hidden, dtype=dtype)
-        self.out_norm = nn.LayerNorm(hidden, eps, dtype=dtype)
+        h, inter = a.hidden_size, a.intermediate_size
+        self.heads = a.num_heads
+        self.qkv = nn.Linear(h, 3 * h, bias=a.attention_bias, dtype=dtype)
+        for p in self.qkv.parameters():
+            p.weight_loader = _load_qkv
+            p.full_shape = lambda shard, p=p: p.shape if shard is None else (p.shape[0] // 3, *p.shape[1:])
+        self.attn_out = nn.Linear(h, h, bias=a.attention_bias, dtype=dtype)
+        self.attn_norm = nn.LayerNorm(h, a.rms_norm_eps, bias=a.norm_bias, dtype=dtype)
+        self.up = nn.Linear(h, inter, bias=a.mlp_bias, dtype=dtype)
+        self.gate = nn.Linear(h, inter, bias=a.mlp_bias, dtype=dtype) if a.gated_mlp else None
+        self.act = ACT2FN[a.hidden_act]
+        self.down = nn.Linear(inter, h, bias=a.mlp_bias, dtype=dtype)
+        self.out_norm = nn.LayerNorm(h, a.rms_norm_eps, bias=a.norm_bias, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, lens: list[int]) -> torch.Tensor:
-        """x: (T, hidden), the prompts one after another, lens[i] tokens each. The linear layers
-        take the rows flat; attention runs per prompt, over its own rows only (no mask, no padding)."""
+    def forward(self, x: torch.Tensor, lens: list[int], rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """x: (T, hidden), the prompts one after another, lens[i] tokens each; `rope`: the rows'
+        cos and sin (rotary positions), or None."""
         t, hidden = x.shape
-        q, k, v = (p(x).view(t, self.heads, hidden // self.heads).transpose(0, 1)
-                   for p in (self.query, self.key, self.value))  # (heads, T, head_dim)
-        a = torch.cat([F.scaled_dot_product_attention(*qkv) for qkv in zip(q.split(lens, 1), k.split(lens, 1),
-                                                                         v.split(lens, 1))], dim=1)
-        x = self.attn_norm(self.attn_out(a.transpose(0, 1).reshape(t, hidden)) + x)
-        return self.out_norm(self.down(self.act(self.up(x))) + x)
+        q, k, v = self.qkv(x).view(t, 3, self.heads, hidden // self.heads).permute(1, 2, 0, 3)  # 3 x (heads, T, hd)
+        if rope is not None:
+            q, k = rotate_heads(q, *rope), rotate_heads(k, *rope)
+        x = self.attn_norm(self.attn_out(per_prompt_attention(q, k, v, lens)) + x)
+        y = self.act(self.up(x)) if self.gate is None else self.act(self.gate(x)) * self.up(x)
+        return self.out_norm(self.down(y) + x)
 
 
 class EncoderModel(nn.Module):
@@ -60,55 +111,58 @@ class EncoderModel(nn.Module):
         super().__init__()
         self.arch = a
         self.word_embeddings = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
-        self.position_embeddings = nn.Embedding(a.position_rows, a.hidden_size, dtype=dtype)
+        self.position_embeddings = None if a.rotary else nn.Embedding(a.position_rows, a.hidden_size, dtype=dtype)
         self.token_type_embeddings = nn.Embedding(a.type_vocab_size, a.hidden_size, dtype=dtype)
-        self.embed_norm = nn.LayerNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
-        self.layers = nn.ModuleList(EncoderLayer(a.hidden_size, a.num_heads, a.intermediate_size, a.rms_norm_eps,
-                                                 a.hidden_act, dtype) for _ in range(a.num_layers))
+        self.embed_norm = nn.LayerNorm(a.hidden_size, a.rms_norm_eps, bias=a.norm_bias, dtype=dtype)
+        self.layers = nn.ModuleList(EncoderLayer(a, dtype) for _ in range(a.num_layers))
         self.head_dense = self.head_out = None
         if a.num_labels:
             self.head_dense = nn.Linear(a.hidden_size, a.hidden_size, dtype=dtype)
             self.head_out = nn.Linear(a.hidden_size, a.num_labels, dtype=dtype)
+        if a.rotary:  # float32, as HF keeps them
+            self.register_buffer("inv_freq", rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling), persistent=False)
         self.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, lens: list[int], token_types: torch.Tensor,
                 pooling_type: str) -> torch.Tensor:
         """input_ids, token_types: (T,) the prompts one after another, lens[i] tokens each ->
         (len(lens), hidden or num_labels) float32."""
-        device = input_ids.device
-        lens_t = torch.tensor(lens, device=device)
-        ends = lens_t.cumsum(0)
-        starts = ends - lens_t
-        positions = torch.arange(input_ids.shape[0], device=device) - starts.repeat_interleave(lens_t)
-        x = self.embed_norm(self.word_embeddings(input_ids) + self.token_type_embeddings(token_types)
-                            + self.position_embeddings(positions + self.arch.position_offset))
+        starts, ends, positions = prompt_layout(lens, input_ids.device)
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_types)
+        rope = None
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(positions + self.arch.position_offset)
+        else:
+            rope = prompt_rope(self.inv_freq, positions, x.dtype)
+        x = self.embed_norm(x)
         for layer in self.layers:
-            x = layer(x, lens)
+            x = layer(x, lens, rope)
         if self.head_out is not None:  # the head reads the first token's state, whatever the pooler
             return self.head_out(torch.tanh(self.head_dense(x[starts]))).float()
-        if pooling_type == "CLS":
-            return x[starts].float()
-        if pooling_type == "LAST":
-            return x[ends - 1].float()
-        return torch.stack([rows.mean(dim=0) for rows in x.split(lens)]).float()  # MEAN
+        return pooled_rows(x, lens, starts, ends, pooling_type).float()
 
-    # checkpoint name (after the model prefix) -> ours, for the names that differ
+    # checkpoint name (after the model prefix) -> ours, for the names that differ: BERT's and
+    # RoBERTa's; NomicBERT's (nomic-embed-text's, which transformers' NomicBert saves too)
     RENAMES = (("embeddings.word_embeddings.", "word_embeddings."),
                ("embeddings.position_embeddings.", "position_embeddings."),
                ("embeddings.token_type_embeddings.", "token_type_embeddings."),
-               ("embeddings.LayerNorm.", "embed_norm."), ("encoder.layer.", "layers."),
+               ("embeddings.LayerNorm.", "embed_norm."), ("emb_ln.", "embed_norm."),
+               ("encoder.layer.", "layers."), ("encoder.layers.", "layers."),
                (".attention.self.", "."), (".attention.output.dense.", ".attn_out."),
                (".attention.output.LayerNorm.", ".attn_norm."), (".intermediate.dense.", ".up."),
                (".output.dense.", ".down."), (".output.LayerNorm.", ".out_norm."),
+               (".attn.Wqkv.", ".qkv."), (".attn.out_proj.", ".attn_out."), (".mlp.fc11.", ".up."),
+               (".mlp.fc12.", ".gate."), (".mlp.fc2.", ".down."), (".norm1.", ".attn_norm."), (".norm2.", ".out_norm."),
                # the heads: BERT's pooler + classifier, RoBERTa's classifier.dense + out_proj
                ("pooler.dense.", "head_dense."), ("classifier.dense.", "head_dense."),
                ("classifier.out_proj.", "head_out."), ("classifier.", "head_out."))
 
-    def param_for(self, ckpt_name: str, params: dict[str, nn.Parameter]) -> tuple[nn.Parameter, None] | None:
-        """A checkpoint tensor's parameter (None: a tensor no encoder here reads). Names as HF
-        saves them, with or without the model prefix, and old checkpoints' gamma/beta."""
+    def param_for(self, ckpt_name: str, params: dict[str, nn.Parameter]) -> tuple[nn.Parameter, int | None] | None:
+        """A checkpoint tensor's parameter and, for q, k or v, its third of the fused projection
+        (None: a tensor no encoder here reads). Names as HF saves them, with or without the
+        model prefix, and old checkpoints' gamma/beta."""
         name = ckpt_name
-        for prefix in ("bert.", "roberta.", "model."):
+        for prefix in ("bert.", "roberta.", "nomic_bert.", "model."):
             name = name.removeprefix(prefix)
         if name.startswith(_SKIPPED) or (name.startswith("pooler.") and not (self.head_out is not None
                                                                              and self.arch.bert_pooler)):
@@ -120,6 +174,11 @@ class EncoderModel(nn.Module):
         for src, dst in self.RENAMES:  # ".x." anywhere in the name, "x." at its start
             if (src in name) if src.startswith(".") else name.startswith(src):
                 name = name.replace(src, dst, 1)
+        layer, _, rest = name.rpartition(".")  # "layers.0.query.weight": ("layers.0.query", "weight")
+        head, _, proj = layer.rpartition(".")
+        shard = _QKV.get(proj) if head.startswith("layers.") else None
+        if shard is not None:
+            name = f"{head}.qkv.{rest}"
         if name not in params:
             raise ValueError(f"unexpected checkpoint tensor {ckpt_name!r}")
-        return params[name], None
+        return params[name], shard

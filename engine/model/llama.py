@@ -52,15 +52,18 @@ class ModelArch:
     position_rows: int = 0  # rows of the position table (the config's max_position_embeddings)
     bert_pooler: bool = False  # a BERT classifier's head starts with its pooler; RoBERTa's with its own dense
     hidden_act: str = "silu"
-    # ModernBERT's (engine.model.modernbert; from_hf_modernbert): rotary positions, with
-    # `sliding_window` the half-window of the local layers
+    rotary: bool = False  # NomicBERT's: rotary positions (rope_theta), no position table
+    gated_mlp: bool = False  # NomicBERT's SwiGLU: down(act(gate(x)) * up(x))
+    # ModernBERT's (engine.model.modernbert; from_hf_modernbert): rotary positions, local layers
+    # (`sliding_layers`) whose tokens read `local_window` tokens each way
     modernbert: bool = False
     norm_bias: bool = True
     local_rope_theta: float = 0.0
     sliding_layers: tuple[int, ...] = ()
+    local_window: int = 0
     classifier_pooling: str = "CLS"  # the state its classifier's head reads: CLS or MEAN
-    classifier_bias: bool = True
-    classifier_act: str = "tanh"
+    classifier_bias: bool = False
+    classifier_act: str = "gelu"
 
     @classmethod
     def from_hf(cls, cfg) -> "ModelArch":
@@ -68,6 +71,8 @@ class ModelArch:
             raise ValueError(f"unsupported model_type {cfg.model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
         if cfg.model_type == "modernbert":
             return cls.from_hf_modernbert(cfg)
+        if cfg.model_type == "nomic_bert":
+            return cls.from_hf_nomic(cfg)
         if cfg.model_type in ENCODER_MODEL_TYPES:
             return cls.from_hf_encoder(cfg)
         if getattr(cfg, "hidden_act", "silu") != "silu":
@@ -133,6 +138,47 @@ class ModelArch:
                    bert_pooler=cfg.model_type == "bert")
 
     @classmethod
+    def from_hf_nomic(cls, cfg) -> "ModelArch":
+        """A NomicBERT config: nomic's own (its hub checkpoints', nomic-embed-text v1 and v1.5: GPT-2
+        names, n_embd, n_layer, rotary_emb_base, ...) or transformers' NomicBertConfig. Usable
+        positions: nomic's max_trained_positions (2,048), past which its rotary scaling would
+        start; up to there the model is exact."""
+        from transformers.activations import ACT2FN
+
+        if hasattr(cfg, "n_embd"):  # nomic's own config, read by transformers' class: its names are extra fields
+            unsupported = [f"{k}={getattr(cfg, k)!r}" for k, ok in (
+                ("rotary_emb_fraction", 1.0), ("rotary_emb_interleaved", False), ("prenorm", False),
+                ("use_rms_norm", False), ("parallel_block", False), ("num_experts", 0),
+                ("activation_function", "swiglu")) if getattr(cfg, k, ok) not in (ok, None)]
+            biases = {getattr(cfg, k, False) for k in ("qkv_proj_bias", "mlp_fc1_bias", "mlp_fc2_bias")}
+            if len(biases) > 1:
+                unsupported.append("qkv_proj_bias, mlp_fc1_bias and mlp_fc2_bias not all equal")
+            if unsupported:
+                raise ValueError(f"this NomicBERT config is not supported: {', '.join(unsupported)} (kvserve runs "
+                                 "nomic-embed-text's layout: full rotary, halves layout, post-norm, SwiGLU)")
+            hidden, layers, heads = cfg.n_embd, cfg.n_layer, cfg.n_head
+            inter = getattr(cfg, "n_inner", None) or 4 * hidden
+            eps, theta, act, bias = cfg.layer_norm_epsilon, float(getattr(cfg, "rotary_emb_base", 10000)), "silu", \
+                biases.pop()
+            positions = getattr(cfg, "max_trained_positions", None) or getattr(cfg, "n_positions", 2048)
+            scaling = None
+        else:
+            if cfg.hidden_act not in ACT2FN:
+                raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}")
+            hidden, layers, heads, inter = (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+                                            cfg.intermediate_size)
+            eps, act, bias, positions = cfg.layer_norm_eps, cfg.hidden_act, False, cfg.max_position_embeddings
+            rope = dict(getattr(cfg, "rope_parameters", None) or {})
+            theta = float(rope.pop("rope_theta", None) or 1000.0)
+            scaling = rope if rope.get("rope_type", "default") != "default" else None
+        return cls(vocab_size=cfg.vocab_size, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
+                   num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, rms_norm_eps=eps, rope_theta=theta,
+                   rope_scaling=scaling, max_position_embeddings=positions, tie_word_embeddings=False,
+                   attention_bias=bool(bias), mlp_bias=bool(bias), o_proj_bias=bool(bias),
+                   num_labels=cfg.num_labels if is_classifier(cfg) else 0, encoder=True,
+                   type_vocab_size=cfg.type_vocab_size, hidden_act=act, bert_pooler=True, rotary=True, gated_mlp=True)
+
+    @classmethod
     def from_hf_modernbert(cls, cfg) -> "ModelArch":
         """A ModernBERT config, as transformers 5 keeps it (layer_types, rope_parameters per layer
         type) or as older ones and the hub's configs have it (global_attn_every_n_layers,
@@ -162,7 +208,7 @@ class ModelArch:
                    head_dim=cfg.hidden_size // heads, rms_norm_eps=cfg.norm_eps, rope_theta=float(theta),
                    rope_scaling=scaling, max_position_embeddings=cfg.max_position_embeddings,
                    tie_word_embeddings=False, attention_bias=bool(cfg.attention_bias), mlp_bias=bool(cfg.mlp_bias),
-                   o_proj_bias=bool(cfg.attention_bias), sliding_window=getattr(cfg, "local_attention", 128) // 2,
+                   o_proj_bias=bool(cfg.attention_bias), local_window=getattr(cfg, "local_attention", 128) // 2,
                    num_labels=cfg.num_labels if is_classifier(cfg) else 0, encoder=True,
                    hidden_act=cfg.hidden_activation, modernbert=True, norm_bias=bool(cfg.norm_bias),
                    local_rope_theta=float(local_theta),

@@ -12,26 +12,19 @@ step's tokens flat, attention per prompt), with a newer layer:
     a final LayerNorm; no token types
 
 A classifier pools as its config's `classifier_pooling` says (the first token, or the mean),
-then its head: dense, activation, LayerNorm, then `classifier`. Module names are HF's, so a
-checkpoint's names map onto them once the `model.` prefix is off."""
+then its head: dense, activation, LayerNorm, then `classifier`. Module names are HF's but for the
+embeddings' two (param_for), so a checkpoint's names map onto them once the `model.` prefix is off."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.model.rope import rope_inv_freq
+from engine.model.bert import per_prompt_attention, pooled_rows, prompt_layout
+from engine.model.rope import prompt_rope, rope_inv_freq, rotate_heads
 
 
 def _norm(a, dtype: torch.dtype) -> nn.LayerNorm:
     return nn.LayerNorm(a.hidden_size, a.rms_norm_eps, bias=a.norm_bias, dtype=dtype)
-
-
-def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (heads, T, head_dim) rotated by HF's rotate_half convention, in float32 as HF computes it."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    return (xf * cos + torch.cat((-xf[..., half:], xf[..., :half]), dim=-1) * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -45,10 +38,8 @@ class Attention(nn.Module):
                 masks: list[torch.Tensor | None]) -> torch.Tensor:
         t, hidden = x.shape
         q, k, v = self.Wqkv(x).view(t, 3, self.heads, hidden // self.heads).permute(1, 2, 0, 3)  # 3 x (heads, T, hd)
-        q, k = _rotated(q, *rope), _rotated(k, *rope)
-        a = torch.cat([F.scaled_dot_product_attention(qi, ki, vi, attn_mask=m)
-                       for qi, ki, vi, m in zip(q.split(lens, 1), k.split(lens, 1), v.split(lens, 1), masks)], dim=1)
-        return self.Wo(a.transpose(0, 1).reshape(t, hidden))
+        q, k = rotate_heads(q, *rope, upcast=True), rotate_heads(k, *rope, upcast=True)  # in float32, as HF's
+        return self.Wo(per_prompt_attention(q, k, v, lens, masks))
 
 
 class MLP(nn.Module):
@@ -75,7 +66,7 @@ class Layer(nn.Module):
         self.mlp = MLP(a, dtype)
 
     def forward(self, x: torch.Tensor, lens: list[int], ropes: dict, masks: list[torch.Tensor | None]) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), lens, ropes[self.local], masks if self.local else [None] * len(lens))
+        x = x + self.attn(self.attn_norm(x), lens, ropes[self.local], masks if self.local else None)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -113,14 +104,9 @@ class ModernBertEncoder(nn.Module):
                              persistent=False)
         self.requires_grad_(False)
 
-    def _rope(self, freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-        angles = positions[:, None].float() * freq
-        emb = torch.cat((angles, angles), dim=-1)  # (T, head_dim), shared by every head
-        return emb.cos().to(dtype).float(), emb.sin().to(dtype).float()  # HF rounds them to the model's dtype
-
     def _window_masks(self, lens: list[int], device: torch.device) -> list[torch.Tensor | None]:
         """Each prompt's local-attention mask (True: may attend); None where the window spans it whole."""
-        half, masks, made = self.arch.sliding_window, [], {}
+        half, masks, made = self.arch.local_window, [], {}
         for n in lens:
             if n - 1 <= half:
                 masks.append(None)
@@ -135,26 +121,17 @@ class ModernBertEncoder(nn.Module):
                 pooling_type: str) -> torch.Tensor:
         """input_ids: (T,) the prompts one after another, lens[i] tokens each (`token_types`:
         unread, ModernBERT has none) -> (len(lens), hidden or num_labels) float32."""
-        device = input_ids.device
-        lens_t = torch.tensor(lens, device=device)
-        ends = lens_t.cumsum(0)
-        starts = ends - lens_t
-        positions = torch.arange(input_ids.shape[0], device=device) - starts.repeat_interleave(lens_t)
+        starts, ends, positions = prompt_layout(lens, input_ids.device)
         x = self.embed_norm(self.tok_embeddings(input_ids))
-        ropes = {False: self._rope(self.global_freq, positions, x.dtype), True: self._rope(self.local_freq, positions,
-                                                                                          x.dtype)}
-        masks = self._window_masks(lens, device)
+        ropes = {False: prompt_rope(self.global_freq, positions, x.dtype),
+                 True: prompt_rope(self.local_freq, positions, x.dtype)}
+        masks = self._window_masks(lens, input_ids.device)
         for layer in self.layers:
             x = layer(x, lens, ropes, masks)
         x = self.final_norm(x)
         if self.head is not None:  # the head reads the state its config's classifier_pooling gives
-            pooled = x[starts] if self.arch.classifier_pooling == "CLS" else _means(x, lens)
-            return self.classifier(self.head(pooled)).float()
-        if pooling_type == "CLS":
-            return x[starts].float()
-        if pooling_type == "LAST":
-            return x[ends - 1].float()
-        return _means(x, lens).float()
+            return self.classifier(self.head(pooled_rows(x, lens, starts, ends, self.arch.classifier_pooling))).float()
+        return pooled_rows(x, lens, starts, ends, pooling_type).float()
 
     def param_for(self, ckpt_name: str, params: dict[str, nn.Parameter]) -> tuple[nn.Parameter, None] | None:
         """A checkpoint tensor's parameter (None: one no model here reads: a masked-LM head)."""
@@ -166,6 +143,3 @@ class ModernBertEncoder(nn.Module):
             raise ValueError(f"unexpected checkpoint tensor {ckpt_name!r}")
         return params[name], None
 
-
-def _means(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
-    return torch.stack([rows.mean(dim=0) for rows in x.split(lens)])

@@ -79,3 +79,20 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def prompt_rope(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """An encoder step's cos and sin, (T, D) in `dtype` (HF rounds its float32 tables to the
+    model's dtype), for positions (T,) that restart at each prompt: computed per step, as HF does,
+    since an encoder keeps no table of every position."""
+    angles = positions[:, None].float() * inv_freq.to(positions.device)
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, upcast: bool = False) -> torch.Tensor:
+    """x (heads, T, D) rotated by prompt_rope's (T, D) cos and sin, in HF's halves layout; `upcast`:
+    in float32, then back (ModernBERT's), else in x's dtype (Llama's, NomicBERT's)."""
+    if not upcast:
+        return x * cos + _rotate_half(x) * sin
+    return (x.float() * cos.float() + _rotate_half(x.float()) * sin.float()).to(x.dtype)
