@@ -193,9 +193,10 @@ def test_embeddings_on_cuda_are_hfs_pooled_hidden_states(tmp_path, tokenizer_dir
 
 @pytest.mark.parametrize("kind", ["bert", "nomic_bert", "modernbert"])
 def test_an_encoder_on_cuda_embeds_and_scores_as_hf(tmp_path, kind):
-    """An encoder (engine.model.bert: BERT, NomicBERT; or modernbert; engine.encoder_runner) on CUDA in float32: its
-    CLS vectors and a cross-encoder's scores are HF's (computed on the CPU), each step's prompts of
-    many lengths (ModernBERT's local window of 8 crossed)."""
+    """An encoder (engine.model.bert's BERT and NomicBERT, engine.model.modernbert; run by
+    engine.encoder_runner) on CUDA in float32: its CLS vectors and a cross-encoder's scores are
+    HF's (computed on the CPU), each step's prompts of many lengths (ModernBERT's local window of
+    8 crossed)."""
     from tests.tiny_bert import hf_encode, make_tiny_encoder
 
     texts = ["the capital of france is paris", "what city", "a dog runs fast in the blue sky and the sea"]
