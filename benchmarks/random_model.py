@@ -30,6 +30,12 @@ SHAPES = {
     "bert-base": dict(model_type="bert", vocab_size=30522, hidden_size=768, intermediate_size=3072,
                       num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=512, type_vocab_size=2,
                       pad_token_id=0, encoder=True),
+    # ModernBERT-base, the shape of gte-modernbert-base and modernbert-embed-base: 22 layers, hidden
+    # 768, 12 heads, a gated MLP of 1152, every third layer global and the rest within 64 tokens each way
+    "modernbert-base": dict(model_type="modernbert", vocab_size=50368, hidden_size=768, intermediate_size=1152,
+                            num_hidden_layers=22, num_attention_heads=12, max_position_embeddings=8192,
+                            local_attention=128, global_attn_every_n_layers=3, pad_token_id=0, bos_token_id=1,
+                            eos_token_id=2, cls_token_id=1, sep_token_id=2, encoder=True),
     # SmolLM2's vocabulary around a forward that costs next to nothing: the engine's own host work
     "tiny": dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,

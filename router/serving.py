@@ -355,11 +355,26 @@ class OpenAIServing:
                                                       for p, s in zip(prompts, starts))))
         except InvalidRequestError as e:
             raise from_invalid_request(e) from None
-        await self._check_prompts(prompts, params, names[1], names[1])
+        blamed = names[1]
+        if keep is None and any(len(p) > max_model_len for p in prompts):  # the query's fault where it alone is too long
+            blamed = await off_loop(self._too_long_side, pairs, prompts, max_model_len, use_pad_token, names)
+        await self._check_prompts(prompts, params, blamed, blamed)
         rid, engine_rid = _request_ids(prefix, req.request_id)
         vectors = await self._vectors(engine_rid, prompts, [dataclasses.replace(params, pooling=dataclasses.replace(
             params.pooling, token_type_start=s)) for s in starts])
         return rid, [v[0] for v in vectors], sum(map(len, prompts))
+
+    def _too_long_side(self, pairs: list[tuple[str, str]], prompts: list[list[int]], max_model_len: int,
+                       use_pad_token: bool, names: tuple[str, str]) -> str:
+        """The field to name for a pair too long for the model: the first text's (the query's)
+        where it leaves no room for one token of the second with the pair's special tokens, else
+        the second's."""
+        specials = self.tokenizer.num_special_tokens_to_add(pair=True) if use_pad_token else 0
+        for (first, _), ids in zip(pairs, prompts):
+            if len(ids) > max_model_len and len(self.tokenizer.encode(first, add_special_tokens=False)) + specials + 1 \
+                    > max_model_len:
+                return names[0]
+        return names[1]
 
     def _cut_texts(self, texts: list[str], max_tokens: int) -> list[str]:
         cut = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]

@@ -334,6 +334,10 @@ def test_http_embeddings_and_rerank_of_encoders_equal_the_offline_calls(dirs, en
             want = torch.sigmoid(hf_pair_logits(dirs["bert-ce"], [(QUERY, DOCS[0])], keep=kept)[0, 0]).item()
             assert r.json()["data"][0]["score"] != pytest.approx(scores[0], abs=1e-4)
             assert r.json()["data"][0]["score"] == pytest.approx(want, abs=1e-6), (side, r.text)
+        long = " ".join(["sky"] * 200)  # past max_model_len (128): the field to blame is the one too long
+        for query, docs, param in ((long, DOCS[:1], "query"), (QUERY, [long], "documents")):
+            r = await http.post("/v1/rerank", json={"model": "m", "query": query, "documents": docs})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         odd = ("what [SEP] city", DOCS[0])  # a literal [SEP] in the query: the types start at the document
         r = await http.post("/v1/rerank", json={"model": "m", "query": odd[0], "documents": [odd[1]]})
         want = torch.sigmoid(hf_pair_logits(dirs["bert-ce"], [odd])[0, 0]).item()
