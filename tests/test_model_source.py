@@ -1,8 +1,10 @@
 import json
+import re
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import model_source
 from engine.model_source import ModelError, resolve_model
@@ -257,6 +259,29 @@ def test_a_corrupt_weights_file_is_named(tmp_path, smollm2_path):
     (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:1000])  # a cut download
     with pytest.raises(ModelError, match=r"cannot read '.*model.safetensors': SafetensorError: "):
         LLM(model=str(d))
+
+
+def test_a_checkpoint_missing_one_part_of_a_packed_projection_is_refused(tmp_path, smollm2_path):
+    """q/k/v (and gate/up) load into one parameter, a part each: a checkpoint without one part
+    (a decoder's k_proj, an encoder's key) is refused by name, not served half loaded."""
+    from safetensors.torch import load_file, save_file
+
+    from engine.model.loader import build_model
+    from tests.tiny_bert import make_tiny_encoder
+    from tests.tiny_llama import make_tiny_llama
+
+    for d, dropped, pooling, words in (
+            (make_tiny_llama(tmp_path / "llama", smollm2_path), "model.layers.0.self_attn.k_proj.weight", False,
+             "layers.0.self_attn.qkv_proj.weight (missing its part k)"),
+            (make_tiny_llama(tmp_path / "llama-up", smollm2_path), "model.layers.1.mlp.up_proj.weight", False,
+             "layers.1.mlp.gate_up_proj.weight (missing its part 1)"),
+            (make_tiny_encoder(tmp_path / "bert"), "encoder.layer.1.attention.self.key.bias", True,
+             "layers.1.qkv.bias (missing its part key)")):
+        weights = load_file(d / "model.safetensors")
+        assert weights.pop(dropped) is not None
+        save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=re.escape(f"checkpoint is missing tensors for: {words}")):
+            build_model(d, torch.float32, torch.device("cpu"), pooling=pooling)
 
 
 def test_a_tokenizer_that_ships_code_loads_only_with_trust_remote_code(tmp_path, smollm2_path):

@@ -58,7 +58,7 @@ def load_sharded(model: LlamaModel, model_dir: str | Path | None, tp: TPContext)
     params = dict(model.named_parameters())
     names = {id(p): n for n, p in params.items()}
     modules = dict(model.named_modules())
-    loaded: set[int] = set()
+    loaded: dict[int, set] = {}  # id(param) -> the parts (shard ids) it received
     for path, name, shape in specs[0]:
         target = model.param_for(name, params)
         if target is None:
@@ -72,7 +72,7 @@ def load_sharded(model: LlamaModel, model_dir: str | Path | None, tp: TPContext)
         nbytes = _transfer(shards, param, full, shape, tp)
         stats.bytes_received += nbytes if tp.rank else 0
         stats.num_tensors += 1
-        loaded.add(id(param))
+        loaded.setdefault(id(param), set()).add(shard_id)
     check_complete(params, loaded)
     return stats
 

@@ -30,7 +30,7 @@ from engine.model.rope import prompt_rope, rope_inv_freq, rotate_heads
 
 # checkpoint tensors no encoder here reads: masked-LM heads, a position-id buffer
 _SKIPPED = ("cls.", "lm_head.", "embeddings.position_ids")
-_QKV = {"query": 0, "key": 1, "value": 2}
+_QKV = ("query", "key", "value")
 
 
 def prompt_layout(lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -63,13 +63,13 @@ def per_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens
     return a.transpose(0, 1).reshape(q.shape[1], -1)
 
 
-def _load_qkv(param: nn.Parameter, tensor: torch.Tensor, shard: int | None) -> None:
-    """The fused q/k/v projection's weight or bias: whole (NomicBERT's Wqkv), or the shard-th third
-    (BERT's query, key, value)."""
+def _load_qkv(param: nn.Parameter, tensor: torch.Tensor, shard: str | None) -> None:
+    """The fused q/k/v projection's weight or bias: whole (NomicBERT's Wqkv), or one third of it
+    (BERT's query, key, value: `shard`)."""
     if shard is None:
         param.data.copy_(tensor)
     else:
-        param.data.chunk(3, dim=0)[shard].copy_(tensor)
+        param.data.chunk(3, dim=0)[_QKV.index(shard)].copy_(tensor)
 
 
 class EncoderLayer(nn.Module):
@@ -81,7 +81,7 @@ class EncoderLayer(nn.Module):
         self.heads = a.num_heads
         self.qkv = nn.Linear(h, 3 * h, bias=a.attention_bias, dtype=dtype)
         for p in self.qkv.parameters():
-            p.weight_loader = _load_qkv
+            p.weight_loader, p.shard_ids = _load_qkv, _QKV
             p.full_shape = lambda shard, p=p: p.shape if shard is None else (p.shape[0] // 3, *p.shape[1:])
         self.attn_out = nn.Linear(h, h, bias=a.attention_bias, dtype=dtype)
         self.attn_norm = nn.LayerNorm(h, a.rms_norm_eps, bias=a.norm_bias, dtype=dtype)
@@ -157,8 +157,8 @@ class EncoderModel(nn.Module):
                ("pooler.dense.", "head_dense."), ("classifier.dense.", "head_dense."),
                ("classifier.out_proj.", "head_out."), ("classifier.", "head_out."))
 
-    def param_for(self, ckpt_name: str, params: dict[str, nn.Parameter]) -> tuple[nn.Parameter, int | None] | None:
-        """A checkpoint tensor's parameter and, for q, k or v, its third of the fused projection
+    def param_for(self, ckpt_name: str, params: dict[str, nn.Parameter]) -> tuple[nn.Parameter, str | None] | None:
+        """A checkpoint tensor's parameter and, for query, key or value, its third of the fused projection
         (None: a tensor no encoder here reads). Names as HF saves them, with or without the
         model prefix, and old checkpoints' gamma/beta."""
         name = ckpt_name
@@ -176,7 +176,7 @@ class EncoderModel(nn.Module):
                 name = name.replace(src, dst, 1)
         layer, _, rest = name.rpartition(".")  # "layers.0.query.weight": ("layers.0.query", "weight")
         head, _, proj = layer.rpartition(".")
-        shard = _QKV.get(proj) if head.startswith("layers.") else None
+        shard = proj if head.startswith("layers.") and proj in _QKV else None
         if shard is not None:
             name = f"{head}.qkv.{rest}"
         if name not in params:

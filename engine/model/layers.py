@@ -185,12 +185,15 @@ class ColumnParallelLinear(ShardedModule):
         self.full_sizes = list(output_sizes)  # each part's rows in the checkpoint
         self.shard_sizes = [s // tp.size for s in output_sizes]
         self.shard_ids = shard_ids or list(range(len(output_sizes)))
-        self._param("weight", sum(self.shard_sizes), in_features, dtype=dtype)
+        packed = [self._param("weight", sum(self.shard_sizes), in_features, dtype=dtype)]
         self.weight_codes = None  # the same weight as 4/8-bit codes, where it is exactly that (codes.py)
         self.weight_prepacked = None  # the same weight in oneDNN's layout, for prefill on CPU (loader.prepare_cpu_weights)
         self.bias = None
         if bias:
-            self._param("bias", sum(self.shard_sizes), dtype=dtype)
+            packed.append(self._param("bias", sum(self.shard_sizes), dtype=dtype))
+        if len(self.shard_ids) > 1:  # each part comes from its own checkpoint tensor (loader.check_complete)
+            for p in packed:
+                p.shard_ids = tuple(self.shard_ids)
 
     def shard(self, attr: str, shard_id=None, rank: int | None = None) -> Shard:
         """Weight and bias alike: rank's rows of the packed part `shard_id`."""

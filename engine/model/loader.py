@@ -64,7 +64,8 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 def load_weights(model: LlamaModel, model_dir: str | Path) -> int:
     """Copy every checkpoint tensor into its (sharded) parameter; returns bytes read."""
     params = dict(model.named_parameters())
-    loaded, nbytes = set(), 0
+    loaded: dict[int, set] = {}  # id(param) -> the parts (shard ids) it received
+    nbytes = 0
     for path in safetensors_files(model_dir):
         with open_safetensors(path) as f:
             for name in f.keys():
@@ -81,14 +82,23 @@ def load_weights(model: LlamaModel, model_dir: str | Path) -> int:
                     raise ValueError(f"checkpoint tensor {name!r} is a second tensor for the same parameter")
                 else:
                     param.data.copy_(tensor)
-                loaded.add(id(param))
+                loaded.setdefault(id(param), set()).add(shard)
     check_complete(params, loaded)
     return nbytes
 
 
-def check_complete(params: dict[str, nn.Parameter], loaded: set[int]) -> None:
-    """Raise unless every parameter (by id) received at least one checkpoint tensor."""
-    missing = [n for n, p in params.items() if id(p) not in loaded]
+def check_complete(params: dict[str, nn.Parameter], loaded: dict[int, set]) -> None:
+    """Raise unless every parameter (by id) received its checkpoint tensors: `loaded` maps it to
+    the shard ids it got; a packed one (`shard_ids`: q/k/v, gate/up) needs each of its parts, or
+    one tensor of them all (shard None)."""
+    missing = []
+    for n, p in params.items():
+        got = loaded.get(id(p))
+        parts = getattr(p, "shard_ids", None)
+        if got is None:
+            missing.append(n)
+        elif parts and None not in got and not set(parts) <= got:
+            missing.append(f"{n} (missing its part {', '.join(str(s) for s in parts if s not in got)})")
     if missing:
         raise ValueError(f"checkpoint is missing tensors for: {', '.join(missing[:5])}"
                          + (" ..." if len(missing) > 5 else ""))
