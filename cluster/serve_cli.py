@@ -297,10 +297,12 @@ def ready_message(host: str, port: int, model: str, api_key: str | None, https: 
                   pooling: str | None = None) -> str:
     """The ready line and a curl to paste, which never shows the key: it reads the variable the key
     came from ($KVSERVE_API_KEY, $VLLM_API_KEY), else it holds a placeholder for the --api-key given.
-    `pooling`: the model pools, and the curl asks its route (/v1/embeddings, /classify) for a vector."""
+    `pooling`: the model pools (its first task), and the curl asks its route (/v1/embeddings,
+    /classify, /pooling) for a vector."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     url = f"{'https' if https else 'http'}://{shown}:{port}"
-    route = {None: "/v1/chat/completions", "embed": "/v1/embeddings", "classify": "/classify"}[pooling]
+    route = {None: "/v1/chat/completions", "embed": "/v1/embeddings", "classify": "/classify",
+             "token_classify": "/pooling"}[pooling]
     body = json.dumps({"model": model, "input": "The capital of France is Paris."} if pooling else
                       {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 32, "temperature": 0})
@@ -314,14 +316,16 @@ def ready_message(host: str, port: int, model: str, api_key: str | None, https: 
 
 def _pools(app_name: str) -> str | None:
     """The first task the application's engine pools for (engine.pooling: runner auto decides by
-    the model folder, which the replica reads): "embed" or "classify"; None where it generates, or
-    where it cannot tell."""
+    the model folder, which the replica reads): "embed", "classify" or "token_classify"; None where it
+    generates, or where it cannot tell."""
     from ray import serve
 
     try:
         info = serve.get_deployment_handle("EngineServer", app_name=app_name).info.remote().result(timeout_s=30)
+        from engine.pooling import PoolerConfig
+
         pooler = info.get("pooler")
-        return None if pooler is None else ("embed" if pooler.get("classifier") is None else "classify")
+        return None if pooler is None else PoolerConfig.from_fields(pooler).tasks[0]
     except Exception:
         return None
 

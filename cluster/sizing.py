@@ -90,9 +90,10 @@ def _encoder_param_count(a: ModelArch) -> int:
         # no position or token-type tables; a classifier's head: dense, norm, classifier
         head = h * h + (h if a.classifier_bias else 0) + norm + a.num_labels * (h + 1) if a.num_labels else 0
         return a.vocab_size * h + 2 * norm + a.num_layers * (attn + mlp + 2 * norm) - norm + head
-    # a position table (none with rotary positions) and token types; a classifier's dense + out head
+    # a position table (none with rotary positions) and token types; a classifier's dense + out
+    # head (a token classifier's: the out head alone)
     tables = (a.vocab_size + (0 if a.rotary else a.position_rows) + a.type_vocab_size) * h
-    head = h * h + h + a.num_labels * (h + 1) if a.num_labels else 0
+    head = (0 if a.token_classifier else h * h + h) + a.num_labels * (h + 1) if a.num_labels else 0
     return tables + norm + a.num_layers * (attn + mlp + 2 * norm) + head
 
 

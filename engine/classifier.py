@@ -10,6 +10,10 @@ token's final hidden state instead of a language-model head. The pooling runner 
                prompt (engine.scoring.pair_prompt); the activation its sentence-transformers
                config names, else classify's
 
+An encoder saved as `...ForTokenClassification` (a named-entity tagger) has its head over every
+token instead, for vLLM's task `token_classify`: each token's probabilities over the labels, by
+classify's rule.
+
 A request's `use_activation: false` takes the logits as they are. Nothing here imports torch at
 import time: the ingress reads these names too."""
 from __future__ import annotations
@@ -23,6 +27,10 @@ def is_classifier(hf_config) -> bool:
     return any(a.endswith("ForSequenceClassification") for a in getattr(hf_config, "architectures", None) or [])
 
 
+def is_token_classifier(hf_config) -> bool:
+    return any(a.endswith("ForTokenClassification") for a in getattr(hf_config, "architectures", None) or [])
+
+
 @dataclass(frozen=True)
 class Classifier:
     num_labels: int
@@ -30,10 +38,17 @@ class Classifier:
     classify_activation: str | None
     score_activation: str | None
     use_pad_token: bool = True  # a pair's prompt is the tokenizer's pair encoding; False: the two texts joined
+    per_token: bool = False  # a token classifier's: every token's labels
 
     @property
     def tasks(self) -> tuple[str, ...]:
+        if self.per_token:
+            return ("token_classify",)
         return ("classify", "score") if self.num_labels == 1 else ("classify",)
+
+    @property
+    def kind(self) -> str:
+        return f"a {'token' if self.per_token else 'sequence'} classifier with {self.num_labels} labels"
 
     def activation(self, task: str) -> str | None:
         return self.score_activation if task == "score" else self.classify_activation
@@ -55,7 +70,7 @@ def classifier(hf_config) -> Classifier:
     id2label = getattr(hf_config, "id2label", None) or {}
     labels = tuple(str(id2label.get(i, f"LABEL_{i}")) for i in range(n))
     return Classifier(n, labels, classify, _cross_encoder_activation(hf_config, n, classify),
-                      bool(getattr(hf_config, "use_pad_token", True)))
+                      bool(getattr(hf_config, "use_pad_token", True)), is_token_classifier(hf_config))
 
 
 def _cross_encoder_activation(hf_config, num_labels: int, default: str | None) -> str | None:

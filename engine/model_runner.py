@@ -37,8 +37,8 @@ class RunnerOutput:
     sampled: list[int]  # indices into batch.seqs of the sequences that sample, in row order
     prompt_rows: PromptRows | None = None  # whose logits score prompt tokens (sum of span rows), when spans
     prompt_spans: list[PromptSpan] = field(default_factory=list)
-    pooled: torch.Tensor | None = None  # a pooling model's (engine.pooling): (len(sampled), hidden or num_labels)
-    # float32, no logits
+    pooled: torch.Tensor | list | None = None  # a pooling model's (engine.pooling): (len(sampled), hidden or
+    # num_labels), or a token classifier's list of (tokens, num_labels) ones; float32, no logits
 
 
 def sampled_output(model: LlamaModel, hidden: torch.Tensor, sampled: list[int]) -> RunnerOutput:

@@ -35,7 +35,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.classifier import Classifier, activated, classifier, is_classifier
+from engine.classifier import Classifier, activated, classifier, is_classifier, is_token_classifier
 from engine.errors import InvalidRequestError
 from engine.model_source import ENCODER_MODEL_TYPES
 from engine.st_dense import read_dense_modules
@@ -47,7 +47,7 @@ RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed")
 POOLING_TYPES = ("LAST", "MEAN")  # what this engine pools a decoder by; vLLM's others are refused by name
 ENCODER_POOLING_TYPES = ("CLS", "MEAN", "LAST")  # an encoder's (engine.model.bert)
-TASKS = ("embed", "classify", "score")  # vLLM's pooling tasks that this engine serves
+TASKS = ("embed", "classify", "score", "token_classify")  # vLLM's pooling tasks that this engine serves
 VLLM_POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL", "STEP")
 # sentence-transformers' module types (modules.json), old and new package layouts
 _ST_POOLING = ("sentence_transformers.models.Pooling",
@@ -310,7 +310,10 @@ def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) 
     fields = {**(sentence_transformers_pooling(model_dir) or {}), **parse_pooler_config(value)}
     head_reads = _head_reads(hf_config, encoder)  # the state a classifier's head reads
     kind = fields.get("seq_pooling_type", head_reads)
-    head = classifier(hf_config) if is_classifier(hf_config) else None
+    head = classifier(hf_config) if is_classifier(hf_config) or is_token_classifier(hf_config) else None
+    if head is not None and head.per_token and not encoder:
+        raise ValueError("a ...ForTokenClassification checkpoint is served for encoders (BERT, RoBERTa, NomicBERT, "
+                         "ModernBERT) only: kvserve's decoders read one token's state")
     if head is not None and (kind != head_reads or "dimensions" in fields):
         reads = {"CLS": "its first token's state", "MEAN": "the mean of its tokens' states"}.get(
             head_reads, "its last token's state")
@@ -348,8 +351,9 @@ class Pooled:
 
 def pool(hidden, rows: list[int]) -> list[Pooled]:
     """hidden: (R, hidden) float32 tensor, the final hidden states of the sequences' last prompt
-    tokens -> the draws, the i-th of row rows[i]. One copy to the host."""
-    values = hidden.tolist()
+    tokens (or a token classifier's list of R (tokens, labels) tensors) -> the draws, the i-th of
+    row rows[i]. One copy to the host."""
+    values = hidden.tolist() if hasattr(hidden, "tolist") else [h.tolist() for h in hidden]
     return [Pooled(values[r]) for r in rows]
 
 

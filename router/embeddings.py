@@ -25,8 +25,7 @@ def embedding_params(req: PoolingFields, pooler: PoolerConfig | None, api: str =
         raise bad_request(f"The model does not support the {api} API: it is served for generation (start the "
                           "server with --runner pooling to serve embeddings)", param="model")
     if task not in pooler.tasks:
-        kind = "an embedding model" if pooler.classifier is None else (
-            f"a sequence classifier with {pooler.classifier.num_labels} labels")
+        kind = "an embedding model" if pooler.classifier is None else pooler.classifier.kind
         raise bad_request(f"Task {task} is not supported by this model ({api} API): it is {kind}, which pools for "
                           f"{', '.join(pooler.tasks)}", param=task_param)
     try:
@@ -57,5 +56,7 @@ def classification_response(rid: str, model: str, probs: list[list[float]], head
             "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens, "completion_tokens": 0}}
 
 
-def as_base64(vector: list[float]) -> str:
-    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+def as_base64(vector: list) -> str:
+    """Little-endian float32s; a token classifier's rows one after another, as vLLM flattens them."""
+    flat = [x for row in vector for x in row] if vector and isinstance(vector[0], list) else vector
+    return base64.b64encode(struct.pack(f"<{len(flat)}f", *flat)).decode("ascii")

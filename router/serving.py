@@ -255,13 +255,13 @@ class OpenAIServing:
 
     async def pooling(self, req: PoolingRequest) -> dict:
         """vLLM's /pooling: each input's vector in its reply's shape: an embedding model's
-        embedding (task "embed"), a classifier's probabilities ("classify"); by default the
-        model's first task."""
+        embedding (task "embed"), a classifier's probabilities ("classify"), a token classifier's
+        probabilities for each token ("token_classify"); by default the model's first task."""
         pooler = await self._pooler()
         task = req.task or (pooler.tasks[0] if pooler is not None else "embed")
-        if task not in ("embed", "classify"):
-            raise bad_request(f"Task {task} is not supported by /pooling: it pools for embed and classify (/score "
-                              "scores pairs)", param="task")
+        if task not in ("embed", "classify", "token_classify"):
+            raise bad_request(f"Task {task} is not supported by /pooling: it pools for embed, classify and "
+                              "token_classify (/score scores pairs)", param="task")
         params = await self._pooling_params(req, "Pooling", req.dimensions, task, "task")
         rid, prompts, vectors = await self._pooled_inputs(req, params, "pool")
         return embedding_response(rid, self.reply_model(req.model), vectors, sum(map(len, prompts)),
@@ -524,9 +524,10 @@ class OpenAIServing:
         """A 400 before anything starts (a background response too) where the engine pools."""
         pooler = await self._pooler()
         if pooler is not None and pooler.classifier is not None:
-            routes = "/classify, /score or /rerank" if "score" in pooler.tasks else "/classify"
-            raise bad_request(f"The model is served for classification (--runner pooling; a sequence classifier): it "
-                              f"does not generate; use {routes}", param="model")
+            routes = {"score": "/classify, /score or /rerank", "token_classify": "/pooling"}
+            route = next((r for task, r in routes.items() if task in pooler.tasks), "/classify")
+            raise bad_request(f"The model is served for classification (--runner pooling; {pooler.classifier.kind}): "
+                              f"it does not generate; use {route}", param="model")
         if pooler is not None:
             raise bad_request("The model is served for embeddings (--runner pooling): it does not generate; "
                               "use /v1/embeddings, /score or /rerank", param="model")

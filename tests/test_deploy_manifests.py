@@ -622,7 +622,8 @@ def test_a_cpu_replica_counts_every_form_of_its_weights(tmp_path, smollm2_path):
                 arch, pooling) * 2
     from tests.tiny_bert import make_tiny_encoder
 
-    for kind, labels, extra in (("bert", 0, {}), ("xlm-roberta", 2, {}), ("nomic_bert", 0, {}), ("nomic_bert", 1, {}),
+    for kind, labels, extra in (("bert", 0, {}), ("xlm-roberta", 2, {}), ("bert", 3, {"per_token": True}),
+                                ("nomic_bert", 0, {}), ("nomic_bert", 1, {}), ("modernbert", 3, {"per_token": True}),
                                 ("modernbert", 0, {}),
                                 ("modernbert", 2, {"norm_bias": True, "attention_bias": True, "mlp_bias": True,
                                                    "classifier_bias": True})):

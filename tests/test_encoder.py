@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM
+from engine import LLM, PoolingParams
 from engine.errors import InvalidRequestError
 from engine.sampling_params import framing_tokens, truncated
 from tests.test_embeddings import _assert_clean, _serve
@@ -195,6 +195,63 @@ def test_modernbert_embeds_and_scores_as_hf_its_local_layers_windowed(tmp_path, 
         got = LLM(str(plain)).embed(TEXTS[:1], use_tqdm=False)[0].outputs.embedding
         assert torch.allclose(torch.tensor(got), torch.nn.functional.normalize(hf_encode(plain, TEXTS[:1]), dim=-1)[0],
                               atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "nomic_bert", "modernbert"])
+def test_a_token_classifier_gives_each_tokens_probabilities_as_hf(tmp_path, kind):
+    """...ForTokenClassification (a named-entity tagger): vLLM's token_classify task, each token's
+    softmax over the labels (its logits with use_activation false), many prompts a step."""
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    d = make_tiny_encoder(tmp_path / kind, kind, num_labels=5, per_token=True)
+    tok, model = AutoTokenizer.from_pretrained(str(d)), AutoModelForTokenClassification.from_pretrained(str(d))
+    with torch.no_grad():
+        logits = [model.eval()(**tok(t, return_tensors="pt")).logits[0] for t in TEXTS]
+    llm = LLM(str(d), max_num_seqs=2)
+    assert llm.engine.pooler.tasks == ("token_classify",)
+    for params, want, tol in ((None, [torch.softmax(x, dim=-1) for x in logits], 2e-6),
+                              (PoolingParams(task="token_classify", use_activation=False), logits, 2e-5)):  # up to ~10
+        outs = llm.encode(TEXTS, pooling_params=params, pooling_task="token_classify", use_tqdm=False)
+        for out, w in zip(outs, want):
+            assert out.outputs.data.shape == w.shape and torch.allclose(out.outputs.data, w, atol=tol, rtol=0), (
+                (out.outputs.data - w).abs().max())
+    with pytest.raises(InvalidRequestError, match="Task classify is not supported by this model"):
+        llm.classify(TEXTS[:1], use_tqdm=False)
+    _assert_clean(llm)
+
+
+def test_http_pooling_of_a_token_classifier_equals_the_offline_call(tmp_path):
+    import base64
+    import struct
+
+    from engine.config import EngineConfig
+
+    d = make_tiny_encoder(tmp_path / "ner", "bert", num_labels=3, per_token=True)
+    llm = LLM(str(d))
+    want = [o.outputs.data.tolist() for o in llm.encode(TEXTS[:2], pooling_task="token_classify", use_tqdm=False)]
+
+    async def go(client, http):
+        r = await http.post("/pooling", json={"model": "m", "input": TEXTS[:2]})  # its task by default
+        assert r.status_code == 200, r.text
+        got = [x["data"] for x in r.json()["data"]]
+        assert [len(g) for g in got] == [len(w) for w in want]
+        assert torch.allclose(torch.tensor(got[0]), torch.tensor(want[0]), atol=1e-6, rtol=0)
+        r = await http.post("/pooling", json={"model": "m", "input": TEXTS[1], "task": "token_classify",
+                                              "encoding_format": "base64"})  # rows one after another
+        raw = base64.b64decode(r.json()["data"][0]["data"])
+        flat = struct.unpack(f"<{len(raw) // 4}f", raw)
+        assert torch.allclose(torch.tensor(flat), torch.tensor(want[1]).flatten(), atol=1e-6, rtol=0)
+        for path, body, words in (("/classify", {"input": "x"}, "a token classifier with 3 labels, which pools for "
+                                                                  "token_classify"),
+                                  ("/pooling", {"input": "x", "task": "embed"}, "Task embed is not supported"),
+                                  ("/v1/embeddings", {"input": "x"}, "token_classify"),
+                                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
+                                   "use /pooling")):
+            r = await http.post(path, json={"model": "m", **body})
+            assert r.status_code == 400 and words in r.json()["error"]["message"], (path, r.text)
+
+    _serve(EngineConfig(model=str(d)), llm.tokenizer, go)
+    _assert_clean(llm)
 
 
 def test_truncation_keeps_an_encoders_cls_and_sep(dirs):

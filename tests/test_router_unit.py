@@ -484,6 +484,8 @@ def test_ready_message_has_a_working_curl_and_never_the_key(monkeypatch):
     assert "http://127.0.0.1:8000/v1/embeddings" in msg and json.loads(msg.split("-d '", 1)[1].rstrip("'"))["input"]
     msg = ready_message("0.0.0.0", 8000, "smol", api_key=None, pooling="classify")  # a classifier's classifies
     assert "http://127.0.0.1:8000/classify" in msg and json.loads(msg.split("-d '", 1)[1].rstrip("'"))["input"]
+    msg = ready_message("0.0.0.0", 8000, "smol", api_key=None, pooling="token_classify")  # a tagger's: /pooling
+    assert "http://127.0.0.1:8000/pooling" in msg and json.loads(msg.split("-d '", 1)[1].rstrip("'"))["input"]
 
 
 def test_the_key_defaults_to_kvserves_variable_then_vllms(monkeypatch):

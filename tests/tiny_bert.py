@@ -36,15 +36,16 @@ def _roberta_tokenizer(out_dir: Path):
 
 
 def make_tiny_encoder(out_dir: Path, kind: str = "bert", num_labels: int = 0, pooling: str | None = None,
-                      normalize: bool = True, max_seq_length: int | None = None, seed: int = 0, **config) -> Path:
+                      normalize: bool = True, max_seq_length: int | None = None, seed: int = 0,
+                      per_token: bool = False, **config) -> Path:
     """kind "bert", "nomic_bert" (transformers' NomicBert: nomic_hub_format turns it into
     nomic's own), "modernbert" (BERT's tokenizer, without token types: ModernBERT has none; a
     local window of 8 tokens, so that short prompts cross it), "roberta" or "xlm-roberta" (both
     with RoBERTa's byte-level BPE tokenizer);
-    `num_labels` > 0: a ...ForSequenceClassification; `pooling`
+    `num_labels` > 0: a ...ForSequenceClassification (`per_token`: a ...ForTokenClassification); `pooling`
     ("cls_token", "mean_tokens", ...): a sentence-transformers folder pooling so (with a Normalize
     module where `normalize`, and `max_seq_length` in its sentence_bert_config.json)."""
-    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
     out_dir.mkdir(parents=True, exist_ok=True)
     bert_vocab = kind in ("bert", "nomic_bert", "modernbert")
@@ -63,7 +64,7 @@ def make_tiny_encoder(out_dir: Path, kind: str = "bert", num_labels: int = 0, po
                                **{**shape, **config})
     if num_labels:
         cfg.num_labels = num_labels
-        model = AutoModelForSequenceClassification.from_config(cfg)
+        model = (AutoModelForTokenClassification if per_token else AutoModelForSequenceClassification).from_config(cfg)
     else:
         model = AutoModel.from_config(cfg)
     with torch.no_grad():  # not HF's init: biases and norms read wrongly would show

@@ -18,7 +18,8 @@ pooler says:
     LAST  the last token's
 
 A classifier's head reads the first token's state, as HF's does: BERT's pooler (dense, tanh)
-then `classifier`; RoBERTa's `classifier.dense`, tanh, `classifier.out_proj`.
+then `classifier`; RoBERTa's `classifier.dense`, tanh, `classifier.out_proj`. A token
+classifier's (`...ForTokenClassification`) is its `classifier` over every token's state.
 """
 from __future__ import annotations
 
@@ -117,16 +118,18 @@ class EncoderModel(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(a, dtype) for _ in range(a.num_layers))
         self.head_dense = self.head_out = None
         if a.num_labels:
-            self.head_dense = nn.Linear(a.hidden_size, a.hidden_size, dtype=dtype)
+            if not a.token_classifier:
+                self.head_dense = nn.Linear(a.hidden_size, a.hidden_size, dtype=dtype)
             self.head_out = nn.Linear(a.hidden_size, a.num_labels, dtype=dtype)
         if a.rotary:  # float32, as HF keeps them
             self.register_buffer("inv_freq", rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling), persistent=False)
         self.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, lens: list[int], token_types: torch.Tensor,
-                pooling_type: str) -> torch.Tensor:
+                pooling_type: str) -> torch.Tensor | list[torch.Tensor]:
         """input_ids, token_types: (T,) the prompts one after another, lens[i] tokens each ->
-        (len(lens), hidden or num_labels) float32."""
+        (len(lens), hidden or num_labels) float32; a token classifier's: each prompt's
+        (lens[i], num_labels)."""
         starts, ends, positions = prompt_layout(lens, input_ids.device)
         x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_types)
         rope = None
@@ -137,6 +140,8 @@ class EncoderModel(nn.Module):
         x = self.embed_norm(x)
         for layer in self.layers:
             x = layer(x, lens, rope)
+        if self.arch.token_classifier:
+            return list(self.head_out(x).float().split(lens))
         if self.head_out is not None:  # the head reads the first token's state, whatever the pooler
             return self.head_out(torch.tanh(self.head_dense(x[starts]))).float()
         return pooled_rows(x, lens, starts, ends, pooling_type).float()
@@ -164,7 +169,7 @@ class EncoderModel(nn.Module):
         name = ckpt_name
         for prefix in ("bert.", "roberta.", "nomic_bert.", "model."):
             name = name.removeprefix(prefix)
-        if name.startswith(_SKIPPED) or (name.startswith("pooler.") and not (self.head_out is not None
+        if name.startswith(_SKIPPED) or (name.startswith("pooler.") and not (self.head_dense is not None
                                                                              and self.arch.bert_pooler)):
             return None  # a pooler no head reads (RoBERTa's classifiers have their own dense; HF skips it too)
         if name.endswith(".gamma"):

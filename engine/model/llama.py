@@ -16,7 +16,7 @@ from torch import nn
 
 from engine import cpu_kernels
 from engine.attention import StepAttention
-from engine.classifier import is_classifier
+from engine.classifier import is_classifier, is_token_classifier
 from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, ReplicatedLinear, RMSNorm,
                                  RowParallelLinear, TPContext, VocabParallelEmbedding)
 from engine.model.rope import RopeStep, RotaryEmbedding, apply_rope, rope_inv_freq
@@ -45,6 +45,7 @@ class ModelArch:
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k before RoPE
     sliding_window: int | None = None  # the checkpoint's attention window, where one applies
     num_labels: int = 0  # a sequence classifier's classes (its `score` head); 0: no classifier
+    token_classifier: bool = False  # an encoder's head over every token (engine.classifier)
     # An encoder's (engine.model.bert; from_hf_encoder): attention both ways, absolute positions
     encoder: bool = False
     type_vocab_size: int = 0
@@ -132,7 +133,7 @@ class ModelArch:
                    head_dim=cfg.hidden_size // heads, rms_norm_eps=cfg.layer_norm_eps, rope_theta=0.0,
                    rope_scaling=None, max_position_embeddings=cfg.max_position_embeddings - offset,
                    tie_word_embeddings=False, attention_bias=True, mlp_bias=True, o_proj_bias=True,
-                   num_labels=cfg.num_labels if is_classifier(cfg) else 0, encoder=True,
+                   num_labels=_encoder_labels(cfg), token_classifier=is_token_classifier(cfg), encoder=True,
                    type_vocab_size=cfg.type_vocab_size, position_offset=offset,
                    position_rows=cfg.max_position_embeddings, hidden_act=cfg.hidden_act,
                    bert_pooler=cfg.model_type == "bert")
@@ -175,7 +176,7 @@ class ModelArch:
                    num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, rms_norm_eps=eps, rope_theta=theta,
                    rope_scaling=scaling, max_position_embeddings=positions, tie_word_embeddings=False,
                    attention_bias=bool(bias), mlp_bias=bool(bias), o_proj_bias=bool(bias),
-                   num_labels=cfg.num_labels if is_classifier(cfg) else 0, encoder=True,
+                   num_labels=_encoder_labels(cfg), token_classifier=is_token_classifier(cfg), encoder=True,
                    type_vocab_size=cfg.type_vocab_size, hidden_act=act, bert_pooler=True, rotary=True, gated_mlp=True)
 
     @classmethod
@@ -209,7 +210,7 @@ class ModelArch:
                    rope_scaling=scaling, max_position_embeddings=cfg.max_position_embeddings,
                    tie_word_embeddings=False, attention_bias=bool(cfg.attention_bias), mlp_bias=bool(cfg.mlp_bias),
                    o_proj_bias=bool(cfg.attention_bias), local_window=getattr(cfg, "local_attention", 128) // 2,
-                   num_labels=cfg.num_labels if is_classifier(cfg) else 0, encoder=True,
+                   num_labels=_encoder_labels(cfg), token_classifier=is_token_classifier(cfg), encoder=True,
                    hidden_act=cfg.hidden_activation, modernbert=True, norm_bias=bool(cfg.norm_bias),
                    local_rope_theta=float(local_theta),
                    sliding_layers=tuple(i for i, k in enumerate(kinds) if k == "sliding_attention"),
@@ -235,6 +236,11 @@ class ModelArch:
 
     def local_kv_heads(self, tp_size: int) -> int:
         return max(1, self.num_kv_heads // tp_size)
+
+
+def _encoder_labels(cfg) -> int:
+    """An encoder's classes: a sequence classifier's or a token classifier's; 0 for neither."""
+    return cfg.num_labels if is_classifier(cfg) or is_token_classifier(cfg) else 0
 
 
 def _sliding_window(cfg) -> int | None:

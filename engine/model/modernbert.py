@@ -118,9 +118,10 @@ class ModernBertEncoder(nn.Module):
         return masks
 
     def forward(self, input_ids: torch.Tensor, lens: list[int], token_types: torch.Tensor,
-                pooling_type: str) -> torch.Tensor:
+                pooling_type: str) -> torch.Tensor | list[torch.Tensor]:
         """input_ids: (T,) the prompts one after another, lens[i] tokens each (`token_types`:
-        unread, ModernBERT has none) -> (len(lens), hidden or num_labels) float32."""
+        unread, ModernBERT has none) -> (len(lens), hidden or num_labels) float32; a token
+        classifier's: each prompt's (lens[i], num_labels)."""
         starts, ends, positions = prompt_layout(lens, input_ids.device)
         x = self.embed_norm(self.tok_embeddings(input_ids))
         ropes = {False: prompt_rope(self.global_freq, positions, x.dtype),
@@ -129,6 +130,8 @@ class ModernBertEncoder(nn.Module):
         for layer in self.layers:
             x = layer(x, lens, ropes, masks)
         x = self.final_norm(x)
+        if self.arch.token_classifier:  # the head over every token
+            return list(self.classifier(self.head(x)).float().split(lens))
         if self.head is not None:  # the head reads the state its config's classifier_pooling gives
             return self.classifier(self.head(pooled_rows(x, lens, starts, ends, self.arch.classifier_pooling))).float()
         return pooled_rows(x, lens, starts, ends, pooling_type).float()
