@@ -160,7 +160,8 @@ class LocalExecutor:
         self.max_lora_rank = config.max_lora_rank
         if config.enable_lora:
             if arch.encoder:
-                raise ValueError("LoRA adapters are not supported for encoder models (BERT, RoBERTa, ModernBERT)")
+                raise ValueError("LoRA adapters are not supported for encoder models (BERT, RoBERTa, NomicBERT, "
+                                 "ModernBERT)")
             attach(self.model, LoRAState())
         self.sampler = SequenceSampler(config.seed, spec.eos_token_ids, config.logprobs_mode)
         self.info = ModelInfo(model_dir, spec.tokenizer, spec.eos_token_ids, arch.vocab_size,

@@ -57,7 +57,7 @@ class LLMEngine:
         # an encoder's [CLS] and [SEP]: truncation keeps them (engine.sampling_params.truncated)
         self._ends = framing_tokens(self.tokenizer, self.pooler)
         # a sentence-transformers folder's Dense modules, applied to each pooled vector (engine.st_dense)
-        dense = read_dense_modules(info.model_dir) if self.pooler is not None and self.pooler.classifier is None else []
+        dense = read_dense_modules(info.model_dir) if self.pooler is not None else []
         self._project = Projection(dense) if dense else None
         self.eos_token_ids = set(info.eos_token_ids)
         self.max_model_len = config.model_len(info.max_position_embeddings)

@@ -16,8 +16,9 @@
 LAST is what decoder embedding models are trained for (Qwen3-Embedding, e5-mistral, gte-Qwen2,
 SFR-Embedding) and vLLM's default for them; MEAN is what some sentence-transformers folders say.
 CLS is refused for a decoder: the first token's state carries nothing of the rest under causal
-attention. An encoder (BERT, RoBERTa, ModernBERT: engine.model.bert, modernbert) pools CLS by default, or MEAN or LAST,
-in the model itself, each prompt whole in one step.
+attention. An encoder (BERT, RoBERTa, NomicBERT: engine.model.bert; ModernBERT:
+engine.model.modernbert) pools CLS by default, or MEAN or LAST, in the model itself, each prompt
+whole in one step.
 
 A pooling request rides the generation path whole (scheduler, chunked prefill, prefix cache,
 tensor parallelism, the replica and process hops): its SamplingParams carry `pooling`, the
@@ -38,7 +39,7 @@ from pathlib import Path
 from engine.classifier import Classifier, activated, classifier, is_classifier, is_token_classifier
 from engine.errors import InvalidRequestError
 from engine.model_source import ENCODER_MODEL_TYPES
-from engine.st_dense import read_dense_modules
+from engine.st_dense import ST_NORMALIZE, ST_POOLING, read_dense_modules
 from engine.vllm_args import json_dict
 
 logger = logging.getLogger(__name__)
@@ -50,10 +51,6 @@ ENCODER_POOLING_TYPES = ("CLS", "MEAN", "LAST")  # an encoder's (engine.model.be
 TASKS = ("embed", "classify", "score", "token_classify")  # vLLM's pooling tasks that this engine serves
 VLLM_POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL", "STEP")
 # sentence-transformers' module types (modules.json), old and new package layouts
-_ST_POOLING = ("sentence_transformers.models.Pooling",
-               "sentence_transformers.sentence_transformer.modules.pooling.Pooling")
-_ST_NORMALIZE = ("sentence_transformers.models.Normalize", "sentence_transformers.base.modules.normalize.Normalize",
-                 "sentence_transformers.sentence_transformer.modules.normalize.Normalize")
 
 
 @dataclass
@@ -110,7 +107,7 @@ class PoolerConfig:
     seq_pooling_type: str = "LAST"
     use_activation: bool = True  # L2-normalise, unless a request says otherwise
     dimensions: int | None = None  # a request's default `dimensions`
-    embedding_size: int = 0  # the hidden size: what a vector has without `dimensions`
+    embedding_size: int = 0  # what a vector has without `dimensions`: the hidden size, or the Dense modules' output
     matryoshka: bool = False  # the model's config says its leading dimensions embed on their own
     matryoshka_dimensions: tuple[int, ...] | None = None  # the only sizes allowed, where it lists them
     classifier: Classifier | None = None  # a sequence classifier's head (engine.classifier); None: it embeds
@@ -213,8 +210,8 @@ def sentence_transformers_pooling(model_dir: Path) -> dict | None:
         return None
     try:
         modules = json.loads(path.read_text())
-        pooling = next((m for m in modules if m.get("type") in _ST_POOLING), None)
-        normalize = any(m.get("type") in _ST_NORMALIZE for m in modules)
+        pooling = next((m for m in modules if m.get("type") in ST_POOLING), None)
+        normalize = any(m.get("type") in ST_NORMALIZE for m in modules)
         cfg_path = Path(model_dir) / pooling.get("path", "") / "config.json" if pooling is not None else None
         cfg = json.loads(cfg_path.read_text()) if cfg_path is not None and cfg_path.is_file() else {}
     except (ValueError, AttributeError, TypeError) as e:
@@ -296,8 +293,8 @@ def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) 
     encoder = getattr(hf_config, "model_type", None) in ENCODER_MODEL_TYPES
     if resolve_runner(runner, convert, model_dir, hf_config) != "pooling":
         if encoder:
-            raise ValueError("an encoder model (BERT, RoBERTa, ModernBERT) has no language-model head to generate with: it "
-                             "serves embeddings and scores; serve it with --runner pooling")
+            raise ValueError("an encoder model (BERT, RoBERTa, NomicBERT, ModernBERT) has no language-model head to "
+                             "generate with: it serves embeddings and scores; serve it with --runner pooling")
         if is_classifier(hf_config):
             raise ValueError("this checkpoint is a sequence classifier (...ForSequenceClassification): it has no "
                              "language-model head to generate with; serve it with --runner pooling")
@@ -380,7 +377,7 @@ def pooled_vector(last: list[float], params: PoolingParams, rows_sum: list[float
     v = torch.tensor(last, dtype=torch.float64)
     if params.pools_every_row:
         v = (v + torch.tensor(rows_sum, dtype=torch.float64)) / (num_rows + 1) if rows_sum is not None else v
-    if project is not None and params.task == "embed":
+    if project is not None:  # an embedding model's (a classifier with Dense modules is refused)
         v = project(v)
     if params.dimensions is not None:
         v = v[:params.dimensions]

@@ -1,11 +1,16 @@
-"""sentence-transformers Dense modules: linear projections of the pooled vector, before any
-Normalize step (LaBSE's 768 -> 768 with tanh; models that project to fewer or more dimensions).
-vLLM applies every Dense module a folder's modules.json lists, in order, after pooling and
-before cutting to `dimensions` and normalising; so does the engine (Request.finish_pooled).
+"""sentence-transformers Dense modules: linear projections of the pooled vector, between the
+Pooling module and any Normalize step (LaBSE's 768 -> 768 with tanh; models that project to
+fewer or more dimensions). vLLM applies every Dense module a folder's modules.json lists, in
+order, after pooling and before cutting to `dimensions` and normalising; so does the engine
+(Request.finish_pooled).
 
-    dense_modules  what each Dense module's config says (no weights): the sizes the router
-                   and the engine's PoolerConfig need
-    Projection     the modules with their weights, applied to one pooled vector (float64)"""
+    read_dense_modules  what each Dense module's config says, checked (the engine's PoolerConfig
+                        takes the vector's size from it)
+    Projection          the modules with their weights, applied to one pooled vector (float64)
+
+Everything a module's config says that the engine would not apply as sentence-transformers does
+is refused at start-up: a residual, named inputs, an activation that is not a torch.nn module
+keeping the vector's size, a Dense module out of place."""
 from __future__ import annotations
 
 import importlib
@@ -13,10 +18,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-# torch is imported where the weights are: engine.pooling reads the configs here, and the
-# router's ingress, which imports it, has no use for torch
+# torch is imported only where a folder has Dense modules: engine.pooling imports this module,
+# and the router's ingress, which imports that, has no use for torch
 
+ST_POOLING = ("sentence_transformers.models.Pooling",
+              "sentence_transformers.sentence_transformer.modules.pooling.Pooling")
+ST_NORMALIZE = ("sentence_transformers.models.Normalize", "sentence_transformers.base.modules.normalize.Normalize",
+                "sentence_transformers.sentence_transformer.modules.normalize.Normalize")
 DENSE_TYPES = ("sentence_transformers.models.Dense", "sentence_transformers.base.modules.dense.Dense")
+DEFAULT_ACTIVATION = "torch.nn.modules.activation.Tanh"  # sentence-transformers' Dense default
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
@@ -29,39 +39,78 @@ class DenseModule:
     activation: str  # a torch.nn module's import path, sentence-transformers' "activation_function"
 
 
-def dense_modules(model_dir: Path, modules: list[dict]) -> list[DenseModule]:
-    """The Dense modules of a folder's modules.json (`modules`, its entries), in order; ValueError
-    for one whose config cannot be read, whose sizes do not chain, or whose activation is not a
-    torch.nn module."""
-    out = []
-    for m in (m for m in modules if isinstance(m, dict) and m.get("type") in DENSE_TYPES):
-        folder = Path(model_dir) / m.get("path", "")
-        try:
-            cfg = json.loads((folder / "config.json").read_text())
-            dense = DenseModule(folder, int(cfg["in_features"]), int(cfg["out_features"]), bool(cfg.get("bias", True)),
-                                cfg.get("activation_function") or "torch.nn.modules.linear.Identity")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"cannot read the sentence-transformers Dense module in {str(folder)!r}: "
-                             f"{type(e).__name__}: {e}") from None
-        if out and out[-1].out_features != dense.in_features:
-            raise ValueError(f"the Dense module in {str(folder)!r} takes {dense.in_features} features, but the one "
-                             f"before it gives {out[-1].out_features}")
-        _activation(dense)  # refused now, at start-up, not per request
-        out.append(dense)
+def read_dense_modules(model_dir: Path) -> list[DenseModule]:
+    """The Dense modules of the folder's modules.json, in order; none without one (a folder that
+    is not a sentence-transformers model) or where it cannot be read (sentence_transformers_pooling
+    refuses that). ValueError for a module the engine would not apply as sentence-transformers does."""
+    try:
+        modules = json.loads((Path(model_dir) / "modules.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(modules, list):
+        return []
+    types = [m.get("type") if isinstance(m, dict) else None for m in modules]
+    dense = [i for i, t in enumerate(types) if t in DENSE_TYPES]
+    if not dense:
+        return []
+    pooling = next((i for i, t in enumerate(types) if t in ST_POOLING), None)
+    normalize = next((i for i, t in enumerate(types) if t in ST_NORMALIZE), len(types))
+    if pooling is None or not all(pooling < i < normalize for i in dense):
+        raise ValueError(f"{str(Path(model_dir) / 'modules.json')!r} lists Dense modules outside the place kvserve "
+                         "applies them, between the Pooling module and any Normalize step")
+    out: list[DenseModule] = []
+    for i in dense:
+        module = _read(Path(model_dir), modules[i])
+        if out and out[-1].out_features != module.in_features:
+            raise ValueError(f"the Dense module in {str(module.folder)!r} takes {module.in_features} features, but "
+                             f"the one before it gives {out[-1].out_features}")
+        out.append(module)
     return out
 
 
+def _read(model_dir: Path, entry: dict) -> DenseModule:
+    folder = model_dir
+    try:
+        folder = model_dir / entry.get("path", "")
+        cfg = json.loads((folder / "config.json").read_text())
+        defaults = {"use_residual": False, "module_input_name": None, "module_output_name": None}
+        unapplied = [f"{k}={cfg[k]!r}" for k, default in defaults.items() if cfg.get(k, default) != default]
+        activation = cfg.get("activation_function", DEFAULT_ACTIVATION)
+        if not isinstance(activation, str):
+            raise ValueError(f"activation_function {activation!r} is not an import path")
+        dense = DenseModule(folder, int(cfg["in_features"]), int(cfg["out_features"]), bool(cfg.get("bias", True)),
+                            activation)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"cannot read the sentence-transformers Dense module in {str(folder)!r}: "
+                         f"{type(e).__name__}: {e}") from None
+    if unapplied:
+        raise ValueError(f"the Dense module in {str(folder)!r} sets {', '.join(unapplied)}, which kvserve does not "
+                         "apply")
+    _activation(dense)  # refused now, at start-up, not per request
+    return dense
+
+
 def _activation(dense: DenseModule):
-    """The torch.nn module the Dense module names (sentence-transformers' activation_function)."""
+    """The torch.nn module the Dense module names, in eval mode; ValueError for anything else, or
+    for one that does not map a vector to one of its size."""
+    import torch
+
     module, _, name = dense.activation.rpartition(".")
     if not (module == "torch.nn" or module.startswith("torch.nn.")):
         raise ValueError(f"the Dense module in {str(dense.folder)!r} names the activation {dense.activation!r}; "
                          "kvserve applies torch.nn modules only")
     try:
-        return getattr(importlib.import_module(module), name)()
-    except (ImportError, AttributeError, TypeError) as e:
+        act = getattr(importlib.import_module(module), name)()
+        if not isinstance(act, torch.nn.Module):
+            raise TypeError("not a torch.nn.Module")
+        act.eval()
+        probe = torch.linspace(-2, 2, dense.out_features, dtype=torch.float64)
+        if act.double()(probe).shape != probe.shape:
+            raise ValueError("it changes the vector's size")
+    except Exception as e:  # whatever building or running it raises: refused at start-up
         raise ValueError(f"the Dense module in {str(dense.folder)!r} names the activation {dense.activation!r}, "
-                         f"which torch cannot build: {e}") from None
+                         f"which kvserve cannot apply: {type(e).__name__}: {e}") from None
+    return act.double()
 
 
 def _weights(dense: DenseModule) -> dict:
@@ -93,7 +142,9 @@ class Projection:
             if dense.bias and (bias is None or tuple(bias.shape) != (dense.out_features,)):
                 raise ValueError(f"the Dense module in {str(dense.folder)!r} needs a linear.bias of "
                                  f"{dense.out_features} values")
-            self.layers.append((weight.double(), bias.double() if dense.bias else None, _activation(dense).double()))
+            if not dense.bias and bias is not None:
+                raise ValueError(f"the Dense module in {str(dense.folder)!r} says bias false but has a linear.bias")
+            self.layers.append((weight.double(), bias.double() if dense.bias else None, _activation(dense)))
 
     def __call__(self, v):
         import torch
@@ -101,14 +152,3 @@ class Projection:
         for weight, bias, act in self.layers:
             v = act(torch.nn.functional.linear(v, weight, bias))
         return v
-
-
-def read_dense_modules(model_dir: Path) -> list[DenseModule]:
-    """dense_modules of the folder's modules.json; none without one (a folder that is not a
-    sentence-transformers model), or where it cannot be read (sentence_transformers_pooling
-    refuses that)."""
-    try:
-        modules = json.loads((Path(model_dir) / "modules.json").read_text())
-    except (OSError, ValueError):
-        return []
-    return dense_modules(model_dir, modules) if isinstance(modules, list) else []

@@ -356,7 +356,7 @@ class OpenAIServing:
         except InvalidRequestError as e:
             raise from_invalid_request(e) from None
         blamed = names[1]
-        if keep is None and any(len(p) > max_model_len for p in prompts):  # the query's fault where it alone is too long
+        if keep is None and any(len(p) > max_model_len for p in prompts):  # the query's, where it alone is too long
             blamed = await off_loop(self._too_long_side, pairs, prompts, max_model_len, use_pad_token, names)
         await self._check_prompts(prompts, params, blamed, blamed)
         rid, engine_rid = _request_ids(prefix, req.request_id)
@@ -704,7 +704,8 @@ class OpenAIServing:
         return await self._send(rid, prompts, await self._checked(prompts, params, prompt_param, max_param), beam)
 
     async def _send(self, rid: str, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                    beam: BeamSearch | None = None, admitted: bool = False) -> tuple[tuple[int, StepOutput], AsyncIterator]:
+                    beam: BeamSearch | None = None,
+                    admitted: bool = False) -> tuple[tuple[int, StepOutput], AsyncIterator]:
         """Send every prompt (its params as _checked made them, or a list of each one's: a pooling
         request's) to the engine, or to a beam search over it; returns its first output and the
         rest of the merged stream. `admitted`: accepted already (a background run), its first

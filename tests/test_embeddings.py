@@ -253,6 +253,8 @@ def test_sentence_transformers_dense_modules_project_each_vector(dirs, tmp_path)
     d = _sentence_transformers(dirs["qwen3"], tmp_path / "dense", "mean_tokens", normalize=True)
     made = add_dense(d, [(64, 32, True, "torch.nn.modules.activation.Tanh"),
                          (32, 48, False, "torch.nn.modules.linear.Identity")])
+    first = d / "2_Dense" / "config.json"  # no activation_function: sentence-transformers' default, Tanh
+    first.write_text(json.dumps({k: v for k, v in json.loads(first.read_text()).items() if k != "activation_function"}))
     prompts = _prompts()
     from transformers import AutoModel
 
@@ -266,13 +268,38 @@ def test_sentence_transformers_dense_modules_project_each_vector(dirs, tmp_path)
     raw = llm.embed(prompts[0], pooling_params=PoolingParams(use_activation=False), use_tqdm=False)[0]
     _assert_close(raw.outputs.embedding, dense_applied(means[0], made))  # projected, not normalised
     _assert_clean(llm)
-    for layers, words in (([(64, 32, True, "torch.nn.modules.activation.Tanh"), (16, 8, True, "torch.nn.Identity")],
-                           "takes 16 features, but the one before it gives 32"),
-                          ([(64, 8, True, "os.system")], "kvserve applies torch.nn modules only"),
-                          ([(32, 8, True, "torch.nn.Identity")], "takes 32 features; the model's pooled vectors "
-                                                                  "have 64")):
-        bad = _sentence_transformers(dirs["qwen3"], tmp_path / f"bad{len(words)}", "lasttoken", normalize=True)
+    def after_normalize(folder):  # sentence-transformers would project the normalised vector
+        modules = json.loads((folder / "modules.json").read_text())
+        (folder / "modules.json").write_text(json.dumps([m for m in modules if "Dense" not in m["type"]] +
+                                                        [m for m in modules if "Dense" in m["type"]]))
+
+    def with_config(**changes):
+        def change(folder):
+            cfg = folder / "2_Dense" / "config.json"
+            cfg.write_text(json.dumps({**json.loads(cfg.read_text()), **changes}))
+        return change
+
+    def stray_bias(folder):
+        from safetensors.torch import save_file
+        save_file({"linear.weight": torch.zeros(8, 64), "linear.bias": torch.zeros(8)},
+                  str(folder / "2_Dense" / "model.safetensors"))
+
+    for i, (layers, then, words) in enumerate((
+            ([(64, 32, True, "torch.nn.modules.activation.Tanh"), (16, 8, True, "torch.nn.Identity")], None,
+             "takes 16 features, but the one before it gives 32"),
+            ([(64, 8, True, "os.system")], None, "kvserve applies torch.nn modules only"),
+            ([(64, 8, True, "torch.nn.GLU")], None, "which kvserve cannot apply: ValueError: it changes the vector's"),
+            ([(64, 8, True, "torch.nn.Module")], None, "which kvserve cannot apply: NotImplementedError"),
+            ([(32, 8, True, "torch.nn.Identity")], None, "takes 32 features; the model's pooled vectors have 64"),
+            ([(64, 8, True, "torch.nn.Tanh")], after_normalize, "outside the place kvserve applies them"),
+            ([(64, 8, True, "torch.nn.Tanh")], with_config(use_residual=True), "use_residual=True, which kvserve "
+                                                                                 "does not apply"),
+            ([(64, 8, True, "torch.nn.Tanh")], with_config(activation_function=5), "is not an import path"),
+            ([(64, 8, False, "torch.nn.Tanh")], stray_bias, "says bias false but has a linear.bias"))):
+        bad = _sentence_transformers(dirs["qwen3"], tmp_path / f"bad{i}", "lasttoken", normalize=True)
         add_dense(bad, layers)
+        if then is not None:
+            then(bad)
         with pytest.raises(ValueError, match=re.escape(words)):
             LLM(str(bad), num_gpu_blocks_override=24)
 

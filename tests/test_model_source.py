@@ -282,6 +282,12 @@ def test_a_checkpoint_missing_one_part_of_a_packed_projection_is_refused(tmp_pat
         save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
         with pytest.raises(ValueError, match=re.escape(f"checkpoint is missing tensors for: {words}")):
             build_model(d, torch.float32, torch.device("cpu"), pooling=pooling)
+    weights = load_file(d / "model.safetensors")  # the BERT: one part given twice, under two names
+    for name in ("encoder.layer.1.attention.self.key.bias", "bert.encoder.layer.1.attention.self.key.bias"):
+        weights[name] = weights["encoder.layer.1.attention.self.value.bias"].clone()
+    save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="is a second tensor for the same parameter"):
+        build_model(d, torch.float32, torch.device("cpu"), pooling=True)
 
 
 def test_a_tokenizer_that_ships_code_loads_only_with_trust_remote_code(tmp_path, smollm2_path):

@@ -159,8 +159,8 @@ class ModelArch:
                                  "nomic-embed-text's layout: full rotary, halves layout, post-norm, SwiGLU)")
             hidden, layers, heads = cfg.n_embd, cfg.n_layer, cfg.n_head
             inter = getattr(cfg, "n_inner", None) or 4 * hidden
-            eps, theta, act, bias = cfg.layer_norm_epsilon, float(getattr(cfg, "rotary_emb_base", 10000)), "silu", \
-                biases.pop()
+            eps, act, bias = cfg.layer_norm_epsilon, "silu", biases.pop()
+            theta = float(getattr(cfg, "rotary_emb_base", 10000))
             positions = getattr(cfg, "max_trained_positions", None) or getattr(cfg, "n_positions", 2048)
             scaling = None
         else:
@@ -220,8 +220,8 @@ class ModelArch:
     def check_tp(self, tp_size: int) -> None:
         """Raise before any weight is loaded when the model cannot be split tp_size ways."""
         if self.encoder and tp_size > 1:
-            raise ValueError(f"encoder models (BERT, RoBERTa, ModernBERT) run on one device: tensor_parallel_size {tp_size} "
-                             "is not supported for them")
+            raise ValueError(f"encoder models (BERT, RoBERTa, NomicBERT, ModernBERT) run on one device: "
+                             f"tensor_parallel_size {tp_size} is not supported for them")
         problems = []
         if self.num_heads % tp_size:
             problems.append(f"num_attention_heads={self.num_heads}")

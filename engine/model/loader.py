@@ -76,13 +76,15 @@ def load_weights(model: LlamaModel, model_dir: str | Path) -> int:
                 check_checkpoint_shape(name, param, shard, f.get_slice(name).get_shape())
                 tensor = f.get_tensor(name)
                 nbytes += tensor.numel() * tensor.element_size()
+                got = loaded.setdefault(id(param), set())
+                # a plain parameter (an encoder's) takes one tensor whole; a packed one, one per part
+                if shard in got and (shard is not None or not hasattr(param, "weight_loader")):
+                    raise ValueError(f"checkpoint tensor {name!r} is a second tensor for the same parameter")
                 if hasattr(param, "weight_loader"):
                     param.weight_loader(param, tensor.to(param.dtype), shard)
-                elif id(param) in loaded:  # a plain parameter (an encoder's) takes one tensor whole
-                    raise ValueError(f"checkpoint tensor {name!r} is a second tensor for the same parameter")
                 else:
                     param.data.copy_(tensor)
-                loaded.setdefault(id(param), set()).add(shard)
+                got.add(shard)
     check_complete(params, loaded)
     return nbytes
 
@@ -108,8 +110,9 @@ def build_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                 tp: TPContext = TPContext(), pooling: bool = False) -> LlamaModel | EncoderModel:
     arch, _ = load_arch(model_dir)
     if arch.encoder and not pooling:
-        raise ValueError("an encoder model (BERT, RoBERTa, ModernBERT) has no language-model head to generate with: it serves "
-                         "embeddings and scores (--runner pooling, which --runner auto picks for it)")
+        raise ValueError("an encoder model (BERT, RoBERTa, NomicBERT, ModernBERT) has no language-model head to "
+                         "generate with: it serves embeddings and scores (--runner pooling, which --runner auto picks "
+                         "for it)")
     with torch.device(device):  # built where it runs, as a tensor-parallel rank builds its shard
         if arch.encoder:
             model = (ModernBertEncoder if arch.modernbert else EncoderModel)(arch, dtype)

@@ -81,7 +81,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def prompt_rope(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def prompt_rope(inv_freq: torch.Tensor, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """An encoder step's cos and sin, (T, D) in `dtype` (HF rounds its float32 tables to the
     model's dtype), for positions (T,) that restart at each prompt: computed per step, as HF does,
     since an encoder keeps no table of every position."""
