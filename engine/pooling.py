@@ -50,7 +50,6 @@ POOLING_TYPES = ("LAST", "MEAN")  # what this engine pools a decoder by; vLLM's 
 ENCODER_POOLING_TYPES = ("CLS", "MEAN", "LAST")  # an encoder's (engine.model.bert)
 TASKS = ("embed", "classify", "score", "token_classify")  # vLLM's pooling tasks that this engine serves
 VLLM_POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL", "STEP")
-# sentence-transformers' module types (modules.json), old and new package layouts
 
 
 @dataclass
@@ -291,6 +290,9 @@ def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) 
     """The engine's PoolerConfig, or None for a generating one. --pooler-config wins over the
     folder's sentence-transformers modules, which win over the defaults (LAST, normalised)."""
     encoder = getattr(hf_config, "model_type", None) in ENCODER_MODEL_TYPES
+    if is_token_classifier(hf_config) and not encoder:
+        raise ValueError("a ...ForTokenClassification checkpoint is served for encoders (BERT, RoBERTa, NomicBERT, "
+                         "ModernBERT) only: kvserve's decoders read one token's state")
     if resolve_runner(runner, convert, model_dir, hf_config) != "pooling":
         if encoder:
             raise ValueError("an encoder model (BERT, RoBERTa, NomicBERT, ModernBERT) has no language-model head to "
@@ -308,9 +310,6 @@ def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) 
     head_reads = _head_reads(hf_config, encoder)  # the state a classifier's head reads
     kind = fields.get("seq_pooling_type", head_reads)
     head = classifier(hf_config) if is_classifier(hf_config) or is_token_classifier(hf_config) else None
-    if head is not None and head.per_token and not encoder:
-        raise ValueError("a ...ForTokenClassification checkpoint is served for encoders (BERT, RoBERTa, NomicBERT, "
-                         "ModernBERT) only: kvserve's decoders read one token's state")
     if head is not None and (kind != head_reads or "dimensions" in fields):
         reads = {"CLS": "its first token's state", "MEAN": "the mean of its tokens' states"}.get(
             head_reads, "its last token's state")

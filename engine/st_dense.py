@@ -21,6 +21,7 @@ from pathlib import Path
 # torch is imported only where a folder has Dense modules: engine.pooling imports this module,
 # and the router's ingress, which imports that, has no use for torch
 
+# sentence-transformers' module types (modules.json), old and new package layouts
 ST_POOLING = ("sentence_transformers.models.Pooling",
               "sentence_transformers.sentence_transformer.modules.pooling.Pooling")
 ST_NORMALIZE = ("sentence_transformers.models.Normalize", "sentence_transformers.base.modules.normalize.Normalize",

@@ -137,6 +137,21 @@ def test_a_classifier_checkpoint_is_refused_for_generation_and_mean_pooling(dirs
         LLM(str(dirs["labels3"]), num_gpu_blocks_override=8, pooler_config={"pooling_type": "MEAN"})
 
 
+def test_a_decoder_token_classifier_is_refused(dirs, tmp_path):
+    """kvserve's decoders read one token's state: a ...ForTokenClassification head over every token
+    is served for encoders only (engine.model.bert), under either runner."""
+    import json
+    import shutil
+
+    d = tmp_path / "tagger"
+    shutil.copytree(dirs["labels3"], d)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForTokenClassification"]}))
+    for runner in ("auto", "pooling", "generate"):
+        with pytest.raises(ValueError, match="served for encoders .* only"):
+            LLM(str(d), runner=runner, num_gpu_blocks_override=8)
+
+
 @pytest.mark.parametrize("engine_cls", [None, "engine.process_engine:ProcessEngine"], ids=["async", "process"])
 def test_http_classify_score_and_rerank_equal_the_offline_calls(dirs, engine_cls):
     from engine.config import EngineConfig
