@@ -31,6 +31,11 @@ def is_token_classifier(hf_config) -> bool:
     return any(a.endswith("ForTokenClassification") for a in getattr(hf_config, "architectures", None) or [])
 
 
+def has_classifier_head(hf_config) -> bool:
+    """A sequence or a token classifier: its head has `num_labels` outputs."""
+    return is_classifier(hf_config) or is_token_classifier(hf_config)
+
+
 @dataclass(frozen=True)
 class Classifier:
     num_labels: int
@@ -48,7 +53,8 @@ class Classifier:
 
     @property
     def kind(self) -> str:
-        return f"a {'token' if self.per_token else 'sequence'} classifier with {self.num_labels} labels"
+        return (f"a {'token' if self.per_token else 'sequence'} classifier with {self.num_labels} "
+                f"label{'' if self.num_labels == 1 else 's'}")
 
     def activation(self, task: str) -> str | None:
         return self.score_activation if task == "score" else self.classify_activation

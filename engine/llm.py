@@ -167,17 +167,22 @@ class LLM:
         return [dataclasses.replace(out, prompt=text) for out, text in zip(outs, texts)]
 
     def encode(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | list[PoolingParams] | None = None,
-               *, use_tqdm: bool | Callable = True, lora_request=None, pooling_task: str = "embed",
+               *, use_tqdm: bool | Callable = True, lora_request=None, pooling_task: str | None = None,
                truncate_prompt_tokens: int | None = None,
                tokenization_kwargs: dict | None = None) -> list[PoolingRequestOutput]:
         """vLLM's: each prompt's pooled vector (a torch tensor), from an engine started with
         runner="pooling" (engine.pooling); in prompt order, run under continuous batching as
-        `generate` runs its prompts. `truncate_prompt_tokens` applies to every prompt whose params
-        leave it unset."""
+        `generate` runs its prompts. `pooling_task` (embed, classify, score, token_classify) is
+        the task of every prompt, whatever its params say; without one, the params' (embed
+        without params). `truncate_prompt_tokens` applies to every prompt whose params leave it
+        unset."""
         import torch
 
-        outs = self._pooled(prompts, PoolingParams(task=pooling_task) if pooling_params is None else pooling_params,
-                            use_tqdm, lora_request, truncate_prompt_tokens, tokenization_kwargs)
+        params = PoolingParams() if pooling_params is None else pooling_params
+        if pooling_task is not None:
+            params = ([dataclasses.replace(p, task=pooling_task) for p in params] if isinstance(params, list)
+                      else dataclasses.replace(params, task=pooling_task))
+        outs = self._pooled(prompts, params, use_tqdm, lora_request, truncate_prompt_tokens, tokenization_kwargs)
         return [PoolingRequestOutput(out.request_id, PoolingOutput(torch.tensor(out.pooled)), out.prompt_token_ids,
                                      out.num_cached_tokens) for out in outs]
 

@@ -7,7 +7,8 @@
                (`...ForSequenceClassification`), as vLLM resolves it
     tasks      an embedding model pools for `embed`; a classifier for `classify` (its head's
                probabilities, engine.classifier) and, with one label, `score` (a cross-encoder:
-               one pair of texts in one prompt, engine.scoring)
+               one pair of texts in one prompt, engine.scoring); an encoder's token classifier
+               for `token_classify` (each token's probabilities)
     pooler     vLLM's PoolerConfig: LAST pooling, the final hidden state (after the last norm) of
                the prompt's last token, or MEAN, the mean of every prompt token's; L2-normalised
                (`use_activation`) unless the model's sentence-transformers modules have no
@@ -36,7 +37,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.classifier import Classifier, activated, classifier, is_classifier, is_token_classifier
+from engine.classifier import Classifier, activated, classifier, has_classifier_head, is_classifier, is_token_classifier
 from engine.errors import InvalidRequestError
 from engine.model_source import ENCODER_MODEL_TYPES
 from engine.st_dense import ST_NORMALIZE, ST_POOLING, read_dense_modules
@@ -109,7 +110,7 @@ class PoolerConfig:
     embedding_size: int = 0  # what a vector has without `dimensions`: the hidden size, or the Dense modules' output
     matryoshka: bool = False  # the model's config says its leading dimensions embed on their own
     matryoshka_dimensions: tuple[int, ...] | None = None  # the only sizes allowed, where it lists them
-    classifier: Classifier | None = None  # a sequence classifier's head (engine.classifier); None: it embeds
+    classifier: Classifier | None = None  # a classifier's head (engine.classifier); None: it embeds
     # An encoder (engine.model.bert) pools in the model, by seq_pooling_type: a request takes the
     # one row it gives, as LAST takes the last one
     encoder: bool = False
@@ -133,7 +134,7 @@ class PoolerConfig:
         if params.task not in self.tasks:
             raise InvalidRequestError("task", f"Task {params.task} is not supported by this model: it pools for "
                                       f"{', '.join(self.tasks)}" + ("" if self.classifier is None else
-                                                                    " (it is a sequence classifier)"))
+                                                                    f" (it is {self.classifier.kind})"))
         dims = params.dimensions if params.dimensions is not None else self.dimensions
         if self.classifier is not None:
             if params.dimensions is not None:
@@ -292,7 +293,7 @@ def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) 
     encoder = getattr(hf_config, "model_type", None) in ENCODER_MODEL_TYPES
     if is_token_classifier(hf_config) and not encoder:
         raise ValueError("a ...ForTokenClassification checkpoint is served for encoders (BERT, RoBERTa, NomicBERT, "
-                         "ModernBERT) only: kvserve's decoders read one token's state")
+                         "ModernBERT) only: kvserve has no per-token head for a decoder")
     if resolve_runner(runner, convert, model_dir, hf_config) != "pooling":
         if encoder:
             raise ValueError("an encoder model (BERT, RoBERTa, NomicBERT, ModernBERT) has no language-model head to "
@@ -309,7 +310,11 @@ def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) 
     fields = {**(sentence_transformers_pooling(model_dir) or {}), **parse_pooler_config(value)}
     head_reads = _head_reads(hf_config, encoder)  # the state a classifier's head reads
     kind = fields.get("seq_pooling_type", head_reads)
-    head = classifier(hf_config) if is_classifier(hf_config) or is_token_classifier(hf_config) else None
+    head = classifier(hf_config) if has_classifier_head(hf_config) else None
+    if head is not None and head.per_token:  # it reads every token: no pooling type applies
+        if "dimensions" in fields:
+            raise ValueError("dimensions is for embeddings: a token classifier gives each token's probabilities")
+        kind = head_reads
     if head is not None and (kind != head_reads or "dimensions" in fields):
         reads = {"CLS": "its first token's state", "MEAN": "the mean of its tokens' states"}.get(
             head_reads, "its last token's state")
@@ -328,7 +333,7 @@ def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) 
                           bool(dims) or bool(getattr(hf_config, "is_matryoshka", False)),
                           tuple(dims) if dims else None, head, encoder)
     if head is not None:
-        logger.info("pooling runner: a sequence classifier, %d labels, for %s", head.num_labels, ", ".join(head.tasks))
+        logger.info("pooling runner: %s, for %s", head.kind, ", ".join(head.tasks))
         return config
     if config.dimensions is not None:
         config.resolved(PoolingParams())  # a default the model cannot give: refused now, not per request
@@ -349,7 +354,15 @@ def pool(hidden, rows: list[int]) -> list[Pooled]:
     """hidden: (R, hidden) float32 tensor, the final hidden states of the sequences' last prompt
     tokens (or a token classifier's list of R (tokens, labels) tensors) -> the draws, the i-th of
     row rows[i]. One copy to the host."""
-    values = hidden.tolist() if hasattr(hidden, "tolist") else [h.tolist() for h in hidden]
+    if isinstance(hidden, list):  # one copy of them all, then each prompt's rows
+        import torch
+
+        flat, values = torch.cat(hidden).tolist(), []
+        for h in hidden:
+            values.append(flat[:len(h)])
+            flat = flat[len(h):]
+        return [Pooled(values[r]) for r in rows]
+    values = hidden.tolist()
     return [Pooled(values[r]) for r in rows]
 
 

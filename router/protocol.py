@@ -683,5 +683,6 @@ class ClassificationRequest(InputPoolingFields):
 
 class PoolingRequest(EmbeddingRequest):
     """POST /pooling (vLLM's): an embedding request, with the pooling `task` named: "embed" on an
-    embedding model, "classify" on a classifier (its default)."""
+    embedding model, "classify" on a classifier, "token_classify" on a token classifier (each
+    model's first task by default)."""
     task: str | None = None

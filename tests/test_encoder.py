@@ -210,14 +210,19 @@ def test_a_token_classifier_gives_each_tokens_probabilities_as_hf(tmp_path, kind
     llm = LLM(str(d), max_num_seqs=2)
     assert llm.engine.pooler.tasks == ("token_classify",)
     for params, want, tol in ((None, [torch.softmax(x, dim=-1) for x in logits], 2e-6),
-                              (PoolingParams(task="token_classify", use_activation=False), logits, 2e-5)):  # up to ~10
+                              (PoolingParams(use_activation=False), logits, 2e-5)):  # logits up to ~10
         outs = llm.encode(TEXTS, pooling_params=params, pooling_task="token_classify", use_tqdm=False)
         for out, w in zip(outs, want):
             assert out.outputs.data.shape == w.shape and torch.allclose(out.outputs.data, w, atol=tol, rtol=0), (
                 (out.outputs.data - w).abs().max())
-    with pytest.raises(InvalidRequestError, match="Task classify is not supported by this model"):
+    with pytest.raises(InvalidRequestError, match="Task classify is not supported by this model: it pools for "
+                                                  "token_classify \\(it is a token classifier with 5 labels\\)"):
         llm.classify(TEXTS[:1], use_tqdm=False)
     _assert_clean(llm)
+    if kind == "bert":  # no pooling type applies to it; dimensions are for embeddings
+        assert LLM(str(d), pooler_config={"pooling_type": "MEAN"}).engine.pooler.tasks == ("token_classify",)
+        with pytest.raises(ValueError, match="dimensions is for embeddings: a token classifier"):
+            LLM(str(d), pooler_config={"dimensions": 4})
 
 
 def test_http_pooling_of_a_token_classifier_equals_the_offline_call(tmp_path):

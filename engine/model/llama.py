@@ -16,7 +16,7 @@ from torch import nn
 
 from engine import cpu_kernels
 from engine.attention import StepAttention
-from engine.classifier import is_classifier, is_token_classifier
+from engine.classifier import has_classifier_head, is_classifier, is_token_classifier
 from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, ReplicatedLinear, RMSNorm,
                                  RowParallelLinear, TPContext, VocabParallelEmbedding)
 from engine.model.rope import RopeStep, RotaryEmbedding, apply_rope, rope_inv_freq
@@ -240,7 +240,7 @@ class ModelArch:
 
 def _encoder_labels(cfg) -> int:
     """An encoder's classes: a sequence classifier's or a token classifier's; 0 for neither."""
-    return cfg.num_labels if is_classifier(cfg) or is_token_classifier(cfg) else 0
+    return cfg.num_labels if has_classifier_head(cfg) else 0
 
 
 def _sliding_window(cfg) -> int | None:
