@@ -1,11 +1,13 @@
 """POST /v1/embeddings: the params an embedding request runs with on a pooling engine
 (engine.pooling), and OpenAI's reply. The vectors come from the engine as any request's outputs
 do; only this hop turns them into JSON floats or OpenAI's base64 (little-endian float32 bytes,
-what the openai client asks for by default and decodes)."""
+what the openai client asks for by default and decodes; vLLM's `embed_dtype` and `endianness`
+pick other element types and byte orders)."""
 from __future__ import annotations
 
 import base64
 import struct
+import sys
 import time
 
 from engine.classifier import Classifier
@@ -13,7 +15,7 @@ from engine.errors import InvalidRequestError
 from engine.pooling import PoolerConfig, PoolingParams
 from engine.sampling_params import SamplingParams
 from router.errors import bad_request, from_invalid_request
-from router.protocol import PoolingFields
+from router.protocol import EmbeddingRequest, PoolingFields
 
 
 def embedding_params(req: PoolingFields, pooler: PoolerConfig | None, api: str = "Embeddings",
@@ -38,11 +40,12 @@ def embedding_params(req: PoolingFields, pooler: PoolerConfig | None, api: str =
 
 
 def embedding_response(rid: str, model: str, vectors: list[list[float]], num_prompt_tokens: int,
-                       encoding_format: str, kind: str = "embedding") -> dict:
+                       req: EmbeddingRequest, kind: str = "embedding") -> dict:
     """OpenAI's reply to /v1/embeddings; `kind` "pooling": vLLM's to /pooling (each vector under
     `data`, as a "pooling" object)."""
     field = "embedding" if kind == "embedding" else "data"
-    data = [{"index": i, "object": kind, field: as_base64(v) if encoding_format == "base64" else v}
+    data = [{"index": i, "object": kind,
+             field: as_base64(v, req.embed_dtype, req.endianness) if req.encoding_format == "base64" else v}
             for i, v in enumerate(vectors)]
     return {"id": rid, "object": "list", "created": int(time.time()), "model": model, "data": data,
             "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens}}
@@ -56,7 +59,20 @@ def classification_response(rid: str, model: str, probs: list[list[float]], head
             "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens, "completion_tokens": 0}}
 
 
-def as_base64(vector: list) -> str:
-    """Little-endian float32s; a token classifier's rows one after another, as vLLM flattens them."""
+def as_base64(vector: list, embed_dtype: str = "float32", endianness: str = "native") -> str:
+    """The values as `embed_dtype`s (vLLM's: float32, float16, bfloat16, fp8_e4m3, fp8_e5m2) in
+    `endianness` byte order (native: this host's); a token classifier's rows one after another,
+    as vLLM flattens them."""
     flat = [x for row in vector for x in row] if vector and isinstance(vector[0], list) else vector
-    return base64.b64encode(struct.pack(f"<{len(flat)}f", *flat)).decode("ascii")
+    order = sys.byteorder if endianness == "native" else endianness
+    if embed_dtype == "float32":
+        return base64.b64encode(struct.pack(f"{'<' if order == 'little' else '>'}{len(flat)}f", *flat)).decode("ascii")
+    import torch  # here only: the ingress imports no torch for float32 replies
+
+    dtype, view = {"float16": (torch.float16, torch.int16), "bfloat16": (torch.bfloat16, torch.int16),
+                   "fp8_e4m3": (torch.float8_e4m3fn, torch.uint8),
+                   "fp8_e5m2": (torch.float8_e5m2, torch.uint8)}[embed_dtype]
+    array = torch.tensor(flat, dtype=torch.float32).to(dtype).view(view).numpy()
+    if order != sys.byteorder:
+        array = array.byteswap()
+    return base64.b64encode(array.tobytes()).decode("ascii")

@@ -672,9 +672,11 @@ class InputPoolingFields(PoolingFields):
 
 
 class EmbeddingRequest(InputPoolingFields):
-    """POST /v1/embeddings (OpenAI's; vLLM's extras)."""
+    """POST /v1/embeddings (OpenAI's; vLLM's extras: base64's element type and byte order)."""
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
+    embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"
+    endianness: Literal["native", "big", "little"] = "native"
 
 
 class ClassificationRequest(InputPoolingFields):

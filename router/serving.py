@@ -265,7 +265,7 @@ class OpenAIServing:
         params = await self._pooling_params(req, "Pooling", req.dimensions, task, "task")
         rid, prompts, vectors = await self._pooled_inputs(req, params, "pool")
         return embedding_response(rid, self.reply_model(req.model), vectors, sum(map(len, prompts)),
-                                  req.encoding_format, "pooling")
+                                  req, "pooling")
 
     async def classify(self, req: ClassificationRequest) -> dict:
         """vLLM's /classify: each input's class probabilities and likeliest label, from a
@@ -279,7 +279,7 @@ class OpenAIServing:
         params = await self._pooling_params(req, api, req.dimensions)
         rid, prompts, vectors = await self._pooled_inputs(req, params, prefix)
         return embedding_response(rid, self.reply_model(req.model), vectors, sum(map(len, prompts)),
-                                  req.encoding_format, kind)
+                                  req, kind)
 
     async def _pooled_inputs(self, req: InputPoolingFields, params: SamplingParams,
                              prefix: str) -> tuple[str, list[list[int]], list[list[float]]]:

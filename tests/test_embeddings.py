@@ -398,6 +398,23 @@ def test_v1_embeddings_equal_llm_embed_through_the_openai_client(dirs, engine_cl
         r = await http.post("/pooling", json={"input": texts[0], "encoding_format": "base64"})
         packed = base64.b64decode(r.json()["data"][0]["data"])
         assert list(struct.unpack(f"<{len(packed) // 4}f", packed)) == pytest.approx(want[0], abs=1e-6)
+        # vLLM's embed_dtype and endianness: each value of the float reply as that type, in that byte order
+        r = await http.post("/v1/embeddings", json={"input": texts[0]})
+        floats = torch.tensor(r.json()["data"][0]["embedding"], dtype=torch.float32)
+        for dtype, view, order in (("float16", torch.int16, "little"), ("bfloat16", torch.int16, "big"),
+                                   ("fp8_e4m3", torch.uint8, "native"), ("float32", torch.int32, "big")):
+            r = await http.post("/v1/embeddings", json={"input": texts[0], "encoding_format": "base64",
+                                                        "embed_dtype": dtype, "endianness": order})
+            raw = bytearray(base64.b64decode(r.json()["data"][0]["embedding"]))
+            width = torch.tensor([], dtype=view).element_size()
+            if order == "big":
+                raw = b"".join(raw[i:i + width][::-1] for i in range(0, len(raw), width))
+            torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
+                           "float32": torch.float32}[dtype]
+            got = torch.frombuffer(bytearray(raw), dtype=view).view(torch_dtype).float()
+            assert torch.equal(got, floats.to(torch_dtype).float()), dtype
+        r = await http.post("/v1/embeddings", json={"input": texts[0], "embed_dtype": "int8"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "embed_dtype", r.text
         for body in ({"model": "m", "messages": chat}, {"input": chat}):  # vLLM's chat embeddings, both forms
             r = await http.post("/v1/embeddings", json=body)
             assert r.json()["data"][0]["embedding"] == pytest.approx(want_chat, abs=1e-6)
