@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.version import kvserve_version
 from router.cluster_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from router.embeddings import BinaryReply
 from router.errors import OpenAIError, bad_request, from_validation_error, internal_error
 from router.keep_alive import KeepAlive
 from router.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
@@ -439,6 +440,9 @@ def _reply(result, keep_alive_s: float = 0.0):
     """A reply's JSON, or its stream (with a comment while idle every keep_alive_s, router.keep_alive)."""
     if isinstance(result, dict):
         return JSONResponse(result)
+    if isinstance(result, BinaryReply):
+        headers = None if result.metadata is None else {"metadata": json.dumps(result.metadata)}
+        return Response(result.body, media_type="application/octet-stream", headers=headers)
     if keep_alive_s > 0:
         result = KeepAlive(result, keep_alive_s)
     return SSEResponse(result, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -672,8 +672,9 @@ class InputPoolingFields(PoolingFields):
 
 
 class EmbeddingRequest(InputPoolingFields):
-    """POST /v1/embeddings (OpenAI's; vLLM's extras: base64's element type and byte order)."""
-    encoding_format: Literal["float", "base64"] = "float"
+    """POST /v1/embeddings (OpenAI's; vLLM's extras: binary replies, base64's and theirs element
+    type and byte order)."""
+    encoding_format: Literal["float", "base64", "bytes", "bytes_only"] = "float"
     dimensions: int | None = Field(None, ge=1)
     embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"
     endianness: Literal["native", "big", "little"] = "native"

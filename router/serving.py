@@ -37,7 +37,7 @@ from engine.structured.params import StructuredOutputsParams
 from engine.beam_search import BeamSearch, BeamSearchAborted, Generate, beam_search
 from router.background import BackgroundRuns, EventLog, check_id_free, run_in_background, stream_in_background
 from router.chunk_streams import ChunkStreams
-from router.embeddings import classification_response, embedding_params, embedding_response
+from router.embeddings import BinaryReply, classification_response, embedding_params, embedding_response
 from router.scores import RerankRequest, ScoreRequest, rerank_response, score_response
 from router.engine_streams import collect, events, logged_outputs, map_steps, merge_streams, renumbered, sample_calls
 from router.errors import OpenAIError, bad_request, from_invalid_request, internal_error, unavailable
@@ -249,11 +249,11 @@ class OpenAIServing:
                 choice.update(prompt_token_ids=prompts[i // req.n], token_ids=acc.choices[i].token_ids)
         return response
 
-    async def embeddings(self, req: EmbeddingRequest) -> dict:
+    async def embeddings(self, req: EmbeddingRequest) -> dict | BinaryReply:
         """Each input's embedding, from a pooling engine (engine.pooling; a 400 from one that generates)."""
         return await self._embeddings(req, "Embeddings", "embd", "embedding")
 
-    async def pooling(self, req: PoolingRequest) -> dict:
+    async def pooling(self, req: PoolingRequest) -> dict | BinaryReply:
         """vLLM's /pooling: each input's vector in its reply's shape: an embedding model's
         embedding (task "embed"), a classifier's probabilities ("classify"), a token classifier's
         probabilities for each token ("token_classify"); by default the model's first task."""
@@ -275,7 +275,7 @@ class OpenAIServing:
         return classification_response(rid, self.reply_model(req.model), probs, (await self._pooler()).classifier,
                                        sum(map(len, prompts)))
 
-    async def _embeddings(self, req: EmbeddingRequest, api: str, prefix: str, kind: str) -> dict:
+    async def _embeddings(self, req: EmbeddingRequest, api: str, prefix: str, kind: str) -> dict | BinaryReply:
         params = await self._pooling_params(req, api, req.dimensions)
         rid, prompts, vectors = await self._pooled_inputs(req, params, prefix)
         return embedding_response(rid, self.reply_model(req.model), vectors, sum(map(len, prompts)),

@@ -415,6 +415,19 @@ def test_v1_embeddings_equal_llm_embed_through_the_openai_client(dirs, engine_cl
             assert torch.equal(got, floats.to(torch_dtype).float()), dtype
         r = await http.post("/v1/embeddings", json={"input": texts[0], "embed_dtype": "int8"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "embed_dtype", r.text
+        # vLLM's binary replies: the vectors' bytes as the body, what each is in a `metadata` header
+        for path in ("/v1/embeddings", "/pooling"):
+            r = await http.post(path, json={"input": texts[:2], "encoding_format": "bytes", "embed_dtype": "float16"})
+            assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
+            meta = json.loads(r.headers["metadata"])
+            assert meta["usage"]["prompt_tokens"] > 0 and [d["index"] for d in meta["data"]] == [0, 1]
+            for d, w in zip(meta["data"], want):
+                assert d["shape"] == [len(w)] and d["embed_dtype"] == "float16" and d["endianness"] == "native"
+                got = torch.frombuffer(bytearray(r.content[d["start"]:d["end"]]), dtype=torch.float16).float()
+                assert torch.allclose(got, torch.tensor(w), atol=1e-3, rtol=0)
+        r = await http.post("/v1/embeddings", json={"input": texts[0], "encoding_format": "bytes_only"})
+        assert "metadata" not in r.headers and list(struct.unpack(f"<{len(r.content) // 4}f", r.content)) == \
+            pytest.approx(want[0], abs=1e-6)
         for body in ({"model": "m", "messages": chat}, {"input": chat}):  # vLLM's chat embeddings, both forms
             r = await http.post("/v1/embeddings", json=body)
             assert r.json()["data"][0]["embedding"] == pytest.approx(want_chat, abs=1e-6)

@@ -6,6 +6,8 @@ lengths in one step, with no KV cache; truncation keeps [CLS] and [SEP]; what an
 cannot do is refused, saying why; every block the scheduler counted comes back."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -153,8 +155,6 @@ def test_nomic_bert_embeds_and_scores_as_hf_from_either_config(tmp_path):
     want = torch.sigmoid(hf_encode(ce, [(QUERY, x) for x in DOCS])[:, 0])
     got = torch.tensor([o.outputs.score for o in LLM(str(ce)).score(QUERY, DOCS, use_tqdm=False)])
     assert torch.allclose(got, want, atol=2e-6, rtol=0), (got, want)
-    import json
-
     from engine.model.loader import load_arch
 
     hub = tmp_path / "hub" / "config.json"
@@ -246,6 +246,9 @@ def test_http_pooling_of_a_token_classifier_equals_the_offline_call(tmp_path):
         raw = base64.b64decode(r.json()["data"][0]["data"])
         flat = struct.unpack(f"<{len(raw) // 4}f", raw)
         assert torch.allclose(torch.tensor(flat), torch.tensor(want[1]).flatten(), atol=1e-6, rtol=0)
+        r = await http.post("/pooling", json={"model": "m", "input": TEXTS[1], "encoding_format": "bytes"})
+        assert json.loads(r.headers["metadata"])["data"][0]["shape"] == [len(want[1]), 3]  # tokens x labels
+        assert r.content == raw
         for path, body, words in (("/classify", {"input": "x"}, "a token classifier with 3 labels, which pools for "
                                                                   "token_classify"),
                                   ("/pooling", {"input": "x", "task": "embed"}, "Task embed is not supported"),
