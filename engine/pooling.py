@@ -192,9 +192,10 @@ def parse_pooler_config(value) -> dict:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"pooler_config: dimensions must be a positive integer, got {v!r}")
             out[key] = v
-        elif key == "task":
+        elif key == "task":  # checked against the model's tasks in pooler_config
             if v not in TASKS:
                 raise ValueError(f"pooler_config: task {v!r} is not supported (kvserve pools for {', '.join(TASKS)})")
+            out[key] = v
         else:
             raise ValueError(f"pooler_config: {key!r} is not supported here (kvserve takes pooling_type, "
                              "seq_pooling_type, use_activation, dimensions, task)")
@@ -332,6 +333,10 @@ def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) 
                           _embedding_size(model_dir, hf_config.hidden_size, head is not None),
                           bool(dims) or bool(getattr(hf_config, "is_matryoshka", False)),
                           tuple(dims) if dims else None, head, encoder)
+    if fields.get("task", config.tasks[0]) not in config.tasks:  # vLLM refuses it at start-up too
+        raise ValueError(f"pooler_config: task {fields['task']!r} is not supported by this model: it is "
+                         f"{'an embedding model' if head is None else head.kind}, which pools for "
+                         f"{', '.join(config.tasks)}")
     if head is not None:
         logger.info("pooling runner: %s, for %s", head.kind, ", ".join(head.tasks))
         return config

@@ -223,6 +223,8 @@ def test_a_token_classifier_gives_each_tokens_probabilities_as_hf(tmp_path, kind
         assert LLM(str(d), pooler_config={"pooling_type": "MEAN"}).engine.pooler.tasks == ("token_classify",)
         with pytest.raises(ValueError, match="dimensions is for embeddings: a token classifier"):
             LLM(str(d), pooler_config={"dimensions": 4})
+        with pytest.raises(ValueError, match="task 'embed' is not supported by this model: it is a token classifier"):
+            LLM(str(d), pooler_config={"task": "embed"})
 
 
 def test_http_pooling_of_a_token_classifier_equals_the_offline_call(tmp_path):
