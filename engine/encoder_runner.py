@@ -39,7 +39,9 @@ class EncoderRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        order = batch.row_order(self.block_size)
+        # by length: prompts of one length are then consecutive, and attend as one batch
+        # (engine.model.bert.per_prompt_attention); the pooled rows come back in this order
+        order = sorted(batch.row_order(self.block_size), key=lambda i: batch.seqs[i].num_prompt_tokens)
         ids, types, lens = [], [], []
         for i in order:
             seq = batch.seqs[i]

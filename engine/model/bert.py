@@ -23,6 +23,8 @@ classifier's (`...ForTokenClassification`) is its `classifier` over every token'
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,11 +59,20 @@ def pooled_rows(x: torch.Tensor, lens: list[int], starts: torch.Tensor, ends: to
 def per_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
                          masks: list[torch.Tensor | None] | None = None) -> torch.Tensor:
     """q, k, v: (heads, T, head_dim), the prompts' rows one after another -> (T, heads * head_dim):
-    each prompt's attention over its own rows only, both ways (with its mask, where one is given)."""
+    each prompt's attention over its own rows only, both ways (with its mask, where one is given;
+    prompts of one length have one). Consecutive prompts of one length run as one batch, a view
+    of their rows (EncoderRunner orders a step's prompts by length): one call for them all."""
     masks = masks or [None] * len(lens)
-    a = torch.cat([F.scaled_dot_product_attention(*qkvm[:3], attn_mask=qkvm[3])
-                   for qkvm in zip(q.split(lens, 1), k.split(lens, 1), v.split(lens, 1), masks)], dim=1)
-    return a.transpose(0, 1).reshape(q.shape[1], -1)
+    heads, _, d = q.shape
+    parts, row, first = [], 0, 0
+    for n, run in itertools.groupby(lens):
+        count = len(list(run))
+        end = row + n * count
+        qb, kb, vb = (x[:, row:end].view(heads, count, n, d).transpose(0, 1) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=masks[first])  # (count, heads, n, d)
+        parts.append(o.transpose(1, 2).reshape(count * n, heads * d))
+        row, first = end, first + count
+    return torch.cat(parts)
 
 
 def _load_qkv(param: nn.Parameter, tensor: torch.Tensor, shard: str | None) -> None:
