@@ -197,8 +197,12 @@ def test_an_encoder_on_cuda_embeds_and_scores_as_hf(tmp_path, kind):
     engine.encoder_runner) on CUDA in float32: its CLS vectors and a cross-encoder's scores are
     HF's (computed on the CPU), each step's prompts of many lengths (ModernBERT's local window of
     8 crossed)."""
+    from transformers import CONFIG_MAPPING
+
     from tests.tiny_bert import hf_encode, make_tiny_encoder
 
+    if kind not in CONFIG_MAPPING:  # the GPU host's transformers may predate it: HF is the reference
+        pytest.skip(f"this transformers has no {kind} to compare with")
     texts = ["the capital of france is paris", "what city", "a dog runs fast in the blue sky and the sea"]
     d = make_tiny_encoder(tmp_path / "embed", kind, pooling="cls_token")
     llm = LLM(model=str(d), device="cuda", dtype="float32")
