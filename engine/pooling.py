@@ -32,6 +32,7 @@ request's prefix-cache hit is safe: the last prompt token is always computed.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from dataclasses import dataclass
@@ -362,12 +363,10 @@ def pool(hidden, rows: list[int]) -> list[Pooled]:
     if isinstance(hidden, list):  # one copy of them all, then each prompt's rows
         import torch
 
-        flat, values = torch.cat(hidden).tolist(), []
-        for h in hidden:
-            values.append(flat[:len(h)])
-            flat = flat[len(h):]
-        return [Pooled(values[r]) for r in rows]
-    values = hidden.tolist()
+        flat, ends = torch.cat(hidden).tolist(), list(itertools.accumulate(map(len, hidden)))
+        values = [flat[end - len(h):end] for h, end in zip(hidden, ends)]
+    else:
+        values = hidden.tolist()
     return [Pooled(values[r]) for r in rows]
 
 
