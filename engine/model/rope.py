@@ -73,7 +73,7 @@ class RopeStep:
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q: (T, H, D); k: (T, KVH, D); cos/sin: (T, 1, D)."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return rotate_heads(q, cos, sin), rotate_heads(k, cos, sin)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -92,8 +92,9 @@ def prompt_rope(inv_freq: torch.Tensor, positions: torch.Tensor,
 
 
 def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, upcast: bool = False) -> torch.Tensor:
-    """x (heads, T, D) rotated by prompt_rope's (T, D) cos and sin, in HF's halves layout; `upcast`:
-    in float32, then back (ModernBERT's), else in x's dtype (Llama's, NomicBERT's)."""
+    """x rotated by cos and sin that broadcast over its heads (an encoder's: x (heads, T, D) and
+    prompt_rope's (T, D)), in HF's halves layout; `upcast`: in float32, then back (ModernBERT's),
+    else in x's dtype (Llama's, NomicBERT's)."""
     if not upcast:
         return x * cos + _rotate_half(x) * sin
     return (x.float() * cos.float() + _rotate_half(x.float()) * sin.float()).to(x.dtype)
