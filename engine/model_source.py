@@ -124,7 +124,9 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
     """The tokenizer of a directory, as the engine, the ingress and the routers all load it."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    from engine.st_config import lower_cased
+
+    return lower_cased(AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code), path)
 
 
 def check_model_dir(path: Path) -> None:

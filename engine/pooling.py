@@ -235,16 +235,6 @@ def sentence_transformers_pooling(model_dir: Path) -> dict | None:
     return out
 
 
-def sentence_transformers_max_len(model_dir: Path) -> int | None:
-    """The `max_seq_length` of a sentence-transformers folder (sentence_bert_config.json): the
-    longest input its model was trained for (all-MiniLM-L6-v2's 256 of BERT's 512 positions)."""
-    try:
-        value = json.loads((Path(model_dir) / "sentence_bert_config.json").read_text()).get("max_seq_length")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
 def resolve_runner(runner: str, convert: str, model_dir: Path, hf_config) -> str:
     """--runner / --convert -> "generate" or "pooling", as vLLM resolves them for this folder."""
     if runner != "auto":

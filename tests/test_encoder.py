@@ -10,6 +10,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import LLM, PoolingParams
 from engine.errors import InvalidRequestError
@@ -299,6 +301,57 @@ def test_a_sentence_transformers_max_seq_length_caps_max_model_len(dirs):
     with pytest.raises(ValueError, match="sentence-transformers max_seq_length"):
         LLM(str(dirs["bert-short"]), max_model_len=32)
     assert LLM(str(dirs["bert-short"]), max_model_len=8).engine.max_model_len == 8
+
+
+@pytest.fixture(scope="module")
+def lower_cased(tmp_path_factory):
+    """An XLM-R sentence-transformers folder (a cased byte-level tokenizer) whose texts are
+    lower-cased first, in sentence_xlm-roberta_config.json: the file of its model's kind."""
+    d = make_tiny_encoder(tmp_path_factory.mktemp("lower"), "xlm-roberta", pooling="mean_tokens")
+    (d / "sentence_xlm-roberta_config.json").write_text(json.dumps({"max_seq_length": 64, "do_lower_case": True}))
+    return d
+
+
+def test_a_do_lower_case_folder_embeds_its_texts_lower_cased(lower_cased):
+    """sentence-transformers lower-cases a text before tokenizing it where the folder says
+    do_lower_case, and so does vLLM: an upper-case text embeds as its lower-cased text."""
+    from transformers import AutoTokenizer
+
+    texts = ["The Capital OF France is PARIS", "WHO wrote THE Book"]
+    cased = AutoTokenizer.from_pretrained(str(lower_cased))
+    assert all(cased.encode(t) != cased.encode(t.lower()) for t in texts)  # the case matters to this vocabulary
+    want = torch.nn.functional.normalize(hf_encode(lower_cased, [t.lower() for t in texts], "mean_tokens"), dim=-1)
+    llm = LLM(str(lower_cased))
+    assert llm.engine.max_model_len == 64  # max_seq_length read from the same file
+    outs = llm.embed(texts, use_tqdm=False)
+    got = torch.tensor([o.outputs.embedding for o in outs])
+    assert torch.allclose(got, want, atol=2e-6, rtol=0), (got - want).abs().max()
+    assert [o.prompt_token_ids for o in outs] == [cased.encode(t.lower()) for t in texts]
+    _assert_clean(llm)
+
+
+# capital and small sigmas (str.lower() makes a word-final capital one final), other cased and
+# uncased letters, case-ignorable marks and punctuation, a dotted capital I, spaces
+@given(st.text(alphabet="ΣσςΑαBbİ1 .'\u0301\u00ad\u02b0:Ⓐ<s>", max_size=24))
+@settings(max_examples=300, deadline=None)
+def test_the_lower_casing_tokenizer_encodes_any_text_as_its_str_lower(lower_cased, text):
+    from transformers import AutoTokenizer
+
+    from engine.model_source import load_tokenizer
+
+    got = _tokenizers(lower_cased, load_tokenizer).encode(text)
+    assert got == _tokenizers(lower_cased, AutoTokenizer.from_pretrained).encode(text.lower())
+
+
+_loaded: dict = {}
+
+
+def _tokenizers(path, load):
+    """One tokenizer per (folder, loader) for the property test's examples."""
+    key = (str(path), load)
+    if key not in _loaded:
+        _loaded[key] = load(str(path))
+    return _loaded[key]
 
 
 def test_mean_sqrt_len_pooling_is_taken_only_where_a_normalize_step_makes_it_means(tmp_path):

@@ -19,7 +19,7 @@ from engine.model.modernbert import ModernBertEncoder
 from engine.model.layers import TPContext, check_checkpoint_shape
 from engine.model.llama import LlamaModel, ModelArch
 from engine.model_source import ModelError
-from engine.pooling import sentence_transformers_max_len
+from engine.st_config import max_seq_length
 
 
 def load_arch(model_dir: str | Path) -> tuple[ModelArch, object]:
@@ -35,7 +35,7 @@ def load_arch(model_dir: str | Path) -> tuple[ModelArch, object]:
         raise
     except Exception as e:
         raise _unreadable(Path(model_dir) / "config.json", e) from None
-    limit = sentence_transformers_max_len(model_dir) if arch.encoder else None
+    limit = max_seq_length(model_dir) if arch.encoder else None
     if limit is not None and limit < arch.max_position_embeddings:  # vLLM's cap too: the input length it was
         arch = dataclasses.replace(arch, max_position_embeddings=limit)  # trained for bounds max_model_len
     return arch, cfg
