@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import ClassVar
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from engine.scoring import score_pairs
 from router.protocol import NonEmptyStr, PoolingFields, nulls_dropped
@@ -62,12 +62,19 @@ class ScoreRequest(PoolingFields):
         return self._names
 
 
+class Document(BaseModel):
+    """Jina's and Cohere's document object: its `text` is scored; its other fields (a title, an
+    id) come back with it in the results, as Cohere keeps them."""
+    model_config = ConfigDict(extra="allow")
+    text: NonEmptyStr
+
+
 class RerankRequest(PoolingFields):
     """POST /rerank (Jina's and Cohere's body): `documents` ordered by their score against
-    `query`, the best `top_n` of them (0 or less: all). A document is a text, or Jina's and
-    Cohere's {"text": ...}."""
+    `query`, the best `top_n` of them (0 or less: all). A document is a text, or an object
+    with a `text` (Document)."""
     query: NonEmptyStr
-    documents: Texts
+    documents: NonEmptyStr | list[NonEmptyStr | Document]
     top_n: int = 0
     return_documents: bool = True  # Jina's: False leaves each result's document out
     max_tokens_per_doc: int | None = Field(None, ge=1)  # Cohere's: each document keeps its first N tokens
@@ -77,20 +84,18 @@ class RerankRequest(PoolingFields):
     def _defaults_for_nulls(cls, data):  # LangChain's JinaRerank sends "top_n": null
         return nulls_dropped(data, frozenset({"top_n", "return_documents"}))
 
-    @field_validator("documents", mode="before")
-    @classmethod
-    def _document_texts(cls, documents):
-        if isinstance(documents, list):
-            return [d["text"] if isinstance(d, dict) and set(d) == {"text"} else d for d in documents]
-        return documents
-
     @model_validator(mode="after")
     def _pairs_up(self):
         _paired(1, len(self.texts()), ("query", "documents"))
         return self
 
     def texts(self) -> list[str]:
-        return _listed(self.documents)
+        return [d if isinstance(d, str) else d.text for d in _listed(self.documents)]
+
+    def document(self, i: int) -> dict:
+        """The i-th document as a result gives it back: {"text": ...}, with an object's other fields."""
+        d = _listed(self.documents)[i]
+        return {"text": d} if isinstance(d, str) else d.model_dump()
 
 
 def _paired(num_first: int, num_second: int, names: tuple[str, str]) -> None:
@@ -101,7 +106,7 @@ def _paired(num_first: int, num_second: int, names: tuple[str, str]) -> None:
         raise ValueError(f"{names[0] if num_first == 0 else names[1]}: {e}") from None
 
 
-def _listed(texts: str | list[str]) -> list[str]:
+def _listed(texts: str | list) -> list:
     return [texts] if isinstance(texts, str) else texts
 
 
@@ -113,11 +118,10 @@ def score_response(rid: str, model: str, scores: list[float], num_prompt_tokens:
 
 def rerank_response(rid: str, model: str, req: RerankRequest, scores: list[float], num_prompt_tokens: int) -> dict:
     """The documents best first (ties keep their order), the best top_n of them."""
-    documents = req.texts()
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
     if req.top_n > 0:
         order = order[:req.top_n]
-    results = [{"index": i, "relevance_score": scores[i]} | ({"document": {"text": documents[i]}}
-                                                              if req.return_documents else {}) for i in order]
+    results = [{"index": i, "relevance_score": scores[i]} | ({"document": req.document(i)} if req.return_documents
+                                                              else {}) for i in order]
     return {"id": rid, "model": model, "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens},
             "results": results}

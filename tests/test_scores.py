@@ -113,10 +113,12 @@ def test_score_and_rerank_over_http_equal_llm_score(model_dir, llm):
         r = await http.post("/rerank", json={"query": QUERY, "documents": many, "top_n": 2})
         assert r.status_code == 200 and len(r.json()["results"]) == 2, r.text
         # Jina's and Cohere's forms: {"text": ...} documents, a null top_n (LangChain), max_tokens_per_doc
-        r = await http.post("/v1/rerank", json={"query": QUERY, "documents": [{"text": d} for d in DOCS],
-                                                "top_n": None, "return_documents": None})
+        # (a document object's other fields come back with it, as Cohere keeps them)
+        objects = [{"text": d} | ({"id": i, "meta": {"title": "t"}} if i % 2 else {}) for i, d in enumerate(DOCS)]
+        r = await http.post("/v1/rerank", json={"query": QUERY, "documents": objects, "top_n": None,
+                                                "return_documents": None})
         assert [x["relevance_score"] for x in r.json()["results"]] == pytest.approx(sorted(want, reverse=True), abs=1e-6)
-        assert r.json()["results"][0]["document"] == {"text": DOCS[best_first[0]]}
+        assert [x["document"] for x in r.json()["results"]] == [objects[i] for i in best_first]
         first_two = [llm.tokenizer.encode(d)[:2] for d in DOCS]
         cut = [o.outputs.score for o in llm.score(QUERY, first_two, use_tqdm=False)]
         r = await http.post("/v2/rerank", json={"query": QUERY, "documents": DOCS, "max_tokens_per_doc": 2})
@@ -140,7 +142,8 @@ def test_score_and_rerank_over_http_equal_llm_score(model_dir, llm):
                 ("long second", "/score", {"data_1": QUERY, "data_2": [DOCS[0], "x " * 300]}),
                 ("long query", "/rerank", {"query": "x " * 300, "documents": DOCS}),
                 ("keep none", "/score", {"text_1": QUERY, "text_2": DOCS, "truncate_prompt_tokens": 0}),
-                ("a bad document", "/rerank", {"query": QUERY, "documents": [{"text": "a", "title": "b"}]}),
+                ("a bad document", "/rerank", {"query": QUERY, "documents": [{"title": "b"}]}),
+                ("an empty document", "/rerank", {"query": QUERY, "documents": ["a", {"text": "", "id": 1}]}),
                 ("long", "/rerank", {"query": QUERY, "documents": ["x " * 300]}),
                 ("normalize", "/score", {"text_1": QUERY, "text_2": DOCS, "normalize": True}),
                 ("model", "/score", {"model": "other", "text_1": QUERY, "text_2": DOCS})):
@@ -166,6 +169,9 @@ def test_score_and_rerank_over_http_equal_llm_score(model_dir, llm):
     assert "must be >= 1, or -1, got 0" in refused["keep none"][1]
     assert "maximum context length is 256 tokens" in refused["long"][1]
     assert "use_activation" in refused["normalize"][1]
+    assert refused["a bad document"][1:] == ("documents.0.text: Field required", "documents.0.text")
+    assert refused["an empty document"][1:] == ("documents.1.text: String should have at least 1 character",
+                                                "documents.1.text")
 
 
 def test_the_flag_bounds_inputs_and_sequences_alike():
