@@ -17,7 +17,7 @@ from engine.lora import LoRAState, attach, load_adapter
 from engine.lora_request import LoRARequest
 from engine.model.llama import ModelArch
 from engine.model.loader import build_model, load_arch
-from engine.model_source import load_tokenizer, model_dir as find_model_dir, model_name, tokenizer_dir
+from engine.model_source import ENCODER_NAMES, load_tokenizer, model_dir as find_model_dir, model_name, tokenizer_dir
 from engine.outputs import PromptLogprob
 from engine.pooling import Pooled, PoolerConfig, pool, pooler_config, row_sums
 from engine.prompt_logprobs import prompt_logprobs
@@ -160,8 +160,7 @@ class LocalExecutor:
         self.max_lora_rank = config.max_lora_rank
         if config.enable_lora:
             if arch.encoder:
-                raise ValueError("LoRA adapters are not supported for encoder models (BERT, RoBERTa, NomicBERT, "
-                                 "ModernBERT)")
+                raise ValueError(f"LoRA adapters are not supported for encoder models ({ENCODER_NAMES})")
             attach(self.model, LoRAState())
         self.sampler = SequenceSampler(config.seed, spec.eos_token_ids, config.logprobs_mode)
         self.info = ModelInfo(model_dir, spec.tokenizer, spec.eos_token_ids, arch.vocab_size,

@@ -17,7 +17,7 @@
 LAST is what decoder embedding models are trained for (Qwen3-Embedding, e5-mistral, gte-Qwen2,
 SFR-Embedding) and vLLM's default for them; MEAN is what some sentence-transformers folders say.
 CLS is refused for a decoder: the first token's state carries nothing of the rest under causal
-attention. An encoder (BERT, RoBERTa, NomicBERT: engine.model.bert; ModernBERT:
+attention. An encoder (BERT, RoBERTa, NomicBERT, GTE: engine.model.bert; ModernBERT:
 engine.model.modernbert) pools CLS by default, or MEAN or LAST, in the model itself, each prompt
 whole in one step.
 
@@ -40,7 +40,7 @@ from pathlib import Path
 
 from engine.classifier import Classifier, activated, classifier, has_classifier_head, is_classifier, is_token_classifier
 from engine.errors import InvalidRequestError
-from engine.model_source import ENCODER_MODEL_TYPES
+from engine.model_source import ENCODER_MODEL_TYPES, ENCODER_NAMES
 from engine.st_dense import ST_NORMALIZE, ST_POOLING, read_dense_modules
 from engine.vllm_args import json_dict
 
@@ -284,11 +284,11 @@ def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) 
     folder's sentence-transformers modules, which win over the defaults (LAST, normalised)."""
     encoder = getattr(hf_config, "model_type", None) in ENCODER_MODEL_TYPES
     if is_token_classifier(hf_config) and not encoder:
-        raise ValueError("a ...ForTokenClassification checkpoint is served for encoders (BERT, RoBERTa, NomicBERT, "
-                         "ModernBERT) only: kvserve has no per-token head for a decoder")
+        raise ValueError(f"a ...ForTokenClassification checkpoint is served for encoders ({ENCODER_NAMES}) only: "
+                         "kvserve has no per-token head for a decoder")
     if resolve_runner(runner, convert, model_dir, hf_config) != "pooling":
         if encoder:
-            raise ValueError("an encoder model (BERT, RoBERTa, NomicBERT, ModernBERT) has no language-model head to "
+            raise ValueError(f"an encoder model ({ENCODER_NAMES}) has no language-model head to "
                              "generate with: it serves embeddings and scores; serve it with --runner pooling")
         if is_classifier(hf_config):
             raise ValueError("this checkpoint is a sequence classifier (...ForSequenceClassification): it has no "

@@ -17,7 +17,7 @@ from engine import LLM, PoolingParams
 from engine.errors import InvalidRequestError
 from engine.sampling_params import framing_tokens, truncated
 from tests.test_embeddings import _assert_clean, _serve
-from tests.tiny_bert import hf_encode, make_tiny_encoder, nomic_hub_format
+from tests.tiny_bert import gte_hub_format, hf_encode, make_tiny_encoder, nomic_hub_format
 
 TEXTS = ["the capital of france is paris", "what city", "a dog runs fast in the blue sky and the sea",
          "who wrote the book", "cat", "the river and the sea and the sky runs slow on a blue dog"]
@@ -169,6 +169,43 @@ def test_nomic_bert_embeds_and_scores_as_hf_from_either_config(tmp_path):
         hub.write_text(json.dumps({**json.loads(hub.read_text()), **{k: not v for k, v in change.items()}}))
 
 
+def test_gte_embeds_and_scores_as_hf_from_either_config(tmp_path):
+    """GTE (gte-base-en-v1.5, gte-multilingual): rotary positions under the hub's fixed NTK
+    scaling, a GeGLU MLP with no bias on up and gate, post-norm, no token types where
+    type_vocab_size is 0; read from transformers' GteConfig and from the hub's ("new"); a
+    reranker's head reads [CLS] through its pooler."""
+    from engine.model.loader import load_arch
+
+    factor, theta, head_dim = 2.0, 500.0, 16
+    ntk = {"rope_type": "linear", "factor": factor ** (2 / head_dim), "rope_theta": theta * factor}  # the hub's NTK
+    sharp = {"initializer_range": 0.2, "type_vocab_size": 0}  # attention far from uniform: positions matter
+    d = make_tiny_encoder(tmp_path / "native", "gte", pooling="mean_tokens", rope_parameters=ntk, **sharp)
+    want = torch.nn.functional.normalize(hf_encode(d, TEXTS, "mean_tokens"), dim=-1)
+    unscaled = make_tiny_encoder(tmp_path / "unscaled", "gte", pooling="mean_tokens", **sharp,
+                                 rope_parameters={"rope_type": "default", "rope_theta": theta})  # the same weights
+    assert (torch.nn.functional.normalize(hf_encode(unscaled, TEXTS, "mean_tokens"), dim=-1) - want).abs().max() > 1e-4
+    for folder in (d, gte_hub_format(d, tmp_path / "hub", ntk_factor=factor)):
+        llm = LLM(str(folder), max_num_seqs=2)
+        got = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
+        assert torch.allclose(got, want, atol=2e-6, rtol=0), (folder.name, (got - want).abs().max())
+        _assert_clean(llm)
+    ce = make_tiny_encoder(tmp_path / "ce", "gte", num_labels=1, type_vocab_size=1)
+    want = torch.sigmoid(hf_encode(ce, [(QUERY, x) for x in DOCS])[:, 0])
+    for folder in (ce, gte_hub_format(ce, tmp_path / "ce-hub")):
+        got = torch.tensor([o.outputs.score for o in LLM(str(folder)).score(QUERY, DOCS, use_tqdm=False)])
+        assert torch.allclose(got, want, atol=2e-6, rtol=0), (folder.name, got, want)
+    hub = tmp_path / "hub" / "config.json"
+    original = hub.read_text()
+    for change, words in (({"logn_attention_scale": True}, "logn_attention_scale=True"),
+                          ({"pack_qkv": False}, "pack_qkv=False"),
+                          ({"rope_scaling": {"type": "ntk", "factor": 2.0, "mixed_b": 0.5}}, "mixed_b"),
+                          ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic'")):
+        hub.write_text(json.dumps({**json.loads(original), **change}))
+        with pytest.raises(ValueError, match=words):
+            load_arch(hub.parent)
+    hub.write_text(original)
+
+
 @pytest.mark.parametrize("biases", [False, True])
 def test_modernbert_embeds_and_scores_as_hf_its_local_layers_windowed(tmp_path, biases):
     """Rotary positions with a theta per layer kind, local layers reading 4 tokens each way (the
@@ -199,7 +236,7 @@ def test_modernbert_embeds_and_scores_as_hf_its_local_layers_windowed(tmp_path, 
                               atol=2e-6, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "nomic_bert", "modernbert"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "nomic_bert", "modernbert", "gte"])
 def test_a_token_classifier_gives_each_tokens_probabilities_as_hf(tmp_path, kind):
     """...ForTokenClassification (a named-entity tagger): vLLM's token_classify task, each token's
     softmax over the labels (its logits with use_activation false), many prompts a step."""

@@ -39,7 +39,7 @@ def make_tiny_encoder(out_dir: Path, kind: str = "bert", num_labels: int = 0, po
                       normalize: bool = True, max_seq_length: int | None = None, seed: int = 0,
                       per_token: bool = False, **config) -> Path:
     """kind "bert", "nomic_bert" (transformers' NomicBert: nomic_hub_format turns it into
-    nomic's own), "modernbert" (BERT's tokenizer, without token types: ModernBERT has none; a
+    nomic's own), "gte" (transformers' Gte: gte_hub_format turns it into the hub's), "modernbert" (BERT's tokenizer, without token types: ModernBERT has none; a
     local window of 8 tokens, so that short prompts cross it), "roberta" or "xlm-roberta" (both
     with RoBERTa's byte-level BPE tokenizer);
     `num_labels` > 0: a ...ForSequenceClassification (`per_token`: a ...ForTokenClassification); `pooling`
@@ -48,14 +48,16 @@ def make_tiny_encoder(out_dir: Path, kind: str = "bert", num_labels: int = 0, po
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    bert_vocab = kind in ("bert", "nomic_bert", "modernbert")
-    tok = _bert_tokenizer(out_dir, kind != "modernbert") if bert_vocab else _roberta_tokenizer(out_dir)
+    bert_vocab = kind in ("bert", "nomic_bert", "modernbert", "gte")
+    # token types where the model has them: ModernBERT has none, nor a GTE of one type (gte-multilingual's)
+    token_types = kind != "modernbert" and (kind != "gte" or config.get("type_vocab_size", 2) >= 2)
+    tok = _bert_tokenizer(out_dir, token_types) if bert_vocab else _roberta_tokenizer(out_dir)
     torch.manual_seed(seed)
     if kind == "modernbert":
         shape = {"num_hidden_layers": 3, "max_position_embeddings": 128, "local_attention": 8,
                  "global_attn_every_n_layers": 2, "pad_token_id": 0, "cls_token_id": 2, "sep_token_id": 3,
                  "bos_token_id": 2, "eos_token_id": 3}
-    elif kind in ("bert", "nomic_bert"):
+    elif kind in ("bert", "nomic_bert", "gte"):
         shape = {"num_hidden_layers": 2, "max_position_embeddings": 128, "type_vocab_size": 2, "pad_token_id": 0}
     else:
         shape = {"num_hidden_layers": 2, "max_position_embeddings": 130, "type_vocab_size": 1, "pad_token_id": 1,
@@ -113,6 +115,37 @@ def hf_encode(model_dir: Path, texts: list, pooling: str = "cls_token") -> torch
             h = result.last_hidden_state[0]
             out.append({"cls_token": h[0], "mean_tokens": h.mean(dim=0), "lasttoken": h[-1]}[pooling])
     return torch.stack(out)
+
+
+def gte_hub_format(src: Path, dst: Path, ntk_factor: float | None = None) -> Path:
+    """A copy of a transformers Gte folder with the hub's config (model_type "new", read by
+    Alibaba-NLP's remote code; gte-base-en-v1.5's fields) and its classifier's tensor names
+    ("new." for "gte."; the other names transformers saves as the hub has them already).
+    `ntk_factor`: the source's rotary is "linear" by ntk_factor^(2/head_dim) at ntk_factor times
+    the hub's theta, which the hub writes as its fixed NTK scaling by ntk_factor."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((src / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    theta, scaling = rope["rope_theta"], None
+    if ntk_factor is not None:
+        head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+        assert rope["rope_type"] == "linear" and abs(rope["factor"] - ntk_factor ** (2 / head_dim)) < 1e-12
+        theta, scaling = theta / ntk_factor, {"type": "ntk", "factor": ntk_factor}
+    hub = {**cfg, "model_type": "new", "architectures": [a.replace("Gte", "New") for a in cfg["architectures"]],
+           "rope_theta": theta, "rope_scaling": scaling, "position_embedding_type": "rope",
+           "layer_norm_type": "layer_norm", "pack_qkv": True, "unpad_inputs": False,
+           "use_memory_efficient_attention": False, "logn_attention_scale": False, "logn_attention_clip1": False,
+           "auto_map": {"AutoConfig": "Alibaba-NLP/new-impl--configuration.NewConfig",
+                        "AutoModel": "Alibaba-NLP/new-impl--modeling.NewModel"}}
+    (dst / "config.json").write_text(json.dumps(hub))
+    weights = load_file(str(src / "model.safetensors"))
+    save_file({("new." + k.removeprefix("gte.")) if k.startswith("gte.") else k: v for k, v in weights.items()},
+              str(dst / "model.safetensors"))
+    return dst
 
 
 def nomic_hub_format(src: Path, dst: Path) -> Path:

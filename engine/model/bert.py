@@ -1,11 +1,13 @@
-"""Encoder models of BERT's layout: BERT, RoBERTa, XLM-RoBERTa and NomicBERT, whose attention runs
-over the whole input both ways. They embed (sentence-transformers' all-MiniLM, bge, e5,
-nomic-embed-text; vLLM's BertModel, XLMRobertaModel, NomicBertModel) and score pairs as
-cross-encoders (ms-marco-MiniLM, bge-reranker; `...ForSequenceClassification`).
+"""Encoder models of BERT's layout: BERT, RoBERTa, XLM-RoBERTa, NomicBERT and GTE, whose attention
+runs over the whole input both ways. They embed (sentence-transformers' all-MiniLM, bge, e5,
+nomic-embed-text, gte-base-en-v1.5, gte-multilingual-base; vLLM's BertModel, XLMRobertaModel,
+NomicBertModel, GteNewModel) and score pairs as cross-encoders (ms-marco-MiniLM, bge-reranker,
+gte-multilingual-reranker-base; `...ForSequenceClassification`).
 
 Each layer is post-norm: attention, residual, LayerNorm; MLP, residual, LayerNorm. BERT's
-positions are a learned table; NomicBERT's are rotary (`arch.rotary`), and its MLP is gated
-(SwiGLU: down(act(gate(x)) * up(x))), without biases.
+positions are a learned table; NomicBERT's and GTE's are rotary (`arch.rotary`), and their MLP
+is gated (down(act(gate(x)) * up(x)): NomicBERT's SwiGLU without biases, GTE's GeGLU with a bias on
+`down` only). The up and gate projections run as one (`up_gate`), as q, k and v do (`qkv`).
 
 An encoder keeps no KV cache. Each prompt runs whole in one step (the engine turns chunked
 prefill and prefix caching off for it: a token's state depends on the tokens after it). The
@@ -34,6 +36,7 @@ from engine.model.rope import prompt_rope, rope_inv_freq, rotate_heads
 # checkpoint tensors no encoder here reads: masked-LM heads, a position-id buffer
 _SKIPPED = ("cls.", "lm_head.", "embeddings.position_ids")
 _QKV = ("query", "key", "value")
+_UP_GATE = ("up", "gate")  # the halves of a gated MLP's fused projection, in GTE's order
 
 
 def prompt_layout(lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -75,13 +78,17 @@ def per_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens
     return torch.cat(parts)
 
 
-def _load_qkv(param: nn.Parameter, tensor: torch.Tensor, shard: str | None) -> None:
-    """The fused q/k/v projection's weight or bias: whole (NomicBERT's Wqkv), or one third of it
-    (BERT's query, key, value: `shard`)."""
-    if shard is None:
-        param.data.copy_(tensor)
-    else:
-        param.data.chunk(3, dim=0)[_QKV.index(shard)].copy_(tensor)
+def _fused(linear: nn.Linear, parts: tuple[str, ...]) -> nn.Linear:
+    """A projection fused from equal `parts` along its outputs: each parameter loads whole (a
+    checkpoint's packed tensor: NomicBERT's Wqkv, GTE's qkv_proj and up_gate_proj) or by part
+    (BERT's query, key and value; NomicBERT's fc11 and fc12)."""
+    def load(param: nn.Parameter, tensor: torch.Tensor, shard: str | None) -> None:
+        (param.data if shard is None else param.data.chunk(len(parts), dim=0)[parts.index(shard)]).copy_(tensor)
+
+    for p in linear.parameters():
+        p.weight_loader, p.shard_ids = load, parts
+        p.full_shape = lambda shard, p=p: p.shape if shard is None else (p.shape[0] // len(parts), *p.shape[1:])
+    return linear
 
 
 class EncoderLayer(nn.Module):
@@ -91,14 +98,12 @@ class EncoderLayer(nn.Module):
         super().__init__()
         h, inter = a.hidden_size, a.intermediate_size
         self.heads = a.num_heads
-        self.qkv = nn.Linear(h, 3 * h, bias=a.attention_bias, dtype=dtype)
-        for p in self.qkv.parameters():
-            p.weight_loader, p.shard_ids = _load_qkv, _QKV
-            p.full_shape = lambda shard, p=p: p.shape if shard is None else (p.shape[0] // 3, *p.shape[1:])
+        self.qkv = _fused(nn.Linear(h, 3 * h, bias=a.attention_bias, dtype=dtype), _QKV)
         self.attn_out = nn.Linear(h, h, bias=a.attention_bias, dtype=dtype)
         self.attn_norm = nn.LayerNorm(h, a.rms_norm_eps, bias=a.norm_bias, dtype=dtype)
-        self.up = nn.Linear(h, inter, bias=a.mlp_bias, dtype=dtype)
-        self.gate = nn.Linear(h, inter, bias=a.mlp_bias, dtype=dtype) if a.gated_mlp else None
+        up_bias = a.mlp_bias if a.up_bias is None else a.up_bias
+        self.up = None if a.gated_mlp else nn.Linear(h, inter, bias=up_bias, dtype=dtype)
+        self.up_gate = _fused(nn.Linear(h, 2 * inter, bias=up_bias, dtype=dtype), _UP_GATE) if a.gated_mlp else None
         self.act = ACT2FN[a.hidden_act]
         self.down = nn.Linear(inter, h, bias=a.mlp_bias, dtype=dtype)
         self.out_norm = nn.LayerNorm(h, a.rms_norm_eps, bias=a.norm_bias, dtype=dtype)
@@ -111,7 +116,11 @@ class EncoderLayer(nn.Module):
         if rope is not None:
             q, k = rotate_heads(q, *rope), rotate_heads(k, *rope)
         x = self.attn_norm(self.attn_out(per_prompt_attention(q, k, v, lens)) + x)
-        y = self.act(self.up(x)) if self.gate is None else self.act(self.gate(x)) * self.up(x)
+        if self.up_gate is None:
+            y = self.act(self.up(x))
+        else:
+            up, gate = self.up_gate(x).chunk(2, dim=-1)
+            y = self.act(gate) * up
         return self.out_norm(self.down(y) + x)
 
 
@@ -124,7 +133,8 @@ class EncoderModel(nn.Module):
         self.arch = a
         self.word_embeddings = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
         self.position_embeddings = None if a.rotary else nn.Embedding(a.position_rows, a.hidden_size, dtype=dtype)
-        self.token_type_embeddings = nn.Embedding(a.type_vocab_size, a.hidden_size, dtype=dtype)
+        self.token_type_embeddings = nn.Embedding(a.type_vocab_size, a.hidden_size, dtype=dtype) \
+            if a.type_vocab_size else None  # gte-base-en-v1.5 has no token types
         self.embed_norm = nn.LayerNorm(a.hidden_size, a.rms_norm_eps, bias=a.norm_bias, dtype=dtype)
         self.layers = nn.ModuleList(EncoderLayer(a, dtype) for _ in range(a.num_layers))
         self.head_dense = self.head_out = None
@@ -142,7 +152,9 @@ class EncoderModel(nn.Module):
         (len(lens), hidden or num_labels) float32; a token classifier's: each prompt's
         (lens[i], num_labels)."""
         starts, ends, positions = prompt_layout(lens, input_ids.device)
-        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_types)
+        x = self.word_embeddings(input_ids)
+        if self.token_type_embeddings is not None:
+            x = x + self.token_type_embeddings(token_types)
         rope = None
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(positions + self.arch.position_offset)
@@ -158,7 +170,8 @@ class EncoderModel(nn.Module):
         return pooled_rows(x, lens, starts, ends, pooling_type).float()
 
     # checkpoint name (after the model prefix) -> ours, for the names that differ: BERT's and
-    # RoBERTa's; NomicBERT's (nomic-embed-text's, which transformers' NomicBert saves too)
+    # RoBERTa's; NomicBERT's (nomic-embed-text's, which transformers' NomicBert saves too); GTE's
+    # (the hub's, which transformers' Gte saves too)
     RENAMES = (("embeddings.word_embeddings.", "word_embeddings."),
                ("embeddings.position_embeddings.", "position_embeddings."),
                ("embeddings.token_type_embeddings.", "token_type_embeddings."),
@@ -169,6 +182,8 @@ class EncoderModel(nn.Module):
                (".output.dense.", ".down."), (".output.LayerNorm.", ".out_norm."),
                (".attn.Wqkv.", ".qkv."), (".attn.out_proj.", ".attn_out."), (".mlp.fc11.", ".up."),
                (".mlp.fc12.", ".gate."), (".mlp.fc2.", ".down."), (".norm1.", ".attn_norm."), (".norm2.", ".out_norm."),
+               (".attention.qkv_proj.", ".qkv."), (".attention.o_proj.", ".attn_out."), (".attn_ln.", ".attn_norm."),
+               (".mlp.up_gate_proj.", ".up_gate."), (".mlp.down_proj.", ".down."), (".mlp_ln.", ".out_norm."),
                # the heads: BERT's pooler + classifier, RoBERTa's classifier.dense + out_proj
                ("pooler.dense.", "head_dense."), ("classifier.dense.", "head_dense."),
                ("classifier.out_proj.", "head_out."), ("classifier.", "head_out."))
@@ -178,9 +193,9 @@ class EncoderModel(nn.Module):
         (None: a tensor no encoder here reads). Names as HF saves them, with or without the
         model prefix, and old checkpoints' gamma/beta."""
         name = ckpt_name
-        for prefix in ("bert.", "roberta.", "nomic_bert.", "model."):
+        for prefix in ("bert.", "roberta.", "nomic_bert.", "new.", "gte.", "model."):
             name = name.removeprefix(prefix)
-        if name.startswith(_SKIPPED) or (name.startswith("pooler.") and not (self.head_dense is not None
+        if name.startswith(_SKIPPED) or name.endswith(".inv_freq") or (name.startswith("pooler.") and not (self.head_dense is not None
                                                                              and self.arch.bert_pooler)):
             return None  # a pooler no head reads (RoBERTa's classifiers have their own dense; HF skips it too)
         if name.endswith(".gamma"):
@@ -192,9 +207,10 @@ class EncoderModel(nn.Module):
                 name = name.replace(src, dst, 1)
         layer, _, rest = name.rpartition(".")  # "layers.0.query.weight": ("layers.0.query", "weight")
         head, _, proj = layer.rpartition(".")
-        shard = proj if head.startswith("layers.") and proj in _QKV else None
+        fused = "qkv" if proj in _QKV else "up_gate" if proj in _UP_GATE and f"{head}.up_gate.{rest}" in params else None
+        shard = proj if head.startswith("layers.") and fused else None
         if shard is not None:
-            name = f"{head}.qkv.{rest}"
+            name = f"{head}.{fused}.{rest}"
         if name not in params:
             raise ValueError(f"unexpected checkpoint tensor {ckpt_name!r}")
         return params[name], shard

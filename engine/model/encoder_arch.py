@@ -1,5 +1,6 @@
-"""The ModelArch fields of an encoder's config (engine.model.bert's BERT, RoBERTa, XLM-RoBERTa and
-NomicBERT; engine.model.modernbert's ModernBERT), as transformers reads the config.json."""
+"""The ModelArch fields of an encoder's config (engine.model.bert's BERT, RoBERTa, XLM-RoBERTa,
+NomicBERT and GTE; engine.model.modernbert's ModernBERT), as transformers reads the config.json;
+GTE's hub config, which transformers cannot read, as its GteConfig (hub_gte_config)."""
 from __future__ import annotations
 
 from engine.classifier import has_classifier_head, is_token_classifier
@@ -11,6 +12,8 @@ def encoder_fields(cfg) -> dict:
         return _modernbert(cfg)
     if cfg.model_type == "nomic_bert":
         return _nomic(cfg)
+    if cfg.model_type == "gte":
+        return _gte(cfg)
     return _encoder(cfg)
 
 
@@ -80,6 +83,66 @@ def _nomic(cfg) -> dict:
                 attention_bias=bool(bias), mlp_bias=bool(bias), o_proj_bias=bool(bias),
                 num_labels=_encoder_labels(cfg), token_classifier=is_token_classifier(cfg), encoder=True,
                 type_vocab_size=cfg.type_vocab_size, hidden_act=act, bert_pooler=True, rotary=True, gated_mlp=True)
+
+def _gte(cfg) -> dict:
+    """A GTE config (transformers' GteConfig, or the hub's read into one): BERT's post-norm layers
+    with rotary positions and a gated MLP (GeGLU) whose up and gate projections have no bias;
+    token types only where type_vocab_size is above 0 (gte-base-en-v1.5 has none)."""
+    from transformers.activations import ACT2FN
+
+    from engine.model.rope import rope_inv_freq
+
+    if cfg.hidden_act not in ACT2FN:
+        raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}")
+    heads = cfg.num_attention_heads
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    theta = float(rope.pop("rope_theta", None) or cfg.default_theta)
+    scaling = rope if rope.get("rope_type", "default") != "default" else None
+    try:
+        rope_inv_freq(cfg.hidden_size // heads, theta, scaling)
+    except KeyError as e:
+        raise ValueError(f"rope scaling {scaling} lacks {e}") from None
+    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                num_layers=cfg.num_hidden_layers, num_heads=heads, num_kv_heads=heads,
+                head_dim=cfg.hidden_size // heads, rms_norm_eps=cfg.layer_norm_eps, rope_theta=theta,
+                rope_scaling=scaling, max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False,
+                attention_bias=True, mlp_bias=True, up_bias=False, o_proj_bias=True,
+                num_labels=_encoder_labels(cfg), token_classifier=is_token_classifier(cfg), encoder=True,
+                type_vocab_size=cfg.type_vocab_size, hidden_act=cfg.hidden_act, bert_pooler=True, rotary=True,
+                gated_mlp=True)
+
+
+# What GTE's hub code implements, each field's value for it (other values are refused)
+_GTE_HUB_LAYOUT = (("position_embedding_type", "rope"), ("layer_norm_type", "layer_norm"), ("pack_qkv", True),
+                   ("logn_attention_scale", False), ("logn_attention_clip1", False))
+
+
+def hub_gte_config(raw: dict, path: str = "config.json"):
+    """GTE's hub config (model_type "new", which only its remote code reads: Alibaba-NLP's
+    gte-base-en-v1.5, gte-large-en-v1.5, gte-multilingual-base and gte-multilingual-reranker-base)
+    as transformers' GteConfig, whose fields are the same but for rotary's. The hub's fixed NTK
+    scaling (theta times the factor, then every frequency over factor^(2/head_dim)) is exactly
+    transformers' "linear" scaling by factor^(2/head_dim) at that theta."""
+    from transformers import GteConfig
+
+    unsupported = [f"{k}={raw[k]!r}" for k, ok in _GTE_HUB_LAYOUT if raw.get(k, ok) != ok]
+    theta = float(raw.get("rope_theta", 10000.0))
+    rope = {"rope_type": "default", "rope_theta": theta}
+    scaling = raw.get("rope_scaling")
+    if scaling:
+        kind = scaling.get("type", scaling.get("rope_type")) if isinstance(scaling, dict) else None
+        if kind != "ntk" or scaling.get("mixed_b") is not None or not scaling.get("factor"):
+            unsupported.append(f"rope_scaling={scaling!r}")
+        else:
+            factor, head_dim = float(scaling["factor"]), raw["hidden_size"] // raw["num_attention_heads"]
+            rope = {"rope_type": "linear", "factor": factor ** (2 / head_dim), "rope_theta": theta * factor}
+    if unsupported:
+        raise ValueError(f"{path!r}: this GTE config is not supported: {', '.join(unsupported)} (kvserve runs the "
+                         "hub layout of gte-*-v1.5 and gte-multilingual: rotary positions, fixed NTK scaling, "
+                         "packed q/k/v, post-norm LayerNorms)")
+    skipped = {"model_type", "rope_theta", "rope_scaling", "auto_map", "transformers_version"}
+    return GteConfig(**{k: v for k, v in raw.items() if k not in skipped}, rope_parameters=rope)
+
 
 def _modernbert(cfg) -> dict:
     """A ModernBERT config, as transformers 5 keeps it (layer_types, rope_parameters per layer

@@ -21,7 +21,7 @@ from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, QKVParall
                                  RowParallelLinear, TPContext, VocabParallelEmbedding)
 from engine.model.encoder_arch import encoder_fields
 from engine.model.rope import RopeStep, RotaryEmbedding, apply_rope, rope_inv_freq
-from engine.model_source import ENCODER_MODEL_TYPES, SUPPORTED_MODEL_TYPES
+from engine.model_source import ENCODER_MODEL_TYPES, ENCODER_NAMES, SUPPORTED_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ class ModelArch:
     bert_pooler: bool = False  # a BERT classifier's head starts with its pooler; RoBERTa's with its own dense
     hidden_act: str = "silu"
     rotary: bool = False  # NomicBERT's: rotary positions (rope_theta), no position table
-    gated_mlp: bool = False  # NomicBERT's SwiGLU: down(act(gate(x)) * up(x))
+    gated_mlp: bool = False  # NomicBERT's SwiGLU, GTE's GeGLU: down(act(gate(x)) * up(x))
+    up_bias: bool | None = None  # the up (and gate) projection's bias, where it differs from mlp_bias (GTE's: none)
     # ModernBERT's (engine.model.modernbert): rotary positions, local layers
     # (`sliding_layers`) whose tokens read `local_window` tokens each way
     modernbert: bool = False
@@ -110,7 +111,7 @@ class ModelArch:
     def check_tp(self, tp_size: int) -> None:
         """Raise before any weight is loaded when the model cannot be split tp_size ways."""
         if self.encoder and tp_size > 1:
-            raise ValueError(f"encoder models (BERT, RoBERTa, NomicBERT, ModernBERT) run on one device: "
+            raise ValueError(f"encoder models ({ENCODER_NAMES}) run on one device: "
                              f"tensor_parallel_size {tp_size} is not supported for them")
         problems = []
         if self.num_heads % tp_size:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import json
 import os
 import time
 from pathlib import Path
@@ -15,10 +16,11 @@ from engine import cpu_kernels
 from engine.model import codes
 from engine.model.codes import codes_wanted, log_codes
 from engine.model.bert import EncoderModel
+from engine.model.encoder_arch import hub_gte_config
 from engine.model.modernbert import ModernBertEncoder
 from engine.model.layers import TPContext, check_checkpoint_shape
 from engine.model.llama import LlamaModel, ModelArch
-from engine.model_source import ModelError
+from engine.model_source import ENCODER_NAMES, ModelError
 from engine.st_config import max_seq_length
 
 
@@ -28,13 +30,21 @@ def load_arch(model_dir: str | Path) -> tuple[ModelArch, object]:
     type, say), which it reports with its own exception types."""
     from transformers import AutoConfig
 
+    path = Path(model_dir) / "config.json"
     try:
-        cfg = AutoConfig.from_pretrained(str(model_dir))
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise _unreadable(path, e) from None
+    try:
+        if isinstance(raw, dict) and raw.get("model_type") == "new":  # GTE's hub config: only its remote code reads it
+            cfg = hub_gte_config(raw, str(path))
+        else:
+            cfg = AutoConfig.from_pretrained(str(model_dir))
         arch = ModelArch.from_hf(cfg)
     except ValueError:
         raise
     except Exception as e:
-        raise _unreadable(Path(model_dir) / "config.json", e) from None
+        raise _unreadable(path, e) from None
     limit = max_seq_length(model_dir) if arch.encoder else None
     if limit is not None and limit < arch.max_position_embeddings:  # vLLM's cap too: the input length it was
         arch = dataclasses.replace(arch, max_position_embeddings=limit)  # trained for bounds max_model_len
@@ -110,7 +120,7 @@ def build_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                 tp: TPContext = TPContext(), pooling: bool = False) -> LlamaModel | EncoderModel:
     arch, _ = load_arch(model_dir)
     if arch.encoder and not pooling:
-        raise ValueError("an encoder model (BERT, RoBERTa, NomicBERT, ModernBERT) has no language-model head to "
+        raise ValueError(f"an encoder model ({ENCODER_NAMES}) has no language-model head to "
                          "generate with: it serves embeddings and scores (--runner pooling, which --runner auto picks "
                          "for it)")
     with torch.device(device):  # built where it runs, as a tensor-parallel rank builds its shard
