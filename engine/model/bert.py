@@ -195,9 +195,11 @@ class EncoderModel(nn.Module):
         name = ckpt_name
         for prefix in ("bert.", "roberta.", "nomic_bert.", "new.", "gte.", "model."):
             name = name.removeprefix(prefix)
-        if name.startswith(_SKIPPED) or name.endswith(".inv_freq") or (name.startswith("pooler.") and not (self.head_dense is not None
-                                                                             and self.arch.bert_pooler)):
-            return None  # a pooler no head reads (RoBERTa's classifiers have their own dense; HF skips it too)
+        unread_pooler = name.startswith("pooler.") and not (self.head_dense is not None and self.arch.bert_pooler)
+        if name.startswith(_SKIPPED) or name.endswith(".inv_freq") or unread_pooler:
+            # a pooler no head reads (RoBERTa's classifiers have their own dense; HF skips it too);
+            # an old checkpoint's rotary buffer
+            return None
         if name.endswith(".gamma"):
             name = name.removesuffix(".gamma") + ".weight"
         elif name.endswith(".beta"):
