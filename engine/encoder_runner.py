@@ -42,7 +42,7 @@ class EncoderRunner:
         # by length: prompts of one length are then consecutive, and attend as one batch
         # (engine.model.bert.per_prompt_attention); the pooled rows come back in this order
         order = sorted(batch.row_order(self.block_size), key=lambda i: batch.seqs[i].num_prompt_tokens)
-        ids, types, lens = [], [], []
+        ids, types, lens, every_token = [], [], [], []
         for i in order:
             seq = batch.seqs[i]
             if seq.num_computed_tokens or batch.num_new_tokens[i] != seq.num_prompt_tokens:
@@ -52,6 +52,7 @@ class EncoderRunner:
             ids.extend(seq.prompt_token_ids)
             types.extend(self.token_types(seq))
             lens.append(seq.num_prompt_tokens)
+            every_token.append(seq.params.pooling.every_token)  # token_embed: every row, not the pooled one
         pooled = self.model(to_device(ids, torch.long, self.device), lens, to_device(types, torch.long, self.device),
-                            self.pooling_type)
+                            self.pooling_type, every_token)
         return RunnerOutput(None, order, pooled=pooled)

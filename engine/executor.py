@@ -19,7 +19,7 @@ from engine.model.llama import ModelArch
 from engine.model.loader import build_model, load_arch
 from engine.model_source import ENCODER_NAMES, load_tokenizer, model_dir as find_model_dir, model_name, tokenizer_dir
 from engine.outputs import PromptLogprob
-from engine.pooling import Pooled, PoolerConfig, pool, pooler_config, row_sums
+from engine.pooling import Pooled, PoolerConfig, pool, pooler_config, prompt_rows
 from engine.prompt_logprobs import prompt_logprobs
 from engine.runners import make_runner, step_bytes
 from engine.sampler import SampleResult, SequenceSampler
@@ -48,7 +48,7 @@ class StepDraws(Protocol):
 
     sampled: list[int]  # indices into batch.seqs of the sequences that sample, in row order
     prompt_logprobs: dict[int, list[PromptLogprob]]  # index into batch.seqs -> this step's prompt logprobs
-    pooled_rows: dict[int, tuple[list[float], int]]  # index -> a mean-pooling request's rows: sum, count
+    pooled_rows: dict[int, tuple[list, int]]  # index -> a pooling request's rows: MEAN's sum (ALL's rows), count
 
     def sample(self, rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:
         """One draw per sequence, seqs[i] from row rows[i]; a parent's freshly forked children
@@ -77,7 +77,7 @@ class LocalDraws:
     grammar_mask: GrammarMask | None = None
     prompt_logprobs: dict[int, list[PromptLogprob]] = field(default_factory=dict)
     pooled: torch.Tensor | None = None  # a pooling engine's: the sampled rows' final hidden states, not logits
-    pooled_rows: dict[int, tuple[list[float], int]] = field(default_factory=dict)
+    pooled_rows: dict[int, tuple[list, int]] = field(default_factory=dict)
 
     def sample(self, rows: list[int], seqs: list[Sequence]) -> list[SampleResult | Pooled]:
         if self.pooled is not None:
@@ -172,8 +172,9 @@ class LocalExecutor:
     def execute(self, batch: ScheduledBatch, grammar_mask: GrammarMask | None = None) -> LocalDraws:
         out = self.runner.execute(batch)
         prompt, rows = {}, {}
-        if out.prompt_spans and out.pooled is not None:  # a pooling model's prompt rows are mean-pooled
-            rows = row_sums(out.prompt_rows.hidden, out.prompt_spans)
+        if out.prompt_spans and out.pooled is not None:  # a pooling model's prompt rows: MEAN's sums, ALL's rows
+            rows = prompt_rows(out.prompt_rows.hidden, out.prompt_spans,
+                               {s.index for s in out.prompt_spans if batch.seqs[s.index].params.pooling.every_token})
         elif out.prompt_spans:
             prompt = prompt_logprobs(out.prompt_rows.logits(), out.prompt_spans,
                                      [batch.seqs[s.index] for s in out.prompt_spans])

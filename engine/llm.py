@@ -172,10 +172,10 @@ class LLM:
                tokenization_kwargs: dict | None = None) -> list[PoolingRequestOutput]:
         """vLLM's: each prompt's pooled vector (a torch tensor), from an engine started with
         runner="pooling" (engine.pooling); in prompt order, run under continuous batching as
-        `generate` runs its prompts. `pooling_task` (embed, classify, score, token_classify) is
-        the task of every prompt, whatever its params say; without one, the params' (embed
-        without params). `truncate_prompt_tokens` applies to every prompt whose params leave it
-        unset."""
+        `generate` runs its prompts. `pooling_task` (embed, token_embed, classify, score,
+        token_classify) is the task of every prompt, whatever its params say; without one, the
+        params' (embed without params). `truncate_prompt_tokens` applies to every prompt whose
+        params leave it unset."""
         import torch
 
         params = PoolingParams() if pooling_params is None else pooling_params

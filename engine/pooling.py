@@ -5,10 +5,12 @@
                architecture named for embeddings (`...EmbeddingModel`, or a bare `LlamaModel`
                / `Qwen3Model` without a language-model head) or a sequence classifier
                (`...ForSequenceClassification`), as vLLM resolves it
-    tasks      an embedding model pools for `embed`; a classifier for `classify` (its head's
-               probabilities, engine.classifier) and, with one label, `score` (a cross-encoder:
-               one pair of texts in one prompt, engine.scoring); an encoder's token classifier
-               for `token_classify` (each token's probabilities)
+    tasks      an embedding model pools for `embed` and `token_embed` (a vector for every
+               prompt token: vLLM's ALL pooling, as late-interaction retrieval reads them); a
+               classifier for `classify` (its head's probabilities, engine.classifier) and, with
+               one label, `score` (a cross-encoder: one pair of texts in one prompt,
+               engine.scoring); an encoder's token classifier for `token_classify` (each token's
+               probabilities)
     pooler     vLLM's PoolerConfig: LAST pooling, the final hidden state (after the last norm) of
                the prompt's last token, or MEAN, the mean of every prompt token's; L2-normalised
                (`use_activation`) unless the model's sentence-transformers modules have no
@@ -27,8 +29,9 @@ sequence "samples" once, at the end of its prefill, from the hidden row where a 
 would take logits, and what it draws is that row (`Pooled`); the engine then finishes it with
 its vector (`embedding`) and its blocks go back. A MEAN request also takes the rows before its
 last, as prompt logprobs take theirs (Sequence.prompt_logprob_positions, no prefix-cache hit past
-the rows it has), and the engine adds up their sums (`row_sums`) as its chunks run. A LAST
-request's prefix-cache hit is safe: the last prompt token is always computed.
+the rows it has), and the engine adds up their sums (`prompt_rows`) as its chunks run; a
+`token_embed` request (ALL) takes the same rows and keeps each. A LAST request's prefix-cache hit
+is safe: the last prompt token is always computed.
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed")
 POOLING_TYPES = ("LAST", "MEAN")  # what this engine pools a decoder by; vLLM's others are refused by name
 ENCODER_POOLING_TYPES = ("CLS", "MEAN", "LAST")  # an encoder's (engine.model.bert)
-TASKS = ("embed", "classify", "score", "token_classify")  # vLLM's pooling tasks that this engine serves
+TASKS = ("embed", "classify", "score", "token_embed", "token_classify")  # vLLM's pooling tasks that this engine serves
 VLLM_POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL", "STEP")
 
 
@@ -71,8 +74,13 @@ class PoolingParams:
 
     @property
     def pools_every_row(self) -> bool:
-        """MEAN: the request needs every prompt row's hidden state, not the last one's alone."""
-        return self.pooling_type == "MEAN"
+        """MEAN and ALL: the request needs every prompt row's hidden state, not the last one's alone."""
+        return self.pooling_type in ("MEAN", "ALL")
+
+    @property
+    def every_token(self) -> bool:
+        """ALL (`token_embed`): a vector for each prompt token."""
+        return self.pooling_type == "ALL"
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -118,7 +126,7 @@ class PoolerConfig:
 
     @property
     def tasks(self) -> tuple[str, ...]:
-        return ("embed",) if self.classifier is None else self.classifier.tasks
+        return ("embed", "token_embed") if self.classifier is None else self.classifier.tasks
 
     @classmethod
     def from_fields(cls, fields: dict) -> "PoolerConfig":
@@ -155,7 +163,8 @@ class PoolerConfig:
             if self.matryoshka_dimensions is not None and dims not in self.matryoshka_dimensions:
                 raise InvalidRequestError("dimensions", f"the model only supports dimensions "
                                           f"{list(self.matryoshka_dimensions)}, got {dims}")
-        return PoolingParams(dims, act, params.truncate_prompt_tokens, params.task, self.request_pooling,
+        return PoolingParams(dims, act, params.truncate_prompt_tokens, params.task,
+                             "ALL" if params.task == "token_embed" else self.request_pooling,
                              "normalize" if act else None, params.token_type_start)
 
     @property
@@ -348,43 +357,53 @@ class Pooled:
 
 def pool(hidden, rows: list[int]) -> list[Pooled]:
     """hidden: (R, hidden) float32 tensor, the final hidden states of the sequences' last prompt
-    tokens (or a token classifier's list of R (tokens, labels) tensors) -> the draws, the i-th of
+    tokens (or an encoder's list of R tensors: a pooled row (hidden,), or every token's rows
+    (tokens, hidden or labels) for `token_embed` and a token classifier) -> the draws, the i-th of
     row rows[i]. One copy to the host."""
     if isinstance(hidden, list):  # one copy of them all, then each prompt's rows
         import torch
 
-        flat, ends = torch.cat(hidden).tolist(), list(itertools.accumulate(map(len, hidden)))
-        values = [flat[end - len(h):end] for h, end in zip(hidden, ends)]
+        flat = torch.cat([h.view(-1, h.shape[-1]) for h in hidden]).tolist()
+        ends = list(itertools.accumulate(len(h) if h.dim() == 2 else 1 for h in hidden))
+        values = [flat[end - len(h):end] if h.dim() == 2 else flat[end - 1] for h, end in zip(hidden, ends)]
     else:
         values = hidden.tolist()
     return [Pooled(values[r]) for r in rows]
 
 
-def row_sums(hidden, spans: list) -> dict[int, tuple[list[float], int]]:
-    """A mean-pooling step's prompt rows (hidden: (M, hidden), engine.prompt_logprobs.PromptSpan's
-    order) -> span index -> (their sum, in float64, and their count). One copy to the host."""
+def prompt_rows(hidden, spans: list, every_token: set[int]) -> dict[int, tuple[list, int]]:
+    """A pooling step's prompt rows (hidden: (M, hidden), engine.prompt_logprobs.PromptSpan's
+    order) -> span index -> (their sum in float64, for MEAN; the rows themselves for the span
+    indexes in `every_token`, ALL's; and their count). One copy to the host."""
     import torch
 
-    sums, row = [], 0
+    parts, row = [], 0
     for s in spans:
-        sums.append(hidden[row:row + s.num_rows].sum(dim=0, dtype=torch.float64))  # no float64 copy of the rows
+        rows = hidden[row:row + s.num_rows]
+        parts.append(rows.double() if s.index in every_token else rows.sum(dim=0, dtype=torch.float64)[None])
         row += s.num_rows
-    return {s.index: (v, s.num_rows) for s, v in zip(spans, torch.stack(sums).tolist())}
+    values = torch.cat(parts).tolist() if parts else []
+    out, row = {}, 0
+    for s, part in zip(spans, parts):
+        out[s.index] = (values[row:row + len(part)] if s.index in every_token else values[row], s.num_rows)
+        row += len(part)
+    return out
 
 
 def pooled_vector(last: list[float], params: PoolingParams, rows_sum: list[float] | None = None,
                   num_rows: int = 0, project=None) -> list[float]:
     """The vector of a request (`params` resolved): its last row (LAST), or the mean of
-    `rows_sum` (its other rows) and the last (MEAN); through `project` (engine.st_dense's
-    Projection, where the folder has Dense modules); its first `dimensions`, with its
-    `activation` applied (vLLM's order: project, cut, then normalise)."""
+    `rows_sum` (its other rows) and the last (MEAN); or, `last` a list of rows (ALL, a token
+    classifier's), a vector for each; through `project` (engine.st_dense's Projection, where the
+    folder has Dense modules); its first `dimensions`, with its `activation` applied (vLLM's
+    order: project, cut, then normalise), each row alone."""
     import torch  # not at import: EngineConfig reads this module's names, and the ingress has no use for torch
 
     v = torch.tensor(last, dtype=torch.float64)
-    if params.pools_every_row:
+    if params.pools_every_row and not params.every_token:
         v = (v + torch.tensor(rows_sum, dtype=torch.float64)) / (num_rows + 1) if rows_sum is not None else v
     if project is not None:  # an embedding model's (a classifier with Dense modules is refused)
         v = project(v)
     if params.dimensions is not None:
-        v = v[:params.dimensions]
+        v = v[..., :params.dimensions]
     return activated(v, params.activation).float().tolist()

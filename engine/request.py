@@ -27,8 +27,9 @@ class Request:
         self.num_outputs = 0  # snapshots taken so far
         # The first prompt token has no context; the rest arrive with the prefill chunks' steps.
         self.prompt_logprobs: PromptLogprobs | None = [None] if params.prompt_logprobs is not None else None
-        self.pooled: list[float] | None = None  # a pooling request's vector, once drawn
+        self.pooled: list | None = None  # a pooling request's vector (a token_embed one's: one per token), once drawn
         self._rows_sum: list[float] | None = None  # a mean-pooling request's rows so far (float64 sums)
+        self._rows: list[list[float]] = []  # a token_embed request's rows so far (ALL)
 
     def output_due(self, stream_interval: int) -> bool:
         """Whether this step should hand out a snapshot: always the first (time to first token), the
@@ -90,17 +91,23 @@ class Request:
             comp.finish_reason = "length"
         return comp.finish_reason is not None
 
-    def add_pooled_rows(self, seq: Sequence, rows_sum: list[float], num_rows: int) -> None:
-        """A mean-pooling request's prompt rows of this step (engine.pooling.row_sums), after the
-        ones seq already has."""
-        self._rows_sum = rows_sum if self._rows_sum is None else [a + b for a, b in zip(self._rows_sum, rows_sum)]
+    def add_pooled_rows(self, seq: Sequence, rows: list, num_rows: int) -> None:
+        """A pooling request's prompt rows of this step (engine.pooling.prompt_rows: MEAN's sum,
+        ALL's rows), after the ones seq already has."""
+        if self.params.pooling.every_token:
+            self._rows.extend(rows)
+        else:
+            self._rows_sum = rows if self._rows_sum is None else [a + b for a, b in zip(self._rows_sum, rows)]
         seq.num_prompt_logprobs += num_rows
 
     def finish_pooled(self, seq: Sequence, result: Pooled, project=None) -> bool:
         """A pooling request's last row (engine.pooling): it ends with its vector (`project`:
-        pooled_vector's)."""
-        self.pooled = pooled_vector(result.data, self.params.pooling, self._rows_sum, seq.num_prompt_logprobs,
-                                    project)
+        pooled_vector's). A decoder's token_embed request adds its last row to the ones it took;
+        an encoder gives every row at once."""
+        data = result.data
+        if self.params.pooling.every_token and data and not isinstance(data[0], list):
+            data = self._rows + [data]
+        self.pooled = pooled_vector(data, self.params.pooling, self._rows_sum, seq.num_prompt_logprobs, project)
         return self.finish(seq, "stop")
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | None = None) -> bool:

@@ -65,7 +65,7 @@ def lower_cased(tokenizer, model_dir: str | Path):
     if backend is None:
         raise ValueError(f"{str(model_dir)!r} is a sentence-transformers folder whose texts are lower-cased "
                          "(do_lower_case), but its tokenizer has no tokenizers backend to lower-case them with")
-    steps = [normalizers.Replace(Regex(_FINAL_SIGMA), "ς"), normalizers.Lowercase()] + ([backend.normalizer] if backend.normalizer is not None else [])
-    backend.normalizer = normalizers.Sequence(steps)
+    steps = [normalizers.Replace(Regex(_FINAL_SIGMA), "ς"), normalizers.Lowercase()]
+    backend.normalizer = normalizers.Sequence(steps + ([backend.normalizer] if backend.normalizer is not None else []))
     logger.info("tokenizer: texts are lower-cased before encoding (sentence-transformers do_lower_case)")
     return tokenizer

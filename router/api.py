@@ -10,8 +10,8 @@
     GET, DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items   stored responses
     POST /v1/responses/{id}/cancel   a background response (router.background)
     POST /v1/embeddings         on a pooling engine (--runner pooling), as the next three
-    POST /pooling               vLLM's: each input's vector in its pooling reply (tasks "embed", "classify",
-                                "token_classify")
+    POST /pooling               vLLM's: each input's vector in its pooling reply (tasks "embed",
+                                "token_embed", "classify", "token_classify")
     POST /classify              vLLM's: each input's class probabilities, from a sequence classifier
     POST /score, /v1/score      vLLM's: text pairs scored by a cross-encoder, or by their embeddings' cosine
     POST /rerank, /v1/rerank, /v2/rerank   vLLM's (Jina's, Cohere's body): documents by their score against a query

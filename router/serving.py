@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 LIMITS_TTL_S = 10.0  # how long the ingress trusts the engine's limits (OpenAIServing.limits)
 LIMITS_TIMEOUT_S = 30.0  # how long asking them may take: a seat on a busy replica, not forever
+POOLING_ROUTE_TASKS = ("embed", "token_embed", "classify", "token_classify")  # /pooling's (score: /score)
 
 
 async def beam_replies(search: AsyncIterator[StepOutput]) -> AsyncIterator[StepOutput]:
@@ -255,13 +256,14 @@ class OpenAIServing:
 
     async def pooling(self, req: PoolingRequest) -> dict | BinaryReply:
         """vLLM's /pooling: each input's vector in its reply's shape: an embedding model's
-        embedding (task "embed"), a classifier's probabilities ("classify"), a token classifier's
-        probabilities for each token ("token_classify"); by default the model's first task."""
+        embedding (task "embed") or a vector for each token ("token_embed"), a classifier's
+        probabilities ("classify"), a token classifier's probabilities for each token
+        ("token_classify"); by default the model's first task."""
         pooler = await self._pooler()
         task = req.task or (pooler.tasks[0] if pooler is not None else "embed")
-        if task not in ("embed", "classify", "token_classify"):
-            raise bad_request(f"Task {task} is not supported by /pooling: it pools for embed, classify and "
-                              "token_classify (/score scores pairs)", param="task")
+        if task not in POOLING_ROUTE_TASKS:
+            raise bad_request(f"Task {task} is not supported by /pooling: it pools for "
+                              f"{', '.join(POOLING_ROUTE_TASKS)} (/score scores pairs)", param="task")
         params = await self._pooling_params(req, "Pooling", req.dimensions, task, "task")
         rid, prompts, vectors = await self._pooled_inputs(req, params, "pool")
         return embedding_response(rid, self.reply_model(req.model), vectors, sum(map(len, prompts)),
@@ -524,7 +526,7 @@ class OpenAIServing:
         """A 400 before anything starts (a background response too) where the engine pools."""
         pooler = await self._pooler()
         if pooler is not None and pooler.classifier is not None:
-            routes = {"score": "/classify, /score or /rerank", "token_classify": "/pooling"}
+            routes = {"score": "/classify, /score or /rerank", "token_classify": "/pooling"}  # a classifier's
             route = next((r for task, r in routes.items() if task in pooler.tasks), "/classify")
             raise bad_request(f"The model is served for classification (--runner pooling; {pooler.classifier.kind}): "
                               f"it does not generate; use {route}", param="model")

@@ -118,8 +118,8 @@ def test_params_a_full_context_and_what_is_refused(dirs, tmp_path):
         llm.embed(prompts[0], pooling_params=PoolingParams(dimensions=8), use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="served for embeddings.*does not generate"):
         llm.generate(prompts[0], SamplingParams(max_tokens=2), use_tqdm=False)
-    with pytest.raises(InvalidRequestError, match="pooling task 'token_embed' is not supported"):
-        PoolingParams(task="token_embed")
+    with pytest.raises(InvalidRequestError, match="pooling task 'plugin' is not supported"):
+        PoolingParams(task="plugin")
     with pytest.raises(InvalidRequestError, match="Task classify is not supported by this model: it pools for embed"):
         llm.classify(prompts[0], use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="does not support Matryoshka"):  # its full size too, as vLLM
@@ -329,6 +329,51 @@ def test_mean_pooling_is_hfs_mean_under_chunks_and_the_prefix_cache(dirs, tmp_pa
     last = LLM(str(d), pooler_config={"pooling_type": "LAST"}, num_gpu_blocks_override=24)  # the folder's, overridden
     _assert_close(last.embed(prompts[1], use_tqdm=False)[0].outputs.embedding, hf_last_hidden(d, prompts[1:2])[0])
     _assert_clean(llm)
+
+
+def hf_token_vectors(model_dir, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """HF's base model, one prompt at a time: every token's final hidden state, unnormalised."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([p])).last_hidden_state[0] for p in prompts]
+
+
+def test_token_embed_gives_every_tokens_vector_under_chunks_and_the_prefix_cache(dirs, tmp_path):
+    """vLLM's token_embed (ALL pooling): each prompt token's final state through the folder's
+    Dense modules, each normalised, whatever the folder's own pooling (MEAN here); rows arriving
+    over several chunked-prefill steps beside embed requests; no prefix-cache hit for it (every
+    row is needed), and one for an embed request after it."""
+
+    d = _sentence_transformers(dirs["qwen3"], tmp_path / "st", "mean_tokens", normalize=True)
+    made = add_dense(d, [(64, 24, True, "torch.nn.modules.activation.Tanh")])
+    prompts = _prompts()
+    want = [torch.nn.functional.normalize(dense_applied(h, made), dim=-1).double()
+            for h in hf_token_vectors(d, prompts)]
+    llm = LLM(str(d), max_num_batched_tokens=32, num_gpu_blocks_override=24, block_size=16)
+    tasks = ["token_embed", "embed", "token_embed", "token_embed"]
+    outs = llm.encode(prompts, [PoolingParams(task=t) for t in tasks], use_tqdm=False)
+    for out, w, task, p in zip(outs, want, tasks, prompts):
+        got = out.outputs.data
+        if task == "embed":  # the folder's MEAN pooling, beside them
+            assert got.shape == (24,)
+            continue
+        assert got.shape == (len(p), 24)
+        assert torch.allclose(got.double(), w, atol=2e-6, rtol=0), (got.double() - w).abs().max()
+    again = llm.encode(prompts[1], pooling_task="token_embed", use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0
+    assert torch.allclose(again.outputs.data.double(), want[1], atol=2e-6, rtol=0)
+    last = LLM(str(d), pooler_config={"pooling_type": "LAST"}, num_gpu_blocks_override=24, block_size=16)
+    first = last.encode(prompts[1], pooling_task="token_embed", use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    embed = last.embed(prompts[1], use_tqdm=False)[0]  # LAST after it: its prefix is cached
+    assert embed.num_cached_tokens > 0 and torch.allclose(torch.tensor(embed.outputs.embedding), first.outputs.data[-1],
+                                                          atol=1e-6, rtol=0)
+    with pytest.raises(InvalidRequestError, match="Matryoshka"):  # dimensions as for embed
+        last.encode(prompts[1], PoolingParams(task="token_embed", dimensions=8), use_tqdm=False)
+    _assert_clean(llm)
+    _assert_clean(last)
 
 
 # -- over HTTP ---------------------------------------------------------------------------------

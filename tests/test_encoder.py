@@ -175,6 +175,7 @@ def test_gte_embeds_and_scores_as_hf_from_either_config(tmp_path):
     type_vocab_size is 0; read from transformers' GteConfig and from the hub's ("new"); a
     reranker's head reads [CLS] through its pooler."""
     from engine.model.loader import load_arch
+    from engine.model.rope import rope_inv_freq
 
     factor, theta, head_dim = 2.0, 500.0, 16
     ntk = {"rope_type": "linear", "factor": factor ** (2 / head_dim), "rope_theta": theta * factor}  # the hub's NTK
@@ -184,7 +185,16 @@ def test_gte_embeds_and_scores_as_hf_from_either_config(tmp_path):
     unscaled = make_tiny_encoder(tmp_path / "unscaled", "gte", pooling="mean_tokens", **sharp,
                                  rope_parameters={"rope_type": "default", "rope_theta": theta})  # the same weights
     assert (torch.nn.functional.normalize(hf_encode(unscaled, TEXTS, "mean_tokens"), dim=-1) - want).abs().max() > 1e-4
-    for folder in (d, gte_hub_format(d, tmp_path / "hub", ntk_factor=factor)):
+    hub = gte_hub_format(d, tmp_path / "hub", ntk_factor=factor)
+    arch = load_arch(hub)[0]  # the hub's NTK frequencies, as its code (and vLLM's) computes them
+    base = theta * factor
+    reference = 1.0 / (base ** (torch.arange(0, head_dim, 2).float() / head_dim)) / factor ** (2 / head_dim)
+    assert torch.allclose(rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling), reference, rtol=1e-6)
+    # gte-multilingual-base's form: a one-label token head of sparse weights, no id2label (an
+    # embedding model); Snowflake's arctic-embed v2: model_type "gte" with the hub's fields
+    sparse = gte_hub_format(d, tmp_path / "sparse", ntk_factor=factor, sparse_head=True)
+    snowflake = gte_hub_format(d, tmp_path / "snowflake", ntk_factor=factor, model_type="gte")
+    for folder in (d, hub, sparse, snowflake):
         llm = LLM(str(folder), max_num_seqs=2)
         got = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
         assert torch.allclose(got, want, atol=2e-6, rtol=0), (folder.name, (got - want).abs().max())
@@ -194,7 +204,7 @@ def test_gte_embeds_and_scores_as_hf_from_either_config(tmp_path):
     for folder in (ce, gte_hub_format(ce, tmp_path / "ce-hub")):
         got = torch.tensor([o.outputs.score for o in LLM(str(folder)).score(QUERY, DOCS, use_tqdm=False)])
         assert torch.allclose(got, want, atol=2e-6, rtol=0), (folder.name, got, want)
-    hub = tmp_path / "hub" / "config.json"
+    hub = hub / "config.json"
     original = hub.read_text()
     for change, words in (({"logn_attention_scale": True}, "logn_attention_scale=True"),
                           ({"pack_qkv": False}, "pack_qkv=False"),
@@ -303,6 +313,50 @@ def test_http_pooling_of_a_token_classifier_equals_the_offline_call(tmp_path):
     _assert_clean(llm)
 
 
+def test_token_embed_gives_each_tokens_vector_offline_and_over_http(dirs):
+    """vLLM's token_embed on an encoder: every token's final state, normalised, beside embed
+    requests in the same steps; over /pooling as a list per token (base64: the rows one after
+    another); a classifier does not pool for it."""
+    import base64
+    import struct
+
+    from transformers import AutoModel, AutoTokenizer
+
+    from engine.config import EngineConfig
+
+    d = dirs["bert-cls"]
+    tok, model = AutoTokenizer.from_pretrained(str(d)), AutoModel.from_pretrained(str(d)).eval()
+    with torch.no_grad():
+        want = [torch.nn.functional.normalize(model(**tok(t, return_tensors="pt")).last_hidden_state[0], dim=-1)
+                for t in TEXTS]
+    llm = LLM(str(d), max_num_seqs=3)
+    tasks = ["token_embed", "embed"] * 3
+    outs = llm.encode(TEXTS, [PoolingParams(task=t) for t in tasks], use_tqdm=False)
+    for out, w, task in zip(outs, want, tasks):
+        if task == "embed":
+            assert out.outputs.data.shape == (64,) and torch.allclose(out.outputs.data, w[0], atol=2e-6, rtol=0)
+        else:
+            assert out.outputs.data.shape == w.shape and torch.allclose(out.outputs.data, w, atol=2e-6, rtol=0)
+    _assert_clean(llm)
+
+    async def go(client, http):
+        r = await http.post("/pooling", json={"model": "m", "input": TEXTS[:2], "task": "token_embed"})
+        assert r.status_code == 200, r.text
+        got = [torch.tensor(x["data"]) for x in r.json()["data"]]
+        assert all(torch.allclose(g, w, atol=1e-6, rtol=0) for g, w in zip(got, want))
+        r = await http.post("/pooling", json={"model": "m", "input": TEXTS[1], "task": "token_embed",
+                                              "encoding_format": "base64"})
+        raw = base64.b64decode(r.json()["data"][0]["data"])
+        assert torch.allclose(torch.tensor(struct.unpack(f"<{len(raw) // 4}f", raw)), want[1].flatten(), atol=1e-6,
+                              rtol=0)
+        r = await http.post("/pooling", json={"model": "m", "input": TEXTS[1]})  # the model's first task: embed
+        assert torch.allclose(torch.tensor(r.json()["data"][0]["data"]), want[1][0], atol=1e-6, rtol=0)
+
+    _serve(EngineConfig(model=str(d)), llm.tokenizer, go)
+    with pytest.raises(InvalidRequestError, match="Task token_embed is not supported by this model"):
+        LLM(str(dirs["bert-ce"])).encode(TEXTS[0], pooling_task="token_embed", use_tqdm=False)
+
+
 def test_truncation_keeps_an_encoders_cls_and_sep(dirs):
     from transformers import AutoTokenizer
 
@@ -349,6 +403,14 @@ def lower_cased(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def lower_cased_bert(tmp_path_factory):
+    """A BERT folder saying do_lower_case: its tokenizer has a normalizer of its own (BertNormalizer)."""
+    d = make_tiny_encoder(tmp_path_factory.mktemp("lower-bert"), "bert", pooling="cls_token")
+    (d / "sentence_bert_config.json").write_text(json.dumps({"do_lower_case": True}))
+    return d
+
+
 def test_a_do_lower_case_folder_embeds_its_texts_lower_cased(lower_cased):
     """sentence-transformers lower-cases a text before tokenizing it where the folder says
     do_lower_case, and so does vLLM: an upper-case text embeds as its lower-cased text."""
@@ -371,13 +433,14 @@ def test_a_do_lower_case_folder_embeds_its_texts_lower_cased(lower_cased):
 # uncased letters, case-ignorable marks and punctuation, a dotted capital I, spaces
 @given(st.text(alphabet="ΣσςΑαBbİ1 .'\u0301\u00ad\u02b0:Ⓐ<s>", max_size=24))
 @settings(max_examples=300, deadline=None)
-def test_the_lower_casing_tokenizer_encodes_any_text_as_its_str_lower(lower_cased, text):
+def test_the_lower_casing_tokenizer_encodes_any_text_as_its_str_lower(lower_cased, lower_cased_bert, text):
     from transformers import AutoTokenizer
 
     from engine.model_source import load_tokenizer
 
-    got = _tokenizers(lower_cased, load_tokenizer).encode(text)
-    assert got == _tokenizers(lower_cased, AutoTokenizer.from_pretrained).encode(text.lower())
+    for folder in (lower_cased, lower_cased_bert):  # no normalizer of its own; BERT's, after the new steps
+        got = _tokenizers(folder, load_tokenizer).encode(text)
+        assert got == _tokenizers(folder, AutoTokenizer.from_pretrained).encode(text.lower())
 
 
 _loaded: dict = {}

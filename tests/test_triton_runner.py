@@ -154,6 +154,8 @@ def test_pooled_rows_match(tiny, device, pooling_type):
     outs = llm.embed(prompts + prompts[1:2], use_tqdm=False)
     assert (outs[3].num_cached_tokens > 0) == (pooling_type == "LAST")
     assert outs[3].outputs.embedding == pytest.approx(outs[1].outputs.embedding, abs=1e-6)
+    tokens = llm.encode(prompts[:2], pooling_task="token_embed", use_tqdm=False)  # every row, step by step
+    assert [len(t.outputs.data) for t in tokens] == [9, 30]
     assert twin.steps >= 3
     _assert_clean(llm)
 

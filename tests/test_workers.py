@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from engine import LLM, AsyncEngine, SamplingParams
 from engine.block_manager import BlockManager
@@ -264,12 +265,19 @@ def test_tp2_pooling_gives_tp1s_embeddings(ray_cluster, tiny_dirs, pooling_type)
     prompts = _prompts()
     params = [PoolingParams(use_activation=i % 2 == 0) for i in range(len(prompts))]
     engine = dict(runner="pooling", pooler_config={"pooling_type": pooling_type}, **ENGINE)
-    want = LLM(model=str(d), **engine).embed(prompts, pooling_params=params, use_tqdm=False)
+    tp1 = LLM(model=str(d), **engine)
+    want = tp1.embed(prompts, pooling_params=params, use_tqdm=False)
+    # token_embed beside embed requests (MEAN's or LAST's): every row of those leaves the group
+    tasks = [PoolingParams(task="token_embed" if i % 2 else "embed") for i in range(len(prompts))]
+    want_tokens = tp1.encode(prompts, tasks, use_tqdm=False)
     llm = LLM(model=str(d), tensor_parallel_size=2, **engine)
     try:
         got = llm.embed(prompts, pooling_params=params, use_tqdm=False)
         for g, w in zip(got, want):
             assert g.outputs.embedding == pytest.approx(w.outputs.embedding, abs=1e-5)
+        for g, w in zip(llm.encode(prompts, tasks, use_tqdm=False), want_tokens):
+            assert g.outputs.data.shape == w.outputs.data.shape and torch.allclose(g.outputs.data, w.outputs.data,
+                                                                                   atol=1e-5, rtol=0)
         _assert_clean(llm)
     finally:
         llm.engine.executor.shutdown()

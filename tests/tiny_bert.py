@@ -117,12 +117,15 @@ def hf_encode(model_dir: Path, texts: list, pooling: str = "cls_token") -> torch
     return torch.stack(out)
 
 
-def gte_hub_format(src: Path, dst: Path, ntk_factor: float | None = None) -> Path:
+def gte_hub_format(src: Path, dst: Path, ntk_factor: float | None = None, sparse_head: bool = False,
+                   model_type: str = "new") -> Path:
     """A copy of a transformers Gte folder with the hub's config (model_type "new", read by
     Alibaba-NLP's remote code; gte-base-en-v1.5's fields) and its classifier's tensor names
     ("new." for "gte."; the other names transformers saves as the hub has them already).
     `ntk_factor`: the source's rotary is "linear" by ntk_factor^(2/head_dim) at ntk_factor times
-    the hub's theta, which the hub writes as its fixed NTK scaling by ntk_factor."""
+    the hub's theta, which the hub writes as its fixed NTK scaling by ntk_factor. `sparse_head`:
+    as gte-multilingual-base, a NewForTokenClassification without labels whose one-row
+    `classifier` gives sparse token weights. `model_type` "gte": Snowflake's form of the config."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -141,8 +144,14 @@ def gte_hub_format(src: Path, dst: Path, ntk_factor: float | None = None) -> Pat
            "use_memory_efficient_attention": False, "logn_attention_scale": False, "logn_attention_clip1": False,
            "auto_map": {"AutoConfig": "Alibaba-NLP/new-impl--configuration.NewConfig",
                         "AutoModel": "Alibaba-NLP/new-impl--modeling.NewModel"}}
+    if sparse_head:
+        hub["architectures"] = ["NewForTokenClassification"]
+        hub.pop("id2label", None), hub.pop("label2id", None)
+    hub["model_type"] = model_type
     (dst / "config.json").write_text(json.dumps(hub))
     weights = load_file(str(src / "model.safetensors"))
+    if sparse_head:
+        weights |= {"classifier.weight": torch.randn(1, cfg["hidden_size"]), "classifier.bias": torch.zeros(1)}
     save_file({("new." + k.removeprefix("gte.")) if k.startswith("gte.") else k: v for k, v in weights.items()},
               str(dst / "model.safetensors"))
     return dst

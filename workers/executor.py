@@ -72,7 +72,7 @@ class RankDraws:
         return self.draws.prompt_logprobs
 
     @property
-    def pooled_rows(self) -> dict[int, tuple[list[float], int]]:
+    def pooled_rows(self) -> dict[int, tuple[list, int]]:
         return self.draws.pooled_rows
 
     def sample(self, rows: list[int], seqs: list[Sequence]) -> list[SampleResult]:

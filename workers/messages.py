@@ -89,7 +89,8 @@ class Draws:
     # draw -> (its logprob, top logprobs, its rank), if asked
     logprobs: dict[int, tuple[float, list[tuple[int, float]], int] | list[tuple[float, list[tuple[int, float]], int]]]
     prompt_logprobs: dict[int, list[PromptLogprob]] = field(default_factory=dict)  # msg.seqs index -> its prompt logprobs
-    pooled_rows: dict[int, tuple[list[float], int]] = field(default_factory=dict)  # msg.seqs index -> rows' sum, count
+    # msg.seqs index -> a pooling request's rows: MEAN's sum (ALL's rows), count
+    pooled_rows: dict[int, tuple[list, int]] = field(default_factory=dict)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

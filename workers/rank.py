@@ -32,7 +32,7 @@ from engine.model.layers import SAMPLING_RANK, TPContext
 from engine.model.llama import LlamaModel, ModelArch
 from engine.model.loader import float_parameters, held_weight_bytes, load_arch, prepare_cpu_weights
 from engine.model_runner import ModelRunner
-from engine.pooling import row_sums
+from engine.pooling import prompt_rows
 from engine.runners import make_runner, step_bytes
 from workers.messages import Draws, RankMirror, StepMessage
 from workers.sampling import RankSampler
@@ -180,8 +180,11 @@ class RankWorker:
         draws = self.sampler.draw(out.logits if out.pooled is None else out.pooled, out.sampled,
                                   [seq_ids[i] for i in out.sampled], msg.sampling.grammar_mask,
                                   [batch.seqs[i].spec_token_ids for i in out.sampled], pooled=out.pooled is not None)
-        if out.prompt_spans and out.pooled is not None:  # a mean-pooling request's rows: their sums
-            draws = dataclasses.replace(draws, pooled_rows=row_sums(out.prompt_rows.hidden, out.prompt_spans))
+        if out.prompt_spans and out.pooled is not None:  # a pooling request's rows: MEAN's sums, ALL's rows
+            every_token = {s.index for s in out.prompt_spans
+                           if self.sampler.records[seq_ids[s.index]].params.pooling.every_token}
+            draws = dataclasses.replace(draws, pooled_rows=prompt_rows(out.prompt_rows.hidden, out.prompt_spans,
+                                                                       every_token))
         elif out.prompt_spans:  # only their numbers leave the group, never the logits rows
             prompt = self.sampler.prompt_logprobs(out.prompt_rows.logits(), out.prompt_spans,
                                                   [seq_ids[span.index] for span in out.prompt_spans])

@@ -59,6 +59,17 @@ def pooled_rows(x: torch.Tensor, lens: list[int], starts: torch.Tensor, ends: to
     return torch.stack([rows.mean(dim=0) for rows in x.split(lens)])
 
 
+def pooled_outputs(x: torch.Tensor, lens: list[int], starts: torch.Tensor, ends: torch.Tensor, pooling_type: str,
+                   every_token: list[bool] | None) -> torch.Tensor | list[torch.Tensor]:
+    """An embedding model's output: one pooled row per prompt (pooled_rows), float32; where
+    `every_token` marks a prompt (a token_embed request), a list of per-prompt tensors in which
+    that prompt's is its every row (tokens, hidden)."""
+    pooled = pooled_rows(x, lens, starts, ends, pooling_type).float()
+    if not every_token or not any(every_token):
+        return pooled
+    return [rows.float() if every else row for rows, row, every in zip(x.split(lens), pooled, every_token)]
+
+
 def per_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
                          masks: list[torch.Tensor | None] | None = None) -> torch.Tensor:
     """q, k, v: (heads, T, head_dim), the prompts' rows one after another -> (T, heads * head_dim):
@@ -147,10 +158,10 @@ class EncoderModel(nn.Module):
         self.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, lens: list[int], token_types: torch.Tensor,
-                pooling_type: str) -> torch.Tensor | list[torch.Tensor]:
+                pooling_type: str, every_token: list[bool] | None = None) -> torch.Tensor | list[torch.Tensor]:
         """input_ids, token_types: (T,) the prompts one after another, lens[i] tokens each ->
         (len(lens), hidden or num_labels) float32; a token classifier's: each prompt's
-        (lens[i], num_labels)."""
+        (lens[i], num_labels); an embedding model's with prompts `every_token` marks: pooled_outputs'."""
         starts, ends, positions = prompt_layout(lens, input_ids.device)
         x = self.word_embeddings(input_ids)
         if self.token_type_embeddings is not None:
@@ -167,7 +178,7 @@ class EncoderModel(nn.Module):
             return list(self.head_out(x).float().split(lens))
         if self.head_out is not None:  # the head reads the first token's state, whatever the pooler
             return self.head_out(torch.tanh(self.head_dense(x[starts]))).float()
-        return pooled_rows(x, lens, starts, ends, pooling_type).float()
+        return pooled_outputs(x, lens, starts, ends, pooling_type, every_token)
 
     # checkpoint name (after the model prefix) -> ours, for the names that differ: BERT's and
     # RoBERTa's; NomicBERT's (nomic-embed-text's, which transformers' NomicBert saves too); GTE's
@@ -196,9 +207,11 @@ class EncoderModel(nn.Module):
         for prefix in ("bert.", "roberta.", "nomic_bert.", "new.", "gte.", "model."):
             name = name.removeprefix(prefix)
         unread_pooler = name.startswith("pooler.") and not (self.head_dense is not None and self.arch.bert_pooler)
-        if name.startswith(_SKIPPED) or name.endswith(".inv_freq") or unread_pooler:
+        unread_head = name.startswith("classifier.") and self.head_out is None
+        if name.startswith(_SKIPPED) or name.endswith(".inv_freq") or unread_pooler or unread_head:
             # a pooler no head reads (RoBERTa's classifiers have their own dense; HF skips it too);
-            # an old checkpoint's rotary buffer
+            # an embedding model's head (gte-multilingual-base's sparse-weight one); an old
+            # checkpoint's rotary buffer
             return None
         if name.endswith(".gamma"):
             name = name.removesuffix(".gamma") + ".weight"
@@ -209,7 +222,8 @@ class EncoderModel(nn.Module):
                 name = name.replace(src, dst, 1)
         layer, _, rest = name.rpartition(".")  # "layers.0.query.weight": ("layers.0.query", "weight")
         head, _, proj = layer.rpartition(".")
-        fused = "qkv" if proj in _QKV else "up_gate" if proj in _UP_GATE and f"{head}.up_gate.{rest}" in params else None
+        gated = proj in _UP_GATE and f"{head}.up_gate.{rest}" in params  # a gated MLP's up or gate
+        fused = "qkv" if proj in _QKV else "up_gate" if gated else None
         shard = proj if head.startswith("layers.") and fused else None
         if shard is not None:
             name = f"{head}.{fused}.{rest}"

@@ -117,10 +117,16 @@ _GTE_HUB_LAYOUT = (("position_embedding_type", "rope"), ("layer_norm_type", "lay
                    ("logn_attention_scale", False), ("logn_attention_clip1", False))
 
 
+def is_hub_gte(raw: dict) -> bool:
+    """A GTE config in the hub's form: model_type "new" (Alibaba-NLP's gte-base-en-v1.5,
+    gte-large-en-v1.5, gte-multilingual-base and gte-multilingual-reranker-base), or "gte" with
+    the hub's rotary fields rather than transformers' rope_parameters (Snowflake's
+    snowflake-arctic-embed-m-v2.0); only their remote code reads them."""
+    return raw.get("model_type") == "new" or (raw.get("model_type") == "gte" and "rope_parameters" not in raw)
+
+
 def hub_gte_config(raw: dict, path: str = "config.json"):
-    """GTE's hub config (model_type "new", which only its remote code reads: Alibaba-NLP's
-    gte-base-en-v1.5, gte-large-en-v1.5, gte-multilingual-base and gte-multilingual-reranker-base)
-    as transformers' GteConfig, whose fields are the same but for rotary's. The hub's fixed NTK
+    """GTE's hub config (is_hub_gte) as transformers' GteConfig, whose fields are the same but for rotary's. The hub's fixed NTK
     scaling (theta times the factor, then every frequency over factor^(2/head_dim)) is exactly
     transformers' "linear" scaling by factor^(2/head_dim) at that theta."""
     from transformers import GteConfig
@@ -141,7 +147,12 @@ def hub_gte_config(raw: dict, path: str = "config.json"):
                          "hub layout of gte-*-v1.5 and gte-multilingual: rotary positions, fixed NTK scaling, "
                          "packed q/k/v, post-norm LayerNorms)")
     skipped = {"model_type", "rope_theta", "rope_scaling", "auto_map", "transformers_version"}
-    return GteConfig(**{k: v for k, v in raw.items() if k not in skipped}, rope_parameters=rope)
+    fields = {k: v for k, v in raw.items() if k not in skipped}
+    if raw.get("architectures") == ["NewForTokenClassification"] and len(raw.get("id2label") or {}) <= 1:
+        # gte-multilingual-base's: an embedding model whose one-label head gives sparse (lexical)
+        # token weights, which embeddings do not read (vLLM serves it as GteNewModel too)
+        fields = {k: v for k, v in fields.items() if k not in ("id2label", "label2id")} | {"architectures": ["NewModel"]}
+    return GteConfig(**fields, rope_parameters=rope)
 
 
 def _modernbert(cfg) -> dict:

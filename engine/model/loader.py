@@ -16,7 +16,7 @@ from engine import cpu_kernels
 from engine.model import codes
 from engine.model.codes import codes_wanted, log_codes
 from engine.model.bert import EncoderModel
-from engine.model.encoder_arch import hub_gte_config
+from engine.model.encoder_arch import hub_gte_config, is_hub_gte
 from engine.model.modernbert import ModernBertEncoder
 from engine.model.layers import TPContext, check_checkpoint_shape
 from engine.model.llama import LlamaModel, ModelArch
@@ -36,7 +36,7 @@ def load_arch(model_dir: str | Path) -> tuple[ModelArch, object]:
     except (OSError, ValueError) as e:
         raise _unreadable(path, e) from None
     try:
-        if isinstance(raw, dict) and raw.get("model_type") == "new":  # GTE's hub config: only its remote code reads it
+        if isinstance(raw, dict) and is_hub_gte(raw):  # only its remote code reads it
             cfg = hub_gte_config(raw, str(path))
         else:
             cfg = AutoConfig.from_pretrained(str(model_dir))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model.bert import per_prompt_attention, pooled_rows, prompt_layout
+from engine.model.bert import per_prompt_attention, pooled_outputs, pooled_rows, prompt_layout
 from engine.model.rope import prompt_rope, rope_inv_freq, rotate_heads
 
 
@@ -118,10 +118,11 @@ class ModernBertEncoder(nn.Module):
         return masks
 
     def forward(self, input_ids: torch.Tensor, lens: list[int], token_types: torch.Tensor,
-                pooling_type: str) -> torch.Tensor | list[torch.Tensor]:
+                pooling_type: str, every_token: list[bool] | None = None) -> torch.Tensor | list[torch.Tensor]:
         """input_ids: (T,) the prompts one after another, lens[i] tokens each (`token_types`:
         unread, ModernBERT has none) -> (len(lens), hidden or num_labels) float32; a token
-        classifier's: each prompt's (lens[i], num_labels)."""
+        classifier's: each prompt's (lens[i], num_labels); an embedding model's with prompts
+        `every_token` marks: engine.model.bert.pooled_outputs'."""
         starts, ends, positions = prompt_layout(lens, input_ids.device)
         x = self.embed_norm(self.tok_embeddings(input_ids))
         ropes = {False: prompt_rope(self.global_freq, positions, x.dtype),
@@ -134,7 +135,7 @@ class ModernBertEncoder(nn.Module):
             return list(self.classifier(self.head(x)).float().split(lens))
         if self.head is not None:  # the head reads the state its config's classifier_pooling gives
             return self.classifier(self.head(pooled_rows(x, lens, starts, ends, self.arch.classifier_pooling))).float()
-        return pooled_rows(x, lens, starts, ends, pooling_type).float()
+        return pooled_outputs(x, lens, starts, ends, pooling_type, every_token)
 
     def param_for(self, ckpt_name: str, params: dict[str, nn.Parameter]) -> tuple[nn.Parameter, None] | None:
         """A checkpoint tensor's parameter (None: one no model here reads: a masked-LM head)."""
