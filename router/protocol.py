@@ -657,9 +657,10 @@ class InputPoolingFields(PoolingFields):
     def _one_input(self):
         if (self.input is None) == (self.messages is None):
             raise ValueError("give exactly one of input or messages")
-        if self.input is not None and (self.input == "" or self.input == [] or
-                                       (isinstance(self.input, list) and any(p in ("", []) for p in self.input))):
-            raise ValueError("input must not be empty, nor hold an empty string or list")
+        # An empty text is taken, as vLLM takes it: an encoder frames it ([CLS] [SEP]); one that
+        # tokenizes to nothing is a 400 saying the prompt is empty (OpenAIServing._check_prompts)
+        if self.input is not None and (self.input == [] or (isinstance(self.input, list) and [] in self.input)):
+            raise ValueError("input must not be empty, nor hold an empty list of token ids")
         _check_template_options(self)
         return self
 

@@ -518,6 +518,7 @@ def test_v1_embeddings_equal_llm_embed_through_the_openai_client(dirs, engine_cl
     assert "served for embeddings" in refused["completions"][1] and "served for embeddings" in refused["responses"][1]
     assert "2049 inputs" in refused["many"][1] and "at most 2048" in refused["many"][1]
     assert "Task classify is not supported" in refused["task"][1]
+    assert "the prompt is empty" in refused["empty"][1]  # an empty text that tokenizes to nothing
 
 
 def test_a_generating_server_says_how_to_serve_embeddings(dirs, tokenizer):

@@ -495,6 +495,7 @@ def test_http_embeddings_and_rerank_of_encoders_equal_the_offline_calls(dirs, en
     embed = LLM(str(dirs["bert-cls"]))
     vectors = [o.outputs.embedding for o in embed.embed(TEXTS, use_tqdm=False)]
     cut = embed.embed(TEXTS[5], truncate_prompt_tokens=5, use_tqdm=False)[0].outputs.embedding
+    empty = embed.embed("", use_tqdm=False)[0].outputs.embedding
     cross = LLM(str(dirs["bert-ce"]))
     scores = [o.outputs.score for o in cross.score(QUERY, DOCS, use_tqdm=False)]
 
@@ -513,6 +514,8 @@ def test_http_embeddings_and_rerank_of_encoders_equal_the_offline_calls(dirs, en
         assert [x / norm for x in r.json()["data"][0]["embedding"]] == pytest.approx(tail, abs=1e-6)
         r = await http.post("/v1/embeddings", json={"model": "m", "input": " ".join(["sky"] * 200)})
         assert r.status_code == 400 and "128" in r.json()["error"]["message"], r.text
+        r = await http.post("/v1/embeddings", json={"model": "m", "input": ["", TEXTS[0]]})  # [CLS] [SEP], as offline
+        assert r.status_code == 200 and r.json()["data"][0]["embedding"] == pytest.approx(empty, abs=1e-6), r.text
         r = await http.post("/v1/completions", json={"model": "m", "prompt": "x"})
         assert r.status_code == 400 and "/v1/embeddings" in r.json()["error"]["message"], r.text
         r = await http.post("/v1/embeddings", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
