@@ -21,7 +21,7 @@ from engine.outputs import (ClassificationOutput, ClassificationRequestOutput, E
                             ScoringRequestOutput, StepOutput)
 from engine.pooling import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.scoring import pair_length, pair_prompts, pair_scores, score_pairs
+from engine.scoring import pair_length, pair_prompts, pair_scores, score_pairs, templated_prompts
 from engine.vllm_args import without_vllm_only
 
 # Text, token ids, or vLLM's TextPrompt / TokensPrompt dicts: {"prompt": text}, {"prompt_token_ids": ids}.
@@ -214,21 +214,29 @@ class LLM:
         """vLLM's, pairing one `data_1` with every `data_2`, or the i-th with the i-th
         (engine.scoring). An embedding model: the cosine similarity of each pair's embeddings,
         every input embedded once. A cross-encoder (a classifier with one label): its score for
-        each pair, read as one prompt. Either way in one continuous batch."""
-        if chat_template is not None:
-            raise ValueError("chat_template (a score template) is not supported: a cross-encoder reads each pair as "
-                             "its tokenizer encodes a text pair")
+        each pair, read as one prompt: the tokenizer's pair encoding, or the pair rendered by
+        `chat_template` (a score template: engine.scoring.templated_prompts). Either way in one
+        continuous batch."""
         firsts, seconds = list(_listed(data_1)), list(_listed(data_2))
         pairs = score_pairs(len(firsts), len(seconds))
         head = None if self.engine.pooler is None else self.engine.pooler.classifier
+        if chat_template is not None and head is None:
+            raise ValueError("chat_template (a score template) is for a cross-encoder: an embedding model embeds "
+                             "each text on its own")
         if head is not None:
             texts = [_text(t) for t in firsts + seconds]
             firsts, seconds = texts[:len(firsts)], texts[len(firsts):]
             params = pooling_params or PoolingParams()
             keep = truncate_prompt_tokens if truncate_prompt_tokens is not None else params.truncate_prompt_tokens
-            prompts, starts = pair_prompts(self.tokenizer, [(firsts[i], seconds[j]) for i, j in pairs],
-                                           head.use_pad_token, pair_length(keep, self.engine.max_model_len))
-            params = dataclasses.replace(params, task="score", truncate_prompt_tokens=None)  # cut as a pair, above
+            both = [(firsts[i], seconds[j]) for i, j in pairs]
+            if chat_template is None:
+                prompts, starts = pair_prompts(self.tokenizer, both, head.use_pad_token,
+                                               pair_length(keep, self.engine.max_model_len))
+                params = dataclasses.replace(params, truncate_prompt_tokens=None)  # cut as a pair, above
+            else:  # one text each, cut as any prompt is
+                prompts, starts = templated_prompts(self.tokenizer, both, chat_template), [None] * len(both)
+                params = dataclasses.replace(params, truncate_prompt_tokens=keep)
+            params = dataclasses.replace(params, task="score")
             outs = self._pooled([{"prompt_token_ids": p} for p in prompts],
                                 [dataclasses.replace(params, token_type_start=s) for s in starts], use_tqdm,
                                 lora_request, None, tokenization_kwargs)

@@ -10,7 +10,9 @@
     pair_scores   each pair's cosine similarity, in float64 from the float32 vectors the engine
                   returns, every vector's norm taken once
     pair_prompts  each pair's prompt for a cross-encoder, as vLLM builds it, and where its
-                  second text's token type begins"""
+                  second text's token type begins
+    templated_prompts  each pair's prompt rendered by a score template (vLLM's --chat-template
+                  on a cross-encoder: Qwen3-Reranker's instruction, query and document format)"""
 from __future__ import annotations
 
 import torch
@@ -57,6 +59,23 @@ def pair_prompts(tokenizer, pairs: list[tuple[str, str]], use_pad_token: bool = 
         return prompts, [None] * len(prompts)
     enc = tokenizer(firsts, text_pair=seconds, return_token_type_ids=True, **cut)
     return enc["input_ids"], [types.index(1) if 1 in types else None for types in enc["token_type_ids"]]
+
+
+def templated_prompts(tokenizer, pairs: list[tuple[str, str]], template: str,
+                      variables: dict | None = None) -> list[list[int]]:
+    """Each (query, document) pair rendered by a score template, as vLLM renders it: the template
+    gets `messages` [{"role": "query", ...}, {"role": "document", ...}] and `variables` (a
+    request's chat_template_kwargs: its `instruction`), and the text is tokenized with the
+    tokenizer's special tokens. InvalidRequestError where the template rejects a pair."""
+    texts = []
+    for first, second in pairs:
+        messages = [{"role": "query", "content": first}, {"role": "document", "content": second}]
+        try:
+            texts.append(tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                       **(variables or {})))
+        except Exception as e:  # jinja raises on what its template rejects
+            raise InvalidRequestError("chat_template_kwargs", f"the score template rejected this pair: {e}") from None
+    return tokenizer(texts, add_special_tokens=True)["input_ids"] if texts else []
 
 
 def cut_pair(ids: list[int], type_start: int | None, keep: int, max_model_len: int, side: str,

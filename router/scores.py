@@ -8,12 +8,12 @@ The request bodies and replies are here; OpenAIServing runs them."""
 from __future__ import annotations
 
 import time
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from engine.scoring import score_pairs
-from router.protocol import NonEmptyStr, PoolingFields, nulls_dropped
+from router.protocol import TEMPLATE_ARGUMENTS, NonEmptyStr, PoolingFields, nulls_dropped
 
 Texts = NonEmptyStr | list[NonEmptyStr]
 
@@ -24,7 +24,24 @@ RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
 SCORE_FIELDS = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
 
 
-class ScoreRequest(PoolingFields):
+class ScoringFields(PoolingFields):
+    """What /score and /rerank share (vLLM's ScoringRequestMixin): variables for a cross-encoder's
+    score template (the server's --chat-template), `instruction` among them."""
+    instruction: str | None = None  # vLLM's: chat_template_kwargs' "instruction", which wins over it
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _template_variables(self):
+        taken = sorted(TEMPLATE_ARGUMENTS & set(self.chat_template_kwargs or ()))
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}")
+        return self
+
+    def template_variables(self) -> dict[str, Any]:
+        return ({} if self.instruction is None else {"instruction": self.instruction}) | (self.chat_template_kwargs or {})
+
+
+class ScoreRequest(ScoringFields):
     """POST /score: `text_1` against `text_2` (or vLLM's `queries` with `documents` or `items`,
     or `data_1` with `data_2`), each a text or a list of texts, paired 1:1, 1:N or N:N."""
     text_1: Texts = Field(description="or queries, or data_1: a text or a list of texts")
@@ -69,7 +86,7 @@ class Document(BaseModel):
     text: NonEmptyStr
 
 
-class RerankRequest(PoolingFields):
+class RerankRequest(ScoringFields):
     """POST /rerank (Jina's and Cohere's body): `documents` ordered by their score against
     `query`, the best `top_n` of them (0 or less: all). A document is a text, or an object
     with a `text` (Document)."""

@@ -32,7 +32,8 @@ from engine.errors import InvalidRequestError
 from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import SamplingParams, framing_tokens, priority_refusal, truncated
 from engine.pooling import PoolerConfig
-from engine.scoring import cut_document, cut_pair, pair_length, pair_prompts, pair_scores, score_pairs
+from engine.scoring import (cut_document, cut_pair, pair_length, pair_prompts, pair_scores, score_pairs,
+                            templated_prompts)
 from engine.structured.params import StructuredOutputsParams
 from engine.beam_search import BeamSearch, BeamSearchAborted, Generate, beam_search
 from router.background import BackgroundRuns, EventLog, check_id_free, run_in_background, stream_in_background
@@ -320,6 +321,11 @@ class OpenAIServing:
         for texts, name in zip(sides, names):
             self._check_inputs(len(texts), name)
         pooler = await self._pooler()
+        if req.template_variables() and (self.settings.chat_template is None or pooler is None
+                                         or pooler.classifier is None):
+            given = "instruction" if req.instruction is not None else "chat_template_kwargs"
+            raise bad_request(f"{given} is for a cross-encoder's score template: start the server with "
+                              "--chat-template (a template reading the query and document messages)", param=given)
         if pooler is not None and pooler.classifier is not None:
             return await self._cross_encoded(req, api, prefix, sides, names, max_second_tokens,
                                              pooler.classifier.use_pad_token)
@@ -337,13 +343,24 @@ class OpenAIServing:
     async def _cross_encoded(self, req: ScoreRequest | RerankRequest, api: str, prefix: str,
                              sides: tuple[list[str], list[str]], names: tuple[str, str], max_second_tokens: int | None,
                              use_pad_token: bool) -> tuple[str, list[float], int]:
-        """_scored's on a cross-encoder: each pair one prompt (engine.scoring.pair_prompts), its
-        score the head's; a document cut to `max_second_tokens` keeps the text of its first ones."""
+        """_scored's on a cross-encoder: each pair one prompt (engine.scoring.pair_prompts; rendered
+        by the server's --chat-template where it has one, a score template: templated_prompts),
+        its score the head's; a document cut to `max_second_tokens` keeps the text of its first ones."""
         params = await self._pooling_params(req, api, task="score")
         firsts, seconds = sides
         if max_second_tokens is not None:
             seconds = await off_loop(self._cut_texts, seconds, max_second_tokens)
         pairs = [(firsts[i], seconds[j]) for i, j in score_pairs(len(firsts), len(seconds))]
+        if self.settings.chat_template is not None:
+            variables = {**(self.settings.default_chat_template_kwargs or {}), **req.template_variables()}
+            try:
+                prompts = await off_loop(templated_prompts, self.tokenizer, pairs, self.settings.chat_template,
+                                         variables)
+            except InvalidRequestError as e:
+                raise from_invalid_request(e) from None
+            prompts = await self._fitted(prompts, params, req, names[1])
+            rid, engine_rid = _request_ids(prefix, req.request_id)
+            return rid, [v[0] for v in await self._vectors(engine_rid, prompts, params)], sum(map(len, prompts))
         max_model_len = (await self.limits())["max_model_len"]
         try:
             keep = pair_length(req.truncate_prompt_tokens, max_model_len)

@@ -378,9 +378,9 @@ def test_token_embed_gives_every_tokens_vector_under_chunks_and_the_prefix_cache
 
 # -- over HTTP ---------------------------------------------------------------------------------
 
-def _serve(engine_config, tokenizer, go, engine_cls=None, sinks=None):
+def _serve(engine_config, tokenizer, go, engine_cls=None, sinks=None, **settings):
     """go(openai client, httpx client) against the API over an in-process EngineServer; `sinks`:
-    where the replica's metrics go."""
+    where the replica's metrics go; `settings`: RouterSettings' fields."""
     from router.api import build_api
     from router.serving import OpenAIServing
     from router.settings import RouterSettings
@@ -390,7 +390,7 @@ def _serve(engine_config, tokenizer, go, engine_cls=None, sinks=None):
 
     server = EngineServer(engine_config, engine_cls, metrics=None if sinks is None else ReplicaMetrics(sinks),
                           log_stats=False)
-    app = build_api(OpenAIServing(tokenizer, server, RouterSettings(served_model_name="m")))
+    app = build_api(OpenAIServing(tokenizer, server, RouterSettings(served_model_name="m", **settings)))
 
     async def main():
         try:

@@ -132,6 +132,54 @@ def test_an_encoder_cross_encoder_scores_each_pair_as_hf(dirs, name):
     _assert_clean(llm)
 
 
+SCORE_TEMPLATE = ("{{ instruction | default('judge') }}: {% for m in messages %}{{ m.role }} {{ m.content }} "
+                  "{% endfor %}")
+
+
+def test_a_score_template_renders_each_pair_offline_and_over_http(dirs):
+    """vLLM's score template (--chat-template on a cross-encoder, LLM.score's chat_template, as
+    Qwen3-Reranker is served): each pair rendered from its query and document messages, with a
+    request's instruction, then read as one text; without a template an instruction is a 400."""
+    from engine.config import EngineConfig
+
+    d = dirs["bert-ce"]
+    llm = LLM(str(d))
+
+    def rendered(query, doc, **variables):
+        return llm.tokenizer.apply_chat_template([{"role": "query", "content": query},
+                                                  {"role": "document", "content": doc}],
+                                                 chat_template=SCORE_TEMPLATE, tokenize=False, **variables)
+
+    want = torch.sigmoid(hf_encode(d, [rendered(QUERY, x) for x in DOCS])[:, 0])
+    assert (want - torch.sigmoid(hf_encode(d, [(QUERY, x) for x in DOCS])[:, 0])).abs().max() > 1e-4
+    got = torch.tensor([o.outputs.score for o in llm.score(QUERY, DOCS, chat_template=SCORE_TEMPLATE,
+                                                           use_tqdm=False)])
+    assert torch.allclose(got, want, atol=2e-6, rtol=0), (got, want)
+    told = torch.sigmoid(hf_encode(d, [rendered(QUERY, x, instruction="find the city") for x in DOCS])[:, 0])
+
+    async def go(client, http):
+        r = await http.post("/score", json={"text_1": QUERY, "text_2": DOCS})
+        assert [x["score"] for x in r.json()["data"]] == pytest.approx(want.tolist(), abs=1e-6), r.text
+        r = await http.post("/rerank", json={"query": QUERY, "documents": DOCS, "instruction": "find the city"})
+        assert sorted((x["index"], x["relevance_score"]) for x in r.json()["results"]) == [
+            (i, pytest.approx(s, abs=1e-6)) for i, s in enumerate(told.tolist())], r.text
+        r = await http.post("/score", json={"text_1": QUERY, "text_2": DOCS[0],
+                                            "chat_template_kwargs": {"instruction": "find the city"}})
+        assert r.json()["data"][0]["score"] == pytest.approx(told[0].item(), abs=1e-6)
+        r = await http.post("/score", json={"text_1": QUERY, "text_2": DOCS[0], "chat_template_kwargs": {"tools": 1}})
+        assert r.status_code == 400 and "may not set tools" in r.json()["error"]["message"], r.text
+
+    _serve(EngineConfig(model=str(d)), llm.tokenizer, go, chat_template=SCORE_TEMPLATE)
+
+    async def untemplated(client, http):
+        r = await http.post("/rerank", json={"query": QUERY, "documents": DOCS, "instruction": "x"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "instruction", r.text
+        assert "--chat-template" in r.json()["error"]["message"]
+
+    _serve(EngineConfig(model=str(d)), llm.tokenizer, untemplated)
+    _assert_clean(llm)
+
+
 def test_an_encoder_classifier_gives_hfs_softmax(dirs):
     want = torch.softmax(hf_encode(dirs["bert-3"], TEXTS), dim=-1)
     llm = LLM(str(dirs["bert-3"]))
