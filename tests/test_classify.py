@@ -178,7 +178,7 @@ def test_http_classify_score_and_rerank_equal_the_offline_calls(dirs, engine_cls
         for path, extra, param, words in (
                 ("/v1/embeddings", {}, "model", "Task embed"), ("/pooling", {"task": "embed"}, "task", "Task embed"),
                 ("/score", {"text_1": "a", "text_2": "b"}, "model", "with 3 labels"),
-                ("/classify", {"input": ["a", ""]}, None, "must not be empty")):
+                ("/classify", {"input": ["a", ""]}, "input", "the prompt is empty")):
             body = {"model": "m", **({} if "text_1" in extra else {"input": "x"}), **extra}
             r = await http.post(path, json=body)
             assert r.status_code == 400, (path, r.text)
