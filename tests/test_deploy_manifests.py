@@ -625,6 +625,7 @@ def test_a_cpu_replica_counts_every_form_of_its_weights(tmp_path, smollm2_path):
     for kind, labels, extra in (("bert", 0, {}), ("xlm-roberta", 2, {}), ("bert", 3, {"per_token": True}),
                                 ("nomic_bert", 0, {}), ("nomic_bert", 1, {}), ("modernbert", 3, {"per_token": True}),
                                 ("modernbert", 0, {}), ("gte", 0, {"type_vocab_size": 0}), ("gte", 2, {}),
+                                ("distilbert", 0, {}), ("distilbert", 2, {}), ("distilbert", 3, {"per_token": True}),
                                 ("modernbert", 2, {"norm_bias": True, "attention_bias": True, "mlp_bias": True,
                                                    "classifier_bias": True})):
         # an encoder holds its weights once, every one counted

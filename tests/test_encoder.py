@@ -34,13 +34,15 @@ def dirs(tmp_path_factory):
             "bert-short": make("bert-short", "bert", pooling="mean_tokens", max_seq_length=16),
             "bert-mean": make("bert-mean", "bert", pooling="mean_tokens", normalize=False),
             "roberta-last": make("roberta-last", "roberta", pooling="lasttoken"),
+            "distil-mean": make("distil-mean", "distilbert", pooling="mean_tokens"),
             "xlmr-bare": make("xlmr-bare", "xlm-roberta"),  # no sentence-transformers modules: CLS, normalised
             "bert-ce": make("bert-ce", "bert", num_labels=1), "xlmr-ce": make("xlmr-ce", "xlm-roberta", num_labels=1),
-            "bert-3": make("bert-3", "bert", num_labels=3, id2label={0: "neg", 1: "neu", 2: "pos"})}
+            "bert-3": make("bert-3", "bert", num_labels=3, id2label={0: "neg", 1: "neu", 2: "pos"}),
+            "distil-2": make("distil-2", "distilbert", num_labels=2)}  # sst-2's shape: pre_classifier, ReLU
 
 
 MODES = {"bert-cls": ("cls_token", True), "bert-mean": ("mean_tokens", False), "roberta-last": ("lasttoken", True),
-         "xlmr-bare": ("cls_token", True)}
+         "xlmr-bare": ("cls_token", True), "distil-mean": ("mean_tokens", True)}
 
 
 @pytest.mark.parametrize("name", list(MODES))
@@ -180,9 +182,10 @@ def test_a_score_template_renders_each_pair_offline_and_over_http(dirs):
     _assert_clean(llm)
 
 
-def test_an_encoder_classifier_gives_hfs_softmax(dirs):
-    want = torch.softmax(hf_encode(dirs["bert-3"], TEXTS), dim=-1)
-    llm = LLM(str(dirs["bert-3"]))
+@pytest.mark.parametrize("name", ["bert-3", "distil-2"])
+def test_an_encoder_classifier_gives_hfs_softmax(dirs, name):
+    want = torch.softmax(hf_encode(dirs[name], TEXTS), dim=-1)
+    llm = LLM(str(dirs[name]))
     outs = llm.classify(TEXTS, use_tqdm=False)
     got = torch.tensor([o.outputs.probs for o in outs])
     assert torch.allclose(got, want, atol=2e-6, rtol=0), (got - want).abs().max()
@@ -294,7 +297,7 @@ def test_modernbert_embeds_and_scores_as_hf_its_local_layers_windowed(tmp_path, 
                               atol=2e-6, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "nomic_bert", "modernbert", "gte"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "distilbert", "nomic_bert", "modernbert", "gte"])
 def test_a_token_classifier_gives_each_tokens_probabilities_as_hf(tmp_path, kind):
     """...ForTokenClassification (a named-entity tagger): vLLM's token_classify task, each token's
     softmax over the labels (its logits with use_activation false), many prompts a step."""

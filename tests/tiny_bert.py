@@ -38,9 +38,10 @@ def _roberta_tokenizer(out_dir: Path):
 def make_tiny_encoder(out_dir: Path, kind: str = "bert", num_labels: int = 0, pooling: str | None = None,
                       normalize: bool = True, max_seq_length: int | None = None, seed: int = 0,
                       per_token: bool = False, **config) -> Path:
-    """kind "bert", "nomic_bert" (transformers' NomicBert: nomic_hub_format turns it into
-    nomic's own), "gte" (transformers' Gte: gte_hub_format turns it into the hub's), "modernbert" (BERT's tokenizer, without token types: ModernBERT has none; a
-    local window of 8 tokens, so that short prompts cross it), "roberta" or "xlm-roberta" (both
+    """kind "bert", "distilbert" (no token types), "nomic_bert" (transformers' NomicBert:
+    nomic_hub_format turns it into nomic's own), "gte" (transformers' Gte: gte_hub_format turns
+    it into the hub's), "modernbert" (BERT's tokenizer, without token types: ModernBERT has none;
+    a local window of 8 tokens, so that short prompts cross it), "roberta" or "xlm-roberta" (both
     with RoBERTa's byte-level BPE tokenizer);
     `num_labels` > 0: a ...ForSequenceClassification (`per_token`: a ...ForTokenClassification); `pooling`
     ("cls_token", "mean_tokens", ...): a sentence-transformers folder pooling so (with a Normalize
@@ -48,9 +49,10 @@ def make_tiny_encoder(out_dir: Path, kind: str = "bert", num_labels: int = 0, po
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    bert_vocab = kind in ("bert", "nomic_bert", "modernbert", "gte")
-    # token types where the model has them: ModernBERT has none, nor a GTE of one type (gte-multilingual's)
-    token_types = kind != "modernbert" and (kind != "gte" or config.get("type_vocab_size", 2) >= 2)
+    bert_vocab = kind in ("bert", "distilbert", "nomic_bert", "modernbert", "gte")
+    # token types where the model has them: ModernBERT and DistilBERT have none, nor a GTE of one
+    # type (gte-multilingual's)
+    token_types = kind not in ("modernbert", "distilbert") and (kind != "gte" or config.get("type_vocab_size", 2) >= 2)
     tok = _bert_tokenizer(out_dir, token_types) if bert_vocab else _roberta_tokenizer(out_dir)
     torch.manual_seed(seed)
     if kind == "modernbert":
@@ -59,6 +61,8 @@ def make_tiny_encoder(out_dir: Path, kind: str = "bert", num_labels: int = 0, po
                  "bos_token_id": 2, "eos_token_id": 3}
     elif kind in ("bert", "nomic_bert", "gte"):
         shape = {"num_hidden_layers": 2, "max_position_embeddings": 128, "type_vocab_size": 2, "pad_token_id": 0}
+    elif kind == "distilbert":  # its own names for the sizes
+        shape = {"n_layers": 2, "hidden_dim": 128, "max_position_embeddings": 128, "pad_token_id": 0}
     else:
         shape = {"num_hidden_layers": 2, "max_position_embeddings": 130, "type_vocab_size": 1, "pad_token_id": 1,
                  "bos_token_id": 0, "eos_token_id": 2}

@@ -1,5 +1,5 @@
-"""Encoder models of BERT's layout: BERT, RoBERTa, XLM-RoBERTa, NomicBERT and GTE, whose attention
-runs over the whole input both ways. They embed (sentence-transformers' all-MiniLM, bge, e5,
+"""Encoder models of BERT's layout: BERT, RoBERTa, XLM-RoBERTa, DistilBERT, NomicBERT and GTE, whose
+attention runs over the whole input both ways. They embed (sentence-transformers' all-MiniLM, bge, e5,
 nomic-embed-text, gte-base-en-v1.5, gte-multilingual-base; vLLM's BertModel, XLMRobertaModel,
 NomicBertModel, GteNewModel) and score pairs as cross-encoders (ms-marco-MiniLM, bge-reranker,
 gte-multilingual-reranker-base; `...ForSequenceClassification`).
@@ -20,7 +20,8 @@ pooler says:
     LAST  the last token's
 
 A classifier's head reads the first token's state, as HF's does: BERT's pooler (dense, tanh)
-then `classifier`; RoBERTa's `classifier.dense`, tanh, `classifier.out_proj`. A token
+then `classifier`; RoBERTa's `classifier.dense`, tanh, `classifier.out_proj`; DistilBERT's
+`pre_classifier`, ReLU, `classifier`. A token
 classifier's (`...ForTokenClassification`) is its `classifier` over every token's state.
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch import nn
 from engine.model.rope import prompt_rope, rope_inv_freq, rotate_heads
 
 # checkpoint tensors no encoder here reads: masked-LM heads, a position-id buffer
-_SKIPPED = ("cls.", "lm_head.", "embeddings.position_ids")
+_SKIPPED = ("cls.", "lm_head.", "vocab_transform.", "vocab_layer_norm.", "vocab_projector.", "embeddings.position_ids")
 _QKV = ("query", "key", "value")
 _UP_GATE = ("up", "gate")  # the halves of a gated MLP's fused projection, in GTE's order
 
@@ -140,12 +141,14 @@ class EncoderModel(nn.Module):
     prompts flat and gives one pooled row each: a vector, or the head's logits."""
 
     def __init__(self, a, dtype: torch.dtype) -> None:
+        from transformers.activations import ACT2FN
+
         super().__init__()
         self.arch = a
         self.word_embeddings = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
         self.position_embeddings = None if a.rotary else nn.Embedding(a.position_rows, a.hidden_size, dtype=dtype)
         self.token_type_embeddings = nn.Embedding(a.type_vocab_size, a.hidden_size, dtype=dtype) \
-            if a.type_vocab_size else None  # gte-base-en-v1.5 has no token types
+            if a.type_vocab_size else None  # DistilBERT and gte-base-en-v1.5 have no token types
         self.embed_norm = nn.LayerNorm(a.hidden_size, a.rms_norm_eps, bias=a.norm_bias, dtype=dtype)
         self.layers = nn.ModuleList(EncoderLayer(a, dtype) for _ in range(a.num_layers))
         self.head_dense = self.head_out = None
@@ -153,6 +156,7 @@ class EncoderModel(nn.Module):
             if not a.token_classifier:
                 self.head_dense = nn.Linear(a.hidden_size, a.hidden_size, dtype=dtype)
             self.head_out = nn.Linear(a.hidden_size, a.num_labels, dtype=dtype)
+        self.head_act = torch.tanh if a.classifier_act == "tanh" else ACT2FN[a.classifier_act]
         if a.rotary:  # float32, as HF keeps them
             self.register_buffer("inv_freq", rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling), persistent=False)
         self.requires_grad_(False)
@@ -177,11 +181,11 @@ class EncoderModel(nn.Module):
         if self.arch.token_classifier:
             return list(self.head_out(x).float().split(lens))
         if self.head_out is not None:  # the head reads the first token's state, whatever the pooler
-            return self.head_out(torch.tanh(self.head_dense(x[starts]))).float()
+            return self.head_out(self.head_act(self.head_dense(x[starts]))).float()
         return pooled_outputs(x, lens, starts, ends, pooling_type, every_token)
 
     # checkpoint name (after the model prefix) -> ours, for the names that differ: BERT's and
-    # RoBERTa's; NomicBERT's (nomic-embed-text's, which transformers' NomicBert saves too); GTE's
+    # RoBERTa's; DistilBERT's; NomicBERT's (nomic-embed-text's, which transformers' NomicBert saves too); GTE's
     # (the hub's, which transformers' Gte saves too)
     RENAMES = (("embeddings.word_embeddings.", "word_embeddings."),
                ("embeddings.position_embeddings.", "position_embeddings."),
@@ -195,8 +199,14 @@ class EncoderModel(nn.Module):
                (".mlp.fc12.", ".gate."), (".mlp.fc2.", ".down."), (".norm1.", ".attn_norm."), (".norm2.", ".out_norm."),
                (".attention.qkv_proj.", ".qkv."), (".attention.o_proj.", ".attn_out."), (".attn_ln.", ".attn_norm."),
                (".mlp.up_gate_proj.", ".up_gate."), (".mlp.down_proj.", ".down."), (".mlp_ln.", ".out_norm."),
-               # the heads: BERT's pooler + classifier, RoBERTa's classifier.dense + out_proj
+               ("transformer.layer.", "layers."), (".attention.q_lin.", ".query."), (".attention.k_lin.", ".key."),
+               (".attention.v_lin.", ".value."), (".attention.out_lin.", ".attn_out."),
+               (".sa_layer_norm.", ".attn_norm."),
+               (".ffn.lin1.", ".up."), (".ffn.lin2.", ".down."), (".output_layer_norm.", ".out_norm."),
+               # the heads: BERT's pooler + classifier, RoBERTa's classifier.dense + out_proj,
+               # DistilBERT's pre_classifier + classifier
                ("pooler.dense.", "head_dense."), ("classifier.dense.", "head_dense."),
+               ("pre_classifier.", "head_dense."),
                ("classifier.out_proj.", "head_out."), ("classifier.", "head_out."))
 
     def param_for(self, ckpt_name: str, params: dict[str, nn.Parameter]) -> tuple[nn.Parameter, str | None] | None:
@@ -204,7 +214,7 @@ class EncoderModel(nn.Module):
         (None: a tensor no encoder here reads). Names as HF saves them, with or without the
         model prefix, and old checkpoints' gamma/beta."""
         name = ckpt_name
-        for prefix in ("bert.", "roberta.", "nomic_bert.", "new.", "gte.", "model."):
+        for prefix in ("bert.", "roberta.", "distilbert.", "nomic_bert.", "new.", "gte.", "model."):
             name = name.removeprefix(prefix)
         unread_pooler = name.startswith("pooler.") and not (self.head_dense is not None and self.arch.bert_pooler)
         unread_head = name.startswith("classifier.") and self.head_out is None

@@ -1,5 +1,5 @@
 """The ModelArch fields of an encoder's config (engine.model.bert's BERT, RoBERTa, XLM-RoBERTa,
-NomicBERT and GTE; engine.model.modernbert's ModernBERT), as transformers reads the config.json;
+DistilBERT, NomicBERT and GTE; engine.model.modernbert's ModernBERT), as transformers reads the config.json;
 GTE's hub config, which transformers cannot read, as its GteConfig (hub_gte_config)."""
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ def encoder_fields(cfg) -> dict:
         return _nomic(cfg)
     if cfg.model_type == "gte":
         return _gte(cfg)
+    if cfg.model_type == "distilbert":
+        return _distilbert(cfg)
     return _encoder(cfg)
 
 
@@ -42,7 +44,26 @@ def _encoder(cfg) -> dict:
                 num_labels=_encoder_labels(cfg), token_classifier=is_token_classifier(cfg), encoder=True,
                 type_vocab_size=cfg.type_vocab_size, position_offset=offset,
                 position_rows=cfg.max_position_embeddings, hidden_act=cfg.hidden_act,
-                bert_pooler=cfg.model_type == "bert")
+                bert_pooler=cfg.model_type == "bert", classifier_act="tanh")
+
+
+def _distilbert(cfg) -> dict:
+    """A DistilBERT config (its own names: dim, hidden_dim, n_layers, n_heads, activation): BERT's
+    layers without token types, LayerNorm eps 1e-12 as HF fixes it; a classifier's head is
+    pre_classifier, ReLU, classifier over [CLS]."""
+    from transformers.activations import ACT2FN
+
+    if cfg.activation not in ACT2FN:
+        raise ValueError(f"unsupported activation {cfg.activation!r}")
+    heads = cfg.n_heads
+    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.hidden_dim,
+                num_layers=cfg.n_layers, num_heads=heads, num_kv_heads=heads, head_dim=cfg.dim // heads,
+                rms_norm_eps=1e-12, rope_theta=0.0, rope_scaling=None,
+                max_position_embeddings=cfg.max_position_embeddings,
+                tie_word_embeddings=False, attention_bias=True, mlp_bias=True, o_proj_bias=True,
+                num_labels=_encoder_labels(cfg), token_classifier=is_token_classifier(cfg), encoder=True,
+                type_vocab_size=0, position_rows=cfg.max_position_embeddings, hidden_act=cfg.activation,
+                classifier_act="relu")
 
 def _nomic(cfg) -> dict:
     """A NomicBERT config: nomic's own (its hub checkpoints', nomic-embed-text v1 and v1.5: GPT-2
@@ -82,7 +103,8 @@ def _nomic(cfg) -> dict:
                 rope_scaling=scaling, max_position_embeddings=positions, tie_word_embeddings=False,
                 attention_bias=bool(bias), mlp_bias=bool(bias), o_proj_bias=bool(bias),
                 num_labels=_encoder_labels(cfg), token_classifier=is_token_classifier(cfg), encoder=True,
-                type_vocab_size=cfg.type_vocab_size, hidden_act=act, bert_pooler=True, rotary=True, gated_mlp=True)
+                type_vocab_size=cfg.type_vocab_size, hidden_act=act, bert_pooler=True, rotary=True, gated_mlp=True,
+                classifier_act="tanh")
 
 def _gte(cfg) -> dict:
     """A GTE config (transformers' GteConfig, or the hub's read into one): BERT's post-norm layers
@@ -109,7 +131,7 @@ def _gte(cfg) -> dict:
                 attention_bias=True, mlp_bias=True, up_bias=False, o_proj_bias=True,
                 num_labels=_encoder_labels(cfg), token_classifier=is_token_classifier(cfg), encoder=True,
                 type_vocab_size=cfg.type_vocab_size, hidden_act=cfg.hidden_act, bert_pooler=True, rotary=True,
-                gated_mlp=True)
+                gated_mlp=True, classifier_act="tanh")
 
 
 # What GTE's hub code implements, each field's value for it (other values are refused)
@@ -126,9 +148,10 @@ def is_hub_gte(raw: dict) -> bool:
 
 
 def hub_gte_config(raw: dict, path: str = "config.json"):
-    """GTE's hub config (is_hub_gte) as transformers' GteConfig, whose fields are the same but for rotary's. The hub's fixed NTK
-    scaling (theta times the factor, then every frequency over factor^(2/head_dim)) is exactly
-    transformers' "linear" scaling by factor^(2/head_dim) at that theta."""
+    """GTE's hub config (is_hub_gte) as transformers' GteConfig, whose fields are the same but for
+    rotary's. The hub's fixed NTK scaling (theta times the factor, then every frequency over
+    factor^(2/head_dim)) is exactly transformers' "linear" scaling by factor^(2/head_dim) at that
+    theta."""
     from transformers import GteConfig
 
     unsupported = [f"{k}={raw[k]!r}" for k, ok in _GTE_HUB_LAYOUT if raw.get(k, ok) != ok]
@@ -151,7 +174,8 @@ def hub_gte_config(raw: dict, path: str = "config.json"):
     if raw.get("architectures") == ["NewForTokenClassification"] and len(raw.get("id2label") or {}) <= 1:
         # gte-multilingual-base's: an embedding model whose one-label head gives sparse (lexical)
         # token weights, which embeddings do not read (vLLM serves it as GteNewModel too)
-        fields = {k: v for k, v in fields.items() if k not in ("id2label", "label2id")} | {"architectures": ["NewModel"]}
+        fields = {k: v for k, v in fields.items() if k not in ("id2label", "label2id")}
+        fields["architectures"] = ["NewModel"]
     return GteConfig(**fields, rope_parameters=rope)
 
 

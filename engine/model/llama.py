@@ -66,7 +66,7 @@ class ModelArch:
     local_window: int = 0
     classifier_pooling: str = "CLS"  # the state its classifier's head reads: CLS or MEAN
     classifier_bias: bool = False
-    classifier_act: str = "gelu"
+    classifier_act: str = "gelu"  # its head's activation (BERT's pooler: tanh; DistilBERT's: relu)
 
     @classmethod
     def from_hf(cls, cfg) -> "ModelArch":
