@@ -85,7 +85,8 @@ def _encoder_param_count(a: ModelArch) -> int:
     attn = 4 * h * h + (4 * h if a.attention_bias else 0)
     gated = a.gated_mlp or a.modernbert
     up_bias = a.mlp_bias if a.up_bias is None else a.up_bias
-    mlp = (3 if gated else 2) * h * inter + ((2 * inter if gated else inter) if up_bias else 0) + (h if a.mlp_bias else 0)
+    up_biases = (2 * inter if gated else inter) if up_bias else 0
+    mlp = (3 if gated else 2) * h * inter + up_biases + (h if a.mlp_bias else 0)
     norm = h * (2 if a.norm_bias else 1)
     if a.modernbert:  # pre-norm: the first layer has none before attention, and a final norm follows;
         # no position or token-type tables; a classifier's head: dense, norm, classifier

@@ -363,7 +363,7 @@ def pool(hidden, rows: list[int]) -> list[Pooled]:
     if isinstance(hidden, list):  # one copy of them all, then each prompt's rows
         import torch
 
-        flat = torch.cat([h.view(-1, h.shape[-1]) for h in hidden]).tolist()
+        flat = torch.cat([h.reshape(-1, h.shape[-1]) for h in hidden]).tolist()
         ends = list(itertools.accumulate(len(h) if h.dim() == 2 else 1 for h in hidden))
         values = [flat[end - len(h):end] if h.dim() == 2 else flat[end - 1] for h, end in zip(hidden, ends)]
     else:

@@ -38,7 +38,8 @@ class ScoringFields(PoolingFields):
         return self
 
     def template_variables(self) -> dict[str, Any]:
-        return ({} if self.instruction is None else {"instruction": self.instruction}) | (self.chat_template_kwargs or {})
+        given = {} if self.instruction is None else {"instruction": self.instruction}
+        return given | (self.chat_template_kwargs or {})  # chat_template_kwargs' instruction wins
 
 
 class ScoreRequest(ScoringFields):
