@@ -171,30 +171,35 @@ def test_the_engine_core_in_its_own_process_serves_on_cuda(tmp_path, tokenizer_d
     assert asyncio.run(main()) == ref
 
 
-@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN", "ALL"])
 def test_embeddings_on_cuda_are_hfs_pooled_hidden_states(tmp_path, tokenizer_dir, pooling_type):
     """A pooling engine (engine.pooling, --runner pooling) on CUDA in float32, with the decode graphs
-    captured: each prompt's vector is HF's base model's last hidden state (MEAN: the mean of all),
-    normalised, on the same GPU, through chunked prefill."""
+    captured: each prompt's vector is HF's base model's last hidden state (MEAN: the mean of all;
+    ALL, the token_embed task: every token's), normalised, on the same GPU, through chunked prefill."""
     from transformers import AutoModel
 
     d, prompts = make_tiny_llama(tmp_path, tokenizer_dir, "qwen3"), _prompts()
+    pooler = {"pooling_type": "LAST" if pooling_type == "ALL" else pooling_type}  # ALL is a task's, not a pooler's
     llm = LLM(model=str(d), device="cuda", dtype="float32", runner="pooling", max_num_seqs=8,
-              max_num_batched_tokens=32, pooler_config={"pooling_type": pooling_type})
-    got = [o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)]
+              max_num_batched_tokens=32, pooler_config=pooler)
+    if pooling_type == "ALL":
+        got = [o.outputs.data.tolist() for o in llm.encode(prompts, pooling_task="token_embed", use_tqdm=False)]
+    else:
+        got = [o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)]
     model = AutoModel.from_pretrained(str(d), dtype=torch.float32).to("cuda").eval()
     with torch.no_grad():
         for p, g in zip(prompts, got):
             h = model(torch.tensor([p], device="cuda")).last_hidden_state[0]
-            want = torch.nn.functional.normalize(h[-1] if pooling_type == "LAST" else h.mean(dim=0), dim=-1).cpu()
+            pooled = {"LAST": h[-1], "MEAN": h.mean(dim=0), "ALL": h}[pooling_type]
+            want = torch.nn.functional.normalize(pooled, dim=-1).cpu()
             torch.testing.assert_close(torch.tensor(g), want, rtol=0, atol=1e-4)
     _assert_clean(llm)
 
 
-@pytest.mark.parametrize("kind", ["bert", "nomic_bert", "modernbert"])
+@pytest.mark.parametrize("kind", ["bert", "distilbert", "nomic_bert", "modernbert", "gte"])
 def test_an_encoder_on_cuda_embeds_and_scores_as_hf(tmp_path, kind):
-    """An encoder (engine.model.bert's BERT and NomicBERT, engine.model.modernbert; run by
-    engine.encoder_runner) on CUDA in float32: its CLS vectors and a cross-encoder's scores are
+    """An encoder (engine.model.bert's BERT, DistilBERT, NomicBERT and GTE,
+    engine.model.modernbert; run by engine.encoder_runner) on CUDA in float32: its CLS vectors and a cross-encoder's scores are
     HF's (computed on the CPU), each step's prompts of many lengths (ModernBERT's local window of
     8 crossed)."""
     from transformers import CONFIG_MAPPING
