@@ -199,9 +199,9 @@ def test_embeddings_on_cuda_are_hfs_pooled_hidden_states(tmp_path, tokenizer_dir
 @pytest.mark.parametrize("kind", ["bert", "distilbert", "nomic_bert", "modernbert", "gte"])
 def test_an_encoder_on_cuda_embeds_and_scores_as_hf(tmp_path, kind):
     """An encoder (engine.model.bert's BERT, DistilBERT, NomicBERT and GTE,
-    engine.model.modernbert; run by engine.encoder_runner) on CUDA in float32: its CLS vectors and a cross-encoder's scores are
-    HF's (computed on the CPU), each step's prompts of many lengths (ModernBERT's local window of
-    8 crossed)."""
+    engine.model.modernbert; run by engine.encoder_runner) on CUDA in float32: its CLS vectors
+    and a cross-encoder's scores are HF's (computed on the CPU), each step's prompts of many
+    lengths (ModernBERT's local window of 8 crossed)."""
     from transformers import CONFIG_MAPPING
 
     from tests.tiny_bert import hf_encode, make_tiny_encoder
