@@ -36,6 +36,17 @@ SHAPES = {
                             num_hidden_layers=22, num_attention_heads=12, max_position_embeddings=8192,
                             local_attention=128, global_attn_every_n_layers=3, pad_token_id=0, bos_token_id=1,
                             eos_token_id=2, cls_token_id=1, sep_token_id=2, encoder=True),
+    # GTE-base, gte-base-en-v1.5's shape: 12 layers, hidden 768, 12 heads, a GeGLU MLP of 3,072, no
+    # token types, rotary positions with the hub's NTK scaling by 2 at theta 500,000 (as transformers'
+    # GteConfig writes it: linear by 2^(2/64) at theta 1,000,000)
+    "gte-base": dict(model_type="gte", vocab_size=30528, hidden_size=768, intermediate_size=3072,
+                     num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=8192, type_vocab_size=0,
+                     rope_parameters={"rope_type": "linear", "factor": 2 ** (2 / 64), "rope_theta": 1e6},
+                     pad_token_id=0, encoder=True),
+    # DistilBERT-base, msmarco-distilbert's and the sst-2 classifier's: 6 layers, hidden 768, 12 heads
+    "distilbert-base": dict(model_type="distilbert", vocab_size=30522, hidden_size=768, hidden_dim=3072,
+                            n_layers=6, num_attention_heads=12, max_position_embeddings=512, pad_token_id=0,
+                            encoder=True),
     # SmolLM2's vocabulary around a forward that costs next to nothing: the engine's own host work
     "tiny": dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
