@@ -73,8 +73,9 @@ def templated_prompts(tokenizer, pairs: list[tuple[str, str]], template: str,
         try:
             texts.append(tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                                        **(variables or {})))
-        except Exception as e:  # jinja raises on what its template rejects
-            raise InvalidRequestError("chat_template_kwargs", f"the score template rejected this pair: {e}") from None
+        except Exception as e:  # jinja raises on what its template rejects (or on its own fault)
+            raise InvalidRequestError(None, f"the score template could not render this pair: "
+                                            f"{type(e).__name__}: {e}") from None
     return tokenizer(texts, add_special_tokens=True)["input_ids"] if texts else []
 
 

@@ -585,10 +585,11 @@ class TokenizeRequest(_Model):
 
 
 # apply_chat_template's own arguments, which chat_template_kwargs may not set
-TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+# (tests/test_router_unit.py checks it against the installed transformers' signature)
+TEMPLATE_ARGUMENTS = frozenset({"self", "conversation", "messages", "tools", "documents", "chat_template",
                                 "add_generation_prompt", "continue_final_message", "tokenize", "padding",
                                 "truncation", "max_length", "return_tensors", "return_dict",
-                                "return_assistant_tokens_mask", "tokenizer_kwargs"})
+                                "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
 
 
 def _check_template_options(request: ChatCompletionRequest | TokenizeRequest) -> None:

@@ -13,9 +13,11 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from engine.scoring import score_pairs
-from router.protocol import TEMPLATE_ARGUMENTS, NonEmptyStr, PoolingFields, nulls_dropped
+from router.protocol import TEMPLATE_ARGUMENTS, PoolingFields, nulls_dropped
 
-Texts = NonEmptyStr | list[NonEmptyStr]
+# An empty text is taken, as vLLM takes it: an encoder frames it, and one that tokenizes to
+# nothing is a 400 saying the prompt is empty (OpenAIServing._check_prompts)
+Texts = str | list[str]
 
 SCORE_PATHS = ("/score", "/v1/score")
 RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
@@ -84,15 +86,15 @@ class Document(BaseModel):
     """Jina's and Cohere's document object: its `text` is scored; its other fields (a title, an
     id) come back with it in the results, as Cohere keeps them."""
     model_config = ConfigDict(extra="allow")
-    text: NonEmptyStr
+    text: str
 
 
 class RerankRequest(ScoringFields):
     """POST /rerank (Jina's and Cohere's body): `documents` ordered by their score against
     `query`, the best `top_n` of them (0 or less: all). A document is a text, or an object
     with a `text` (Document)."""
-    query: NonEmptyStr
-    documents: NonEmptyStr | list[NonEmptyStr | Document]
+    query: str
+    documents: str | Document | list[str | Document]  # one document alone, or a list
     top_n: int = 0
     return_documents: bool = True  # Jina's: False leaves each result's document out
     max_tokens_per_doc: int | None = Field(None, ge=1)  # Cohere's: each document keeps its first N tokens
@@ -124,8 +126,8 @@ def _paired(num_first: int, num_second: int, names: tuple[str, str]) -> None:
         raise ValueError(f"{names[0] if num_first == 0 else names[1]}: {e}") from None
 
 
-def _listed(texts: str | list) -> list:
-    return [texts] if isinstance(texts, str) else texts
+def _listed(texts) -> list:
+    return texts if isinstance(texts, list) else [texts]
 
 
 def score_response(rid: str, model: str, scores: list[float], num_prompt_tokens: int) -> dict:

@@ -321,11 +321,14 @@ class OpenAIServing:
         for texts, name in zip(sides, names):
             self._check_inputs(len(texts), name)
         pooler = await self._pooler()
-        if req.template_variables() and (self.settings.chat_template is None or pooler is None
-                                         or pooler.classifier is None):
+        if req.template_variables():
             given = "instruction" if req.instruction is not None else "chat_template_kwargs"
-            raise bad_request(f"{given} is for a cross-encoder's score template: start the server with "
-                              "--chat-template (a template reading the query and document messages)", param=given)
+            if pooler is None or pooler.classifier is None:
+                raise bad_request(f"{given} is for a cross-encoder's score template: this model embeds each text on "
+                                  "its own and scores the pair by their cosine", param=given)
+            if self.settings.chat_template is None:
+                raise bad_request(f"{given} is for a cross-encoder's score template: start the server with "
+                                  "--chat-template (a template reading the query and document messages)", param=given)
         if pooler is not None and pooler.classifier is not None:
             return await self._cross_encoded(req, api, prefix, sides, names, max_second_tokens,
                                              pooler.classifier.use_pad_token)
@@ -358,7 +361,11 @@ class OpenAIServing:
                                          variables)
             except InvalidRequestError as e:
                 raise from_invalid_request(e) from None
-            prompts = await self._fitted(prompts, params, req, names[1])
+            blamed = names[1]
+            limit = (await self.limits())["max_model_len"]
+            if req.truncate_prompt_tokens is None and any(len(p) > limit for p in prompts):
+                blamed = await off_loop(self._too_long_in_template, pairs, prompts, limit, variables, req, names)
+            prompts = await self._fitted(prompts, params, req, blamed)
             rid, engine_rid = _request_ids(prefix, req.request_id)
             return rid, [v[0] for v in await self._vectors(engine_rid, prompts, params)], sum(map(len, prompts))
         max_model_len = (await self.limits())["max_model_len"]
@@ -392,6 +399,22 @@ class OpenAIServing:
         for (first, _), ids in zip(pairs, prompts):
             if len(ids) > max_model_len and len(self.tokenizer.encode(first, add_special_tokens=False)) + specials + 1 \
                     > max_model_len:
+                return names[0]
+        return names[1]
+
+    def _too_long_in_template(self, pairs: list[tuple[str, str]], prompts: list[list[int]], limit: int,
+                              variables: dict, req: ScoreRequest | RerankRequest, names: tuple[str, str]) -> str:
+        """The field to name for a templated pair too long for the model: the template's variables
+        (the instruction) where the template around an empty pair is too long already; the
+        query's where it is with the query alone; else the document side's."""
+        def too_long(first: str) -> bool:
+            return len(templated_prompts(self.tokenizer, [(first, "")], self.settings.chat_template, variables)[0]) \
+                > limit
+
+        for (first, _), ids in zip(pairs, prompts):
+            if len(ids) > limit and req.template_variables() and too_long(""):
+                return "instruction" if req.instruction is not None else "chat_template_kwargs"
+            if len(ids) > limit and too_long(first):
                 return names[0]
         return names[1]
 
@@ -695,9 +718,10 @@ class OpenAIServing:
             raise bad_request(priority_refusal(params.priority), param="priority")
         if info.get("vocab_size") is not None:
             _check_token_ids(prompts, params, info["vocab_size"], prompt_param)
-        for ids in prompts:
-            if not ids:
-                raise bad_request("the prompt is empty", param=prompt_param)
+        for i, ids in enumerate(prompts):
+            if not ids:  # which one, where the request has many
+                raise bad_request("the prompt is empty" + (f" (input {i})" if len(prompts) > 1 else ""),
+                                  param=prompt_param)
             if params.pooling is not None and len(ids) > limit:  # an embedding: nothing is generated after it
                 raise bad_request(f"This model's maximum context length is {limit} tokens, but the input has "
                                   f"{len(ids)} tokens.", param=prompt_param, code="context_length_exceeded")

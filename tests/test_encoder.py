@@ -170,8 +170,18 @@ def test_a_score_template_renders_each_pair_offline_and_over_http(dirs):
         assert r.json()["data"][0]["score"] == pytest.approx(told[0].item(), abs=1e-6)
         r = await http.post("/score", json={"text_1": QUERY, "text_2": DOCS[0], "chat_template_kwargs": {"tools": 1}})
         assert r.status_code == 400 and "may not set tools" in r.json()["error"]["message"], r.text
+        for body, param in (({"instruction": "sky " * 200}, "instruction"), ({"text_1": "sky " * 200}, "text_1"),
+                            ({"text_2": ["sky " * 200]}, "text_2")):  # the part too long is named
+            r = await http.post("/score", json={"text_1": QUERY, "text_2": DOCS, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (param, r.text)
 
     _serve(EngineConfig(model=str(d)), llm.tokenizer, go, chat_template=SCORE_TEMPLATE)
+
+    async def embedding_model(client, http):
+        r = await http.post("/score", json={"text_1": QUERY, "text_2": DOCS, "instruction": "x"})
+        assert r.status_code == 400 and "embeds each text on its own" in r.json()["error"]["message"], r.text
+
+    _serve(EngineConfig(model=str(dirs["bert-cls"])), llm.tokenizer, embedding_model, chat_template=SCORE_TEMPLATE)
 
     async def untemplated(client, http):
         r = await http.post("/rerank", json={"query": QUERY, "documents": DOCS, "instruction": "x"})

@@ -757,3 +757,17 @@ def test_a_body_that_does_not_arrive_in_time_is_408_and_frees_its_seat(tokenizer
     assert slow.status_code == 408 and slow.json()["error"]["code"] == "request_timeout", slow.text
     assert "did not arrive within 0.3 s" in slow.json()["error"]["message"] and waited < 3
     assert ok == 200
+
+
+def test_chat_template_kwargs_may_set_none_of_apply_chat_templates_own_arguments():
+    """A request's (and --default-chat-template-kwargs') variables go to apply_chat_template as
+    keywords: every argument of the installed transformers' own is refused by name, not by the
+    call failing on a duplicate."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    from router.protocol import TEMPLATE_ARGUMENTS
+
+    own = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"}
+    assert own <= TEMPLATE_ARGUMENTS, sorted(own - TEMPLATE_ARGUMENTS)

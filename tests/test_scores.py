@@ -119,6 +119,9 @@ def test_score_and_rerank_over_http_equal_llm_score(model_dir, llm):
                                                 "return_documents": None})
         assert [x["relevance_score"] for x in r.json()["results"]] == pytest.approx(sorted(want, reverse=True), abs=1e-6)
         assert [x["document"] for x in r.json()["results"]] == [objects[i] for i in best_first]
+        r = await http.post("/rerank", json={"query": QUERY, "documents": objects[1]})  # one document, not a list
+        assert r.json()["results"] == [{"index": 0, "relevance_score": pytest.approx(want[1], abs=1e-6),
+                                        "document": objects[1]}], r.text
         first_two = [llm.tokenizer.encode(d)[:2] for d in DOCS]
         cut = [o.outputs.score for o in llm.score(QUERY, first_two, use_tqdm=False)]
         r = await http.post("/v2/rerank", json={"query": QUERY, "documents": DOCS, "max_tokens_per_doc": 2})
@@ -170,8 +173,8 @@ def test_score_and_rerank_over_http_equal_llm_score(model_dir, llm):
     assert "maximum context length is 256 tokens" in refused["long"][1]
     assert "use_activation" in refused["normalize"][1]
     assert refused["a bad document"][1:] == ("documents.0.text: Field required", "documents.0.text")
-    assert refused["an empty document"][1:] == ("documents.1.text: String should have at least 1 character",
-                                                "documents.1.text")
+    assert refused["empty text"][1:] == ("the prompt is empty", "query")
+    assert refused["an empty document"][1:] == ("the prompt is empty (input 1)", "documents")  # tokenizes to nothing
 
 
 def test_the_flag_bounds_inputs_and_sequences_alike():
