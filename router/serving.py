@@ -355,19 +355,7 @@ class OpenAIServing:
             seconds = await off_loop(self._cut_texts, seconds, max_second_tokens)
         pairs = [(firsts[i], seconds[j]) for i, j in score_pairs(len(firsts), len(seconds))]
         if self.settings.chat_template is not None:
-            variables = {**(self.settings.default_chat_template_kwargs or {}), **req.template_variables()}
-            try:
-                prompts = await off_loop(templated_prompts, self.tokenizer, pairs, self.settings.chat_template,
-                                         variables)
-            except InvalidRequestError as e:
-                raise from_invalid_request(e) from None
-            blamed = names[1]
-            limit = (await self.limits())["max_model_len"]
-            if req.truncate_prompt_tokens is None and any(len(p) > limit for p in prompts):
-                blamed = await off_loop(self._too_long_in_template, pairs, prompts, limit, variables, req, names)
-            prompts = await self._fitted(prompts, params, req, blamed)
-            rid, engine_rid = _request_ids(prefix, req.request_id)
-            return rid, [v[0] for v in await self._vectors(engine_rid, prompts, params)], sum(map(len, prompts))
+            return await self._template_scored(req, params, prefix, pairs, names)
         max_model_len = (await self.limits())["max_model_len"]
         try:
             keep = pair_length(req.truncate_prompt_tokens, max_model_len)
@@ -401,6 +389,22 @@ class OpenAIServing:
                     > max_model_len:
                 return names[0]
         return names[1]
+
+    async def _template_scored(self, req: ScoreRequest | RerankRequest, params: SamplingParams, prefix: str,
+                               pairs: list[tuple[str, str]], names: tuple[str, str]) -> tuple[str, list[float], int]:
+        """_cross_encoded's under a score template: each pair rendered (engine.scoring.templated_prompts)
+        with the request's variables over the server's, then cut and checked as any prompt is."""
+        variables = {**(self.settings.default_chat_template_kwargs or {}), **req.template_variables()}
+        try:
+            prompts = await off_loop(templated_prompts, self.tokenizer, pairs, self.settings.chat_template, variables)
+        except InvalidRequestError as e:
+            raise from_invalid_request(e) from None
+        blamed, limit = names[1], (await self.limits())["max_model_len"]
+        if req.truncate_prompt_tokens is None and any(len(p) > limit for p in prompts):
+            blamed = await off_loop(self._too_long_in_template, pairs, prompts, limit, variables, req, names)
+        prompts = await self._fitted(prompts, params, req, blamed)
+        rid, engine_rid = _request_ids(prefix, req.request_id)
+        return rid, [v[0] for v in await self._vectors(engine_rid, prompts, params)], sum(map(len, prompts))
 
     def _too_long_in_template(self, pairs: list[tuple[str, str]], prompts: list[list[int]], limit: int,
                               variables: dict, req: ScoreRequest | RerankRequest, names: tuple[str, str]) -> str:
@@ -566,7 +570,7 @@ class OpenAIServing:
         """A 400 before anything starts (a background response too) where the engine pools."""
         pooler = await self._pooler()
         if pooler is not None and pooler.classifier is not None:
-            routes = {"score": "/classify, /score or /rerank", "token_classify": "/pooling"}  # a classifier's
+            routes = {"score": "/classify, /score or /rerank", "token_classify": "/pooling"}
             route = next((r for task, r in routes.items() if task in pooler.tasks), "/classify")
             raise bad_request(f"The model is served for classification (--runner pooling; {pooler.classifier.kind}): "
                               f"it does not generate; use {route}", param="model")
