@@ -151,6 +151,8 @@ def gte_hub_format(src: Path, dst: Path, ntk_factor: float | None = None, sparse
     if sparse_head:
         hub["architectures"] = ["NewForTokenClassification"]
         hub.pop("id2label", None), hub.pop("label2id", None)
+    if model_type == "gte":  # Snowflake's: its architectures keep transformers' names (GteModel)
+        hub["architectures"] = cfg["architectures"]
     hub["model_type"] = model_type
     (dst / "config.json").write_text(json.dumps(hub))
     weights = load_file(str(src / "model.safetensors"))
