@@ -27,10 +27,22 @@ SCORE_FIELDS = (("text_1", "text_2"), ("queries", "documents"), ("queries", "ite
 
 
 class ScoringFields(PoolingFields):
-    """What /score and /rerank share (vLLM's ScoringRequestMixin): variables for a cross-encoder's
+    """What /score and /rerank share (vLLM's ScoringRequestMixin): each side's texts cut to their
+    first N tokens (0: whole; Cohere's max_tokens_per_doc), and variables for a cross-encoder's
     score template (the server's --chat-template), `instruction` among them."""
+    max_tokens_per_query: int = Field(0, ge=0)
+    max_tokens_per_doc: int = Field(0, ge=0)
     instruction: str | None = None  # vLLM's: chat_template_kwargs' "instruction", which wins over it
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _whole_for_nulls(cls, data):  # a client's null: no cut
+        return nulls_dropped(data, frozenset({"max_tokens_per_query", "max_tokens_per_doc"}))
+
+    def side_limits(self) -> tuple[int | None, int | None]:
+        """The tokens each side's texts keep (None: all of them)."""
+        return self.max_tokens_per_query or None, self.max_tokens_per_doc or None
 
     @model_validator(mode="after")
     def _template_variables(self):
@@ -97,7 +109,6 @@ class RerankRequest(ScoringFields):
     documents: str | Document | list[str | Document]  # one document alone, or a list
     top_n: int = 0
     return_documents: bool = True  # Jina's: False leaves each result's document out
-    max_tokens_per_doc: int | None = Field(None, ge=1)  # Cohere's: each document keeps its first N tokens
 
     @model_validator(mode="before")
     @classmethod

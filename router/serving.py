@@ -307,17 +307,16 @@ class OpenAIServing:
     async def rerank(self, req: RerankRequest) -> dict:
         """vLLM's /rerank (Jina's, Cohere's): the documents by their score against the query."""
         rid, scores, num_tokens = await self._scored(req, "Rerank", "rerank", ([req.query], req.texts()),
-                                                     ("query", "documents"), req.max_tokens_per_doc)
+                                                     ("query", "documents"))
         return rerank_response(rid, self.reply_model(req.model), req, scores, num_tokens)
 
     async def _scored(self, req: ScoreRequest | RerankRequest, api: str, prefix: str,
-                      sides: tuple[list[str], list[str]], names: tuple[str, str],
-                      max_second_tokens: int | None = None) -> tuple[str, list[float], int]:
+                      sides: tuple[list[str], list[str]], names: tuple[str, str]) -> tuple[str, list[float], int]:
         """-> (the reply's id, each pair's score, the tokens run): an embedding model's cosine of
         the two texts' vectors, every text of the two `sides` (their fields: `names`) embedded
-        once; a cross-encoder's score of each pair read as one prompt (`_cross_encoded`). The
-        second side's texts keep their first `max_second_tokens` tokens where that is given
-        (Cohere's max_tokens_per_doc)."""
+        once; a cross-encoder's score of each pair read as one prompt (`_cross_encoded`). Each
+        side's texts keep their first max_tokens_per_query / max_tokens_per_doc tokens where the
+        request gives them (vLLM's; Cohere's max_tokens_per_doc)."""
         for texts, name in zip(sides, names):
             self._check_inputs(len(texts), name)
         pooler = await self._pooler()
@@ -330,13 +329,12 @@ class OpenAIServing:
                 raise bad_request(f"{given} is for a cross-encoder's score template: start the server with "
                                   "--chat-template (a template reading the query and document messages)", param=given)
         if pooler is not None and pooler.classifier is not None:
-            return await self._cross_encoded(req, api, prefix, sides, names, max_second_tokens,
-                                             pooler.classifier.use_pad_token)
+            return await self._cross_encoded(req, api, prefix, sides, names, pooler.classifier.use_pad_token)
         params = await self._pooling_params(req, api)
         firsts, seconds = [await off_loop(self._encoded, texts, True) for texts in sides]
-        if max_second_tokens is not None:  # an encoder's document keeps its [CLS] and [SEP] around them
-            ends = framing_tokens(self.tokenizer, pooler)
-            seconds = [cut_document(ids, max_second_tokens, ends) for ids in seconds]
+        ends = framing_tokens(self.tokenizer, pooler)  # an encoder's text keeps its [CLS] and [SEP] around them
+        firsts, seconds = [ids if n is None else [cut_document(p, n, ends) for p in ids]
+                           for ids, n in zip((firsts, seconds), req.side_limits())]
         firsts, seconds = [await self._fitted(p, params, req, name) for p, name in zip((firsts, seconds), names)]
         rid, engine_rid = _request_ids(prefix, req.request_id)
         vectors = await self._vectors(engine_rid, firsts + seconds, params)
@@ -344,15 +342,15 @@ class OpenAIServing:
         return rid, scores, sum(map(len, firsts + seconds))
 
     async def _cross_encoded(self, req: ScoreRequest | RerankRequest, api: str, prefix: str,
-                             sides: tuple[list[str], list[str]], names: tuple[str, str], max_second_tokens: int | None,
+                             sides: tuple[list[str], list[str]], names: tuple[str, str],
                              use_pad_token: bool) -> tuple[str, list[float], int]:
         """_scored's on a cross-encoder: each pair one prompt (engine.scoring.pair_prompts; rendered
         by the server's --chat-template where it has one, a score template: templated_prompts),
-        its score the head's; a document cut to `max_second_tokens` keeps the text of its first ones."""
+        its score the head's; a text cut to max_tokens_per_query / max_tokens_per_doc keeps the text
+        of its first tokens, as vLLM cuts it before composing the pair."""
         params = await self._pooling_params(req, api, task="score")
-        firsts, seconds = sides
-        if max_second_tokens is not None:
-            seconds = await off_loop(self._cut_texts, seconds, max_second_tokens)
+        firsts, seconds = [texts if n is None else await off_loop(self._cut_texts, texts, n)
+                           for texts, n in zip(sides, req.side_limits())]
         pairs = [(firsts[i], seconds[j]) for i, j in score_pairs(len(firsts), len(seconds))]
         if self.settings.chat_template is not None:
             return await self._template_scored(req, params, prefix, pairs, names)

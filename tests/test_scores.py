@@ -128,6 +128,15 @@ def test_score_and_rerank_over_http_equal_llm_score(model_dir, llm):
         assert sorted((x["index"], x["relevance_score"]) for x in r.json()["results"]) == [
             (i, pytest.approx(s, abs=1e-6)) for i, s in enumerate(cut)]
         assert r.json()["usage"]["prompt_tokens"] == len(llm.tokenizer.encode(QUERY)) + sum(map(len, first_two))
+        # vLLM's max_tokens_per_query (on /score too); 0 or null: whole, vLLM's default
+        query_two = llm.tokenizer.encode(QUERY)[:2]
+        r = await http.post("/score", json={"text_1": QUERY, "text_2": DOCS, "max_tokens_per_query": 2,
+                                            "max_tokens_per_doc": 0})
+        assert [x["score"] for x in r.json()["data"]] == pytest.approx(
+            [o.outputs.score for o in llm.score({"prompt_token_ids": query_two}, DOCS, use_tqdm=False)], abs=1e-6)
+        r = await http.post("/rerank", json={"query": QUERY, "documents": DOCS, "max_tokens_per_doc": None,
+                                             "max_tokens_per_query": 0})
+        assert sorted(x["relevance_score"] for x in r.json()["results"]) == pytest.approx(sorted(want), abs=1e-6)
         r = await http.post("/score", json={"text_1": QUERY, "text_2": "x " * 20, "truncate_prompt_tokens": 4})
         assert r.json()["usage"]["prompt_tokens"] == 8
         refused = {}
@@ -145,6 +154,7 @@ def test_score_and_rerank_over_http_equal_llm_score(model_dir, llm):
                 ("long second", "/score", {"data_1": QUERY, "data_2": [DOCS[0], "x " * 300]}),
                 ("long query", "/rerank", {"query": "x " * 300, "documents": DOCS}),
                 ("keep none", "/score", {"text_1": QUERY, "text_2": DOCS, "truncate_prompt_tokens": 0}),
+                ("negative cut", "/rerank", {"query": QUERY, "documents": DOCS, "max_tokens_per_doc": -1}),
                 ("a bad document", "/rerank", {"query": QUERY, "documents": [{"title": "b"}]}),
                 ("an empty document", "/rerank", {"query": QUERY, "documents": ["a", {"text": "", "id": 1}]}),
                 ("long", "/rerank", {"query": QUERY, "documents": ["x " * 300]}),
