@@ -19,7 +19,7 @@
 LAST is what decoder embedding models are trained for (Qwen3-Embedding, e5-mistral, gte-Qwen2,
 SFR-Embedding) and vLLM's default for them; MEAN is what some sentence-transformers folders say.
 CLS is refused for a decoder: the first token's state carries nothing of the rest under causal
-attention. An encoder (BERT, RoBERTa, NomicBERT, GTE: engine.model.bert; ModernBERT:
+attention. An encoder (BERT, RoBERTa, DistilBERT, NomicBERT, GTE: engine.model.bert; ModernBERT:
 engine.model.modernbert) pools CLS by default, or MEAN or LAST, in the model itself, each prompt
 whole in one step.
 
@@ -400,7 +400,7 @@ def pooled_vector(last: list[float], params: PoolingParams, rows_sum: list[float
     import torch  # not at import: EngineConfig reads this module's names, and the ingress has no use for torch
 
     v = torch.tensor(last, dtype=torch.float64)
-    if params.pools_every_row and not params.every_token:
+    if params.pooling_type == "MEAN":
         v = (v + torch.tensor(rows_sum, dtype=torch.float64)) / (num_rows + 1) if rows_sum is not None else v
     if project is not None:  # an embedding model's (a classifier with Dense modules is refused)
         v = project(v)

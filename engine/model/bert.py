@@ -156,7 +156,7 @@ class EncoderModel(nn.Module):
             if not a.token_classifier:
                 self.head_dense = nn.Linear(a.hidden_size, a.hidden_size, dtype=dtype)
             self.head_out = nn.Linear(a.hidden_size, a.num_labels, dtype=dtype)
-        self.head_act = torch.tanh if a.classifier_act == "tanh" else ACT2FN[a.classifier_act]
+        self.head_act = ACT2FN[a.classifier_act]
         if a.rotary:  # float32, as HF keeps them
             self.register_buffer("inv_freq", rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling), persistent=False)
         self.requires_grad_(False)
@@ -185,8 +185,8 @@ class EncoderModel(nn.Module):
         return pooled_outputs(x, lens, starts, ends, pooling_type, every_token)
 
     # checkpoint name (after the model prefix) -> ours, for the names that differ: BERT's and
-    # RoBERTa's; DistilBERT's; NomicBERT's (nomic-embed-text's, which transformers' NomicBert saves too); GTE's
-    # (the hub's, which transformers' Gte saves too)
+    # RoBERTa's; DistilBERT's; NomicBERT's (nomic-embed-text's, which transformers' NomicBert saves
+    # too); GTE's (the hub's, which transformers' Gte saves too)
     RENAMES = (("embeddings.word_embeddings.", "word_embeddings."),
                ("embeddings.position_embeddings.", "position_embeddings."),
                ("embeddings.token_type_embeddings.", "token_type_embeddings."),

@@ -1,6 +1,6 @@
 """The ModelArch fields of an encoder's config (engine.model.bert's BERT, RoBERTa, XLM-RoBERTa,
-DistilBERT, NomicBERT and GTE; engine.model.modernbert's ModernBERT), as transformers reads the config.json;
-GTE's hub config, which transformers cannot read, as its GteConfig (hub_gte_config)."""
+DistilBERT, NomicBERT and GTE; engine.model.modernbert's ModernBERT), as transformers reads the
+config.json; GTE's hub config, which transformers cannot read, as its GteConfig (hub_gte_config)."""
 from __future__ import annotations
 
 from engine.classifier import has_classifier_head, is_token_classifier
@@ -112,18 +112,12 @@ def _gte(cfg) -> dict:
     token types only where type_vocab_size is above 0 (gte-base-en-v1.5 has none)."""
     from transformers.activations import ACT2FN
 
-    from engine.model.rope import rope_inv_freq
-
     if cfg.hidden_act not in ACT2FN:
         raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}")
     heads = cfg.num_attention_heads
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
     theta = float(rope.pop("rope_theta", None) or cfg.default_theta)
-    scaling = rope if rope.get("rope_type", "default") != "default" else None
-    try:
-        rope_inv_freq(cfg.hidden_size // heads, theta, scaling)
-    except KeyError as e:
-        raise ValueError(f"rope scaling {scaling} lacks {e}") from None
+    scaling = rope if rope.get("rope_type", "default") != "default" else None  # checked: ModelArch.rope_checked
     return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                 num_layers=cfg.num_hidden_layers, num_heads=heads, num_kv_heads=heads,
                 head_dim=cfg.hidden_size // heads, rms_norm_eps=cfg.layer_norm_eps, rope_theta=theta,

@@ -73,7 +73,7 @@ class ModelArch:
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {cfg.model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
         if cfg.model_type in ENCODER_MODEL_TYPES:
-            return cls(**encoder_fields(cfg))
+            return cls(**encoder_fields(cfg)).rope_checked()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (only silu)")
         heads = cfg.num_attention_heads
@@ -102,11 +102,18 @@ class ModelArch:
             qk_norm=cfg.model_type == "qwen3", sliding_window=window,
             num_labels=cfg.num_labels if is_classifier(cfg) else 0,
         )
-        try:  # here, where `kvserve serve` reads the config before Ray starts, not in each replica
-            rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
-        except KeyError as e:
-            raise ValueError(f"rope scaling {arch.rope_scaling} lacks {e}") from None
-        return arch
+        return arch.rope_checked()
+
+    def rope_checked(self) -> "ModelArch":
+        """Itself, its rotary frequencies (if it has rotary positions: a theta) computed once here,
+        where `kvserve serve` reads the config before Ray starts, not in each replica; ValueError
+        for a scaling the engine cannot compute."""
+        if self.rope_theta:
+            try:
+                rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
+            except KeyError as e:
+                raise ValueError(f"rope scaling {self.rope_scaling} lacks {e}") from None
+        return self
 
     def check_tp(self, tp_size: int) -> None:
         """Raise before any weight is loaded when the model cannot be split tp_size ways."""
