@@ -296,6 +296,7 @@ def check_args(args: dict) -> tuple[EngineConfig, ServeOptions]:
     (the default model is converted here, once), whether the model splits tensor_parallel_size
     ways, and whether a replica fits the Ray nodes in sight and loads within load_timeout_s."""
     from engine.model.loader import load_arch
+    from engine.model.quantized import check_method
     from engine.model_source import model_dir as find_model_dir, tokenizer_dir
     from engine.pooling import resolve_runner
 
@@ -303,6 +304,7 @@ def check_args(args: dict) -> tuple[EngineConfig, ServeOptions]:
     model_dir = find_model_dir(engine)
     tokenizer_dir(engine, model_dir)  # a tokenizer named is a directory, or in the Hugging Face cache
     arch, hf_config = load_arch(model_dir)
+    check_method(engine.quantization, arch.quantization)
     engine.model_len(arch.max_position_embeddings)  # max_model_len within the model's positions
     if engine.tensor_parallel_size > 1:
         arch.check_tp(engine.tensor_parallel_size)

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import re
 
-from engine.config import LOGPROBS_MODES
+from engine.config import LOGPROBS_MODES, QUANTIZATION_NAMES
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -162,6 +162,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help='vLLM\'s, for --runner pooling: {"pooling_type": "LAST" or "MEAN", "use_activation": true (L2-normalise), '
              '"dimensions": N (a Matryoshka model\'s default size)}; the model folder\'s sentence-transformers '
              "modules set what it leaves out")
+    add("-q", "--quantization", choices=QUANTIZATION_NAMES,
+        help="vLLM's: a GPTQ (symmetric, 4/8-bit) or AWQ (4-bit) checkpoint's method, read from its config.json "
+             "when not given; the weights are dequantized once at load (on CPU, decode reads 4-bit ones as codes)")
     add("--hf-overrides", metavar="JSON",
         help="vLLM's: config.json fields set over the model folder's, e.g. '{\"architectures\": "
              "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], "

@@ -69,13 +69,17 @@ def param_count(a: ModelArch, pooling: bool = False) -> int:
     only the embedding table and a classifier's small head, where it has one."""
     if a.encoder:
         return _encoder_param_count(a)
-    h, hd, inter = a.hidden_size, a.head_dim, a.intermediate_size
-    attn = h * a.num_heads * hd * 2 + h * a.num_kv_heads * hd * 2  # q, o, k, v
-    if a.attention_bias:
-        attn += (a.num_heads + 2 * a.num_kv_heads) * hd
-    mlp = 3 * h * inter + (2 * inter + h if a.mlp_bias else 0)
+    h, hd = a.hidden_size, a.head_dim
+    biases = (a.num_heads + 2 * a.num_kv_heads) * hd if a.attention_bias else 0
+    biases += 2 * a.intermediate_size + h if a.mlp_bias else 0
     embeddings = a.vocab_size * h * (1 if a.tie_word_embeddings or pooling else 2) + a.num_labels * h
-    return embeddings + a.num_layers * (attn + mlp + 2 * h) + h
+    return embeddings + a.num_layers * (linear_params(a) + biases + 2 * h) + h
+
+
+def linear_params(a: ModelArch) -> int:
+    """A decoder layer's linear weights: q, k, v and o; gate, up and down."""
+    h, hd = a.hidden_size, a.head_dim
+    return h * a.num_heads * hd * 2 + h * a.num_kv_heads * hd * 2 + 3 * h * a.intermediate_size
 
 
 def _encoder_param_count(a: ModelArch) -> int:
@@ -129,6 +133,11 @@ def cpu_weight_bytes(arch: ModelArch, nbytes: int, ckpt_bytes: int, pooling: boo
         return params * nbytes
     tied_head = arch.tie_word_embeddings and not pooling  # the table is the head too: prepacked, like a linear layer
     lookup_only = 0 if tied_head else arch.vocab_size * arch.hidden_size
+    if arch.quantization is not None:  # GPTQ/AWQ: the layers' weights prepacked, and as codes or float32
+        layers = arch.num_layers * linear_params(arch)
+        code_bytes = arch.quantization.code_bytes
+        rest = params - layers - lookup_only  # the head, the norms and a classifier's head, from float16 or
+        return layers * (4 + (code_bytes or 4)) + lookup_only * 4 + rest * 8  # bfloat16: counted as float16
     if ckpt_bytes >= 3 * params:  # float32 on disk: each weight, and a linear one's prepacked copy
         return lookup_only * 4 + (params - lookup_only) * (4 + 4)
     return lookup_only * 2 + (params - lookup_only) * (4 + 2)  # bfloat16: the halves, and the prepacked copy

@@ -17,6 +17,7 @@ from engine.lora import LoRAState, attach, load_adapter
 from engine.lora_request import LoRARequest
 from engine.model.llama import ModelArch
 from engine.model.loader import build_model, load_arch
+from engine.model.quantized import check_method
 from engine.model_source import ENCODER_NAMES, load_tokenizer, model_dir as find_model_dir, model_name, tokenizer_dir
 from engine.outputs import PromptLogprob
 from engine.pooling import Pooled, PoolerConfig, pool, pooler_config, prompt_rows
@@ -131,6 +132,7 @@ class ModelSpec:
 def load_model_info(config: EngineConfig) -> ModelSpec:
     model_dir = find_model_dir(config)
     arch, hf_config = load_arch(model_dir)
+    check_method(config.quantization, arch.quantization)
     pooler = pooler_config(config.runner, config.convert, config.pooler_config, model_dir, hf_config)
     tokenizer = load_tokenizer(tokenizer_dir(config, model_dir), config.trust_remote_code)
     return ModelSpec(model_dir, arch, tokenizer, eos_token_ids(model_dir, hf_config, tokenizer),

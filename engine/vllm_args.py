@@ -26,7 +26,6 @@ NO_EFFECT = {
 # vLLM `LLM(...)` keywords with no CLI flag here, taken at the values that ask nothing (vLLM's
 # defaults); name -> (the values taken, None always; what kvserve lacks).
 AT_DEFAULT = {
-    "quantization": ((), "weights are served in the checkpoint's dtype; no quantization methods"),
     "task": (("auto", "generate"), "vLLM's older name: give runner='pooling' (--runner pooling) to embed"),
     "cpu_offload_gb": ((0,), "weights stay on the device"),
     "skip_tokenizer_init": ((False,), "the engine detokenizes with the model's tokenizer"),

@@ -620,6 +620,15 @@ def test_a_cpu_replica_counts_every_form_of_its_weights(tmp_path, smollm2_path):
             assert 0.95 * held <= counted <= 1.05 * held, (kind, pooling, held, counted)
             assert sizing.cpu_weight_bytes(arch, 2, sizing.checkpoint_bytes(d, arch), pooling) == sizing.param_count(
                 arch, pooling) * 2
+    from benchmarks.quantize import quantize_checkpoint
+
+    # GPTQ and AWQ: the layers' weights as 4-bit codes (float32 where act-order leaves no 32-weight grid)
+    for method, kw in (("gptq", {}), ("awq", {}), ("gptq", {"act_order": True})):
+        d = tmp_path / f"{method}-{len(kw)}"
+        quantize_checkpoint(tmp_path / "gqa", d, tmp_path / f"{method}-{len(kw)}-float", method, **kw)
+        arch, model = load_arch(d)[0], build_model(d, torch.float32, torch.device("cpu"))
+        held, counted = held_weight_bytes(model), sizing.cpu_weight_bytes(arch, 4, sizing.checkpoint_bytes(d, arch))
+        assert 0.95 * held <= counted <= 1.05 * held, (method, kw, held, counted)
     from tests.tiny_bert import make_tiny_encoder
 
     for kind, labels, extra in (("bert", 0, {}), ("xlm-roberta", 2, {}), ("bert", 3, {"per_token": True}),

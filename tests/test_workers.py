@@ -392,6 +392,24 @@ def test_tp2_lora_adapters_are_peft_exact(ray_cluster, tiny_dirs, tmp_path, kind
         llm.engine.executor.shutdown()
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_tp2_a_quantized_checkpoint_is_exact(ray_cluster, tiny_dirs, tmp_path, method):
+    """A GPTQ or AWQ checkpoint at tp=2 (engine.model.quantized): rank 0 dequantizes each packed
+    weight and scatters its pieces; each rank's decode reads its piece as 4-bit codes."""
+    from benchmarks.quantize import quantize_checkpoint
+
+    packed, ref = tmp_path / "packed", tmp_path / "reference"
+    quantize_checkpoint(tiny_dirs["gqa"], packed, ref, method)
+    prompts = _prompts()[:4]
+    llm = LLM(model=str(packed), tensor_parallel_size=2, **ENGINE)
+    try:
+        assert _tokens(llm.generate(prompts, GREEDY)) == hf_greedy(ref, prompts, MAX_NEW)
+        assert [r["weight_codes"] for r in llm.engine.executor.stats()["ranks"]] == [8, 8]
+        _assert_clean(llm)
+    finally:
+        llm.engine.executor.shutdown()
+
+
 def test_only_rank0_reads_weights_and_each_rank_holds_its_slice(ray_cluster, tiny_dirs):
     import torch
 

@@ -20,7 +20,8 @@ from torch import nn
 
 from engine.model.layers import Shard, TPContext, check_checkpoint_shape
 from engine.model.llama import LlamaModel
-from engine.model.loader import check_complete, open_safetensors, safetensors_files
+from engine.model.checkpoint import Checkpoint
+from engine.model.loader import check_complete
 
 
 @dataclass
@@ -31,35 +32,19 @@ class LoadStats:
     num_tensors: int = 0
 
 
-class _Checkpoint:
-    """Rank 0's view of the safetensors files: the tensor list, then each tensor once."""
-
-    def __init__(self, model_dir: str | Path, stats: LoadStats) -> None:
-        self.handles = {}
-        for path in safetensors_files(model_dir):
-            stats.files_opened.append(str(path))
-            self.handles[str(path)] = open_safetensors(path)
-        self.specs = [(path, name, list(h.get_slice(name).get_shape()))
-                      for path, h in self.handles.items() for name in h.keys()]
-        self.stats = stats
-
-    def read(self, path: str, name: str) -> torch.Tensor:
-        t = self.handles[path].get_tensor(name)
-        self.stats.bytes_read += t.numel() * t.element_size()
-        return t
-
-
 def load_sharded(model: LlamaModel, model_dir: str | Path | None, tp: TPContext) -> LoadStats:
     """Collective: every rank calls it; only rank 0 passes `model_dir` and reads it."""
     stats = LoadStats()
-    ckpt = _Checkpoint(model_dir, stats) if tp.rank == 0 else None
+    ckpt = Checkpoint(model_dir) if tp.rank == 0 else None
+    if ckpt is not None:
+        stats.files_opened = list(ckpt.files)
     specs = [ckpt.specs if ckpt else None]
     dist.broadcast_object_list(specs, src=0, group=tp.group)  # the tensor list, so all walk it alike
     params = dict(model.named_parameters())
     names = {id(p): n for n, p in params.items()}
     modules = dict(model.named_modules())
     loaded: dict[int, set] = {}  # id(param) -> the parts (shard ids) it received
-    for path, name, shape in specs[0]:
+    for name, shape in specs[0]:
         target = model.param_for(name, params)
         if target is None:
             continue
@@ -68,12 +53,13 @@ def load_sharded(model: LlamaModel, model_dir: str | Path | None, tp: TPContext)
         mod_name, _, attr = names[id(param)].rpartition(".")
         layer = modules[mod_name]
         shards = [layer.shard(attr, shard_id, rank=r) for r in range(tp.size)]
-        full = ckpt.read(path, name).to(device=param.device, dtype=param.dtype) if ckpt else None
+        full = ckpt.read(name).to(device=param.device, dtype=param.dtype) if ckpt else None
         nbytes = _transfer(shards, param, full, shape, tp)
         stats.bytes_received += nbytes if tp.rank else 0
         stats.num_tensors += 1
         loaded.setdefault(id(param), set()).add(shard_id)
     check_complete(params, loaded)
+    stats.bytes_read = ckpt.bytes_read if ckpt else 0
     return stats
 
 

@@ -121,20 +121,33 @@ def log_codes(held: list[BlockCodes], seconds: float) -> None:
                 sum(c.shape[0] * c.shape[1] * 4 for c in held) / 1e6, seconds)
 
 
+# (steps of the scale from a block's smallest weight to its largest, float16 neighbours of the
+# scale tried): GGUF's 15 steps first, then a GPTQ or AWQ block's fewer
+_SPANS = [(15, step) for step in (0, 1, -1, 2, -2)] + [(k, 0) for k in range(14, 0, -1)]
+_SAMPLE_BLOCKS = 256  # blocks whose distinct values tell a 4-bit tensor from any other at once
+
+
 def _encode_affine_4bit(blocks: torch.Tensor, shape: torch.Size) -> BlockCodes | None:
     # Q4_1 quantizes a block to q = round((x - min) / d), d = (max - min) / 15, storing d and min
-    # as float16: the smallest weight of a block is its offset (q = 0), the largest is q = 15.
+    # as float16: the smallest weight of a block is its offset (q = 0), the largest is q = 15,
+    # where float16 neighbours of the guess absorb the rounding of the largest weight. A GPTQ or
+    # AWQ weight is scale * (q - zero) with a float16 scale per group of inputs (exact in
+    # float32): a block of it spans (max q - min q) <= 15 steps of that scale, each weight
+    # exactly min + scale * (q - min q).
+    sample = blocks[:_SAMPLE_BLOCKS].sort(dim=1).values
+    if bool(((sample[:, 1:] != sample[:, :-1]).sum(dim=1) >= 16).any()):
+        return None  # more than 16 distinct values in a block: no 4-bit grid (8-bit codes, plain floats)
     offset = blocks.min(dim=1).values
-    guess = ((blocks.max(dim=1).values.double() - offset.double()) / 15).to(torch.float16)
+    span = blocks.max(dim=1).values.double() - offset.double()
     codes, scales = torch.empty_like(blocks), torch.empty_like(offset)
     ok = torch.zeros_like(offset, dtype=torch.bool)
-    for step in (0, 1, -1, 2, -2):  # float16 neighbours absorb the rounding of the largest weight
+    for k, step in _SPANS:
         todo = (~ok).nonzero().squeeze(1)
-        if step == 1 and len(todo) > len(ok) // 2:
-            return None  # not a 4-bit tensor (e.g. 8-bit codes, or plain float weights)
+        if not len(todo):
+            break
         b, o = blocks[todo], offset[todo, None]
-        s = _float16_step(guess[todo], step).float()[:, None]
-        q = torch.where(s > 0, (b - o) / s, 0).round().clamp(0, 15)
+        s = _float16_step((span[todo] / k).to(torch.float16), step).float()[:, None]
+        q = torch.where(s > 0, (b - o) / s, 0).round().clamp(0, k)
         exact = _same_bits(q * s + o, b)
         hit = todo[exact]
         codes[hit], scales[hit], ok[hit] = q[exact], s[exact, 0], True

@@ -20,6 +20,7 @@ from engine.classifier import is_classifier
 from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, ReplicatedLinear, RMSNorm,
                                  RowParallelLinear, TPContext, VocabParallelEmbedding)
 from engine.model.encoder_arch import encoder_fields
+from engine.model.quantized import QuantConfig
 from engine.model.rope import RopeStep, RotaryEmbedding, apply_rope, rope_inv_freq
 from engine.model_source import ENCODER_MODEL_TYPES, ENCODER_NAMES, SUPPORTED_MODEL_TYPES
 
@@ -46,6 +47,7 @@ class ModelArch:
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k before RoPE
     sliding_window: int | None = None  # the checkpoint's attention window, where one applies
     num_labels: int = 0  # a sequence classifier's classes (its `score` head); 0: no classifier
+    quantization: QuantConfig | None = None  # a GPTQ or AWQ checkpoint's: dequantized at load (engine.model.quantized)
     token_classifier: bool = False  # an encoder's head over every token (engine.classifier)
     # An encoder's (engine.model.bert; engine.model.encoder_arch): attention both ways, absolute positions
     encoder: bool = False

@@ -8,7 +8,6 @@ import os
 import time
 from pathlib import Path
 
-import safetensors
 import torch
 from torch import nn
 
@@ -16,11 +15,13 @@ from engine import cpu_kernels
 from engine.model import codes
 from engine.model.codes import codes_wanted, log_codes
 from engine.model.bert import EncoderModel
+from engine.model.checkpoint import Checkpoint, unreadable
 from engine.model.encoder_arch import hub_gte_config, is_hub_gte
 from engine.model.modernbert import ModernBertEncoder
 from engine.model.layers import TPContext, check_checkpoint_shape
 from engine.model.llama import LlamaModel, ModelArch
-from engine.model_source import ENCODER_NAMES, ModelError
+from engine.model.quantized import quant_config
+from engine.model_source import ENCODER_NAMES
 from engine.st_config import max_seq_length
 
 
@@ -34,7 +35,8 @@ def load_arch(model_dir: str | Path) -> tuple[ModelArch, object]:
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise _unreadable(path, e) from None
+        raise unreadable(path, e) from None
+    quant = quant_config(raw) if isinstance(raw, dict) else None  # before transformers reads it
     try:
         if isinstance(raw, dict) and is_hub_gte(raw):  # only its remote code reads it
             cfg = hub_gte_config(raw, str(path))
@@ -44,59 +46,40 @@ def load_arch(model_dir: str | Path) -> tuple[ModelArch, object]:
     except ValueError:
         raise
     except Exception as e:
-        raise _unreadable(path, e) from None
+        raise unreadable(path, e) from None
+    if quant is not None:
+        if arch.encoder:
+            raise ValueError(f"a quantized encoder ({quant.method}) is not supported")
+        arch = dataclasses.replace(arch, quantization=quant)
     limit = max_seq_length(model_dir) if arch.encoder else None
     if limit is not None and limit < arch.max_position_embeddings:  # vLLM's cap too: the input length it was
         arch = dataclasses.replace(arch, max_position_embeddings=limit)  # trained for bounds max_model_len
     return arch, cfg
 
 
-def open_safetensors(path: Path):
-    """safe_open, its errors naming the file (a truncated or corrupt one says only what broke)."""
-    try:
-        return safetensors.safe_open(str(path), framework="pt")  # looked up per call: tests spy on it
-    except Exception as e:
-        raise _unreadable(path, e) from None
-
-
-def _unreadable(path: Path, e: Exception) -> ModelError:
-    """One line: the file, and the error its reader raised."""
-    return ModelError(f"cannot read {str(path)!r}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
-
-
-def safetensors_files(model_dir: str | Path) -> list[Path]:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
-    return files
-
-
 def load_weights(model: LlamaModel, model_dir: str | Path) -> int:
     """Copy every checkpoint tensor into its (sharded) parameter; returns bytes read."""
     params = dict(model.named_parameters())
     loaded: dict[int, set] = {}  # id(param) -> the parts (shard ids) it received
-    nbytes = 0
-    for path in safetensors_files(model_dir):
-        with open_safetensors(path) as f:
-            for name in f.keys():
-                target = model.param_for(name, params)
-                if target is None:
-                    continue
-                param, shard = target
-                check_checkpoint_shape(name, param, shard, f.get_slice(name).get_shape())
-                tensor = f.get_tensor(name)
-                nbytes += tensor.numel() * tensor.element_size()
-                got = loaded.setdefault(id(param), set())
-                # a plain parameter (an encoder's) takes one tensor whole; a packed one, one per part
-                if shard in got and (shard is not None or not hasattr(param, "weight_loader")):
-                    raise ValueError(f"checkpoint tensor {name!r} is a second tensor for the same parameter")
-                if hasattr(param, "weight_loader"):
-                    param.weight_loader(param, tensor.to(param.dtype), shard)
-                else:
-                    param.data.copy_(tensor)
-                got.add(shard)
+    ckpt = Checkpoint(model_dir)
+    for name, shape in ckpt.specs:
+        target = model.param_for(name, params)
+        if target is None:
+            continue
+        param, shard = target
+        check_checkpoint_shape(name, param, shard, shape)
+        tensor = ckpt.read(name)
+        got = loaded.setdefault(id(param), set())
+        # a plain parameter (an encoder's) takes one tensor whole; a packed one, one per part
+        if shard in got and (shard is not None or not hasattr(param, "weight_loader")):
+            raise ValueError(f"checkpoint tensor {name!r} is a second tensor for the same parameter")
+        if hasattr(param, "weight_loader"):
+            param.weight_loader(param, tensor.to(param.dtype), shard)
+        else:
+            param.data.copy_(tensor)
+        got.add(shard)
     check_complete(params, loaded)
-    return nbytes
+    return ckpt.bytes_read
 
 
 def check_complete(params: dict[str, nn.Parameter], loaded: dict[int, set]) -> None:
