@@ -272,4 +272,4 @@ def _launch(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if num_splits > 1:
         _merge_splits_kernel[(num_rows, h)](out, part_acc, part_max, part_sum, row0, num_splits, out.stride(0),
                                             out.stride(1), HEAD_DIM=d, HEAD_DIM_PAD=d_pad, SPLITS_PAD=MAX_SPLITS,
-                                            num_warps=2)
+                                            num_warps=2, enable_fp_fusion=True)  # as the tiles' (Triton's default may change)
