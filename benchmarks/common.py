@@ -74,7 +74,7 @@ def step_means(before: StepTotals, after: StepTotals) -> dict[str, tuple[float, 
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     """Rows of already formatted cells; numbers are right-aligned."""
     cells = [[str(c) for c in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]  # no rows: the headers'
     numeric = [all(_is_number(r[i]) for r in cells) for i in range(len(headers))]
 
     def line(row: list[str]) -> str:

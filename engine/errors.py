@@ -18,6 +18,16 @@ class InvalidRequestError(ValueError):
         return type(self), (self.param, self.message, self.code)
 
 
+def brief(value, limit: int = 200) -> str:
+    """repr(value), cut to `limit` characters and its size where longer: an error message quotes
+    what a request sent without echoing a megabyte of it."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value)} items" if isinstance(value, (list, tuple, dict)) else f"{len(text)} characters"
+    return f"{text[:limit]}... ({size})"
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop (or one of its workers) failed; in-flight and new requests end with this.
 

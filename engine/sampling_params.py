@@ -9,7 +9,7 @@ import numbers
 import warnings
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, brief
 from engine.lora_request import LoRARequest
 from engine.structured.params import StructuredOutputsParams
 
@@ -92,10 +92,10 @@ class SamplingParams:
         elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
         else:
-            raise InvalidRequestError("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise InvalidRequestError("stop", f"stop must be a string or a list of strings, got {brief(self.stop)}")
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
             raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be a list of token ids, "
-                                                        f"got {self.stop_token_ids!r}")
+                                                        f"got {brief(self.stop_token_ids)}")
         self.stop_token_ids = [] if self.stop_token_ids is None else _unique(self.stop_token_ids)
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self.allowed_token_ids = None if self.allowed_token_ids is None else _unique(self.allowed_token_ids)
@@ -123,7 +123,7 @@ class SamplingParams:
     def _validate(self) -> None:
         def need(cond: bool, field: str, rule: str) -> None:
             if not cond:
-                raise InvalidRequestError(field, f"{field} must be {rule}, got {getattr(self, field)!r}")
+                raise InvalidRequestError(field, f"{field} must be {rule}, got {brief(getattr(self, field))}")
 
         for field in _INT_FIELDS:
             value = getattr(self, field)

@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.sampling_params import MAX_LOGIT_BIAS, RequestOutputKind, SamplingParams
 from engine.beam_search import MAX_BEAM_WIDTH, BeamSearch
@@ -21,6 +21,8 @@ MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES; the server's --max-sequences-per-r
 REQUEST_ID_PATTERN = r"^[\x21-\x7e]{1,256}$"  # printable ASCII, no spaces: it goes into ids and log lines
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+# a request's model: None (or "", as vLLM reads it) is the served model
+ModelName = Annotated[str | None, BeforeValidator(lambda v: None if v == "" else v)]
 TokenId = Annotated[int, Field(ge=0)]
 
 
@@ -49,7 +51,7 @@ def nulls_dropped(data, fields: frozenset[str]):
 class _SamplingFields(_Model):
     """The fields completions and chat completions share, mapped onto engine.SamplingParams."""
 
-    model: str | None = None  # None: the served model
+    model: ModelName = None
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0)  # None: 1.0, as OpenAI; no upper bound (vLLM now refuses > 2)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -343,6 +345,8 @@ class StructuredOutputs(_Model):
                 json.loads(self.json_)
             except ValueError:
                 raise ValueError("structured_outputs.json is not valid JSON") from None
+            except RecursionError:  # a string is not held to the body's depth limit
+                raise ValueError("structured_outputs.json nests too deeply") from None
         _schema_size_ok(self.json_, "structured_outputs.json")
         return self
 
@@ -566,7 +570,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Model):
-    model: str | None = None
+    model: ModelName = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # None: as the endpoint does, True for a prompt, False for messages
@@ -602,14 +606,14 @@ def _check_template_options(request: ChatCompletionRequest | TokenizeRequest) ->
 
 
 class DetokenizeRequest(_Model):
-    model: str | None = None
+    model: ModelName = None
     tokens: list[TokenId]
 
 
 class PoolingFields(_Model):
     """What the bodies of an embedding model's routes share (embeddings, score, rerank; vLLM's
     PoolingBasicRequestMixin)."""
-    model: str | None = None
+    model: ModelName = None
     user: str | None = None
     # vLLM extras
     use_activation: bool | None = None  # L2-normalise (the pooler's default: yes)

@@ -26,8 +26,8 @@ from typing import Any, Literal
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from router.errors import bad_request, from_validation_error
-from router.protocol import (REQUEST_ID_PATTERN, ChatCompletionRequest, _Model, _schema_size_ok, nulls_dropped,
-                             object_parameters)
+from router.protocol import (REQUEST_ID_PATTERN, ChatCompletionRequest, ModelName, _Model, _schema_size_ok,
+                             nulls_dropped, object_parameters)
 
 
 RUNNING = ("queued", "in_progress")  # a background response's statuses before it ends
@@ -225,7 +225,7 @@ _CHAT_EXTRAS = ("stop", "seed", "top_k", "min_p", "repetition_penalty", "logit_b
 
 
 class ResponsesRequest(_Model):
-    model: str | None = None
+    model: ModelName = None
     input: str | list[InputItem] = Field(min_length=1)
     instructions: str | None = None  # the system message before the input
     max_output_tokens: int | None = Field(None, ge=1)
@@ -350,6 +350,9 @@ class ResponsesRequest(_Model):
             messages.append({"role": "user", "content": self.input})
         else:
             messages += chat_messages(self.input)
+        if not messages:  # reasoning items alone become no message
+            raise bad_request("input: no message to answer (reasoning items alone are not a conversation)",
+                              param="input")
         body = {"model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "user": self.user,
                 "parallel_tool_calls": self.parallel_tool_calls, "priority": self.priority}

@@ -862,9 +862,11 @@ def _check_fits_kv_cache(prompt_len: int, max_tokens: int | None, info: dict, ma
         return
     total = prompt_len + (max_tokens if max_tokens is not None else info["max_model_len"] - prompt_len)
     if -(-kv_tokens(prompt_len, total - prompt_len) // size) > blocks:
-        raise bad_request(f"The KV cache holds {blocks * size} tokens, but {prompt_len} prompt tokens + "
-                          f"{total - prompt_len} {max_param} need {total - 1} (all but the last): this request "
-                          f"could never be scheduled. Lower {max_param}.", param=max_param)
+        asked = (f"{total - prompt_len} {max_param}" if max_tokens is not None else
+                 f"{total - prompt_len} tokens to max_model_len (no {max_param} given)")
+        raise bad_request(f"The KV cache holds {blocks * size} tokens, but {prompt_len} prompt tokens + {asked} "
+                          f"need {total - 1} (all but the last): this request could never be scheduled. "
+                          f"{'Lower' if max_tokens is not None else 'Set'} {max_param}.", param=max_param)
 
 
 def _check_token_ids(prompts: list[list[int]], params: SamplingParams, vocab: int, prompt_param: str) -> None:

@@ -288,7 +288,7 @@ def _arguments(text: str):
     """A call's arguments as templates want them: parsed JSON (the text itself if it is not JSON)."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past Python's stack: a string skips the body's depth limit
         return text
 
 

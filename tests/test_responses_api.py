@@ -115,6 +115,7 @@ def test_an_error_while_streaming_is_an_error_event_then_response_failed(tokeniz
     ({"conversation": "conv_1"}, "conversation", "stores no conversations"),
     ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "18 C"}]}, "input",
      "No tool call found for function call output with call_id call_9"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "no message to answer"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort", "its chat template does not read it"),  # SmolLM2's
     ({"reasoning": {"summary": "detailed"}}, "reasoning", "only its effort, and a summary of \"auto\""),
     ({"reasoning": {"effort": ""}}, "reasoning", "effort must be a string of 1 to 64 characters"),

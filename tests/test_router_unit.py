@@ -602,6 +602,34 @@ def test_hostile_bodies_get_a_400_that_says_why(tokenizer, path, body, says):
     assert r.json()["error"]["code"] == "invalid_json"
 
 
+def test_json_in_a_string_nested_past_pythons_stack_is_no_500(tokenizer):
+    """A string field is not held to the body's depth limit: a schema nested past Python's stack
+    is a 400 naming it; tool-call arguments in the history pass to the template as their text."""
+    deep = "[" * 5000 + "]" * 5000
+    r = call(tokenizer, "POST", "/v1/completions", json={"prompt": "hi", "structured_outputs": {"json": deep}})
+    assert r.status_code == 400 and "structured_outputs.json nests too deeply" in r.json()["error"]["message"]
+    call_ = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": ' + deep + "}"}}
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call_]},
+               {"role": "tool", "tool_call_id": "c1", "content": "x"}]
+    r = call(tokenizer, "POST", "/tokenize", json={"messages": history})
+    assert r.status_code == 200 and r.json()["count"] > 5000, r.text  # the arguments' text, rendered
+    r = call(tokenizer, "POST", "/v1/chat/completions", json={"messages": history, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text  # 64 tokens here
+
+
+def test_an_empty_model_name_is_the_served_model(tokenizer):
+    """As vLLM reads it ("model": "" is no model named)."""
+    r = call(tokenizer, "POST", "/v1/completions", json={"model": "", "prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["model"] == "m", r.text
+
+
+def test_an_error_quotes_a_huge_value_briefly(tokenizer):
+    r = call(tokenizer, "POST", "/v1/completions", json={"prompt": "hi", "bad_words": ["word"] * 50000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
+    message = r.json()["error"]["message"]
+    assert len(message) < 400 and message.endswith("... (50000 items)"), message
+
+
 def test_a_surrogate_pair_is_text_and_is_served(tokenizer):
     r = call(tokenizer, "POST", "/tokenize", content=b'{"prompt": "\\ud83d\\ude00"}',
              headers={"Content-Type": "application/json"})

@@ -445,6 +445,10 @@ def test_a_request_the_kv_cache_could_never_hold_is_refused_before_any_replica_s
 
     error, engine = run(tokenizer, "ok", go, num_blocks=8)  # 8 blocks of 16: 128 tokens
     assert error["param"] == "max_tokens" and "The KV cache holds 128 tokens" in error["message"], error
+    # a client that sent no max_tokens is told so, and to set one
+    said = "to max_model_len (no max_tokens given)" if max_tokens is None else "+ 200 max_tokens need"
+    assert said in error["message"] and error["message"].endswith(("Set" if max_tokens is None else "Lower")
+                                                                   + " max_tokens."), error
     assert engine.seen == []  # an engine replica would log the refusal as a failed request
     ok, _ = run(tokenizer, "ok", lambda c: c.completions.create(model="m", prompt="hi", max_tokens=100), num_blocks=8)
     assert ok.choices[0].text == "ok"  # one that fits still runs
