@@ -121,9 +121,6 @@ def log_codes(held: list[BlockCodes], seconds: float) -> None:
                 sum(c.shape[0] * c.shape[1] * 4 for c in held) / 1e6, seconds)
 
 
-# (steps of the scale from a block's smallest weight to its largest, float16 neighbours of the
-# scale tried): GGUF's 15 steps first, then a GPTQ or AWQ block's fewer
-_SPANS = [(15, step) for step in (0, 1, -1, 2, -2)] + [(k, 0) for k in range(14, 0, -1)]
 _SAMPLE_BLOCKS = 256  # blocks whose distinct values tell a 4-bit tensor from any other at once
 
 
@@ -138,17 +135,29 @@ def _encode_affine_4bit(blocks: torch.Tensor, shape: torch.Size) -> BlockCodes |
     if bool(((sample[:, 1:] != sample[:, :-1]).sum(dim=1) >= 16).any()):
         return None  # more than 16 distinct values in a block: no 4-bit grid (8-bit codes, plain floats)
     offset = blocks.min(dim=1).values
-    span = blocks.max(dim=1).values.double() - offset.double()
+    top = blocks.max(dim=1).values
+    span = top.double() - offset.double()
+    inf = torch.tensor(float("inf"))
+    # one step of a GPTQ/AWQ scale, where the code next to the smallest (or the largest) is there
+    next_up = torch.where(blocks > offset[:, None], blocks - offset[:, None], inf).amin(dim=1)
+    next_down = torch.where(blocks < top[:, None], top[:, None] - blocks, inf).amin(dim=1)
+    guesses = [lambda t: (span[t] / 15).to(torch.float16), lambda t: next_up[t].to(torch.float16),
+               lambda t: next_down[t].to(torch.float16)]
+    guesses += [lambda t, step=step: _float16_step((span[t] / 15).to(torch.float16), step) for step in (1, -1, 2, -2)]
+    guesses += [lambda t, k=k: (span[t] / k).to(torch.float16) for k in range(14, 1, -1)]
+    sample = torch.arange(min(len(blocks), _SAMPLE_BLOCKS))
+    hits = [int(_try_scale(blocks[sample], offset[sample, None], guess(sample))[1].sum()) for guess in guesses]
     codes, scales = torch.empty_like(blocks), torch.empty_like(offset)
     ok = torch.zeros_like(offset, dtype=torch.bool)
-    for k, step in _SPANS:
+    # the guess that fits most of the sample first (GGUF's 15 steps, or a GPTQ/AWQ block's one step):
+    # it reads the blocks in place, and the next ones only the few left
+    for i in sorted(range(len(guesses)), key=lambda i: -hits[i]):
         todo = (~ok).nonzero().squeeze(1)
         if not len(todo):
             break
-        b, o = blocks[todo], offset[todo, None]
-        s = _float16_step((span[todo] / k).to(torch.float16), step).float()[:, None]
-        q = torch.where(s > 0, (b - o) / s, 0).round().clamp(0, k)
-        exact = _same_bits(q * s + o, b)
+        whole = len(todo) == len(ok)
+        b, o = (blocks, offset[:, None]) if whole else (blocks[todo], offset[todo, None])
+        q, exact, s = _try_scale(b, o, guesses[i](slice(None) if whole else todo))
         hit = todo[exact]
         codes[hit], scales[hit], ok[hit] = q[exact], s[exact, 0], True
     if not bool(ok.all()):
@@ -158,6 +167,14 @@ def _encode_affine_4bit(blocks: torch.Tensor, shape: torch.Size) -> BlockCodes |
     pairs = (nibbles[:, 0] | (nibbles[:, 1] << 4)).reshape(n, k // 2)
     return BlockCodes(4, pairs.contiguous(), scales.view(n, -1).contiguous(), offset.view(n, -1).contiguous(),
                         (n, k))
+
+
+def _try_scale(b: torch.Tensor, o: torch.Tensor, scale: torch.Tensor) -> tuple:
+    """Blocks `b` (offsets `o`, (n, 1)) at float16 `scale` (n,): -> (their 4-bit codes, whether
+    each block's codes rebuild it bit for bit, the scale as (n, 1) float32)."""
+    s = scale.float()[:, None]
+    q = torch.where(s > 0, (b - o) / s, 0).round().clamp(0, 15)
+    return q, _same_bits(q * s + o, b), s
 
 
 def _encode_scaled_8bit(blocks: torch.Tensor, shape: torch.Size) -> BlockCodes | None:
