@@ -336,6 +336,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     engine.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     hf = p.add_argument_group("Hugging Face")
     hf.add_argument("--hf-batch-size", type=int, default=16, help="hf-static batch size")
+    hf.add_argument("--hf-model", default=None, metavar="DIR",
+                    help="the checkpoint HF runs, where it cannot read --model: a GPTQ/AWQ one's float weights "
+                         "(benchmarks/quantize.py --reference)")
     hf.add_argument("--hf-num-prompts", type=int, default=None,
                     help="HF systems run on the first N prompts only (default: all)")
     hf.add_argument("--hf-num-blocks", type=int, default=None,
@@ -400,7 +403,8 @@ def main(argv=None) -> None:
         print(f"\n== {system}", flush=True)
         own = work if system.startswith("kvserve") or not args.hf_num_prompts else head(work, args.hf_num_prompts)
         try:  # one system that fails (a peer's version, its time box) leaves the others' figures
-            result = BENCHES[system](args, model_path, own, warm)
+            path = Path(args.hf_model) if args.hf_model and system.startswith("hf") else model_path
+            result = BENCHES[system](args, path, own, warm)
             check_lengths(system, result.outputs, own)
         except Exception:
             traceback.print_exc()

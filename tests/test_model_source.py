@@ -261,6 +261,19 @@ def test_a_corrupt_weights_file_is_named(tmp_path, smollm2_path):
         LLM(model=str(d))
 
 
+def test_a_tensor_in_two_of_a_checkpoints_files_is_refused(tmp_path, smollm2_path):
+    from safetensors.torch import load_file, save_file
+
+    from engine.model.loader import build_model
+    from tests.tiny_llama import make_tiny_llama
+
+    d = make_tiny_llama(tmp_path / "llama", smollm2_path)
+    norm = load_file(d / "model.safetensors")["model.norm.weight"]
+    save_file({"model.norm.weight": norm}, str(d / "model-extra.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="checkpoint tensor 'model.norm.weight' is in two files"):
+        build_model(d, torch.float32, torch.device("cpu"))
+
+
 def test_a_checkpoint_missing_one_part_of_a_packed_projection_is_refused(tmp_path, smollm2_path):
     """q/k/v (and gate/up) load into one parameter, a part each: a checkpoint without one part
     (a decoder's k_proj, an encoder's key) is refused by name, not served half loaded."""

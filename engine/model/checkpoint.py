@@ -47,8 +47,13 @@ class Checkpoint:
     def __init__(self, model_dir: str | Path) -> None:
         self.files = [str(p) for p in safetensors_files(model_dir)]
         self.quant = folder_quant_config(model_dir)
-        handles = {path: open_safetensors(Path(path)) for path in self.files}
-        self._where = {name: h for h in handles.values() for name in h.keys()}
+        self._where = {}  # tensor name -> the open file that holds it
+        for path in self.files:
+            h = open_safetensors(Path(path))
+            for name in h.keys():
+                if name in self._where:
+                    raise ValueError(f"checkpoint tensor {name!r} is in two files (the second: {path})")
+                self._where[name] = h
         self._packed: dict[str, str] = {}  # a dequantized weight's name -> its linear's prefix
         self.specs: list[tuple[str, list[int]]] = []  # (name, shape), in the files' order
         self.bytes_read = 0
