@@ -59,7 +59,7 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
         "--max-cudagraph-capture-size", "8", "--long-prefill-token-threshold", "1k",
         "--long-prefill-token-threshold-adaptive", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}',
         "--runner", "pooling", "--convert", "embed", "--pooler-config", '{"pooling_type": "LAST", "use_activation": false}',
-        "--hf-overrides", '{"is_matryoshka": true}'])
+        "--hf-overrides", '{"is_matryoshka": true}', "-q", "awq_marlin"])
     kwargs = engine_config_from_args(ns)
     assert set(kwargs) == EngineConfig.field_names()
     spec = EngineConfig(speculative_config=kwargs.pop("speculative_config")).speculative_config  # tp 1 only
@@ -72,6 +72,7 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
     assert (config.runner, config.convert, config.pooler_config, config.hf_overrides) == (
         "pooling", "embed", '{"pooling_type": "LAST", "use_activation": false}', {"is_matryoshka": True})
     assert (config.revision, config.tokenizer_revision, config.download_dir) == ("v1", "v2", "/hub")
+    assert config.quantization == "awq_marlin"
     relative = build_parser().parse_args(["generate", "p", "--download-dir", "hub"])
     assert engine_config_from_args(relative)["download_dir"] == os.path.join(os.getcwd(), "hub")  # as replicas see it
     assert config.scheduling_policy == "priority"
