@@ -163,8 +163,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              '"dimensions": N (a Matryoshka model\'s default size)}; the model folder\'s sentence-transformers '
              "modules set what it leaves out")
     add("-q", "--quantization", choices=QUANTIZATION_NAMES,
-        help="vLLM's: a GPTQ (symmetric, 4/8-bit) or AWQ (4-bit) checkpoint's method, read from its config.json "
-             "when not given; the weights are dequantized once at load (on CPU, decode reads 4-bit ones as codes)")
+        help="vLLM's: a GPTQ (symmetric, 4/8-bit), AWQ (4-bit) or compressed-tensors (W4A16, W8A16) checkpoint's "
+             "method, read from its config.json when not given; the weights are dequantized once at load (on CPU, "
+             "decode reads 4-bit ones as codes)")
     add("--hf-overrides", metavar="JSON",
         help="vLLM's: config.json fields set over the model folder's, e.g. '{\"architectures\": "
              "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], "

@@ -11,7 +11,7 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 # vLLM's --quantization values for the checkpoints engine.model.quantized reads (its kernels' names too)
-QUANTIZATION_NAMES = ("gptq", "awq", "gptq_marlin", "awq_marlin", "auto_gptq", "auto_awq")
+QUANTIZATION_NAMES = ("gptq", "awq", "compressed-tensors", "gptq_marlin", "awq_marlin", "auto_gptq", "auto_awq")
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,8 @@ class EngineConfig:
     # vLLM's: config.json fields set over the model folder's (a dict or its JSON; engine.hf_overrides),
     # e.g. a causal-LM reranker made a classifier with classifier_from_token
     hf_overrides: object = None
-    # vLLM's --quantization: a GPTQ or AWQ checkpoint's method (engine.model.quantized), which its
-    # config.json gives when None; given, it must be that one
+    # vLLM's --quantization: a GPTQ, AWQ or compressed-tensors checkpoint's method
+    # (engine.model.quantized), which its config.json gives when None; given, it must be that one
     quantization: str | None = None
 
     def __post_init__(self) -> None:
@@ -113,7 +113,7 @@ class EngineConfig:
             object.__setattr__(self, "distributed_executor_backend", "ray")  # vLLM's names; one rank runs in process
 
         need(self.quantization is None or self.quantization in QUANTIZATION_NAMES,
-             f"quantization must be one of {', '.join(QUANTIZATION_NAMES)} (a GPTQ or AWQ checkpoint's), "
+             f"quantization must be one of {', '.join(QUANTIZATION_NAMES)} (a quantized checkpoint's method), "
              f"got {self.quantization!r}")
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two <= 128, got {self.block_size}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

@@ -171,6 +171,20 @@ def test_the_engine_core_in_its_own_process_serves_on_cuda(tmp_path, tokenizer_d
     assert asyncio.run(main()) == ref
 
 
+@pytest.mark.parametrize("method", ["gptq", "compressed-tensors"])
+def test_a_quantized_checkpoint_on_cuda_is_exact_on_its_float_weights(tmp_path, tokenizer_dir, method):
+    """A GPTQ or compressed-tensors checkpoint (engine.model.quantized) on CUDA in float32, decode
+    graphs captured: its weights dequantized at load, greedy output HF's on the float weights."""
+    from benchmarks.quantize import quantize_checkpoint
+
+    src, prompts = make_tiny_llama(tmp_path / "src", tokenizer_dir, "gqa"), _prompts()
+    quantize_checkpoint(src, tmp_path / "packed", tmp_path / "float", method)
+    llm = LLM(model=str(tmp_path / "packed"), device="cuda", dtype="float32", max_num_seqs=8,
+              num_gpu_blocks_override=128)
+    assert _tokens(llm.generate(prompts, GREEDY)) == hf_greedy(tmp_path / "float", prompts, MAX_NEW, device="cuda")
+    _assert_clean(llm)
+
+
 @pytest.mark.parametrize("pooling_type", ["LAST", "MEAN", "ALL"])
 def test_embeddings_on_cuda_are_hfs_pooled_hidden_states(tmp_path, tokenizer_dir, pooling_type):
     """A pooling engine (engine.pooling, --runner pooling) on CUDA in float32, with the decode graphs

@@ -47,14 +47,22 @@ def _coded_bits(llm: LLM) -> list[int]:
     ("gqa", "gptq", dict(bits=8, group_size=32), 8),
     ("gqa", "awq", dict(group_size=32), 4),
     ("bias", "awq", dict(group_size=64), 4),
-], ids=["gptq-g32", "gptq-whole-rows", "gptq-act-order-biases", "gptq-8bit", "awq-g32", "awq-g64-biases"])
+    # compressed-tensors (bfloat16 scales): symmetric, zero points, 8-bit, per channel, act-order
+    ("gqa", "compressed-tensors", dict(group_size=32), 4),
+    ("bias", "compressed-tensors", dict(group_size=64, zero_points=True), 4),
+    ("gqa", "compressed-tensors", dict(bits=8, group_size=32), 8),
+    ("gqa", "compressed-tensors", dict(group_size=-1), 4),
+    ("gqa", "compressed-tensors", dict(group_size=32, act_order=True), None),
+], ids=["gptq-g32", "gptq-whole-rows", "gptq-act-order-biases", "gptq-8bit", "awq-g32", "awq-g64-biases",
+        "ct-g32", "ct-zero-points-biases", "ct-8bit", "ct-channel", "ct-act-order"])
 def test_a_quantized_checkpoint_is_exact_on_its_float_weights(src, tmp_path, kind, method, kw, coded):
     packed, ref = _quantized(src, tmp_path, kind, method, **kw)
     want = hf_greedy(ref, PROMPTS, MAX_NEW)
     assert want != hf_greedy(src[kind], PROMPTS, MAX_NEW)  # quantizing changed the output: the test can fail
     llm = LLM(model=str(packed), num_gpu_blocks_override=64, max_num_batched_tokens=16)  # chunked prefill too
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
-    layers = 4 * len([k for k in load_file(str(packed / "model.safetensors")) if k.endswith("o_proj.qweight")])
+    layers = 4 * len([k for k in load_file(str(packed / "model.safetensors")) if k.endswith(("o_proj.qweight",
+                                                                                          "o_proj.weight_packed"))])
     assert _coded_bits(llm) == ([] if coded is None else [coded] * layers)  # qkv, o, gate_up, down a layer
     _assert_clean(llm)
 
@@ -72,7 +80,8 @@ def test_vllms_kernel_names_are_taken_and_a_wrong_method_is_refused(src, tmp_pat
 
 @pytest.mark.parametrize("config, match", [
     ({"quant_method": "fp8"}, "quantization method 'fp8' is not supported"),
-    ({"quant_method": "compressed-tensors"}, "not supported"),
+    ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not supported"),
+    ({"quant_method": "compressed-tensors"}, "has no config_groups"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False}, "only symmetric"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 128, "sym": True}, "bits=3"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "dynamic": {"-:.*mlp.*": {}}}, "dynamic"),
@@ -80,6 +89,14 @@ def test_vllms_kernel_names_are_taken_and_a_wrong_method_is_refused(src, tmp_pat
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero points"),
     ({"quant_method": "awq", "bits": 4, "group_size": 0, "zero_point": True}, "group_size"),
     ("gptq", "must be an object"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 8, "type": "float", "strategy": "tensor"}, "input_activations": {"num_bits": 8}}}},
+     "quantizes activations too"),
+    ({"quant_method": "compressed-tensors", "format": "naive-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}}}}, "only the pack-quantized format"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 4, "type": "int", "strategy": "tensor"}}}}, "per group .* or per channel"),
+    ({"quant_method": "compressed-tensors", "quantization_status": "frozen", "config_groups": {}}, "only compressed"),
 ])
 def test_what_cannot_be_served_is_refused_at_start_up(src, tmp_path, config, match):
     packed, _ = _quantized(src, tmp_path, "gqa", "gptq")
@@ -129,18 +146,20 @@ def test_the_cli_takes_vllms_quantization_flag(src, tmp_path):
 def test_a_blocks_codes_span_the_steps_it_uses():
     """A GPTQ/AWQ block of 32 weights spans only the steps of its scale its codes use (the
     smallest and the largest code are rarely both there): each width from 1 to 15 steps is found,
-    bit for bit; a block of 17 distinct values is no 4-bit grid."""
+    bit for bit, at a float16 scale (GPTQ's, AWQ's) or a bfloat16 one below float16's normal range
+    (compressed-tensors'); a block of 17 distinct values is no 4-bit grid."""
     gen = torch.Generator().manual_seed(0)
-    rows = []
-    for span in range(16):
-        scale = (torch.rand(1, generator=gen) * 0.1 + 0.001).to(torch.float16).float()  # GPTQ's and AWQ's float16
-        q = torch.randint(0, span + 1, (32,), generator=gen)
-        q[0], q[1] = 0, span
-        rows.append(scale * (q + torch.randint(-8, 0, (1,), generator=gen)).float())
-    w = torch.stack(rows * 2)
-    coded = codes.encode(w)
-    assert coded is not None and coded.bits == 4
-    assert torch.equal(coded.to_float().view(torch.int32), w.view(torch.int32))
+    for scale_of in (lambda r: (r * 0.1 + 0.001).to(torch.float16), lambda r: (r * 1e-5).to(torch.bfloat16)):
+        rows = []
+        for span in range(16):
+            scale = scale_of(torch.rand(1, generator=gen)).float()
+            q = torch.randint(0, span + 1, (32,), generator=gen)
+            q[0], q[1] = 0, span
+            rows.append(scale * (q + torch.randint(-8, 0, (1,), generator=gen)).float())
+        w = torch.stack(rows * 2)
+        coded = codes.encode(w)
+        assert coded is not None and coded.bits == 4
+        assert torch.equal(coded.to_float().view(torch.int32), w.view(torch.int32))
     assert codes.encode(torch.linspace(-1, 1, 64).view(2, 32).repeat(4, 1) * 0.37) is None
 
 

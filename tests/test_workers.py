@@ -392,9 +392,9 @@ def test_tp2_lora_adapters_are_peft_exact(ray_cluster, tiny_dirs, tmp_path, kind
         llm.engine.executor.shutdown()
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors"])
 def test_tp2_a_quantized_checkpoint_is_exact(ray_cluster, tiny_dirs, tmp_path, method):
-    """A GPTQ or AWQ checkpoint at tp=2 (engine.model.quantized): rank 0 dequantizes each packed
+    """A GPTQ, AWQ or compressed-tensors checkpoint at tp=2 (engine.model.quantized): rank 0 dequantizes each packed
     weight and scatters its pieces; each rank's decode reads its piece as 4-bit codes."""
     from benchmarks.quantize import quantize_checkpoint
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import safetensors
 import torch
 
-from engine.model.quantized import PARTS, QuantConfig, quant_config
+from engine.model.quantized import QuantConfig, quant_config
 from engine.model_source import ModelError
 
 
@@ -59,12 +59,12 @@ class Checkpoint:
         self.bytes_read = 0
         for name, h in self._where.items():
             prefix, suffix = _split(name)
-            if suffix == ".qweight" and self.quant is None:
+            if suffix in PACKED and (self.quant is None or suffix != self.quant.parts[0]):
                 raise ValueError(f"checkpoint tensor {name!r} is a quantized weight, but config.json has no "
                                  "quantization_config saying how to read it")
-            if self.quant is None or suffix not in PARTS:
+            if self.quant is None or suffix not in self.quant.parts:
                 self.specs.append((name, list(h.get_slice(name).get_shape())))
-            elif suffix == ".qweight":
+            elif suffix == self.quant.parts[0]:
                 self._packed[prefix + ".weight"] = prefix
                 self.specs.append((prefix + ".weight", self.quant.weight_shape(list(h.get_slice(name).get_shape()))))
 
@@ -72,13 +72,16 @@ class Checkpoint:
         prefix = self._packed.get(name)
         if prefix is None:
             return self._read(name)
-        parts = {suffix: self._read(prefix + suffix) for suffix in PARTS if prefix + suffix in self._where}
+        parts = {suffix: self._read(prefix + suffix) for suffix in self.quant.parts if prefix + suffix in self._where}
         return self.quant.dequantize(prefix, parts)
 
     def _read(self, name: str) -> torch.Tensor:
         t = self._where[name].get_tensor(name)
         self.bytes_read += t.numel() * t.element_size()
         return t
+
+
+PACKED = (".qweight", ".weight_packed")  # a quantized format's packed weight (GPTQ/AWQ's, compressed-tensors')
 
 
 def _split(name: str) -> tuple[str, str]:

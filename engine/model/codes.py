@@ -141,10 +141,10 @@ def _encode_affine_4bit(blocks: torch.Tensor, shape: torch.Size) -> BlockCodes |
     # one step of a GPTQ/AWQ scale, where the code next to the smallest (or the largest) is there
     next_up = torch.where(blocks > offset[:, None], blocks - offset[:, None], inf).amin(dim=1)
     next_down = torch.where(blocks < top[:, None], top[:, None] - blocks, inf).amin(dim=1)
-    guesses = [lambda t: (span[t] / 15).to(torch.float16), lambda t: next_up[t].to(torch.float16),
-               lambda t: next_down[t].to(torch.float16)]
+    # GGUF's scale is float16; a GPTQ/AWQ step is taken as it is (compressed-tensors' may be bfloat16)
+    guesses = [lambda t: (span[t] / 15).to(torch.float16), lambda t: next_up[t], lambda t: next_down[t]]
     guesses += [lambda t, step=step: _float16_step((span[t] / 15).to(torch.float16), step) for step in (1, -1, 2, -2)]
-    guesses += [lambda t, k=k: (span[t] / k).to(torch.float16) for k in range(14, 1, -1)]
+    guesses += [lambda t, k=k: (span[t] / k).float() for k in range(14, 1, -1)]
     sample = torch.arange(min(len(blocks), _SAMPLE_BLOCKS))
     hits = [int(_try_scale(blocks[sample], offset[sample, None], guess(sample))[1].sum()) for guess in guesses]
     codes, scales = torch.empty_like(blocks), torch.empty_like(offset)
@@ -170,7 +170,7 @@ def _encode_affine_4bit(blocks: torch.Tensor, shape: torch.Size) -> BlockCodes |
 
 
 def _try_scale(b: torch.Tensor, o: torch.Tensor, scale: torch.Tensor) -> tuple:
-    """Blocks `b` (offsets `o`, (n, 1)) at float16 `scale` (n,): -> (their 4-bit codes, whether
+    """Blocks `b` (offsets `o`, (n, 1)) at `scale` (n,): -> (their 4-bit codes, whether
     each block's codes rebuild it bit for bit, the scale as (n, 1) float32)."""
     s = scale.float()[:, None]
     q = torch.where(s > 0, (b - o) / s, 0).round().clamp(0, 15)

@@ -1,5 +1,5 @@
-"""GPTQ and AWQ checkpoints (vLLM's `--quantization gptq|awq`, read from the folder's
-config.json): each packed linear weight is dequantized once, as it is read, into the float
+"""GPTQ, AWQ and compressed-tensors checkpoints (vLLM's `--quantization gptq|awq|compressed-tensors`,
+read from the folder's config.json): each packed linear weight is dequantized once, as it is read, into the float
 weight it stands for, and the engine then serves that. On CPU in float32 every such weight is
 exactly `scale * q + offset` per 32 weights (engine.model.codes), so decode reads it as 4-bit
 codes again, as it reads the embedded GGUF model's.
@@ -15,8 +15,9 @@ The formats (a linear layer `X`; `p = 32 / bits` codes in each int32, code j in 
 - AWQ (AutoAWQ's GEMM layout), 4-bit with zero points: `X.qweight` int32 (in, out / 8): output
   columns packed, in the order 0 2 4 6 1 3 5 7; `X.qzeros` int32 (groups, out / 8), packed
   alike; `X.scales` (groups, out). w[n, k] = scales[k // group_size, n] * (q[k, n] - z[k // group_size, n]).
+- compressed-tensors' pack-quantized weight-only integers (W4A16, W8A16): engine.model.compressed_tensors.
 
-The product is exact in float32 (a float16 scale times an integer of at most 8 bits).
+The product is exact in float32 (a float16 or bfloat16 scale times an integer of at most 8 bits).
 """
 from __future__ import annotations
 
@@ -24,19 +25,27 @@ from dataclasses import dataclass
 
 import torch
 
-METHODS = ("gptq", "awq")
+from engine.model import compressed_tensors
+
+METHODS = ("gptq", "awq", "compressed-tensors")
 # vLLM's names for the same checkpoints (its kernels' choice on a GPU), taken for them here
 ALIASES = {"gptq_marlin": "gptq", "auto_gptq": "gptq", "awq_marlin": "awq", "auto_awq": "awq"}
-PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
+PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")  # GPTQ's and AWQ's tensors of a linear layer, the packed one first
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column c of a group of 8 is in code _AWQ_ORDER.index(c)
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    method: str  # "gptq" or "awq"
+    method: str  # one of METHODS
     bits: int
     group_size: int  # -1: one group for the whole input dimension
     act_order: bool = False  # GPTQ's desc_act: g_idx gives the inputs' groups in another order
+    zero_points: bool = False  # compressed-tensors' asymmetric scheme: each group's zero is a tensor
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The suffixes of a packed linear layer's tensors, its packed weight first."""
+        return compressed_tensors.PARTS if self.method == "compressed-tensors" else PARTS
 
     @property
     def pack(self) -> int:
@@ -54,11 +63,15 @@ class QuantConfig:
     def weight_shape(self, qweight_shape: list[int]) -> list[int]:
         """(out, in) of the float weight that a packed `qweight` of this shape stands for."""
         rows, cols = qweight_shape
+        if self.method == "compressed-tensors":  # (a last word's padding is checked against weight_shape)
+            return [rows, cols * self.pack]
         return [cols, rows * self.pack] if self.method == "gptq" else [cols * self.pack, rows]
 
     def dequantize(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """The float32 weight (out, in) of linear `prefix` from its checkpoint tensors (PARTS:
         suffix -> tensor). ValueError naming a tensor that is missing or of the wrong shape."""
+        if self.method == "compressed-tensors":
+            return compressed_tensors.dequantize(self.bits, self.group_size, self.zero_points, prefix, parts, _unpack)
         for suffix in (".qweight", ".scales") + ((".qzeros",) if self.method == "awq" else ()):
             if suffix not in parts:
                 raise ValueError(f"quantized checkpoint: {prefix}{suffix} is missing")
@@ -103,6 +116,8 @@ def quant_config(config: dict) -> QuantConfig | None:
     if method not in METHODS:
         raise ValueError(f"quantization method {method or None!r} is not supported (supported: "
                          f"{', '.join(METHODS)}; a checkpoint in the model's own dtype needs none)")
+    if method == "compressed-tensors":
+        return QuantConfig(method, *compressed_tensors.read_config(qc))
     bits = qc.get("bits", qc.get("w_bit"))
     group_size = qc.get("group_size", qc.get("q_group_size", -1))
     if method == "gptq":
