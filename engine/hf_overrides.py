@@ -197,6 +197,9 @@ def _write_score_head(model_dir: Path, config: dict, method: str, tokens: list[s
     found: dict[str, torch.Tensor] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
+            if {"lm_head.qweight", "lm_head.weight_packed"} & set(f.keys()):
+                raise ValueError("hf_overrides: classifier_from_token reads the language-model head's rows, and this "
+                                 "checkpoint's head is quantized (packed): not supported")
             for name in set(names).intersection(f.keys()):
                 table = f.get_slice(name)
                 beyond = [(t, i) for t, i in zip(tokens, ids) if i >= table.get_shape()[0]]

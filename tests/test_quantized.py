@@ -84,7 +84,8 @@ def test_vllms_kernel_names_are_taken_and_a_wrong_method_is_refused(src, tmp_pat
     ({"quant_method": "compressed-tensors"}, "has no config_groups"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False}, "only symmetric"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 128, "sym": True}, "bits=3"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "dynamic": {"-:.*mlp.*": {}}}, "dynamic"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "dynamic": {"+:.*mlp.*": {"bits": 8}}},
+     "dynamic"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemv"}, "GEMM layout"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero points"),
     ({"quant_method": "awq", "bits": 4, "group_size": 0, "zero_point": True}, "group_size"),
@@ -118,6 +119,55 @@ def test_a_packed_tensor_that_does_not_fit_is_named(src, tmp_path):
     save_file(tensors, str(packed / "model.safetensors"))
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.scales is missing"):
         LLM(model=str(packed), num_gpu_blocks_override=16)
+
+
+def test_gptqs_g_idx_is_read_only_under_act_order(src, tmp_path):
+    """vLLM ignores g_idx unless desc_act says the groups are reordered (some exporters write
+    placeholders): a reversed g_idx changes nothing then."""
+    packed, ref = _quantized(src, tmp_path, "gqa", "gptq")
+    tensors = load_file(str(packed / "model.safetensors"))
+    for name in [k for k in tensors if k.endswith(".g_idx")]:
+        tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, str(packed / "model.safetensors"))
+    llm = LLM(model=str(packed), num_gpu_blocks_override=64)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == hf_greedy(
+        ref, PROMPTS, MAX_NEW)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda t: t.update({"model.layers.0.mlp.up_proj.qweight": t["model.layers.0.mlp.up_proj.qweight"].float()}),
+     r"model\.layers\.0\.mlp\.up_proj\.qweight is a 2-D torch\.float32 tensor, expected 2-D torch\.int32"),
+    (lambda t: t.update({"model.layers.0.mlp.up_proj.scales": t["model.layers.0.mlp.up_proj.scales"].int()}),
+     r"up_proj\.scales is a 2-D torch\.int32 tensor"),
+    (lambda t: t.update({"model.layers.0.mlp.up_proj.qweight": t["model.layers.0.mlp.up_proj.qweight"].flatten()}),
+     r"up_proj\.qweight is 1-D, expected 2-D"),
+    (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(128, 64)}),
+     r"model\.layers\.0\.mlp\.up_proj has both a packed and a float weight"),
+], ids=["float-qweight", "int-scales", "1d-qweight", "packed-and-float"])
+def test_a_packed_tensor_of_the_wrong_kind_is_named(src, tmp_path, change, match):
+    packed, _ = _quantized(src, tmp_path, "gqa", "gptq")
+    tensors = load_file(str(packed / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(packed / "model.safetensors"))
+    with pytest.raises(ValueError, match=match):
+        LLM(model=str(packed), num_gpu_blocks_override=16)
+
+
+def test_a_classifier_made_from_a_quantized_head_is_refused(src, tmp_path):
+    """--hf-overrides' classifier_from_token reads the head's rows, which a packed head does not hold."""
+    packed, _ = _quantized(src, tmp_path, "gqa", "gptq")
+    tensors = load_file(str(packed / "model.safetensors"))
+    tensors["lm_head.qweight"] = tensors.pop("lm_head.weight").view(torch.int32)[:, :32].contiguous()
+    save_file(tensors, str(packed / "model.safetensors"))
+    overrides = {"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+                 "method": "from_2_way_softmax"}
+    with pytest.raises(ValueError, match="this checkpoint's head is quantized"):
+        LLM(model=str(packed), hf_overrides=overrides, num_gpu_blocks_override=16)
+
+
+def test_gptqmodels_rules_that_leave_modules_unquantized_are_taken():
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "dynamic": {"-:.*mlp.*": {}}}
+    assert quant_config({"quantization_config": qc}).method == "gptq"
 
 
 def test_packed_weights_without_a_quantization_config_are_refused(src, tmp_path):

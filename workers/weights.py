@@ -36,8 +36,18 @@ def load_sharded(model: LlamaModel, model_dir: str | Path | None, tp: TPContext)
     """Collective: every rank calls it; only rank 0 passes `model_dir` and reads it."""
     stats = LoadStats()
     ckpt = Checkpoint(model_dir) if tp.rank == 0 else None
-    if ckpt is not None:
-        stats.files_opened = list(ckpt.files)
+    try:
+        if ckpt is not None:
+            stats.files_opened = list(ckpt.files)
+        _load(model, ckpt, tp, stats)
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+    stats.bytes_read = ckpt.bytes_read if ckpt else 0
+    return stats
+
+
+def _load(model: LlamaModel, ckpt: Checkpoint | None, tp: TPContext, stats: LoadStats) -> None:
     specs = [ckpt.specs if ckpt else None]
     dist.broadcast_object_list(specs, src=0, group=tp.group)  # the tensor list, so all walk it alike
     params = dict(model.named_parameters())
@@ -59,8 +69,6 @@ def load_sharded(model: LlamaModel, model_dir: str | Path | None, tp: TPContext)
         stats.num_tensors += 1
         loaded.setdefault(id(param), set()).add(shard_id)
     check_complete(params, loaded)
-    stats.bytes_read = ckpt.bytes_read if ckpt else 0
-    return stats
 
 
 def _transfer(shards: list[Shard], param: nn.Parameter, full: torch.Tensor | None, shape: list[int],

@@ -44,29 +44,57 @@ def folder_quant_config(model_dir: str | Path) -> QuantConfig | None:
 
 
 class Checkpoint:
+    """Used as a context manager: the files are closed (their maps released) when it ends."""
+
     def __init__(self, model_dir: str | Path) -> None:
         self.files = [str(p) for p in safetensors_files(model_dir)]
         self.quant = folder_quant_config(model_dir)
         self._where = {}  # tensor name -> the open file that holds it
+        self._handles = []
+        self._packed: dict[str, str] = {}  # a dequantized weight's name -> its linear's prefix
+        self.specs: list[tuple[str, list[int]]] = []  # (name, shape), in the files' order
+        self.bytes_read = 0
+        try:
+            self._list()
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.__exit__(None, None, None)
+        self._handles = []
+
+    def _list(self) -> None:
         for path in self.files:
             h = open_safetensors(Path(path))
+            self._handles.append(h)
             for name in h.keys():
                 if name in self._where:
                     raise ValueError(f"checkpoint tensor {name!r} is in two files (the second: {path})")
                 self._where[name] = h
-        self._packed: dict[str, str] = {}  # a dequantized weight's name -> its linear's prefix
-        self.specs: list[tuple[str, list[int]]] = []  # (name, shape), in the files' order
-        self.bytes_read = 0
         for name, h in self._where.items():
             prefix, suffix = _split(name)
             if suffix in PACKED and (self.quant is None or suffix != self.quant.parts[0]):
                 raise ValueError(f"checkpoint tensor {name!r} is a quantized weight, but config.json has no "
-                                 "quantization_config saying how to read it")
+                                 "quantization_config saying how to read it" if self.quant is None else
+                                 f"checkpoint tensor {name!r} is not how a {self.quant.method} checkpoint packs "
+                                 "its weights")
             if self.quant is None or suffix not in self.quant.parts:
                 self.specs.append((name, list(h.get_slice(name).get_shape())))
             elif suffix == self.quant.parts[0]:
+                shape = list(h.get_slice(name).get_shape())
+                if len(shape) != 2 or prefix + ".weight" in self._where:
+                    raise ValueError(f"quantized checkpoint: {name} is {len(shape)}-D, expected 2-D" if len(shape) != 2
+                                     else f"quantized checkpoint: {prefix} has both a packed and a float weight")
                 self._packed[prefix + ".weight"] = prefix
-                self.specs.append((prefix + ".weight", self.quant.weight_shape(list(h.get_slice(name).get_shape()))))
+                self.specs.append((prefix + ".weight", self.quant.weight_shape(shape)))
 
     def read(self, name: str) -> torch.Tensor:
         prefix = self._packed.get(name)

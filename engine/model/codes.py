@@ -131,8 +131,10 @@ def _encode_affine_4bit(blocks: torch.Tensor, shape: torch.Size) -> BlockCodes |
     # AWQ weight is scale * (q - zero) with a float16 scale per group of inputs (exact in
     # float32): a block of it spans (max q - min q) <= 15 steps of that scale, each weight
     # exactly min + scale * (q - min q).
-    sample = blocks[:_SAMPLE_BLOCKS].sort(dim=1).values
-    if bool(((sample[:, 1:] != sample[:, :-1]).sum(dim=1) >= 16).any()):
+    # blocks spread over the chunk: a tensor none of whose guesses fits one of them is no 4-bit grid
+    sample = torch.linspace(0, len(blocks) - 1, min(len(blocks), _SAMPLE_BLOCKS)).long()
+    ordered = blocks[sample].sort(dim=1).values
+    if bool(((ordered[:, 1:] != ordered[:, :-1]).sum(dim=1) >= 16).any()):
         return None  # more than 16 distinct values in a block: no 4-bit grid (8-bit codes, plain floats)
     offset = blocks.min(dim=1).values
     top = blocks.max(dim=1).values
@@ -145,8 +147,10 @@ def _encode_affine_4bit(blocks: torch.Tensor, shape: torch.Size) -> BlockCodes |
     guesses = [lambda t: (span[t] / 15).to(torch.float16), lambda t: next_up[t], lambda t: next_down[t]]
     guesses += [lambda t, step=step: _float16_step((span[t] / 15).to(torch.float16), step) for step in (1, -1, 2, -2)]
     guesses += [lambda t, k=k: (span[t] / k).float() for k in range(14, 1, -1)]
-    sample = torch.arange(min(len(blocks), _SAMPLE_BLOCKS))
-    hits = [int(_try_scale(blocks[sample], offset[sample, None], guess(sample))[1].sum()) for guess in guesses]
+    fits = torch.stack([_try_scale(blocks[sample], offset[sample, None], guess(sample))[1] for guess in guesses])
+    if not bool(fits.any(dim=0).all()):
+        return None
+    hits = fits.sum(dim=1).tolist()
     codes, scales = torch.empty_like(blocks), torch.empty_like(offset)
     ok = torch.zeros_like(offset, dtype=torch.bool)
     # the guess that fits most of the sample first (GGUF's 15 steps, or a GPTQ/AWQ block's one step):

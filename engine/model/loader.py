@@ -61,23 +61,23 @@ def load_weights(model: LlamaModel, model_dir: str | Path) -> int:
     """Copy every checkpoint tensor into its (sharded) parameter; returns bytes read."""
     params = dict(model.named_parameters())
     loaded: dict[int, set] = {}  # id(param) -> the parts (shard ids) it received
-    ckpt = Checkpoint(model_dir)
-    for name, shape in ckpt.specs:
-        target = model.param_for(name, params)
-        if target is None:
-            continue
-        param, shard = target
-        check_checkpoint_shape(name, param, shard, shape)
-        tensor = ckpt.read(name)
-        got = loaded.setdefault(id(param), set())
-        # a plain parameter (an encoder's) takes one tensor whole; a packed one, one per part
-        if shard in got and (shard is not None or not hasattr(param, "weight_loader")):
-            raise ValueError(f"checkpoint tensor {name!r} is a second tensor for the same parameter")
-        if hasattr(param, "weight_loader"):
-            param.weight_loader(param, tensor.to(param.dtype), shard)
-        else:
-            param.data.copy_(tensor)
-        got.add(shard)
+    with Checkpoint(model_dir) as ckpt:
+        for name, shape in ckpt.specs:
+            target = model.param_for(name, params)
+            if target is None:
+                continue
+            param, shard = target
+            check_checkpoint_shape(name, param, shard, shape)
+            tensor = ckpt.read(name)
+            got = loaded.setdefault(id(param), set())
+            # a plain parameter (an encoder's) takes one tensor whole; a packed one, one per part
+            if shard in got and (shard is not None or not hasattr(param, "weight_loader")):
+                raise ValueError(f"checkpoint tensor {name!r} is a second tensor for the same parameter")
+            if hasattr(param, "weight_loader"):
+                param.weight_loader(param, tensor.to(param.dtype), shard)
+            else:
+                param.data.copy_(tensor)
+            got.add(shard)
     check_complete(params, loaded)
     return ckpt.bytes_read
 

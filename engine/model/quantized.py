@@ -70,6 +70,7 @@ class QuantConfig:
     def dequantize(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """The float32 weight (out, in) of linear `prefix` from its checkpoint tensors (PARTS:
         suffix -> tensor). ValueError naming a tensor that is missing or of the wrong shape."""
+        check_dtypes(prefix, parts)
         if self.method == "compressed-tensors":
             return compressed_tensors.dequantize(self.bits, self.group_size, self.zero_points, prefix, parts, _unpack)
         for suffix in (".qweight", ".scales") + ((".qzeros",) if self.method == "awq" else ()):
@@ -86,7 +87,8 @@ class QuantConfig:
                              f"{(groups, out)}")
         if self.method == "gptq":
             q = _unpack(parts[".qweight"], self.bits, dim=0)  # (in, out)
-            g_idx = parts.get(".g_idx")
+            # g_idx read only under act-order, as vLLM ignores it otherwise (some exporters write placeholders)
+            g_idx = parts.get(".g_idx") if self.act_order else None
             rows = torch.arange(k) // (k // groups) if g_idx is None else g_idx.long()
             if tuple(rows.shape) != (k,) or int(rows.min()) < 0 or int(rows.max()) >= groups:
                 raise ValueError(f"quantized checkpoint: {prefix}.g_idx does not give each of the {k} inputs one "
@@ -124,8 +126,8 @@ def quant_config(config: dict) -> QuantConfig | None:
         if bits not in (4, 8) or qc.get("sym", True) is not True:
             raise ValueError(f"GPTQ: only symmetric 4-bit and 8-bit checkpoints are supported (as vLLM's), "
                              f"got bits={bits}, sym={qc.get('sym')}")
-        if qc.get("dynamic"):
-            raise ValueError("GPTQ: per-module settings (`dynamic`) are not supported")
+        if any(not str(rule).startswith("-:") for rule in qc.get("dynamic") or {}):  # "-:" rules: modules left
+            raise ValueError("GPTQ: per-module settings (`dynamic`) are not supported")  # unquantized (plain weights)
     else:
         if bits != 4 or qc.get("zero_point", True) is not True:
             raise ValueError(f"AWQ: only 4-bit checkpoints with zero points are supported, got bits={bits}, "
@@ -134,7 +136,24 @@ def quant_config(config: dict) -> QuantConfig | None:
             raise ValueError(f"AWQ: only the GEMM layout is supported, got version {qc.get('version')!r}")
     if not isinstance(group_size, int) or isinstance(group_size, bool) or not (group_size == -1 or group_size > 0):
         raise ValueError(f"{method.upper()}: group_size must be a positive integer or -1, got {group_size!r}")
-    return QuantConfig(method, bits, group_size, method == "gptq" and bool(qc.get("desc_act")))
+    # act-order with one group a row reorders nothing (vLLM's reading); with groups vLLM 0.32 refuses it
+    return QuantConfig(method, bits, group_size, method == "gptq" and bool(qc.get("desc_act")) and group_size != -1)
+
+
+_INTEGER = (torch.int32, torch.int64)
+_DTYPES = {".qweight": _INTEGER, ".qzeros": _INTEGER, ".g_idx": _INTEGER, ".weight_packed": _INTEGER,
+           ".weight_zero_point": _INTEGER, ".weight_g_idx": _INTEGER, ".weight_shape": _INTEGER}
+_DIMS = {".g_idx": 1, ".weight_g_idx": 1, ".weight_shape": 1}  # the others are 2-D
+
+
+def check_dtypes(prefix: str, parts: dict[str, torch.Tensor]) -> None:
+    """ValueError naming a packed linear's tensor of the wrong kind: packed words and indices are
+    int32 (or int64), scales float16, bfloat16 or float32."""
+    for suffix, t in parts.items():
+        allowed = _DTYPES.get(suffix, (torch.float16, torch.bfloat16, torch.float32))
+        if t.dtype not in allowed or t.dim() != _DIMS.get(suffix, 2):
+            raise ValueError(f"quantized checkpoint: {prefix}{suffix} is a {t.dim()}-D {t.dtype} tensor, expected "
+                             f"{_DIMS.get(suffix, 2)}-D {' or '.join(str(d) for d in allowed)}")
 
 
 def check_method(given: str | None, checkpoint: QuantConfig | None) -> None:
