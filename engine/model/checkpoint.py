@@ -1,7 +1,8 @@
 """A model folder's checkpoint: its safetensors files' tensors by name, each listed with its shape
 before any is read, then read on demand (engine.model.loader in one process; rank 0 of a
-tensor-parallel group in workers.weights). A GPTQ or AWQ checkpoint's packed linear weights are
-listed and read as the float weights they stand for (engine.model.quantized)."""
+tensor-parallel group in workers.weights). A quantized checkpoint's packed linear weights (GPTQ,
+AWQ, compressed-tensors) are listed and read as the float weights they stand for
+(engine.model.quantized)."""
 from __future__ import annotations
 
 import json

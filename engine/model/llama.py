@@ -47,7 +47,7 @@ class ModelArch:
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k before RoPE
     sliding_window: int | None = None  # the checkpoint's attention window, where one applies
     num_labels: int = 0  # a sequence classifier's classes (its `score` head); 0: no classifier
-    quantization: QuantConfig | None = None  # a GPTQ or AWQ checkpoint's: dequantized at load (engine.model.quantized)
+    quantization: QuantConfig | None = None  # a quantized checkpoint's: dequantized at load (engine.model.quantized)
     token_classifier: bool = False  # an encoder's head over every token (engine.classifier)
     # An encoder's (engine.model.bert; engine.model.encoder_arch): attention both ways, absolute positions
     encoder: bool = False

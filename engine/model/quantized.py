@@ -1,21 +1,22 @@
-"""GPTQ, AWQ and compressed-tensors checkpoints (vLLM's `--quantization gptq|awq|compressed-tensors`,
-read from the folder's config.json): each packed linear weight is dequantized once, as it is read, into the float
-weight it stands for, and the engine then serves that. On CPU in float32 every such weight is
-exactly `scale * q + offset` per 32 weights (engine.model.codes), so decode reads it as 4-bit
-codes again, as it reads the embedded GGUF model's.
+"""GPTQ, AWQ and compressed-tensors checkpoints (vLLM's `--quantization`, read from the folder's
+config.json): each packed linear weight is dequantized once, as it is read, into the float weight
+it stands for, and the engine then serves that. On CPU in float32 every such weight is exactly
+`scale * q + offset` per 32 weights (engine.model.codes), so decode reads it as 4-bit codes again,
+as it reads the embedded GGUF model's.
 
 The formats (a linear layer `X`; `p = 32 / bits` codes in each int32, code j in bits
 [bits*j, bits*(j+1))):
 
 - GPTQ (AutoGPTQ, GPTQModel, optimum), symmetric only, as vLLM serves it:
   `X.qweight` int32 (in / p, out): input rows packed, row p*i + j in code j of row i;
-  `X.scales` (groups, out); `X.g_idx` int32 (in): each input row's group (row // group_size,
-  unless act-order reordered them); `X.qzeros` is not read: a symmetric zero is 2^(bits-1).
+  `X.scales` (groups, out); `X.g_idx` int32 (in): each input row's group, read under act-order
+  (desc_act) only, else row // group_size; `X.qzeros` is not read: a symmetric zero is 2^(bits-1).
   w[n, k] = scales[g_idx[k], n] * (q[k, n] - 2^(bits-1)).
 - AWQ (AutoAWQ's GEMM layout), 4-bit with zero points: `X.qweight` int32 (in, out / 8): output
   columns packed, in the order 0 2 4 6 1 3 5 7; `X.qzeros` int32 (groups, out / 8), packed
-  alike; `X.scales` (groups, out). w[n, k] = scales[k // group_size, n] * (q[k, n] - z[k // group_size, n]).
-- compressed-tensors' pack-quantized weight-only integers (W4A16, W8A16): engine.model.compressed_tensors.
+  alike; `X.scales` (groups, out). w[n, k] = scales[g, n] * (q[k, n] - z[g, n]), g = k // group_size.
+- compressed-tensors' pack-quantized weight-only integers (W4A16, W8A16):
+  engine.model.compressed_tensors.
 
 The product is exact in float32 (a float16 or bfloat16 scale times an integer of at most 8 bits).
 """
