@@ -175,7 +175,32 @@ def test_packed_weights_without_a_quantization_config_are_refused(src, tmp_path)
     written = json.loads((packed / "config.json").read_text())
     del written["quantization_config"]
     (packed / "config.json").write_text(json.dumps(written))
-    with pytest.raises(ValueError, match="is a quantized weight, but config.json has no quantization_config"):
+    with pytest.raises(ValueError, match="is a quantized weight, but neither config.json's quantization_config nor "
+                                         "quantize_config.json nor quant_config.json says how to read it"):
+        LLM(model=str(packed), num_gpu_blocks_override=16)
+
+
+@pytest.mark.parametrize("method, name, settings", [
+    ("gptq", "quantize_config.json", dict(bits=4, group_size=32, desc_act=False, sym=True, damp_percent=0.01)),
+    ("awq", "quant_config.json", dict(w_bit=4, q_group_size=32, zero_point=True, version="GEMM")),
+], ids=["autogptq", "autoawq"])
+def test_an_older_exports_settings_file_is_read_where_config_json_has_none(src, tmp_path, method, name, settings):
+    """AutoGPTQ and AutoAWQ once wrote their settings beside config.json, without quant_method
+    (vLLM reads these files): the method is told by their fields."""
+    packed, ref = _quantized(src, tmp_path, "gqa", method, group_size=32)
+    written = json.loads((packed / "config.json").read_text())
+    del written["quantization_config"]
+    (packed / "config.json").write_text(json.dumps(written))
+    (packed / name).write_text(json.dumps(settings))
+    llm = LLM(model=str(packed), num_gpu_blocks_override=64, quantization=method)
+    want = hf_greedy(ref, PROMPTS, MAX_NEW)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+    _assert_clean(llm)
+    (packed / name).write_text(json.dumps({**settings, "bits": 3, "w_bit": 3}))
+    with pytest.raises(ValueError, match=f"^{name}: .*only"):
+        LLM(model=str(packed), num_gpu_blocks_override=16)
+    (packed / name).write_text(json.dumps({"group_size": 32}))
+    with pytest.raises(ValueError, match=f"{name}: no quant_method, and no w_bit"):
         LLM(model=str(packed), num_gpu_blocks_override=16)
 
 

@@ -35,13 +35,47 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+# Where an older AutoGPTQ or AutoAWQ export keeps its settings instead of config.json (vLLM reads
+# them too); the first one found is read
+QUANT_FILES = ("quantize_config.json", "quant_config.json")
+
+
+def folder_quant(model_dir: str | Path, config: dict) -> QuantConfig | None:
+    """The checkpoint's quantization: `config` (its config.json)'s quantization_config, else the
+    folder's QUANT_FILES, whose method is their `quant_method` or told by their fields (AutoAWQ's
+    `w_bit`, AutoGPTQ's `bits`). None where neither is there; ValueError naming the file for
+    what cannot be served."""
+    if config.get("quantization_config") is not None:
+        return quant_config(config)
+    for name in QUANT_FILES:
+        path = Path(model_dir) / name
+        if not path.is_file():
+            continue
+        try:
+            qc = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise unreadable(path, e) from None
+        if not isinstance(qc, dict):
+            raise ValueError(f"{name}: expected a JSON object, got {type(qc).__name__}")
+        if "quant_method" not in qc:
+            method = "awq" if "w_bit" in qc else "gptq" if "bits" in qc else None
+            if method is None:
+                raise ValueError(f"{name}: no quant_method, and no w_bit (AutoAWQ) or bits (AutoGPTQ) to tell it by")
+            qc = {**qc, "quant_method": method}
+        try:
+            return quant_config({"quantization_config": qc})
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+    return None
+
+
 def folder_quant_config(model_dir: str | Path) -> QuantConfig | None:
-    """The folder's config.json quantization (None: none, or no readable config.json)."""
+    """The folder's quantization (folder_quant); None where it has no readable config.json."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    return quant_config(config) if isinstance(config, dict) else None
+    return folder_quant(model_dir, config) if isinstance(config, dict) else None
 
 
 class Checkpoint:
@@ -83,8 +117,8 @@ class Checkpoint:
         for name, h in self._where.items():
             prefix, suffix = _split(name)
             if suffix in PACKED and (self.quant is None or suffix != self.quant.parts[0]):
-                raise ValueError(f"checkpoint tensor {name!r} is a quantized weight, but config.json has no "
-                                 "quantization_config saying how to read it" if self.quant is None else
+                raise ValueError(f"checkpoint tensor {name!r} is a quantized weight, but neither config.json's "
+                                 f"quantization_config nor {' nor '.join(QUANT_FILES)} says how to read it" if self.quant is None else
                                  f"checkpoint tensor {name!r} is not how a {self.quant.method} checkpoint packs "
                                  "its weights")
             if self.quant is None or suffix not in self.quant.parts:

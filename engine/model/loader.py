@@ -15,12 +15,11 @@ from engine import cpu_kernels
 from engine.model import codes
 from engine.model.codes import codes_wanted, log_codes
 from engine.model.bert import EncoderModel
-from engine.model.checkpoint import Checkpoint, unreadable
+from engine.model.checkpoint import Checkpoint, folder_quant, unreadable
 from engine.model.encoder_arch import hub_gte_config, is_hub_gte
 from engine.model.modernbert import ModernBertEncoder
 from engine.model.layers import TPContext, check_checkpoint_shape
 from engine.model.llama import LlamaModel, ModelArch
-from engine.model.quantized import quant_config
 from engine.model_source import ENCODER_NAMES
 from engine.st_config import max_seq_length
 
@@ -36,7 +35,7 @@ def load_arch(model_dir: str | Path) -> tuple[ModelArch, object]:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise unreadable(path, e) from None
-    quant = quant_config(raw) if isinstance(raw, dict) else None  # before transformers reads it
+    quant = folder_quant(model_dir, raw) if isinstance(raw, dict) else None  # before transformers reads it
     try:
         if isinstance(raw, dict) and is_hub_gte(raw):  # only its remote code reads it
             cfg = hub_gte_config(raw, str(path))
