@@ -320,8 +320,9 @@ def check_sizing(engine: EngineConfig, options: ServeOptions, arch, model_dir=No
     could host it, when Ray is up and options.check_nodes). `pooling`: the replica pools. Raises
     sizing.SizingError."""
     gpu = use_gpu(engine)
-    needs = sizing.replica_needs(engine, arch, sizing.checkpoint_bytes(
-        model_dir, arch, sizing.checkpoint_dtype_bytes(model_dir)), gpu, pooling)
+    ckpt_dtype = sizing.checkpoint_dtype(model_dir)
+    needs = sizing.replica_needs(engine, arch, sizing.checkpoint_bytes(model_dir, arch, sizing.DTYPE_BYTES[ckpt_dtype]),
+                                 gpu, pooling, ckpt_dtype)
     if nodes is None:
         import ray
 

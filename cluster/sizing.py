@@ -114,20 +114,25 @@ def checkpoint_bytes(model_dir: str | Path | None, arch: ModelArch, dtype_bytes:
     return sum(f.stat().st_size for f in files) if files else param_count(arch) * dtype_bytes
 
 
-def checkpoint_dtype_bytes(model_dir: str | Path | None) -> int:
+def checkpoint_dtype(model_dir: str | Path | None) -> str:
+    """The dtype config.json names (torch_dtype, or transformers' newer `dtype`), a DTYPE_BYTES
+    key; bfloat16 where it names none of them."""
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, TypeError, ValueError):
-        return 2
-    return DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), 2)
+        return "bfloat16"
+    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16") if isinstance(cfg, dict) else ""
+    return name if name in DTYPE_BYTES else "bfloat16"
 
 
-def cpu_weight_bytes(arch: ModelArch, nbytes: int, ckpt_bytes: int, pooling: bool = False) -> int:
+def cpu_weight_bytes(arch: ModelArch, nbytes: int, ckpt_bytes: int, pooling: bool = False,
+                     ckpt_dtype: str = "bfloat16") -> int:
     """The weights' forms a CPU replica holds (engine.model.loader.prepare_cpu_weights). Float32
     serving keeps a oneDNN-prepacked copy of each linear weight for prefill. For a bfloat16
     checkpoint (~2 bytes a parameter on disk) it also keeps each one's bfloat16 half for decode
     (engine.model.codes), and then drops its plain float32, the embedding table's too (its lookup
-    reads the halves). A pooling replica's table is a lookup table only, tied or not."""
+    reads the halves). A float16 checkpoint's weights are no bfloat16 halves: float32 is kept, as
+    for a float32 one. A pooling replica's table is a lookup table only, tied or not."""
     params = param_count(arch, pooling)
     if nbytes != 4 or arch.encoder:  # an encoder's weights are held once, as loaded
         return params * nbytes
@@ -138,14 +143,15 @@ def cpu_weight_bytes(arch: ModelArch, nbytes: int, ckpt_bytes: int, pooling: boo
         code_bytes = arch.quantization.code_bytes
         rest = params - layers - lookup_only  # the head, the norms and a classifier's head, from float16 or
         return layers * (4 + (code_bytes or 4)) + lookup_only * 4 + rest * 8  # bfloat16: counted as float16
-    if ckpt_bytes >= 3 * params:  # float32 on disk: each weight, and a linear one's prepacked copy
+    if ckpt_bytes >= 3 * params or ckpt_dtype == "float16":  # each weight, and a linear one's prepacked copy
         return lookup_only * 4 + (params - lookup_only) * (4 + 4)
     return lookup_only * 2 + (params - lookup_only) * (4 + 2)  # bfloat16: the halves, and the prepacked copy
 
 
 def replica_needs(engine: EngineConfig, arch: ModelArch, ckpt_bytes: int, use_gpu: bool,
-                  pooling: bool = False) -> ReplicaNeeds:
-    """`pooling`: the replica pools (engine.pooling): no language-model head, no vocabulary logits."""
+                  pooling: bool = False, ckpt_dtype: str = "bfloat16") -> ReplicaNeeds:
+    """`pooling`: the replica pools (engine.pooling): no language-model head, no vocabulary logits.
+    `ckpt_dtype`: the checkpoint's (checkpoint_dtype)."""
     tp = engine.tensor_parallel_size
     dtype = engine.dtype if engine.dtype != "auto" else ("bfloat16" if use_gpu else "float32")
     nbytes = DTYPE_BYTES[dtype]
@@ -166,7 +172,7 @@ def replica_needs(engine: EngineConfig, arch: ModelArch, ckpt_bytes: int, use_gp
                             checkpoint_bytes=ckpt_bytes, gpu_memory_utilization=engine.gpu_memory_utilization)
     # An explicit KV size is per rank; the default one is a share of whatever RAM is left, so it fits.
     kv = engine.kv_cache_memory * tp if engine.kv_cache_memory is not None else 0
-    host = processes * CPU_PROCESS_BYTES + cpu_weight_bytes(arch, nbytes, ckpt_bytes, pooling) + kv + activations
+    host = processes * CPU_PROCESS_BYTES + cpu_weight_bytes(arch, nbytes, ckpt_bytes, pooling, ckpt_dtype) + kv + activations
     return ReplicaNeeds(tp, cpus=processes, gpus=0, host_memory=host, gpu_weights=0, gpu_activations=0,
                         gpu_kv_min=0, checkpoint_bytes=ckpt_bytes)
 

@@ -607,7 +607,8 @@ def test_a_cpu_replica_counts_every_form_of_its_weights(tmp_path, smollm2_path):
 
     if not cpu_kernels.enabled():
         pytest.skip("no native CPU kernels here: the weights are held once")
-    for kind in ("gqa-bf16", "qwen3-bf16", "gqa", "classifier-bf16"):  # untied and tied heads; float32 on disk
+    for kind in ("gqa-bf16", "qwen3-bf16", "gqa", "gqa-fp16", "classifier-bf16"):  # untied and tied heads; float32
+        # and float16 on disk (no bfloat16 halves)
         classifier = kind == "classifier-bf16"
         d = make_tiny_classifier(tmp_path / "gqa-bf16", tmp_path / kind, 2) if classifier else make_tiny_llama(
             tmp_path / kind, smollm2_path, kind)
@@ -616,7 +617,8 @@ def test_a_cpu_replica_counts_every_form_of_its_weights(tmp_path, smollm2_path):
             model = build_model(d, torch.float32, torch.device("cpu"), pooling=pooling)  # prepacked copies and codes
             assert any(getattr(m, "weight_codes", None) is not None for m in model.modules()) == kind.endswith("bf16")
             held = held_weight_bytes(model)
-            counted = sizing.cpu_weight_bytes(arch, 4, sizing.checkpoint_bytes(d, arch), pooling)
+            counted = sizing.cpu_weight_bytes(arch, 4, sizing.checkpoint_bytes(d, arch), pooling,
+                                              sizing.checkpoint_dtype(d))
             assert 0.95 * held <= counted <= 1.05 * held, (kind, pooling, held, counted)
             assert sizing.cpu_weight_bytes(arch, 2, sizing.checkpoint_bytes(d, arch), pooling) == sizing.param_count(
                 arch, pooling) * 2

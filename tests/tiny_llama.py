@@ -34,11 +34,11 @@ TINY_CONFIGS = {
 def make_tiny_llama(out_dir: Path, tokenizer_dir: str, kind: str = "gqa", vocab_size: int = 512, seed: int = 0) -> Path:
     """kind: a TINY_CONFIGS key, or one with "-gguf" appended: the same model with its weights as
     a GGUF Q4_1 file dequantizes them (Q8_0 for the embedding), as the embedded SmolLM2's are; or
-    with "-bf16": saved in bfloat16, as most checkpoints are."""
+    with "-bf16": saved in bfloat16, as most checkpoints are ("-fp16": in float16)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config, gguf_weights = kind.removesuffix("-gguf").removesuffix("-bf16"), kind.endswith("-gguf")
+    config, gguf_weights = kind.removesuffix("-gguf").removesuffix("-bf16").removesuffix("-fp16"), kind.endswith("-gguf")
     params = dict(TINY_CONFIGS[config])
     cfg = AutoConfig.for_model(params.pop("model_type", "llama"), vocab_size=vocab_size, max_position_embeddings=1024,
                                rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **params)
@@ -54,8 +54,8 @@ def make_tiny_llama(out_dir: Path, tokenizer_dir: str, kind: str = "gqa", vocab_
             elif name.endswith("bias"):  # not HF's zeros, for the same reason
                 p.normal_(0, 0.1)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if kind.endswith("-bf16"):
-        model = model.to(torch.bfloat16)
+    if kind.endswith(("-bf16", "-fp16")):
+        model = model.to(torch.bfloat16 if kind.endswith("-bf16") else torch.float16)
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         src = Path(tokenizer_dir) / name
