@@ -320,9 +320,12 @@ def check_sizing(engine: EngineConfig, options: ServeOptions, arch, model_dir=No
     could host it, when Ray is up and options.check_nodes). `pooling`: the replica pools. Raises
     sizing.SizingError."""
     gpu = use_gpu(engine)
-    ckpt_dtype = sizing.checkpoint_dtype(model_dir)
-    needs = sizing.replica_needs(engine, arch, sizing.checkpoint_bytes(model_dir, arch, sizing.DTYPE_BYTES[ckpt_dtype]),
-                                 gpu, pooling, ckpt_dtype)
+    if engine.load_format == "dummy":  # nothing is read; random float weights, held as a float32 checkpoint's
+        ckpt_dtype, ckpt_bytes = "float32", 0
+    else:
+        ckpt_dtype = sizing.checkpoint_dtype(model_dir)
+        ckpt_bytes = sizing.checkpoint_bytes(model_dir, arch, sizing.DTYPE_BYTES[ckpt_dtype])
+    needs = sizing.replica_needs(engine, arch, ckpt_bytes, gpu, pooling, ckpt_dtype)
     if nodes is None:
         import ray
 

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import re
 
-from engine.config import LOGPROBS_MODES, QUANTIZATION_NAMES
+from engine.config import LOAD_FORMATS, LOGPROBS_MODES, QUANTIZATION_NAMES
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -166,6 +166,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="vLLM's: a GPTQ (symmetric, 4/8-bit), AWQ (4-bit) or compressed-tensors (W4A16, W8A16) checkpoint's "
              "method, read from its config.json when not given; the weights are dequantized once at load (on CPU, "
              "decode reads 4-bit ones as codes)")
+    add("--load-format", choices=LOAD_FORMATS,
+        help="vLLM's: how the weights load: from the folder's safetensors files (auto, safetensors), or "
+             "`dummy`: filled at random (vLLM's uniform +-1e-3), so that a folder with a config.json and a tokenizer "
+             "alone serves, for benchmarks")
     add("--hf-overrides", metavar="JSON",
         help="vLLM's: config.json fields set over the model folder's, e.g. '{\"architectures\": "
              "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], "

@@ -132,7 +132,8 @@ def cpu_weight_bytes(arch: ModelArch, nbytes: int, ckpt_bytes: int, pooling: boo
     checkpoint (~2 bytes a parameter on disk) it also keeps each one's bfloat16 half for decode
     (engine.model.codes), and then drops its plain float32, the embedding table's too (its lookup
     reads the halves). A float16 checkpoint's weights are no bfloat16 halves: float32 is kept, as
-    for a float32 one. A pooling replica's table is a lookup table only, tied or not."""
+    for a float32 one (`ckpt_dtype`: config.json's, checkpoint_dtype). A pooling replica's table is
+    a lookup table only, tied or not."""
     params = param_count(arch, pooling)
     if nbytes != 4 or arch.encoder:  # an encoder's weights are held once, as loaded
         return params * nbytes
@@ -143,7 +144,7 @@ def cpu_weight_bytes(arch: ModelArch, nbytes: int, ckpt_bytes: int, pooling: boo
         code_bytes = arch.quantization.code_bytes
         rest = params - layers - lookup_only  # the head, the norms and a classifier's head, from float16 or
         return layers * (4 + (code_bytes or 4)) + lookup_only * 4 + rest * 8  # bfloat16: counted as float16
-    if ckpt_bytes >= 3 * params or ckpt_dtype == "float16":  # each weight, and a linear one's prepacked copy
+    if ckpt_bytes >= 3 * params or ckpt_dtype != "bfloat16":  # each weight, and a linear one's prepacked copy
         return lookup_only * 4 + (params - lookup_only) * (4 + 4)
     return lookup_only * 2 + (params - lookup_only) * (4 + 2)  # bfloat16: the halves, and the prepacked copy
 

@@ -12,6 +12,8 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 # vLLM's --quantization values for the checkpoints engine.model.quantized reads (its kernels' names too)
 QUANTIZATION_NAMES = ("gptq", "awq", "compressed-tensors", "gptq_marlin", "awq_marlin", "auto_gptq", "auto_awq")
+# vLLM's --load-format values taken here: safetensors (auto), or dummy random weights (engine.model.loader)
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,9 @@ class EngineConfig:
     # vLLM's --quantization: a GPTQ, AWQ or compressed-tensors checkpoint's method
     # (engine.model.quantized), which its config.json gives when None; given, it must be that one
     quantization: str | None = None
+    # vLLM's --load-format: "dummy" fills the weights at random (vLLM's uniform +-1e-3) instead of
+    # reading them, so a folder with a config.json and a tokenizer alone serves, for benchmarks
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str) and str(self.dtype).startswith("torch."):  # a torch.dtype, as vLLM takes
@@ -115,6 +120,7 @@ class EngineConfig:
         need(self.quantization is None or self.quantization in QUANTIZATION_NAMES,
              f"quantization must be one of {', '.join(QUANTIZATION_NAMES)} (a quantized checkpoint's method), "
              f"got {self.quantization!r}")
+        need(self.load_format in LOAD_FORMATS, f"load_format must be {'|'.join(LOAD_FORMATS)}, got {self.load_format!r}")
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two <= 128, got {self.block_size}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

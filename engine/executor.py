@@ -147,7 +147,8 @@ class LocalExecutor:
         if device.type == "cuda":  # Triton launches, graph capture and step events use the current device
             torch.cuda.set_device(device)
         dtype = resolve_dtype(config.dtype, device)
-        self.model = build_model(model_dir, dtype, device, pooling=spec.pooler is not None)
+        self.model = build_model(model_dir, dtype, device, pooling=spec.pooler is not None,
+                                 dummy=config.load_format == "dummy")
         max_model_len = config.model_len(arch.max_position_embeddings)
         if arch.encoder:  # no KV cache (engine.encoder_runner)
             num_blocks = encoder_blocks(config, max_model_len)

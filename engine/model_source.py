@@ -45,13 +45,14 @@ class ModelError(Exception):
 
 
 def resolve_model(model: str | os.PathLike | None, revision: str | None = None,
-                  download_dir: str | os.PathLike | None = None) -> Path:
-    """Return a local directory with config.json, *.safetensors and (usually) a tokenizer: `model`
-    itself, or the cached snapshot of the Hugging Face repository it names (see local_dir)."""
+                  download_dir: str | os.PathLike | None = None, weights: bool = True) -> Path:
+    """Return a local directory with config.json, *.safetensors (unless not `weights`: dummy ones
+    are made) and (usually) a tokenizer: `model` itself, or the cached snapshot of the Hugging Face
+    repository it names (see local_dir)."""
     if model in DEFAULT_MODEL_ALIASES:
         return default_model_dir()
     path = local_dir(model, revision, download_dir, "model")
-    check_model_dir(path)
+    check_model_dir(path, weights)
     return path.resolve()
 
 
@@ -60,7 +61,8 @@ def model_dir(config) -> Path:
     hf_overrides where it has any, or where its config asks a conversion (engine.hf_overrides)."""
     from engine.hf_overrides import overridden_dir, parse_hf_overrides
 
-    path = resolve_model(config.model, config.revision, config.download_dir)
+    path = resolve_model(config.model, config.revision, config.download_dir,
+                         weights=getattr(config, "load_format", "auto") != "dummy")
     return overridden_dir(path, parse_hf_overrides(getattr(config, "hf_overrides", None)),
                           lambda: tokenizer_dir(config, path))
 
@@ -131,13 +133,15 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
     return lower_cased(AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code), path)
 
 
-def check_model_dir(path: Path) -> None:
-    """Raise ModelError unless the directory `path` is one the engine can load."""
+def check_model_dir(path: Path, weights: bool = True) -> None:
+    """Raise ModelError unless the directory `path` is one the engine can load (its weights too,
+    where `weights`)."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelError(f"model directory {str(path)!r} has no config.json")
-    if not any(path.glob("*.safetensors")):
-        raise ModelError(f"model directory {str(path)!r} has no *.safetensors weights")
+    if weights and not any(path.glob("*.safetensors")):
+        raise ModelError(f"model directory {str(path)!r} has no *.safetensors weights (--load-format dummy fills "
+                         "them at random, for benchmarks)")
     try:
         config = json.loads(config_file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

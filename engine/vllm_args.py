@@ -11,7 +11,6 @@ ONLY_AT = {
     "kv_cache_dtype": (("auto",), "the KV cache is in the model's dtype (vLLM's auto); fp8 caches are not implemented"),
     "pipeline_parallel_size": (("1",), "1: replicas shard by tensor parallelism alone"),
     "tokenizer_mode": (("auto", "hf"), "transformers' tokenizer (vLLM's auto)"),
-    "load_format": (("auto", "safetensors"), "weights are read from safetensors files (what auto reads)"),
 }
 # name -> why it changes nothing
 NO_EFFECT = {

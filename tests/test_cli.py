@@ -59,7 +59,7 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
         "--max-cudagraph-capture-size", "8", "--long-prefill-token-threshold", "1k",
         "--long-prefill-token-threshold-adaptive", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}',
         "--runner", "pooling", "--convert", "embed", "--pooler-config", '{"pooling_type": "LAST", "use_activation": false}',
-        "--hf-overrides", '{"is_matryoshka": true}', "-q", "awq_marlin"])
+        "--hf-overrides", '{"is_matryoshka": true}', "-q", "awq_marlin", "--load-format", "dummy"])
     kwargs = engine_config_from_args(ns)
     assert set(kwargs) == EngineConfig.field_names()
     spec = EngineConfig(speculative_config=kwargs.pop("speculative_config")).speculative_config  # tp 1 only
@@ -72,7 +72,7 @@ def test_engine_flags_map_one_to_one_onto_engine_config():
     assert (config.runner, config.convert, config.pooler_config, config.hf_overrides) == (
         "pooling", "embed", '{"pooling_type": "LAST", "use_activation": false}', {"is_matryoshka": True})
     assert (config.revision, config.tokenizer_revision, config.download_dir) == ("v1", "v2", "/hub")
-    assert config.quantization == "awq_marlin"
+    assert config.quantization == "awq_marlin" and config.load_format == "dummy"
     relative = build_parser().parse_args(["generate", "p", "--download-dir", "hub"])
     assert engine_config_from_args(relative)["download_dir"] == os.path.join(os.getcwd(), "hub")  # as replicas see it
     assert config.scheduling_policy == "priority"
@@ -124,14 +124,13 @@ def test_flags_spelled_with_underscores_as_vllm_takes_them():
 
 def test_vllm_flags_that_ask_nothing_of_kvserve_are_taken_and_others_refused():
     """A vLLM command line runs unchanged where its values need nothing kvserve lacks."""
-    flags = ["--kv-cache-dtype", "auto", "-pp", "1", "--tokenizer-mode", "auto", "--load-format", "safetensors",
+    flags = ["--kv-cache-dtype", "auto", "-pp", "1", "--tokenizer-mode", "auto",
              "--disable-custom-all-reduce", "--max-seq-len-to-capture", "8192", "--swap-space", "4",
              "--async-scheduling", "--no-async-scheduling", "--hf-token", "hf_x", "--hf-token"]
     for command in (["generate", "p"], ["serve"]):
         ns = build_parser().parse_args([*command, *flags])
         assert engine_config_from_args(ns) == {}  # none of them sets anything
-    for flag, value in [("--kv-cache-dtype", "fp8"), ("--pipeline-parallel-size", "2"), ("--tokenizer-mode", "mistral"),
-                        ("--load-format", "gguf")]:
+    for flag, value in [("--kv-cache-dtype", "fp8"), ("--pipeline-parallel-size", "2"), ("--tokenizer-mode", "mistral")]:
         r = kvserve("generate", flag, value, "x")
         assert r.returncode == 2 and "only " in r.stderr and repr(value) in r.stderr, r.stderr
 

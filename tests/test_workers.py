@@ -410,6 +410,21 @@ def test_tp2_a_quantized_checkpoint_is_exact(ray_cluster, tiny_dirs, tmp_path, m
         llm.engine.executor.shutdown()
 
 
+def test_tp2_dummy_weights_read_no_file(ray_cluster, tiny_dirs, tmp_path):
+    """--load-format dummy at tp=2: each rank fills its own shard, and no rank opens a file."""
+    import shutil
+
+    d = shutil.copytree(tiny_dirs["gqa"], tmp_path / "config-only", ignore=shutil.ignore_patterns("*.safetensors"))
+    llm = LLM(model=str(d), tensor_parallel_size=2, load_format="dummy", **ENGINE)
+    try:
+        assert [len(t) for t in _tokens(llm.generate(_prompts()[:2], GREEDY))] == [MAX_NEW, MAX_NEW]
+        stats = llm.engine.executor.stats()["ranks"]
+        assert [(s["bytes_read"], s["bytes_received"], s["files_opened"]) for s in stats] == [(0, 0, [])] * 2
+        _assert_clean(llm)
+    finally:
+        llm.engine.executor.shutdown()
+
+
 def test_only_rank0_reads_weights_and_each_rank_holds_its_slice(ray_cluster, tiny_dirs):
     import torch
 

@@ -30,13 +30,13 @@ from engine.lora import LoRAState, attach, load_adapter
 from engine.lora_request import LoRARequest
 from engine.model.layers import SAMPLING_RANK, TPContext
 from engine.model.llama import LlamaModel, ModelArch
-from engine.model.loader import float_parameters, held_weight_bytes, load_arch, prepare_cpu_weights
+from engine.model.loader import dummy_weights, float_parameters, held_weight_bytes, load_arch, prepare_cpu_weights
 from engine.model_runner import ModelRunner
 from engine.pooling import prompt_rows
 from engine.runners import make_runner, step_bytes
 from workers.messages import Draws, RankMirror, StepMessage
 from workers.sampling import RankSampler
-from workers.weights import load_sharded
+from workers.weights import LoadStats, load_sharded
 
 HOST = "127.0.0.1"  # the group is STRICT_PACKed on one node, so the rendezvous stays on loopback
 # Pings and reports run in their own thread so that a rank answers a health check while a long
@@ -128,7 +128,11 @@ class RankWorker:
         pooling = self.config.runner == "pooling"  # resolved by the driver (WorkerGroupExecutor): no head
         with torch.device(self.device):
             model = LlamaModel(arch, dtype, self.tp, pooling)  # raises "cannot split" before any weight moves
-        stats = load_sharded(model, self.model_dir if self.rank == 0 else None, self.tp)
+        if self.config.load_format == "dummy":
+            dummy_weights(model)
+            stats = LoadStats()
+        else:
+            stats = load_sharded(model, self.model_dir if self.rank == 0 else None, self.tp)
         weight_codes = prepare_cpu_weights(model, self.device, dtype)
         if self.config.enable_lora:
             attach(model, LoRAState())

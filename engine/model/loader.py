@@ -21,6 +21,8 @@ from engine.model.modernbert import ModernBertEncoder
 from engine.model.layers import TPContext, check_checkpoint_shape
 from engine.model.llama import LlamaModel, ModelArch
 from engine.model_source import ENCODER_NAMES
+
+DUMMY_RANGE, DUMMY_SEED = 1e-3, 1234  # vLLM's dummy weights: uniform in +-1e-3, seeded alike on every rank
 from engine.st_config import max_seq_length
 
 
@@ -98,8 +100,21 @@ def check_complete(params: dict[str, nn.Parameter], loaded: dict[int, set]) -> N
                          + (" ..." if len(missing) > 5 else ""))
 
 
+def dummy_weights(model: nn.Module, seed: int = DUMMY_SEED) -> None:
+    """vLLM's --load-format dummy: every parameter drawn uniform in +-DUMMY_RANGE from `seed`, in
+    place where it lives (a tensor-parallel rank fills its own shard). For benchmarks and tests
+    that have a model's config but not its weights; what it generates means nothing."""
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for p in model.parameters():
+            gen = generators.setdefault(p.device, torch.Generator(p.device).manual_seed(seed))
+            p.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)
+
+
 def build_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-                tp: TPContext = TPContext(), pooling: bool = False) -> LlamaModel | EncoderModel:
+                tp: TPContext = TPContext(), pooling: bool = False, dummy: bool = False) -> LlamaModel | EncoderModel:
+    """The model of `model_dir` on `device`, its weights read from the folder (or, where `dummy`,
+    dummy_weights)."""
     arch, _ = load_arch(model_dir)
     if arch.encoder and not pooling:
         raise ValueError(f"an encoder model ({ENCODER_NAMES}) has no language-model head to "
@@ -110,7 +125,10 @@ def build_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
             model = (ModernBertEncoder if arch.modernbert else EncoderModel)(arch, dtype)
         else:
             model = LlamaModel(arch, dtype, tp, pooling)
-    load_weights(model, model_dir)
+    if dummy:
+        dummy_weights(model)
+    else:
+        load_weights(model, model_dir)
     model = model.eval()
     if not arch.encoder:
         prepare_cpu_weights(model, device, dtype)
