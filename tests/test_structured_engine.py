@@ -101,7 +101,10 @@ def test_reaching_max_tokens_first_ends_with_length(tiny):
 def test_specs_the_library_cannot_compile_are_invalid_requests(tiny):
     for spec, says in [(S(json={"type": "object", "properties": {"a": {"type": "strin"}}}), "strin"),
                        (S(json={"type": "object", "if": {}}), "if"), (S(regex="a("), "unclosed"),
-                       (S(grammar="start: foo"), "foo")]:
+                       (S(grammar="start: foo"), "foo"),
+                       # a language with no text: refused when compiled, not failed at the first step
+                       (S(regex="[^\\x00-\\U0010FFFF]"), "the regex matches no text: no token can begin its output"),
+                       (S(grammar='start: /[^\\x00-\\U0010FFFF]/'), "the grammar matches no text")]:
         with pytest.raises(InvalidRequestError, match=says) as e:
             tiny.generate(_prompts(1), SamplingParams(max_tokens=4, structured_outputs=spec))
         assert e.value.param == "structured_outputs"

@@ -153,6 +153,10 @@ class GrammarCompiler:
         matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             return CompiledGrammar(None, f"the {params.kind} cannot be compiled: {said(short_error(matcher.get_error()))}")
+        probe = matcher.deep_copy()  # its first mask: a language with no text fails here, not at the first step
+        probe.compute_logit_bias()
+        if probe.is_error():
+            return CompiledGrammar(None, f"the {params.kind} matches no text: no token can begin its output")
         return CompiledGrammar(matcher)
 
     def shutdown(self) -> None:
