@@ -741,7 +741,7 @@ class OpenAIServing:
                 raise bad_request(f"This model's maximum context length is {limit} tokens, but {len(ids)} prompt "
                                   f"tokens + {params.max_tokens} {max_param} were requested. Shorten the prompt "
                                   f"or lower {max_param}.", param=max_param, code="context_length_exceeded")
-            _check_fits_kv_cache(len(ids), params.max_tokens, info, max_param)
+            _check_fits_kv_cache(len(ids), params.max_tokens, info, max_param, prompt_param)
 
     async def _start(self, rid: str, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
                      max_param: str, beam: BeamSearch | None = None) -> tuple[tuple[int, StepOutput], AsyncIterator]:
@@ -853,13 +853,18 @@ def _prompt_only(step: StepOutput) -> StepOutput:
     return dataclasses.replace(step, choices=choices)
 
 
-def _check_fits_kv_cache(prompt_len: int, max_tokens: int | None, info: dict, max_param: str) -> None:
+def _check_fits_kv_cache(prompt_len: int, max_tokens: int | None, info: dict, max_param: str,
+                         prompt_param: str) -> None:
     """A sequence needing more KV blocks than the whole cache holds could never be scheduled: a 400
-    here rather than from an engine replica (whose refusal Serve logs as a failed request). The
-    engine checks the same; max_tokens None runs to max_model_len there."""
+    here rather than from an engine replica (whose refusal Serve logs as a failed request), naming
+    the prompt where it alone is too long. The engine checks the same; max_tokens None runs to
+    max_model_len there."""
     blocks, size = info.get("num_total_blocks"), info.get("block_size")
     if not blocks or not size:
         return
+    if -(-kv_tokens(prompt_len, 1) // size) > blocks:
+        raise bad_request(f"The KV cache holds {blocks * size} tokens, but the prompt has {prompt_len}: this request "
+                          "could never be scheduled. Shorten the prompt.", param=prompt_param)
     total = prompt_len + (max_tokens if max_tokens is not None else info["max_model_len"] - prompt_len)
     if -(-kv_tokens(prompt_len, total - prompt_len) // size) > blocks:
         asked = (f"{total - prompt_len} {max_param}" if max_tokens is not None else

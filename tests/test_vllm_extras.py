@@ -454,6 +454,21 @@ def test_a_request_the_kv_cache_could_never_hold_is_refused_before_any_replica_s
     assert ok.choices[0].text == "ok"  # one that fits still runs
 
 
+def test_a_prompt_the_kv_cache_could_never_hold_is_told_to_be_shorter(tokenizer):
+    """Lowering max_tokens cannot help a prompt that alone is more than the cache: the error names the prompt."""
+    async def go(client):
+        try:
+            await client.completions.create(model="m", prompt=[5] * 200, max_tokens=5)
+        except openai.BadRequestError as e:
+            return e.body
+
+    error, engine = run(tokenizer, "ok", go, num_blocks=8)  # 8 blocks of 16: 128 tokens
+    assert error["param"] == "prompt" and error["message"] == (
+        "The KV cache holds 128 tokens, but the prompt has 200: this request could never be scheduled. "
+        "Shorten the prompt."), error
+    assert engine.seen == []
+
+
 def test_chat_logprob_bytes_are_each_tokens_own_and_rebuild_characters_split_across_tokens(tokenizer):
     script = "😀你好 ok"
     ids = tokenizer.encode(script, add_special_tokens=False)
