@@ -21,9 +21,9 @@ rather than a reply that looks fine without them; `reasoning.effort` is the chat
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator, model_validator
 
 from router.errors import bad_request, from_validation_error
 from router.protocol import (REQUEST_ID_PATTERN, ChatCompletionRequest, ModelName, _Model, _schema_size_ok,
@@ -122,7 +122,24 @@ class FunctionChoice(_Model):
     name: str
 
 
-InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+_ITEM_TYPES = {"message": InputMessage, "function_call": FunctionCallItem,
+               "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
+
+
+def _item_type(item) -> str | None:
+    """The member an input item is, by its type (a message may leave it out): its errors are that
+    member's alone, named by class (router.errors drops the tag from the field path)."""
+    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
+    cls = _ITEM_TYPES.get(kind) if isinstance(kind, str) else None
+    return cls.__name__ if cls else None
+
+
+# Tagged by class name: router.errors drops a capitalised tag from the field path it reports
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("InputMessage")] | Annotated[FunctionCallItem, Tag("FunctionCallItem")]
+    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")] | Annotated[ReasoningItem, Tag("ReasoningItem")],
+    Discriminator(_item_type, custom_error_type="invalid_value",
+                  custom_error_message=f"an input item's type must be one of {', '.join(_ITEM_TYPES)}")]
 _ITEMS = TypeAdapter(list[InputItem])
 
 

@@ -144,6 +144,10 @@ def test_an_error_while_streaming_is_an_error_event_then_response_failed(tokeniz
     ({"tools": [{"type": "function", "name": "g", "parameters": {"type": "string"}}]}, "tools.0.parameters",
      "must be a JSON Schema of 'type: \"object\"'"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item_reference input items are not supported"),
+    # an item's errors are its own type's (a function_call_output's were a message's: "type should be 'message'")
+    ({"input": [{"type": "function_call_output", "output": "4"}]}, "input.0.call_id", "Field required"),
+    ({"input": [{"type": "foo"}]}, "input.0", "an input item's type must be one of message, function_call, "
+                                              "function_call_output, reasoning"),
     ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice",
      "'allowed_tools' is not supported"),
 ])
