@@ -31,6 +31,20 @@ def _unfinished_object(text: str) -> bool:
     return not text or (text[0] == "{" and text[1:].lstrip()[:1] in ("", '"'))
 
 
+def _inside_string(text: str) -> bool:
+    """Whether JSON text ends inside a string: a close tag there is part of a value (a function
+    named "a</tool_call>b"), not the block's end."""
+    inside = escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\" and inside:
+            escaped = True
+        elif ch == '"':
+            inside = not inside
+    return inside
+
+
 def _parse_block(body: str) -> tuple[str, str] | None:
     """-> (name, arguments JSON text) of one block's body, or None if it is not a call."""
     try:
@@ -102,8 +116,11 @@ class ToolCallStream(CallStream):
                 continue
             end = self.buffer.find(CLOSE, self.scanned)
             if end == -1:
-                self.scanned = max(0, len(self.buffer) - len(CLOSE) + 1)
+                self.scanned = max(self.scanned, len(self.buffer) - len(CLOSE) + 1)
                 break
+            if _inside_string(self.buffer[:end]):
+                self.scanned = end + 1
+                continue
             self._end_block(self.buffer[:end], calls, content, closed=True)
             self.buffer, self.in_call = self.buffer[end + len(CLOSE):], False
         return chat_delta("".join(content), calls)

@@ -492,6 +492,10 @@ def test_parse_tool_calls():
         assert parse_tool_calls(HERMES + "\n" + head, cut=True)[0] == "Let me look."
         assert parse_tool_calls(HERMES + "\n" + head)[0] == "Let me look.\n\n" + head  # it stopped there: text
     assert parse_tool_calls("if a <", cut=True) == ("if a <", [])  # a lone "<" is text ...
+    # a close tag inside a JSON string is the string's (a function may be named anything, as vLLM takes it)
+    tagged = '<tool_call>\n{"name": "a</tool_call>b", "arguments": {"s": "\\"</tool_call>"}}\n</tool_call>'
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parse_tool_calls(tagged)[1]] == [
+        ("a</tool_call>b", {"s": '"</tool_call>'})]
     required = ToolPlan.of(ChatCompletionRequest.model_validate({"messages": USER, "tools": TOOLS,
                                                                  "tool_choice": "required"}))
     choice = {"message": {"content": HERMES.split("\n", 1)[1] + "\n<"}, "finish_reason": "length"}
@@ -515,7 +519,10 @@ TEXTS = [HERMES, "\n " + HERMES + "\n<tool_call>\n" + '{"arguments": {"b": "}"},
          '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_c', HERMES + "\n<tool",
          # text that only mentions a tag, or ends in a "<"; whitespace at either end, with calls and without
          "Mention <tool_call> here, then", "if a <", "  Hello there \n", " \n" + HERMES + "\n ",
-         f"\n<tool_call>{CALL}</tool_call>\n Done.\n"]
+         f"\n<tool_call>{CALL}</tool_call>\n Done.\n",
+         # close tags inside the JSON's strings, and one in a block that is no call
+         'a <tool_call>{"name": "x</tool_call>", "arguments": {"q": "\\"</tool_call>"}}</tool_call> b',
+         '<tool_call>not "json </tool_call> at all']
 
 
 @settings(max_examples=300, deadline=None)
