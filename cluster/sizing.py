@@ -173,7 +173,8 @@ def replica_needs(engine: EngineConfig, arch: ModelArch, ckpt_bytes: int, use_gp
                             checkpoint_bytes=ckpt_bytes, gpu_memory_utilization=engine.gpu_memory_utilization)
     # An explicit KV size is per rank; the default one is a share of whatever RAM is left, so it fits.
     kv = engine.kv_cache_memory * tp if engine.kv_cache_memory is not None else 0
-    host = processes * CPU_PROCESS_BYTES + cpu_weight_bytes(arch, nbytes, ckpt_bytes, pooling, ckpt_dtype) + kv + activations
+    weights = cpu_weight_bytes(arch, nbytes, ckpt_bytes, pooling, ckpt_dtype)
+    host = processes * CPU_PROCESS_BYTES + weights + kv + activations
     return ReplicaNeeds(tp, cpus=processes, gpus=0, host_memory=host, gpu_weights=0, gpu_activations=0,
                         gpu_kv_min=0, checkpoint_bytes=ckpt_bytes)
 

@@ -120,7 +120,8 @@ class EngineConfig:
         need(self.quantization is None or self.quantization in QUANTIZATION_NAMES,
              f"quantization must be one of {', '.join(QUANTIZATION_NAMES)} (a quantized checkpoint's method), "
              f"got {self.quantization!r}")
-        need(self.load_format in LOAD_FORMATS, f"load_format must be {'|'.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        need(self.load_format in LOAD_FORMATS,
+             f"load_format must be {'|'.join(LOAD_FORMATS)}, got {self.load_format!r}")
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two <= 128, got {self.block_size}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

@@ -130,7 +130,8 @@ def test_vllm_flags_that_ask_nothing_of_kvserve_are_taken_and_others_refused():
     for command in (["generate", "p"], ["serve"]):
         ns = build_parser().parse_args([*command, *flags])
         assert engine_config_from_args(ns) == {}  # none of them sets anything
-    for flag, value in [("--kv-cache-dtype", "fp8"), ("--pipeline-parallel-size", "2"), ("--tokenizer-mode", "mistral")]:
+    for flag, value in [("--kv-cache-dtype", "fp8"), ("--pipeline-parallel-size", "2"),
+                        ("--tokenizer-mode", "mistral")]:
         r = kvserve("generate", flag, value, "x")
         assert r.returncode == 2 and "only " in r.stderr and repr(value) in r.stderr, r.stderr
 

@@ -38,7 +38,8 @@ def make_tiny_llama(out_dir: Path, tokenizer_dir: str, kind: str = "gqa", vocab_
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config, gguf_weights = kind.removesuffix("-gguf").removesuffix("-bf16").removesuffix("-fp16"), kind.endswith("-gguf")
+    config = kind.removesuffix("-gguf").removesuffix("-bf16").removesuffix("-fp16")
+    gguf_weights = kind.endswith("-gguf")
     params = dict(TINY_CONFIGS[config])
     cfg = AutoConfig.for_model(params.pop("model_type", "llama"), vocab_size=vocab_size, max_position_embeddings=1024,
                                rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **params)

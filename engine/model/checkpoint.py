@@ -118,9 +118,9 @@ class Checkpoint:
             prefix, suffix = _split(name)
             if suffix in PACKED and (self.quant is None or suffix != self.quant.parts[0]):
                 raise ValueError(f"checkpoint tensor {name!r} is a quantized weight, but neither config.json's "
-                                 f"quantization_config nor {' nor '.join(QUANT_FILES)} says how to read it" if self.quant is None else
-                                 f"checkpoint tensor {name!r} is not how a {self.quant.method} checkpoint packs "
-                                 "its weights")
+                                 f"quantization_config nor {' nor '.join(QUANT_FILES)} says how to read it"
+                                 if self.quant is None else f"checkpoint tensor {name!r} is not how a "
+                                 f"{self.quant.method} checkpoint packs its weights")
             if self.quant is None or suffix not in self.quant.parts:
                 self.specs.append((name, list(h.get_slice(name).get_shape())))
             elif suffix == self.quant.parts[0]:

@@ -21,9 +21,9 @@ from engine.model.modernbert import ModernBertEncoder
 from engine.model.layers import TPContext, check_checkpoint_shape
 from engine.model.llama import LlamaModel, ModelArch
 from engine.model_source import ENCODER_NAMES
+from engine.st_config import max_seq_length
 
 DUMMY_RANGE, DUMMY_SEED = 1e-3, 1234  # vLLM's dummy weights: uniform in +-1e-3, seeded alike on every rank
-from engine.st_config import max_seq_length
 
 
 def load_arch(model_dir: str | Path) -> tuple[ModelArch, object]:
