@@ -32,8 +32,11 @@ def _unfinished_object(text: str) -> bool:
 
 
 def _inside_string(text: str) -> bool:
-    """Whether JSON text ends inside a string: a close tag there is part of a value (a function
-    named "a</tool_call>b"), not the block's end."""
+    """Whether a block's body, a JSON object so far, ends inside one of its strings: a close tag
+    there is part of a value (a function named "a</tool_call>b"), not the block's end. A body that
+    is no object (prose) ends at its first close tag."""
+    if not text.lstrip().startswith("{"):
+        return False
     inside = escaped = False
     for ch in text:
         if escaped:

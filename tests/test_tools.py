@@ -522,7 +522,8 @@ TEXTS = [HERMES, "\n " + HERMES + "\n<tool_call>\n" + '{"arguments": {"b": "}"},
          f"\n<tool_call>{CALL}</tool_call>\n Done.\n",
          # close tags inside the JSON's strings, and one in a block that is no call
          'a <tool_call>{"name": "x</tool_call>", "arguments": {"q": "\\"</tool_call>"}}</tool_call> b',
-         '<tool_call>not "json </tool_call> at all']
+         '<tool_call>not "json </tool_call> at all',
+         '<tool_call>say "hi</tool_call> then ' + f"<tool_call>{CALL}</tool_call>"]
 
 
 @settings(max_examples=300, deadline=None)
