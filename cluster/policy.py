@@ -89,13 +89,15 @@ PendingView = Mapping[str, Pending]
 
 class RouteRequest:
     """A request as the router sees it: prompt token ids (or precomputed hashes) and max_tokens;
-    for the peers also its prompt text (`detokenize`, else one character per token) and session."""
-    __slots__ = ("token_ids", "num_prompt_tokens", "max_tokens", "session", "root", "_hashes", "_detokenize", "_text",
-                 "_key")
+    for the peers also its prompt text (`detokenize`, else one character per token) and session;
+    its `priority` (vLLM's, lower first) where requests are held."""
+    __slots__ = ("token_ids", "num_prompt_tokens", "max_tokens", "session", "root", "priority", "_hashes",
+                 "_detokenize", "_text", "_key")
 
     def __init__(self, token_ids: Sequence[int] | None, max_tokens: int, *, num_prompt_tokens: int | None = None,
                  prefix_hashes: Mapping[int, list[int]] | None = None, session: str | None = None,
-                 detokenize: Callable[[Sequence[int]], str] | None = None, root: int = NONE_HASH) -> None:
+                 detokenize: Callable[[Sequence[int]], str] | None = None, root: int = NONE_HASH,
+                 priority: int = 0) -> None:
         if token_ids is None and (num_prompt_tokens is None or prefix_hashes is None):
             raise ValueError("a RouteRequest needs token_ids, or num_prompt_tokens and prefix_hashes")
         self.token_ids = token_ids
@@ -103,6 +105,7 @@ class RouteRequest:
         self.max_tokens = max_tokens
         self.session = session
         self.root = root  # its first block's parent hash: a cache_salt's (engine.hashing.root_hash)
+        self.priority = priority
         self._hashes: dict[int, list[int]] = dict(prefix_hashes or {})  # block_size -> hashes
         self._detokenize = detokenize
         self._text: str | None = None

@@ -61,7 +61,7 @@ def route_request_from(pending: PendingRequest | None, default_max_tokens: int,
     # Unset: what the engine resolves it to, the rest of the context window.
     max_tokens = getattr(params, "max_tokens", None) or max(1, default_max_tokens - len(token_ids))
     return RouteRequest(token_ids, max_tokens, session=pending.metadata.session_id or None, detokenize=detokenize,
-                        root=request_root(params))
+                        root=request_root(params), priority=getattr(params, "priority", 0) or 0)
 
 
 def replica_key(replica_id) -> str:
@@ -114,7 +114,7 @@ class KVRequestRouter(RequestRouter):
         self._unbook(key, now)  # a retry: Serve found our last pick full
         view = self._view(candidate_replicas)
         rid = choose_kv(request, view, self.ledger.view(), now, self.config, self._sessions.is_new(request.session))
-        if rid is None or self._yields(key, rid, view, now):
+        if rid is None or self._yields(key, request, rid, view, now):
             first = self._held.get(key, (now,))[0]
             self._held[key] = (first, now, request)
             return []  # hold: Serve backs off and asks again
@@ -123,16 +123,21 @@ class KVRequestRouter(RequestRouter):
         self._booked[key] = (rid, record_dispatch(self.ledger, rid, request, view, now, self.default_block_size))
         return [[r for r in candidate_replicas if replica_key(r.replica_id) == rid]]
 
-    def _yields(self, key: str, rid: str, view: dict, now: float) -> bool:
-        """Whether this request leaves `rid` to a held one that has waited max_hold_s and fits there
-        (held requests that stopped asking, cancelled or routed elsewhere, are forgotten)."""
+    def _yields(self, key: str, request: RouteRequest, rid: str, view: dict, now: float) -> bool:
+        """Whether this request leaves `rid` to a held one that fits there and comes first: one of a
+        lower `priority` (vLLM's priority scheduling, which a request waiting out here would
+        otherwise miss: the engine orders only its own queue), or one of the same priority that has
+        waited max_hold_s. Held requests that stopped asking (cancelled, routed elsewhere) are
+        forgotten."""
         mine = self._held.get(key, (now,))[0]
         s = view.get(rid)
-        for other, (first, asked, request) in list(self._held.items()):
+        for other, (first, asked, held) in list(self._held.items()):
             if now - asked > FORGET_HELD_S:
                 del self._held[other]
-            elif (other != key and first < mine and now - first >= self.config.max_hold_s and s is not None
-                  and rank_key(request, s, self.ledger.get(rid), self.config, now) is not None):
+            elif other == key or s is None or held.priority > request.priority:
+                continue
+            elif ((held.priority < request.priority or (first < mine and now - first >= self.config.max_hold_s))
+                  and rank_key(held, s, self.ledger.get(rid), self.config, now) is not None):
                 return True
         return False
 

@@ -33,10 +33,10 @@ def replica(name, **stats):
     return SimpleNamespace(replica_id=rid, routing_stats=raw or {})
 
 
-def pending(n, tokens, method="generate"):
+def pending(n, tokens, method="generate", priority=0):
     meta = RequestMetadata(request_id=f"r{n}", internal_request_id=f"i{n}", call_method=method)
     return PendingRequest(args=[], kwargs={"request_id": f"r{n}", "prompt_token_ids": tokens,
-                                           "params": SamplingParams(max_tokens=32)}, metadata=meta)
+                                           "params": SamplingParams(max_tokens=32, priority=priority)}, metadata=meta)
 
 
 def make(cls, **kwargs):
@@ -180,6 +180,30 @@ def test_kv_router_newcomers_yield_to_a_request_held_past_max_hold():
         assert await router.choose_replicas(roomy, pending(2, [6] * 100)) == []  # yields to the overdue one
         assert await router.choose_replicas(roomy, old) == [roomy]  # which takes the room
         assert await router.choose_replicas(roomy, pending(3, [7] * 100)) == [roomy]  # nobody overdue now
+    asyncio.run(main())
+
+
+def test_kv_router_room_goes_to_the_held_request_of_lowest_priority():
+    """vLLM's priority scheduling where requests wait for room outside the engine (whose own queue
+    is the only one it orders): a request leaves the room to a held one of lower priority that fits."""
+    async def main():
+        router = make(KVRequestRouter)
+        full = [replica("a", free=1)]
+        late, urgent, mid = pending(1, [5] * 100, priority=10), pending(2, [6] * 100, priority=-10), pending(
+            3, [7] * 100, priority=5)
+        for p in (late, urgent, mid):
+            assert await router.choose_replicas(full, p) == []  # no room: all held, in arrival order
+        roomy = [replica("a", free=500)]
+        assert await router.choose_replicas(roomy, late) == []  # yields to the urgent one
+        assert await router.choose_replicas(roomy, mid) == []
+        assert await router.choose_replicas(roomy, urgent) == [roomy]
+        assert await router.choose_replicas(roomy, late) == []  # then to mid, the next lowest
+        assert await router.choose_replicas(roomy, mid) == [roomy]
+        assert await router.choose_replicas(roomy, late) == [roomy]
+        huge = pending(4, [8] * 100, priority=-20)
+        huge.kwargs["params"] = SamplingParams(max_tokens=10**5, priority=-20)
+        assert await router.choose_replicas(full, huge) == []
+        assert await router.choose_replicas(roomy, pending(5, [9] * 100)) == [roomy]  # it does not fit: no yield
     asyncio.run(main())
 
 
