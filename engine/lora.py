@@ -30,13 +30,13 @@ from pathlib import Path
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.lora_request import ADAPTER_WEIGHTS, LoRARequest, read_adapter_config, refused
+from engine.lora_request import ADAPTED, ADAPTER_WEIGHTS, LoRARequest, read_adapter_config, refused
 from engine.model.layers import RowParallelLinear
 
 # A checkpoint projection -> (our module in the decoder layer, the part of it when packed)
-TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-           "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-           "down_proj": ("down_proj", 0)}
+# each of ADAPTED: (our module, its part)
+TARGETS = dict(zip(ADAPTED, [("qkv_proj", 0), ("qkv_proj", 1), ("qkv_proj", 2), ("o_proj", 0), ("gate_up_proj", 0),
+                             ("gate_up_proj", 1), ("down_proj", 0)]))
 _NAMES = {where: name for name, where in TARGETS.items()}
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 

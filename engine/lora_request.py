@@ -13,6 +13,8 @@ from engine.errors import InvalidRequestError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# the decoder layers' projections an adapter may adapt (engine.lora.TARGETS: where each is)
+ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,11 @@ def read_adapter_config(path: str | Path, max_rank: int | None = None) -> dict:
     if unsupported:
         raise refused(path, "uses what kvserve does not serve: "
                       + ", ".join(f"{what} ({value!r})" for what, value in unsupported))
+    targets = cfg.get("target_modules")
+    others = [t for t in targets if not isinstance(t, str) or t.rpartition(".")[2] not in ADAPTED] if isinstance(
+        targets, list) else []
+    if others:  # PEFT would find no such module in the model (a string is a regex or "all-linear": taken)
+        raise refused(path, f"its target_modules {others} are not modules kvserve adapts ({', '.join(ADAPTED)})")
     if not (path / ADAPTER_WEIGHTS).exists():
         raise refused(path, f"no {ADAPTER_WEIGHTS} there")
     return cfg
@@ -144,7 +151,13 @@ def check_weights_header(path: str | Path) -> None:
             if not 2 <= size <= 100 << 20:
                 raise ValueError(f"a header of {size} bytes")
             header = json.loads(f.read(size))
+            data_bytes = os.fstat(f.fileno()).st_size - 8 - size
     except (OSError, ValueError) as e:
         raise refused(path, f"{ADAPTER_WEIGHTS} is not safetensors ({e})") from None
     if not isinstance(header, dict) or not any(".lora_A." in k for k in header):
         raise refused(path, f"{ADAPTER_WEIGHTS} holds no LoRA weights")
+    ends = [v["data_offsets"][1] for v in header.values() if isinstance(v, dict) and isinstance(
+        v.get("data_offsets"), list) and len(v["data_offsets"]) == 2 and isinstance(v["data_offsets"][1], int)]
+    if len(ends) < len(header) - ("__metadata__" in header) or max(ends, default=0) > data_bytes:
+        raise refused(path, f"{ADAPTER_WEIGHTS} is cut short or damaged: its header lists "
+                            f"{max(ends, default=0)} bytes of tensors, the file holds {data_bytes}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -192,6 +193,9 @@ def test_what_cannot_be_served_is_refused(models, tmp_path):
     refused(LoRARequest("wider", 4, make_adapter(wider, tmp_path / "wider-a", r=4)),
             r"layer 0's o_proj has A \(4, 128\) and B \(64, 4\), where this model needs \(4, 64\) and \(64, 4\)")
     embed = Path(make_adapter(base, tmp_path / "embed", ["embed_tokens", "q_proj"], r=4))
+    refused(LoRARequest("embed", 5, str(embed)), r"its target_modules \['embed_tokens'\] are not modules kvserve adapts")
+    config = json.loads((embed / "adapter_config.json").read_text())  # a regex that says nothing of them: the weights do
+    (embed / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ".*"}))
     refused(LoRARequest("embed", 5, str(embed)), "adapts nothing kvserve's model can")
     (tmp_path / "alpha").mkdir()
     (tmp_path / "alpha" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": "16"}))
@@ -265,6 +269,24 @@ def test_lora_modules_are_checked_at_start_up(models, tmp_path):
     (broken / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
     with pytest.raises(ValueError, match="x: LoRA adapter .* adapter_model.safetensors is not safetensors"):
         lora_modules([f"x={broken}"])
+    # a weights file cut short (a copy that did not finish), and target_modules no model layer has
+    cut = tmp_path / "cut"
+    shutil.copytree(a1, cut)
+    data = (cut / "adapter_model.safetensors").read_bytes()
+    (cut / "adapter_model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match="x: LoRA adapter .* adapter_model.safetensors is cut short or damaged: "
+                                         "its header lists \\d+ bytes of tensors, the file holds \\d+"):
+        lora_modules([f"x={cut}"])
+    foreign = tmp_path / "foreign"
+    shutil.copytree(a1, foreign)
+    config = json.loads((foreign / "adapter_config.json").read_text())
+    (foreign / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "foo_proj"]}))
+    with pytest.raises(ValueError, match=r"its target_modules \['foo_proj'\] are not modules kvserve adapts"):
+        lora_modules([f"x={foreign}"])
+    (foreign / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["self_attn.q_proj"]}))
+    assert lora_modules([f"x={foreign}"])  # PEFT's suffixes, and a regex string, are taken
+    (foreign / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ".*(q|v)_proj"}))
+    assert lora_modules([f"x={foreign}"])
     with pytest.raises(ValueError, match="needs the engine's enable_lora"):
         router_settings(EngineConfig(model=str(base)), ServeOptions(lora_modules=[f"x={a1}"]))
     with pytest.raises(ValueError, match="must differ from the served model names"):
