@@ -29,7 +29,9 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def _lp(x: float) -> float:
-    return max(x, _MIN_LOGPROB)
+    """A logprob (or logit) as JSON can hold it: -inf as -9999.0 (vLLM's), and so NaN (weights
+    that made NaN logits), never a value a JSON encoder refuses."""
+    return min(x, -_MIN_LOGPROB) if x >= _MIN_LOGPROB else _MIN_LOGPROB
 
 
 def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:

@@ -799,3 +799,18 @@ def test_chat_template_kwargs_may_set_none_of_apply_chat_templates_own_arguments
 
     own = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"}
     assert own <= TEMPLATE_ARGUMENTS, sorted(own - TEMPLATE_ARGUMENTS)
+
+
+def test_logprobs_json_cannot_hold_are_written_as_vllm_writes_minus_infinity():
+    """-inf is -9999.0, as vLLM writes it; NaN (an adapter or checkpoint whose weights make NaN
+    logits) too, so the reply is JSON a client can read, not a 500."""
+    import json
+    import math
+
+    from router.formatting import completion_logprobs
+
+    nan, inf = float("nan"), float("inf")
+    out = completion_logprobs([1, 2], [{1: nan, 2: -inf}, {2: -0.5, 3: inf}], 1, str)
+    assert out["token_logprobs"] == [-9999.0, -0.5] and out["top_logprobs"][1] == {"3": 9999.0, "2": -0.5}
+    assert not any(isinstance(v, float) and not math.isfinite(v) for v in json.loads(json.dumps(out))["token_logprobs"])
+    json.dumps(out, allow_nan=False)  # what a JSON response refuses
