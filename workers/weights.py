@@ -35,7 +35,7 @@ class LoadStats:
 def load_sharded(model: LlamaModel, model_dir: str | Path | None, tp: TPContext) -> LoadStats:
     """Collective: every rank calls it; only rank 0 passes `model_dir` and reads it."""
     stats = LoadStats()
-    ckpt = Checkpoint(model_dir) if tp.rank == 0 else None
+    ckpt = Checkpoint(model_dir, model.arch.quantization) if tp.rank == 0 else None
     try:
         if ckpt is not None:
             stats.files_opened = list(ckpt.files)

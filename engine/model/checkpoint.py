@@ -69,21 +69,13 @@ def folder_quant(model_dir: str | Path, config: dict) -> QuantConfig | None:
     return None
 
 
-def folder_quant_config(model_dir: str | Path) -> QuantConfig | None:
-    """The folder's quantization (folder_quant); None where it has no readable config.json."""
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return folder_quant(model_dir, config) if isinstance(config, dict) else None
-
-
 class Checkpoint:
-    """Used as a context manager: the files are closed (their maps released) when it ends."""
+    """Used as a context manager: the files are closed (their maps released) when it ends.
+    `quant`: the folder's quantization, as load_arch read it (ModelArch.quantization)."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, quant: QuantConfig | None) -> None:
         self.files = [str(p) for p in safetensors_files(model_dir)]
-        self.quant = folder_quant_config(model_dir)
+        self.quant = quant
         self._where = {}  # tensor name -> the open file that holds it
         self._handles = []
         self._packed: dict[str, str] = {}  # a dequantized weight's name -> its linear's prefix

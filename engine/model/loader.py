@@ -62,7 +62,7 @@ def load_weights(model: LlamaModel, model_dir: str | Path) -> int:
     """Copy every checkpoint tensor into its (sharded) parameter; returns bytes read."""
     params = dict(model.named_parameters())
     loaded: dict[int, set] = {}  # id(param) -> the parts (shard ids) it received
-    with Checkpoint(model_dir) as ckpt:
+    with Checkpoint(model_dir, model.arch.quantization) as ckpt:
         for name, shape in ckpt.specs:
             target = model.param_for(name, params)
             if target is None:
