@@ -732,10 +732,7 @@ class OpenAIServing:
                                   f"{len(ids)} tokens (it must leave room for at least one generated token).",
                                   param=prompt_param, code="context_length_exceeded")
             if params.pooling is not None:  # its prompt's KV alone (the engine checks the same)
-                blocks, size = info.get("num_total_blocks"), info.get("block_size")
-                if blocks and size and -(-len(ids) // size) > blocks:
-                    raise bad_request(f"The KV cache holds {blocks * size} tokens, but the input has {len(ids)}: "
-                                      "it could never be scheduled.", param=prompt_param)
+                _check_prompt_fits_kv_cache(len(ids), info, prompt_param, "input")
                 continue
             if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
                 raise bad_request(f"This model's maximum context length is {limit} tokens, but {len(ids)} prompt "
@@ -862,9 +859,7 @@ def _check_fits_kv_cache(prompt_len: int, max_tokens: int | None, info: dict, ma
     blocks, size = info.get("num_total_blocks"), info.get("block_size")
     if not blocks or not size:
         return
-    if -(-kv_tokens(prompt_len, 1) // size) > blocks:
-        raise bad_request(f"The KV cache holds {blocks * size} tokens, but the prompt has {prompt_len}: this request "
-                          "could never be scheduled. Shorten the prompt.", param=prompt_param)
+    _check_prompt_fits_kv_cache(prompt_len, info, prompt_param)
     total = prompt_len + (max_tokens if max_tokens is not None else info["max_model_len"] - prompt_len)
     if -(-kv_tokens(prompt_len, total - prompt_len) // size) > blocks:
         asked = (f"{total - prompt_len} {max_param}" if max_tokens is not None else
@@ -872,6 +867,15 @@ def _check_fits_kv_cache(prompt_len: int, max_tokens: int | None, info: dict, ma
         raise bad_request(f"The KV cache holds {blocks * size} tokens, but {prompt_len} prompt tokens + {asked} "
                           f"need {total - 1} (all but the last): this request could never be scheduled. "
                           f"{'Lower' if max_tokens is not None else 'Set'} {max_param}.", param=max_param)
+
+
+def _check_prompt_fits_kv_cache(prompt_len: int, info: dict, prompt_param: str, noun: str = "prompt") -> None:
+    """A prompt whose KV alone is more than the whole cache holds: a 400 naming it (a shorter one
+    is the only remedy)."""
+    blocks, size = info.get("num_total_blocks"), info.get("block_size")
+    if blocks and size and -(-prompt_len // size) > blocks:
+        raise bad_request(f"The KV cache holds {blocks * size} tokens, but the {noun} has {prompt_len}: this request "
+                          f"could never be scheduled. Shorten the {noun}.", param=prompt_param)
 
 
 def _check_token_ids(prompts: list[list[int]], params: SamplingParams, vocab: int, prompt_param: str) -> None:
