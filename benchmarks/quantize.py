@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from engine.lora_request import ADAPTED as PROJECTIONS  # a decoder layer's linear projections, by checkpoint name
+
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: code i of a word holds column AWQ_PACK_ORDER[i] of its 8
 
 

@@ -71,11 +71,7 @@ def dequantize(bits: int, group_size: int, zero_points: bool, prefix: str, parts
         raise ValueError(f"quantized checkpoint: {prefix}.weight_scale has shape {tuple(scale.shape)}, which does "
                          f"not give its ({out}, {k}) weight's groups of {group_size}")
     q = unpack(packed, bits, dim=1)[:, :k] - offset  # (out, in), signed
-    g_idx = parts.get(".weight_g_idx")
-    cols = torch.arange(k) // (k if group_size == -1 else group_size) if g_idx is None else g_idx.long()
-    if tuple(cols.shape) != (k,) or int(cols.min()) < 0 or int(cols.max()) >= groups:
-        raise ValueError(f"quantized checkpoint: {prefix}.weight_g_idx does not give each of the {k} inputs one of "
-                         f"{groups} groups")
+    cols = input_groups(f"{prefix}.weight_g_idx", parts.get(".weight_g_idx"), k, group_size, groups)
     if ".weight_zero_point" in parts:
         zero = unpack(parts[".weight_zero_point"], bits, dim=0)[:out] - offset
         if tuple(zero.shape) != (out, groups):
@@ -83,6 +79,16 @@ def dequantize(bits: int, group_size: int, zero_points: bool, prefix: str, parts
                              "zero points")
         q = q - zero[:, cols]
     return scale.float()[:, cols] * q.float()
+
+
+def input_groups(name: str, g_idx: torch.Tensor | None, k: int, group_size: int, groups: int) -> torch.Tensor:
+    """Each of a weight's k inputs' group (0 <= g < groups): `g_idx` where act-order gives it, else
+    input // group_size (group_size -1: one group). ValueError naming tensor `name` where g_idx
+    does not give every input a group."""
+    rows = torch.arange(k) // (k if group_size == -1 else group_size) if g_idx is None else g_idx.long()
+    if tuple(rows.shape) != (k,) or int(rows.min()) < 0 or int(rows.max()) >= groups:
+        raise ValueError(f"quantized checkpoint: {name} does not give each of the {k} inputs one of {groups} groups")
+    return rows
 
 
 def _shape(prefix: str, parts: dict[str, torch.Tensor], bits: int) -> tuple[int, int]:

@@ -90,10 +90,7 @@ class QuantConfig:
             q = _unpack(parts[".qweight"], self.bits, dim=0)  # (in, out)
             # g_idx read only under act-order, as vLLM ignores it otherwise (some exporters write placeholders)
             g_idx = parts.get(".g_idx") if self.act_order else None
-            rows = torch.arange(k) // (k // groups) if g_idx is None else g_idx.long()
-            if tuple(rows.shape) != (k,) or int(rows.min()) < 0 or int(rows.max()) >= groups:
-                raise ValueError(f"quantized checkpoint: {prefix}.g_idx does not give each of the {k} inputs one "
-                                 f"of {groups} groups")
+            rows = compressed_tensors.input_groups(f"{prefix}.g_idx", g_idx, k, self.group_size, groups)
             zero = torch.tensor(1 << (self.bits - 1), dtype=torch.int32)
             w = scales.float()[rows] * (q - zero).float()
         else:
@@ -102,7 +99,7 @@ class QuantConfig:
             if tuple(zeros.shape) != (groups, out):
                 raise ValueError(f"quantized checkpoint: {prefix}.qzeros has {tuple(parts['.qzeros'].shape)} "
                                  f"packed, expected {(groups, out // self.pack)}")
-            rows = torch.arange(k) // (k // groups)
+            rows = compressed_tensors.input_groups(f"{prefix}.qzeros", None, k, self.group_size, groups)
             w = scales.float()[rows] * (q - zeros[rows]).float()
         return w.t().contiguous()
 
