@@ -352,7 +352,9 @@ def served_model_name(engine: EngineConfig, options: ServeOptions) -> str:
 
 def router_settings(engine: EngineConfig, options: ServeOptions):
     """The ingress's settings: the options named like RouterSettings fields, where given."""
-    from engine.lora_request import lora_modules
+    from engine.lora_request import ModelDims, lora_modules
+    from engine.model.loader import load_arch
+    from engine.model_source import model_dir
     from router.settings import RouterSettings, load_chat_template
 
     given = {f.name: getattr(options, f.name) for f in dataclasses.fields(RouterSettings)
@@ -361,10 +363,11 @@ def router_settings(engine: EngineConfig, options: ServeOptions):
     given.update({k: tuple(v) for k, v in given.items() if k.startswith("allowed_")})  # JSON lists
     if options.chat_template is not None:  # read here: its text travels to the ingress with the settings
         given["chat_template"] = load_chat_template(options.chat_template)
-    if options.lora_modules:
-        if not engine.enable_lora:
-            raise ValueError("lora_modules (--lora-modules) needs the engine's enable_lora (--enable-lora)")
-        given["lora_modules"] = lora_modules(options.lora_modules, engine.max_lora_rank)
+    if options.lora_modules and not engine.enable_lora:
+        raise ValueError("lora_modules (--lora-modules) needs the engine's enable_lora (--enable-lora)")
+    if engine.enable_lora:  # each module's weights checked against the model's shapes, as the engine will
+        given["lora_dims"] = ModelDims.of(load_arch(model_dir(engine))[0])
+        given["lora_modules"] = lora_modules(options.lora_modules, engine.max_lora_rank, given["lora_dims"])
     if options.structured_outputs_config:
         given.update(_structured_outputs_settings(options.structured_outputs_config, options.reasoning_parser))
     if os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true"):  # vLLM's variable, read as it reads it

@@ -21,7 +21,6 @@ with no adapted row costs nothing.
 from __future__ import annotations
 
 import math
-import re
 from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.lora_request import ADAPTED, ADAPTER_WEIGHTS, LoRARequest, read_adapter_config, refused
+from engine.lora_request import ADAPTED, ADAPTER_WEIGHTS, LORA_KEY, LoRARequest, read_adapter_config, refused
 from engine.model.layers import RowParallelLinear
 
 # A checkpoint projection -> (our module in the decoder layer, the part of it when packed)
@@ -38,7 +37,6 @@ from engine.model.layers import RowParallelLinear
 TARGETS = dict(zip(ADAPTED, [("qkv_proj", 0), ("qkv_proj", 1), ("qkv_proj", 2), ("o_proj", 0), ("gate_up_proj", 0),
                              ("gate_up_proj", 1), ("down_proj", 0)]))
 _NAMES = {where: name for name, where in TARGETS.items()}
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
 @dataclass
@@ -68,7 +66,7 @@ def load_adapter(lora: LoRARequest, model, max_rank: int | None = None) -> LoRAW
     except Exception as e:  # a damaged or foreign file: safetensors' own error types
         raise refused(path, f"cannot read {ADAPTER_WEIGHTS}: {e}") from None
     for key, tensor in tensors.items():
-        m = _KEY.search(key)
+        m = LORA_KEY.search(key)
         if m is not None and int(m.group(1)) >= arch.num_layers:
             raise refused(path, f"tensor {key!r} adapts layer {m.group(1)}, and this model has {arch.num_layers} "
                                 "layers (an adapter made for another model)")

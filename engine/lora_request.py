@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,25 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # the decoder layers' projections an adapter may adapt (engine.lora.TARGETS: where each is)
 ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# an adapter tensor's name (PEFT's): its layer, projection and A or B
+LORA_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What an adapter's weights must fit, known from the model's config alone (so the ingress,
+    which holds no model, checks adapters as the engine will): its decoder layers, and each
+    adapted projection's (inputs, outputs)."""
+    num_layers: int
+    projections: tuple[tuple[str, int, int], ...]  # (each of ADAPTED, inputs, outputs)
+
+    @classmethod
+    def of(cls, arch) -> ModelDims:
+        """From an engine.model.llama.ModelArch."""
+        h, i = arch.hidden_size, arch.intermediate_size
+        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        return cls(arch.num_layers, (("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h),
+                                     ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)))
 
 
 @dataclass(frozen=True)
@@ -57,11 +77,34 @@ def refused(path: str | Path, why: str) -> InvalidRequestError:
     return InvalidRequestError("model", f"LoRA adapter {str(path)!r}: {why}")
 
 
-def check_adapter(path: str | Path, max_rank: int | None = None) -> None:
-    """What can be checked of an adapter before the model is at hand (--lora-modules at start-up,
-    a runtime load): its config (read_adapter_config) and its weights file's header."""
-    read_adapter_config(path, max_rank)
-    check_weights_header(path)
+def check_adapter(path: str | Path, max_rank: int | None = None, dims: ModelDims | None = None) -> None:
+    """What can be checked of an adapter without the model's weights (--lora-modules at start-up,
+    a runtime load): its config (read_adapter_config), its weights file's header, and, given the
+    model's `dims`, that each tensor adapts a layer and projection of the model in its shape."""
+    r = read_adapter_config(path, max_rank)["r"]
+    header = check_weights_header(path)
+    if dims is not None:
+        _check_fit(Path(path), header, r, dims)
+
+
+def _check_fit(path: Path, header: dict, r: int, dims: ModelDims) -> None:
+    """Every tensor's layer and projection first, then their shapes, as engine.lora checks them."""
+    sizes = {name: (k, n) for name, k, n in dims.projections}
+    found = {key: LORA_KEY.search(key) for key in header if key != "__metadata__"}
+    for key, m in found.items():
+        if m is not None and int(m.group(1)) >= dims.num_layers:
+            raise refused(path, f"tensor {key!r} adapts layer {m.group(1)}, and this model has {dims.num_layers} "
+                                "layers (an adapter made for another model)")
+        if m is None or m.group(2) not in sizes:
+            raise refused(path, f"tensor {key!r} adapts nothing kvserve's model can (LoRA on the decoder layers' "
+                                f"{', '.join(ADAPTED)} is served)")
+    for key, m in found.items():
+        entry, (k, n) = header[key], sizes[m.group(2)]
+        need = (r, k) if m.group(3) == "A" else (n, r)
+        shape = tuple(entry.get("shape", ())) if isinstance(entry, dict) else ()
+        if shape != need:
+            raise refused(path, f"tensor {key!r} has shape {shape}, where this model needs {need} (an adapter made "
+                                "for another model, or of another rank than its config's r)")
 
 
 def read_adapter_config(path: str | Path, max_rank: int | None = None) -> dict:
@@ -113,10 +156,11 @@ def lora_id(params) -> int | None:
     return None if lora is None else lora.lora_int_id
 
 
-def lora_modules(specs, max_rank: int | None = None) -> tuple[LoRARequest, ...]:
+def lora_modules(specs, max_rank: int | None = None, dims: ModelDims | None = None) -> tuple[LoRARequest, ...]:
     """vLLM's --lora-modules: each `name=path`, or JSON (or a dict) with `name`, `path` and an
-    optional `base_model_name`, as LoRARequests numbered from 1 in order; each adapter's config
-    checked (read_adapter_config), the paths made absolute. ValueError for what cannot be served."""
+    optional `base_model_name`, as LoRARequests numbered from 1 in order; each adapter checked
+    (check_adapter, against the model's `dims` where given), the paths made absolute. ValueError
+    for what cannot be served."""
     out: list[LoRARequest] = []
     for spec in specs or ():
         if isinstance(spec, str) and spec.lstrip().startswith("{"):
@@ -134,16 +178,16 @@ def lora_modules(specs, max_rank: int | None = None) -> tuple[LoRARequest, ...]:
             raise ValueError(f"--lora-modules names {spec['name']!r} twice")
         try:
             lora = LoRARequest(spec["name"], len(out) + 1, spec["path"], spec.get("base_model_name"))
-            check_adapter(lora.lora_path, max_rank)
+            check_adapter(lora.lora_path, max_rank, dims)
         except InvalidRequestError as e:
             raise ValueError(f"--lora-modules {spec['name']}: {e.message}") from None
         out.append(lora)
     return tuple(out)
 
 
-def check_weights_header(path: str | Path) -> None:
-    """InvalidRequestError unless the adapter's weights file has a safetensors header naming LoRA
-    tensors (what can be checked before the model is at hand; engine.lora reads the rest)."""
+def check_weights_header(path: str | Path) -> dict:
+    """The adapter's weights file's safetensors header; InvalidRequestError unless it names LoRA
+    tensors and the file holds all it lists."""
     path = Path(path)
     try:
         with open(path / ADAPTER_WEIGHTS, "rb") as f:
@@ -161,3 +205,4 @@ def check_weights_header(path: str | Path) -> None:
     if len(ends) < len(header) - ("__metadata__" in header) or max(ends, default=0) > data_bytes:
         raise refused(path, f"{ADAPTER_WEIGHTS} is cut short or damaged: its header lists "
                             f"{max(ends, default=0)} bytes of tensors, the file holds {data_bytes}")
+    return header

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pydantic import Field
 
 from engine.errors import InvalidRequestError
-from engine.lora_request import LoRARequest, check_adapter
+from engine.lora_request import LoRARequest, ModelDims, check_adapter
 from router.errors import OpenAIError, bad_request
 from router.off_loop import off_loop
 from router.protocol import _Model
@@ -40,10 +40,12 @@ class UnloadLoRAAdapterRequest(_Model):
 class LoRAModules:
     """Name -> LoRARequest, as a read-only mapping for the request paths, plus `load` / `unload`."""
 
-    def __init__(self, modules: tuple[LoRARequest, ...], reserved: tuple[str, ...], max_rank: int) -> None:
+    def __init__(self, modules: tuple[LoRARequest, ...], reserved: tuple[str, ...], max_rank: int,
+                 dims: ModelDims | None = None) -> None:
         self.by_name = {m.lora_name: m for m in modules}
         self.reserved = set(reserved)  # the served model's names: no module may take one
         self.max_rank = max_rank
+        self.dims = dims  # the model's shapes, which a module's weights must fit (None: the engine checks)
 
     def __contains__(self, name: object) -> bool:
         return name in self.by_name
@@ -64,7 +66,7 @@ class LoRAModules:
             raise bad_request(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
         try:
             lora = LoRARequest(name, RUNTIME_IDS + secrets.randbits(62), req.lora_path)
-            await off_loop(check_adapter, lora.lora_path, self.max_rank)
+            await off_loop(check_adapter, lora.lora_path, self.max_rank, self.dims)
         except InvalidRequestError as e:
             raise bad_request(e.message, param="lora_path") from None
         self.by_name[name] = lora

@@ -105,7 +105,7 @@ class OpenAIServing:
         self.token_bytes = functools.lru_cache(maxsize=1 << 16)(self._token_bytes)
         # --lora-modules (and those loaded at run time), by the name requests send
         self.adapters = LoRAModules(settings.lora_modules, (settings.served_model_name, *settings.served_model_aliases),
-                                    settings.max_lora_rank)
+                                    settings.max_lora_rank, settings.lora_dims)
         self.chunks = ChunkStreams(self.reply_model, settings.response_role, self.token_bytes,
                                    settings.enable_force_include_usage)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine.chat_format import FORMATS
-from engine.lora_request import LoRARequest
+from engine.lora_request import LoRARequest, ModelDims
 from router.reasoning import PARSERS as REASONING_PARSERS
 from router.tool_calls import PARSERS as TOOL_FORMATS
 
@@ -71,6 +71,9 @@ class RouterSettings:
     # change the modules at run time (router.lora_modules), each checked against max_lora_rank
     allow_runtime_lora_updating: bool = False
     max_lora_rank: int = 16
+    # the model's layers and projection shapes, which a module's weights must fit (checked as one
+    # loads at run time; None: only at a request's first use, by the engine)
+    lora_dims: ModelDims | None = None
     # vLLM's --default-chat-template-kwargs: the chat template's variables, under a request's own
     # chat_template_kwargs (e.g. {"enable_thinking": false} for Qwen3)
     default_chat_template_kwargs: dict | None = None

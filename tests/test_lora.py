@@ -289,6 +289,23 @@ def test_lora_modules_are_checked_at_start_up(models, tmp_path):
     assert lora_modules([f"x={foreign}"])
     with pytest.raises(ValueError, match="needs the engine's enable_lora"):
         router_settings(EngineConfig(model=str(base)), ServeOptions(lora_modules=[f"x={a1}"]))
+    # adapters made for other models, refused at start-up by their weights' header against the model's config
+    lora_base = EngineConfig(model=str(base), enable_lora=True)
+    deeper = make_adapter(make_tiny_llama(tmp_path / "deeper", str(Path(base)), "tied"), tmp_path / "deeper-a", r=4)
+    with pytest.raises(ValueError, match=r"x: LoRA adapter .* tensor '.*layers\.2\..*' adapts layer 2, and this "
+                                         "model has 2 layers"):
+        router_settings(lora_base, ServeOptions(lora_modules=[f"x={deeper}"]))
+    wider = make_adapter(make_tiny_llama(tmp_path / "wider", str(Path(base)), "qwen3"), tmp_path / "wider-a", r=4)
+    with pytest.raises(ValueError, match=r"x: LoRA adapter .* tensor '.*layers\.0\.self_attn\.(q|k|v|o)_proj\.lora_"
+                                         r"(A|B)\.weight' has shape \(\d+, \d+\), where this model needs"):
+        router_settings(lora_base, ServeOptions(lora_modules=[f"x={wider}"]))
+    assert lora_modules([f"x={deeper}"], max_rank=16)  # without the model's dims, the engine's first use finds it
+    other_rank = tmp_path / "other-rank"  # a config whose r is not the weights'
+    shutil.copytree(a1, other_rank)
+    (other_rank / "adapter_config.json").write_text(json.dumps({**config, "r": 4}))
+    with pytest.raises(ValueError, match=r"has shape \(8, 128\), where this model needs \(4, 128\)"):
+        router_settings(lora_base, ServeOptions(lora_modules=[f"x={other_rank}"]))
+    assert router_settings(lora_base, ServeOptions(lora_modules=[f"x={a1}"])).lora_modules == (LoRARequest("x", 1, a1),)
     with pytest.raises(ValueError, match="must differ from the served model names"):
         router_settings(EngineConfig(model=str(base), enable_lora=True),
                         ServeOptions(served_model_name="x", lora_modules=[f"x={a1}"]))
@@ -417,12 +434,18 @@ def test_adapters_load_and_unload_at_run_time(models, tmp_path):
         await refused("/load_lora_adapter", {"lora_name": "y", "lora_path": str(tmp_path)}, 400,
                       "no adapter_config.json")
         await refused("/load_lora_adapter", {"lora_name": "y"}, 400, "lora_path")
+        await refused("/load_lora_adapter", {"lora_name": "y", "lora_path": wider}, 400, "where this model needs")
+        assert "y" not in [m.id for m in (await client.models.list()).data]
         assert await post("/unload_lora_adapter", {"lora_name": "x"}) == "Success: LoRA adapter 'x' removed successfully."
         await refused("/completions", {"model": "x", "prompt": "hi", "max_tokens": 1}, 404, "does not exist")
         await refused("/unload_lora_adapter", {"lora_name": "x"}, 404, "The lora adapter 'x' cannot be found.")
 
+    from engine.lora_request import ModelDims
+    from engine.model.loader import load_arch
+
+    wider = make_adapter(make_tiny_llama(tmp_path / "wider", str(Path(base)), "qwen3"), tmp_path / "wider-a", r=4)
     serve_tiny(str(base), go, engine_kwargs=dict(enable_lora=True, max_cpu_loras=2),
-               settings_kwargs=dict(allow_runtime_lora_updating=True))
+               settings_kwargs=dict(allow_runtime_lora_updating=True, lora_dims=ModelDims.of(load_arch(base)[0])))
 
     async def off(client, server):  # not allowed: vLLM's server has no such routes then
         try:
