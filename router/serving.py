@@ -734,11 +734,11 @@ class OpenAIServing:
             if params.pooling is not None:  # its prompt's KV alone (the engine checks the same)
                 _check_prompt_fits_kv_cache(len(ids), info, prompt_param, "input")
                 continue
-            if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-                raise bad_request(f"This model's maximum context length is {limit} tokens, but {len(ids)} prompt "
-                                  f"tokens + {params.max_tokens} {max_param} were requested. Shorten the prompt "
-                                  f"or lower {max_param}.", param=max_param, code="context_length_exceeded")
-            _check_fits_kv_cache(len(ids), params.max_tokens, info, max_param, prompt_param)
+            if params.max_tokens is not None and params.max_tokens > limit:  # past the prompt's room: cut (_fit)
+                raise bad_request(f"This model's maximum context length is {limit} tokens, but {params.max_tokens} "
+                                  f"{max_param} were requested. Lower {max_param}.", param=max_param,
+                                  code="context_length_exceeded")
+            _check_fits_kv_cache(len(ids), _fit(params, len(ids), limit).max_tokens, info, max_param, prompt_param)
 
     async def _start(self, rid: str, prompts: list[list[int]], params: SamplingParams, prompt_param: str,
                      max_param: str, beam: BeamSearch | None = None) -> tuple[tuple[int, StepOutput], AsyncIterator]:
@@ -762,18 +762,20 @@ class OpenAIServing:
         def generate(request_id: str, ids: list[int], p: SamplingParams) -> AsyncIterator[StepOutput]:
             return self.engine.generate(request_id, ids, p, admitted=next(sent) > 0 or admitted)
 
+        info = await self.limits()
         if isinstance(params, list):  # one engine call each (pooling: n is 1)
             merged = merge_streams([generate(f"{rid}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))])
         elif beam is None:
-            calls = sample_calls(len(prompts), params, (await self.limits())["max_num_seqs"])
+            calls = sample_calls(len(prompts), params, info["max_num_seqs"])
             streams = []
             for i, first, p in calls:
+                p = _fit(p, len(prompts[i]), info["max_model_len"])
                 stream = generate(f"{rid}-{i}" + (f"-{first}" if first else ""), prompts[i], p)
                 streams.append(renumbered(stream, first) if first else stream)
             merged = merge_streams(streams, owners=[i for i, _, _ in calls])
         else:
-            merged = merge_streams([await self._beam_search(generate, f"{rid}-{i}", ids, params, beam)
-                                    for i, ids in enumerate(prompts)])
+            merged = merge_streams([await self._beam_search(generate, f"{rid}-{i}", ids, _fit(params, len(ids), info["max_model_len"]),
+                                                            beam) for i, ids in enumerate(prompts)])
         if self.settings.enable_log_outputs:
             merged = logged_outputs(rid, merged, self.settings.max_log_len)
         try:
@@ -848,6 +850,15 @@ def _prompt_only(step: StepOutput) -> StepOutput:
     of the usage), and the choice ends for its length, 0."""
     choices = [ChoiceDelta(c.index, "", [], None, c.finish_reason and "length") for c in step.choices]
     return dataclasses.replace(step, choices=choices)
+
+
+def _fit(params: SamplingParams, prompt_len: int, limit: int) -> SamplingParams:
+    """vLLM's reading of a max_tokens that runs past max_model_len after this prompt: cut to the room
+    the prompt leaves (min_tokens with it), so that the reply ends there with finish_reason length."""
+    room = limit - prompt_len
+    if params.max_tokens is None or params.max_tokens <= room:
+        return params
+    return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
 
 def _check_fits_kv_cache(prompt_len: int, max_tokens: int | None, info: dict, max_param: str,

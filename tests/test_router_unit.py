@@ -814,3 +814,25 @@ def test_logprobs_json_cannot_hold_are_written_as_vllm_writes_minus_infinity():
     assert out["token_logprobs"] == [-9999.0, -0.5] and out["top_logprobs"][1] == {"3": 9999.0, "2": -0.5}
     assert not any(isinstance(v, float) and not math.isfinite(v) for v in json.loads(json.dumps(out))["token_logprobs"])
     json.dumps(out, allow_nan=False)  # what a JSON response refuses
+
+
+def test_a_max_tokens_past_the_context_is_cut_to_the_room_the_prompt_leaves(tokenizer):
+    """vLLM's reading (get_max_tokens): prompt + max_tokens over max_model_len (64 here) runs to the
+    end of the context, finish_reason length; max_tokens alone over it is a 400. Each prompt of a
+    batch gets its own room."""
+    prompts = ["hi", "a much longer prompt that takes a good many more tokens than the first one does"]
+    lens = [len(tokenizer.encode(p)) for p in prompts]
+    r = call(tokenizer, "POST", "/v1/completions", json={"prompt": prompts, "max_tokens": 64, "min_tokens": 64})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
+    assert [len(c["text"].split()) for c in body["choices"]] == [64 - n for n in lens]
+    assert body["usage"]["completion_tokens"] == 128 - sum(lens)
+    r = call(tokenizer, "POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                "max_completion_tokens": 60, "stream": True,
+                                                                "stream_options": {"include_usage": True}})
+    usage = events(r)[-1]["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
+    r = call(tokenizer, "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 65})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"

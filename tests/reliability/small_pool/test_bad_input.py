@@ -231,7 +231,7 @@ HOSTILE = [
     ("max_tokens 0", "POST", CMPL, _j({"prompt": "a", "max_tokens": 0}), {}, 400),
     ("max_tokens -1", "POST", CMPL, _j({"prompt": "a", "max_tokens": -1}), {}, 400),
     ("max_tokens a string", "POST", CMPL, _j({"prompt": "a", "max_tokens": "ten"}), {}, 400),
-    ("max_tokens past max_model_len", "POST", CMPL, _j({"prompt": "a", "max_tokens": MAX_MODEL_LEN}), {}, 400),
+    ("max_tokens past max_model_len", "POST", CMPL, _j({"prompt": "a", "max_tokens": MAX_MODEL_LEN + 1}), {}, 400),
     ("prompt past max_model_len", "POST", CMPL, _j({"prompt": "word " * 400, "max_tokens": 1}), {}, 400),
     ("1 MB-ish prompt under the body limit", "POST", CMPL, _j({"prompt": "x" * (MAX_BODY - 100), "max_tokens": 1}),
      {}, 400),

@@ -77,7 +77,7 @@ def test_prompts_never_reach_the_logs(server, smollm2_path, figures):
         (CMPL, {"prompt": ids, "max_tokens": 2}, h, 200),
         (CHAT, {"messages": [{"role": "user", "content": canary}], "max_tokens": 2}, h, 200),
         ("/tokenize", {"prompt": canary}, h, 200),
-        (CMPL, {"prompt": canary, "max_tokens": MAX_MODEL_LEN}, h, 400),
+        (CMPL, {"prompt": canary, "max_tokens": MAX_MODEL_LEN + 1}, h, 400),
         (CMPL, {"prompt": canary + " \ud800"}, h, 400),
         (CMPL, {"prompt": canary, "max_tokens": 2}, {}, 401),
     ]

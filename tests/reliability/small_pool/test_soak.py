@@ -39,8 +39,8 @@ def soak_request(i: int) -> tuple[str, str, dict, str]:
         return kind, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 1}, "json"
     if kind == "chat-stream":
         return kind, "/v1/chat/completions", {**chat, "stream": True}, "sse"
-    if kind == "bad-request":  # prompt + max_tokens over max_model_len: a 400
-        return kind, "/v1/completions", {**comp, "max_tokens": MAX_MODEL_LEN}, "400"
+    if kind == "bad-request":  # max_tokens over max_model_len: a 400
+        return kind, "/v1/completions", {**comp, "max_tokens": MAX_MODEL_LEN + 1}, "400"
     return kind, "/v1/completions", {**comp, "max_tokens": 48, "ignore_eos": True, "stream": True}, "drop"
 
 
