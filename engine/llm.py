@@ -9,7 +9,7 @@ import itertools
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 
 from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence, search, sequences
-from engine.chat_format import as_parts, resolved
+from engine.chat_format import as_parts, developer_as_system, resolved
 from engine.config import EngineConfig
 from engine.generation_config import sampling_defaults
 from engine.llm_engine import LLMEngine
@@ -156,12 +156,12 @@ class LLM:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
         if not (template_kwargs["chat_template"] or getattr(self.tokenizer, "chat_template", None)):
             raise ValueError("this model's tokenizer has no chat template; use generate() with a text prompt")
-        content_format = resolved(chat_template_content_format,
-                                  template_kwargs["chat_template"] or self.tokenizer.chat_template)
-        content = _as_parts if content_format == "openai" else _flat
+        template = template_kwargs["chat_template"] or self.tokenizer.chat_template
+        content = _as_parts if resolved(chat_template_content_format, template) == "openai" else _flat
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [self.tokenizer.apply_chat_template([content(m) for m in conversation], tokenize=False,
-                                                    **template_kwargs) for conversation in conversations]
+        texts = [self.tokenizer.apply_chat_template([content(m) for m in developer_as_system(conversation, template)],
+                                                    tokenize=False, **template_kwargs)
+                 for conversation in conversations]
         prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         return [dataclasses.replace(out, prompt=text) for out, text in zip(outs, texts)]

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from engine.block_manager import kv_tokens
-from engine.chat_format import as_parts, resolved
+from engine.chat_format import as_parts, developer_as_system, resolved
 from engine.errors import InvalidRequestError
 from engine.outputs import ChoiceDelta, StepOutput
 from engine.sampling_params import SamplingParams, framing_tokens, priority_refusal, truncated
@@ -681,6 +681,7 @@ class OpenAIServing:
             variables["reasoning_effort"] = effort
         variables.update(req.chat_template_kwargs or {})
         msgs, tools = render(req.messages, plan, template_knows_tools(template))
+        msgs = developer_as_system(msgs, template)
         if resolved(self.settings.chat_template_content_format, template) == "openai":
             msgs = [as_parts(m) for m in msgs]
         try:

@@ -41,6 +41,23 @@ def test_several_conversations_keep_their_order_and_a_final_message_is_continued
     assert not llm.engine.has_unfinished()
 
 
+def test_the_developer_role_is_system_for_a_template_that_does_not_know_it(llm):
+    """vLLM's reading of OpenAI's `developer` role: SmolLM2's template has no such role (it would
+    render its default system prompt and a `developer` turn), so a developer message is a system one,
+    merged with any other system message into one, first."""
+    as_dev = [{"role": "developer", "content": "Be terse."}, *QUESTION]
+    as_sys = [{"role": "system", "content": "Be terse."}, *QUESTION]
+    prompt = llm.chat(as_dev, GREEDY)[0].prompt_token_ids
+    assert prompt == _hf_ids(llm.tokenizer, as_sys, add_generation_prompt=True)
+    two = [{"role": "system", "content": "A."}, *QUESTION, {"role": "assistant", "content": "Paris."},
+           {"role": "developer", "content": [{"type": "text", "text": "B."}]}, *QUESTION]
+    merged = [{"role": "system", "content": "A.\n\nB."}, *QUESTION, {"role": "assistant", "content": "Paris."},
+              *QUESTION]
+    assert llm.chat(two, GREEDY)[0].prompt_token_ids == _hf_ids(llm.tokenizer, merged, add_generation_prompt=True)
+    knows = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{# 'developer' #}"
+    assert llm.chat(as_dev, GREEDY, chat_template=knows)[0].prompt.startswith("developer: Be terse.")
+
+
 def test_content_parts_are_the_text_they_hold(llm):
     """OpenAI's content parts, as the openai client sends them: their text, joined by newlines."""
     parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},

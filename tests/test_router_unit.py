@@ -816,6 +816,14 @@ def test_logprobs_json_cannot_hold_are_written_as_vllm_writes_minus_infinity():
     json.dumps(out, allow_nan=False)  # what a JSON response refuses
 
 
+def test_the_developer_role_renders_as_system_where_the_template_does_not_know_it(tokenizer):
+    dev = call(tokenizer, "POST", "/tokenize", json={"messages": [{"role": "developer", "content": "Be terse."},
+                                                                  {"role": "user", "content": "hi"}]})
+    sys_ = call(tokenizer, "POST", "/tokenize", json={"messages": [{"role": "system", "content": "Be terse."},
+                                                                   {"role": "user", "content": "hi"}]})
+    assert dev.status_code == 200 and dev.json()["tokens"] == sys_.json()["tokens"], dev.text
+
+
 def test_a_max_tokens_past_the_context_is_cut_to_the_room_the_prompt_leaves(tokenizer):
     """vLLM's reading (get_max_tokens): prompt + max_tokens over max_model_len (64 here) runs to the
     end of the context, finish_reason length; max_tokens alone over it is a 400. Each prompt of a
