@@ -674,10 +674,7 @@ class OpenAIServing:
                               "pooling routes), or start the server with --chat-template", param=param)
         # the server's defaults, under the request's reasoning_effort, under its chat_template_kwargs
         variables = dict(self.settings.default_chat_template_kwargs or {})
-        if effort := getattr(req, "reasoning_effort", None):  # vLLM passes it to the template, which decides
-            if "reasoning_effort" not in template:
-                raise bad_request(f"{field('reasoning_effort')} is not supported for this model: its chat template "
-                                  "does not read it", param=field("reasoning_effort"))
+        if effort := getattr(req, "reasoning_effort", None):  # vLLM passes it to the template, which may not read it
             variables["reasoning_effort"] = effort
         variables.update(req.chat_template_kwargs or {})
         msgs, tools = render(req.messages, plan, template_knows_tools(template))
