@@ -291,10 +291,9 @@ def build_api(serving: OpenAIServing, ready: ReadyCheck | None = None,
     async def prometheus_metrics():
         return Response(await metrics() if metrics is not None else "", media_type=METRICS_CONTENT_TYPE)
 
-    if settings.enable_server_load_tracking:  # vLLM's: requests running the model on this ingress replica
-        @app.get("/load")
-        async def server_load():
-            return {"server_load": admission.generating}
+    @app.get("/load")  # vLLM's: requests running the model on this ingress replica; 0 unless tracking is on
+    async def server_load():
+        return {"server_load": admission.generating if settings.enable_server_load_tracking else 0}
 
     @app.get("/ready")
     async def is_ready():

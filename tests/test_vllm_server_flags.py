@@ -204,10 +204,15 @@ def test_load_counts_the_requests_running_the_model(tokenizer):
                    live=True, step_s=0.1)
     assert loads == ({"server_load": 0}, {"server_load": 1}, {"server_load": 0})
 
-    async def absent(client):
+    async def untracked(client):
         async with _http(client) as http:
-            return (await http.get("/load")).status_code, (await http.get("/tokenizer_info")).status_code
-    assert run(tokenizer, "yes", absent, live=True)[0] == (404, 404)  # off by default, as vLLM's
+            stream = await client.chat.completions.create(model="m", messages=USER, max_tokens=16, stream=True)
+            await anext(aiter(stream))  # running, and not counted
+            load = await http.get("/load")
+            await stream.close()
+            return load.status_code, load.json(), (await http.get("/tokenizer_info")).status_code
+    # as vLLM 0.32's: /load is always there, at 0 without the flag; /tokenizer_info is off by default
+    assert run(tokenizer, "yes", untracked, live=True, step_s=0.1)[0] == (200, {"server_load": 0}, 404)
 
 
 def test_tokenizer_info_shows_the_tokenizer_and_its_template(tokenizer):
