@@ -156,8 +156,8 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
                       help="with --enable-log-requests, the prompt token ids a logged request shows, and the "
                            "characters and ids of a logged output (default: all)")
     http.add_argument("--enable-server-load-tracking", action=argparse.BooleanOptionalAction, default=None,
-                      help="GET /load: {\"server_load\": the requests running the model on this ingress replica} (0 without it) "
-                           "(vLLM's flag)")
+                      help="GET /load: {\"server_load\": the requests running the model on this ingress replica} "
+                           "(0 without it) (vLLM's flag)")
     http.add_argument("--enable-tokenizer-info-endpoint", action=argparse.BooleanOptionalAction, default=None,
                       help="GET /tokenizer_info: the tokenizer's configuration and chat template (vLLM's flag; "
                            "needs the key)")
