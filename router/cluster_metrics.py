@@ -4,7 +4,10 @@ Each engine replica records its metrics with Ray (workers/metrics.py), and every
 metrics agent exports those of the processes on it (`ray_kvserve_*`, on its metrics export port).
 vLLM users scrape the API port instead; this page reads each live node's export, keeps the
 `ray_kvserve_*` families, merges them across nodes and renders them again, names and labels
-unchanged, so a dashboard reads the same series from either place. A node that does not answer
+unchanged, so a dashboard reads the same series from either place; and each again under vLLM's
+own name (`vllm:num_requests_running` for `ray_kvserve_num_requests_running`: kvserve names its
+metrics as vLLM does, kvserve_ for vllm:), so a dashboard made for vLLM's /metrics charts them
+too. A node that does not answer
 within FETCH_TIMEOUT_S is left out of that page. Pages are reused for CACHE_S: a scraper
 hammering the endpoint costs one round of fetches a second.
 """
@@ -17,11 +20,13 @@ import urllib.request
 from collections.abc import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "ray_kvserve_"
+VLLM_PREFIX = "vllm:"
 CACHE_S = 1.0
 FETCH_TIMEOUT_S = 2.0
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -47,9 +52,20 @@ def merge_kvserve_families(pages: list[str]) -> str:
                 families[family.name].samples.extend(family.samples)
             else:
                 families[family.name] = family
+    ordered = [families[name] for name in sorted(families)]
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Fixed([families[name] for name in sorted(families)]))
+    registry.register(_Fixed(ordered + [_as_vllm(f) for f in ordered]))
     return generate_latest(registry).decode()
+
+
+def _as_vllm(family: Metric) -> Metric:
+    """The family under vLLM's name for it, samples and labels as they are."""
+    def renamed(name: str) -> str:
+        return VLLM_PREFIX + name[len(PREFIX):]
+
+    out = Metric(renamed(family.name), family.documentation, family.type, family.unit)
+    out.samples = [s._replace(name=renamed(s.name)) for s in family.samples]
+    return out
 
 
 class _Fixed:

@@ -40,7 +40,11 @@ def test_merge_keeps_kvserve_families_of_every_node_once_each():
     assert "ray_serve_" not in page
     expected = {k: v for k, v in {**_samples(NODE_A), **_samples(NODE_B)}.items()
                 if k[0].startswith("ray_kvserve_")}
-    assert _samples(page) == expected
+    # and again under vLLM's names, for dashboards made for vLLM's /metrics
+    as_vllm = {("vllm:" + name[len("ray_kvserve_"):], labels): v for (name, labels), v in expected.items()}
+    assert _samples(page) == {**expected, **as_vllm}
+    assert page.count("# TYPE vllm:num_preemptions_total counter") == 1
+    assert "vllm:time_to_first_token_seconds_bucket{le=\"0.1\",model_name=\"m\",replica=\"b\"} 2.0" in page
     assert merge_kvserve_families([]) == ""
 
 

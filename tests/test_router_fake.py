@@ -133,17 +133,19 @@ def test_engine_metrics_reach_rays_prometheus_export(http):
 
 def test_api_ports_metrics_page_has_the_same_engine_series(http):
     """GET /metrics on the API port (where vLLM users scrape) serves the ray_kvserve_* series of
-    the nodes' exports, names, labels and values unchanged."""
+    the nodes' exports, names, labels and values unchanged, and each again under vLLM's name."""
     from prometheus_client.parser import text_string_to_metric_families
 
     def page_samples() -> dict:
         r = http.get("/metrics")
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
-        out = {}
+        out, as_vllm = {}, {}
         for family in text_string_to_metric_families(r.text):
-            assert family.name.startswith("ray_kvserve_"), family.name
+            assert family.name.startswith(("ray_kvserve_", "vllm:")), family.name
             for sample in family.samples:
-                out.setdefault(sample.name, []).append((sample.labels, sample.value))
+                into = out if sample.name.startswith("ray_kvserve_") else as_vllm
+                into.setdefault(sample.name.replace("vllm:", "ray_kvserve_", 1), []).append((sample.labels, sample.value))
+        assert as_vllm == out
         return out
 
     assert http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}).status_code == 200
