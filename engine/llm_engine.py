@@ -316,8 +316,9 @@ class LLMEngine:
         for request_id, n in counts.items():
             timer = self._timers.get(request_id)
             if timer is not None:
-                timer.scheduled(touched[request_id].seqs[0].first_scheduled)
-                timer.tokens(n)
+                req = touched[request_id]
+                timer.scheduled(req.seqs[0].first_scheduled)
+                timer.tokens(n, longest=max(len(s.output_token_ids) for s in req.seqs))
 
     def _request_ended(self, req: Request, counted: bool = True, aborted: bool = False) -> None:
         """Its timeline goes to the metrics (unless not `counted`), with why it ended: abort,

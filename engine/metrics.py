@@ -27,6 +27,7 @@ Ray's own (workers.metrics), which its Ray node exports; the offline `LLM`'s are
     kvserve_request_inference_time_seconds histogram    "   first scheduled -> last token
     kvserve_request_time_per_output_token_seconds  "    "   its decode time / its steps after the first
     kvserve_request_params_n               histogram    "   the request's n
+    kvserve_request_max_num_generation_tokens  "    "   the most tokens one of its samples generated
     kvserve_request_params_max_tokens      histogram    "   its max_tokens (resolved: the model's room if unset)
     kvserve_request_success                counter      "   by finished_reason: stop|length|abort|error
     kvserve_lora_requests_info             gauge      EngineStats, with enable_lora: labels running_lora_adapters,
@@ -97,6 +98,7 @@ DECODE_TIME = "kvserve_request_decode_time_seconds"
 INFERENCE_TIME = "kvserve_request_inference_time_seconds"
 REQUEST_TPOT = "kvserve_request_time_per_output_token_seconds"
 PARAMS_N = "kvserve_request_params_n"
+MAX_SAMPLE_TOKENS = "kvserve_request_max_num_generation_tokens"
 PARAMS_MAX_TOKENS = "kvserve_request_params_max_tokens"
 ENGINE_STEPS = "kvserve_engine_steps"
 LORA_INFO = "kvserve_lora_requests_info"
@@ -149,6 +151,8 @@ METRICS = (
     MetricSpec(REQUEST_TPOT, "Histogram", "Each request's mean seconds per output token after its first (0 for one token).",
                _buckets(-3, 1, (1, 1.5, 2, 3, 5, 7.5)) + (20.0, 50.0)),
     MetricSpec(PARAMS_N, "Histogram", "The n of each request that ended.", (1.0, 2.0, 5.0, 10.0, 20.0)),
+    MetricSpec(MAX_SAMPLE_TOKENS, "Histogram", "The most tokens one sample of each request that ended generated "
+               "(its only one's for n 1).", _buckets(0, 6, (1, 2, 5))),
     MetricSpec(PARAMS_MAX_TOKENS, "Histogram", "The max_tokens of each request that ended (unset: what the model had room for).",
                _buckets(0, 6, (1, 2, 5))),
     MetricSpec(LORA_INFO, "Gauge", "The LoRA adapters of running and waiting requests (labels, comma-separated), and "
@@ -226,6 +230,7 @@ class EngineMetrics:
         self.sinks[REQUEST_PROMPT_TOKENS].observe(t.num_prompt_tokens)
         self.sinks[REQUEST_GENERATION_TOKENS].observe(t.generated)
         self.sinks[PARAMS_N].observe(t.n)
+        self.sinks[MAX_SAMPLE_TOKENS].observe(t.longest if t.n > 1 else t.generated)
         if t.max_tokens is not None:
             self.sinks[PARAMS_MAX_TOKENS].observe(t.max_tokens)
         first, last = t.first, t.last
@@ -250,7 +255,7 @@ class RequestTimer:
     """One request's timeline at the replica: arrival, when the engine first scheduled it, each
     engine step with tokens, its end. EngineMetrics.request_finished reads the public fields."""
     __slots__ = ("_metrics", "num_prompt_tokens", "n", "max_tokens", "arrival", "scheduled_at", "first", "last",
-                 "num_gaps", "generated", "_gaps", "_tokens", "_flushed", "_done")
+                 "num_gaps", "generated", "longest", "_gaps", "_tokens", "_flushed", "_done")
 
     def __init__(self, metrics: EngineMetrics, num_prompt_tokens: int, now: float, n: int = 1,
                  max_tokens: int | None = None) -> None:
@@ -262,15 +267,18 @@ class RequestTimer:
         self.last: float | None = None  # when the latest step with tokens arrived
         self.num_gaps = 0  # engine steps with tokens after the first
         self.generated = 0  # all the request's generated tokens
+        self.longest = 0  # n > 1: the most tokens one of its samples generated so far (tokens' `longest`)
         self._gaps: list[float] = []  # inter-token gaps not observed yet
         self._tokens = 0  # generated tokens not counted yet
         self._flushed = now
         self._done = False
 
-    def tokens(self, n: int, steps: int = 1) -> None:
+    def tokens(self, n: int, steps: int = 1, longest: int = 0) -> None:
         """An engine output gave this request `n` new tokens (its samples together), made over
         `steps` engine steps (more than one with a stream interval: the gap since the previous
-        output is shared out evenly over them)."""
+        output is shared out evenly over them). `longest` (n > 1): the most tokens one of its
+        samples has now."""
+        self.longest = max(self.longest, longest)
         if not n:
             return
         now = self._metrics.clock()

@@ -55,6 +55,7 @@ def test_generate_counts_each_request_and_token(tiny_dir):
     # one gap per step after the first: the fanned request's 3 samples step together
     assert hist["kvserve_inter_token_latency_seconds"].count == 3 * 4 + 3
     assert hist["kvserve_request_params_n"].sum == 1 + 1 + 1 + 3
+    assert hist["kvserve_request_max_num_generation_tokens"].sum == 5 + 5 + 5 + 4  # the fanned one's longest sample
     assert hist["kvserve_request_generation_tokens"].sum == generated
     for h in hist.values():
         counts = list(h.buckets.values())

@@ -356,6 +356,7 @@ def test_engine_server_records_a_whole_request():
     assert inference == pytest.approx(prefill + decode)
     assert values(sinks, M.REQUEST_TPOT) == pytest.approx([decode / 3])  # 4 tokens per sample
     assert (values(sinks, M.PARAMS_N), values(sinks, M.PARAMS_MAX_TOKENS)) == ([2], [4])
+    assert values(sinks, M.MAX_SAMPLE_TOKENS) == [4]  # each of its 2 samples made 4: the longest one's
 
 
 def test_engine_server_counts_a_caller_that_left_as_abort_and_frees_the_request():

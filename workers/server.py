@@ -106,6 +106,7 @@ class EngineServer:
         """`admitted`: router.serving.ReplicaClient's, for a server used in process (tests): no
         queue stands in front of it, so there is nothing to wait for."""
         finished_samples: set[int] = set()
+        sample_tokens: dict[int, int] = {}  # each sample's tokens so far, by its index
         room = self.engine.max_model_len - len(prompt_token_ids)  # vLLM's max_tokens when none is given
         timer = self.metrics.start_request(len(prompt_token_ids), params.n,
                                            params.max_tokens if params.max_tokens is not None else room)
@@ -119,8 +120,11 @@ class EngineServer:
                     if first:
                         timer.scheduled(out.first_scheduled_time)
                     first = False
+                    for c in step.choices:
+                        sample_tokens[c.index] = sample_tokens.get(c.index, 0) + len(c.token_ids)
                     timer.tokens(sum(len(c.token_ids) for c in step.choices),
-                                 steps=max((len(c.token_ids) for c in step.choices), default=0))
+                                 steps=max((len(c.token_ids) for c in step.choices), default=0),
+                                 longest=max(sample_tokens.values(), default=0))
                     if step.pooled is not None:
                         timer.pooled()
                     if step.finished:
