@@ -410,12 +410,18 @@ def run_serve(ns: argparse.Namespace) -> int:
                   "_system_config": {"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS}}
     if ns.metrics_export_port is not None:
         local_only["_metrics_export_port"] = ns.metrics_export_port
+    signal.signal(signal.SIGTERM, _stop_starting)
     try:
         # "local": a Ray of our own, even where `ray start` left a cluster that ray.init() would join
         ray.init(address=ns.ray_address or "local", **(local_only if local else {}))
-    except Exception as e:  # a cluster that is not there, a local one that did not come up
+        signal.signal(signal.SIGTERM, _stop_starting)  # again: Ray's driver takes SIGTERM over (a core dump)
+    except BaseException as e:  # a cluster that is not there, a local one that did not come up; a signal
         with contextlib.suppress(Exception):
-            ray.shutdown()
+            _shutdown_ray(local)
+        if isinstance(e, SystemExit) and e.code == signal.SIGTERM:  # Ray's own handler, while ray.init ran
+            _stop_starting(signal.SIGTERM, None)
+        if not isinstance(e, Exception):
+            raise
         where = f"at {ns.ray_address}" if ns.ray_address else "here (its logs: $RAY_TMPDIR, default /tmp/ray)"
         print(f"kvserve: error: Ray did not start {where}: {type(e).__name__}: {' '.join(str(e).split())[:300]}",
               file=sys.stderr)
@@ -435,6 +441,8 @@ def run_serve(ns: argparse.Namespace) -> int:
         try:
             serve.run(app, name=APP_NAME, route_prefix="/")
         except RuntimeError as e:
+            if _stop_starting.received:  # SIGTERM while it deployed: Serve's wait ended in its error
+                raise SystemExit(128 + signal.SIGTERM) from None
             print(f"kvserve: error: the application failed to start: {_startup_failure(serve.status(), APP_NAME) or e}",
                   file=sys.stderr)
             return 1
@@ -451,7 +459,7 @@ def run_serve(ns: argparse.Namespace) -> int:
             try:
                 serve.shutdown()
             finally:  # even when a second Ctrl-C cut the drain short: no Ray process outlives us
-                ray.shutdown()
+                _shutdown_ray(local)
         elif deployed:  # only our own application: another one of that name was refused above
             serve.delete(APP_NAME)
 
@@ -570,6 +578,33 @@ def _drain(ingress, timeout_s: float, poll_s: float = 0.2, flush_s: float = 1.0)
         print(f"kvserve: could not drain the ingress: {e!r}", file=sys.stderr, flush=True)
         return -1
     return left
+
+
+def _stop_starting(signum: int, _frame) -> None:
+    """SIGTERM before the server is ready (a pod stopped while its model loads): stop as Ctrl-C
+    does then, through run_serve's `finally` (Serve and the local Ray shut down), and exit 143."""
+    _stop_starting.received = True
+    print("kvserve: SIGTERM before the server was ready: stopping", file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a supervisor's repeats must not cut the shutdown short
+    raise SystemExit(128 + signum)
+
+
+_stop_starting.received = False
+
+
+def _shutdown_ray(local: bool, grace_s: float = 5.0) -> None:
+    """ray.shutdown(); for a Ray of our own, then its processes that are still alive after
+    `grace_s` are killed: Ray's agents, which its raylet starts, outlive a Ray stopped while it was
+    still starting by a minute or more."""
+    import psutil
+    import ray
+
+    started = psutil.Process().children(recursive=True) if local else []
+    ray.shutdown()
+    _, alive = psutil.wait_procs(started, timeout=grace_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
 
 
 def _wait_for_stop_signal() -> None:

@@ -382,6 +382,39 @@ def test_serve_drains_and_exits_on_signals_leaving_no_process(tmp_path, smollm2_
             proc.wait()
 
 
+def test_sigterm_before_ready_stops_cleanly_leaving_no_process(tmp_path, smollm2_path):
+    """A pod stopped while its server starts: SIGTERM once Ray is up, before the ready line, is
+    one line and exit 143 (Ray's driver would take it for a crash: a stack dump and SIGABRT), and
+    nothing it started outlives it."""
+    import psutil
+
+    from tests.local_serve import free_port
+    from tests.tiny_llama import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "tiny", tokenizer_dir=smollm2_path)
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--port",
+                             str(free_port()), "--max-model-len", "256", "--device", "cpu"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 120
+        while not any("raylet" in p.name() for p in psutil.Process(proc.pid).children(recursive=True)):
+            assert time.monotonic() < deadline and proc.poll() is None, "Ray did not start"
+            time.sleep(0.1)
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 143, err[-3000:]
+        assert "kvserve: SIGTERM before the server was ready: stopping" in err and "kvserve: ready" not in out
+        assert "SIGTERM received" not in err, err[-3000:]  # no stack dump
+        left = [p for p in psutil.process_iter(["pid"]) if _sid(p.pid) == proc.pid]
+        _, alive = psutil.wait_procs(left, timeout=60)  # Ray's agents see their raylet gone within seconds
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def _serve_tiny_until_it_fails(tmp_path, smollm2_path, *flags: str) -> tuple[int, str, list[str]]:
     """`kvserve serve` on a tiny model with `flags`, which must make it exit; -> (exit code,
     stderr, the processes of its session still alive a moment after: Ray's stay in it)."""
