@@ -402,9 +402,11 @@ def run_serve(ns: argparse.Namespace) -> int:
 
     local = ns.ray_address is None
     tp = engine.tensor_parallel_size
-    # Logical CPUs: the replica plus one per rank (the ranks run in the replica's placement group);
-    # a laptop is oversubscribed on purpose.
-    need = options.max_engine_replicas * (1 + tp if tp > 1 else 1)
+    # Logical CPUs: the replica plus one per rank (the ranks run in the replica's placement group),
+    # and room for one more replica, so that Serve can start a replacement while a hung one it gave
+    # up on still holds its CPUs; a laptop is oversubscribed on purpose.
+    per_replica = 1 + tp if tp > 1 else 1
+    need = (options.max_engine_replicas + 1) * per_replica
     local_only = {"num_cpus": max(os.cpu_count() or 1, need), "include_dashboard": ns.dashboard,
                   # Workers push metrics every second (Ray's default is 10 s), as the README promises.
                   "_system_config": {"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS}}
