@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.lora_request import ADAPTED, ADAPTER_WEIGHTS, LORA_KEY, LoRARequest, read_adapter_config, refused
+from engine.lora_request import ADAPTED, ADAPTER_WEIGHTS, LoRARequest, adapted_key, read_adapter_config, refused
 from engine.model.layers import RowParallelLinear
 
 # A checkpoint projection -> (our module in the decoder layer, the part of it when packed)
@@ -66,15 +66,9 @@ def load_adapter(lora: LoRARequest, model, max_rank: int | None = None) -> LoRAW
     except Exception as e:  # a damaged or foreign file: safetensors' own error types
         raise refused(path, f"cannot read {ADAPTER_WEIGHTS}: {e}") from None
     for key, tensor in tensors.items():
-        m = LORA_KEY.search(key)
-        if m is not None and int(m.group(1)) >= arch.num_layers:
-            raise refused(path, f"tensor {key!r} adapts layer {m.group(1)}, and this model has {arch.num_layers} "
-                                "layers (an adapter made for another model)")
-        if m is None or m.group(2) not in TARGETS:
-            raise refused(path, f"tensor {key!r} adapts nothing kvserve's model can (LoRA on the decoder layers' "
-                                f"{', '.join(TARGETS)} is served)")
-        module, part = TARGETS[m.group(2)]
-        parts.setdefault((int(m.group(1)), module), {}).setdefault(part, {})[m.group(3)] = tensor
+        layer, projection, ab = adapted_key(path, key, arch.num_layers)
+        module, part = TARGETS[projection]
+        parts.setdefault((layer, module), {}).setdefault(part, {})[ab] = tensor
     if not parts:
         raise refused(path, f"{ADAPTER_WEIGHTS} holds no LoRA weights")
     param = model.norm.weight  # the device and dtype (a weight held as codes only is a meta tensor)

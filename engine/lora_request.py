@@ -17,7 +17,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # the decoder layers' projections an adapter may adapt (engine.lora.TARGETS: where each is)
 ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # an adapter tensor's name (PEFT's): its layer, projection and A or B
-LORA_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
 @dataclass(frozen=True)
@@ -90,21 +90,27 @@ def check_adapter(path: str | Path, max_rank: int | None = None, dims: ModelDims
 def _check_fit(path: Path, header: dict, r: int, dims: ModelDims) -> None:
     """Every tensor's layer and projection first, then their shapes, as engine.lora checks them."""
     sizes = {name: (k, n) for name, k, n in dims.projections}
-    found = {key: LORA_KEY.search(key) for key in header if key != "__metadata__"}
-    for key, m in found.items():
-        if m is not None and int(m.group(1)) >= dims.num_layers:
-            raise refused(path, f"tensor {key!r} adapts layer {m.group(1)}, and this model has {dims.num_layers} "
-                                "layers (an adapter made for another model)")
-        if m is None or m.group(2) not in sizes:
-            raise refused(path, f"tensor {key!r} adapts nothing kvserve's model can (LoRA on the decoder layers' "
-                                f"{', '.join(ADAPTED)} is served)")
-    for key, m in found.items():
-        entry, (k, n) = header[key], sizes[m.group(2)]
-        need = (r, k) if m.group(3) == "A" else (n, r)
+    found = {key: adapted_key(path, key, dims.num_layers) for key in header if key != "__metadata__"}
+    for key, (_, projection, ab) in found.items():
+        entry, (k, n) = header[key], sizes[projection]
+        need = (r, k) if ab == "A" else (n, r)
         shape = tuple(entry.get("shape", ())) if isinstance(entry, dict) else ()
         if shape != need:
             raise refused(path, f"tensor {key!r} has shape {shape}, where this model needs {need} (an adapter made "
                                 "for another model, or of another rank than its config's r)")
+
+
+def adapted_key(path: Path, key: str, num_layers: int) -> tuple[int, str, str]:
+    """(layer, projection (one of ADAPTED), "A" or "B") of the adapter tensor named `key`; refused
+    where it adapts no layer and projection of a model of `num_layers` layers."""
+    m = _KEY.search(key)
+    if m is not None and int(m.group(1)) >= num_layers:
+        raise refused(path, f"tensor {key!r} adapts layer {m.group(1)}, and this model has {num_layers} layers (an "
+                            "adapter made for another model)")
+    if m is None or m.group(2) not in ADAPTED:
+        raise refused(path, f"tensor {key!r} adapts nothing kvserve's model can (LoRA on the decoder layers' "
+                            f"{', '.join(ADAPTED)} is served)")
+    return int(m.group(1)), m.group(2), m.group(3)
 
 
 def read_adapter_config(path: str | Path, max_rank: int | None = None) -> dict:
