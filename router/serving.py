@@ -772,7 +772,8 @@ class OpenAIServing:
                 streams.append(renumbered(stream, first) if first else stream)
             merged = merge_streams(streams, owners=[i for i, _, _ in calls])
         else:
-            merged = merge_streams([await self._beam_search(generate, f"{rid}-{i}", ids, _fit(params, len(ids), info["max_model_len"]),
+            limit = info["max_model_len"]
+            merged = merge_streams([await self._beam_search(generate, f"{rid}-{i}", ids, _fit(params, len(ids), limit),
                                                             beam) for i, ids in enumerate(prompts)])
         if self.settings.enable_log_outputs:
             merged = logged_outputs(rid, merged, self.settings.max_log_len)
