@@ -853,9 +853,10 @@ def _prompt_only(step: StepOutput) -> StepOutput:
 
 def _fit(params: SamplingParams, prompt_len: int, limit: int) -> SamplingParams:
     """vLLM's reading of a max_tokens that runs past max_model_len after this prompt: cut to the room
-    the prompt leaves (min_tokens with it), so that the reply ends there with finish_reason length."""
+    the prompt leaves (min_tokens with it), so that the reply ends there with finish_reason length.
+    A pooling request's (its one draw; its input may fill max_model_len) is as it is."""
     room = limit - prompt_len
-    if params.max_tokens is None or params.max_tokens <= room:
+    if params.pooling is not None or params.max_tokens is None or params.max_tokens <= room:
         return params
     return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
