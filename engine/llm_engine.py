@@ -318,7 +318,7 @@ class LLMEngine:
             if timer is not None:
                 req = touched[request_id]
                 timer.scheduled(req.seqs[0].first_scheduled)
-                timer.tokens(n, longest=max(len(s.output_token_ids) for s in req.seqs))
+                timer.tokens(n, longest=max(s.num_output_tokens for s in req.seqs))
 
     def _request_ended(self, req: Request, counted: bool = True, aborted: bool = False) -> None:
         """Its timeline goes to the metrics (unless not `counted`), with why it ended: abort,
