@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 # Wire form of one completion's delta, and of one request's output in a tick.
 #   (index, delta_text, delta_token_ids, delta_logprobs, cumulative_logprob, finish_reason, stop_reason)
 #   (key, finished, num_cached_tokens, prompt_token_ids or None, prompt_logprobs or None,
-#    first_scheduled_time or None, completions, pooled vector or None)
+#    first_scheduled_time or None, completions, pooled vector or None, num_preemptions)
 
 
 def encode(key: int, out: RequestOutput, first: bool) -> tuple:
@@ -45,7 +45,7 @@ def encode(key: int, out: RequestOutput, first: bool) -> tuple:
                    c.finish_reason, c.stop_reason) for c in out.outputs)
     prompt_ids = out.prompt_token_ids if first and out.prompt is not None else None
     return (key, out.finished, out.num_cached_tokens, prompt_ids, out.prompt_logprobs if first else None,
-            out.first_scheduled_time if first else None, comps, out.pooled)
+            out.first_scheduled_time if first else None, comps, out.pooled, out.num_preemptions)
 
 
 class EngineCore:

@@ -234,11 +234,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         outputs = []
         if batch.seqs:
-            prompt_tokens = batch.num_prompt_tokens  # before the step advances the sequences
+            prompt_tokens, tokens = batch.num_prompt_tokens, batch.num_tokens  # before the step advances them
             try:
                 outputs = self._run(batch)
             finally:  # a step that raised took its time too
-                self.scheduler.stats.record_step(batch.has_prefill, time.perf_counter() - start, prompt_tokens)
+                self.scheduler.stats.record_step(batch.has_prefill, time.perf_counter() - start, prompt_tokens, tokens)
         self._held = []
         return [self._finished_output(req) for req in held] + outputs
 
@@ -263,7 +263,7 @@ class LLMEngine:
             req = touched.setdefault(seq.request_id, self.requests[seq.request_id])
             if isinstance(result, Pooled):  # a pooling request's vector: it is done
                 if (timer := self._timers.get(seq.request_id)) is not None:
-                    timer.scheduled(seq.first_scheduled)
+                    timer.scheduled(seq.first_scheduled, seq.num_cached_tokens)
                     timer.pooled()
                 return req.finish_pooled(seq, result, self._project)
             verdict = self.structured.accept(seq, result.token_id) if self.structured else None
@@ -302,7 +302,7 @@ class LLMEngine:
     def enable_metrics(self, model_name: str) -> None:
         """Record vLLM's request and engine metrics from now on, for get_metrics()."""
         if self.metrics is None:
-            self.metrics = EngineMetrics(MemorySinks(model_name))
+            self.metrics = EngineMetrics(MemorySinks(model_name), cache_config=self.config)
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's: every metric series now (engine.metric_sinks), the gauges read at this call."""
@@ -317,7 +317,7 @@ class LLMEngine:
             timer = self._timers.get(request_id)
             if timer is not None:
                 req = touched[request_id]
-                timer.scheduled(req.seqs[0].first_scheduled)
+                timer.scheduled(req.seqs[0].first_scheduled, req.seqs[0].num_cached_tokens)
                 timer.tokens(n, longest=max(s.num_output_tokens for s in req.seqs))
 
     def _request_ended(self, req: Request, counted: bool = True, aborted: bool = False) -> None:
@@ -326,7 +326,8 @@ class LLMEngine:
         timer = self._timers.pop(req.request_id, None)
         if timer is not None:
             reasons = [c.finish_reason for c in req.completions]
-            timer.scheduled(req.seqs[0].first_scheduled)
+            timer.scheduled(req.seqs[0].first_scheduled, req.seqs[0].num_cached_tokens)
+            timer.preempted(sum(s.num_preemptions for s in req.seqs))
             timer.finish(None if not counted else "abort" if aborted else "error" if "error" in reasons
                          else reasons[-1])
 

@@ -8,6 +8,8 @@ Ray's own (workers.metrics), which its Ray node exports; the offline `LLM`'s are
     kvserve_num_requests_running           gauge      EngineStats (a replica's every second, the offline
                                                       engine's at get_metrics())
     kvserve_num_requests_waiting           gauge        "
+    kvserve_num_requests_waiting_by_reason gauge        "   by reason: deferred (its LoRA adapter cannot run
+                                                            yet) | capacity (the rest)
     kvserve_kv_cache_usage_perc            gauge        "   (fraction of KV blocks in use, 0..1)
     kvserve_num_preemptions                counter      "   (the engine's cumulative counters, as deltas)
     kvserve_prefix_cache_queries           counter      "   (prompt tokens looked up)
@@ -15,7 +17,12 @@ Ray's own (workers.metrics), which its Ray node exports; the offline `LLM`'s are
     kvserve_engine_steps                   counter      "   by kind: prefill (computed prompt tokens) | decode
     kvserve_engine_step_seconds            counter      "   wall time of those steps, by kind (their ratio:
                                                             the mean step time, which a busy host stretches)
+    kvserve_iteration_tokens_total         histogram    "   tokens each step computed, prompt and decode
+    kvserve_cache_config_info              gauge        "   and the config: labels block_size, num_gpu_blocks
+                                                            (KV blocks, on any device), enable_prefix_caching,
+                                                            cache_dtype, gpu_memory_utilization; value 1
     kvserve_prompt_tokens                  counter    RequestTimer: once its prefill is done
+    kvserve_prompt_tokens_cached           counter      "   of those, served from the prefix cache
     kvserve_generation_tokens              counter      "   every FLUSH_PERIOD_S and at the end
     kvserve_time_to_first_token_seconds    histogram    "   arrival (at the replica, or add_request offline)
                                                             -> first token
@@ -29,6 +36,8 @@ Ray's own (workers.metrics), which its Ray node exports; the offline `LLM`'s are
     kvserve_request_params_n               histogram    "   the request's n
     kvserve_request_max_num_generation_tokens  "    "   the most tokens one of its samples generated
     kvserve_request_params_max_tokens      histogram    "   its max_tokens (resolved: the model's room if unset)
+    kvserve_request_prefill_kv_computed_tokens  "   "   prompt tokens its prefill computed (not cached)
+    kvserve_request_num_preemptions        histogram    "   times its sequences were preempted
     kvserve_request_success                counter      "   by finished_reason: stop|length|abort|error
     kvserve_lora_requests_info             gauge      EngineStats, with enable_lora: labels running_lora_adapters,
                                                       waiting_lora_adapters (names, comma-separated) and max_lora;
@@ -49,7 +58,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from engine.outputs import EngineStats
+from engine.outputs import ITERATION_TOKENS_BUCKETS, EngineStats
 
 FLUSH_PERIOD_S = 1.0  # a long request's gaps and tokens reach the sinks at least this often
 
@@ -80,11 +89,19 @@ class MetricSpec:
 
 RUNNING = "kvserve_num_requests_running"
 WAITING = "kvserve_num_requests_waiting"
+WAITING_BY_REASON = "kvserve_num_requests_waiting_by_reason"
+REASON = "reason"
 KV_USAGE = "kvserve_kv_cache_usage_perc"
 PREEMPTIONS = "kvserve_num_preemptions"
 PREFIX_QUERIES = "kvserve_prefix_cache_queries"
 PREFIX_HITS = "kvserve_prefix_cache_hits"
 PROMPT_TOKENS = "kvserve_prompt_tokens"
+PROMPT_TOKENS_CACHED = "kvserve_prompt_tokens_cached"
+PREFILL_KV_COMPUTED = "kvserve_request_prefill_kv_computed_tokens"
+REQUEST_PREEMPTIONS = "kvserve_request_num_preemptions"
+ITERATION_TOKENS = "kvserve_iteration_tokens_total"
+CACHE_INFO = "kvserve_cache_config_info"
+CACHE_INFO_TAGS = ("block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype", "gpu_memory_utilization")
 GENERATION_TOKENS = "kvserve_generation_tokens"
 TTFT = "kvserve_time_to_first_token_seconds"
 ITL = "kvserve_inter_token_latency_seconds"
@@ -119,6 +136,8 @@ PHASE_BUCKETS = _buckets(-3, 4, (1, 2, 5))  # 1 ms .. 10,000 s: a GPU's queue an
 METRICS = (
     MetricSpec(RUNNING, "Gauge", "Requests in the engine's running batch."),
     MetricSpec(WAITING, "Gauge", "Requests queued in the engine, waiting to be scheduled."),
+    MetricSpec(WAITING_BY_REASON, "Gauge", "Waiting requests by reason: deferred (their LoRA adapter cannot run "
+               "yet) or capacity (waiting for room); together they are the waiting requests.", tag_keys=(REASON,)),
     MetricSpec(KV_USAGE, "Gauge", "Fraction of KV cache blocks in use (0..1)."),
     MetricSpec(PREEMPTIONS, "Counter", "Sequences preempted to free KV blocks."),
     MetricSpec(PREFIX_QUERIES, "Counter", "Prompt tokens looked up in the prefix cache."),
@@ -127,7 +146,11 @@ METRICS = (
                tag_keys=(STEP_KIND,)),
     MetricSpec(ENGINE_STEP_SECONDS, "Counter", "Wall-clock seconds of the engine's steps, by kind (prefill, decode).",
                tag_keys=(STEP_KIND,)),
+    MetricSpec(ITERATION_TOKENS, "Histogram", "Tokens each engine step computed, prompt and decode.",
+               tuple(float(b) for b in ITERATION_TOKENS_BUCKETS)),
+    MetricSpec(CACHE_INFO, "Gauge", "The KV cache's configuration (labels); the value is 1.", tag_keys=CACHE_INFO_TAGS),
     MetricSpec(PROMPT_TOKENS, "Counter", "Prompt tokens of requests whose prefill completed."),
+    MetricSpec(PROMPT_TOKENS_CACHED, "Counter", "Of those prompt tokens, the ones served from the prefix cache."),
     MetricSpec(GENERATION_TOKENS, "Counter", "Generated tokens, all samples of a request together."),
     MetricSpec(TTFT, "Histogram", "Seconds from a request's arrival at the replica to its first token.",
                _buckets(-3, 3, (1, 2, 5))),
@@ -155,6 +178,10 @@ METRICS = (
                "(its only one's for n 1).", _buckets(0, 6, (1, 2, 5))),
     MetricSpec(PARAMS_MAX_TOKENS, "Histogram", "The max_tokens of each request that ended (unset: what the model had room for).",
                _buckets(0, 6, (1, 2, 5))),
+    MetricSpec(PREFILL_KV_COMPUTED, "Histogram", "Prompt tokens the prefill of each request that ended computed "
+               "(those the prefix cache did not hold).", _buckets(0, 6, (1, 2, 5))),
+    MetricSpec(REQUEST_PREEMPTIONS, "Histogram", "Times the sequences of each request that ended were preempted.",
+               (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)),
     MetricSpec(LORA_INFO, "Gauge", "The LoRA adapters of running and waiting requests (labels, comma-separated), and "
                "max_lora; the value is the Unix time it was recorded.", tag_keys=LORA_TAGS),
     MetricSpec(SPEC_DRAFTS, "Counter", "Speculative decoding: steps a sequence ran drafts in."),
@@ -177,11 +204,17 @@ class EngineMetrics:
     """Turns an engine's observations into metric updates. `sinks` maps each METRICS name to an
     object with Ray's interface: gauges `set(v)`, counters `inc(v, tags)`, histograms `observe(v)`."""
 
-    def __init__(self, sinks: Mapping[str, object], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, sinks: Mapping[str, object], clock: Callable[[], float] = time.monotonic,
+                 cache_config: object = None) -> None:
+        """`cache_config`: the engine's EngineConfig, for kvserve_cache_config_info (None: not recorded)."""
         self.sinks = sinks
         self.clock = clock
         # (counter, its tag) -> the engine's total seen so far
         self._totals: dict[tuple[str, tuple[str, str] | None], float] = {}
+        self._iteration_tokens: tuple[tuple[int, int], ...] = ()  # the last snapshot's
+        self._cache_tags = None if cache_config is None else {
+            "enable_prefix_caching": str(cache_config.enable_prefix_caching), "cache_dtype": "auto",
+            "gpu_memory_utilization": str(cache_config.gpu_memory_utilization)}
 
     def start_request(self, num_prompt_tokens: int, n: int = 1, max_tokens: int | None = None) -> RequestTimer:
         """`n`, `max_tokens`: the request's parameters, for their histograms (max_tokens None: not recorded)."""
@@ -191,7 +224,13 @@ class EngineMetrics:
         """Gauges from one snapshot; the engine's cumulative counters become increments."""
         self.sinks[RUNNING].set(stats.num_running)
         self.sinks[WAITING].set(stats.num_waiting)
+        self.sinks[WAITING_BY_REASON].set(stats.num_waiting_deferred, {REASON: "deferred"})
+        self.sinks[WAITING_BY_REASON].set(stats.num_waiting - stats.num_waiting_deferred, {REASON: "capacity"})
         self.sinks[KV_USAGE].set(stats.kv_usage)
+        if self._cache_tags is not None:
+            self.sinks[CACHE_INFO].set(1, {"block_size": str(stats.block_size),
+                                           "num_gpu_blocks": str(stats.num_total_blocks), **self._cache_tags})
+        self._observe_steps(stats.iteration_tokens)
         if stats.max_lora:
             self.sinks[LORA_INFO].set(stats.timestamp, dict(zip(LORA_TAGS, (
                 ",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters), str(stats.max_lora)))))
@@ -210,10 +249,22 @@ class EngineMetrics:
             self._inc(name, total - self._totals.get((name, tag), 0), dict([tag]) if tag else None)
             self._totals[name, tag] = total
 
+    def _observe_steps(self, totals: tuple[tuple[int, int], ...]) -> None:
+        """The steps since the last snapshot into the tokens-per-step histogram. The snapshot has
+        each bucket's steps and tokens, not each step's: a bucket's new steps are observed at their
+        mean, which lies in that bucket, so the counts and the sum come out as the steps' own."""
+        last = self._iteration_tokens or ((0, 0),) * len(totals)
+        observe = self.sinks[ITERATION_TOKENS].observe
+        for (steps, tokens), (steps0, tokens0) in zip(totals, last):
+            for _ in range(steps - steps0):
+                observe((tokens - tokens0) / (steps - steps0))
+        self._iteration_tokens = totals
+
     # -- what RequestTimer reports ---------------------------------------------------------------
-    def first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+    def first_token(self, ttft_s: float, num_prompt_tokens: int, num_cached_tokens: int = 0) -> None:
         self.sinks[TTFT].observe(ttft_s)
         self._inc(PROMPT_TOKENS, num_prompt_tokens)
+        self._inc(PROMPT_TOKENS_CACHED, num_cached_tokens)
 
     def tokens_generated(self, gaps_s: list[float], num_tokens: int) -> None:
         observe = self.sinks[ITL].observe
@@ -233,7 +284,10 @@ class EngineMetrics:
         self.sinks[MAX_SAMPLE_TOKENS].observe(t.longest if t.n > 1 else t.generated)
         if t.max_tokens is not None:
             self.sinks[PARAMS_MAX_TOKENS].observe(t.max_tokens)
+        self.sinks[REQUEST_PREEMPTIONS].observe(t.num_preemptions)
         first, last = t.first, t.last
+        if first is not None:
+            self.sinks[PREFILL_KV_COMPUTED].observe(t.num_prompt_tokens - t.num_cached_tokens)
         if t.scheduled_at is not None:
             # the engine's clock and this one are the host's monotonic clock; the hop between
             # them can put the engine's instant a hair outside the replica's interval
@@ -255,7 +309,8 @@ class RequestTimer:
     """One request's timeline at the replica: arrival, when the engine first scheduled it, each
     engine step with tokens, its end. EngineMetrics.request_finished reads the public fields."""
     __slots__ = ("_metrics", "num_prompt_tokens", "n", "max_tokens", "arrival", "scheduled_at", "first", "last",
-                 "num_gaps", "generated", "longest", "_gaps", "_tokens", "_flushed", "_done")
+                 "num_gaps", "generated", "longest", "num_cached_tokens", "num_preemptions", "_gaps", "_tokens",
+                 "_flushed", "_done")
 
     def __init__(self, metrics: EngineMetrics, num_prompt_tokens: int, now: float, n: int = 1,
                  max_tokens: int | None = None) -> None:
@@ -268,6 +323,8 @@ class RequestTimer:
         self.num_gaps = 0  # engine steps with tokens after the first
         self.generated = 0  # all the request's generated tokens
         self.longest = 0  # n > 1: the most tokens one of its samples generated so far (tokens' `longest`)
+        self.num_cached_tokens = 0  # its prompt tokens the prefix cache held (`scheduled`)
+        self.num_preemptions = 0  # times its sequences were preempted, so far (`preempted`)
         self._gaps: list[float] = []  # inter-token gaps not observed yet
         self._tokens = 0  # generated tokens not counted yet
         self._flushed = now
@@ -284,7 +341,7 @@ class RequestTimer:
         now = self._metrics.clock()
         if self.last is None:
             self.first = now
-            self._metrics.first_token(now - self.arrival, self.num_prompt_tokens)
+            self._metrics.first_token(now - self.arrival, self.num_prompt_tokens, self.num_cached_tokens)
         else:
             steps = max(steps, 1)
             self._gaps.extend([(now - self.last) / steps] * steps)
@@ -300,13 +357,19 @@ class RequestTimer:
         first token's would be (its prompt tokens, the time to it), and nothing is generated."""
         if self.last is None:
             self.first = self.last = self._metrics.clock()
-            self._metrics.first_token(self.first - self.arrival, self.num_prompt_tokens)
+            self._metrics.first_token(self.first - self.arrival, self.num_prompt_tokens, self.num_cached_tokens)
 
-    def scheduled(self, at: float | None) -> None:
+    def scheduled(self, at: float | None, num_cached_tokens: int = 0) -> None:
         """When the engine first scheduled the request (RequestOutput.first_scheduled_time, on the
-        metrics' clock), or None from an engine that does not say."""
+        metrics' clock), or None from an engine that does not say; and how many of its prompt
+        tokens the prefix cache held then (RequestOutput.num_cached_tokens)."""
         if at is not None and self.scheduled_at is None:
             self.scheduled_at = at
+            self.num_cached_tokens = num_cached_tokens
+
+    def preempted(self, count: int) -> None:
+        """The times its sequences have been preempted so far (RequestOutput.num_preemptions)."""
+        self.num_preemptions = max(self.num_preemptions, count)
 
     def finish(self, reason: str | None) -> None:
         """The request ended: stop | length | abort | error, or None: refused before it ran (not

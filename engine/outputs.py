@@ -73,6 +73,7 @@ class RequestOutput:
     metrics: None = None
     lora_request: object = None  # the request's engine.lora_request.LoRARequest, as vLLM's
     pooled: list[float] | None = None  # a pooling request's vector (engine.pooling), in its finished output
+    num_preemptions: int = 0  # times the request's sequences were preempted so far (for its metrics)
 
 
 @dataclass
@@ -130,6 +131,11 @@ class ScoringRequestOutput(PoolingRequestOutput):
     inputs' tokens one after the other (an embedding model's), or the pair's prompt (a cross-encoder's)."""
 
 
+# Upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens buckets); a count past
+# the last goes in a last, unbounded one.
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """One snapshot of an engine's KV and queue state, taken between two steps.
@@ -156,6 +162,12 @@ class EngineStats:
     decode_step_seconds: float = 0.0
     prompt_tokens: int = 0  # cumulative prompt tokens the steps computed (prefix-cache hits are not)
     generation_tokens: int = 0  # cumulative tokens the steps sampled, all sequences together
+    # Cumulative tokens per step (prompt and decode tokens it computed), as a histogram: for each
+    # bucket of ITERATION_TOKENS_BUCKETS and the unbounded one after them, (steps, their tokens)
+    iteration_tokens: tuple[tuple[int, int], ...] = ()
+    # Of num_waiting, those passed over while their LoRA adapter cannot run (max_loras others
+    # running): vLLM's "deferred" waiting reason; the rest wait for room ("capacity")
+    num_waiting_deferred: int = 0
     # Speculative decoding (engine.speculative), cumulative: steps a sequence ran drafts in, drafts
     # run, drafts kept, and drafts kept by their position in their step
     spec_drafts: int = 0

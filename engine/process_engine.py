@@ -53,6 +53,7 @@ class _Stream:
         self.completions: dict[int, CompletionOutput] = {}
         self.finished = False
         self.num_cached_tokens = 0
+        self.num_preemptions = 0
         self.prompt_logprobs = None
         self.first_scheduled_time = None
         self.lora_request = params.lora_request
@@ -62,7 +63,8 @@ class _Stream:
         self.ready = asyncio.Event()
 
     def add(self, wire: tuple) -> None:
-        _, self.finished, self.num_cached_tokens, prompt_ids, prompt_logprobs, scheduled, comps, pooled = wire
+        (_, self.finished, self.num_cached_tokens, prompt_ids, prompt_logprobs, scheduled, comps, pooled,
+         self.num_preemptions) = wire
         if pooled is not None:
             self.pooled = pooled
         if scheduled is not None:  # the core's time.monotonic(): the same clock on the same host
@@ -107,7 +109,7 @@ class _Stream:
             c.delta_text, c.delta_token_ids, c.delta_logprobs = "", [], None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
                              self.num_cached_tokens, self.prompt_logprobs, self.first_scheduled_time,
-                             lora_request=self.lora_request, pooled=self.pooled)
+                             lora_request=self.lora_request, pooled=self.pooled, num_preemptions=self.num_preemptions)
 
 
 class ProcessEngine:

@@ -141,4 +141,5 @@ class Request:
             comp.delta_token_ids, comp.delta_logprobs = [], None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
                              self.seqs[0].num_cached_tokens, self.prompt_logprobs, self.seqs[0].first_scheduled,
-                             lora_request=self.params.lora_request, pooled=self.pooled)
+                             lora_request=self.params.lora_request, pooled=self.pooled,
+                             num_preemptions=sum(s.num_preemptions for s in self.seqs))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from engine.block_manager import BlockManager
+from engine.outputs import ITERATION_TOKENS_BUCKETS
 from engine.sequence import Sequence, SequenceStatus, num_kept
 
 T = TypeVar("T")  # what the caller samples per sequence: a token id, or the sampler's result
@@ -117,9 +118,15 @@ class SchedulerStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # [steps, tokens] per bucket of ITERATION_TOKENS_BUCKETS, and one past the last bound
+    iteration_tokens: list[list[int]] = field(default_factory=lambda: [[0, 0] for _ in range(len(ITERATION_TOKENS_BUCKETS) + 1)])
 
-    def record_step(self, prefill: bool, seconds: float, prompt_tokens: int = 0) -> None:
+    def record_step(self, prefill: bool, seconds: float, prompt_tokens: int = 0, tokens: int = 0) -> None:
+        """`tokens`: all the step computed, prompt and decode (and draft) tokens."""
         self.prompt_tokens += prompt_tokens
+        entry = self.iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, tokens)]
+        entry[0] += 1
+        entry[1] += tokens
         if prefill:
             self.prefill_steps += 1
             self.prefill_step_seconds += seconds

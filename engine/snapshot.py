@@ -77,9 +77,23 @@ def snapshot(scheduler: Scheduler, prefix_limit: int = 0, now: float | None = No
         prompt_tokens=st.prompt_tokens, generation_tokens=st.generation_tokens,
         spec_drafts=st.spec_drafts, spec_draft_tokens=st.spec_draft_tokens, spec_accepted_tokens=st.spec_accepted_tokens,
         spec_accepted_per_pos=tuple(st.spec_accepted_per_pos),
+        iteration_tokens=tuple((steps, tokens) for steps, tokens in st.iteration_tokens),
+        num_waiting_deferred=deferred_waiting(scheduler),
         prefix_hashes=summarize_prefix_hashes(bm, prefix_limit) if prefix_limit > 0 else frozenset(),
         running_lora_adapters=_adapter_names(scheduler.running), waiting_lora_adapters=_adapter_names(scheduler.waiting),
         max_lora=scheduler.config.max_loras or 0, timestamp=time.time() if now is None else now)
+
+
+def deferred_waiting(scheduler: Scheduler) -> int:
+    """Waiting sequences whose LoRA adapter cannot run now: max_loras other adapters are running
+    (the scheduler passes over them, engine.scheduler)."""
+    max_loras = scheduler.config.max_loras
+    if not max_loras:
+        return 0
+    running = {s.lora_int_id for s in scheduler.running} - {None}
+    if len(running) < max_loras:
+        return 0
+    return sum(1 for s in scheduler.waiting if s.lora_int_id is not None and s.lora_int_id not in running)
 
 
 def _adapter_names(seqs) -> tuple[str, ...]:

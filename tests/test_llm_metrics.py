@@ -66,6 +66,37 @@ def test_generate_counts_each_request_and_token(tiny_dir):
     assert llm.engine._timers == {}
 
 
+def test_prefix_hits_preemptions_and_tokens_per_step(tiny_dir):
+    """vLLM's prompt_tokens_cached, request_prefill_kv_computed_tokens, request_num_preemptions,
+    iteration_tokens_total and cache_config_info, from a run with a prefix hit and preemptions."""
+    llm = LLM(model=str(tiny_dir), max_model_len=64, block_size=4, num_gpu_blocks_override=10,
+              max_num_batched_tokens=32, disable_log_stats=False)
+    shared = list(range(100, 120))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [shared + [1], shared + [2], [7] * 9, [8] * 9]
+    outs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)  # 21 blocks wanted, 10 held
+    metrics = llm.get_metrics()
+    hist = {m.name: m for m in metrics if isinstance(m, Histogram)}
+    cached = sum(o.num_cached_tokens for o in outs)
+    assert cached == 20  # the second prompt's first 5 blocks
+    assert _value(metrics, "kvserve_prompt_tokens_cached") == cached
+    assert hist["kvserve_request_prefill_kv_computed_tokens"].count == 4
+    assert hist["kvserve_request_prefill_kv_computed_tokens"].sum == sum(map(len, prompts)) - cached
+    preemptions = _value(metrics, "kvserve_num_preemptions")
+    assert preemptions > 0
+    assert hist["kvserve_request_num_preemptions"].count == 4
+    assert hist["kvserve_request_num_preemptions"].sum == preemptions
+    steps = sum(m.value for m in metrics if m.name == "kvserve_engine_steps")
+    assert hist["kvserve_iteration_tokens_total"].count == steps
+    # every step's tokens: the prompts' (less the hit, plus what preemptions recompute) and the decodes'
+    assert hist["kvserve_iteration_tokens_total"].sum >= sum(map(len, prompts)) - cached + 4 * 11
+    assert hist["kvserve_iteration_tokens_total"].buckets["1.0"] > 0  # steps of one decode alone
+    [info] = [m for m in metrics if m.name == "kvserve_cache_config_info"]
+    assert info.value == 1 and info.labels["block_size"] == "4" and info.labels["num_gpu_blocks"] == "10"
+    waiting = {m.labels["reason"]: m.value for m in metrics if m.name == "kvserve_num_requests_waiting_by_reason"}
+    assert waiting == {"capacity": 0, "deferred": 0}
+
+
 def test_gauges_are_read_at_the_call_and_an_abort_counts_once(tiny_dir):
     llm = _llm(tiny_dir)
     eng = llm.engine

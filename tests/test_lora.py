@@ -344,6 +344,8 @@ def test_lora_requests_info_names_the_running_and_waiting_adapters(models):
     assert [m.labels | {"model_name": None} for m in info] == [{
         "model_name": None, "running_lora_adapters": "a1", "waiting_lora_adapters": "a2", "max_lora": "1"}]
     assert time.time() - 60 < info[0].value <= time.time()
+    waiting = {m.labels["reason"]: m.value for m in llm.get_metrics() if m.name == "kvserve_num_requests_waiting_by_reason"}
+    assert waiting == {"deferred": 1, "capacity": 0}  # a2's request waits for a1's to end (vLLM's reason)
     while llm.engine.has_unfinished():
         llm.engine.step()
     plain = LLM(model=str(base), max_model_len=256, num_gpu_blocks_override=64, disable_log_stats=False)

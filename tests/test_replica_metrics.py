@@ -24,8 +24,9 @@ class Sink:
         self.values: list[float] = []
         self.tags: list[dict] = []
 
-    def set(self, value) -> None:
+    def set(self, value, tags=None) -> None:
         self.values.append(value)
+        self.tags.append(dict(tags or {}))
 
     def observe(self, value) -> None:
         self.values.append(value)
@@ -189,6 +190,60 @@ def test_gauges_and_engine_counters_from_stats_snapshots():
     assert values(sinks, M.PREEMPTIONS) == [4]
     assert values(sinks, M.PREFIX_QUERIES) == [64, 32]
     assert values(sinks, M.PREFIX_HITS) == [32]
+
+
+def test_waiting_by_reason_and_cache_config_info_from_snapshots():
+    """vLLM's num_requests_waiting_by_reason (deferred: a LoRA adapter that cannot run yet) and
+    cache_config_info (the config's labels, value 1)."""
+    sinks = {spec.name: Sink() for spec in M.METRICS}
+    m = W.ReplicaMetrics(sinks, Clock(), cache_config=EngineConfig(enable_prefix_caching=False))
+    m.record_stats(stats(num_waiting=5, num_waiting_deferred=2, num_total_blocks=300, block_size=32))
+    assert list(zip(sinks[M.WAITING_BY_REASON].tags, values(sinks, M.WAITING_BY_REASON))) == [
+        ({"reason": "deferred"}, 2), ({"reason": "capacity"}, 3)]
+    assert values(sinks, M.CACHE_INFO) == [1]
+    assert sinks[M.CACHE_INFO].tags == [{"block_size": "32", "num_gpu_blocks": "300", "enable_prefix_caching": "False",
+                                         "cache_dtype": "auto", "gpu_memory_utilization": "0.9"}]
+    recorder()[0].record_stats(stats())  # without an engine config: no info series
+    assert len(values(sinks, M.CACHE_INFO)) == 1
+
+
+def test_tokens_per_step_histogram_from_cumulative_bucket_totals():
+    """Each snapshot's new steps per bucket are observed at their mean: the same buckets, and the
+    same sum, as observing every step."""
+    from engine.outputs import ITERATION_TOKENS_BUCKETS
+    m, sinks = recorder()
+    empty = [(0, 0)] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+
+    def totals(**per_bucket):  # bucket index -> (steps, tokens)
+        out = list(empty)
+        for k, v in per_bucket.items():
+            out[int(k[1:])] = v
+        return tuple(out)
+
+    m.record_stats(stats(iteration_tokens=totals(b0=(3, 3), b4=(2, 100))))  # 3 steps of 1; 2 of 40 and 60
+    m.record_stats(stats(iteration_tokens=totals(b0=(4, 4), b4=(2, 100), b13=(1, 20000))))  # one past the last
+    observed = values(sinks, M.ITERATION_TOKENS)
+    assert sorted(observed) == [1, 1, 1, 1, 50, 50, 20000]
+    assert sum(observed) == 3 + 100 + 1 + 20000
+    import bisect
+    assert [bisect.bisect_left(ITERATION_TOKENS_BUCKETS, v) for v in sorted(observed)] == [0] * 4 + [4, 4, 13]
+
+
+def test_cached_prompt_tokens_prefill_computed_and_preemptions_per_request():
+    m, sinks = recorder()
+    timer = m.start_request(num_prompt_tokens=40)
+    timer.scheduled(100.0, num_cached_tokens=32)
+    timer.scheduled(100.5, num_cached_tokens=0)  # only the first admission's counts
+    timer.preempted(1)
+    timer.tokens(1)
+    timer.preempted(2)
+    timer.preempted(1)  # a stale count does not lower it
+    timer.finish("stop")
+    assert values(sinks, M.PROMPT_TOKENS) == [40] and values(sinks, M.PROMPT_TOKENS_CACHED) == [32]
+    assert values(sinks, M.PREFILL_KV_COMPUTED) == [8]
+    assert values(sinks, M.REQUEST_PREEMPTIONS) == [2]
+    m.start_request(10).finish("abort")  # never prefilled: no prefill count; 0 preemptions recorded
+    assert values(sinks, M.PREFILL_KV_COMPUTED) == [8] and values(sinks, M.REQUEST_PREEMPTIONS) == [2, 0]
 
 
 def test_engine_step_counters_become_increments_by_kind():

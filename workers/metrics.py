@@ -52,9 +52,9 @@ class ReplicaMetrics(EngineMetrics):
     """EngineMetrics with the replica's periodic refresh (and stats line)."""
 
     def __init__(self, sinks: Mapping[str, object], clock: Callable[[], float] = time.monotonic,
-                 stat_logger: StatLogger | None = None) -> None:
+                 stat_logger: StatLogger | None = None, cache_config: object = None) -> None:
         """`stat_logger`: the periodic log line (workers.stat_logger), written at each refresh it ends."""
-        super().__init__(sinks, clock)
+        super().__init__(sinks, clock, cache_config)
         self.stat_logger = stat_logger
 
     def refresh(self, stats: EngineStats) -> None:

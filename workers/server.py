@@ -84,7 +84,8 @@ class EngineServer:
         self._kv_metrics = KVMetricsRecorder()
         self._replica_id: str | None = None
         self.metrics = metrics or ReplicaMetrics(ray_metrics(model_name or engine_config.model or "default"),
-                                                 stat_logger=StatLogger(interval_from_env()) if log_stats else None)
+                                                 stat_logger=StatLogger(interval_from_env()) if log_stats else None,
+                                                 cache_config=engine_config)
         self._metrics_task = self.metrics.start_refresh(self.engine.stats)
 
     async def info(self) -> dict:
@@ -118,8 +119,9 @@ class EngineServer:
                 async for out in stream:
                     step = StepOutput.from_request_output(out, finished_samples, first)
                     if first:
-                        timer.scheduled(out.first_scheduled_time)
+                        timer.scheduled(out.first_scheduled_time, out.num_cached_tokens)
                     first = False
+                    timer.preempted(out.num_preemptions)
                     for c in step.choices:
                         sample_tokens[c.index] = sample_tokens.get(c.index, 0) + len(c.token_ids)
                     timer.tokens(sum(len(c.token_ids) for c in step.choices),
