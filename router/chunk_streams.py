@@ -121,7 +121,7 @@ class ChunkStreams:
         def chunk(c: dict) -> str:
             extra = first_fields.copy()
             first_fields.clear()
-            return sse({**base, **extra, "choices": [c], "usage": acc.usage()} if continuous
+            return sse({**base, **extra, "choices": [c], "usage": acc.choice_usage(c["index"])} if continuous
                        else {**base, **extra, "choices": [c]})
 
         failed = False

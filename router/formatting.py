@@ -157,6 +157,12 @@ class Accumulator:
         return usage(sum(self.prompt_lens), sum(len(c.token_ids) for c in self.choices),
                      sum(c or 0 for c in self.cached))
 
+    def choice_usage(self, i: int) -> dict:
+        """The usage so far of choice `i` alone: its prompt's tokens and its own (vLLM's
+        continuous_usage_stats chunks count each choice's, not the request's)."""
+        prompt = i // self.n
+        return usage(self.prompt_lens[prompt], len(self.choices[i].token_ids), self.cached[prompt] or 0)
+
 
 # OpenAI's reply fields that say nothing here, null as in vLLM's replies (no service tiers; no
 # fingerprint of a backend configuration)

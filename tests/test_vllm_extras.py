@@ -287,6 +287,23 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(tokenizer, e
 
 
 @pytest.mark.parametrize("endpoint", [chat, lambda **kw: completion(prompt="Is the sky blue?", **kw)])
+def test_continuous_usage_stats_count_each_choices_own_tokens(tokenizer, endpoint):
+    """n=2: a chunk's usage is its choice's so far (vLLM's); the last chunk has both together."""
+    script = "Yes, the sky is blue on a clear day."
+    length = len(tokenizer.encode(script))
+
+    async def go(client):
+        return [c async for c in await endpoint(stream=True, max_tokens=50, n=2, stream_options={
+            "include_usage": True, "continuous_usage_stats": True})(client)]
+    chunks = run(tokenizer, script, go)[0]
+    for i in (0, 1):
+        done = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].index == i]
+        assert done == sorted(done) and done[-1] == length
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * length
+
+
+@pytest.mark.parametrize("endpoint", [chat, lambda **kw: completion(prompt="Is the sky blue?", **kw)])
 def test_allowed_token_ids_and_bad_words_reach_the_engine(tokenizer, endpoint):
     _, params = sent(tokenizer, endpoint(extra_body={"allowed_token_ids": [5, 9], "bad_words": ["sky", "blue"]}))
     assert params.allowed_token_ids == [5, 9] and params.bad_words == ["sky", "blue"]
