@@ -493,6 +493,12 @@ def test_an_object_schema_that_lists_its_keys_gets_no_others(tokenizer):
     optional = {"type": "object", "properties": {"p": {"anyOf": [{"$ref": "#/$defs/P"}, {"type": "null"}]}},
                 "$defs": {"P": person}}  # pydantic's Optional[Model]
     assert accepts(S(json=optional), {"p": who}) and not accepts(S(json=optional), {"p": {**who, "x": 1}})
+    # the whole schema a $ref to one of its definitions: pydantic's recursive model (Node.child: Node | None)
+    node = {"type": "object", "properties": {"v": I, "child": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}},
+            "required": ["v"]}
+    tree = {"$defs": {"Node": node}, "$ref": "#/$defs/Node", "$schema": "https://json-schema.org/draft/2020-12/schema"}
+    assert accepts(S(json=tree), {"v": 1, "child": {"v": 2, "child": None}})
+    assert not accepts(S(json=tree), {"v": 1, "x": 1}) and not accepts(S(json=tree), {"v": 1, "child": {"v": 2, "x": 1}})
     assert accepts(S(json={**person, "additionalProperties": True}), {**who, "x": 1})
     assert accepts(S(json={**person, "additionalProperties": {"type": "integer"}}), {**who, "x": 1})
     assert accepts(S(json_object=True), {**who, "x": 1})

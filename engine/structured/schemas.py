@@ -19,6 +19,7 @@ ANNOTATIONS = ("title", "description", "default", "examples", "deprecated", "rea
 _SCHEMA = ("items", "additionalItems", "contains", "unevaluatedItems", "additionalProperties", "propertyNames")
 _SCHEMA_MAPS = ("properties", "patternProperties")
 _DEFS = ("$defs", "definitions")
+_IDENTIFIERS = ("$schema", "$id", "$anchor")
 
 # The string formats llguidance enforces; any other is an annotation (JSON Schema's default), as
 # vLLM's xgrammar reads it, so pydantic's (uuid4, password, binary, path, ...) do not refuse a schema
@@ -116,8 +117,10 @@ def _walk(node, may_close: bool, kept_open: set[str], close: bool, path: str = "
     if not isinstance(node, dict):
         return node
     ref = node.get("$ref")
-    if isinstance(ref, str) and (not may_close or set(node) - {"$ref", *ANNOTATIONS}):
-        kept_open.add(ref)  # a member of a composition, or a $ref beside keys of its own
+    if isinstance(ref, str) and (not may_close or set(node) - {"$ref", *ANNOTATIONS, *_DEFS, *_IDENTIFIERS}):
+        # a member of a composition, or a $ref beside keys of its own (the definitions beside it
+        # add none: pydantic's schema of a recursive model is {"$defs": ..., "$ref": ...})
+        kept_open.add(ref)
     out = dict(node)
     composing = any(k in node for k in COMPOSING)
     for key in _SCHEMA:
