@@ -54,16 +54,12 @@ class ResponseReply:
 
     # -- a whole reply ---------------------------------------------------------------------------
     async def whole(self, acc: Accumulator) -> dict:
-        """The reply's output items exactly as its stream would have them: its text goes through
-        the stream's parser in pieces cut after each tool call block, so the items come in the
-        order their text did (a message after a call it follows)."""
+        """The reply's output items exactly as its stream would have them."""
         (choice,) = acc.choices
-        text, finish = "".join(choice.text), choice.finish_reason
-        out, pieces = _StreamedOutput(self), text.split(CLOSE)
+        finish = choice.finish_reason
+        out = _StreamedOutput(self)
         out.scored(choice.token_ids, choice.logprobs)
-        pieces = [p + CLOSE for p in pieces[:-1]] + pieces[-1:]
-        for i, piece in enumerate(pieces):
-            out.feed(piece, finish if i == len(pieces) - 1 else None)
+        out.feed("".join(choice.text), finish)
         status = _status(finish)
         out.finish(status)
         return await self._finished(self._response(status, out.items, acc, finish))
@@ -169,8 +165,9 @@ class ResponseReply:
 
 class _StreamedOutput:
     """The output items of a stream as its text arrives (through the chat path's tool call parser
-    when the request has tools): the message is added with its first text, each function call
-    with its first fragment; all are done at the end."""
+    when the request has tools): a message is added with its first text, each function call with
+    its first fragment. As in OpenAI's streams one item is open at a time: the one before is done
+    when the next is added (text after a call opens a message of its own), the last at the end."""
 
     def __init__(self, reply: ResponseReply) -> None:
         self.reply = reply
@@ -184,8 +181,9 @@ class _StreamedOutput:
         self.calls: dict[int, dict] = {}  # chat's tool call index -> its item
         self.token_ids: list[int] = []  # the output's, when logprobs are asked
         self.logprobs: list[dict] = []  # their items
-        self.skip = 0  # of which the reasoning's (not the message's): known once the message opens
+        self.skip = 0  # of which the reasoning's and earlier messages' (not the open message's)
         self.unsent = 0  # of which the text deltas have carried up to here
+        self.tail = ""  # the text's last len(CLOSE) - 1 characters, where a close tag may have begun
 
     def scored(self, token_ids: list[int], entries: list[dict[int, float]] | None) -> None:
         """Output tokens and their logprob entries (none unless the request asked for them)."""
@@ -194,7 +192,22 @@ class _StreamedOutput:
             self.logprobs += self.reply.logprobs(token_ids, entries)
 
     def feed(self, text: str, finish_reason: str | None) -> list[str]:
-        """One piece of the reply's text -> its events."""
+        """One piece of the reply's text -> its events. It goes to the parser cut after each tool
+        call block's close tag: a parser delta holds no text after its call, so the items come in
+        the order of their text (a message after the call it follows), however the text came."""
+        seen = self.tail + text
+        cuts, at = [], seen.find(CLOSE)
+        while at != -1:
+            cuts.append(at + len(CLOSE) - len(self.tail))
+            at = seen.find(CLOSE, at + len(CLOSE))
+        self.tail = seen[len(seen) - len(CLOSE) + 1:]
+        bounds = [0, *cuts, len(text)]
+        events = []
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            events += self._feed(text[a:b], finish_reason if i == len(bounds) - 2 else None)
+        return events
+
+    def _feed(self, text: str, finish_reason: str | None) -> list[str]:
         events = []
         if self.splitter is not None:
             reasoning, text = self.splitter.step(text, final=finish_reason is not None)
@@ -226,6 +239,10 @@ class _StreamedOutput:
     def _text(self, text: str) -> list[str]:
         event, events = self.reply.event, []
         if self.message is None:
+            if self.calls:  # a message after a call: without the whitespace between them
+                text = text.lstrip()
+                if not text:
+                    return []
             events += self._open_message()
         self.text.append(text)
         events.append(event("response.output_text.delta", **self._where(), delta=text,
@@ -237,6 +254,8 @@ class _StreamedOutput:
         """`status`: the reply's, where it ended inside its reasoning."""
         if self.reasoning is None or self.reasoning["status"] != "in_progress":
             return []
+        if self.logprobs and self.reply.reasoning_tokens is not None:  # its close tag is in: they are counted
+            self.skip = self.unsent = self.reply.reasoning_tokens(self.token_ids)
         event, text, where = self.reply.event, "".join(self.reasoning_text), self._at(self.reasoning)
         self.reasoning.update(status=status, content=[_reasoning_part(text)])
         return [event("response.reasoning_text.done", **where, text=text),
@@ -244,9 +263,7 @@ class _StreamedOutput:
                 event("response.output_item.done", output_index=where["output_index"], item=self.reasoning)]
 
     def _open_message(self) -> list[str]:
-        if self.logprobs and self.reply.reasoning_tokens is not None:  # its close tag is in: they are counted
-            self.skip = self.unsent = self.reply.reasoning_tokens(self.token_ids)
-        events = self._close_reasoning()
+        events = self._close_open()
         self.message = self.reply._message(new_id("msg"), None, "in_progress")
         self.items.append(self.message)
         index = len(self.items) - 1
@@ -263,7 +280,7 @@ class _StreamedOutput:
         event = self.reply.event
         item = self.calls.get(fragment["index"])
         if item is None:
-            events = self._close_reasoning()
+            events = self._close_open()
             first = {"id": fragment["id"], "function": {"name": fragment["function"]["name"], "arguments": ""}}
             item = self.calls[fragment["index"]] = self.reply._function_call(new_id("fc"), first, "in_progress")
             self.items.append(item)
@@ -278,27 +295,38 @@ class _StreamedOutput:
         return events
 
     def finish(self, status: str) -> list[str]:
-        event, events = self.reply.event, []
-        if self.message is None and not self.calls and self.reasoning is None:  # an empty reply is still a message
+        events = []
+        if not self.items:  # an empty reply is still a message
             events += self._open_message()
-        events += self._close_reasoning(status)  # still open: the reply ended inside it, with no answer
-        if self.message is not None:
-            if self.unsent < len(self.logprobs):  # tokens with no text of their own (the eos): their delta
-                events += self._text("")
-            text = "".join(self.text)
-            where = self._where()
-            part = _text_part(text, self.logprobs[self.skip:])
-            events += [event("response.output_text.done", **where, text=text, logprobs=part["logprobs"]),
-                       event("response.content_part.done", **where, part=part)]
-            self.message.update(status=status, content=[part])
-        for index, item in enumerate(self.items):
-            if item is self.reasoning:  # done when the answer began, or just above
-                continue
-            if item["type"] == "function_call":
+        if self.message is not None and self.unsent < len(self.logprobs):
+            events += self._text("")  # tokens with no text of their own (the eos): their delta
+        return events + self._close_open(status)  # reasoning still open: the reply ended inside it
+
+    def _close_open(self, status: str = "completed") -> list[str]:
+        """The done events of the item still open, before the next one is added or at the end
+        (`status`: the reply's)."""
+        events = self._close_reasoning(status) + self._close_message(status)
+        for item in self.calls.values():
+            if item["status"] == "in_progress":
                 item["status"] = "completed"
-                events.append(event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                    name=item["name"], arguments=item["arguments"]))
-            events.append(event("response.output_item.done", output_index=index, item=item))
+                index = self.items.index(item)
+                events += [self.reply.event("response.function_call_arguments.done", item_id=item["id"],
+                                            output_index=index, name=item["name"], arguments=item["arguments"]),
+                           self.reply.event("response.output_item.done", output_index=index, item=item)]
+        return events
+
+    def _close_message(self, status: str) -> list[str]:
+        """The open message's done events: its part has the logprobs of the tokens since it opened
+        (a call's among them, as chat's content logprobs have them)."""
+        if self.message is None:
+            return []
+        event, text, where = self.reply.event, "".join(self.text), self._where()
+        part = _text_part(text, self.logprobs[self.skip:self.unsent])
+        self.message.update(status=status, content=[part])
+        events = [event("response.output_text.done", **where, text=text, logprobs=part["logprobs"]),
+                  event("response.content_part.done", **where, part=part),
+                  event("response.output_item.done", output_index=where["output_index"], item=self.message)]
+        self.message, self.text, self.skip = None, [], self.unsent
         return events
 
 

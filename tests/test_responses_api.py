@@ -225,6 +225,25 @@ def test_whole_and_streamed_replies_have_the_same_output_items_in_the_order_of_t
                                      "Just text.": ["message"]}.get(text, ["message", "function_call"])
 
 
+@pytest.mark.parametrize("text", [CALL + CALL, "Let me look. " + CALL + " Done."])
+def test_a_streamed_output_item_is_done_before_the_next_is_added(tokenizer, text):
+    """As OpenAI's streams: one open item at a time, each item's events between its added and done
+    (text after a call is a message of its own)."""
+    events, _ = run(tokenizer, text, streamed(tools=[WEATHER]))
+    items = [(e.type, e.output_index) for e in events if e.type.startswith("response.output_item.")]
+    n = len(events[-1].response.output)
+    assert items == [(kind, i) for i in range(n) for kind in ("response.output_item.added", "response.output_item.done")]
+    for e in events:
+        if hasattr(e, "output_index") and e.type != "response.output_item.added":
+            added = [x for x in events[:events.index(e)] if x.type == "response.output_item.added"]
+            assert e.output_index == added[-1].output_index, e.type  # the open item's
+    whole, _ = run(tokenizer, text, create(tools=[WEATHER]))
+    assert [(i.type, i.status) for i in whole.output] == [(i.type, i.status) for i in events[-1].response.output]
+    if "Done" in text:
+        assert [i.type for i in whole.output] == ["message", "function_call", "message"]
+        assert [i.content[0].text for i in whole.output if i.type == "message"] == ["Let me look.", "Done."]
+
+
 def test_a_streamed_function_call_comes_as_argument_deltas(tokenizer):
     events, _ = run(tokenizer, "Let me look. " + CALL, streamed(tools=[WEATHER]))
     kinds = [e.type for e in events]
