@@ -43,7 +43,6 @@ from pathlib import Path
 
 from engine.classifier import Classifier, activated, classifier, has_classifier_head, is_classifier, is_token_classifier
 from engine.errors import InvalidRequestError
-from engine.model_source import ENCODER_MODEL_TYPES, ENCODER_NAMES
 from engine.st_dense import ST_NORMALIZE, ST_POOLING, read_dense_modules
 from engine.vllm_args import json_dict
 
@@ -246,6 +245,8 @@ def sentence_transformers_pooling(model_dir: Path) -> dict | None:
 
 def resolve_runner(runner: str, convert: str, model_dir: Path, hf_config) -> str:
     """--runner / --convert -> "generate" or "pooling", as vLLM resolves them for this folder."""
+    from engine.model_source import ENCODER_MODEL_TYPES  # not at import: `python -m engine.model_source` runs it
+
     if runner != "auto":
         return runner
     if getattr(hf_config, "model_type", None) in ENCODER_MODEL_TYPES:
@@ -291,6 +292,8 @@ def _head_reads(hf_config, encoder: bool) -> str:
 def pooler_config(runner: str, convert: str, value, model_dir: Path, hf_config) -> PoolerConfig | None:
     """The engine's PoolerConfig, or None for a generating one. --pooler-config wins over the
     folder's sentence-transformers modules, which win over the defaults (LAST, normalised)."""
+    from engine.model_source import ENCODER_MODEL_TYPES, ENCODER_NAMES
+
     encoder = getattr(hf_config, "model_type", None) in ENCODER_MODEL_TYPES
     if is_token_classifier(hf_config) and not encoder:
         raise ValueError(f"a ...ForTokenClassification checkpoint is served for encoders ({ENCODER_NAMES}) only: "
