@@ -114,12 +114,21 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _prepare_generate(args: argparse.Namespace):
     from engine import LLM, EngineConfig, SamplingParams
+    from engine.model.loader import load_arch
+    from engine.model.quantized import check_method
     from engine.model_source import model_dir, tokenizer_dir
 
-    # Validate the cheap things first, so a typo fails in a second, not after loading weights.
+    # Validate the cheap things first (the model's config.json, not its weights, as `kvserve serve`
+    # does), so a typo or a --max-model-len past the model's positions fails in seconds.
     engine_kwargs = engine_config_from_args(args)
     config = EngineConfig(**engine_kwargs)
-    tokenizer_dir(config, model_dir(config))
+    folder = model_dir(config)
+    tokenizer_dir(config, folder)
+    arch, _ = load_arch(folder)
+    check_method(config.quantization, arch.quantization)
+    config.model_len(arch.max_position_embeddings)
+    if config.tensor_parallel_size > 1:
+        arch.check_tp(config.tensor_parallel_size)
     optional = {k: getattr(args, k) for k in ("top_p", "top_k", "seed") if getattr(args, k, None) is not None}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, **optional)
 

@@ -288,6 +288,24 @@ def test_generate_streams_paris(smollm2_path):
     assert "capital of France is Paris" in r.stdout, r.stdout
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--max-model-len", "99999"], "more than the model's 8192 positions"),
+    (["-tp", "2"], "not divisible"),  # SmolLM2's 9 heads
+])
+def test_generate_refuses_what_the_models_config_rules_out_before_loading_it(smollm2_path, monkeypatch, flags, says):
+    """As `kvserve serve` checks them: from config.json, not after reading every weight."""
+    import engine
+
+    from cluster import cli
+
+    def no_load(**_):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(engine, "LLM", no_load)
+    args = build_parser().parse_args(["generate", "hi", *flags])
+    with pytest.raises(ValueError, match=says):
+        cli._prepare_generate(args)
+
+
 ENGINES = pytest.mark.parametrize("engine_cls", [None, "engine.process_engine:ProcessEngine"], ids=["thread", "process"])
 
 
