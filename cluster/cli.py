@@ -53,21 +53,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve = add_serve_parser(commands)
     for sub in (gen, serve):  # read before parsing (cluster.vllm_argv); here for --help
         sub.add_argument("--config", metavar="FILE.yaml",
-                         help="flags from a YAML file, as vLLM's: `port: 8000`, `tensor-parallel-size: 2`, "
-                              "`enable-prefix-caching: false`; flags on the command line win over it")
+                         help="flags from a YAML file, as vLLM's: `max-model-len: 2048`, `tensor-parallel-size: 2`, "
+                              "`enable-prefix-caching: false` (and for serve `port: 8000`); flags on the command "
+                              "line win over it")
     return parser
 
 
-def _flags(parser: argparse.ArgumentParser) -> set[str]:
-    """Every option string of the parser's sub-commands."""
+def _flags(parser: argparse.ArgumentParser, command: str | None = None) -> set[str]:
+    """Every option string of the sub-command `command`, or of them all when it is none of them."""
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {flag for sub in commands.choices.values() for flag in sub._option_string_actions}
+    subs = [commands.choices[command]] if command in commands.choices else commands.choices.values()
+    return {flag for sub in subs for flag in sub._option_string_actions}
 
 
 def vllm_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """argv with vLLM's spellings (--config FILE, --max_num_seqs, --speculative-config.key V)
     in the ones argparse reads (cluster.vllm_argv)."""
-    flags = _flags(parser)
+    flags = _flags(parser, argv[0] if argv else None)
     return dotted_json_flags(dashed_flags(expand_config(argv, flags.__contains__)))
 
 

@@ -35,10 +35,10 @@ def expand_config(argv: list[str], has_flag: Callable[[str], bool]) -> list[str]
         path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
     else:
         path, rest = argv[i].partition("=")[2], argv[:i] + argv[i + 1:]
-    flags = _config_flags(path, has_flag)
+    command = rest[0] if rest and not rest[0].startswith("-") else None
+    flags = _config_flags(path, has_flag, f"kvserve {command}" if command else "kvserve")
     # after the sub-command and its first argument (a nargs="+" flag from the file must not take
     # it as one of its values); `serve MODEL` wins over the file's model
-    command = rest[0] if rest and not rest[0].startswith("-") else None
     at = 0 if command is None else 1
     if len(rest) > at and not rest[at].startswith("-"):
         at += 1
@@ -47,7 +47,7 @@ def expand_config(argv: list[str], has_flag: Callable[[str], bool]) -> list[str]
     return rest[:at] + flags + rest[at:]
 
 
-def _config_flags(path: str, has_flag: Callable[[str], bool]) -> list[str]:
+def _config_flags(path: str, has_flag: Callable[[str], bool], command: str) -> list[str]:
     import yaml
 
     if not path.endswith((".yaml", ".yml")):
@@ -68,7 +68,7 @@ def _config_flags(path: str, has_flag: Callable[[str], bool]) -> list[str]:
         name, dot, keys = str(key).partition(".")
         flag = "--" + name.replace("_", "-") + dot + keys  # a dotted key: one key of a JSON flag
         if not has_flag("--" + name.replace("_", "-")):
-            raise ValueError(f"--config {path}: {key!r} is not a kvserve flag")
+            raise ValueError(f"--config {path}: {key!r} is not a flag of `{command}` (`{command} --help` lists them)")
         if dot:  # its value as JSON, whatever its type
             flags.append(f"{flag}={json.dumps(value)}")
         elif isinstance(value, bool):

@@ -192,7 +192,10 @@ def test_a_vllm_config_file_gives_flags_the_command_line_overrides(tmp_path):
     assert (ns.prompt, ns.model, ns.max_num_seqs) == ("Hello", "/models/m", 4)
     config.write_text("max-num-seqs: 4\nnot-a-flag: 1\n")
     r = kvserve("serve", "--config", str(config))
-    assert r.returncode == 2 and "'not-a-flag' is not a kvserve flag" in r.stderr
+    assert r.returncode == 2 and "'not-a-flag' is not a flag of `kvserve serve`" in r.stderr
+    config.write_text("port: 8000\n")  # a serve flag, in a file given to generate: said as the file's
+    with pytest.raises(ValueError, match="'port' is not a flag of `kvserve generate`"):
+        vllm_argv(parser, ["generate", "Hello", "--config", str(config)])
 
 
 def test_vllm_dotted_keys_of_a_json_flag():
