@@ -316,9 +316,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--random-weights: copy this tokenizer (default: a synthesized one, one token per id)")
     p.add_argument("--systems", default="kvserve,hf-static,hf-batch", help=f"comma list of {', '.join(SYSTEMS)}")
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--min-input", type=int, default=32)
+    p.add_argument("--min-input", type=int, default=None, help="default: 32, or --max-input when less")
     p.add_argument("--max-input", type=int, default=256)
-    p.add_argument("--min-output", type=int, default=32)
+    p.add_argument("--min-output", type=int, default=None, help="default: 32, or --max-output when less")
     p.add_argument("--max-output", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -347,6 +347,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.preset:  # the preset's values become defaults; flags given explicitly still win
         p.set_defaults(**PRESETS[args.preset])
         args = p.parse_args(argv)
+    for side in ("input", "output"):
+        if getattr(args, f"min_{side}") is None:
+            setattr(args, f"min_{side}", min(32, getattr(args, f"max_{side}")))
     validate(p, args)
     return args
 

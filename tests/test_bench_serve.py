@@ -2,6 +2,8 @@
 benchmarks/paced_engine.py's outputs."""
 import asyncio
 
+import pytest
+
 from benchmarks import serve
 
 EXPORT = """# HELP ray_kvserve_engine_steps_total Engine steps, by kind
@@ -67,3 +69,16 @@ def test_lora_rank_launches_both_servers_with_one_adapter_that_kvserve_accepts(t
     assert parsed.enable_lora and lora_modules(parsed.lora_modules, parsed.max_lora_rank)[0].lora_name == "bench-lora"
     plain = serve.parse_args(["--launch", "kvserve"])
     assert plain.lora_rank == 0 and serve.lora_flags(smollm2_path, plain) == []
+
+
+def test_offline_benchmarks_shortest_lengths_default_within_the_longest():
+    """benchmarks/offline.py's docstring example: --max-output 8 alone is taken (--min-output
+    defaults to 32, or to the longest when that is less); a preset's own lengths stand."""
+    from benchmarks.offline import parse_args
+
+    args = parse_args(["--num-prompts", "4", "--max-output", "8", "--max-input", "16"])
+    assert (args.min_output, args.max_output, args.min_input, args.max_input) == (8, 8, 16, 16)
+    assert (parse_args([]).min_output, parse_args([]).min_input) == (32, 32)
+    assert parse_args(["--preset", "nano-vllm"]).min_output == 100
+    with pytest.raises(SystemExit):
+        parse_args(["--min-output", "9", "--max-output", "8"])
