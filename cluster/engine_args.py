@@ -67,7 +67,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         return g.add_argument(*flags, default=argparse.SUPPRESS, **kwargs)
 
     add("--model", metavar="PATH",
-        help="Llama-family model: a directory with config.json and *.safetensors, or a repository id "
+        help="the model: a directory with config.json and *.safetensors (Llama, Mistral, Qwen2/3; BERT-style "
+             "encoders for pooling), or a repository id "
              "(org/name) already in the local Hugging Face cache, which is never downloaded (default: the "
              "embedded SmolLM2-135M-Instruct)")
     add("--revision", metavar="REV", help="a cached --model repository's branch, tag or commit (default: main)")

@@ -17,6 +17,7 @@ Nothing here ever downloads from a model hub: a repository id is looked up in th
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import shutil
@@ -98,10 +99,13 @@ def local_dir(name: str | os.PathLike, revision: str | None, download_dir: str |
     if why is None:  # not a repository id either
         raise ModelError(f"{what} path {str(name)!r} does not exist (give a local directory, or the id of a "
                          "repository in the local Hugging Face cache; kvserve never downloads from a model hub)")
+    default = ""  # a name like the embedded model's: a typo of it, most likely
+    if difflib.get_close_matches(str(name).lower(), [DEFAULT_MODEL_NAME.lower()], cutoff=0.8):
+        default = f"; for the embedded {DEFAULT_MODEL_NAME}, leave --{what} out"
     raise ModelError(f"{what} {str(name)!r} is neither a local directory nor in the Hugging Face cache: {why} "
                      f"(kvserve never downloads: fetch it first, e.g. `hf download {name}"
                      f"{f' --revision {revision}' if revision else ''}"
-                     f"{f' --cache-dir {download_dir}' if download_dir else ''}`)")
+                     f"{f' --cache-dir {download_dir}' if download_dir else ''}`{default})")
 
 
 def _cached_snapshot(repo_id: str, revision: str | None, cache: str | os.PathLike | None) -> tuple[Path | None, str | None]:
@@ -138,7 +142,9 @@ def check_model_dir(path: Path, weights: bool = True) -> None:
     where `weights`)."""
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise ModelError(f"model directory {str(path)!r} has no config.json")
+        adapter = " (a PEFT LoRA adapter: serve its base model with --enable-lora --lora-modules NAME=DIR)" \
+            if (path / "adapter_config.json").is_file() else ""
+        raise ModelError(f"model directory {str(path)!r} has no config.json{adapter}")
     if weights and not any(path.glob("*.safetensors")):
         raise ModelError(f"model directory {str(path)!r} has no *.safetensors weights (--load-format dummy fills "
                          "them at random, for benchmarks)")

@@ -161,6 +161,17 @@ def test_hub_id_is_not_downloaded(tmp_path, monkeypatch):
         resolve_model("meta-llama/Llama-3.2-1B-Instruct", download_dir=str(tmp_path / "hub"))
     assert "\n" not in str(e.value)
     assert f"`hf download meta-llama/Llama-3.2-1B-Instruct --cache-dir {tmp_path / 'hub'}`" in str(e.value)
+    assert "embedded" not in str(e.value)
+    with pytest.raises(ModelError, match="for the embedded SmolLM2-135M-Instruct, leave --model out"):
+        resolve_model("SmolLM2-135M-Instruc", download_dir=str(tmp_path / "hub"))  # a typo of its name
+
+
+def test_a_lora_adapter_given_as_the_model_says_how_to_serve_it(tmp_path):
+    adapter = tmp_path / "sql"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(ModelError, match="has no config.json .*--enable-lora --lora-modules NAME=DIR"):
+        resolve_model(str(adapter))
 
 
 # --- repositories in the local Hugging Face cache (vLLM's --model org/name, offline) ------------
