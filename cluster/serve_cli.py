@@ -543,28 +543,32 @@ def _exception_line(message: str) -> str:
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(: |$)")
 
 
-def _ask_each(method, timeout_s: float) -> dict[str, int]:
-    """Call `method` (an ingress handle method taking `exclude`) once on every ingress replica:
-    a call names the replicas asked so far, and the ingress router (cluster.ingress_router) sends
-    it to another, until none is left. -> replica id: its answer's in_flight."""
+def _ask_each(method, timeout_s: float, **kwargs) -> dict[str, int]:
+    """Call `method` (an ingress handle method taking `exclude`, and `kwargs`) once on every
+    ingress replica: a call names the replicas asked so far, and the ingress router
+    (cluster.ingress_router) sends it to another, until none is left. -> replica id: its
+    answer's in_flight."""
     deadline = time.monotonic() + timeout_s
     answers: dict[str, int] = {}
     while True:
-        answer = method.remote(exclude=list(answers)).result(timeout_s=max(1.0, deadline - time.monotonic()))
+        answer = method.remote(exclude=list(answers), **kwargs).result(
+            timeout_s=max(1.0, deadline - time.monotonic()))
         if answer["replica"] in answers:
             return answers
         answers[answer["replica"]] = answer["in_flight"]
 
 
-def _drain(ingress, timeout_s: float, poll_s: float = 0.2, flush_s: float = 1.0) -> int:
+def _drain(ingress, timeout_s: float, poll_s: float = 0.2, flush_s: float = 1.0, wait_s: float = 1.0) -> int:
     """Have every ingress replica refuse new requests and wait until none has one in flight or
     `timeout_s` has passed; returns how many were left. Those are then cut: each ends with a 503
     `unavailable` error (an error event in a stream), and `flush_s` lets it reach its client.
-    Only then may the proxy and the replicas stop."""
+    Only then may the proxy and the replicas stop. Each replica's answer waits up to `wait_s`
+    for its requests to end (OpenAIIngress.drain)."""
     deadline = time.monotonic() + timeout_s
     try:
         while True:
-            in_flight = _ask_each(ingress.drain, deadline - time.monotonic())
+            left_s = max(0.0, deadline - time.monotonic())
+            in_flight = _ask_each(ingress.drain, left_s, wait_s=min(wait_s, left_s))
             left = sum(in_flight.values())
             if left == 0 or time.monotonic() >= deadline:
                 break

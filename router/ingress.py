@@ -305,13 +305,17 @@ class OpenAIIngress:
     def __serve_build_asgi_app__(self):
         return build_api(self._serving, ready=self.ready, admission=self._admission, metrics=self._metrics.page)
 
-    async def drain(self, exclude: list[str] = ()) -> dict:
+    async def drain(self, exclude: list[str] = (), wait_s: float = 0.0) -> dict:
         """Stop taking requests (503 + Retry-After, /ready 503); -> this replica's id and how many
-        requests it has in flight. `kvserve serve` calls it on SIGTERM / SIGINT, on every ingress
-        replica (`exclude`: the ones it has asked, which cluster.ingress_router then skips), and
-        waits for 0 before stopping Serve. Background responses running here count as in flight."""
-        return {"replica": serve.get_replica_context().replica_id.to_full_id_str(),
-                "in_flight": self._admission.drain() + len(self._serving.background)}
+        requests it has in flight, answered once none is or after `wait_s` (a long poll: a drain
+        makes one call a second, not a log line per poll). `kvserve serve` calls it on SIGTERM /
+        SIGINT, on every ingress replica (`exclude`: the ones it has asked, which
+        cluster.ingress_router then skips), and waits for 0 before stopping Serve. Background
+        responses running here count as in flight."""
+        deadline = time.monotonic() + wait_s
+        while (in_flight := self._admission.drain() + len(self._serving.background)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return {"replica": serve.get_replica_context().replica_id.to_full_id_str(), "in_flight": in_flight}
 
     async def cut(self, exclude: list[str] = ()) -> dict:
         """`kvserve serve`, when the drain runs out of time: end every request still in flight

@@ -562,7 +562,8 @@ class _Ingress:
         answer = {"replica": rid, "in_flight": self.in_flight[rid]}
         return rid, SimpleNamespace(result=lambda timeout_s: answer)
 
-    def _drain(self, exclude=()):
+    def _drain(self, exclude=(), wait_s=0.0):
+        assert 0 <= wait_s <= 1.0  # a long poll, never past the drain's time left
         self.calls.append(list(exclude))
         rid, result = self._answer(exclude)
         self.in_flight[rid] = max(0, self.in_flight[rid] - 1)
