@@ -428,7 +428,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         print(f"kvserve: error: Ray did not start {where}: {type(e).__name__}: {' '.join(str(e).split())[:300]}",
               file=sys.stderr)
         return 1
-    deployed = False
+    deployed = stopping = False
     try:
         try:  # with Ray up, the replica is checked again against the nodes it sees
             app = build_app(args)
@@ -451,6 +451,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         print(ready_message(ns.host, ns.port, served_model_name(engine, options), options.api_key, bool(tls),
                             _pools(APP_NAME)), flush=True)
         _wait_for_stop_signal()
+        stopping = True
         timeout_s = options.graceful_shutdown_timeout_s
         print(f"kvserve: stopping: new requests get 503, in-flight ones may finish for up to {timeout_s:g}s "
               "(Ctrl-C again stops at once)", file=sys.stderr, flush=True)
@@ -464,6 +465,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                 _shutdown_ray(local)
         elif deployed:  # only our own application: another one of that name was refused above
             serve.delete(APP_NAME)
+        if stopping:  # Ray's own lines about the actors it killed come before this one
+            print("kvserve: stopped", file=sys.stderr, flush=True)
 
 
 def _tls_options(ns: argparse.Namespace) -> dict:

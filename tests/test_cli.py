@@ -668,6 +668,7 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(tmp_path, smo
             assert len(chunks) == max_tokens  # one chunk per token: nothing was cut
         assert proc.wait(timeout=60) == 0
         assert "kvserve: drained 2 ingress replica(s); 0 requests left" in log.read_text()
+        assert log.read_text().rstrip().endswith("kvserve: stopped")  # the last word, after Ray's
         gone, alive = psutil.wait_procs(ray_procs, timeout=30)
         assert not alive, [p.cmdline() for p in alive]
     except BaseException:
