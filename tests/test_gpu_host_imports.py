@@ -108,3 +108,39 @@ def test_the_engine_generates_without_them(tmp_path, smollm2_path):
              "SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))\n"
              "print(len(out[0].outputs[0].token_ids))")
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "4", r.stderr[-2000:]
+
+
+_FAKE_PYTHON = """#!/usr/bin/env bash
+echo "$*" >> "$CALLS"
+case "$*" in
+  "-m pytest --help") seq -f "help line %g" 1 3000; echo "  --session-timeout=SECONDS"; seq -f "more %g" 1 3000 ;;
+  "-m pytest"*) echo "============ 2 passed in 0.10s ============" ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("deadline, props", [(450, True), (20, False)])
+def test_gpu_check_gives_the_exactness_tests_their_time_and_the_property_tests_what_is_left(tmp_path, deadline, props):
+    """The script's own scheduling, with a stand-in python: the test stage runs with pytest-timeout's
+    --session-timeout where pytest has it (read whole: a `pytest --help | grep -q` under pipefail
+    failed on pytest's broken pipe), before the attention sweep; the property tests run in the
+    time left, or are skipped when none is; both stages' summaries reach summary.txt."""
+    fake = tmp_path / "python"
+    fake.write_text(_FAKE_PYTHON)
+    fake.chmod(0o755)
+    calls = tmp_path / "calls"
+    env = {**os.environ, "PYTHON": str(fake), "CALLS": str(calls), "OUT": str(tmp_path / "out"),
+           "KVSERVE_GPU_WORK": str(tmp_path / "work"), "KVSERVE_GPU_DEADLINE_S": str(deadline),
+           "STAGES": "tests attention props"}
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    runs = [line for line in calls.read_text().splitlines() if line.startswith("-m pytest -v")]
+    assert "tests/test_engine_cuda.py" in runs[0] and "--session-timeout=" in runs[0]
+    session = int(re.search(r"--session-timeout=(\d+)", runs[0]).group(1))
+    assert session <= max(deadline - 60, 60) - 15  # a minute kept for the sweep after it; at least a minute
+    sweep = next(i for i, line in enumerate(calls.read_text().splitlines()) if "attention_splits.py" in line)
+    assert calls.read_text().splitlines().index(runs[0]) < sweep
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert (len(runs) == 2 and "tests/test_triton_attention.py" in runs[1]) is props
+    assert summary.count("2 passed") == (2 if props else 1) and ("skipped, no time left" in summary) is not props
