@@ -6,6 +6,8 @@ there). The CPU engine keeps engine.model_runner.ModelRunner and its C kernels.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
@@ -14,6 +16,8 @@ from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner, RunnerOutput, sampled_output
 from engine.scheduler import ScheduledBatch
 from engine.step_inputs import StepInputs, StepLayout
+
+logger = logging.getLogger(__name__)
 
 
 class TritonModelRunner(ModelRunner):
@@ -36,10 +40,19 @@ class TritonModelRunner(ModelRunner):
 
     @torch.inference_mode()  # as execute() replays them
     def capture_graphs(self) -> list[int]:
-        """Capture one decode graph per batch-size bucket (CUDA only); -> the bucket sizes."""
-        if self.graph_sizes:
+        """Capture one decode graph per batch-size bucket (CUDA only); -> the bucket sizes, none
+        when CUDA refused a capture: the engine then runs every step eagerly, as with
+        --enforce-eager, and says so (a capture fault must not keep the engine from serving)."""
+        if not self.graph_sizes:
+            return []
+        try:
             self.graphs = DecodeGraphs(self._graph_setup, lambda size: self._forward(self._decode_layout(size)),
                                        self.graph_sizes)
+        except RuntimeError as e:
+            logger.warning("CUDA graph capture failed, so decode steps run eagerly (--enforce-eager skips the "
+                           "capture): %s", " ".join(str(e).split())[:500])
+            self.graphs = None
+            return []
         return self.graph_sizes
 
     @torch.inference_mode()

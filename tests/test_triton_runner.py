@@ -176,6 +176,17 @@ class EagerGraphs:
         return self.runner._forward(self.runner._decode_layout(size))
 
 
+def test_a_capture_cuda_refuses_leaves_the_engine_eager(tiny, device, monkeypatch, caplog):
+    from engine import triton_runner
+
+    def refused(*_):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    _, twin = _twin_llm(tiny["gqa"], device, num_gpu_blocks_override=64, max_num_seqs=4)
+    monkeypatch.setattr(triton_runner, "DecodeGraphs", refused)
+    assert twin.other.graph_sizes and twin.other.capture_graphs() == [] and twin.other.graphs is None
+    assert "CUDA graph capture failed, so decode steps run eagerly" in caplog.text and "not permitted" in caplog.text
+
+
 def test_decode_steps_padded_to_graph_buckets(tiny, device):
     from engine.cuda_graphs import graph_batch_sizes
 
