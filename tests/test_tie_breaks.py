@@ -60,3 +60,12 @@ def test_a_token_outside_the_two_best_fails_and_so_does_a_length(path):
     shorter = [list(e) for e in expected]
     shorter[0] = shorter[0][:-1]
     assert tie_breaks(d, prompts, shorter, expected) == [f"sequence 0: {MAX_NEW - 1} tokens, HF {MAX_NEW}"]
+
+
+def test_the_best_of_hfs_own_forward_passes_where_hfs_generate_left_it(path):
+    """HF's generate can take the runner-up at an exact bfloat16 tie (its KV cache rounds the step
+    otherwise than one forward over the prefix): the engine's token, that forward's best, is right."""
+    d, prompts, expected, gaps = path
+    i, k, runner_up, _ = gaps[-1]  # even far from a tie: the engine agrees with HF's forward
+    generated = _taking(expected, i, k, runner_up)
+    assert tie_breaks(d, prompts, [list(e) for e in expected], generated, max_gap=0.0) == []
