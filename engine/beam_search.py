@@ -50,13 +50,16 @@ class BeamSearch:
 class BeamSearchParams:
     """vLLM's offline `LLM.beam_search` params. `temperature` and `include_stop_str_in_output` are
     taken and not used, as by vLLM's offline search: the beams follow the model's own logprobs, and
-    a beam keeps the end token it drew. The most beams: half the engine's max_logprobs (`LLM` checks)."""
+    a beam keeps the end token it drew (in its tokens; its text has special tokens, the end token
+    among them, only without `skip_special_tokens`). The most beams: half the engine's max_logprobs
+    (`LLM` checks)."""
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.beam_width < 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 
@@ -296,7 +297,8 @@ class LLM:
                 _, best = await search(calls.generate, f"beam-{next(self._ids)}", ids, p, beam, eos)
             if bar:
                 bar.update(1)
-            out = sequences(ids, best, beam, self.tokenizer.decode)
+            out = sequences(ids, best, beam, functools.partial(self.tokenizer.decode,
+                                                               skip_special_tokens=params.skip_special_tokens))
             return BeamSearchOutput([logprobs.beam(q, len(ids)) for q in out.sequences])
 
         async def run() -> list[BeamSearchOutput]:

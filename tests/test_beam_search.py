@@ -84,7 +84,8 @@ def test_offline_beam_search_finds_hf_transformers_beams(tiny_dir, hf_beams, max
     assert [[q.tokens[len(p):] for q in o.sequences] for o, p in zip(outs, PROMPTS)] == hf_beams
     for o, p in zip(outs, PROMPTS):
         assert all(q.tokens[:len(p)] == p and q.finish_reason == "length" for q in o.sequences)
-        assert [q.text for q in o.sequences] == [llm.tokenizer.decode(q.tokens) for q in o.sequences]
+        assert [q.text for q in o.sequences] == [llm.tokenizer.decode(q.tokens, skip_special_tokens=True)
+                                                 for q in o.sequences]
         cums = [sum(e[t].logprob for t, e in zip(q.tokens[len(p):], q.logprobs)) for q in o.sequences]
         for q in o.sequences:  # vLLM's Logprob: the token first, ranked where it stands among its round's best
             for t, e in zip(q.tokens[len(p):], q.logprobs):
@@ -101,9 +102,10 @@ def test_offline_beam_search_finds_hf_transformers_beams(tiny_dir, hf_beams, max
 
 
 def test_offline_beam_ending_in_eos_keeps_its_end_token_and_logprob(smollm2_path):
-    """A beam that ends is "stop" with its end token as stop_reason; the token is in its tokens and
-    text (with the special tokens), its logprob in cum_logprob, whatever include_stop_str_in_output
-    says (vLLM's offline search; its server's reads the flag, as kvserve's does)."""
+    """A beam that ends is "stop" with its end token as stop_reason; the token is in its tokens
+    (and in its text with skip_special_tokens=False: vLLM 0.32 decodes the text so), its logprob in
+    cum_logprob, whatever include_stop_str_in_output says (vLLM's offline search; its server's
+    reads the flag, as kvserve's does)."""
     from engine import LLM, BeamSearchParams
 
     llm = LLM(model=smollm2_path, max_model_len=256, num_gpu_blocks_override=64)
@@ -115,7 +117,13 @@ def test_offline_beam_ending_in_eos_keeps_its_end_token_and_logprob(smollm2_path
     generated = best.tokens[len(llm.tokenizer.encode("The capital of France is")):]
     assert best.finish_reason == "stop" and best.stop_reason in llm.engine.eos_token_ids
     assert generated[-1] == best.stop_reason and " Paris" in best.text
-    assert best.text == llm.tokenizer.decode(best.tokens) and best.text.endswith(llm.tokenizer.decode(generated[-1]))
+    assert best.text == llm.tokenizer.decode(best.tokens, skip_special_tokens=True)
+    assert not best.text.endswith(llm.tokenizer.decode(generated[-1]))
+    special, = llm.beam_search("The capital of France is", BeamSearchParams(beam_width=2, max_tokens=6,
+                                                                             skip_special_tokens=False))
+    assert special.sequences[0].tokens == best.tokens
+    assert special.sequences[0].text == llm.tokenizer.decode(best.tokens)
+    assert special.sequences[0].text.endswith(llm.tokenizer.decode(generated[-1]))
     assert len(best.logprobs) == len(generated)
     assert sum(e[t].logprob for t, e in zip(generated, best.logprobs)) == pytest.approx(best.cum_logprob)
 
