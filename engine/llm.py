@@ -70,29 +70,34 @@ class LLM:
         return SamplingParams(**self.sampling_defaults)
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool | Callable = True, lora_request=None, priority: list[int] | None = None,
+                 use_tqdm: bool | Callable = True, lora_request=None, priority: int | list[int] | None = None,
                  tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
         """Run every prompt (text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
         dicts, with an optional cache_salt) to completion under continuous batching; outputs in
         prompt order. An n above max_num_seqs is served in several engine calls, the samples those
-        one call gives. `priority`: one per prompt, under scheduling_policy="priority" (vLLM's).
+        one call gives. `priority`: one per prompt (or one for all), under scheduling_policy="priority"
+        (vLLM's). `tokenization_kwargs`: how a text prompt is tokenized, vLLM's `truncation` with
+        `max_length` (its first tokens kept) and `add_special_tokens`.
         A max_tokens that would run past max_model_len ends that prompt's outputs "length" there
         (vLLM's); a prompt that leaves no room is refused. `use_tqdm`: a progress bar, or the tqdm
         class to make it with. `lora_request`: a LoRARequest (engine.lora_request) for every prompt,
         or a list of one (or None) per prompt, with enable_lora."""
-        if tokenization_kwargs:
-            raise ValueError("tokenization_kwargs is not supported: give token ids, or truncate_prompt_tokens "
-                             "in the SamplingParams")
+        tokenize = _tokenizer_call(self.tokenizer, tokenization_kwargs)
         prompts = _listed(prompts)
         params = sampling_params or self.get_default_sampling_params()
-        params = params if isinstance(params, list) else [params] * len(prompts)
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        if isinstance(priority, int):
+            priority = [priority] * len(prompts)
         if priority is not None:
             if len(priority) != len(prompts):
                 raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
             params = [dataclasses.replace(p, priority=k) for p, k in zip(params, priority)]
-        prompts, salts = zip(*map(_unwrapped, prompts)) if prompts else ((), ())
+        prompts, salts = zip(*map(unwrapped_prompt, prompts)) if prompts else ((), ())
+        texts = list(prompts)  # as given, for the outputs' `prompt` where tokenize cut them here
+        if tokenize is not None:
+            prompts = [tokenize(p) if isinstance(p, str) else p for p in prompts]
         params = [p if salt is None else dataclasses.replace(p, cache_salt=salt) for p, salt in zip(params, salts)]
         params = _with_lora(params, lora_request)
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
@@ -132,14 +137,18 @@ class LLM:
                 self.engine.abort(part_id)
             if bar:
                 bar.close()
-        return [_Logprobs(self.tokenizer, p.detokenize).request_output(
+        outs = [_Logprobs(self.tokenizer, p.detokenize).request_output(
             _joined(rid, [(done[part_id], first) for part_id, first in parts[rid]]), p) for rid, p in zip(ids, params)]
+        if tokenize is None:
+            return outs
+        return [dataclasses.replace(o, prompt=t) if isinstance(t, str) else o for o, t in zip(outs, texts)]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool | Callable = True, lora_request=None, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None,
+             priority: int | list[int] | None = None, tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
         """`generate` for one conversation or a list of them (OpenAI-style messages), each rendered
         by the model's chat template (or `chat_template`) as vLLM's `LLM.chat` and the server's
         /v1/chat/completions render it: the template's text, tokenized without adding special
@@ -147,7 +156,8 @@ class LLM:
         `chat_template_kwargs` go to the template, over the arguments named here (vLLM's order).
         `chat_template_content_format`: "string" gives a message's text parts joined by newlines,
         "openai" the parts as a list; "auto" the latter for a template that loops over a message's
-        content (vLLM's detection). `lora_request`: as `generate`'s."""
+        content (vLLM's detection). `lora_request`, `priority`: as `generate`'s; `tokenization_kwargs`
+        too, over the rendered text (tokenized without special tokens unless they say otherwise)."""
         if mm_processor_kwargs:
             raise ValueError("mm_processor_kwargs is not supported: the engine serves text models")
         template_kwargs = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
@@ -163,8 +173,9 @@ class LLM:
         texts = [self.tokenizer.apply_chat_template([content(m) for m in developer_as_system(conversation, template)],
                                                     tokenize=False, **template_kwargs)
                  for conversation in conversations]
-        prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        tokenize = _tokenizer_call(self.tokenizer, {"add_special_tokens": False, **(tokenization_kwargs or {})})
+        outs = self.generate([tokenize(text) for text in texts], sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request, priority=priority)
         return [dataclasses.replace(out, prompt=text) for out, text in zip(outs, texts)]
 
     def encode(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | list[PoolingParams] | None = None,
@@ -280,7 +291,7 @@ class LLM:
         asked = []
         loras = [p.lora_request for p in _with_lora([SamplingParams()] * len(prompts), lora_request)]
         for prompt, lora in zip(prompts, loras):
-            prompt, salt = _unwrapped(prompt)
+            prompt, salt = unwrapped_prompt(prompt)
             ids = self.engine.tokenize(prompt)[1]
             sampling = SamplingParams(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos, cache_salt=salt,
                                       lora_request=lora)
@@ -329,7 +340,7 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Text deltas of one prompt's first completion as they are generated (the params as `generate`'s)."""
         rid = f"stream-{next(self._ids)}"
-        prompt, salt = _unwrapped(prompt)
+        prompt, salt = unwrapped_prompt(prompt)
         params = sampling_params or self.get_default_sampling_params()
         self.engine.add_request(rid, prompt, params if salt is None else dataclasses.replace(params, cache_salt=salt),
                                 fit_model_len=True)
@@ -439,14 +450,26 @@ def _as_lists(value) -> list:
 
 def _text(prompt: Prompt) -> str:
     """A cross-encoder's input: a text, or vLLM's TextPrompt dict around one."""
-    text = _unwrapped(prompt)[0] if isinstance(prompt, dict) else prompt
+    text = unwrapped_prompt(prompt)[0] if isinstance(prompt, dict) else prompt
     if not isinstance(text, str):
         raise ValueError("a cross-encoder scores pairs of texts: give data_1 and data_2 as strings (or "
                          "{\"prompt\": text})")
     return text
 
 
-def _unwrapped(prompt: Prompt) -> tuple[str | list[int], str | None]:
+TOKENIZATION_KWARGS = ("truncation", "max_length", "add_special_tokens")
+
+
+def _tokenizer_call(tokenizer, kwargs: dict | None) -> Callable[[str], list[int]] | None:
+    """text -> token ids as vLLM's tokenization_kwargs ask; None for none."""
+    if not kwargs:
+        return None
+    if unknown := set(kwargs) - set(TOKENIZATION_KWARGS):
+        raise ValueError(f"tokenization_kwargs takes {', '.join(TOKENIZATION_KWARGS)}; not {', '.join(sorted(unknown))}")
+    return lambda text: tokenizer(text, **kwargs)["input_ids"]
+
+
+def unwrapped_prompt(prompt: Prompt) -> tuple[str | list[int], str | None]:
     """A prompt as the engine takes it (text or token ids), and a dict's cache_salt."""
     if isinstance(prompt, dict):
         if prompt.get("multi_modal_data") or prompt.get("mm_processor_kwargs"):
@@ -454,9 +477,9 @@ def _unwrapped(prompt: Prompt) -> tuple[str | list[int], str | None]:
         keys = {k for k, v in prompt.items() if v is not None} - {"multi_modal_data", "mm_processor_kwargs",
                                                                     "cache_salt"}
         if keys == {"prompt_token_ids"}:
-            return _unwrapped(list(prompt["prompt_token_ids"]))[0], prompt.get("cache_salt")
+            return unwrapped_prompt(list(prompt["prompt_token_ids"]))[0], prompt.get("cache_salt")
         if keys == {"prompt"}:
-            return _unwrapped(prompt["prompt"])[0], prompt.get("cache_salt")
+            return unwrapped_prompt(prompt["prompt"])[0], prompt.get("cache_salt")
         raise ValueError(f"a prompt dict holds `prompt` (text) or `prompt_token_ids`, got {sorted(prompt)}")
     if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
         return prompt, None

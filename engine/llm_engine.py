@@ -180,6 +180,12 @@ class LLMEngine:
         `fit_model_len`: as `validate`'s."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, dict):  # vLLM's {"prompt": text} or {"prompt_token_ids": ids}, maybe a cache_salt
+            from engine.llm import unwrapped_prompt
+
+            prompt, salt = unwrapped_prompt(prompt)
+            if salt is not None:
+                params = dataclasses.replace(params, cache_salt=salt)
         text, ids = self.tokenize(prompt)
         # The request's own copy: what the engine caches on it (engine.token_bans) stays its own,
         # whatever the caller later does with the object it passed.
@@ -226,6 +232,20 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    # -- vLLM's LLMEngine names, for scripts that drive `llm.llm_engine` --------------------------
+    def has_unfinished_requests(self) -> bool:
+        return self.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.abort(request_id)
+
+    def get_tokenizer(self):
+        return self.tokenizer
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

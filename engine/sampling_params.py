@@ -27,6 +27,7 @@ GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before 0.10.2 (Sam
 
 class RequestOutputKind(enum.IntEnum):
     """Which outputs the engine hands out for a request (vLLM's names and values)."""
+    CUMULATIVE = 0  # as DELTA here: every output has the text and token ids so far (and the deltas)
     DELTA = 1  # as tokens come (every stream_interval tokens): deltas, and the text so far
     FINAL_ONLY = 2  # the first (its time to first token) and the finished one: no per-token work
 
@@ -97,7 +98,9 @@ class SamplingParams:
             raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be a list of token ids, "
                                                         f"got {brief(self.stop_token_ids)}")
         self.stop_token_ids = [] if self.stop_token_ids is None else _unique(self.stop_token_ids)
-        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        # token ids as JSON keys them ("28") are ids, as vLLM takes them
+        self.logit_bias = {int(t) if isinstance(t, str) and t.isdigit() else t: b
+                           for t, b in self.logit_bias.items()} if self.logit_bias else None
         self.allowed_token_ids = None if self.allowed_token_ids is None else _unique(self.allowed_token_ids)
         self.bad_words = list(self.bad_words) if self.bad_words else None
         for name in ("logprobs", "prompt_logprobs"):  # vLLM's: True is 1 (False 0)
@@ -113,8 +116,11 @@ class SamplingParams:
 
     @classmethod
     def from_optional(cls, **kwargs) -> SamplingParams:
-        """vLLM's: these params, a field given as None taking its default."""
-        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+        """vLLM's: these params, a field given as None taking its default (max_tokens None is no
+        limit but the model's room, as vLLM's); logit_bias keys read as ints, biases within +-100."""
+        if kwargs.get("logit_bias") is not None:
+            kwargs["logit_bias"] = {int(t): min(100.0, max(-100.0, b)) for t, b in kwargs["logit_bias"].items()}
+        return cls(**{k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"})
 
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's)."""

@@ -136,10 +136,63 @@ def test_the_output_fields_and_method_keywords_vllm_code_reads(llm):
     assert [(b.total, b.done) for b in bars] == [(1, 1)]
     with pytest.raises(TypeError, match="lora_request must be a LoRARequest"):
         llm.generate([PROMPT], GREEDY, lora_request=object())
-    with pytest.raises(ValueError, match="tokenization_kwargs is not supported"):
-        llm.generate(["hi"], GREEDY, tokenization_kwargs={"truncation": True, "max_length": 4})
+    with pytest.raises(ValueError, match="tokenization_kwargs takes truncation, max_length, add_special_tokens; "
+                                         "not padding"):
+        llm.generate(["hi"], GREEDY, tokenization_kwargs={"padding": True})
     with pytest.raises(ValueError, match="mm_processor_kwargs"):
         llm.chat([{"role": "user", "content": "hi"}], GREEDY, mm_processor_kwargs={"x": 1})
+
+
+def test_what_vllm_scripts_pass_in_other_shapes(llm):
+    """A tuple of params, one priority for all, vLLM 0.32's tokenization_kwargs (its prompt
+    truncation), and SamplingParams.from_optional's None max_tokens and string logit_bias keys."""
+    from engine import RequestOutputKind
+
+    tok = llm.get_tokenizer()
+    text = "one two three four five six seven"
+    assert _tokens(llm.generate([PROMPT, PROMPT], (GREEDY, GREEDY))) == _tokens(llm.generate([PROMPT] * 2, GREEDY))
+    assert _tokens(llm.generate([PROMPT], GREEDY, priority=0)) == _tokens(llm.generate([PROMPT], GREEDY))
+    cut, = llm.generate([text], GREEDY, tokenization_kwargs={"truncation": True, "max_length": 3})
+    assert cut.prompt_token_ids == tok(text)["input_ids"][:3] and cut.prompt == text
+    assert _tokens([cut]) == _tokens(llm.generate([tok(text)["input_ids"][:3]], GREEDY))
+    bare, = llm.generate([{"prompt": text}], GREEDY, tokenization_kwargs={"add_special_tokens": False})
+    assert bare.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+    chat = [{"role": "user", "content": text}]
+    short, = llm.chat(chat, GREEDY, priority=0, tokenization_kwargs={"truncation": True, "max_length": 5})
+    rendered = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert short.prompt_token_ids == tok.encode(rendered, add_special_tokens=False)[:5] and short.prompt == rendered
+    assert SamplingParams.from_optional(max_tokens=None, seed=None).max_tokens is None  # no cap but the room
+    assert SamplingParams.from_optional(temperature=None).max_tokens == 16
+    assert SamplingParams.from_optional(logit_bias={"28": 500.0, 3: -7.0}).logit_bias == {28: 100.0, 3: -7.0}
+    assert SamplingParams(logit_bias={"28": 5.0}).logit_bias == {28: 5.0}
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        SamplingParams(logit_bias={"x": 5.0})
+    assert RequestOutputKind.CUMULATIVE == 0
+
+
+def test_the_engine_takes_vllms_llm_engine_calls(llm):
+    """vLLM's llm_engine_example: add_request with a prompt dict, has_unfinished_requests,
+    get_num_unfinished_requests, abort_request; a CUMULATIVE request streams as DELTA does."""
+    from engine import RequestOutputKind
+
+    eng = llm.llm_engine
+    eng.add_request("ids", {"prompt_token_ids": PROMPT}, GREEDY)
+    eng.add_request("text", {"prompt": "hello there", "cache_salt": "s"}, GREEDY)
+    eng.add_request("gone", PROMPT, GREEDY)
+    eng.add_request("all", PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                                  output_kind=RequestOutputKind.CUMULATIVE))
+    assert eng.get_num_unfinished_requests() == 4 and eng.get_tokenizer() is llm.get_tokenizer()
+    eng.abort_request(["gone"])
+    finished, seen = {}, []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            seen.append((out.request_id, out.finished, len(out.outputs[0].token_ids)))
+            if out.finished:
+                finished[out.request_id] = out
+    assert set(finished) == {"ids", "text", "all"} and eng.get_num_unfinished_requests() == 0
+    assert finished["ids"].outputs[0].token_ids == _tokens(llm.generate([PROMPT], GREEDY))[0]
+    assert finished["text"].prompt == "hello there" and finished["text"].prompt_token_ids == llm.get_tokenizer()("hello there")["input_ids"]
+    assert [n for rid, done, n in seen if rid == "all"] == [1, 2, 3]  # an output a step, each with all so far
 
 
 def test_reset_prefix_cache_as_vllms_between_calls(llm):
