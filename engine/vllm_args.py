@@ -40,8 +40,9 @@ AT_ANY = {
     "limit_mm_per_prompt": "text models: no multi-modal inputs to limit",
 }
 # vLLM's structured_outputs_config: its keys and what each may be here. One backend, llguidance,
-# serves every backend's requests, JSON is compact and a schema's objects are closed (what the
-# disable_* options ask), so only the reasoning keys change anything (router.settings).
+# serves every backend's requests and a schema's objects are closed (what disable_additional_properties
+# asks); disable_any_whitespace is a request's own option here (structured_outputs), so only the
+# reasoning keys change anything (router.settings).
 STRUCTURED_OUTPUTS_KEYS = {
     "backend": ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"),
     "disable_fallback": (True, False), "disable_any_whitespace": (True, False),

@@ -32,14 +32,16 @@ def from_structured_outputs(so: StructuredOutputs | None) -> StructuredOutputsPa
     if so is None:
         return None
     if so.json_ is not None:
-        return StructuredOutputsParams(json=so.json_, whitespace_pattern=so.whitespace_pattern)
+        return StructuredOutputsParams(json=so.json_, whitespace_pattern=so.whitespace_pattern,
+                                       disable_any_whitespace=bool(so.disable_any_whitespace))
     if so.regex is not None:
         return StructuredOutputsParams(regex=so.regex)
     if so.choice is not None:
         return StructuredOutputsParams(choice=so.choice)
     if so.grammar is not None:
         return StructuredOutputsParams(grammar=so.grammar)
-    return StructuredOutputsParams(json_object=True, whitespace_pattern=so.whitespace_pattern)
+    return StructuredOutputsParams(json_object=True, whitespace_pattern=so.whitespace_pattern,
+                                   disable_any_whitespace=bool(so.disable_any_whitespace))
 
 
 @functools.lru_cache(maxsize=256)

@@ -126,17 +126,36 @@ def test_compiled_grammars_are_cached_by_spec_failures_too(tiny):
     assert compiler.submit(S(regex="a")) is not compiler.submit(S(regex="a", lenient=True))
 
 
+def test_json_is_laid_out_as_the_model_writes_it_but_never_with_a_run_of_whitespace(tokenizer):
+    """Compact, one space, or a newline and an indent where JSON allows whitespace (vLLM's
+    xgrammar lets a model choose its layout too); two spaces, two newlines or a deeper indent
+    never: a model cannot fill max_tokens with whitespace."""
+    from engine.structured.compiler import GrammarCompiler
+
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    schema = {"type": "object", "properties": {"a": I, "b": {"type": "array", "items": I}}, "required": ["a"]}
+
+    def accepts(text: str) -> bool:
+        matcher = compiler.compile(S(json=schema)).matcher()
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return matcher.try_consume_tokens(ids) == len(ids) and not matcher.is_error()
+
+    for text in ('{"a":1,"b":[2,3]}', '{"a": 1, "b": [2, 3]}', '{\n    "a": 1,\n    "b": [\n        2\n    ]\n}'):
+        assert accepts(text), text
+    for text in ('{  "a": 1}', '{\n\n"a": 1}', '{"a":' + "\n" + " " * 33 + "1}", '{"a": 1,\t"b": []}'):
+        assert not accepts(text), text
+
+
 def test_vllm_s_other_options_and_older_name(tiny):
-    """vLLM's StructuredOutputsParams options: whitespace_pattern shapes the JSON's whitespace;
-    disable_any_whitespace, disable_additional_properties, backend and disable_fallback ask what
-    kvserve does anyway (compact JSON, closed objects, one backend); structural_tag is refused.
+    """vLLM's StructuredOutputsParams options: whitespace_pattern shapes the JSON's whitespace,
+    disable_any_whitespace leaves none; disable_additional_properties, backend and disable_fallback
+    ask what kvserve does anyway (closed objects, one backend); structural_tag is refused.
     `SamplingParams(guided_decoding=GuidedDecodingParams(...))`, the name before vLLM 0.10.2, runs the same."""
     from engine.sampling_params import GuidedDecodingParams
 
     prompts = _prompts(1, seed=5)
     plain = tiny.generate(prompts, SamplingParams(temperature=0, max_tokens=120, structured_outputs=S(json=PERSON)))
-    same = S(json=PERSON, disable_any_whitespace=True, disable_additional_properties=True, backend="xgrammar",
-             disable_fallback=True)
+    same = S(json=PERSON, disable_additional_properties=True, backend="xgrammar", disable_fallback=True)
     with pytest.warns(DeprecationWarning, match="guided_decoding"):
         older = SamplingParams(temperature=0, max_tokens=120, guided_decoding=GuidedDecodingParams(json=PERSON))
     assert older.structured_outputs == S(json=PERSON) and older.guided_decoding is None
@@ -147,10 +166,10 @@ def test_vllm_s_other_options_and_older_name(tiny):
     assert spaced[0].startswith('{ "') and spaced[0].endswith(" }") and spaced[1] == "stop"
     jsonschema.validate(json.loads(spaced[0]), PERSON)
     assert "  " not in spaced[0]  # where whitespace may go, the pattern's (not it and a separator's space)
-    compact, = _texts(tiny.generate(prompts, SamplingParams(temperature=0, max_tokens=120, structured_outputs=S(
-        json=PERSON, whitespace_pattern=""))))  # no whitespace at all
-    assert compact[0] == json.dumps(json.loads(compact[0]), separators=(",", ":"), ensure_ascii=False)
-    assert S(json=PERSON).key != S(json=PERSON, whitespace_pattern=" ").key
+    for so in (S(json=PERSON, whitespace_pattern=""), S(json=PERSON, disable_any_whitespace=True)):  # none at all
+        compact, = _texts(tiny.generate(prompts, SamplingParams(temperature=0, max_tokens=120, structured_outputs=so)))
+        assert compact[0] == json.dumps(json.loads(compact[0]), separators=(",", ":"), ensure_ascii=False)
+    assert S(json=PERSON).key != S(json=PERSON, whitespace_pattern=" ").key != S(json=PERSON, disable_any_whitespace=True).key
     for kwargs, says in [(dict(json=PERSON, structural_tag="{}"), "structural_tag is not supported"),
                          (dict(regex="a+", whitespace_pattern=" "), "whitespace_pattern applies to json")]:
         with pytest.raises(InvalidRequestError, match=says):

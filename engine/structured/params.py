@@ -37,9 +37,9 @@ class StructuredOutputsParams:
     # token may open it (where that text is one token); any other first token is the grammar's.
     reasoning_end: str | None = None
     reasoning_start: str | None = None
-    # vLLM's options. JSON is compact here whatever disable_any_whitespace says (one separator
-    # each, no free whitespace: what it asks when True; vLLM's False default allows any, which lets a
-    # model fill max_tokens with newlines); objects listing their properties are closed whatever
+    # vLLM's options. disable_any_whitespace: JSON with no whitespace at all; by default the model
+    # lays it out (engine.structured.compiler.JSON_WHITESPACE: never a run of whitespace, which
+    # vLLM's default allows); objects listing their properties are closed whatever
     # disable_additional_properties says (what it asks when True); one backend (llguidance), so
     # `backend` and `disable_fallback` choose nothing. whitespace_pattern: the JSON's whitespace,
     # a regular expression (e.g. "[ ]?"; part of `key`).
@@ -75,4 +75,4 @@ class StructuredOutputsParams:
 
     @property
     def key(self) -> tuple:
-        return (self.kind, getattr(self, self.kind), self.lenient, self.whitespace_pattern)
+        return (self.kind, getattr(self, self.kind), self.lenient, self.whitespace_pattern, self.disable_any_whitespace)
