@@ -41,6 +41,8 @@ class LLM:
         `override_generation_config`: the sampling fields of `get_default_sampling_params`, which a
         call given no SamplingParams runs with (engine.generation_config)."""
         log_stats = engine_kwargs.pop("disable_log_stats", None) is False
+        served = engine_kwargs.pop("served_model_name", None)  # vLLM's: the metrics' model_name
+        engine_kwargs.pop("use_tqdm_on_load", None)  # the weights load with log lines, no bar to turn off
         engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
         config = EngineConfig(model=model, **without_vllm_only(engine_kwargs))
         # before the engine loads anything: a bad generation config costs no model load
@@ -48,8 +50,11 @@ class LLM:
                                                    override_generation_config)
         self.engine = LLMEngine(config)
         if log_stats:
-            # labelled with the model as given, as vLLM's (the embedded one by its name)
-            self.engine.enable_metrics(DEFAULT_MODEL_NAME if model in DEFAULT_MODEL_ALIASES else str(model))
+            # labelled with the model as given, as vLLM's (the embedded one by its name), or its
+            # served_model_name (the first of a list)
+            if isinstance(served, (list, tuple)):
+                served = served[0] if served else None
+            self.engine.enable_metrics(served or (DEFAULT_MODEL_NAME if model in DEFAULT_MODEL_ALIASES else str(model)))
         self._ids = itertools.count()
 
     @property

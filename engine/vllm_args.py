@@ -33,6 +33,11 @@ AT_DEFAULT = {
     "kv_transfer_config": (({},), "no disaggregated prefill"),
     "data_parallel_size": ((1,), "one engine per LLM; a server's engine replicas are its data parallelism "
                                  "(`kvserve serve -dp N`)"),
+    "model_impl": (("auto", "vllm"), "kvserve runs its own model code"),
+    "worker_cls": (("auto",), "kvserve's own workers"),
+    "config_format": (("auto", "hf"), "the model's config.json"),
+    "enable_expert_parallel": ((False,), "no mixture-of-experts models"),
+    "enable_return_routed_experts": ((False,), "no mixture-of-experts models"),
 }
 # the same, that change nothing here; name -> why
 AT_ANY = {

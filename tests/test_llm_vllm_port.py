@@ -49,12 +49,17 @@ def test_vllm_keywords_at_their_defaults_are_taken_and_others_refused_saying_why
     port = LLM(str(tiny_dir), max_model_len=32, num_gpu_blocks_override=32, dtype=torch.float32,
                distributed_executor_backend="mp", task="generate", runner="auto", cpu_offload_gb=0,
                enable_lora=False, skip_tokenizer_init=False, enable_sleep_mode=False, hf_overrides={},
-               hf_token="hf_x", compilation_config={"level": 3}, async_scheduling=True, quantization=None)
+               hf_token="hf_x", compilation_config={"level": 3}, async_scheduling=True, quantization=None,
+               model_impl="auto", worker_cls="auto", config_format="hf", enable_expert_parallel=False,
+               use_tqdm_on_load=False, served_model_name=["mine", "alias"], disable_log_stats=False)
     assert port.engine.config == EngineConfig(**{**vars(llm.engine.config), "dtype": "float32"})
+    port.generate([PROMPT], GREEDY)
+    assert {m.labels["model_name"] for m in port.get_metrics()} == {"mine"}  # vLLM's label for it
     assert _tokens(port.generate([PROMPT], GREEDY)) == _tokens(llm.generate([PROMPT], GREEDY))
     for kwargs, says in [(dict(quantization="awq"), "quantization='awq', but the checkpoint is not quantized"),
                          (dict(quantization="fp8"), "quantization must be one of gptq, awq"),
-                         (dict(task="embed"), "task='embed' is not supported: vLLM's older name: give runner='pooling'")]:
+                         (dict(task="embed"), "task='embed' is not supported: vLLM's older name: give runner='pooling'"),
+                         (dict(model_impl="transformers"), "model_impl='transformers' is not supported: kvserve runs its own")]:
         with pytest.raises(ValueError, match=says):
             LLM(str(tiny_dir), **kwargs)
     numpy = EngineConfig(max_num_seqs=np.int64(8), enable_prefix_caching=np.bool_(False), max_model_len=np.int32(64))
