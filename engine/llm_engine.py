@@ -315,8 +315,11 @@ class LLMEngine:
         del self.requests[req.request_id]
         for seq in req.seqs:
             self.structured.drop(seq)
-        self._request_ended(req)
-        return req.take_output()
+        timer = self._request_ended(req)
+        out = req.take_output()
+        if timer is not None:  # vLLM's RequestOutput.metrics, with metrics on
+            out.metrics = timer.state_stats()
+        return out
 
     # -- metrics (on with enable_metrics) -------------------------------------------------------
     def enable_metrics(self, model_name: str) -> None:
@@ -340,9 +343,10 @@ class LLMEngine:
                 timer.scheduled(req.seqs[0].first_scheduled, req.seqs[0].num_cached_tokens)
                 timer.tokens(n, longest=max(s.num_output_tokens for s in req.seqs))
 
-    def _request_ended(self, req: Request, counted: bool = True, aborted: bool = False) -> None:
+    def _request_ended(self, req: Request, counted: bool = True, aborted: bool = False) -> RequestTimer | None:
         """Its timeline goes to the metrics (unless not `counted`), with why it ended: abort,
-        error, or (n > 1, one request as the server counts it) the last sample's reason."""
+        error, or (n > 1, one request as the server counts it) the last sample's reason. -> its
+        timer, None with metrics off."""
         timer = self._timers.pop(req.request_id, None)
         if timer is not None:
             reasons = [c.finish_reason for c in req.completions]
@@ -350,6 +354,7 @@ class LLMEngine:
             timer.preempted(sum(s.num_preemptions for s in req.seqs))
             timer.finish(None if not counted else "abort" if aborted else "error" if "error" in reasons
                          else reasons[-1])
+        return timer
 
     def _end_constrained(self, req: Request, seq: Sequence, verdict: str, done: bool) -> bool:
         """A complete grammar stops its sequence (no eos needed); one that failed ends it with an

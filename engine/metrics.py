@@ -58,7 +58,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from engine.outputs import ITERATION_TOKENS_BUCKETS, EngineStats
+from engine.outputs import ITERATION_TOKENS_BUCKETS, EngineStats, RequestStateStats
 
 FLUSH_PERIOD_S = 1.0  # a long request's gaps and tokens reach the sinks at least this often
 
@@ -381,6 +381,14 @@ class RequestTimer:
         self._flush(now)
         if reason is not None:
             self._metrics.request_finished(self, reason, now)
+
+    def state_stats(self) -> RequestStateStats:
+        """The timeline as vLLM's RequestOutput.metrics gives it (the metrics' clock is monotonic)."""
+        return RequestStateStats(
+            num_generation_tokens=self.generated, num_preemptions=self.num_preemptions,
+            arrival_time=time.time() - (self._metrics.clock() - self.arrival), queued_ts=self.arrival,
+            scheduled_ts=self.scheduled_at or 0.0, first_token_ts=self.first or 0.0, last_token_ts=self.last or 0.0,
+            first_token_latency=self.first - self.arrival if self.first is not None else 0.0)
 
     def _flush(self, now: float) -> None:
         self._metrics.tokens_generated(self._gaps, self._tokens)

@@ -58,6 +58,21 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestStateStats:
+    """vLLM's RequestOutput.metrics: a finished request's timeline. arrival_time is the wall
+    clock (time.time()); the *_ts instants are time.monotonic() (0.0: not reached)."""
+    num_generation_tokens: int = 0  # its samples' together
+    num_preemptions: int = 0
+    arrival_time: float = 0.0
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+    first_token_ts: float = 0.0
+    last_token_ts: float = 0.0
+    first_token_latency: float = 0.0  # seconds from arrival to the first token
+    is_corrupted: bool = False
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -69,8 +84,9 @@ class RequestOutput:
     # time.monotonic() on the engine's host when the engine first scheduled the request (vLLM V0's
     # RequestMetrics.first_scheduled_time): where its queue time ends and its prefill starts
     first_scheduled_time: float | None = None
-    # vLLM's: always None here (no per-request stats object), so that code reading it runs
-    metrics: None = None
+    # vLLM's: the request's timeline once it finished, with metrics on (LLM(disable_log_stats=False));
+    # else None, as vLLM's
+    metrics: RequestStateStats | None = None
     lora_request: object = None  # the request's engine.lora_request.LoRARequest, as vLLM's
     pooled: list[float] | None = None  # a pooling request's vector (engine.pooling), in its finished output
     num_preemptions: int = 0  # times the request's sequences were preempted so far (for its metrics)

@@ -4,6 +4,7 @@ max_model_len, and the output fields and method keywords their code reads."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -53,8 +54,14 @@ def test_vllm_keywords_at_their_defaults_are_taken_and_others_refused_saying_why
                model_impl="auto", worker_cls="auto", config_format="hf", enable_expert_parallel=False,
                use_tqdm_on_load=False, served_model_name=["mine", "alias"], disable_log_stats=False)
     assert port.engine.config == EngineConfig(**{**vars(llm.engine.config), "dtype": "float32"})
-    port.generate([PROMPT], GREEDY)
+    before = time.time()
+    out, = port.generate([PROMPT], GREEDY)
     assert {m.labels["model_name"] for m in port.get_metrics()} == {"mine"}  # vLLM's label for it
+    m = out.metrics  # vLLM's RequestStateStats, with metrics on
+    assert (m.num_generation_tokens, m.num_preemptions, m.is_corrupted) == (6, 0, False)
+    assert before - 1 < m.arrival_time <= time.time()
+    assert 0 < m.queued_ts <= m.scheduled_ts <= m.first_token_ts <= m.last_token_ts <= time.monotonic()
+    assert m.first_token_latency == pytest.approx(m.first_token_ts - m.queued_ts)
     assert _tokens(port.generate([PROMPT], GREEDY)) == _tokens(llm.generate([PROMPT], GREEDY))
     for kwargs, says in [(dict(quantization="awq"), "quantization='awq', but the checkpoint is not quantized"),
                          (dict(quantization="fp8"), "quantization must be one of gptq, awq"),
@@ -137,7 +144,7 @@ def test_the_output_fields_and_method_keywords_vllm_code_reads(llm):
 
     out, = llm.generate([PROMPT], GREEDY, use_tqdm=Bar, lora_request=None)
     assert out.outputs[0].finished() and out.finished
-    assert out.metrics is None and out.lora_request is None and llm.llm_engine is llm.engine
+    assert out.metrics is None and out.lora_request is None and llm.llm_engine is llm.engine  # metrics off: vLLM's
     assert [(b.total, b.done) for b in bars] == [(1, 1)]
     with pytest.raises(TypeError, match="lora_request must be a LoRARequest"):
         llm.generate([PROMPT], GREEDY, lora_request=object())
