@@ -182,6 +182,15 @@ def test_what_vllm_scripts_pass_in_other_shapes(llm):
     assert RequestOutputKind.CUMULATIVE == 0
 
 
+def test_vllms_prompt_types_and_version_are_importable(llm):
+    import engine
+    from engine import TextPrompt, TokensPrompt
+
+    outs = llm.generate([TokensPrompt(prompt_token_ids=PROMPT), TextPrompt(prompt="hello", cache_salt="a")], GREEDY)
+    assert outs[0].outputs[0].token_ids == _tokens(llm.generate([PROMPT], GREEDY))[0] and outs[1].prompt == "hello"
+    assert engine.__version__ and engine.__version__ == __import__("engine.version").version.kvserve_version()
+
+
 def test_the_engine_takes_vllms_llm_engine_calls(llm):
     """vLLM's llm_engine_example: add_request with a prompt dict, has_unfinished_requests,
     get_num_unfinished_requests, abort_request; a CUMULATIVE request streams as DELTA does."""
