@@ -127,7 +127,8 @@ def test_greedy_params_read_back_with_no_filters_as_vllm_s():
 
 
 def test_vllm_s_constructors_copies_and_extra_args():
-    assert SamplingParams.from_optional(temperature=None, top_p=0.5, max_tokens=None) == SamplingParams(top_p=0.5)
+    assert SamplingParams.from_optional(temperature=None, top_p=0.5) == SamplingParams(top_p=0.5)
+    assert SamplingParams.from_optional(max_tokens=None).max_tokens is None  # vLLM's: no cap but the room
     p = SamplingParams(stop=["x"], logit_bias={3: 1.0}, extra_args={"plugin": [1]})
     q = p.clone()
     assert q == p and q is not p and q.extra_args is not p.extra_args

@@ -86,7 +86,7 @@ class SimReplica:
     def complete(self, batch: ScheduledBatch, seconds: float = 0.0) -> StepResult:
         """LLMEngine.step after executor.execute, for n = 1 and ignore_eos; the step took `seconds`
         of simulated time."""
-        self.scheduler.stats.record_step(batch.has_prefill, seconds, batch.num_prompt_tokens)
+        self.scheduler.stats.record_step(batch.has_prefill, seconds, batch.num_prompt_tokens, batch.num_tokens)
         out = StepResult()
         max_len = self.config.max_model_len
 
