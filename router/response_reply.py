@@ -316,8 +316,9 @@ class _StreamedOutput:
         return events
 
     def _close_message(self, status: str) -> list[str]:
-        """The open message's done events: its part has the logprobs of the tokens since it opened
-        (a call's among them, as chat's content logprobs have them)."""
+        """The open message's done events: its part has the logprobs of the tokens its text deltas
+        carried (the end token's too, at the reply's end); a call's tokens go with the message
+        after the call, where one follows."""
         if self.message is None:
             return []
         event, text, where = self.reply.event, "".join(self.text), self._where()
