@@ -23,6 +23,7 @@ from engine.outputs import (ClassificationOutput, ClassificationRequestOutput, E
 from engine.pooling import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scoring import pair_length, pair_prompts, pair_scores, score_pairs, templated_prompts
+from engine.inputs import unwrapped_prompt
 from engine.vllm_args import without_vllm_only
 
 # Text, token ids, or vLLM's TextPrompt / TokensPrompt dicts: {"prompt": text}, {"prompt_token_ids": ids}.
@@ -345,10 +346,8 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Text deltas of one prompt's first completion as they are generated (the params as `generate`'s)."""
         rid = f"stream-{next(self._ids)}"
-        prompt, salt = unwrapped_prompt(prompt)
         params = sampling_params or self.get_default_sampling_params()
-        self.engine.add_request(rid, prompt, params if salt is None else dataclasses.replace(params, cache_salt=salt),
-                                fit_model_len=True)
+        self.engine.add_request(rid, prompt, params, fit_model_len=True)  # it unwraps a prompt dict
         try:
             while True:
                 for out in self.engine.step():
@@ -472,23 +471,6 @@ def _tokenizer_call(tokenizer, kwargs: dict | None) -> Callable[[str], list[int]
     if unknown := set(kwargs) - set(TOKENIZATION_KWARGS):
         raise ValueError(f"tokenization_kwargs takes {', '.join(TOKENIZATION_KWARGS)}; not {', '.join(sorted(unknown))}")
     return lambda text: tokenizer(text, **kwargs)["input_ids"]
-
-
-def unwrapped_prompt(prompt: Prompt) -> tuple[str | list[int], str | None]:
-    """A prompt as the engine takes it (text or token ids), and a dict's cache_salt."""
-    if isinstance(prompt, dict):
-        if prompt.get("multi_modal_data") or prompt.get("mm_processor_kwargs"):
-            raise ValueError("multi-modal prompts are not supported: the engine serves text models")
-        keys = {k for k, v in prompt.items() if v is not None} - {"multi_modal_data", "mm_processor_kwargs",
-                                                                    "cache_salt"}
-        if keys == {"prompt_token_ids"}:
-            return unwrapped_prompt(list(prompt["prompt_token_ids"]))[0], prompt.get("cache_salt")
-        if keys == {"prompt"}:
-            return unwrapped_prompt(prompt["prompt"])[0], prompt.get("cache_salt")
-        raise ValueError(f"a prompt dict holds `prompt` (text) or `prompt_token_ids`, got {sorted(prompt)}")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
-        return prompt, None
-    raise TypeError(f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__}")
 
 
 def _joined(request_id: str, parts: list[tuple[RequestOutput, int]]) -> RequestOutput:

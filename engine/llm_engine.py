@@ -8,6 +8,7 @@ import time
 from engine.block_manager import BlockManager, kv_tokens
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.inputs import unwrapped_prompt
 from engine.executor import Executor, make_executor
 from engine.lora import LoadedAdapters
 from engine.lora_request import lora_id
@@ -181,8 +182,6 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, dict):  # vLLM's {"prompt": text} or {"prompt_token_ids": ids}, maybe a cache_salt
-            from engine.llm import unwrapped_prompt
-
             prompt, salt = unwrapped_prompt(prompt)
             if salt is not None:
                 params = dataclasses.replace(params, cache_salt=salt)
